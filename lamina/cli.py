@@ -1,0 +1,46 @@
+"""The `lamina` command: one entry point, one module per subcommand.
+
+Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`.
+Modules are imported only when their subcommand runs, so `lamina --help` stays
+fast and a service does not import what it never uses (torch, grpc, ucxx).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("lamina.commands.generate", "generate text with the local engine"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lamina", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        parser = build_parser()
+        if not argv:
+            parser.print_help()
+            return 2
+        parser.parse_args(argv)  # prints the usage error and exits
+        return 2
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"lamina {name}", description=COMMANDS[name][1])
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

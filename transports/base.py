@@ -1,0 +1,321 @@
+"""The transport interface: Transport, Connection, Listener.
+
+Ownership rules:
+- A ``Connection`` owns its socket/ring/endpoint; ``close()`` releases them and is idempotent.
+- A ``Listener`` owns its accept task, the handler task of every accepted connection and
+  those connections; ``close()`` stops accepting, cancels and awaits every handler task,
+  then closes the connections.
+- One ``send`` and one ``recv`` may run at a time per connection (concurrent callers are
+  serialized by locks), so a frame is never interleaved with another.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from typing import Awaitable, Callable, Sequence
+from urllib.parse import urlsplit
+
+from .config import TransportConfig
+from .errors import FrameError, PeerClosed, TransportError, TransportTimeout
+from .frame import (
+    PREAMBLE_SIZE, Buffer, Frame, allocate, check_payload_crcs, decode_header,
+    decode_preamble, encode,
+)
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[["Connection"], Awaitable[None]]
+
+
+def split_address(address: str) -> tuple[str, str]:
+    """``"tcp://host:port"`` -> ``("tcp", "host:port")``."""
+    scheme, sep, rest = address.partition("://")
+    if not sep or not scheme:
+        raise ValueError(f"transport address needs a scheme, e.g. tcp://host:port; got {address!r}")
+    return scheme.lower(), rest
+
+
+def parse_host_port(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    parts = urlsplit(address)
+    host = parts.hostname or default_host
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"bad port in {address!r}") from exc
+    if port is None:
+        raise ValueError(f"address {address!r} needs a port (use :0 to pick a free one)")
+    return host, port
+
+
+class Connection(abc.ABC):
+    """One bidirectional, ordered, reliable stream of frames."""
+
+    def __init__(self, config: TransportConfig) -> None:
+        self.config = config
+        self._send_lock = asyncio.Lock()
+        self._recv_lock = asyncio.Lock()
+        self._closed = False
+        self._close_reason: str | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    @abc.abstractmethod
+    def peer(self) -> str:
+        """The peer's address, for logs."""
+
+    async def send(self, frame: Frame, *, timeout: float | None = None) -> None:
+        """Send one frame; returns when its bytes are handed to the transport.
+
+        Waits (bounded by the transport's buffer) while the receiver is slow: there is no
+        unbounded sender-side queue.
+        """
+        timeout = self.config.send_timeout if timeout is None else timeout
+        async with self._send_lock:
+            self._check_open()
+            if timeout is None:
+                await self._send_frame(frame)
+            else:
+                try:
+                    async with asyncio.timeout(timeout):
+                        await self._send_frame(frame)
+                except TimeoutError:
+                    # Part of the frame may be on the wire: the stream cannot be resumed.
+                    await self._abort(f"send timed out after {timeout}s")
+                    raise TransportTimeout(f"send to {self.peer} timed out after {timeout}s") from None
+
+    async def recv(self, *, out: Sequence[Buffer | None] | None = None,
+                   timeout: float | None = None) -> Frame:
+        """Receive the next frame.
+
+        ``out`` optionally gives preallocated destinations (contiguous CPU tensors or
+        writable buffers) for the frame's buffers in order: ``None`` entries and buffers
+        past the end of ``out`` are allocated, unused entries are ignored, and an entry
+        whose size differs from the buffer's is a FrameError.
+        A recv that times out before the frame started leaves the connection usable; one
+        that times out (or is cancelled) mid-frame closes it.
+        """
+        timeout = self.config.recv_timeout if timeout is None else timeout
+        async with self._recv_lock:
+            self._check_open()
+            if timeout is None:
+                return await self._guarded_recv(out)
+            try:
+                async with asyncio.timeout(timeout):
+                    return await self._guarded_recv(out)
+            except TimeoutError:
+                raise TransportTimeout(f"recv from {self.peer} timed out after {timeout}s") from None
+
+    async def _guarded_recv(self, out) -> Frame:
+        try:
+            return await self._recv_frame(out)
+        except FrameError as exc:
+            await self._abort(str(exc))
+            raise
+        except PeerClosed as exc:
+            await self._abort(str(exc), quiet=True)
+            raise
+        except BaseException:
+            if self._mid_frame():
+                await self._abort("receive interrupted in the middle of a frame")
+            raise
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PeerClosed(f"connection to {self.peer} is closed"
+                             + (f": {self._close_reason}" if self._close_reason else ""))
+
+    async def _abort(self, reason: str, *, quiet: bool = False) -> None:
+        if not self._closed:
+            (log.debug if quiet else log.warning)("closing connection to %s: %s", self.peer, reason)
+            self._close_reason = reason
+        await self.close()
+
+    @abc.abstractmethod
+    async def _send_frame(self, frame: Frame) -> None: ...
+
+    @abc.abstractmethod
+    async def _recv_frame(self, out) -> Frame: ...
+
+    def _mid_frame(self) -> bool:
+        """True when a partially received frame has desynchronized the stream."""
+        return True
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the connection; idempotent. A peer blocked in recv gets PeerClosed."""
+
+    async def __aenter__(self) -> "Connection":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class StreamConnection(Connection):
+    """Framing over an ordered byte stream (TCP socket, shared-memory ring).
+
+    Subclasses provide ``_write(views)`` (send all bytes of the views, in order) and
+    ``_read_exact(view)`` (fill the view completely or raise PeerClosed).
+    """
+
+    def __init__(self, config: TransportConfig) -> None:
+        super().__init__(config)
+        self._in_frame = False
+
+    def _mid_frame(self) -> bool:
+        return self._in_frame
+
+    @abc.abstractmethod
+    async def _write(self, views: list[memoryview]) -> None: ...
+
+    @abc.abstractmethod
+    async def _read_exact(self, view: memoryview, *, first: bool = False) -> None:
+        """``first``: this read starts a frame (EOF before it is a clean close)."""
+
+    async def _send_frame(self, frame: Frame) -> None:
+        head, views, _ = encode(frame, checksum_payloads=self.config.checksum_payloads,
+                                max_frame_bytes=self.config.max_frame_bytes)
+        views = [memoryview(head)] + [v for v in views if v.nbytes]
+        try:
+            await self._write(views)
+        except BaseException:
+            await self._abort("send interrupted in the middle of a frame")
+            raise
+
+    async def _recv_frame(self, out) -> Frame:
+        cfg = self.config
+        pre_buf = bytearray(PREAMBLE_SIZE)
+        await self._read_exact(memoryview(pre_buf), first=True)
+        self._in_frame = True
+        pre = decode_preamble(pre_buf, cfg.max_frame_bytes)
+        header = bytearray(pre.header_len)
+        await self._read_exact(memoryview(header))
+        user, metas, crcs = decode_header(pre, header)
+        buffers: list[Buffer] = []
+        views: list[memoryview] = []
+        for i, meta in enumerate(metas):
+            obj, view = allocate(meta, out[i] if out is not None and i < len(out) else None)
+            if view.nbytes:
+                await self._read_exact(view)
+            buffers.append(obj)
+            views.append(view)
+        self._in_frame = False
+        check_payload_crcs(views, crcs)
+        return Frame(pre.kind, user, buffers)
+
+
+class Listener(abc.ABC):
+    """Accepts connections at ``address``.
+
+    With a handler, each accepted connection is passed to ``handler(conn)`` in its own
+    task (the connection is closed when the handler returns); without one, connections
+    are queued for ``accept()``. A failed handshake or a bad frame on one connection
+    never stops the listener.
+    """
+
+    def __init__(self, config: TransportConfig, handler: Handler | None) -> None:
+        self.config = config
+        self._handler = handler
+        self._queue: asyncio.Queue[Connection] = asyncio.Queue()
+        self._tasks: set[asyncio.Task] = set()
+        self._connections: set[Connection] = set()
+        self._closed = False
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """The bound address (with the real port when ``:0`` was asked for)."""
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _deliver(self, conn: Connection) -> None:
+        """Called by implementations with each connection that passed the handshake."""
+        if self._closed:
+            self._spawn(conn.close())
+            return
+        self._connections.add(conn)
+        if self._handler is None:
+            self._queue.put_nowait(conn)
+        else:
+            self._spawn(self._run_handler(conn))
+
+    async def _run_handler(self, conn: Connection) -> None:
+        try:
+            await self._handler(conn)
+        except TransportError as exc:
+            log.info("connection from %s ended: %s", conn.peer, exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("handler for connection from %s failed", conn.peer)
+        finally:
+            self._connections.discard(conn)
+            await conn.close()
+
+    async def accept(self) -> Connection:
+        if self._handler is not None:
+            raise RuntimeError("accept() is for listeners created without a handler")
+        if self._closed:
+            raise TransportError("listener is closed")
+        return await self._queue.get()
+
+    async def close(self) -> None:
+        """Stop accepting, cancel and await handler tasks, close every connection."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._stop_accepting()
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for conn in list(self._connections):
+            await conn.close()
+        self._connections.clear()
+        while not self._queue.empty():
+            await self._queue.get_nowait().close()
+
+    @abc.abstractmethod
+    async def _stop_accepting(self) -> None: ...
+
+    async def __aenter__(self) -> "Listener":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class Transport(abc.ABC):
+    """A way of moving frames; selected by URL scheme through ``transports.registry``."""
+
+    scheme: str
+
+    @classmethod
+    def availability(cls) -> str | None:
+        """``None`` when this transport can run here, else the reason it cannot."""
+        return None
+
+    @abc.abstractmethod
+    async def listen(self, address: str, handler: Handler | None, config: TransportConfig) -> Listener: ...
+
+    @abc.abstractmethod
+    async def connect(self, address: str, config: TransportConfig) -> Connection: ...
+
+
+async def with_timeout(aw: Awaitable, timeout: float | None, what: str):
+    if timeout is None:
+        return await aw
+    try:
+        async with asyncio.timeout(timeout):
+            return await aw
+    except TimeoutError:
+        raise TransportTimeout(f"{what} timed out after {timeout}s") from None

@@ -1,0 +1,224 @@
+"""Frames and their versioned wire format.
+
+Wire layout of one frame (all integers little-endian)::
+
+    preamble (32 bytes)
+      magic        4s   b"LMNF"
+      version      u8   WIRE_VERSION
+      flags        u8   bit 0: payload crc32s are in the header
+      kind         u16  Frame.kind
+      header_len   u32  bytes of the msgpack header that follows
+      num_buffers  u32  number of payload buffers after the header
+      payload_len  u64  sum of the payload buffers' lengths
+      header_crc   u32  crc32 of the msgpack header
+      preamble_crc u32  crc32 of the 28 bytes before it
+    header (header_len bytes): msgpack [user_header, [[dtype, shape, nbytes], ...], crcs|None]
+    payloads: num_buffers buffers, back to back, each exactly nbytes long
+
+Every length is explicit and checked against ``TransportConfig.max_frame_bytes`` before
+anything is allocated; a frame that fails a check raises ``FrameError``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Union
+
+import msgpack
+import torch
+
+from .errors import FrameError
+
+MAGIC = b"LMNF"
+WIRE_VERSION = 1
+FLAG_PAYLOAD_CRC = 1
+PREAMBLE = struct.Struct("<4sBBHIIQII")
+PREAMBLE_SIZE = PREAMBLE.size  # 32
+_PREAMBLE_HEAD = struct.Struct("<4sBBHIIQI")  # everything the preamble crc covers
+RAW = "raw"  # dtype tag of a plain byte buffer (received as a bytearray)
+
+# Only these dtypes are accepted from the wire (never getattr(torch, <peer string>)).
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+        torch.complex64, torch.complex128,
+        torch.float8_e4m3fn, torch.float8_e5m2,
+    )
+}
+_DTYPE_NAMES = {d: n for n, d in DTYPES.items()}
+
+Buffer = Union[torch.Tensor, bytes, bytearray, memoryview]
+
+
+@dataclass
+class Frame:
+    """One message: a small typed header and a list of tensors or byte buffers.
+
+    ``kind`` (0..65535) says what the frame is; ``header`` is any msgpack-encodable value
+    (normally a dict); ``tensors`` are sent as raw bytes with their dtype and shape.
+    Received byte buffers come back as ``bytearray``; received tensors are new CPU
+    tensors (or the caller's ``out`` tensors).
+    """
+
+    kind: int = 0
+    header: Any = field(default_factory=dict)
+    tensors: list[Buffer] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BufferMeta:
+    dtype: str  # a key of DTYPES, or RAW
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """Flat byte view of a contiguous CPU tensor's memory (no copy)."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    flat = t.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def buffer_view(b: Buffer) -> tuple[BufferMeta, memoryview]:
+    """Wire description and byte view of one outgoing buffer.
+
+    Non-contiguous tensors are made contiguous (one copy: the wire carries dense bytes);
+    device tensors are copied to host by transports that cannot read device memory.
+    """
+    if isinstance(b, torch.Tensor):
+        t = b
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        name = _DTYPE_NAMES.get(t.dtype)
+        if name is None:
+            raise FrameError(f"unsupported tensor dtype {t.dtype}")
+        view = tensor_view(t)
+        return BufferMeta(name, tuple(t.shape), view.nbytes), view
+    view = memoryview(b).cast("B")
+    return BufferMeta(RAW, (view.nbytes,), view.nbytes), view
+
+
+def encode(frame: Frame, *, checksum_payloads: bool, max_frame_bytes: int) -> tuple[bytes, list[memoryview], list[BufferMeta]]:
+    """Preamble+header bytes and the payload views to send after them (no payload copy)."""
+    if not 0 <= frame.kind <= 0xFFFF:
+        raise FrameError(f"frame kind must be in 0..65535, got {frame.kind}")
+    metas: list[BufferMeta] = []
+    views: list[memoryview] = []
+    for b in frame.tensors:
+        meta, view = buffer_view(b)
+        metas.append(meta)
+        views.append(view)
+    crcs = [zlib.crc32(v) for v in views] if checksum_payloads else None
+    try:
+        header = msgpack.packb(
+            [frame.header, [[m.dtype, list(m.shape), m.nbytes] for m in metas], crcs],
+            use_bin_type=True,
+        )
+    except (TypeError, ValueError) as exc:
+        raise FrameError(f"frame header is not msgpack-encodable: {exc}") from exc
+    payload_len = sum(m.nbytes for m in metas)
+    if len(header) + payload_len > max_frame_bytes:
+        raise FrameError(
+            f"frame of {len(header) + payload_len} bytes exceeds max_frame_bytes={max_frame_bytes}"
+        )
+    flags = FLAG_PAYLOAD_CRC if checksum_payloads else 0
+    head = _PREAMBLE_HEAD.pack(MAGIC, WIRE_VERSION, flags, frame.kind, len(header), len(metas),
+                               payload_len, zlib.crc32(header))
+    return head + struct.pack("<I", zlib.crc32(head)) + header, views, metas
+
+
+@dataclass(frozen=True)
+class Preamble:
+    flags: int
+    kind: int
+    header_len: int
+    num_buffers: int
+    payload_len: int
+    header_crc: int
+
+
+def decode_preamble(data: bytes | memoryview, max_frame_bytes: int) -> Preamble:
+    magic, version, flags, kind, header_len, nbufs, payload_len, header_crc, pre_crc = PREAMBLE.unpack(data)
+    if magic != MAGIC:
+        raise FrameError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): corrupted stream")
+    if zlib.crc32(memoryview(data)[:28]) != pre_crc:
+        raise FrameError("frame preamble checksum mismatch: corrupted frame")
+    if version != WIRE_VERSION:
+        raise FrameError(f"unsupported wire version {version} (this side speaks {WIRE_VERSION})")
+    if header_len + payload_len > max_frame_bytes:
+        raise FrameError(
+            f"frame of {header_len + payload_len} bytes exceeds max_frame_bytes={max_frame_bytes}"
+        )
+    return Preamble(flags, kind, header_len, nbufs, payload_len, header_crc)
+
+
+def decode_header(pre: Preamble, data: bytes | memoryview) -> tuple[Any, list[BufferMeta], list[int] | None]:
+    """Check and unpack the msgpack header; validates every buffer description."""
+    if zlib.crc32(data) != pre.header_crc:
+        raise FrameError("frame header checksum mismatch: corrupted frame")
+    try:
+        user, raw_metas, crcs = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        metas = []
+        for dtype, shape, nbytes in raw_metas:
+            shape = tuple(int(s) for s in shape)
+            if any(s < 0 for s in shape) or not isinstance(nbytes, int) or nbytes < 0:
+                raise FrameError("negative size in frame header")
+            if dtype == RAW:
+                expected = shape[0] if len(shape) == 1 else -1
+            elif dtype in DTYPES:
+                expected = math.prod(shape) * DTYPES[dtype].itemsize
+            else:
+                raise FrameError(f"unknown dtype {dtype!r} in frame header")
+            if expected != nbytes:
+                raise FrameError(f"buffer of shape {shape} {dtype} cannot hold {nbytes} bytes")
+            metas.append(BufferMeta(dtype, shape, nbytes))
+    except FrameError:
+        raise
+    except Exception as exc:  # malformed msgpack or structure
+        raise FrameError(f"malformed frame header: {exc}") from exc
+    if len(metas) != pre.num_buffers or sum(m.nbytes for m in metas) != pre.payload_len:
+        raise FrameError("frame header disagrees with the preamble's buffer count or length")
+    if (pre.flags & FLAG_PAYLOAD_CRC) and (crcs is None or len(crcs) != len(metas)):
+        raise FrameError("frame flags promise payload checksums that the header lacks")
+    return user, metas, crcs if pre.flags & FLAG_PAYLOAD_CRC else None
+
+
+def allocate(meta: BufferMeta, out: Buffer | None = None) -> tuple[Buffer, memoryview]:
+    """The object a received buffer is delivered in, and the byte view to receive into.
+
+    ``out`` (a preallocated tensor or writable buffer of exactly ``meta.nbytes`` bytes)
+    is used when given; otherwise a new tensor (or bytearray for RAW) is allocated.
+    """
+    if out is not None:
+        if isinstance(out, torch.Tensor):
+            if not out.is_contiguous() or out.device.type != "cpu":
+                raise FrameError("out tensors must be contiguous CPU tensors")
+            view = tensor_view(out)
+        else:
+            view = memoryview(out).cast("B")
+        if view.nbytes != meta.nbytes:
+            raise FrameError(f"out buffer has {view.nbytes} bytes, frame carries {meta.nbytes}")
+        return out, view
+    if meta.dtype == RAW:
+        buf = bytearray(meta.nbytes)
+        return buf, memoryview(buf)
+    t = torch.empty(meta.shape, dtype=DTYPES[meta.dtype])
+    return t, tensor_view(t)
+
+
+def check_payload_crcs(views: Sequence[memoryview], crcs: list[int] | None) -> None:
+    if crcs is None:
+        return
+    for i, (v, c) in enumerate(zip(views, crcs)):
+        if zlib.crc32(v) != c:
+            raise FrameError(f"payload {i} checksum mismatch: corrupted frame")
