@@ -9,7 +9,9 @@ and indexed by a trie (prefix_index.py). Every block is in exactly one tier:
           after a restart.
 
 Swapping down goes one tier at a time (device -> host -> disk -> dropped); swapping up
-goes straight to device. Rules that must hold:
+goes straight to device. A block's `tier` is the fastest tier holding it; the disk keeps
+its copy when a block is promoted (so what was on disk survives a restart, and swapping
+that block down again writes nothing) until disk space is needed. Rules that must hold:
 - a block with lock_count > 0 (held by a PrefixHandle) or a transfer in flight is never
   moved down or dropped;
 - only a leaf of the trie (no cached child) leaves the cache, so every cached block's
@@ -89,6 +91,7 @@ class _Entry:
     last_access: int
     lock_count: int = 0
     loading: Future | None = None
+    is_on_disk: bool = False  # a disk copy exists (also when `tier` is faster)
 
 
 BlockEvent = tuple[str, str, Tier]  # ("stored" | "moved" | "dropped", block_hash, tier)
@@ -234,16 +237,11 @@ class PrefixCache:
                     continue
                 block = kv[:, :, i * bs:(i + 1) * bs].detach().clone()  # [L, 2, bs, H, D]
                 nbytes = payload_nbytes(block)
-                # The parent is locked while room is made: it must stay cached (and this
-                # block's parent) even if it is the only candidate.
-                if parent != ROOT_HASH:
-                    self._entries[parent].lock_count += 1
-                try:
-                    is_room = self._make_room(Tier.DEVICE, nbytes)
-                finally:
-                    if parent != ROOT_HASH:
-                        self._entries[parent].lock_count -= 1
-                if not is_room:
+                # Making room may move the parent down a tier (fine) or, as a leaf, drop
+                # it; then this block would be unreachable, and so would the rest.
+                if not self._make_room(Tier.DEVICE, nbytes):
+                    break
+                if parent != ROOT_HASH and parent not in self._entries:
                     break
                 self._index.insert(parent, block_tokens)
                 self._tiers[Tier.DEVICE].put(h, block)
@@ -322,7 +320,8 @@ class PrefixCache:
             with self._lock:
                 nbytes = payload_nbytes(block)
                 if self._make_room(Tier.DEVICE, nbytes, may_evict_protected):
-                    self._remove_from(source, block_hash)
+                    if source != Tier.DISK:  # the disk copy stays (see module doc)
+                        self._remove_from(source, block_hash)
                     self._tiers[Tier.DEVICE].put(block_hash, block)
                     entry.tier, entry.num_bytes = Tier.DEVICE, nbytes
                     self.stats.num_promotions[source.name.lower()] += 1
@@ -362,6 +361,10 @@ class PrefixCache:
                                          may_evict_protected=may_evict_protected)
             if victim is None:
                 return False
+            if tier == Tier.DISK and self._entries[victim].tier != Tier.DISK:
+                self._tiers[Tier.DISK].remove(victim)  # only a copy: the block stays
+                self._entries[victim].is_on_disk = False
+                continue
             if lower is None or not self._demote(victim, tier, lower):
                 if not self._index.is_leaf(victim):
                     return False
@@ -369,9 +372,16 @@ class PrefixCache:
         return True
 
     def _choose_victim(self, tier: Tier, is_drop: bool, may_evict_protected: bool) -> str | None:
-        candidates = [e for e in self._entries.values()
-                      if e.tier == tier and e.lock_count == 0 and e.loading is None
-                      and (not is_drop or self._index.is_leaf(e.block_hash))]
+        if tier == Tier.DISK:
+            # Disk copies of faster blocks may go even when those are locked.
+            candidates = [e for e in self._entries.values()
+                          if e.is_on_disk and e.loading is None
+                          and (e.tier != Tier.DISK
+                               or (e.lock_count == 0 and self._index.is_leaf(e.block_hash)))]
+        else:
+            candidates = [e for e in self._entries.values()
+                          if e.tier == tier and e.lock_count == 0 and e.loading is None
+                          and (not is_drop or self._index.is_leaf(e.block_hash))]
         unprotected = [e for e in candidates if e.block_hash not in self._protected]
         if unprotected:
             candidates = unprotected
@@ -385,9 +395,15 @@ class PrefixCache:
     def _demote(self, block_hash: str, tier: Tier, lower: Tier) -> bool:
         """Moves one block one tier down (after making room there)."""
         entry = self._entries[block_hash]
-        payload = self._tiers[tier].get(block_hash) if tier != Tier.DISK else None
-        if payload is None:
+        if tier == Tier.DISK:
             return False
+        if lower == Tier.DISK and entry.is_on_disk:
+            self._tiers[tier].pop(block_hash)
+            entry.tier, entry.num_bytes = Tier.DISK, self._tiers[Tier.DISK].file_size(block_hash)
+            self.stats.num_demotions["disk"] += 1
+            self._emit("moved", block_hash, Tier.DISK)
+            return True
+        payload = self._tiers[tier].get(block_hash)
         if self.config.quantize_4bit and not isinstance(payload, QuantizedTensor):
             payload = quantize_4bit(payload, self.config.quant_group_size)
         nbytes = payload_nbytes(payload)
@@ -405,6 +421,7 @@ class PrefixCache:
             disk.put(block_hash, payload, self._index.parent_of(block_hash),
                      self._index.tokens_of(block_hash))
             nbytes = disk.file_size(block_hash)
+            entry.is_on_disk = True
         else:
             self._tiers[lower].put(block_hash, payload)
         entry.tier, entry.num_bytes = lower, nbytes
@@ -415,6 +432,8 @@ class PrefixCache:
     def _drop(self, block_hash: str) -> None:
         entry = self._entries.pop(block_hash)
         self._remove_from(entry.tier, block_hash)
+        if entry.is_on_disk and entry.tier != Tier.DISK:
+            self._tiers[Tier.DISK].remove(block_hash)
         self._index.remove(block_hash)
         self.stats.num_dropped += 1
         self._emit("dropped", block_hash, entry.tier)
@@ -434,7 +453,8 @@ class PrefixCache:
                         continue  # another block size or a corrupt header: deleted below
                     self._index.insert(r.parent_hash, r.tokens)
                     now = self._tick()
-                    self._entries[h] = _Entry(h, Tier.DISK, r.num_bytes, now, now)
+                    self._entries[h] = _Entry(h, Tier.DISK, r.num_bytes, now, now,
+                                              is_on_disk=True)
                     del pending[h]
                     is_progress = True
         for h in pending:

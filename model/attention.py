@@ -45,7 +45,9 @@ def attention_with_lse(
     scale = head_dim**-0.5
     # Group query heads by the KV head they share: [Hkv, n*G, D], row r is token r // G.
     qg = q.view(n, num_kv_heads, groups, head_dim).permute(1, 0, 2, 3).reshape(num_kv_heads, n * groups, head_dim)
-    scores = torch.matmul(qg, k.permute(1, 2, 0)).float() * scale  # [Hkv, n*G, L]
+    # Softmax in at least float32, whatever the KV dtype.
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(qg, k.permute(1, 2, 0)).to(acc) * scale  # [Hkv, n*G, L]
     if causal and n > 1:
         query_pos = torch.arange(n, device=q.device).repeat_interleave(groups) + (num_keys - n)  # [n*G]
         key_pos = torch.arange(num_keys, device=q.device)  # [L]
@@ -93,5 +95,6 @@ def combine_partials(
     lse = torch.logaddexp(lse_a, lse_b)  # [..., H]
     weight_a = torch.exp(lse_a - lse)[..., None]
     weight_b = torch.exp(lse_b - lse)[..., None]
-    out = out_a.float() * weight_a + out_b.float() * weight_b
+    acc = torch.promote_types(out_a.dtype, torch.float32)
+    out = out_a.to(acc) * weight_a + out_b.to(acc) * weight_b
     return out.to(out_a.dtype), lse

@@ -17,6 +17,7 @@ from torch import nn
 from model.attention import AttentionContext
 from model.config import ModelConfig
 from model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from model.splitter import SplitModel
 
 
 class RMSNorm(nn.Module):
@@ -136,3 +137,26 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, ctx)
         x = self.model.norm(x[logits_index])  # [B, d]
         return self.lm_head(x).float()  # [B, V]
+
+
+def is_attention_op(module: nn.Module) -> bool:
+    return isinstance(module, AttentionOp)
+
+
+def split_llama(model: LlamaForCausalLM, example_tokens: int = 8) -> SplitModel:
+    """Split at every layer's attention. Slices take input_ids, positions, logits_index."""
+    from model.splitter import split_model
+    from model.attention import attention_with_lse
+
+    class _Dense:
+        def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return attention_with_lse(q, k, v)[0]
+
+    example = {
+        "input_ids": torch.zeros(example_tokens, dtype=torch.long),
+        "positions": torch.arange(example_tokens),
+        "logits_index": torch.tensor([example_tokens - 1]),
+        "ctx": _Dense(),
+    }
+    with torch.no_grad():
+        return split_model(model, example, is_attention_op)

@@ -177,8 +177,14 @@ class StreamConnection(Connection):
     async def _read_exact(self, view: memoryview, *, first: bool = False) -> None:
         """``first``: this read starts a frame (EOF before it is a clean close)."""
 
+    async def _read_small(self, n: int, *, first: bool = False) -> bytes | memoryview:
+        """``n`` bytes, possibly as a view that is valid only until the next read."""
+        buf = bytearray(n)
+        await self._read_exact(memoryview(buf), first=first)
+        return buf
+
     async def _send_frame(self, frame: Frame) -> None:
-        head, views, _ = encode(frame, checksum_payloads=self.config.checksum_payloads,
+        head, views = encode(frame, checksum_payloads=self.config.checksum_payloads,
                                 max_frame_bytes=self.config.max_frame_bytes)
         views = [memoryview(head)] + [v for v in views if v.nbytes]
         try:
@@ -189,13 +195,9 @@ class StreamConnection(Connection):
 
     async def _recv_frame(self, out) -> Frame:
         cfg = self.config
-        pre_buf = bytearray(PREAMBLE_SIZE)
-        await self._read_exact(memoryview(pre_buf), first=True)
+        pre = decode_preamble(await self._read_small(PREAMBLE_SIZE, first=True), cfg.max_frame_bytes)
         self._in_frame = True
-        pre = decode_preamble(pre_buf, cfg.max_frame_bytes)
-        header = bytearray(pre.header_len)
-        await self._read_exact(memoryview(header))
-        user, metas, crcs = decode_header(pre, header)
+        user, metas, crcs = decode_header(pre, await self._read_small(pre.header_len))
         buffers: list[Buffer] = []
         views: list[memoryview] = []
         for i, meta in enumerate(metas):

@@ -29,8 +29,6 @@ class TransportConfig:
     tcp_keepalive_s: int | None = 10
     # Shared memory: bytes of each direction's ring; frames larger than it are streamed.
     shm_ring_bytes: int = 16 << 20
-    # Shared memory: how long a waiting side polls the ring before sleeping on the doorbell.
-    shm_spin_us: float = 50.0
     # UCX: exported as UCX_TLS before UCX starts when set (e.g. "tcp,sm,self").
     ucx_tls: str | None = None
 
@@ -45,8 +43,6 @@ class TransportConfig:
             raise ValueError("socket_buffer_bytes must be at least 4096 or None")
         if self.shm_ring_bytes < 64 * 1024 or self.shm_ring_bytes % 4096:
             raise ValueError("shm_ring_bytes must be a multiple of 4096 and at least 64 KiB")
-        if self.shm_spin_us < 0:
-            raise ValueError("shm_spin_us must be >= 0")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("auth_token must be a non-empty string or None")
 

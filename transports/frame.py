@@ -25,9 +25,10 @@ import math
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from typing import Any, NamedTuple, Sequence, Union
 
 import msgpack
+import numpy as np
 import torch
 
 from .errors import FrameError
@@ -70,32 +71,42 @@ class Frame:
     tensors: list[Buffer] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class BufferMeta:
+class BufferMeta(NamedTuple):
     dtype: str  # a key of DTYPES, or RAW
     shape: tuple[int, ...]
     nbytes: int
 
 
+# dtypes numpy can view directly (the fast path); others go through a uint8 view.
+_NUMPY_OK = {
+    torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
+    torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+    torch.uint8: np.uint8, torch.bool: np.bool_, torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
+
+
+_EMPTY = memoryview(b"")
+
+
 def tensor_view(t: torch.Tensor) -> memoryview:
     """Flat byte view of a contiguous CPU tensor's memory (no copy)."""
     if t.numel() == 0:
-        return memoryview(b"")
-    flat = t.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+        return _EMPTY
+    if t.dtype in _NUMPY_OK:
+        return memoryview(t.numpy()).cast("B")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def buffer_view(b: Buffer) -> tuple[BufferMeta, memoryview]:
-    """Wire description and byte view of one outgoing buffer.
+def buffer_view(b: Buffer) -> tuple[list, memoryview]:
+    """Wire description ``[dtype, shape, nbytes]`` and byte view of one outgoing buffer.
 
     Non-contiguous tensors are made contiguous (one copy: the wire carries dense bytes);
     device tensors are copied to host by transports that cannot read device memory.
     """
     if isinstance(b, torch.Tensor):
         t = b
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             t = t.cpu()
         if not t.is_contiguous():
             t = t.contiguous()
@@ -103,42 +114,47 @@ def buffer_view(b: Buffer) -> tuple[BufferMeta, memoryview]:
         if name is None:
             raise FrameError(f"unsupported tensor dtype {t.dtype}")
         view = tensor_view(t)
-        return BufferMeta(name, tuple(t.shape), view.nbytes), view
+        return [name, tuple(t.shape), view.nbytes], view
     view = memoryview(b).cast("B")
-    return BufferMeta(RAW, (view.nbytes,), view.nbytes), view
+    return [RAW, (view.nbytes,), view.nbytes], view
 
 
-def encode(frame: Frame, *, checksum_payloads: bool, max_frame_bytes: int) -> tuple[bytes, list[memoryview], list[BufferMeta]]:
+def encode(frame: Frame, *, checksum_payloads: bool, max_frame_bytes: int) -> tuple[bytes, list[memoryview]]:
     """Preamble+header bytes and the payload views to send after them (no payload copy)."""
-    if not 0 <= frame.kind <= 0xFFFF:
-        raise FrameError(f"frame kind must be in 0..65535, got {frame.kind}")
-    metas: list[BufferMeta] = []
-    views: list[memoryview] = []
+    kind = frame.kind
+    if not 0 <= kind <= 0xFFFF:
+        raise FrameError(f"frame kind must be in 0..65535, got {kind}")
+    metas = []
+    views = []
+    payload_len = 0
     for b in frame.tensors:
-        meta, view = buffer_view(b)
+        if type(b) is torch.Tensor and b.dtype in _NUMPY_OK and b.is_cpu and b.is_contiguous():
+            arr = b.numpy()  # fast path: the common case
+            view = memoryview(arr).cast("B") if arr.size else _EMPTY
+            meta = [_DTYPE_NAMES[b.dtype], tuple(b.shape), view.nbytes]
+        else:
+            meta, view = buffer_view(b)
         metas.append(meta)
         views.append(view)
+        payload_len += meta[2]
     crcs = [zlib.crc32(v) for v in views] if checksum_payloads else None
     try:
-        header = msgpack.packb(
-            [frame.header, [[m.dtype, list(m.shape), m.nbytes] for m in metas], crcs],
-            use_bin_type=True,
-        )
+        header = msgpack.packb([frame.header, metas, crcs], use_bin_type=True)
     except (TypeError, ValueError) as exc:
         raise FrameError(f"frame header is not msgpack-encodable: {exc}") from exc
-    payload_len = sum(m.nbytes for m in metas)
     if len(header) + payload_len > max_frame_bytes:
         raise FrameError(
             f"frame of {len(header) + payload_len} bytes exceeds max_frame_bytes={max_frame_bytes}"
         )
-    flags = FLAG_PAYLOAD_CRC if checksum_payloads else 0
-    head = _PREAMBLE_HEAD.pack(MAGIC, WIRE_VERSION, flags, frame.kind, len(header), len(metas),
-                               payload_len, zlib.crc32(header))
-    return head + struct.pack("<I", zlib.crc32(head)) + header, views, metas
+    head = _PREAMBLE_HEAD.pack(MAGIC, WIRE_VERSION, FLAG_PAYLOAD_CRC if checksum_payloads else 0,
+                               kind, len(header), len(metas), payload_len, zlib.crc32(header))
+    return b"".join((head, _CRC.pack(zlib.crc32(head)), header)), views
 
 
-@dataclass(frozen=True)
-class Preamble:
+_CRC = struct.Struct("<I")
+
+
+class Preamble(NamedTuple):
     flags: int
     kind: int
     header_len: int
@@ -151,7 +167,7 @@ def decode_preamble(data: bytes | memoryview, max_frame_bytes: int) -> Preamble:
     magic, version, flags, kind, header_len, nbufs, payload_len, header_crc, pre_crc = PREAMBLE.unpack(data)
     if magic != MAGIC:
         raise FrameError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): corrupted stream")
-    if zlib.crc32(memoryview(data)[:28]) != pre_crc:
+    if zlib.crc32(data[:28]) != pre_crc:
         raise FrameError("frame preamble checksum mismatch: corrupted frame")
     if version != WIRE_VERSION:
         raise FrameError(f"unsupported wire version {version} (this side speaks {WIRE_VERSION})")
@@ -169,28 +185,31 @@ def decode_header(pre: Preamble, data: bytes | memoryview) -> tuple[Any, list[Bu
     try:
         user, raw_metas, crcs = msgpack.unpackb(data, raw=False, strict_map_key=False)
         metas = []
+        total = 0
         for dtype, shape, nbytes in raw_metas:
-            shape = tuple(int(s) for s in shape)
-            if any(s < 0 for s in shape) or not isinstance(nbytes, int) or nbytes < 0:
-                raise FrameError("negative size in frame header")
+            shape = tuple(shape)
             if dtype == RAW:
                 expected = shape[0] if len(shape) == 1 else -1
-            elif dtype in DTYPES:
-                expected = math.prod(shape) * DTYPES[dtype].itemsize
             else:
-                raise FrameError(f"unknown dtype {dtype!r} in frame header")
-            if expected != nbytes:
+                expected = math.prod(shape) * DTYPES[dtype].itemsize
+            if (type(nbytes) is not int or expected != nbytes
+                    or any(type(s) is not int or s < 0 for s in shape)):
                 raise FrameError(f"buffer of shape {shape} {dtype} cannot hold {nbytes} bytes")
+            total += nbytes
             metas.append(BufferMeta(dtype, shape, nbytes))
     except FrameError:
         raise
+    except KeyError as exc:
+        raise FrameError(f"unknown dtype {exc.args[0]!r} in frame header") from None
     except Exception as exc:  # malformed msgpack or structure
         raise FrameError(f"malformed frame header: {exc}") from exc
-    if len(metas) != pre.num_buffers or sum(m.nbytes for m in metas) != pre.payload_len:
+    if len(metas) != pre.num_buffers or total != pre.payload_len:
         raise FrameError("frame header disagrees with the preamble's buffer count or length")
-    if (pre.flags & FLAG_PAYLOAD_CRC) and (crcs is None or len(crcs) != len(metas)):
-        raise FrameError("frame flags promise payload checksums that the header lacks")
-    return user, metas, crcs if pre.flags & FLAG_PAYLOAD_CRC else None
+    if pre.flags & FLAG_PAYLOAD_CRC:
+        if not isinstance(crcs, list) or len(crcs) != len(metas):
+            raise FrameError("frame flags promise payload checksums that the header lacks")
+        return user, metas, crcs
+    return user, metas, None
 
 
 def allocate(meta: BufferMeta, out: Buffer | None = None) -> tuple[Buffer, memoryview]:
@@ -212,7 +231,12 @@ def allocate(meta: BufferMeta, out: Buffer | None = None) -> tuple[Buffer, memor
     if meta.dtype == RAW:
         buf = bytearray(meta.nbytes)
         return buf, memoryview(buf)
-    t = torch.empty(meta.shape, dtype=DTYPES[meta.dtype])
+    dtype = DTYPES[meta.dtype]
+    np_dtype = _NUMPY_OK.get(dtype)
+    if np_dtype is not None:
+        arr = np.empty(meta.shape, np_dtype)
+        return torch.from_numpy(arr), (memoryview(arr).cast("B") if arr.size else _EMPTY)
+    t = torch.empty(meta.shape, dtype=dtype)
     return t, tensor_view(t)
 
 

@@ -101,6 +101,13 @@ class TcpConnection(StreamConnection):
         return PeerClosed(f"peer {self._peer} closed the connection in the middle of a frame "
                           f"(truncated: {got} of {need} bytes of a read)")
 
+    async def _read_small(self, n: int, *, first: bool = False) -> bytes | memoryview:
+        start = self._rstart
+        if self._rend - start >= n:  # already buffered: parse in place, no copy
+            self._rstart = start + n
+            return self._rview[start:start + n]
+        return await super()._read_small(n, first=first)
+
     async def _read_exact(self, view: memoryview, *, first: bool = False) -> None:
         need = view.nbytes
         pos = min(self._rend - self._rstart, need)

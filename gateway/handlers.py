@@ -1,0 +1,232 @@
+"""HTTP handlers: OpenAI endpoints, health and metrics.
+
+Each generation handler validates and tokenizes the request, then runs it as a
+`Generation` (which owns the backend request and aborts it on every early exit)
+and answers either one JSON object or a server-sent event stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, Literal
+
+import jinja2
+from aiohttp import web
+
+from gateway.backend import BackendError, QueueFullError
+from gateway.generation import Generation
+from gateway.protocol import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ApiError,
+    GenerateRequest,
+    SamplingParams,
+    check_token_ids,
+    invalid,
+    parse_chat_request,
+    parse_completion_request,
+    resolve_sampling,
+)
+from gateway import responses as r
+from gateway.state import STATE_KEY, GatewayState
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["chat", "completion"]
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrived = time.monotonic()
+    state = request.app[STATE_KEY]
+    req = parse_chat_request(await _read_json(request))
+    _check_model(state, req.model)
+    if not state.tokenizer.has_chat_template:
+        raise invalid("This model has no chat template; use /v1/completions instead.", "messages")
+    try:
+        prompt_ids = state.tokenizer.encode_chat(list(req.messages))
+    except (jinja2.TemplateError, ValueError) as exc:
+        raise invalid(f"The messages could not be rendered with the model's chat template: {exc}", "messages")
+    sampling = resolve_sampling(req.sampling, len(prompt_ids), state.context_length,
+                                state.config.default_max_tokens, "messages")
+    return await _generate(request, state, "chat", prompt_ids, sampling, req.stream, req.include_usage, arrived)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    arrived = time.monotonic()
+    state = request.app[STATE_KEY]
+    req = parse_completion_request(await _read_json(request))
+    _check_model(state, req.model)
+    if isinstance(req.prompt, str):
+        prompt_ids = state.tokenizer.encode(req.prompt)
+        if not prompt_ids:
+            raise invalid("Invalid value for 'prompt': it encodes to no tokens.", "prompt", "invalid_value")
+    else:
+        check_token_ids(req.prompt, state.vocab_size)
+        prompt_ids = list(req.prompt)
+    default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, state.config.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
+    sampling = resolve_sampling(req.sampling, len(prompt_ids), state.context_length, default, "prompt")
+    return await _generate(request, state, "completion", prompt_ids, sampling, req.stream, req.include_usage,
+                           arrived)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    return web.json_response(r.model_list(state.model_name, state.created, state.context_length))
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    _check_model(state, request.match_info["model"])
+    return web.json_response(r.model_card(state.model_name, state.created, state.context_length))
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    if state.is_draining:
+        return web.json_response({"status": "shutting_down"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": state.metrics.content_type})
+
+
+# --- helpers ----------------------------------------------------------------
+
+
+async def _read_json(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise invalid(f"We could not parse the JSON body of your request: {exc}.", code="invalid_json")
+
+
+def _check_model(state: GatewayState, model: str) -> None:
+    if model != state.model_name:
+        raise ApiError(404, f"The model `{model}` does not exist or you do not have access to it.",
+                       param="model", code="model_not_found")
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "The server is shutting down; retry on another replica.", type="server_error",
+                    code="shutting_down")
+
+
+def _check_admission(state: GatewayState) -> None:
+    if state.is_draining:
+        raise _shutting_down()
+    limit = state.config.max_queue
+    if limit is not None and state.backend.stats().num_waiting >= limit:
+        raise _queue_full()
+
+
+def _queue_full() -> ApiError:
+    return ApiError(429, "The server is busy: its request queue is full. Retry later.",
+                    type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+
+
+def _server_error(exc: BaseException) -> ApiError:
+    return ApiError(500, f"The request failed in the backend: {exc}", type="server_error", code="backend_error")
+
+
+async def _generate(
+    request: web.Request,
+    state: GatewayState,
+    kind: Kind,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    stream: bool,
+    include_usage: bool,
+    arrived: float,
+) -> web.StreamResponse:
+    _check_admission(state)
+    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    gen_request = GenerateRequest(rid, tuple(prompt_ids), sampling, time.time())
+    head = r.ResponseHead(rid, int(time.time()), state.model_name)
+    task = asyncio.current_task()
+    assert task is not None
+    try:
+        async with Generation(gen_request, state.backend, state.tokenizer, state.journal, state.metrics,
+                              arrived) as gen:
+            state.in_flight[rid] = task
+            try:
+                if stream:
+                    return await _stream(request, state, gen, head, kind, include_usage)
+                return await _collect(state, gen, head, kind, task)
+            finally:
+                state.in_flight.pop(rid, None)
+    except QueueFullError:
+        raise _queue_full() from None
+    except BackendError as exc:
+        raise _server_error(exc) from exc
+
+
+async def _collect(state: GatewayState, gen: Generation, head: r.ResponseHead, kind: Kind,
+                   task: asyncio.Task) -> web.Response:
+    finish_reason = "stop"
+    try:
+        async for delta in gen:
+            if delta.finish_reason is not None:
+                finish_reason = delta.finish_reason
+    except asyncio.CancelledError:
+        if not state.is_draining:
+            raise  # the client went away; Generation aborts the backend request
+        task.uncancel()
+        raise _shutting_down() from None
+    usage = r.Usage(gen.num_prompt_tokens, gen.num_completion_tokens)
+    build = r.chat_completion if kind == "chat" else r.text_completion
+    return web.json_response(build(head, gen.text, finish_reason, usage), headers={"X-Request-Id": head.id})
+
+
+async def _stream(request: web.Request, state: GatewayState, gen: Generation, head: r.ResponseHead, kind: Kind,
+                  include_usage: bool) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream",
+        "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no",
+        "X-Request-Id": head.id,
+    })
+    await resp.prepare(request)
+    try:
+        try:
+            if kind == "chat":
+                await resp.write(r.sse(r.chat_chunk(head, {"role": "assistant", "content": ""}, None, include_usage)))
+            async for delta in gen:
+                await resp.write(_delta_chunks(head, kind, delta.text, delta.finish_reason, include_usage))
+            if include_usage:
+                usage = r.Usage(gen.num_prompt_tokens, gen.num_completion_tokens)
+                build = r.chat_usage_chunk if kind == "chat" else r.text_usage_chunk
+                await resp.write(r.sse(build(head, usage)))
+        except BackendError as exc:
+            await resp.write(r.sse(_server_error(exc).body()))
+        except asyncio.CancelledError:
+            if not state.is_draining:
+                raise  # the client went away; Generation aborts the backend request
+            current = asyncio.current_task()
+            assert current is not None
+            current.uncancel()
+            await resp.write(r.sse(_shutting_down().body()))
+        await resp.write(r.DONE)
+        await resp.write_eof()
+    except ConnectionResetError:
+        # The client went away between two writes (servers run without handler
+        # cancellation notice it here); leaving aborts the backend request.
+        log.debug("client of %s disconnected mid-stream", head.id)
+    return resp
+
+
+def _delta_chunks(head: r.ResponseHead, kind: Kind, text: str, finish_reason: str | None,
+                  include_usage: bool) -> bytes:
+    if kind == "completion":
+        return r.sse(r.text_chunk(head, text, finish_reason, include_usage))
+    out = b""
+    if text:
+        out += r.sse(r.chat_chunk(head, {"content": text}, None, include_usage))
+    if finish_reason is not None:
+        out += r.sse(r.chat_chunk(head, {}, finish_reason, include_usage))
+    return out

@@ -1,0 +1,97 @@
+"""Token ids -> the text a client sees: incremental detokenization and stop strings.
+
+One `OutputProcessor` per request. It releases text as soon as it is certain:
+a delta that might be the start of a stop string is held back until the next
+tokens show whether it is one. When a stop string appears, the text is cut just
+before it and `stopped` is set; the caller then aborts the backend request.
+
+Special tokens (EOS) never reach the text: the detokenizer skips them, and the
+token that made the backend stop ("stop" on EOS or a stop token id) is not
+detokenized at all, so a stop token id that is an ordinary token is not shown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from model.tokenizer import Tokenizer
+
+
+class StopStringMatcher:
+    """Finds the first stop string in a growing text; pure string logic, no tokens."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self._stop = tuple(stop)
+        self.released = ""  # text certainly free of stop strings
+        self._pending = ""  # text after `released` that may begin a stop string
+        self.stopped = False
+
+    def feed(self, delta: str) -> str:
+        """Add text; return the part that is now safe to release."""
+        if self.stopped or not delta:
+            return ""
+        if not self._stop:
+            self.released += delta
+            return delta
+        full = self._pending + delta
+        # No stop string can start inside `released`: a suffix of it that was a
+        # stop-string prefix would have been held in `_pending` instead.
+        hits = [i for i in (full.find(s) for s in self._stop) if i != -1]
+        if hits:
+            out = full[: min(hits)]
+            self.stopped = True
+            self._pending = ""
+        else:
+            hold = self._held_back_length(full)
+            out = full[: len(full) - hold]
+            self._pending = full[len(out):]
+        self.released += out
+        return out
+
+    def flush(self) -> str:
+        """At the end of generation: release what was held back."""
+        out, self._pending = self._pending, ""
+        self.released += out
+        return out
+
+    def _held_back_length(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self._stop:
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], stop_token_ids: Iterable[int]) -> None:
+        self._detok = tokenizer.detokenizer()
+        self._matcher = StopStringMatcher(stop)
+        self._stop_token_ids = frozenset(stop_token_ids)
+        self.num_tokens = 0
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string appeared; the text is final."""
+        return self._matcher.stopped
+
+    @property
+    def text(self) -> str:
+        return self._matcher.released
+
+    def add(self, token_ids: Sequence[int], finish_reason: str | None) -> str:
+        """Take a backend event's tokens; return the text delta to send (maybe empty)."""
+        self.num_tokens += len(token_ids)
+        ids = token_ids
+        if finish_reason == "stop" and ids and ids[-1] in self._stop_token_ids:
+            ids = ids[:-1]
+        out = []
+        for t in ids:
+            if self._matcher.stopped:
+                break
+            out.append(self._matcher.feed(self._detok.add(t)))
+        if finish_reason is not None and not self._matcher.stopped:
+            out.append(self._matcher.flush())
+        return "".join(out)

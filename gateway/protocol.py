@@ -1,0 +1,475 @@
+"""Typed requests for the backend, and OpenAI request JSON -> typed, with validation.
+
+Everything here is a pure function of its arguments: no I/O, no tokenizer. The
+handler parses the JSON body with `parse_chat_request` / `parse_completion_request`,
+tokenizes the prompt, then calls `resolve_sampling` with the prompt's length to
+check the context window and build the `SamplingParams` the backend receives.
+
+Validation failures raise `ApiError`, which carries the HTTP status and the
+fields of OpenAI's error body (`message`, `type`, `param`, `code`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+# Per request; bounds the cost of stop-string matching on every token.
+MAX_STOP_STRINGS = 16
+# Returned when the backend has no explicit `max_tokens` from a completions request (OpenAI's default).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+FinishReason = Literal["stop", "length"]
+
+
+# --- typed messages: gateway <-> backend ------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the backend samples one request. `top_k` 0 means no top-k filtering."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS
+    stop: tuple[str, ...] = ()  # applied by the gateway on the text, listed for completeness
+    stop_token_ids: tuple[int, ...] = ()  # the backend stops on these (and on EOS unless ignore_eos)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One request as the backend sees it. `arrival_time` is wall-clock (time.time())."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class TokenEvent:
+    """Tokens the backend produced since its last event; `finish_reason` set on the last one.
+
+    A backend reports "stop" when it stopped on EOS or a stop token id (that token
+    is included in `token_ids`), "length" when `max_tokens` was reached. Any other
+    finish reason (e.g. "abort") means the backend gave up on the request.
+    """
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+# --- errors -----------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """A request the gateway refuses, with OpenAI's error fields and an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.headers = headers or {}
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+# --- OpenAI JSON -> typed ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingFields:
+    """Sampling fields as the client sent them; `max_tokens` None means "as many as fit"."""
+
+    max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"  # which field set it, for error messages
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: tuple[dict[str, str], ...]  # {"role", "content"} with content flattened to text
+    stream: bool = False
+    include_usage: bool = False
+    sampling: SamplingFields = field(default_factory=SamplingFields)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str
+    prompt: str | tuple[int, ...]  # text, or token ids sent as they are
+    stream: bool = False
+    include_usage: bool = False
+    sampling: SamplingFields = field(default_factory=SamplingFields)
+
+
+# Fields that every OpenAI client may send, accepted only at their "off" value;
+# anything else is refused rather than silently ignored.
+_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+}
+# Accepted and ignored: they do not change the output.
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+
+_COMMON = frozenset(
+    {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed", "stop",
+     "top_k", "stop_token_ids", "ignore_eos"}
+)
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _IGNORED | {
+    "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "tools",
+    "tool_choice", "response_format"}
+_COMPLETION_FIELDS = _COMMON | {"prompt"} | _IGNORED | {
+    "presence_penalty", "frequency_penalty", "logprobs", "logit_bias", "best_of", "echo", "suffix"}
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _wrong_type(param: str, expected: str, value: Any) -> ApiError:
+    return invalid(f"Invalid type for '{param}': expected {expected}, but got {_type_name(value)} instead.",
+                   param, "invalid_type")
+
+
+def _bad_value(param: str, reason: str) -> ApiError:
+    return invalid(f"Invalid value for '{param}': {reason}", param, "invalid_value")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _wrong_type(name, "a boolean", value)
+    return value
+
+
+def _get_number(body: dict[str, Any], name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_number(value):
+        raise _wrong_type(name, "a number", value)
+    if value > hi or value < lo or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise _bad_value(name, f"must be in {bracket}{lo:g}, {hi:g}], got {value}.")
+    return float(value)
+
+
+def _get_int(body: dict[str, Any], name: str, minimum: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise _wrong_type(name, "an integer", value)
+    if minimum is not None and value < minimum:
+        raise _bad_value(name, f"must be at least {minimum}, got {value}.")
+    return value
+
+
+def _check_fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
+    for name, value in body.items():
+        if name not in allowed:
+            raise invalid(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
+        if value is not None and name in _OFF_VALUES and value not in _OFF_VALUES[name]:
+            raise invalid(f"'{name}' is not supported by this server; omit it or leave it at its default.",
+                          name, "unsupported_parameter")
+
+
+def _parse_model(body: dict[str, Any]) -> str:
+    if "model" not in body or body["model"] is None:
+        raise invalid("Missing required parameter: 'model'.", "model", "missing_required_parameter")
+    model = body["model"]
+    if not isinstance(model, str):
+        raise _wrong_type("model", "a string", model)
+    return model
+
+
+def _parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _get_bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise _wrong_type("stream_options", "an object", options)
+    if not stream:
+        raise invalid("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
+    for key in options:
+        if key != "include_usage":
+            raise invalid(f"Unrecognized request argument supplied: stream_options.{key}",
+                          f"stream_options.{key}", "unknown_parameter")
+    include = options.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise _wrong_type("stream_options.include_usage", "a boolean", include)
+    return stream, bool(include)
+
+
+def _parse_stop(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise _wrong_type("stop", "a string or an array of strings", value)
+    if len(value) > MAX_STOP_STRINGS:
+        raise _bad_value("stop", f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(value)}.")
+    for i, s in enumerate(value):
+        if not isinstance(s, str):
+            raise _wrong_type(f"stop[{i}]", "a string", s)
+        if not s:
+            raise _bad_value(f"stop[{i}]", "stop strings must not be empty.")
+    return tuple(dict.fromkeys(value))
+
+
+def _parse_sampling(body: dict[str, Any], max_tokens_fields: tuple[str, ...]) -> SamplingFields:
+    n = _get_int(body, "n")
+    if n is not None and n != 1:
+        raise _bad_value("n", f"only n=1 is supported, got {n}.")
+    # The later field in `max_tokens_fields` wins (max_completion_tokens replaces max_tokens).
+    max_tokens, max_tokens_param = None, "max_tokens"
+    for name in max_tokens_fields:
+        value = _get_int(body, name, minimum=1)
+        if value is not None:
+            max_tokens, max_tokens_param = value, name
+    top_k = _get_int(body, "top_k", minimum=-1)
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is None:
+        stop_token_ids = []
+    if not isinstance(stop_token_ids, list):
+        raise _wrong_type("stop_token_ids", "an array of integers", stop_token_ids)
+    for i, t in enumerate(stop_token_ids):
+        if not _is_int(t):
+            raise _wrong_type(f"stop_token_ids[{i}]", "an integer", t)
+        if t < 0:
+            raise _bad_value(f"stop_token_ids[{i}]", f"token ids are non-negative, got {t}.")
+    return SamplingFields(
+        max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
+        temperature=_get_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_get_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=0 if top_k is None or top_k == -1 else top_k,  # -1 and 0: no top-k (vLLM's convention)
+        seed=_get_int(body, "seed"),
+        stop=_parse_stop(body),
+        stop_token_ids=tuple(stop_token_ids),
+        ignore_eos=_get_bool(body, "ignore_eos", False),
+    )
+
+
+def _require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid(f"The request body must be a JSON object, but got {_type_name(body)}.")
+    return body
+
+
+def _parse_content(content: Any, param: str, role: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise _wrong_type(f"{param}[{i}]", "an object", part)
+            if part.get("type") != "text":
+                raise _bad_value(f"{param}[{i}].type", f"only 'text' content parts are supported, got {part.get('type')!r}.")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _wrong_type(f"{param}[{i}].text", "a string", text)
+            texts.append(text)
+        return "".join(texts)
+    raise _wrong_type(param, "a string or an array of content parts", content)
+
+
+def _parse_messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
+    if "messages" not in body or body["messages"] is None:
+        raise invalid("Missing required parameter: 'messages'.", "messages", "missing_required_parameter")
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise _wrong_type("messages", "an array", messages)
+    if not messages:
+        raise _bad_value("messages", "expected at least one message.")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise _wrong_type(f"messages[{i}]", "an object", msg)
+        role = msg.get("role")
+        if not isinstance(role, str):
+            raise _wrong_type(f"messages[{i}].role", "a string", role)
+        if role not in CHAT_ROLES:
+            raise _bad_value(f"messages[{i}].role", f"must be one of {', '.join(sorted(CHAT_ROLES))}; got {role!r}.")
+        if "content" not in msg and role != "assistant":
+            raise invalid(f"Missing required parameter: 'messages[{i}].content'.", f"messages[{i}].content",
+                          "missing_required_parameter")
+        out.append({"role": role, "content": _parse_content(msg.get("content"), f"messages[{i}].content", role)})
+    return tuple(out)
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Validate a decoded `/v1/chat/completions` JSON body."""
+    body = _require_object(body)
+    _check_fields(body, _CHAT_FIELDS)
+    model = _parse_model(body)
+    messages = _parse_messages(body)
+    stream, include_usage = _parse_stream(body)
+    sampling = _parse_sampling(body, ("max_tokens", "max_completion_tokens"))
+    return ChatRequest(model, messages, stream, include_usage, sampling)
+
+
+def _parse_prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
+    if "prompt" not in body or body["prompt"] is None:
+        raise invalid("Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter")
+    prompt = body["prompt"]
+    # One prompt wrapped in a list ([text] or [[ids]]) is the same prompt; more is a batch.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _bad_value("prompt", "the prompt must not be empty.")
+        return prompt
+    if isinstance(prompt, list):
+        if not prompt:
+            raise _bad_value("prompt", "the prompt must not be empty.")
+        if all(_is_int(t) for t in prompt):
+            return tuple(prompt)
+        if all(isinstance(p, (str, list)) for p in prompt):
+            raise _bad_value("prompt", f"batched prompts are not supported; send one prompt per request (got {len(prompt)}).")
+        raise _wrong_type("prompt", "a string or an array of token ids", prompt)
+    raise _wrong_type("prompt", "a string or an array of token ids", prompt)
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Validate a decoded `/v1/completions` JSON body."""
+    body = _require_object(body)
+    _check_fields(body, _COMPLETION_FIELDS)
+    model = _parse_model(body)
+    prompt = _parse_prompt(body)
+    stream, include_usage = _parse_stream(body)
+    sampling = _parse_sampling(body, ("max_tokens",))
+    return CompletionRequest(model, prompt, stream, include_usage, sampling)
+
+
+def check_token_ids(ids: tuple[int, ...], vocab_size: int, param: str = "prompt") -> None:
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise _bad_value(f"{param}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size}).")
+
+
+def resolve_sampling(
+    fields: SamplingFields,
+    num_prompt_tokens: int,
+    context_length: int,
+    default_max_tokens: int | None,
+    prompt_param: str,
+) -> SamplingParams:
+    """Check the context window and fix `max_tokens`.
+
+    A prompt that leaves no room for one generated token is refused. An explicit
+    `max_tokens` that does not fit beside the prompt is refused too (as OpenAI
+    does), never silently shortened; without one, generation may use
+    `default_max_tokens` (None: the whole rest of the context), clamped to fit.
+    """
+    room = context_length - num_prompt_tokens
+    if room < 1:
+        raise invalid(
+            f"This model's maximum context length is {context_length} tokens. However, your {prompt_param} "
+            f"resulted in {num_prompt_tokens} tokens, which leaves no room for a completion. "
+            f"Please reduce the length of the {prompt_param}.",
+            prompt_param, "context_length_exceeded")
+    if fields.max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif fields.max_tokens > room:
+        raise invalid(
+            f"This model's maximum context length is {context_length} tokens. However, you requested "
+            f"{num_prompt_tokens + fields.max_tokens} tokens ({num_prompt_tokens} in the {prompt_param}, "
+            f"{fields.max_tokens} in the completion). Please reduce the length of the {prompt_param} "
+            f"or completion.",
+            fields.max_tokens_param, "context_length_exceeded")
+    else:
+        max_tokens = fields.max_tokens
+    return SamplingParams(
+        temperature=fields.temperature,
+        top_p=fields.top_p,
+        top_k=fields.top_k,
+        seed=fields.seed,
+        max_tokens=max_tokens,
+        stop=fields.stop,
+        stop_token_ids=fields.stop_token_ids,
+        ignore_eos=fields.ignore_eos,
+    )

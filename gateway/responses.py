@@ -1,0 +1,126 @@
+"""Typed results -> OpenAI response JSON (objects, stream chunks, usage); pure functions.
+
+Shapes follow OpenAI's API reference: chat objects are "chat.completion" /
+"chat.completion.chunk", completions objects are "text_completion" in both modes.
+When a stream includes usage, every chunk carries `"usage": null` and one last
+chunk with empty `choices` carries the counts, as OpenAI sends it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class ResponseHead:
+    """What every object and chunk of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def chat_completion(head: ResponseHead, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    return {
+        "id": head.id,
+        "object": "chat.completion",
+        "created": head.created,
+        "model": head.model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }],
+        "usage": usage.to_json(),
+    }
+
+
+def chat_chunk(head: ResponseHead, delta: dict[str, str], finish_reason: str | None,
+               include_usage: bool) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": head.id,
+        "object": "chat.completion.chunk",
+        "created": head.created,
+        "model": head.model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def chat_usage_chunk(head: ResponseHead, usage: Usage) -> dict[str, Any]:
+    return {
+        "id": head.id,
+        "object": "chat.completion.chunk",
+        "created": head.created,
+        "model": head.model,
+        "choices": [],
+        "usage": usage.to_json(),
+    }
+
+
+def text_completion(head: ResponseHead, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    return {
+        "id": head.id,
+        "object": "text_completion",
+        "created": head.created,
+        "model": head.model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage.to_json(),
+    }
+
+
+def text_chunk(head: ResponseHead, text: str, finish_reason: str | None, include_usage: bool) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": head.id,
+        "object": "text_completion",
+        "created": head.created,
+        "model": head.model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def text_usage_chunk(head: ResponseHead, usage: Usage) -> dict[str, Any]:
+    return {
+        "id": head.id,
+        "object": "text_completion",
+        "created": head.created,
+        "model": head.model,
+        "choices": [],
+        "usage": usage.to_json(),
+    }
+
+
+def model_list(model: str, created: int, context_length: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(model, created, context_length)]}
+
+
+def model_card(model: str, created: int, context_length: int) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": created, "owned_by": "lamina",
+            "max_model_len": context_length}

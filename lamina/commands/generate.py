@@ -1,0 +1,58 @@
+"""`lamina generate`: one prompt through the local engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True, help="the prompt text (the user message with --chat)")
+    p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template")
+    p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help='print {"text", "token_ids"} as the last line')
+
+
+def run(args: argparse.Namespace) -> int:
+    from lamina.engine import Engine, SamplingParams
+    from model.errors import CheckpointError
+    from model.loader import load_model
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+        )
+    except ValueError as exc:
+        print(f"lamina generate: {exc}", file=sys.stderr)
+        return 2
+    try:
+        loaded = load_model(args.model)
+    except CheckpointError as exc:
+        print(f"lamina generate: cannot load model: {exc}", file=sys.stderr)
+        return 1
+    print(f"loaded {loaded.source.name} in {loaded.load_seconds:.1f} s"
+          f" ({'cached' if loaded.was_cached else 'converted once'})", file=sys.stderr)
+    tok = loaded.tokenizer
+    prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    engine = Engine(loaded)
+    start = time.perf_counter()
+    try:
+        (out,) = engine.generate([prompt_ids], params)
+    except ValueError as exc:
+        print(f"lamina generate: {exc}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - start
+    print(out.text)
+    print(f"{len(out.output_token_ids)} tokens in {elapsed:.2f} s, finish: {out.finish_reason}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.output_token_ids}))
+    return 0

@@ -1,0 +1,185 @@
+"""The local engine: requests in, tokens out, one step at a time.
+
+Owns the model's slices, the KV store and the queue. `step()` schedules a
+batch, runs it, samples one token per sequence and applies stop conditions.
+Not thread-safe: one owner drives it (the CLI, or an async wrapper's thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from lamina.engine.kv import KVStore
+from lamina.engine.sampling import SamplerState, SamplingParams, sample
+from lamina.engine.scheduler import SchedulerLimits, schedule
+from lamina.engine.sequence import Sequence, SequenceStatus
+from lamina.engine.step import StepBatch, run_step
+from model.llama import split_llama
+from model.loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_capacity_bytes: int = 2 << 30
+    limits: SchedulerLimits = field(default_factory=SchedulerLimits)
+    max_model_len: int | None = None  # defaults to the model's context length
+
+    def __post_init__(self) -> None:
+        if self.kv_capacity_bytes <= 0:
+            raise ValueError("kv_capacity_bytes must be positive")
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    seq_id: str
+    new_token_ids: list[int]  # tokens produced by this step
+    finish_reason: str | None  # None while running; "stop", "length" or "abort"
+    prompt_tokens: int
+    output_token_ids: list[int]  # all tokens so far
+    text: str | None = None  # the detokenized output once finished, cut at a stop string
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.loaded = loaded
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.split = split_llama(loaded.model)
+        self.kv = KVStore(loaded.config, self.config.kv_capacity_bytes)
+        self.max_model_len = self.config.max_model_len or loaded.config.max_position_embeddings
+        self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.sum_batch_size = 0
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> str:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; the model's context length is {self.max_model_len}"
+            )
+        seq_id = seq_id or f"seq-{next(self._ids)}"
+        if seq_id in self._by_id:
+            raise ValueError(f"duplicate request id {seq_id!r}")
+        seq = Sequence(seq_id, list(prompt_ids), params, SamplerState.for_params(params))
+        self._waiting.append(seq)
+        self._by_id[seq_id] = seq
+        return seq_id
+
+    def abort(self, seq_id: str) -> bool:
+        seq = self._by_id.pop(seq_id, None)
+        if seq is None:
+            return False
+        self._finish(seq, "abort")
+        return True
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    # -- stepping -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        def reserve(seq: Sequence, total: int) -> bool:
+            if not self.kv.can_reserve(seq.seq_id, total):
+                return False
+            self.kv.reserve(seq.seq_id, total)
+            return True
+
+        plan = schedule(self._running, self._waiting, self.config.limits, reserve)
+        for seq in plan.preempted:
+            # Lost its KV room: recompute from the prompt and what it generated so far.
+            self.kv.free(seq.seq_id)
+            seq.num_cached = 0
+            seq.status = SequenceStatus.WAITING
+            self._running.remove(seq)
+            self._waiting.appendleft(seq)
+        for seq in plan.admitted:
+            self._waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+        if plan.is_empty:
+            if self._waiting and not self._running:
+                seq = self._waiting.popleft()
+                self._by_id.pop(seq.seq_id, None)
+                self._finish(seq, "length")  # cannot fit even alone
+                return [self._output(seq, [])]
+            return []
+        batch = StepBatch.build(
+            [s.seq_id for s in plan.running], [s.next_input() for s in plan.running],
+            [s.num_cached for s in plan.running],
+        )
+        logits = run_step(self.split, self.kv, batch)
+        self.num_steps += 1
+        self.sum_batch_size += len(plan.running)
+        tokens = sample(logits, [s.params for s in plan.running], [s.sampler for s in plan.running])
+        outputs = []
+        for seq, tok, n in zip(plan.running, tokens, batch.query_lens):
+            seq.num_cached += n
+            seq.output_ids.append(tok)
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                self._by_id.pop(seq.seq_id, None)
+                self._finish(seq, reason)
+            outputs.append(self._output(seq, [tok]))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            return "stop"
+        if p.stop:
+            seq.text = self.tokenizer.decode(seq.output_ids)
+            for s in p.stop:
+                cut = seq.text.find(s)
+                if cut != -1:
+                    seq.text = seq.text[:cut]
+                    seq.stopped_by_string = True
+                    return "stop"
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if not seq.stopped_by_string:
+            seq.text = self.tokenizer.decode(seq.output_ids)
+        self.kv.free(seq.seq_id)
+        if seq in self._running:
+            self._running.remove(seq)
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+
+    @staticmethod
+    def _output(seq: Sequence, new: list[int]) -> RequestOutput:
+        return RequestOutput(
+            seq.seq_id, new, seq.finish_reason, len(seq.prompt_ids), list(seq.output_ids),
+            seq.text if seq.is_finished else None,
+        )
+
+    # -- convenience ----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts to completion; results in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_work():
+            for out in self.step():
+                if out.finish_reason is not None:
+                    final[out.seq_id] = out
+        return [final[i] for i in ids]

@@ -1,0 +1,83 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeds."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters.
+    A seed makes sampling reproducible per request, independent of batching.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class SamplerState:
+    """Per-request random state, so a seeded request samples the same tokens in any batch."""
+
+    generator: torch.Generator = field(default_factory=torch.Generator)
+
+    @classmethod
+    def for_params(cls, params: SamplingParams) -> SamplerState:
+        gen = torch.Generator()
+        if params.seed is not None:
+            gen.manual_seed(params.seed)
+        else:
+            gen.seed()
+        return cls(gen)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], states: Sequence[SamplerState]) -> list[int]:
+    """logits: [B, V] float32, one row per request. Returns B token ids."""
+    greedy = logits.argmax(dim=-1).tolist()
+    out: list[int] = []
+    for row, (p, st) in enumerate(zip(params, states)):
+        if p.is_greedy:
+            out.append(greedy[row])
+            continue
+        out.append(_sample_row(logits[row], p, st.generator))
+    return out
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+    scores = logits / p.temperature  # [V]
+    if p.top_k:
+        kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=gen).item())

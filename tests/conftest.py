@@ -1,0 +1,28 @@
+"""Shared fixtures: the real default model (loaded once per session)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TRACES_DIR = REPO_ROOT.parent / "shared" / "traces"
+
+
+@pytest.fixture(scope="session")
+def loaded_model():
+    from model.loader import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(loaded_model):
+    """transformers' own load of the same GGUF checkpoint, float32: the peer we must match."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = loaded_model.source
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()

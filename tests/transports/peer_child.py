@@ -1,0 +1,36 @@
+"""A real peer process for the kill tests: ``sender ADDRESS`` connects and streams large
+frames until killed; ``server ADDRESS`` listens, prints its address, receives one frame
+and then never answers."""
+
+import asyncio
+import sys
+
+import torch
+
+import transports
+from transports import Frame
+
+
+async def sender(address: str) -> None:
+    conn = await transports.connect(address)
+    print("connected", flush=True)
+    payload = torch.ones(32 << 20, dtype=torch.uint8)
+    while True:
+        await conn.send(Frame(1, {}, [payload]))
+
+
+async def server(address: str) -> None:
+    stop = asyncio.Event()
+
+    async def handler(conn) -> None:
+        await conn.recv()
+        await stop.wait()
+
+    listener = await transports.listen(address, handler)
+    print(listener.address, flush=True)
+    await stop.wait()
+
+
+if __name__ == "__main__":
+    mode, address = sys.argv[1], sys.argv[2]
+    asyncio.run(sender(address) if mode == "sender" else server(address))

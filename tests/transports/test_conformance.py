@@ -1,0 +1,323 @@
+"""Conformance suite: every transport the machine can run passes the same tests, over
+real sockets / shared memory / UCX endpoints and real peer processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import transports
+from transports import (
+    AuthError, Frame, FrameError, PeerClosed, TransportConfig, TransportTimeout,
+)
+from transports.frame import encode
+
+from transport_helpers import address_for, open_fds, transport_tasks
+
+pytestmark = pytest.mark.timeout(60)
+
+CHILD = os.path.join(os.path.dirname(__file__), "peer_child.py")
+
+
+async def echo(conn) -> None:
+    while True:
+        frame = await conn.recv()
+        await conn.send(frame)
+
+
+async def pair(address, handler=echo, server_config=None, client_config=None):
+    listener = await transports.listen(address, handler, server_config)
+    conn = await transports.connect(listener.address, client_config)
+    return listener, conn
+
+
+async def test_ordering(address):
+    listener, conn = await pair(address)
+    async with listener, conn:
+        for i in range(200):
+            await conn.send(Frame(7, {"seq": i}, [torch.tensor([i])]))
+        for i in range(200):
+            f = await conn.recv()
+            assert (f.kind, f.header["seq"], f.tensors[0].item()) == (7, i, i)
+
+
+@pytest.mark.parametrize("nbytes", [1, 1000, 1 << 20, 64 << 20])
+async def test_frame_sizes(address, nbytes):
+    listener, conn = await pair(address)
+    async with listener, conn:
+        payload = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        await conn.send(Frame(1, {"n": nbytes}, [payload]))
+        got = await conn.recv()
+        assert got.header == {"n": nbytes} and torch.equal(got.tensors[0], payload)
+
+
+async def test_many_small_frames_pipelined(address):
+    listener, conn = await pair(address)
+    n = 3000
+
+    async def produce():
+        for i in range(n):
+            await conn.send(Frame(2, {"i": i}, [b"x" * (i % 17)]))
+
+    async with listener, conn:
+        producer = asyncio.create_task(produce())
+        for i in range(n):
+            f = await conn.recv()
+            assert f.header["i"] == i and bytes(f.tensors[0]) == b"x" * (i % 17)
+        await producer
+
+
+async def test_many_concurrent_connections(address):
+    listener = await transports.listen(address, echo)
+
+    async def client(k: int) -> None:
+        async with await transports.connect(listener.address) as conn:
+            for i in range(20):
+                t = torch.full((k + 1, 3), float(i))
+                await conn.send(Frame(k, {"i": i}, [t]))
+                f = await conn.recv()
+                assert f.kind == k and f.header["i"] == i and torch.equal(f.tensors[0], t)
+
+    async with listener:
+        await asyncio.gather(*(client(k) for k in range(24)))
+
+
+async def test_dtypes_and_layouts(address):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tensors = [
+        base, base.t(), base[:, ::2], base.to(torch.float16), base.to(torch.bfloat16),
+        base.to(torch.float64), base.to(torch.int64), base.to(torch.int8), base > 10,
+        torch.complex(base, -base), base.to(torch.float8_e4m3fn), torch.tensor(3.5),
+        torch.empty(0, 5), torch.empty(2, 0, dtype=torch.int32),
+    ]
+    raw = bytearray(b"raw bytes")
+    listener, conn = await pair(address)
+    async with listener, conn:
+        await conn.send(Frame(3, {"nested": {"a": [1, 2.5, "s", None, b"b"]}}, tensors + [raw]))
+        f = await conn.recv()
+    assert f.header == {"nested": {"a": [1, 2.5, "s", None, b"b"]}}
+    for sent, got in zip(tensors, f.tensors):
+        assert got.dtype == sent.dtype and got.shape == sent.shape and got.is_contiguous()
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                           sent.contiguous().view(torch.uint8) if sent.dtype == torch.float8_e4m3fn else sent)
+    assert f.tensors[-1] == raw
+
+
+async def test_recv_into_preallocated(address):
+    listener, conn = await pair(address)
+    async with listener, conn:
+        src = torch.randn(64, 32)
+        out = torch.empty(64, 32)
+        await conn.send(Frame(1, {}, [src, b"abc"]))
+        f = await conn.recv(out=[out])
+        assert f.tensors[0] is out and torch.equal(out, src) and bytes(f.tensors[1]) == b"abc"
+        await conn.send(Frame(1, {}, [src]))
+        with pytest.raises(FrameError, match="out buffer"):
+            await conn.recv(out=[torch.empty(3)])
+
+
+async def test_corrupted_frame_closes_only_that_connection(scheme, address):
+    listener = await transports.listen(address, echo)
+    async with listener:
+        bad = await transports.connect(listener.address)
+        head, views = encode(Frame(1, {"k": "v"}, [torch.ones(4)]), checksum_payloads=False,
+                             max_frame_bytes=1 << 20)
+        corrupted = bytearray(head)
+        corrupted[-2] ^= 0xFF  # inside the msgpack header: caught by its crc
+        if scheme == "ucx":
+            await bad._write([memoryview(corrupted)[:32], memoryview(corrupted)[32:], views[0]])
+        else:
+            await bad._write([memoryview(corrupted), views[0]])
+        with pytest.raises(PeerClosed):  # the listener dropped this connection
+            await bad.recv(timeout=10)
+        await bad.close()
+        good = await transports.connect(listener.address)  # and still serves others
+        async with good:
+            await good.send(Frame(1, {}, [torch.ones(2)]))
+            assert torch.equal((await good.recv()).tensors[0], torch.ones(2))
+
+
+async def test_garbage_and_oversized_frames(scheme, address):
+    seen: list[BaseException] = []
+
+    async def handler(conn):
+        try:
+            await conn.recv()
+        except FrameError as exc:
+            seen.append(exc)
+            raise
+
+    small = TransportConfig(max_frame_bytes=1 << 20)
+    listener = await transports.listen(address, handler, small)
+    async with listener:
+        # Oversized: refused by the sender's own limit first...
+        async with await transports.connect(listener.address, small) as conn:
+            with pytest.raises(FrameError, match="max_frame_bytes"):
+                await conn.send(Frame(1, {}, [torch.zeros(2 << 20, dtype=torch.uint8)]))
+        # ...and by the receiver's when the sender allows more.
+        async with await transports.connect(listener.address) as conn:
+            await conn.send(Frame(1, {}, [torch.zeros(2 << 20, dtype=torch.uint8)]))
+            with pytest.raises(PeerClosed):
+                await conn.recv(timeout=10)
+        if scheme != "ucx":  # a byte stream: bytes that are no frame at all
+            async with await transports.connect(listener.address) as conn:
+                await conn._write([memoryview(b"GET / HTTP/1.1\r\n\r\n" + bytes(32))])
+                with pytest.raises(PeerClosed):
+                    await conn.recv(timeout=10)
+        deadline = time.monotonic() + 5
+        while len(seen) < (2 if scheme == "ucx" else 3) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    messages = " | ".join(str(e) for e in seen)
+    assert "max_frame_bytes" in messages
+    if scheme != "ucx":
+        assert "magic" in messages
+
+
+async def test_recv_timeout(scheme, address):
+    listener, conn = await pair(address, server_config=None,
+                                client_config=TransportConfig(recv_timeout=0.2))
+    async with listener, conn:
+        t0 = time.monotonic()
+        with pytest.raises(TransportTimeout):
+            await conn.recv()
+        assert time.monotonic() - t0 < 2
+        if scheme == "ucx":  # a posted UCX receive cannot be withdrawn: closed
+            assert conn.closed
+        else:  # timed out before the frame began: the connection is still usable
+            await conn.send(Frame(1, {"after": "timeout"}))
+            assert (await conn.recv()).header == {"after": "timeout"}
+
+
+async def test_backpressure_bounds_sender(scheme, address):
+    stalled = asyncio.Event()
+
+    async def never_reads(conn):
+        await stalled.wait()
+
+    cfg = TransportConfig(send_timeout=1.0, shm_ring_bytes=1 << 20, socket_buffer_bytes=1 << 20)
+    listener, conn = await pair(address, never_reads, cfg, cfg)
+    async with listener, conn:
+        payload = torch.zeros(4 << 20, dtype=torch.uint8)
+        sent = 0
+        with pytest.raises(TransportTimeout):
+            for _ in range(64):  # 256 MiB: far more than any transport buffer here
+                await conn.send(Frame(1, {}, [payload]))
+                sent += 1
+        assert sent < 16, f"{sent} frames of 4 MiB buffered for a receiver that never reads"
+        assert conn.closed  # a send cut mid-frame leaves no usable stream
+        stalled.set()
+
+
+async def test_auth(address):
+    token = TransportConfig(auth_token="cluster-secret")
+    listener = await transports.listen(address, echo, token)
+    async with listener:
+        with pytest.raises(AuthError):
+            await transports.connect(listener.address)
+        with pytest.raises(AuthError):
+            await transports.connect(listener.address, TransportConfig(auth_token="wrong"))
+        async with await transports.connect(listener.address, token) as conn:
+            await conn.send(Frame(1, {"ok": True}))
+            assert (await conn.recv()).header == {"ok": True}
+    # A client with a token refuses a server that cannot prove it knows the token.
+    open_listener = await transports.listen(address_for(address.split(":")[0]), echo)
+    async with open_listener:
+        with pytest.raises(AuthError):
+            await transports.connect(open_listener.address, token)
+
+
+def _spawn(*args) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, CHILD, *args], stdout=subprocess.PIPE, text=True, env=env)
+
+
+async def _readline(proc: subprocess.Popen) -> str:
+    return (await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)).strip()
+
+
+async def test_sender_killed_mid_frame(address):
+    errors: list[BaseException] = []
+    got_one = asyncio.Event()
+
+    async def handler(conn):
+        try:
+            while True:
+                await conn.recv()
+                got_one.set()
+        except BaseException as exc:
+            errors.append(exc)
+            raise
+
+    listener = await transports.listen(address, handler)
+    async with listener:
+        proc = _spawn("sender", listener.address)
+        try:
+            assert await _readline(proc) == "connected"
+            await asyncio.wait_for(got_one.wait(), 30)
+            proc.send_signal(signal.SIGKILL)
+            t0 = time.monotonic()
+            while not errors and time.monotonic() - t0 < 10:
+                await asyncio.sleep(0.01)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert errors and isinstance(errors[0], PeerClosed), errors
+        assert time.monotonic() - t0 < 5
+        async with await transports.connect(listener.address) as conn:  # still serving
+            await conn.send(Frame(1, {"alive": 1}))
+
+
+async def test_server_killed_while_client_waits(scheme):
+    proc = _spawn("server", address_for(scheme))
+    try:
+        address = await _readline(proc)
+        conn = await transports.connect(address)
+        await conn.send(Frame(1, {}, [torch.ones(3)]))
+        waiting = asyncio.create_task(conn.recv())
+        await asyncio.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(PeerClosed):
+            await asyncio.wait_for(waiting, 10)
+        assert time.monotonic() - t0 < 5
+        await conn.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_clean_shutdown_leaks_nothing(scheme, address):
+    async def round_trip():
+        blocked = asyncio.Event()
+
+        async def handler(conn):
+            await conn.send(await conn.recv())
+            blocked.set()
+            await conn.recv()  # cancelled by listener.close()
+
+        listener = await transports.listen(address_for(scheme), handler)
+        conn = await transports.connect(listener.address)
+        await conn.send(Frame(1, {}, [torch.ones(8)]))
+        await conn.recv()
+        await blocked.wait()
+        await listener.close()
+        with pytest.raises(PeerClosed):
+            await conn.recv(timeout=10)
+        await conn.close()
+        await conn.close()  # idempotent
+
+    await round_trip()  # first use may open a library's process-wide resources (UCX)
+    await asyncio.sleep(0.05)
+    fds = open_fds()
+    for _ in range(3):
+        await round_trip()
+    await asyncio.sleep(0.05)
+    assert transport_tasks() == []
+    assert open_fds() <= fds, f"fds leaked: {fds} -> {open_fds()}"

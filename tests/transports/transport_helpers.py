@@ -1,0 +1,32 @@
+"""Helpers of the transport conformance suite (imported by conftest and the tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+CONFORMANCE_SCHEMES = ["tcp", "shm", "ucx"]
+
+
+def address_for(scheme: str) -> str:
+    if scheme == "shm":
+        return f"shm://test-{uuid.uuid4().hex[:12]}"
+    return f"{scheme}://127.0.0.1:0"
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def transport_tasks() -> list[asyncio.Task]:
+    """Pending tasks created by the transports package (never the test's own)."""
+    current = asyncio.current_task()
+    out = []
+    for t in asyncio.all_tasks():
+        if t is current or t.done():
+            continue
+        code = getattr(t.get_coro(), "cr_code", None)
+        if code is not None and "/transports/" in code.co_filename:
+            out.append(t)
+    return out

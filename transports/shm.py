@@ -1,0 +1,376 @@
+"""Shared-memory transport for peers on one host (``shm://name``).
+
+Each connection maps one memfd holding two single-producer/single-consumer byte rings
+(one per direction); frames are copied into the ring by the sender and out of it,
+straight into the destination tensor, by the receiver. Frames larger than a ring are
+streamed through it in chunks, so both copies overlap.
+
+The connection's unix-domain socket (abstract namespace, derived from ``name``) carries
+the handshake, passes the memfd, and then serves as the doorbell: a side that finds its
+ring empty (or full) sets its waiting flag, re-checks, and sleeps on the socket; the
+other side writes one byte when it sees the flag. The socket also reports a vanished
+peer (EOF) at once. Ring layout: 256-byte control block (head @0, tail @64,
+reader_waiting @128, writer_waiting @192, u64 each; head/tail count bytes ever
+written/read) followed by the data area.
+
+Memory ordering: the flag protocol relies on x86-like ordering of Python's aligned 8-byte
+stores; a store-load reordering could lose one wake-up, so every sleep is bounded
+(``_SAFETY_S``) and re-checks the ring, which turns such a loss into a short delay, never
+a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import os
+import socket
+import struct
+
+from .base import Handler, Listener, StreamConnection, Transport, split_address, with_timeout
+from .config import TransportConfig
+from .errors import FrameError, PeerClosed, TransportError
+from .handshake import client_handshake, server_handshake
+
+log = logging.getLogger(__name__)
+
+_CTRL = 256
+_HEAD, _TAIL, _READER_WAITING, _WRITER_WAITING = 0, 8, 16, 24  # u64 indices
+_SAFETY_S = 0.02
+_MAX_RING = 1 << 30
+_SETUP = struct.Struct("<Q")
+
+
+def socket_address(name: str) -> str:
+    if not name or "/" in name or len(name) > 90:
+        raise ValueError(f"shm address needs a name without '/' of at most 90 characters, got {name!r}")
+    return f"\0lamina-shm/{name}"
+
+
+class _Ring:
+    """One direction: control words and the data area inside the shared mapping."""
+
+    def __init__(self, base: memoryview, offset: int, size: int) -> None:
+        self.ctrl = base[offset:offset + _CTRL].cast("Q")
+        self.data = base[offset + _CTRL:offset + _CTRL + size]
+        self.size = size
+
+    def release(self) -> None:
+        self.ctrl.release()
+        self.data.release()
+
+
+class ShmConnection(StreamConnection):
+    def __init__(self, sock: socket.socket, mm: mmap.mmap, ring_bytes: int, is_client: bool,
+                 config: TransportConfig, peer: str) -> None:
+        super().__init__(config)
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._mm = mm
+        self._base = memoryview(mm)
+        first = _Ring(self._base, 0, ring_bytes)
+        second = _Ring(self._base, _CTRL + ring_bytes, ring_bytes)
+        # The client writes the first ring and reads the second.
+        self._out, self._in = (first, second) if is_client else (second, first)
+        self._chunk = max(ring_bytes // 4, 4096)
+        self._peer = peer
+        self._loop = asyncio.get_running_loop()
+        self._waiters: list[asyncio.Future] = []
+        self._watching = False
+        self._eof = False
+
+    @property
+    def peer(self) -> str:
+        return self._peer
+
+    # ------------------------------------------------------------------ doorbell
+    def _ring_bell(self) -> None:
+        try:
+            self._sock.send(b"\x01")
+        except BlockingIOError:
+            pass  # unread doorbell bytes are already waiting: the peer will wake
+        except OSError:
+            self._eof = True  # peer gone; the next wait reports it
+
+    def _on_bell(self) -> None:
+        try:
+            data = self._sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._eof = True
+        self._unwatch()
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _unwatch(self) -> None:
+        if self._watching:
+            self._loop.remove_reader(self._fd)
+            self._watching = False
+
+    async def _sleep(self) -> None:
+        """Wait for a doorbell byte, the peer's EOF, or the safety timeout."""
+        fut = self._loop.create_future()
+        self._waiters.append(fut)
+        if not self._watching:
+            self._loop.add_reader(self._fd, self._on_bell)
+            self._watching = True
+        timer = self._loop.call_later(_SAFETY_S, _wake, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+
+    def _gone(self, first: bool, got: int, need: int) -> PeerClosed:
+        if first and got == 0:
+            return PeerClosed(f"peer {self._peer} closed the connection")
+        return PeerClosed(f"peer {self._peer} closed the connection in the middle of a frame "
+                          f"(truncated: {got} of {need} bytes of a read)")
+
+    # ------------------------------------------------------------------ byte stream
+    async def _read_exact(self, view: memoryview, *, first: bool = False) -> None:
+        ring = self._in
+        ctrl, data, size = ring.ctrl, ring.data, ring.size
+        need = view.nbytes
+        pos = 0
+        while pos < need:
+            if self._closed:
+                raise PeerClosed(f"connection to {self._peer} is closed")
+            tail = ctrl[_TAIL]
+            avail = ctrl[_HEAD] - tail
+            if avail == 0:
+                ctrl[_READER_WAITING] = 1
+                if ctrl[_HEAD] == tail:
+                    if self._eof:
+                        ctrl[_READER_WAITING] = 0
+                        raise self._gone(first, pos, need)
+                    await self._sleep()
+                ctrl[_READER_WAITING] = 0
+                continue
+            k = min(avail, need - pos)
+            start = tail % size
+            first_part = min(k, size - start)
+            view[pos:pos + first_part] = data[start:start + first_part]
+            if k > first_part:
+                view[pos + first_part:pos + k] = data[:k - first_part]
+            ctrl[_TAIL] = tail + k
+            pos += k
+            if ctrl[_WRITER_WAITING]:
+                self._ring_bell()
+
+    async def _write(self, views: list[memoryview]) -> None:
+        ring = self._out
+        ctrl, data, size = ring.ctrl, ring.data, ring.size
+        for view in views:
+            n = view.nbytes
+            pos = 0
+            while pos < n:
+                if self._closed:
+                    raise PeerClosed(f"connection to {self._peer} is closed")
+                head = ctrl[_HEAD]
+                space = size - (head - ctrl[_TAIL])
+                if space == 0:
+                    ctrl[_WRITER_WAITING] = 1
+                    if size - (head - ctrl[_TAIL]) == 0:
+                        if self._eof:
+                            ctrl[_WRITER_WAITING] = 0
+                            raise PeerClosed(f"peer {self._peer} closed the connection")
+                        await self._sleep()
+                    ctrl[_WRITER_WAITING] = 0
+                    continue
+                if self._eof:
+                    raise PeerClosed(f"peer {self._peer} closed the connection")
+                k = min(space, n - pos, self._chunk)
+                start = head % size
+                first_part = min(k, size - start)
+                data[start:start + first_part] = view[pos:pos + first_part]
+                if k > first_part:
+                    data[:k - first_part] = view[pos + first_part:pos + k]
+                ctrl[_HEAD] = head + k
+                pos += k
+                if ctrl[_READER_WAITING]:
+                    self._ring_bell()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._unwatch()
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_exception(PeerClosed(f"connection to {self._peer} was closed"))
+        self._sock.close()  # the peer sees EOF on its doorbell
+        await asyncio.sleep(0)  # let woken readers/writers drop their ring views
+        self._out.release()
+        self._in.release()
+        self._base.release()
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still referenced somewhere; the GC unmaps it
+            log.debug("shared-memory ring of %s still referenced at close", self._peer)
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def _recv_exact(loop, sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await loop.sock_recv(sock, n - len(buf))
+        if not chunk:
+            raise PeerClosed("peer closed the connection during the handshake")
+        buf += chunk
+    return bytes(buf)
+
+
+async def _recv_fds(loop, sock: socket.socket) -> tuple[bytes, list[int]]:
+    while True:
+        try:
+            return socket.recv_fds(sock, _SETUP.size, 1)[:2]
+        except BlockingIOError:
+            fut = loop.create_future()
+            loop.add_reader(sock.fileno(), _wake, fut)
+            try:
+                await fut
+            finally:
+                loop.remove_reader(sock.fileno())
+
+
+def _map(fd: int, ring_bytes: int) -> mmap.mmap:
+    try:
+        return mmap.mmap(fd, 2 * (_CTRL + ring_bytes))
+    finally:
+        os.close(fd)
+
+
+class ShmListener(Listener):
+    def __init__(self, sock: socket.socket, name: str, config: TransportConfig, handler: Handler | None) -> None:
+        super().__init__(config, handler)
+        self._sock = sock
+        self._address = f"shm://{name}"
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        n = 0
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._sock)
+            except OSError as exc:
+                log.warning("accept on %s failed: %s", self._address, exc)
+                await asyncio.sleep(0.1)
+                continue
+            n += 1
+            self._spawn(self._setup(sock, f"{self._address}#{n}"))
+
+    async def _setup(self, sock: socket.socket, peer: str) -> None:
+        loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        try:
+            async def setup() -> ShmConnection:
+                await server_handshake(lambda b: loop.sock_sendall(sock, b),
+                                       lambda n: _recv_exact(loop, sock, n), self.config.auth_token)
+                msg, fds = await _recv_fds(loop, sock)
+                if len(msg) != _SETUP.size or len(fds) != 1:
+                    for fd in fds:
+                        os.close(fd)
+                    raise FrameError("bad shared-memory setup message")
+                (ring_bytes,) = _SETUP.unpack(msg)
+                fd = fds[0]
+                if (not 64 * 1024 <= ring_bytes <= _MAX_RING or ring_bytes % 4096
+                        or os.fstat(fd).st_size != 2 * (_CTRL + ring_bytes)):
+                    os.close(fd)
+                    raise FrameError(f"bad shared-memory ring size {ring_bytes}")
+                mm = _map(fd, ring_bytes)
+                await loop.sock_sendall(sock, b"A")
+                return ShmConnection(sock, mm, ring_bytes, False, self.config, peer)
+            conn = await with_timeout(setup(), self.config.handshake_timeout, f"handshake with {peer}")
+        except (TransportError, OSError) as exc:
+            log.warning("refused connection on %s: %s", self._address, exc)
+            sock.close()
+            return
+        except BaseException:
+            sock.close()
+            raise
+        self._deliver(conn)
+
+    async def _stop_accepting(self) -> None:
+        self._accept_task.cancel()
+        await asyncio.gather(self._accept_task, return_exceptions=True)
+        self._sock.close()
+
+
+class ShmTransport(Transport):
+    scheme = "shm"
+
+    @classmethod
+    def availability(cls) -> str | None:
+        if not hasattr(os, "memfd_create") or not hasattr(socket, "send_fds"):
+            return "needs Linux memfd_create and SCM_RIGHTS (socket.send_fds)"
+        return None
+
+    async def listen(self, address: str, handler: Handler | None, config: TransportConfig) -> ShmListener:
+        name = split_address(address)[1]
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(socket_address(name))
+            sock.listen(1024)
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            raise TransportError(f"cannot listen on {address}: {exc}") from exc
+        return ShmListener(sock, name, config, handler)
+
+    async def connect(self, address: str, config: TransportConfig) -> ShmConnection:
+        name = split_address(address)[1]
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await with_timeout(loop.sock_connect(sock, socket_address(name)), config.connect_timeout,
+                               f"connect to {address}")
+        except OSError as exc:
+            sock.close()
+            raise PeerClosed(f"cannot connect to {address}: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+
+        async def setup() -> ShmConnection:
+            await client_handshake(lambda b: loop.sock_sendall(sock, b),
+                                   lambda n: _recv_exact(loop, sock, n), config.auth_token)
+            ring_bytes = config.shm_ring_bytes
+            fd = os.memfd_create(f"lamina-shm-{name}", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, 2 * (_CTRL + ring_bytes))
+                socket.send_fds(sock, [_SETUP.pack(ring_bytes)], [fd])
+                mm = mmap.mmap(fd, 2 * (_CTRL + ring_bytes))
+            finally:
+                os.close(fd)
+            try:
+                if await _recv_exact(loop, sock, 1) != b"A":
+                    raise FrameError("server refused the shared-memory ring")
+            except BaseException:
+                mm.close()
+                raise
+            return ShmConnection(sock, mm, ring_bytes, True, config, address)
+
+        try:
+            return await with_timeout(setup(), config.handshake_timeout, f"handshake with {address}")
+        except BaseException:
+            sock.close()
+            raise

@@ -1,0 +1,172 @@
+"""UCX transport through ``ucxx`` (``ucx://host:port``).
+
+UCX picks the wire (``UCX_TLS``): tcp and shared memory on these machines, RDMA and GPU
+memory on a cluster whose UCX is built for them. ``ucxx`` is imported only when this
+transport is used. A frame is sent as tagged messages on the endpoint: the 32-byte
+preamble, the header, then one message per non-empty payload buffer, each received
+straight into its destination buffer.
+
+On UCX a receive that times out or is cancelled closes the connection: the posted
+UCX receive cannot be withdrawn, so the message stream could not be trusted afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import os
+
+from .base import Handler, Listener, StreamConnection, Transport, parse_host_port, with_timeout
+from .config import TransportConfig
+from .errors import FrameError, PeerClosed, TransportError
+from .frame import PREAMBLE_SIZE, Frame, encode
+from .handshake import client_handshake, server_handshake
+
+log = logging.getLogger(__name__)
+
+
+def _ucxx(config: TransportConfig):
+    if config.ucx_tls is not None:
+        os.environ["UCX_TLS"] = config.ucx_tls  # read by UCX when it first initializes
+    import ucxx
+    return ucxx
+
+
+def _translate(exc: BaseException, peer: str) -> TransportError:
+    name = type(exc).__name__
+    if "Truncated" in name or "MessageTruncated" in str(exc):
+        return FrameError(f"UCX message from {peer} does not fit the frame's buffer: {exc}")
+    return PeerClosed(f"UCX connection to {peer} failed: {name}: {exc}")
+
+
+class UcxConnection(StreamConnection):
+    def __init__(self, ep, config: TransportConfig, peer: str) -> None:
+        super().__init__(config)
+        self._ep = ep
+        self._peer = peer
+
+    @property
+    def peer(self) -> str:
+        return self._peer
+
+    def _mid_frame(self) -> bool:
+        return True
+
+    async def _send_frame(self, frame: Frame) -> None:
+        head, views = encode(frame, checksum_payloads=self.config.checksum_payloads,
+                             max_frame_bytes=self.config.max_frame_bytes)
+        mv = memoryview(head)
+        try:
+            await self._write([mv[:PREAMBLE_SIZE], mv[PREAMBLE_SIZE:]] + [v for v in views if v.nbytes])
+        except BaseException:
+            await self._abort("send interrupted in the middle of a frame")
+            raise
+
+    async def _write(self, views: list[memoryview]) -> None:
+        for v in views:
+            if self._closed:
+                raise PeerClosed(f"connection to {self._peer} is closed")
+            try:
+                await self._ep.send(v)
+            except (asyncio.CancelledError, TransportError):
+                raise
+            except Exception as exc:
+                raise _translate(exc, self._peer) from exc
+
+    async def _read_exact(self, view: memoryview, *, first: bool = False) -> None:
+        if self._closed:
+            raise PeerClosed(f"connection to {self._peer} is closed")
+        try:
+            await self._ep.recv(view)
+        except (asyncio.CancelledError, TransportError):
+            raise
+        except Exception as exc:
+            raise _translate(exc, self._peer) from exc
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._ep.close()
+        except Exception as exc:  # the peer may already be gone
+            log.debug("closing UCX endpoint to %s: %s", self._peer, exc)
+
+    async def _send_raw(self, data: bytes) -> None:
+        await self._write([memoryview(data)])
+
+    async def _recv_raw(self, n: int) -> bytes:
+        buf = bytearray(n)
+        await self._read_exact(memoryview(buf))
+        return bytes(buf)
+
+
+class UcxListener(Listener):
+    def __init__(self, ucxx, host: str, port: int, config: TransportConfig, handler: Handler | None) -> None:
+        super().__init__(config, handler)
+        self._listener = ucxx.create_listener(self._on_endpoint, port=port)
+        if host in ("0.0.0.0", "", "::"):
+            host = ucxx.get_address()
+        self._address = f"ucx://{host}:{self._listener.port}"
+        self._count = 0
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    async def _on_endpoint(self, ep) -> None:
+        if self._closed:
+            await ep.close()
+            return
+        self._count += 1
+        conn = UcxConnection(ep, self.config, f"{self._address}#{self._count}")
+        try:
+            await with_timeout(server_handshake(conn._send_raw, conn._recv_raw, self.config.auth_token),
+                               self.config.handshake_timeout, f"handshake with {conn.peer}")
+        except (TransportError, OSError) as exc:
+            log.warning("refused connection on %s: %s", self._address, exc)
+            await conn.close()
+            return
+        self._deliver(conn)
+
+    async def _stop_accepting(self) -> None:
+        self._listener.close()
+
+
+class UcxTransport(Transport):
+    scheme = "ucx"
+
+    @classmethod
+    def availability(cls) -> str | None:
+        if importlib.util.find_spec("ucxx") is None:
+            return "ucxx is not installed (pip install 'lamina[ucx]', i.e. ucxx-cu12)"
+        return None
+
+    async def listen(self, address: str, handler: Handler | None, config: TransportConfig) -> UcxListener:
+        host, port = parse_host_port(address)
+        ucxx = _ucxx(config)
+        try:
+            return UcxListener(ucxx, host, port, config, handler)
+        except Exception as exc:
+            raise TransportError(f"cannot listen on {address}: {exc}") from exc
+
+    async def connect(self, address: str, config: TransportConfig) -> UcxConnection:
+        host, port = parse_host_port(address)
+        ucxx = _ucxx(config)
+        try:
+            ep = await with_timeout(
+                ucxx.create_endpoint(host, port, connect_timeout=config.connect_timeout or 5.0),
+                config.connect_timeout, f"connect to {address}")
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise PeerClosed(f"cannot connect to {address}: {exc}") from exc
+        conn = UcxConnection(ep, config, f"{host}:{port}")
+        try:
+            await with_timeout(client_handshake(conn._send_raw, conn._recv_raw, config.auth_token),
+                               config.handshake_timeout, f"handshake with {address}")
+        except BaseException:
+            await conn.close()
+            raise
+        return conn
