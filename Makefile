@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 PYTEST_ARGS ?=
 
-.PHONY: run test install bench clean
+.PHONY: run test install bench clean csrc
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+
+# FHBN's CUDA library (needs nvcc: the dev extra installs it from PyPI; no GPU needed).
+csrc: $(STAMP)
+	$(BIN)/python -m transports.fhbn build build
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -16,8 +16,8 @@ class GatewayConfig:
     max_queue: int | None = None
     # The name clients use for the model (in /v1/models and the `model` field); None: the model's own name.
     served_model_name: str | None = None
-    # Tokens generated when a request gives no max_tokens; None: the rest of the context window.
-    # Completions requests without max_tokens always default to 16, as OpenAI's do.
+    # Tokens generated when a chat request gives no max_tokens; None: the rest of the context window.
+    # Completions requests without max_tokens get the smaller of this and 16 (OpenAI's default).
     default_max_tokens: int | None = None
     # Seconds that in-flight requests get to finish after shutdown starts, before they are cut.
     shutdown_timeout: float = 5.0

@@ -69,8 +69,13 @@ class Generation:
 
     async def __aenter__(self) -> Generation:
         rid = self.request.request_id
-        self._events = await self._backend.generate(self.request)
+        # Journal first: the backend may need the entry as soon as it has admitted the request.
         self._journal.begin(rid, self.request.prompt_token_ids)
+        try:
+            self._events = await self._backend.generate(self.request)
+        except BaseException:
+            self._journal.end(rid)
+            raise
         self._metrics.prompt_tokens.inc(self.num_prompt_tokens)
         self._metrics.requests_in_flight.inc()
         return self
@@ -112,13 +117,14 @@ class Generation:
             if len(ids) >= room:
                 ids = ids[:room]
                 reason = reason or "length"
-            self._journal.extend(rid, ids)
-            if self._last_event is None:
-                self._metrics.time_to_first_token.observe(now - self._start)
-                self._metrics.observe_tokens(len(ids), None)
-            else:
-                self._metrics.observe_tokens(len(ids), now - self._last_event)
-            self._last_event = now
+            if ids:
+                self._journal.extend(rid, ids)
+                if self._last_event is None:
+                    self._metrics.time_to_first_token.observe(now - self._start)
+                    self._metrics.observe_tokens(len(ids), None)
+                else:
+                    self._metrics.observe_tokens(len(ids), now - self._last_event)
+                self._last_event = now
             text = self._output.add(ids, reason)
             if self._output.stopped:
                 reason = "stop"

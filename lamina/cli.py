@@ -14,7 +14,28 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("lamina.commands.generate", "generate text with the local engine"),
+    "up": ("lamina.commands.up", "start the whole stack: Redis, every service, the OpenAI API"),
+    "gateway": ("lamina.commands.gateway", "the OpenAI-compatible HTTP/SSE gateway"),
+    "scheduler": ("lamina.commands.scheduler", "the scheduler (continuous batching, KV placement)"),
+    "prefill": ("lamina.commands.prefill", "a prefill worker"),
+    "model": ("lamina.commands.model", "a model-slice worker"),
+    "attention": ("lamina.commands.attention", "an attention worker"),
 }
+
+
+def _entry(name: str):
+    def entry() -> int:
+        return main([name, *sys.argv[1:]])
+
+    return entry
+
+
+gateway_main = _entry("gateway")
+scheduler_main = _entry("scheduler")
+prefill_main = _entry("prefill")
+model_main = _entry("model")
+attention_main = _entry("attention")
+up_main = _entry("up")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -151,23 +151,38 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: Path, 
     return model.to(dtype).eval().requires_grad_(False)
 
 
-def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct)."""
-    start = time.perf_counter()
+def resolve_checkpoint(path: str | Path | None = None) -> tuple[Path, Path, bool]:
+    """(source, Hugging Face-layout directory, was_cached): converts a GGUF file once."""
     source = Path(path) if path is not None else default_model_path()
     if not source.exists():
         raise CheckpointError(source, "no such file or directory")
-    was_cached = True
-    if source.is_file():
-        if source.suffix != ".gguf":
-            raise CheckpointError(source, "expected a .gguf file or a Hugging Face checkpoint directory")
-        weights_dir = _cache_dir_for(source)
-        if not (weights_dir / _CACHE_MARKER).is_file():
-            log.info("converting %s into %s (once)", source, weights_dir)
-            convert_gguf(source, weights_dir)
-            was_cached = False
-    else:
-        weights_dir = source
+    if not source.is_file():
+        return source, source, True
+    if source.suffix != ".gguf":
+        raise CheckpointError(source, "expected a .gguf file or a Hugging Face checkpoint directory")
+    weights_dir = _cache_dir_for(source)
+    if (weights_dir / _CACHE_MARKER).is_file():
+        return source, weights_dir, True
+    log.info("converting %s into %s (once)", source, weights_dir)
+    convert_gguf(source, weights_dir)
+    return source, weights_dir, False
+
+
+def load_config(path: str | Path | None = None) -> ModelConfig:
+    """Only the model's configuration (services that hold no weights need no more)."""
+    return read_hf_config(resolve_checkpoint(path)[1])
+
+
+def load_tokenizer(path: str | Path | None = None) -> tuple[Tokenizer, ModelConfig]:
+    weights_dir = resolve_checkpoint(path)[1]
+    cfg = read_hf_config(weights_dir)
+    return Tokenizer.from_dir(weights_dir, cfg), cfg
+
+
+def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct)."""
+    start = time.perf_counter()
+    source, weights_dir, was_cached = resolve_checkpoint(path)
     cfg = read_hf_config(weights_dir)
     state = read_hf_weights(weights_dir)
     model = build_model(cfg, state, weights_dir, dtype)

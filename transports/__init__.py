@@ -1,6 +1,7 @@
 """One interface for frames of tensors between services; the implementation is chosen by
-the address's scheme: ``tcp://host:port`` (default), ``shm://name``, ``ucx://host:port``,
-``rdma://device/port/host:tcp_port`` and ``fhbn://device/port/host:tcp_port``.
+the address's scheme: ``tcp://host:port`` (default), ``shm://name`` and
+``ucx://host:port``. ``transports.rdma`` (verbs) and ``transports.fhbn`` (CUDA) hold the
+RDMA data path's building blocks.
 
     listener = await transports.listen("tcp://0.0.0.0:0", handler, config)
     conn = await transports.connect(listener.address, config)

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lamina.engine.kv import KVStore
-from lamina.engine.sampling import SamplerState, SamplingParams, sample
+from lamina.engine.sampling import SamplingParams, new_seed, sample
 from lamina.engine.scheduler import SchedulerLimits, schedule
 from lamina.engine.sequence import Sequence, SequenceStatus
 from lamina.engine.step import StepBatch, run_step
@@ -69,7 +69,8 @@ class Engine:
         seq_id = seq_id or f"seq-{next(self._ids)}"
         if seq_id in self._by_id:
             raise ValueError(f"duplicate request id {seq_id!r}")
-        seq = Sequence(seq_id, list(prompt_ids), params, SamplerState.for_params(params))
+        seed = params.seed if params.seed is not None else new_seed()
+        seq = Sequence(seq_id, list(prompt_ids), params, seed)
         self._waiting.append(seq)
         self._by_id[seq_id] = seq
         return seq_id
@@ -126,7 +127,8 @@ class Engine:
         logits = run_step(self.split, self.kv, batch)
         self.num_steps += 1
         self.sum_batch_size += len(plan.running)
-        tokens = sample(logits, [s.params for s in plan.running], [s.sampler for s in plan.running])
+        tokens = sample(logits, [s.params for s in plan.running], [s.seed for s in plan.running],
+                        [len(s.output_ids) for s in plan.running])
         outputs = []
         for seq, tok, n in zip(plan.running, tokens, batch.query_lens):
             seq.num_cached += n

@@ -17,10 +17,11 @@ class KVCapacityError(RuntimeError):
 
 
 class SequenceKV:
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, num_kv_heads: int) -> None:
         self._cfg = cfg
         self._dtype = dtype
         self._chunk = chunk_tokens
+        self._num_kv_heads = num_kv_heads
         self.length = 0  # tokens whose K, V are stored in every layer
         self.buf = torch.empty(0)
 
@@ -34,7 +35,7 @@ class SequenceKV:
             return 0
         cap = -(-num_tokens // self._chunk) * self._chunk
         c = self._cfg
-        new = torch.empty(c.num_layers, 2, cap, c.num_kv_heads, c.head_dim, dtype=self._dtype)
+        new = torch.empty(c.num_layers, 2, cap, self._num_kv_heads, c.head_dim, dtype=self._dtype)
         old_bytes = self.buf.numel() * self.buf.element_size()
         if self.length:
             new[:, :, : self.length] = self.buf[:, :, : self.length]
@@ -53,17 +54,23 @@ class SequenceKV:
 
 
 class KVStore:
-    """All sequences' KV, bounded in bytes."""
+    """All sequences' KV, bounded in bytes.
+
+    `num_kv_heads` is the number of KV heads stored per token: all of the model's,
+    or an attention worker's share under head-level partitioning.
+    """
 
     def __init__(self, cfg: ModelConfig, capacity_bytes: int, dtype: torch.dtype = torch.float32,
-                 chunk_tokens: int = 64) -> None:
+                 chunk_tokens: int = 64, num_kv_heads: int | None = None) -> None:
         self.cfg = cfg
+        self.num_kv_heads = num_kv_heads or cfg.num_kv_heads
         self.capacity_bytes = capacity_bytes
         self.dtype = dtype
         self.chunk_tokens = chunk_tokens
         self.used_bytes = 0
         self._seqs: dict[str, SequenceKV] = {}
-        self.bytes_per_token = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_token = 2 * cfg.num_layers * self.num_kv_heads * cfg.head_dim * elem
 
     def can_reserve(self, seq_id: str, num_tokens: int) -> bool:
         have = self._seqs[seq_id].capacity if seq_id in self._seqs else 0
@@ -73,7 +80,8 @@ class KVStore:
     def reserve(self, seq_id: str, num_tokens: int) -> SequenceKV:
         if not self.can_reserve(seq_id, num_tokens):
             raise KVCapacityError(f"KV store full: {self.used_bytes} of {self.capacity_bytes} bytes used")
-        seq = self._seqs.setdefault(seq_id, SequenceKV(self.cfg, self.dtype, self.chunk_tokens))
+        seq = self._seqs.get(seq_id) or self._seqs.setdefault(
+            seq_id, SequenceKV(self.cfg, self.dtype, self.chunk_tokens, self.num_kv_heads))
         self.used_bytes += seq.reserve(num_tokens)
         return seq
 
@@ -85,6 +93,13 @@ class KVStore:
         if seq is not None:
             self.used_bytes -= seq.nbytes()
 
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
     @property
     def num_sequences(self) -> int:
         return len(self._seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self._seqs.values())

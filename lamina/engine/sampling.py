@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -40,31 +40,33 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@dataclass
-class SamplerState:
-    """Per-request random state, so a seeded request samples the same tokens in any batch."""
-
-    generator: torch.Generator = field(default_factory=torch.Generator)
-
-    @classmethod
-    def for_params(cls, params: SamplingParams) -> SamplerState:
-        gen = torch.Generator()
-        if params.seed is not None:
-            gen.manual_seed(params.seed)
-        else:
-            gen.seed()
-        return cls(gen)
+def new_seed() -> int:
+    """A random 63-bit seed for a request that did not ask for one."""
+    return int(torch.randint(0, 2**63 - 1, (1,)).item())
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], states: Sequence[SamplerState]) -> list[int]:
-    """logits: [B, V] float32, one row per request. Returns B token ids."""
+def _generator(seed: int, index: int) -> torch.Generator:
+    # Each sampled token gets its own generator derived from (request seed, token
+    # index): sampling is then independent of batching and of which service samples
+    # (prefill samples the first token, the model worker the rest).
+    gen = torch.Generator()
+    gen.manual_seed((seed * 1_000_003 + index) % (2**63))
+    return gen
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
+           indices: Sequence[int]) -> list[int]:
+    """logits: [B, V] float32, one row per request; seeds and output indices per row.
+
+    Returns B token ids.
+    """
     greedy = logits.argmax(dim=-1).tolist()
     out: list[int] = []
-    for row, (p, st) in enumerate(zip(params, states)):
+    for row, (p, seed, index) in enumerate(zip(params, seeds, indices)):
         if p.is_greedy:
             out.append(greedy[row])
-            continue
-        out.append(_sample_row(logits[row], p, st.generator))
+        else:
+            out.append(_sample_row(logits[row], p, _generator(seed, index)))
     return out
 
 

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from lamina.engine.sampling import SamplerState, SamplingParams
+from lamina.engine.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -20,7 +20,7 @@ class Sequence:
     seq_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    sampler: SamplerState
+    seed: int  # the request's seed, or a random one
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

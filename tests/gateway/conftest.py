@@ -1,29 +1,11 @@
-"""Fixtures for the gateway tests: the real SmolLM2 tokenizer and a scripted backend.
-
-The backend is not a mock of anything we own: it is a small, real implementation
-of the `Backend` protocol that replays a fixed token sequence, so the HTTP tests
-exercise the gateway end to end with the official OpenAI client.
-"""
+"""Fixtures for the gateway tests: the real SmolLM2 tokenizer and scripted backends."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator
-
 import pytest
 
-from gateway.app import create_app, start_server
-from gateway.backend import BackendError, BackendStats, QueueFullError
-from gateway.config import GatewayConfig
-from gateway.journal import RequestJournal
-from gateway.protocol import GenerateRequest, TokenEvent
+from gateway_helpers import SCRIPT_TEXT, ScriptedBackend
 from model.tokenizer import Tokenizer
-
-MODEL = "smollm2-135m-instruct"
-CONTEXT = 512
-# What the scripted backend "generates" (then EOS).
-SCRIPT_TEXT = "The capital of France is Paris. It is known for the Eiffel Tower and fine café culture."
 
 
 @pytest.fixture(scope="session")
@@ -31,74 +13,6 @@ def tokenizer() -> Tokenizer:
     from model.loader import load_model
 
     return load_model().tokenizer
-
-
-class ScriptedBackend:
-    """Replays `tokens` (then EOS, finish "stop"), `chunk` tokens per event.
-
-    `stall_after`: after that many tokens, wait for `release` permits, one per event
-    (a permit of None ends the wait forever: the stream then waits until cancelled).
-    `fail_after`: raise BackendError after that many tokens. `queue_full`: refuse
-    admission. `abort` records the id after an await, so a test can tell that the
-    gateway awaited it and did not just create the coroutine.
-    """
-
-    def __init__(self, tokens: list[int], eos: int, *, chunk: int = 1, stall_after: int | None = None,
-                 fail_after: int | None = None, queue_full: bool = False, num_waiting: int = 0) -> None:
-        self.script = list(tokens) + [eos]
-        self.chunk = chunk
-        self.stall_after = stall_after
-        self.fail_after = fail_after
-        self.queue_full = queue_full
-        self.num_waiting = num_waiting
-        self.num_running = 0
-        self.requests: list[GenerateRequest] = []
-        self.aborted: list[str] = []
-        self.abort_done = asyncio.Event()
-        self.stalled = asyncio.Event()
-        self.release: asyncio.Queue[int | None] = asyncio.Queue()
-        self.journal_seen: list[tuple[int, ...]] = []  # generated ids the journal showed at each event
-        self.journal: RequestJournal | None = None
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        if self.queue_full:
-            raise QueueFullError("scripted queue is full")
-        self.requests.append(request)
-        self.num_running += 1
-        return self._events(request)
-
-    async def _events(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        try:
-            produced = 0
-            for start in range(0, len(self.script), self.chunk):
-                if self.journal is not None:
-                    entry = self.journal.get(request.request_id)
-                    self.journal_seen.append(entry.generated_token_ids if entry else ())
-                if self.fail_after is not None and produced >= self.fail_after:
-                    raise BackendError("scripted failure")
-                if self.stall_after is not None and produced >= self.stall_after:
-                    self.stalled.set()
-                    permit = await self.release.get()
-                    if permit is None:
-                        await asyncio.Event().wait()  # until cancelled
-                piece = self.script[start:start + self.chunk]
-                room = request.sampling.max_tokens - produced
-                if len(piece) >= room and start + len(piece) < len(self.script):
-                    yield TokenEvent(piece[:room], "length")
-                    return
-                produced += len(piece)
-                is_last = start + self.chunk >= len(self.script)
-                yield TokenEvent(piece, "stop" if is_last else None)
-        finally:
-            self.num_running -= 1
-
-    async def abort(self, request_id: str) -> None:
-        await asyncio.sleep(0)
-        self.aborted.append(request_id)
-        self.abort_done.set()
-
-    def stats(self) -> BackendStats:
-        return BackendStats(self.num_waiting, self.num_running)
 
 
 @pytest.fixture
@@ -111,27 +25,3 @@ def make_backend(tokenizer: Tokenizer, script_ids: list[int]):
     def make(**kwargs) -> ScriptedBackend:
         return ScriptedBackend(script_ids, tokenizer.eos_token_ids[0], **kwargs)
     return make
-
-
-@contextlib.asynccontextmanager
-async def serve(backend, tokenizer: Tokenizer, config: GatewayConfig | None = None, *,
-                handler_cancellation: bool = True):
-    """Run the gateway on a free loopback port; yields (app, base_url)."""
-    config = config or GatewayConfig(host="127.0.0.1", port=0, shutdown_timeout=2.0)
-    journal = RequestJournal()
-    backend.journal = journal
-    app = create_app(config, backend, tokenizer, MODEL, CONTEXT, journal=journal)
-    if handler_cancellation:
-        runner, port = await start_server(app, "127.0.0.1", 0)
-    else:
-        from aiohttp import web
-
-        runner = web.AppRunner(app, shutdown_timeout=2.0)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-    try:
-        yield app, f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()

@@ -1,0 +1,239 @@
+"""Engine throughput: the local Lamina engine against transformers `generate`, same requests.
+
+Workload: --requests requests sampled (without replacement, random.Random(--seed)) from the
+Azure conversation trace (../shared/traces/azure_conv_2023.csv). Scaled to 2 CPU cores:
+every length is divided by --scale (16), kept at least 1, prompts capped at --max-prompt
+(256) and outputs at --max-output (32). Prompt tokens are random ids (seeded) of that length.
+Output length is forced on both sides: the engine runs greedy with
+SamplingParams(ignore_eos=True, max_tokens=out_len); transformers runs greedy with
+min_new_tokens = max_new_tokens.
+
+Lamina: every request is submitted at once to `lamina.engine.Engine` (continuous
+batching, token-major batches without padding, the split model), run to completion.
+
+transformers: how a user batches offline requests: sorted by output length (so a batch
+wastes few decode steps), in batches of --hf-batch, left-padded with an attention mask,
+max_new_tokens = the batch's largest out_len; only the tokens each request asked for
+count. Sorting by output length favours transformers; arrival order would pad more.
+
+Both load the same float32 weights: the engine via `model.loader.load_model()` (the default
+SmolLM2-135M-Instruct GGUF, converted once into the cache), transformers from that cache
+directory (`LoadedModel.weights_dir`, a Hugging Face layout with identical float32 weights).
+A short warm-up runs on both before timing; engine start-up (the split) is reported apart.
+
+Decode step: the engine's steps in which every sequence decodes one token (no prefill),
+against the memory-bandwidth bound: bytes read per step (all weights once, plus the KV of
+every sequence in the batch) / copy bandwidth (a 256 MiB tensor copy, read + write bytes).
+
+The last line printed is one JSON object with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+
+def load_workload(n: int, seed: int, scale: int, max_prompt: int, max_output: int) -> list[tuple[int, int]]:
+    with open(TRACES / "azure_conv_2023.csv") as f:
+        rows = [(int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(f)]
+    picked = random.Random(seed).sample(rows, n)
+    return [(min(max_prompt, max(1, p // scale)), min(max_output, max(1, o // scale))) for p, o in picked]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes per second moved by a large tensor copy (each byte read once, written once)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def run_lamina(loaded, prompts: list[list[int]], outs: list[int]) -> dict:
+    from lamina.engine import Engine, SamplingParams
+
+    t = time.perf_counter()
+    engine = Engine(loaded)
+    start_s = time.perf_counter() - t
+    engine.generate([prompts[0][:8]], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4))  # warm-up
+
+    lengths: dict[str, int] = {}  # tokens in each live sequence's KV after the coming step
+    tokens: dict[str, list[int]] = {}
+    order = []
+    for p, o in zip(prompts, outs):
+        sid = engine.add_request(p, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o))
+        lengths[sid] = len(p)
+        order.append(sid)
+    decode_steps: list[tuple[float, int, int]] = []  # (seconds, batch size, KV tokens read)
+    t0 = time.perf_counter()
+    while engine.has_work():
+        # With nobody waiting, every running sequence was prefilled in an earlier step: pure decode.
+        pure_decode = engine.num_waiting == 0
+        live = [s for s in lengths if s not in tokens or len(tokens[s]) < outs[order.index(s)]]
+        t = time.perf_counter()
+        outputs = engine.step()
+        dt = time.perf_counter() - t
+        if pure_decode and outputs:
+            decode_steps.append((dt, len(outputs), sum(lengths[s] for s in live)))
+        for out in outputs:
+            tokens[out.seq_id] = out.output_token_ids
+            lengths[out.seq_id] = out.prompt_tokens + len(out.output_token_ids)
+    elapsed = time.perf_counter() - t0
+    return {
+        "seconds": elapsed,
+        "start_s": start_s,
+        "tokens": [tokens[s] for s in order],
+        "decode_steps": decode_steps,
+        "steps": engine.num_steps,
+        "mean_batch": engine.sum_batch_size / max(1, engine.num_steps),
+    }
+
+
+def run_transformers(weights_dir: Path, prompts: list[list[int]], outs: list[int], batch: int, pad_id: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=torch.float32).eval()
+
+    def generate(group: list[int]) -> list[list[int]]:
+        width = max(len(prompts[i]) for i in group)
+        new = max(outs[i] for i in group)
+        ids = torch.full((len(group), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(group), width), dtype=torch.long)
+        for row, i in enumerate(group):  # left padding
+            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]):] = 1
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, pad_token_id=pad_id)
+        return [out[row, width: width + outs[i]].tolist() for row, i in enumerate(group)]
+
+    warm = [0]
+    saved = outs[0]
+    outs[0] = 4
+    generate(warm)  # warm-up
+    outs[0] = saved
+    order = sorted(range(len(prompts)), key=lambda i: outs[i])
+    tokens: dict[int, list[int]] = {}
+    t0 = time.perf_counter()
+    for b in range(0, len(order), batch):
+        group = order[b: b + batch]
+        for i, toks in zip(group, generate(group)):
+            tokens[i] = toks
+    return {"seconds": time.perf_counter() - t0, "tokens": [tokens[i] for i in range(len(prompts))]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scale", type=int, default=16)
+    ap.add_argument("--max-prompt", type=int, default=256)
+    ap.add_argument("--max-output", type=int, default=32)
+    ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads for both sides (default 1: this machine is shared)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from model.loader import load_model
+
+    work = load_workload(args.requests, args.seed, args.scale, args.max_prompt, args.max_output)
+    t = time.perf_counter()
+    loaded = load_model()
+    load_s = time.perf_counter() - t
+    cfg = loaded.config
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(100, cfg.vocab_size, (p,), generator=gen).tolist() for p, _ in work]
+    outs = [o for _, o in work]
+    total_out = sum(outs)
+
+    print(f"workload: {len(work)} requests sampled with random.Random({args.seed}) from "
+          f"{TRACES / 'azure_conv_2023.csv'}; lengths // {args.scale} (>= 1), prompt <= {args.max_prompt}, "
+          f"output <= {args.max_output}; prompt tokens total {sum(p for p, _ in work)} "
+          f"(mean {statistics.mean(p for p, _ in work):.1f}), output tokens total {total_out} "
+          f"(mean {statistics.mean(outs):.1f}); random prompt ids, greedy, output length forced")
+    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"model: {loaded.source.name} as float32 ({cfg.num_layers} layers, hidden {cfg.hidden_size}); "
+          f"load {load_s:.1f} s (was_cached={loaded.was_cached})")
+
+    lam = run_lamina(loaded, prompts, outs)
+    lam_tps = total_out / lam["seconds"]
+    print(f"lamina engine: {lam['seconds']:.2f} s, {lam_tps:.1f} output tok/s, {lam['steps']} steps, "
+          f"mean batch {lam['mean_batch']:.1f}; engine start (split) {lam['start_s']:.2f} s, not counted")
+
+    hf = run_transformers(loaded.weights_dir, prompts, outs, args.hf_batch, pad_id=cfg.eos_token_ids[0])
+    hf_tps = total_out / hf["seconds"]
+    print(f"transformers generate: {hf['seconds']:.2f} s, {hf_tps:.1f} output tok/s "
+          f"(batches of {args.hf_batch} sorted by output length, left-padded)")
+    ratio = lam_tps / hf_tps
+    same = sum(a == b for a, b in zip(lam["tokens"], hf["tokens"]))
+    print(f"ratio lamina / transformers: {ratio:.2f}x; requests with identical tokens: {same}/{len(work)} "
+          "(padding changes float rounding, so a near-tie can flip)")
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())  # tied weights once
+    bw = copy_bandwidth()
+    steps = lam["decode_steps"]
+    if steps:
+        step_s = statistics.median(s for s, _, _ in steps)
+        batch = statistics.median(b for _, b, _ in steps)
+        kv_bytes = statistics.median(k for _, _, k in steps) * cfg.kv_bytes_per_token(4)
+        bound_s = (weight_bytes + kv_bytes) / bw
+    else:
+        step_s = batch = kv_bytes = bound_s = float("nan")
+    print(f"decode step (median of {len(steps)} pure-decode steps, median batch {batch}): {step_s * 1e3:.1f} ms; "
+          f"bandwidth bound {bound_s * 1e3:.1f} ms = ({weight_bytes / 2**20:.0f} MiB weights + "
+          f"{kv_bytes / 2**20:.1f} MiB KV) / {bw / 1e9:.1f} GB/s copy bandwidth; "
+          f"{step_s / bound_s:.2f}x the bound")
+    print(json.dumps({
+        "lamina_tok_s": round(lam_tps, 2),
+        "transformers_tok_s": round(hf_tps, 2),
+        "ratio": round(ratio, 3),
+        "decode_step_ms": round(step_s * 1e3, 2),
+        "bandwidth_bound_ms": round(bound_s * 1e3, 2),
+        "decode_batch_median": batch,
+        "copy_bandwidth_gb_s": round(bw / 1e9, 2),
+        "weight_bytes": weight_bytes,
+        "requests": len(work),
+        "output_tokens": total_out,
+        "prompt_tokens": sum(p for p, _ in work),
+        "lamina_s": round(lam["seconds"], 3),
+        "transformers_s": round(hf["seconds"], 3),
+        "engine_start_s": round(lam["start_s"], 3),
+        "identical_requests": same,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+        "seed": args.seed,
+        "scale": args.scale,
+        "hf_batch": args.hf_batch,
+    }))
+
+
+if __name__ == "__main__":
+    main()

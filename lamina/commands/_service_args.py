@@ -1,0 +1,31 @@
+"""Flags every service command shares, and how they become a StackConfig."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from services.config import ConfigError, StackConfig, load_config
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="stack configuration file (YAML or TOML)")
+    p.add_argument("--model", default=None, help="checkpoint directory or .gguf file")
+    p.add_argument("--redis-url", default=None, help="metadata store (default: REDIS_URL)")
+    p.add_argument("--transport", default=None, choices=("tcp", "ucx", "shm"), help="data-plane transport")
+    p.add_argument("--partition", default=None, choices=("request", "head"), help="KV partitioning")
+    p.add_argument("--log-level", default="INFO")
+
+
+def stack_config(args: argparse.Namespace, **extra: object) -> StackConfig | None:
+    """The validated configuration, or None after printing why it is invalid."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    overrides = {"model": args.model, "redis_url": args.redis_url, "transport": args.transport,
+                 "partition": args.partition, **extra}
+    try:
+        return load_config(args.config, overrides=overrides)
+    except ConfigError as exc:
+        print(f"lamina: {exc}", file=sys.stderr)
+        return None

@@ -1,0 +1,23 @@
+"""`lamina gateway`: the OpenAI-compatible HTTP/SSE front end."""
+
+from __future__ import annotations
+
+import argparse
+
+from lamina.commands._service_args import add_common, stack_config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common(p)
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default: gateway.port, 8000)")
+    p.add_argument("--api-key", default=None, help="require this bearer token on /v1/ requests")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = stack_config(args, **{"gateway.port": args.port, "gateway.api_key": args.api_key})
+    if config is None:
+        return 2
+    from services.gateway_service import serve
+
+    serve(config)
+    return 0

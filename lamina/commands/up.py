@@ -1,0 +1,49 @@
+"""`lamina up`: the whole stack (embedded Redis and every service) from one command."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from lamina.commands._service_args import add_common, stack_config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common(p)
+    p.add_argument("--port", type=int, default=None, help="HTTP port of the OpenAI API (default 8000)")
+    p.add_argument("--attention-workers", type=int, default=None, help="number of attention workers (default 2)")
+    p.add_argument("--api-key", default=None, help="require this bearer token on /v1/ requests")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = stack_config(args, **{"gateway.port": args.port, "attention.workers": args.attention_workers,
+                                   "gateway.api_key": args.api_key})
+    if config is None:
+        return 2
+    from services.launcher import Stack
+
+    stack = Stack(config)
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+    print(f"starting: {config.attention.workers} attention workers, transport {config.transport}, "
+          f"{config.partition}-level partitioning; logs in {stack.log_dir}", file=sys.stderr)
+    try:
+        stack.start()
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"lamina up: {exc}", file=sys.stderr)
+        return 1
+    print(f"Lamina is serving the OpenAI API at {stack.base_url}/v1 (Ctrl-C to stop)", flush=True)
+    try:
+        while not stopping.wait(1.0):
+            dead = stack.dead_process()
+            if dead is not None:
+                print(f"lamina up: {dead.name} exited ({dead.proc.returncode}); stopping.\n"
+                      f"{stack.log_tail(dead.name)}", file=sys.stderr)
+                return 1
+    finally:
+        print("stopping...", file=sys.stderr)
+        stack.stop()
+    return 0

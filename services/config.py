@@ -1,0 +1,207 @@
+"""Typed configuration of the whole stack: one file (YAML or TOML) for every service.
+
+Precedence: defaults < file < environment (LAMINA_* and REDIS_URL) < command-line
+flags. Everything is validated at start; a bad value stops the service with one
+clear message naming the setting.
+
+    model: null                 # checkpoint dir or .gguf; null = SmolLM2-135M-Instruct
+    redis_url: null             # null = embedded redis-server (lamina up starts it)
+    namespace: lamina           # prefix of every Redis key
+    transport: tcp              # tcp | ucx | shm (data plane)
+    partition: request          # request | head (how KV is spread over attention workers)
+    cluster_token: null         # shared secret for data-plane connections
+    host: 127.0.0.1             # interface every service binds
+    gateway: {port: 8000, api_key: null, max_queue: 256, served_model_name: null}
+    scheduler: {max_batch_size: 32, max_step_tokens: 2048, max_queue: 256, policy: fcfs}
+    prefill: {threads: 1}
+    model_worker: {threads: 1}
+    attention: {workers: 2, threads: 1, kv_capacity_bytes: 1073741824}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+TRANSPORTS = ("tcp", "ucx", "shm")
+PARTITIONS = ("request", "head")
+POLICIES = ("fcfs", "fpf", "relaxed_fpf")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class GatewaySection:
+    port: int = 8000
+    api_key: str | None = None
+    max_queue: int = 256
+    served_model_name: str | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerSection:
+    max_batch_size: int = 32
+    max_step_tokens: int = 2048
+    max_queue: int = 256
+    policy: str = "fcfs"
+
+
+@dataclass(frozen=True)
+class WorkerSection:
+    threads: int = 1
+
+
+@dataclass(frozen=True)
+class AttentionSection:
+    workers: int = 2
+    threads: int = 1
+    kv_capacity_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    model: str | None = None
+    redis_url: str | None = None
+    namespace: str = "lamina"
+    transport: str = "tcp"
+    partition: str = "request"
+    cluster_token: str | None = None
+    host: str = "127.0.0.1"
+    gateway: GatewaySection = field(default_factory=GatewaySection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    prefill: WorkerSection = field(default_factory=WorkerSection)
+    model_worker: WorkerSection = field(default_factory=WorkerSection)
+    attention: AttentionSection = field(default_factory=AttentionSection)
+
+    def __post_init__(self) -> None:
+        _check(self.transport in TRANSPORTS, "transport", f"must be one of {', '.join(TRANSPORTS)}", self.transport)
+        _check(self.partition in PARTITIONS, "partition", f"must be one of {', '.join(PARTITIONS)}", self.partition)
+        _check(self.scheduler.policy in POLICIES, "scheduler.policy", f"must be one of {', '.join(POLICIES)}",
+               self.scheduler.policy)
+        _check(0 <= self.gateway.port < 65536, "gateway.port", "must be a TCP port", self.gateway.port)
+        for name, value in (("gateway.max_queue", self.gateway.max_queue),
+                            ("scheduler.max_batch_size", self.scheduler.max_batch_size),
+                            ("scheduler.max_step_tokens", self.scheduler.max_step_tokens),
+                            ("scheduler.max_queue", self.scheduler.max_queue),
+                            ("prefill.threads", self.prefill.threads),
+                            ("model_worker.threads", self.model_worker.threads),
+                            ("attention.workers", self.attention.workers),
+                            ("attention.threads", self.attention.threads),
+                            ("attention.kv_capacity_bytes", self.attention.kv_capacity_bytes)):
+            _check(isinstance(value, int) and value > 0, name, "must be a positive integer", value)
+
+    def data_address(self, service_id: str) -> str:
+        """Where a service listens for data-plane frames (port 0: the system picks)."""
+        if self.transport == "shm":
+            return f"shm://{self.namespace}-{service_id}-{os.getpid()}"
+        return f"{self.transport}://{self.host}:0"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(ok: bool, name: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"configuration: {name} {rule} (got {value!r})")
+
+
+_SECTIONS = {
+    "gateway": GatewaySection, "scheduler": SchedulerSection, "prefill": WorkerSection,
+    "model_worker": WorkerSection, "attention": AttentionSection,
+}
+
+# Environment variables and the settings they override.
+ENV_OVERRIDES = {
+    "REDIS_URL": "redis_url",
+    "LAMINA_MODEL": "model",
+    "LAMINA_TRANSPORT": "transport",
+    "LAMINA_PARTITION": "partition",
+    "LAMINA_CLUSTER_TOKEN": "cluster_token",
+    "LAMINA_NAMESPACE": "namespace",
+    "LAMINA_API_KEY": "gateway.api_key",
+    "LAMINA_PORT": "gateway.port",
+}
+
+
+def _from_mapping(raw: Mapping[str, Any], source: str) -> StackConfig:
+    known = {f.name for f in dataclasses.fields(StackConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{source}: unknown setting(s) {', '.join(unknown)}")
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in _SECTIONS:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{source}: {key} must be a mapping")
+            cls = _SECTIONS[key]
+            fields = {f.name: f for f in dataclasses.fields(cls)}
+            bad = sorted(set(value) - set(fields))
+            if bad:
+                raise ConfigError(f"{source}: unknown setting(s) {', '.join(f'{key}.{b}' for b in bad)}")
+            kwargs[key] = cls(**{k: _coerce(f"{key}.{k}", v, fields[k].type) for k, v in value.items()})
+        else:
+            kwargs[key] = value
+    return StackConfig(**kwargs)
+
+
+def _coerce(name: str, value: Any, annotation: Any) -> Any:
+    ann = str(annotation)
+    if value is None:
+        return None
+    try:
+        if ann.startswith("int"):
+            if isinstance(value, bool):
+                raise ValueError("a boolean")
+            return int(value)
+        if ann.startswith("str"):
+            return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"configuration: {name} must be an integer (got {value!r})") from exc
+    return value
+
+
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> StackConfig:
+    """Read the file (if any), then apply environment and flag overrides ("a.b" keys)."""
+    env = os.environ if env is None else env
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{p}: configuration file not found")
+        try:
+            text = p.read_text()
+            raw = tomllib.loads(text) if p.suffix == ".toml" else (yaml.safe_load(text) or {})
+        except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'YAML'}: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping")
+    source = str(path) if path else "configuration"
+    merged = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+    for var, key in ENV_OVERRIDES.items():
+        if env.get(var):
+            _set(merged, key, env[var])
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set(merged, key, value)
+    try:
+        return _from_mapping(merged, source)
+    except TypeError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+
+
+def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    if "." in dotted:
+        section, key = dotted.split(".", 1)
+        raw.setdefault(section, {})[key] = value
+    else:
+        raw[dotted] = value

@@ -1,0 +1,64 @@
+"""The gateway process: the OpenAI-compatible HTTP front end over the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from kvstore.metadata import MetadataConfig, MetadataStore, ServiceRegistration
+from model.loader import load_tokenizer, resolve_checkpoint
+from services.config import StackConfig
+from services.runtime import wait_for_services
+from services.scheduler_client import SchedulerBackend
+
+log = logging.getLogger(__name__)
+
+
+def model_display_name(config: StackConfig) -> str:
+    source = resolve_checkpoint(config.model)[0]
+    return source.stem if source.is_file() else source.name
+
+
+async def run_gateway(config: StackConfig, ready: asyncio.Event | None = None) -> None:
+    store = MetadataStore(MetadataConfig(url=config.redis_url or "", namespace=config.namespace))
+    (scheduler,) = await wait_for_services(store, "scheduler", 1)
+    backend = SchedulerBackend(scheduler.endpoint)
+    await backend.start()
+    tokenizer, model_cfg = load_tokenizer(config.model)
+    gw = config.gateway
+    gcfg = GatewayConfig(host=config.host, port=gw.port, api_key=gw.api_key, max_queue=gw.max_queue,
+                         served_model_name=gw.served_model_name)
+    app = create_app(gcfg, backend, tokenizer, model_display_name(config), model_cfg.max_position_embeddings,
+                     vocab_size=model_cfg.vocab_size)
+    runner = web.AppRunner(app, shutdown_timeout=gcfg.shutdown_timeout)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, gw.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    endpoint = f"http://{config.host}:{port}"
+    registration = ServiceRegistration(store, "gateway", "gateway-0", endpoint, {"port": port})
+    await registration.start()
+    log.info("gateway serving the OpenAI API at %s/v1", endpoint)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    if ready is not None:
+        ready.set()
+    await stopping.wait()
+    await registration.stop()
+    await runner.cleanup()  # drains in-flight requests up to shutdown_timeout
+    await backend.close()
+    await store.close()
+
+
+def serve(config: StackConfig) -> None:
+    import transports
+
+    transports.install_uvloop()
+    asyncio.run(run_gateway(config))

@@ -1,0 +1,108 @@
+"""The prefill service: runs a prompt, samples its first token, and hands the
+prompt's KV to the attention workers layer by layer as each layer finishes.
+
+Prompt attention runs here, over a local token-granular store that lives only
+for the request; the KV of layer i is on its way to the attention workers while
+layer i + 1 computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import prometheus_client
+import torch
+
+import transports
+from lamina.engine.kv import KVStore
+from lamina.engine.sampling import sample
+from lamina.engine.step import LocalAttention, StepBatch
+from services.attention_pool import AttentionPool
+from services.config import StackConfig
+from services.model_service import ModelSlices, params_from_proto
+from services.protos import lamina_pb2, lamina_pb2_grpc
+from services.runtime import ServiceRuntime, wait_for_services
+from services.wire import RemoteError
+
+log = logging.getLogger(__name__)
+
+
+class PrefillService:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.slices = ModelSlices(config.model)
+        self.cfg = self.slices.cfg
+        self.runtime = ServiceRuntime("prefill", "prefill-0", config)
+        r = self.runtime.registry
+        self.m_prompts = prometheus_client.Counter("lamina_prefill_requests", "prompts prefilled", registry=r)
+        self.m_tokens = prometheus_client.Counter("lamina_prefill_tokens", "prompt tokens computed", registry=r)
+        self.m_seconds = prometheus_client.Histogram("lamina_prefill_seconds", "prefill time", registry=r)
+        self.pool: AttentionPool | None = None
+        self._lock = asyncio.Lock()
+
+    async def prefill(self, req: lamina_pb2.PrefillRequest) -> lamina_pb2.PrefillResult:
+        token_ids = list(req.token_ids)
+        workers = list(req.placement.workers)
+        async with self._lock:
+            start = time.perf_counter()
+            kv = KVStore(self.cfg, capacity_bytes=(len(token_ids) + 64) * self.cfg.kv_bytes_per_token())
+            kv.reserve(req.seq_id, len(token_ids))
+            batch = StepBatch.build([req.seq_id], [token_ids], [0])
+            local = LocalAttention(kv, batch)
+            seq_kv = kv.get(req.seq_id)
+            inputs = batch.model_inputs()
+            split = self.slices.split
+            n = split.num_attention
+            with torch.inference_mode():
+                out = split.slices[0](inputs)
+                for i in range(n):
+                    q, k, v = out.qkv
+                    attn = local.attend(i, q, k, v)
+                    P = len(token_ids)
+                    await self.pool.store_layer(req.seq_id, workers, i, seq_kv.buf[i, 0, :P], seq_kv.buf[i, 1, :P])
+                    out = split.slices[i + 1](inputs, attn, out.context)
+            await self.pool.wait_stored(workers)
+            params = params_from_proto(req.params)
+            (token,) = sample(out.output, [params], [req.params.seed], [0])
+            kv.free(req.seq_id)
+            self.m_prompts.inc()
+            self.m_tokens.inc(len(token_ids))
+            self.m_seconds.observe(time.perf_counter() - start)
+            return lamina_pb2.PrefillResult(token_id=token, cached_tokens=0)
+
+    async def run(self) -> None:
+        rt = self.runtime
+        rt.install_signal_handlers()
+        workers = await wait_for_services(rt.store, "attention", self.config.attention.workers)
+        tcfg = transports.TransportConfig(auth_token=self.config.cluster_token)
+        self.pool = await AttentionPool.connect([w.endpoint for w in workers], self.config.partition, self.cfg, tcfg)
+        await rt.start_grpc(lambda s: lamina_pb2_grpc.add_PrefillServicer_to_server(_PrefillServicer(self), s))
+        rt.start_metrics()
+        await rt.register(rt.grpc_address or "")
+        log.info("prefill worker serving on %s", rt.grpc_address)
+        await rt.stopping.wait()
+        await rt.close()
+        await self.pool.close()
+
+
+class _PrefillServicer(lamina_pb2_grpc.PrefillServicer):
+    def __init__(self, service: PrefillService) -> None:
+        self.service = service
+
+    async def Prefill(self, request, context):  # noqa: N802
+        try:
+            return await self.service.prefill(request)
+        except RemoteError as exc:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.code == "kv_full" else grpc.StatusCode.FAILED_PRECONDITION
+            await context.abort(code, str(exc))
+        except transports.TransportError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"attention worker unreachable: {exc}")
+
+
+def serve(config: StackConfig, threads: int | None = None) -> None:
+    torch.set_num_threads(threads or config.prefill.threads)
+    transports.install_uvloop()
+    asyncio.run(PrefillService(config).run())

@@ -1,0 +1,143 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "params", "has_seed")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: SamplingParams
+    has_seed: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., has_seed: _Optional[bool] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("token_ids", "finish_reason")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class SchedulerStats(_message.Message):
+    __slots__ = ("num_waiting", "num_running", "num_steps", "mean_batch_size", "max_queue")
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    num_waiting: int
+    num_running: int
+    num_steps: int
+    mean_batch_size: float
+    max_queue: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., max_queue: _Optional[int] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, workers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "params", "placement")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: SamplingParams
+    placement: Placement
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+
+class PrefillResult(_message.Message):
+    __slots__ = ("token_id", "cached_tokens")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    cached_tokens: int
+    def __init__(self, token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class StepSequence(_message.Message):
+    __slots__ = ("seq_id", "token_id", "position", "params", "output_index", "placement")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    token_id: int
+    position: int
+    params: SamplingParams
+    output_index: int
+    placement: Placement
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., position: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_index: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("step", "seqs")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    seqs: _containers.RepeatedCompositeFieldContainer[StepSequence]
+    def __init__(self, step: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[StepSequence, _Mapping]]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("seq_ids",)
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AttentionStats(_message.Message):
+    __slots__ = ("num_sequences", "num_tokens", "used_bytes", "capacity_bytes")
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_sequences: int
+    num_tokens: int
+    used_bytes: int
+    capacity_bytes: int
+    def __init__(self, num_sequences: _Optional[int] = ..., num_tokens: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,104 @@
+"""What every service process does the same way: gRPC server with the standard
+health protocol, Prometheus metrics, registration in the metadata store with a
+heartbeat, signal handling and a fixed shutdown order.
+
+Ownership: the runtime owns the gRPC server, the metrics HTTP server and the
+heartbeat task; `close()` stops them in the reverse order of start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable
+
+import grpc
+import prometheus_client
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvstore.metadata import MetadataConfig, MetadataStore, ServiceRegistration
+from services.config import StackConfig
+
+log = logging.getLogger(__name__)
+
+
+class ServiceRuntime:
+    def __init__(self, kind: str, service_id: str, config: StackConfig) -> None:
+        if not config.redis_url:
+            raise ValueError(f"{kind}: no Redis configured; set redis_url or REDIS_URL (lamina up does this)")
+        self.kind = kind
+        self.service_id = service_id
+        self.config = config
+        self.store = MetadataStore(MetadataConfig(url=config.redis_url, namespace=config.namespace))
+        self.registry = prometheus_client.CollectorRegistry()
+        self.grpc_address: str | None = None
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self._metrics_server = None
+        self._registration: ServiceRegistration | None = None
+        self.stopping = asyncio.Event()
+
+    async def start_grpc(self, add_servicers: Callable[[grpc.aio.Server], None]) -> str:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        add_servicers(server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        port = server.add_insecure_port(f"{self.config.host}:0")
+        await server.start()
+        self._server = server
+        self.grpc_address = f"{self.config.host}:{port}"
+        return self.grpc_address
+
+    def start_metrics(self) -> int:
+        server, _thread = prometheus_client.start_http_server(0, addr=self.config.host, registry=self.registry)
+        self._metrics_server = server
+        self.metrics_port = server.server_port
+        return self.metrics_port
+
+    async def register(self, endpoint: str, meta: dict | None = None) -> None:
+        meta = dict(meta or {})
+        meta.update({"grpc": self.grpc_address, "metrics_port": self.metrics_port})
+        self._registration = ServiceRegistration(self.store, self.kind, self.service_id, endpoint, meta)
+        await self._registration.start()
+        await self._set_serving(True)
+
+    async def _set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", self.kind):
+            result = self._health.set(name, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stopping.set)
+
+    async def close(self) -> None:
+        """Drain: stop being found, refuse new calls, finish in-flight ones, then stop."""
+        with contextlib.suppress(Exception):
+            await self._set_serving(False)
+        if self._registration is not None:
+            await self._registration.stop()
+        if self._server is not None:
+            await self._server.stop(grace=2.0)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        await self.store.close()
+
+
+async def wait_for_services(store: MetadataStore, kind: str, count: int, timeout_s: float = 120.0) -> list:
+    """The first `count` registered services of `kind`, ordered by id; waits for them
+    by following the metadata store's events (re-listing on each event)."""
+    async with store.subscribe() as sub:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            services = sorted(await store.list_services(kind), key=lambda s: s.service_id)
+            if len(services) >= count:
+                return services[:count]
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                raise TimeoutError(f"only {len(services)} of {count} {kind} services registered after {timeout_s:.0f} s")
+            await sub.next_event(timeout_s=min(remaining, 1.0))

@@ -1,0 +1,96 @@
+"""The gateway's backend for the distributed stack: the scheduler over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway.backend import BackendError, BackendStats, QueueFullError
+from gateway.protocol import GenerateRequest, TokenEvent
+from services.protos import lamina_pb2, lamina_pb2_grpc
+
+
+class SchedulerBackend:
+    """Implements gateway.backend.Backend. Owns its gRPC channel (`close()`)."""
+
+    def __init__(self, address: str) -> None:
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = lamina_pb2_grpc.SchedulerStub(self._channel)
+        self._calls: dict[str, grpc.aio.UnaryStreamCall] = {}
+        self._stats = BackendStats(0, 0)
+        self._stats_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._stats_task = asyncio.create_task(self._poll_stats(), name="scheduler-stats")
+
+    async def close(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            await asyncio.gather(self._stats_task, return_exceptions=True)
+        await self._channel.close()
+
+    async def _poll_stats(self) -> None:
+        # A periodic refresh for the gauges; stats() must not block.
+        while True:
+            try:
+                s = await self._stub.Stats(lamina_pb2.Empty(), timeout=5)
+                self._stats = BackendStats(s.num_waiting, s.num_running)
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(1.0)
+
+    def stats(self) -> BackendStats:
+        return self._stats
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        sp = request.sampling
+        params = lamina_pb2.SamplingParams(
+            max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+            seed=sp.seed or 0, stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos)
+        call = self._stub.Generate(lamina_pb2.GenerateRequest(
+            request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
+            has_seed=sp.seed is not None))
+        self._calls[request.request_id] = call
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            self._calls.pop(request.request_id, None)
+            raise _error(exc) from exc
+        except BaseException:
+            # Cancelled while queued (the client left): cancelling the stream aborts it.
+            self._calls.pop(request.request_id, None)
+            call.cancel()
+            raise
+        return self._events(request.request_id, call, first)
+
+    async def _events(self, request_id: str, call, first) -> AsyncIterator[TokenEvent]:
+        try:
+            chunk = first
+            while chunk is not grpc.aio.EOF:
+                yield TokenEvent(list(chunk.token_ids), chunk.finish_reason or None)
+                if chunk.finish_reason:
+                    return
+                try:
+                    chunk = await call.read()
+                except grpc.aio.AioRpcError as exc:
+                    raise _error(exc) from exc
+            raise BackendError("the scheduler ended the stream without a finish reason")
+        finally:
+            self._calls.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        call = self._calls.pop(request_id, None)
+        if call is not None:
+            call.cancel()  # the scheduler frees the request when its stream is cancelled
+        try:
+            await self._stub.Abort(lamina_pb2.AbortRequest(request_id=request_id), timeout=10)
+        except grpc.aio.AioRpcError:
+            pass
+
+
+def _error(exc: grpc.aio.AioRpcError) -> BackendError:
+    if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return QueueFullError(exc.details() or "queue full")
+    return BackendError(f"scheduler: {exc.details() or exc.code().name}")

@@ -1,0 +1,266 @@
+"""The scheduler: admits requests, places their KV, drives prefill and decode.
+
+Two loops, each an owned task: admission takes waiting requests in FCFS order,
+places them on attention workers, and has the prefill service run them (which
+yields the first token); decoding runs steps of all running requests on the
+model worker, continuously (requests join and leave between steps). Prefill
+and decode run in different processes at the same time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+
+import grpc
+import prometheus_client
+import torch
+
+from kvstore.metadata import KVPlacement
+from model.loader import load_tokenizer
+from services.config import StackConfig
+from services.placement import place_request
+from services.protos import lamina_pb2, lamina_pb2_grpc
+from services.runtime import ServiceRuntime, wait_for_services
+from services.scheduler_state import Request, Status, can_admit, decode_batch, stop_reason
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerService:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.limits = config.scheduler
+        tokenizer, model_cfg = load_tokenizer(config.model)
+        self.eos_ids = set(tokenizer.eos_token_ids)
+        self.max_model_len = model_cfg.max_position_embeddings
+        self.runtime = ServiceRuntime("scheduler", "scheduler-0", config)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.by_id: dict[str, Request] = {}
+        self.worker_tokens = [0] * config.attention.workers
+        self.num_prefilling = 0
+        self.num_steps = 0
+        self.sum_batch = 0
+        self._wake_admit = asyncio.Event()
+        self._wake_decode = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        r = self.runtime.registry
+        self.m_waiting = prometheus_client.Gauge("lamina_scheduler_waiting", "requests waiting", registry=r)
+        self.m_running = prometheus_client.Gauge("lamina_scheduler_running", "requests decoding", registry=r)
+        self.m_finished = prometheus_client.Counter("lamina_scheduler_finished", "requests finished", ["reason"],
+                                                    registry=r)
+
+    # -- requests ---------------------------------------------------------------------------
+    def submit(self, request: lamina_pb2.GenerateRequest) -> Request:
+        if request.request_id in self.by_id:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(request.prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(request.prompt_token_ids)} tokens; "
+                             f"the model's context length is {self.max_model_len}")
+        if len(self.waiting) >= self.limits.max_queue:
+            raise OverflowError(f"queue full ({self.limits.max_queue} requests waiting)")
+        params = lamina_pb2.SamplingParams()
+        params.CopyFrom(request.params)
+        if not request.has_seed:
+            params.seed = int(torch.randint(0, 2**62, (1,)).item())
+        req = Request(request.request_id, list(request.prompt_token_ids), params, asyncio.Queue())
+        self.waiting.append(req)
+        self.by_id[req.request_id] = req
+        self._wake_admit.set()
+        self._update_gauges()
+        return req
+
+    async def abort(self, request_id: str) -> None:
+        req = self.by_id.get(request_id)
+        if req is None:
+            return
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+            await self._finish(req, "abort")
+        else:
+            # Prefilling or inside a step: finished by the loop that owns it, after that call.
+            req.abort_requested = True
+
+    # -- loops ------------------------------------------------------------------------------
+    async def _admit_loop(self) -> None:
+        while True:
+            await self._wake_admit.wait()
+            self._wake_admit.clear()
+            while self.waiting and can_admit(len(self.running), self.num_prefilling, self.limits.max_batch_size):
+                req = self.waiting.popleft()
+                await self._prefill(req)
+
+    async def _prefill(self, req: Request) -> None:
+        req.workers = place_request(self.config.partition, self.worker_tokens, len(req.prompt_ids))
+        req.status = Status.PREFILLING
+        self.num_prefilling += 1
+        for w in req.workers:
+            self.worker_tokens[w] += len(req.prompt_ids)
+        try:
+            await self.runtime.store.set_placement(req.request_id, KVPlacement(
+                workers=tuple(f"attention-{w}" for w in req.workers), partition=self.config.partition,
+                slab_ranges={}))
+            result = await self.prefill_stub.Prefill(lamina_pb2.PrefillRequest(
+                seq_id=req.request_id, token_ids=req.prompt_ids, params=req.params,
+                placement=lamina_pb2.Placement(workers=req.workers)))
+        except grpc.aio.AioRpcError as exc:
+            self.num_prefilling -= 1
+            if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and self.running:
+                # KV memory is full: retry once running requests have finished and freed some.
+                self._release(req)
+                req.status = Status.WAITING
+                self.waiting.appendleft(req)
+                return
+            log.warning("prefill of %s failed: %s", req.request_id, exc.details())
+            await self._finish(req, "abort")
+            return
+        self.num_prefilling -= 1
+        await self._accept_token(req, result.token_id)
+        if req.status is not Status.FINISHED:
+            if req.abort_requested:
+                await self._finish(req, "abort")
+            else:
+                req.status = Status.RUNNING
+                self.running.append(req)
+                self._wake_decode.set()
+        self._update_gauges()
+
+    async def _decode_loop(self) -> None:
+        while True:
+            batch = decode_batch(self.running, self.limits.max_batch_size)
+            if not batch:
+                for req in [r for r in self.running if r.abort_requested]:
+                    await self._finish(req, "abort")
+                self._wake_decode.clear()
+                await self._wake_decode.wait()
+                continue
+            step = lamina_pb2.StepRequest(step=self.num_steps, seqs=[
+                lamina_pb2.StepSequence(seq_id=r.request_id, token_id=r.output_ids[-1], position=r.num_tokens - 1,
+                                        params=r.params, output_index=len(r.output_ids),
+                                        placement=lamina_pb2.Placement(workers=r.workers))
+                for r in batch])
+            try:
+                result = await self.model_stub.Step(step)
+            except grpc.aio.AioRpcError as exc:
+                log.error("decode step failed: %s", exc.details())
+                for req in batch:
+                    await self._finish(req, "abort")
+                continue
+            self.num_steps += 1
+            self.sum_batch += len(batch)
+            for req, token in zip(batch, result.token_ids):
+                await self._accept_token(req, token)
+                if req.status is not Status.FINISHED and req.abort_requested:
+                    await self._finish(req, "abort")
+            for req in [r for r in self.running if r.abort_requested]:
+                await self._finish(req, "abort")
+
+    async def _accept_token(self, req: Request, token: int) -> None:
+        req.output_ids.append(token)
+        for w in req.workers:
+            self.worker_tokens[w] += 1
+        reason = stop_reason(req, token, self.eos_ids, self.max_model_len)
+        req.events.put_nowait(lamina_pb2.TokenChunk(token_ids=[token], finish_reason=reason or ""))
+        if reason is not None:
+            await self._finish(req, reason, notify=False)
+
+    async def _finish(self, req: Request, reason: str, notify: bool = True) -> None:
+        if req.status is Status.FINISHED:
+            return
+        was_placed = req.status is not Status.WAITING
+        req.status = Status.FINISHED
+        self.by_id.pop(req.request_id, None)
+        if req in self.running:
+            self.running.remove(req)
+        if notify:
+            req.events.put_nowait(lamina_pb2.TokenChunk(finish_reason=reason))
+        self.m_finished.labels(reason).inc()
+        if was_placed:
+            self._release(req)
+            await asyncio.gather(*(self.attention_stubs[w].Free(lamina_pb2.FreeRequest(seq_ids=[req.request_id]))
+                                   for w in req.workers), return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self.runtime.store.delete_placement(req.request_id)
+        self._wake_admit.set()
+        self._update_gauges()
+
+    def _release(self, req: Request) -> None:
+        for w in req.workers:
+            self.worker_tokens[w] -= req.num_tokens
+            self.worker_tokens[w] = max(0, self.worker_tokens[w])
+
+    def _update_gauges(self) -> None:
+        self.m_waiting.set(len(self.waiting))
+        self.m_running.set(len(self.running))
+
+    # -- process ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        rt = self.runtime
+        rt.install_signal_handlers()
+        store = rt.store
+        attn = await wait_for_services(store, "attention", self.config.attention.workers)
+        (prefill,) = await wait_for_services(store, "prefill", 1)
+        (model,) = await wait_for_services(store, "model", 1)
+        self._channels = [grpc.aio.insecure_channel(a.meta["grpc"]) for a in attn]
+        self._channels += [grpc.aio.insecure_channel(prefill.endpoint), grpc.aio.insecure_channel(model.endpoint)]
+        self.attention_stubs = [lamina_pb2_grpc.AttentionControlStub(c) for c in self._channels[: len(attn)]]
+        self.prefill_stub = lamina_pb2_grpc.PrefillStub(self._channels[-2])
+        self.model_stub = lamina_pb2_grpc.ModelWorkerStub(self._channels[-1])
+        self._tasks = [asyncio.create_task(self._admit_loop(), name="admit"),
+                       asyncio.create_task(self._decode_loop(), name="decode")]
+        await rt.start_grpc(lambda s: lamina_pb2_grpc.add_SchedulerServicer_to_server(_SchedulerServicer(self), s))
+        rt.start_metrics()
+        await rt.register(rt.grpc_address or "")
+        log.info("scheduler serving on %s", rt.grpc_address)
+        await rt.stopping.wait()
+        await rt.close()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for c in self._channels:
+            await c.close()
+
+
+class _SchedulerServicer(lamina_pb2_grpc.SchedulerServicer):
+    def __init__(self, service: SchedulerService) -> None:
+        self.s = service
+
+    async def Generate(self, request, context):  # noqa: N802
+        try:
+            req = self.s.submit(request)
+        except OverflowError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finished = False
+        try:
+            while not finished:
+                chunk = await req.events.get()
+                finished = bool(chunk.finish_reason)
+                yield chunk
+        finally:
+            if not finished:  # the client went away: free everything the request holds
+                await self.s.abort(req.request_id)
+
+    async def Abort(self, request, context):  # noqa: N802
+        await self.s.abort(request.request_id)
+        return lamina_pb2.Empty()
+
+    async def Stats(self, request, context):  # noqa: N802
+        s = self.s
+        return lamina_pb2.SchedulerStats(
+            num_waiting=len(s.waiting), num_running=len(s.running) + s.num_prefilling, num_steps=s.num_steps,
+            mean_batch_size=s.sum_batch / s.num_steps if s.num_steps else 0.0, max_queue=s.limits.max_queue)
+
+
+def serve(config: StackConfig) -> None:
+    torch.set_num_threads(1)
+    import transports
+
+    transports.install_uvloop()
+    asyncio.run(SchedulerService(config).run())

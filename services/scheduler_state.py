@@ -1,0 +1,55 @@
+"""The scheduler's view of requests, and its decisions as pure functions."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from services.protos import lamina_pb2
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: lamina_pb2.SamplingParams  # seed always set
+    events: asyncio.Queue  # TokenChunk messages for the client, ending with a finish reason
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    workers: list[int] = field(default_factory=list)  # KV placement
+    status: Status = Status.WAITING
+    abort_requested: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+def stop_reason(req: Request, token: int, eos_ids: Collection[int], max_model_len: int) -> str | None:
+    """Why the request ends after `token` was appended, or None if it goes on."""
+    p = req.params
+    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids):
+        return "stop"
+    if len(req.output_ids) >= p.max_tokens or req.num_tokens >= max_model_len:
+        return "length"
+    return None
+
+
+def decode_batch(running: Sequence[Request], max_batch_size: int) -> list[Request]:
+    """The sequences of the next decode step: the longest-running first, up to the limit."""
+    return [r for r in running if r.status is Status.RUNNING and not r.abort_requested][:max_batch_size]
+
+
+def can_admit(num_running: int, num_prefilling: int, max_batch_size: int) -> bool:
+    """Admit another request only while it would fit in a decode batch."""
+    return num_running + num_prefilling < max_batch_size

@@ -1,0 +1,329 @@
+"""The gateway over real HTTP on loopback, driven by the official OpenAI client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from gateway.config import GatewayConfig
+from gateway.state import JOURNAL_KEY, STATE_KEY
+from gateway_helpers import CONTEXT, MODEL, SCRIPT_TEXT, serve
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+async def test_chat_completion(tokenizer, make_backend, script_ids):
+    backend = make_backend()
+    async with serve(backend, tokenizer) as srv:
+        client = srv.client()
+        resp = await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, temperature=0.5, top_p=0.9, seed=7, max_tokens=100,
+            extra_body={"top_k": 20})
+        await client.close()
+    assert resp.object == "chat.completion" and resp.model == MODEL and resp.id.startswith("chatcmpl-")
+    choice = resp.choices[0]
+    assert (choice.index, choice.message.role, choice.message.content, choice.finish_reason) == (
+        0, "assistant", SCRIPT_TEXT, "stop")
+    prompt_ids = tokenizer.encode_chat(MESSAGES)
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == (
+        len(prompt_ids), len(script_ids) + 1, len(prompt_ids) + len(script_ids) + 1)  # + EOS
+    [req] = backend.requests
+    assert req.request_id == resp.id and list(req.prompt_token_ids) == prompt_ids
+    s = req.sampling
+    assert (s.temperature, s.top_p, s.seed, s.max_tokens, s.top_k) == (0.5, 0.9, 7, 100, 20)
+    assert backend.aborted == []  # it finished: nothing to abort
+    assert backend.journaled_at_admission == [True]
+
+
+async def test_chat_without_max_tokens_may_fill_the_context(tokenizer, make_backend):
+    backend = make_backend()
+    async with serve(backend, tokenizer) as srv:
+        client = srv.client()
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                             extra_body={"max_completion_tokens": None})
+        await client.close()
+    assert backend.requests[0].sampling.max_tokens == CONTEXT - len(tokenizer.encode_chat(MESSAGES))
+
+
+async def test_chat_stream_with_usage(tokenizer, make_backend, script_ids):
+    backend = make_backend(chunk=3)
+    async with serve(backend, tokenizer) as srv:
+        client = srv.client()
+        stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
+                                                      stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        await client.close()
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *content_chunks, usage_chunk = chunks
+    assert "".join(c.choices[0].delta.content or "" for c in content_chunks) == SCRIPT_TEXT
+    assert [c.choices[0].finish_reason for c in content_chunks][-2:] == [None, "stop"]
+    assert all(c.usage is None for c in content_chunks)
+    assert usage_chunk.choices == []
+    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == (
+        len(tokenizer.encode_chat(MESSAGES)), len(script_ids) + 1)
+
+
+async def test_chat_stream_without_usage_has_no_usage_chunk(tokenizer, make_backend):
+    async with serve(make_backend(), tokenizer) as srv:
+        client = srv.client()
+        stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
+        chunks = [c async for c in stream]
+        await client.close()
+    assert chunks[-1].choices[0].finish_reason == "stop" and all(c.choices for c in chunks)
+
+
+async def test_completion_with_length_limit(tokenizer, make_backend, script_ids):
+    backend = make_backend()
+    async with serve(backend, tokenizer) as srv:
+        client = srv.client()
+        resp = await client.completions.create(model=MODEL, prompt="Tell me about Paris.", max_tokens=6)
+        await client.close()
+    assert resp.object == "text_completion" and resp.id.startswith("cmpl-")
+    assert resp.choices[0].text == tokenizer.decode(script_ids[:6])
+    assert resp.choices[0].finish_reason == "length"
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (
+        len(tokenizer.encode("Tell me about Paris.")), 6)
+
+
+async def test_completion_default_max_tokens_is_16(tokenizer, make_backend):
+    backend = make_backend()
+    async with serve(backend, tokenizer) as srv:
+        client = srv.client()
+        resp = await client.completions.create(model=MODEL, prompt="Paris")
+        await client.close()
+    assert backend.requests[0].sampling.max_tokens == 16 and resp.usage.completion_tokens == 16
+
+
+async def test_completion_stream_from_token_ids(tokenizer, make_backend, script_ids):
+    backend = make_backend(chunk=2)
+    prompt = [1, 2, 3, 4, 5]
+    async with serve(backend, tokenizer) as srv:
+        client = srv.client()
+        stream = await client.completions.create(model=MODEL, prompt=prompt, stream=True, max_tokens=50,
+                                                 stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        await client.close()
+    assert list(backend.requests[0].prompt_token_ids) == prompt
+    *text_chunks, usage_chunk = chunks
+    assert all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in text_chunks) == SCRIPT_TEXT
+    assert text_chunks[-1].choices[0].finish_reason == "stop"
+    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == (5, len(script_ids) + 1)
+
+
+async def test_stop_string_non_stream(tokenizer, make_backend):
+    backend = make_backend()
+    async with serve(backend, tokenizer) as srv:
+        client = srv.client()
+        resp = await client.chat.completions.create(model=MODEL, messages=MESSAGES, stop=["Paris", "Rome"])
+        journal_left = len(srv.app[JOURNAL_KEY])
+        await client.close()
+    assert resp.choices[0].message.content == "The capital of France is "
+    assert resp.choices[0].finish_reason == "stop"
+    assert backend.aborted == [resp.id]  # the backend was still generating
+    assert resp.usage.completion_tokens == len(tokenizer.encode("The capital of France is Paris"))
+    assert journal_left == 0
+
+
+async def test_stop_string_stream(tokenizer, make_backend):
+    backend = make_backend()
+    async with serve(backend, tokenizer) as srv:
+        client = srv.client()
+        stream = await client.completions.create(model=MODEL, prompt="x", stream=True, stop="Eiffel",
+                                                 max_tokens=50)
+        chunks = [c async for c in stream]
+        await client.close()
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text == "The capital of France is Paris. It is known for the "
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert backend.aborted == [chunks[0].id]
+
+
+async def test_journal_holds_generated_tokens_while_running(tokenizer, make_backend, script_ids):
+    backend = make_backend()
+    async with serve(backend, tokenizer) as srv:
+        client = srv.client()
+        await client.completions.create(model=MODEL, prompt="x", max_tokens=50)
+        await client.close()
+    # Before producing token i the backend saw the i tokens it had already sent.
+    assert backend.journal_seen[:5] == [tuple(script_ids[:i]) for i in range(5)]
+
+
+@pytest.mark.parametrize("kwargs, param, fragment", [
+    ({"n": 2}, "n", "only n=1 is supported"),
+    ({"max_tokens": "5"}, "max_tokens", "expected an integer, but got a string"),
+    ({"temperature": [1]}, "temperature", "expected a number, but got an array"),
+    ({"stop": 3}, "stop", "expected a string or an array of strings"),
+    ({"extra_body": {"top_k": "all"}}, "top_k", "expected an integer"),
+])
+async def test_invalid_parameters_are_400_with_param(tokenizer, make_backend, kwargs, param, fragment):
+    backend = make_backend()
+    async with serve(backend, tokenizer) as srv:
+        client = srv.client()
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
+        await client.close()
+    assert info.value.status_code == 400 and info.value.param == param
+    assert fragment in info.value.body["message"] and info.value.body["type"] == "invalid_request_error"
+    assert backend.requests == []
+
+
+async def test_unknown_model_is_404(tokenizer, make_backend):
+    async with serve(make_backend(), tokenizer) as srv:
+        client = srv.client()
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.chat.completions.create(model="gpt-9", messages=MESSAGES)
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("gpt-9")
+        await client.close()
+    assert info.value.code == "model_not_found" and info.value.param == "model"
+    assert info.value.body["message"] == "The model `gpt-9` does not exist or you do not have access to it."
+
+
+async def test_prompt_over_the_context_is_400(tokenizer, make_backend):
+    backend = make_backend()
+    long_prompt = "word " * (CONTEXT + 10)
+    async with serve(backend, tokenizer) as srv:
+        client = srv.client()
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model=MODEL, prompt=long_prompt)
+        with pytest.raises(openai.BadRequestError) as info2:
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=CONTEXT)
+        await client.close()
+    assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
+    assert info2.value.code == "context_length_exceeded" and info2.value.param == "max_completion_tokens"
+    assert backend.requests == []
+
+
+async def test_backend_queue_full_is_429(tokenizer, make_backend):
+    async with serve(make_backend(queue_full=True), tokenizer) as srv:
+        client = srv.client()
+        with pytest.raises(openai.RateLimitError) as info:
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
+        await client.close()
+        assert len(srv.app[JOURNAL_KEY]) == 0
+    assert info.value.status_code == 429 and info.value.code == "queue_full"
+    assert info.value.response.headers["retry-after"] == "1"
+
+
+async def test_gateway_max_queue_is_429(tokenizer, make_backend):
+    backend = make_backend(num_waiting=4)
+    config = GatewayConfig(port=0, max_queue=4)
+    async with serve(backend, tokenizer, config) as srv:
+        client = srv.client()
+        with pytest.raises(openai.RateLimitError):
+            await client.completions.create(model=MODEL, prompt="x")
+        backend.num_waiting = 3
+        resp = await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        await client.close()
+    assert resp.choices[0].finish_reason == "length" and len(backend.requests) == 1
+
+
+async def test_api_key(tokenizer, make_backend):
+    async with serve(make_backend(), tokenizer, GatewayConfig(port=0, api_key="sekrit")) as srv:
+        bad = srv.client(api_key="wrong")
+        with pytest.raises(openai.AuthenticationError) as info:
+            await bad.models.list()
+        await bad.close()
+        good = srv.client(api_key="sekrit")
+        models = await good.models.list()
+        resp = await good.completions.create(model=MODEL, prompt="x", max_tokens=1)
+        await good.close()
+    assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
+    assert [m.id for m in models.data] == [MODEL] and resp.usage.completion_tokens == 1
+
+
+async def test_models(tokenizer, make_backend):
+    async with serve(make_backend(), tokenizer) as srv:
+        client = srv.client()
+        models = await client.models.list()
+        model = await client.models.retrieve(MODEL)
+        await client.close()
+    assert [(m.id, m.object, m.owned_by) for m in models.data] == [(MODEL, "model", "lamina")]
+    assert model.id == MODEL and model.model_extra["max_model_len"] == CONTEXT
+
+
+async def test_client_disconnect_mid_stream_aborts_the_backend_request(tokenizer, make_backend):
+    backend = make_backend(stall_after=3)
+    async with serve(backend, tokenizer) as srv:
+        client = srv.client()
+        stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
+        first = await anext(aiter(stream))
+        await asyncio.wait_for(backend.stalled.wait(), 5)
+        await stream.close()  # the client goes away while the backend is between tokens
+        await asyncio.wait_for(backend.abort_done.wait(), 5)
+        await client.close()
+        journal = srv.app[JOURNAL_KEY]
+        assert backend.aborted == [first.id]
+        assert len(journal) == 0 and backend.num_running == 0
+        metrics = srv.app[STATE_KEY].metrics.render().decode()
+        assert 'lamina_gateway_requests_total{route="/v1/chat/completions",status="499"} 1.0' in metrics
+        assert "lamina_gateway_requests_in_flight 0.0" in metrics
+
+
+async def test_client_disconnect_while_waiting_for_a_non_stream_response_aborts(tokenizer, make_backend):
+    backend = make_backend(stall_after=3)
+    async with serve(backend, tokenizer) as srv:
+        client = srv.client()
+        waiting = asyncio.create_task(client.completions.create(model=MODEL, prompt="x", max_tokens=50))
+        await asyncio.wait_for(backend.stalled.wait(), 5)
+        waiting.cancel()  # the client gives up and closes its connection
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.wait_for(backend.abort_done.wait(), 5)
+        await client.close()
+        assert backend.aborted == [backend.requests[0].request_id] and len(srv.app[JOURNAL_KEY]) == 0
+
+
+async def test_client_disconnect_is_noticed_on_write_without_handler_cancellation(tokenizer, make_backend):
+    backend = make_backend(stall_after=2)
+    async with serve(backend, tokenizer, handler_cancellation=False) as srv:
+        client = srv.client()
+        stream = await client.completions.create(model=MODEL, prompt="x", stream=True, max_tokens=50)
+        first = await anext(aiter(stream))
+        await asyncio.wait_for(backend.stalled.wait(), 5)
+        await stream.close()
+        # Release tokens one at a time until writing one fails and the gateway aborts.
+        for _ in range(20):
+            backend.release.put_nowait(1)
+            try:
+                await asyncio.wait_for(backend.abort_done.wait(), 0.2)
+                break
+            except TimeoutError:
+                continue
+        await client.close()
+    assert backend.aborted == [first.id] and backend.num_running == 0
+
+
+async def test_backend_failure(tokenizer, make_backend):
+    async with serve(make_backend(fail_after=4), tokenizer) as srv:
+        client = srv.client()
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=50)
+        stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=50, stream=True)
+        with pytest.raises(openai.APIError) as stream_info:
+            async for _ in stream:
+                pass
+        await client.close()
+    assert info.value.code == "backend_error" and "scripted failure" in info.value.body["message"]
+    assert "scripted failure" in stream_info.value.message
+
+
+async def test_shutdown_ends_in_flight_streams_and_aborts_them(tokenizer, make_backend):
+    backend = make_backend(stall_after=2)
+    async with serve(backend, tokenizer) as srv:
+        client = srv.client()
+        stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
+        first = await anext(aiter(stream))
+        await asyncio.wait_for(backend.stalled.wait(), 5)
+        stopping = asyncio.create_task(srv.stop())
+        with pytest.raises(openai.APIError) as info:
+            async for _ in stream:
+                pass
+        await stopping
+        await client.close()
+    assert "shutting down" in info.value.message
+    assert backend.aborted == [first.id] and backend.num_running == 0

@@ -1,0 +1,103 @@
+"""What the OpenAI client cannot send or does not show: raw bodies, SSE framing, health, metrics."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+
+from gateway.config import GatewayConfig
+from gateway_helpers import MODEL, serve
+
+
+async def post(url: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict | str]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r:
+            text = await r.text()
+            try:
+                return r.status, json.loads(text)
+            except json.JSONDecodeError:
+                return r.status, text
+
+
+async def get(url: str, headers: dict | None = None) -> tuple[int, str, str]:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url, headers=headers or {}) as r:
+            return r.status, r.headers.get("Content-Type", ""), await r.text()
+
+
+async def test_malformed_json_is_400(tokenizer, make_backend):
+    async with serve(make_backend(), tokenizer) as srv:
+        status, body = await post(srv.url + "/v1/chat/completions", b'{"model": "x", "messages": [')
+        status2, body2 = await post(srv.url + "/v1/completions", b'"just a string"')
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["code"] == "invalid_json"
+    assert body["error"]["message"].startswith("We could not parse the JSON body of your request")
+    assert status2 == 400
+    assert body2["error"]["message"] == "The request body must be a JSON object, but got a string."
+
+
+async def test_sse_framing(tokenizer, make_backend):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    async with serve(make_backend(), tokenizer) as srv:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(srv.url + "/v1/completions", json=body) as r:
+                assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
+                raw = (await r.read()).decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert [p["choices"][0]["finish_reason"] for p in payloads[:-1]] == [None, None, "length"]
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 3
+    assert all(p["usage"] is None for p in payloads[:-1])
+
+
+async def test_oversized_body_is_413_in_the_openai_shape(tokenizer, make_backend):
+    async with serve(make_backend(), tokenizer, GatewayConfig(port=0, max_request_bytes=4096)) as srv:
+        status, body = await post(srv.url + "/v1/completions", {"model": MODEL, "prompt": "x" * 5000})
+    assert status == 413 and body["error"]["message"] == "Request Entity Too Large"
+
+
+async def test_unknown_route_and_method_use_the_openai_error_shape(tokenizer, make_backend):
+    async with serve(make_backend(), tokenizer) as srv:
+        status, _, text = await get(srv.url + "/v1/nothing")
+        status2, _, text2 = await get(srv.url + "/v1/chat/completions")
+    assert status == 404 and json.loads(text)["error"]["message"] == "Not Found"
+    assert status2 == 405 and json.loads(text2)["error"]["type"] == "invalid_request_error"
+
+
+async def test_missing_api_key_is_401_but_health_and_metrics_are_open(tokenizer, make_backend):
+    async with serve(make_backend(), tokenizer, GatewayConfig(port=0, api_key="k")) as srv:
+        status, body = await post(srv.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
+        health, _, _ = await get(srv.url + "/health")
+        metrics, _, _ = await get(srv.url + "/metrics")
+    assert status == 401 and body["error"]["code"] == "missing_api_key"
+    assert health == 200 and metrics == 200
+
+
+async def test_health(tokenizer, make_backend):
+    async with serve(make_backend(), tokenizer) as srv:
+        status, ctype, text = await get(srv.url + "/health")
+    assert status == 200 and ctype.startswith("application/json") and json.loads(text) == {"status": "ok"}
+
+
+async def test_metrics(tokenizer, make_backend):
+    backend = make_backend(num_waiting=2)
+    async with serve(backend, tokenizer) as srv:
+        ok, _ = await post(srv.url + "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4})
+        bad, _ = await post(srv.url + "/v1/completions", {"model": MODEL, "prompt": "x", "n": 3})
+        status, ctype, text = await get(srv.url + "/metrics")
+    assert (ok, bad, status) == (200, 400, 200) and ctype.startswith("text/plain")
+    lines = set(text.splitlines())
+    assert 'lamina_gateway_requests_total{route="/v1/completions",status="200"} 1.0' in lines
+    assert 'lamina_gateway_requests_total{route="/v1/completions",status="400"} 1.0' in lines
+    assert f'lamina_gateway_prompt_tokens_total{{model="{MODEL}"}} 3.0' in lines
+    assert f'lamina_gateway_generation_tokens_total{{model="{MODEL}"}} 4.0' in lines
+    assert f'lamina_gateway_time_to_first_token_seconds_count{{model="{MODEL}"}} 1.0' in lines
+    assert f'lamina_gateway_inter_token_latency_seconds_count{{model="{MODEL}"}} 3.0' in lines
+    assert f'lamina_gateway_request_latency_seconds_count{{model="{MODEL}"}} 1.0' in lines
+    assert "lamina_gateway_requests_in_flight 0.0" in lines
+    assert "lamina_backend_requests_waiting 2.0" in lines
+    assert "lamina_backend_requests_running 0.0" in lines

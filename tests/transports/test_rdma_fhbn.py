@@ -1,0 +1,144 @@
+"""RDMA verbs and FHBN: device-independent logic runs everywhere; device tests run where
+an RDMA device / CUDA GPU exists and are skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import time
+
+import pytest
+
+from transports import FrameError, fhbn
+from transports.rdma import (
+    QpParams, RecvWindow, SendWindow, SlabLayout, TRAILER_BYTES, VerbsEndpoint, device_availability,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def params(**kw) -> QpParams:
+    base = dict(lid=7, qpn=0x1234, psn=0x42, gid=bytes(range(16)), slab_addr=0x7F00_0000_1000,
+                rkey=0xABCD, slot_bytes=4096, num_slots=8)
+    base.update(kw)
+    return QpParams(**base)
+
+
+def test_qp_params_round_trip_and_validation():
+    p = params()
+    assert QpParams.unpack(p.pack()) == p and len(p.pack()) == QpParams.SIZE
+    with pytest.raises(FrameError):
+        QpParams.unpack(p.pack()[:-1])
+    with pytest.raises(FrameError):
+        QpParams.unpack(b"XXXX" + p.pack()[4:])
+    bad = bytearray(p.pack())
+    struct.pack_into("<I", bad, 44, 100)  # slot_bytes not a multiple of 64
+    with pytest.raises(FrameError):
+        QpParams.unpack(bytes(bad))
+    with pytest.raises(ValueError):
+        params(qpn=0)
+    with pytest.raises(ValueError):
+        params(gid=b"short")
+
+
+def test_slab_layout_offsets():
+    layout = SlabLayout(slot_bytes=256, num_slots=4)
+    assert layout.slab_bytes == 1024 and layout.max_payload == 256 - TRAILER_BYTES
+    assert [layout.payload_offset(s) for s in range(6)] == [0, 256, 512, 768, 0, 256]
+    assert layout.trailer_offset(5) == 256 + 248
+    assert layout.trailer_value(0) == 1 and layout.trailer_value(2**64 - 1) == 1
+    with pytest.raises(ValueError):
+        SlabLayout(100, 4)
+    with pytest.raises(ValueError):
+        SlabLayout(256, 0)
+
+
+def test_send_window_credits():
+    w = SendWindow(SlabLayout(128, 2))
+    assert w.reserve(10) == (0, 0, 120)
+    assert w.reserve(120) == (1, 128, 248)
+    assert not w.can_send()
+    with pytest.raises(RuntimeError):
+        w.reserve(1)
+    w.on_credit(1)
+    assert w.num_free == 1 and w.reserve(1) == (2, 0, 120)  # slot 0 reused after credit
+    with pytest.raises(FrameError):
+        w.reserve(121)  # larger than a slot's payload
+    with pytest.raises(FrameError):
+        w.on_credit(0)  # credits never go back
+    with pytest.raises(FrameError):
+        w.on_credit(4)  # more than was sent
+
+
+def test_recv_window_polls_trailer_in_order():
+    layout = SlabLayout(128, 2)
+    send, recv = SendWindow(layout), RecvWindow(layout)
+    slab = bytearray(layout.slab_bytes)
+    for _ in range(5):  # wraps the slab twice
+        seq, off, toff = send.reserve(4)
+        slab[off:off + 4] = seq.to_bytes(4, "little")
+        expected_off, value = recv.expected()
+        assert expected_off == toff
+        assert not recv.is_ready(int.from_bytes(slab[toff:toff + 8], "little"))  # not yet
+        slab[toff:toff + 8] = layout.trailer_value(seq).to_bytes(8, "little")
+        assert recv.is_ready(int.from_bytes(slab[toff:toff + 8], "little"))
+        recv.check_immediate(layout.slot_of(seq))
+        got_seq, credit = recv.consume()
+        assert got_seq == seq and int.from_bytes(slab[off:off + 4], "little") == seq
+        send.on_credit(credit)
+    with pytest.raises(FrameError):
+        recv.check_immediate(layout.slot_of(recv.next_seq) + 1)
+
+
+@pytest.mark.skipif(device_availability() is not None, reason=f"RDMA verbs: {device_availability()}")
+def test_verbs_loopback_write_with_imm():
+    from pyverbs.device import get_device_list
+
+    dev = get_device_list()[0].name.decode()
+    layout = SlabLayout(4096, 4)
+    a, b = VerbsEndpoint(dev, layout), VerbsEndpoint(dev, layout)
+    try:
+        a.connect(b.local_params())
+        b.connect(a.local_params())
+        for i in range(8):
+            a.write_frame(f"frame {i}".encode())
+            deadline = time.monotonic() + 5
+            while (data := b.poll_frame(7)) is None:
+                assert time.monotonic() < deadline, "frame never arrived"
+            assert data == f"frame {i}".encode()
+            a.send.on_credit(b.recv.next_seq)
+            a.drain_completions()
+            b.drain_completions()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(fhbn.find_nvcc() is None, reason="nvcc not installed (pip install 'lamina[dev]')")
+def test_fhbn_compiles_with_nvcc(tmp_path):
+    lib_path = fhbn.build(tmp_path, archs=("80",))
+    lib = fhbn.load(lib_path)  # loads without a GPU: cudart is static, the driver lazy
+    for name in fhbn.EXPORTS:
+        assert hasattr(lib, name)
+    assert lib.fhbn_proxy_req_size() == 40 and lib.fhbn_sq_size() == 40
+
+
+@pytest.mark.skipif(fhbn.device_availability() is not None, reason=f"FHBN: {fhbn.device_availability()}")
+@pytest.mark.skipif(fhbn.find_nvcc() is None, reason="nvcc not installed")
+def test_fhbn_device_side_polling(tmp_path):
+    import torch
+
+    lib = fhbn.load(fhbn.build(tmp_path))
+    seq = torch.zeros(1, dtype=torch.int64, device="cuda")
+    observed = torch.zeros(1, dtype=torch.int64, device="cuda")
+    waiter, producer = torch.cuda.Stream(), torch.cuda.Stream()
+    # The wait kernel is queued first; a consumer queued behind it must see the value.
+    assert lib.fhbn_wait_seq(ctypes.c_void_p(seq.data_ptr()), 5, ctypes.c_void_p(observed.data_ptr()),
+                             ctypes.c_void_p(waiter.cuda_stream)) == 0
+    with torch.cuda.stream(waiter):
+        consumer = observed + 1
+    time.sleep(0.05)
+    assert not waiter.query(), "the wait kernel returned before the sequence number arrived"
+    assert lib.fhbn_store_seq(ctypes.c_void_p(seq.data_ptr()), 5, ctypes.c_void_p(producer.cuda_stream)) == 0
+    waiter.synchronize()
+    assert observed.item() == 5 and consumer.item() == 6
