@@ -15,6 +15,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+# The sampling parameters are the engine's own type: one definition for every layer.
+from lamina.engine.sampling import SamplingParams  # noqa: F401 (re-exported)
+
 # Per request; bounds the cost of stop-string matching on every token.
 MAX_STOP_STRINGS = 16
 # Returned when the backend has no explicit `max_tokens` from a completions request (OpenAI's default).
@@ -25,34 +28,6 @@ FinishReason = Literal["stop", "length"]
 
 
 # --- typed messages: gateway <-> backend ------------------------------------
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the backend samples one request. `top_k` 0 means no top-k filtering."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS
-    stop: tuple[str, ...] = ()  # applied by the gateway on the text, listed for completeness
-    stop_token_ids: tuple[int, ...] = ()  # the backend stops on these (and on EOS unless ignore_eos)
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.temperature <= 2.0:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,10 @@ class EmbeddedRedis:
             [self.executable, "--port", str(self.port), "--bind", "127.0.0.1",
              "--save", "", "--appendonly", "no", "--dir", self._dir,
              "--logfile", str(log), "--daemonize", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            # Its own session: a Ctrl-C meant for the owner must not stop Redis
+            # before the services that use it have deregistered.
+            start_new_session=True)
         self._wait_ready(log)
         return self
 

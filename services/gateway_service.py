@@ -6,9 +6,7 @@ import asyncio
 import logging
 import signal
 
-from aiohttp import web
-
-from gateway.app import create_app
+from gateway.app import create_app, start_server
 from gateway.config import GatewayConfig
 from kvstore.metadata import MetadataConfig, MetadataStore, ServiceRegistration
 from model.loader import load_tokenizer, resolve_checkpoint
@@ -35,11 +33,9 @@ async def run_gateway(config: StackConfig, ready: asyncio.Event | None = None) -
                          served_model_name=gw.served_model_name)
     app = create_app(gcfg, backend, tokenizer, model_display_name(config), model_cfg.max_position_embeddings,
                      vocab_size=model_cfg.vocab_size)
-    runner = web.AppRunner(app, shutdown_timeout=gcfg.shutdown_timeout)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, gw.port)
-    await site.start()
-    port = runner.addresses[0][1]
+    # Handler cancellation: a client that disconnects while its request is queued or
+    # prefilling is noticed at once, not at the next token.
+    runner, port = await start_server(app, config.host, gw.port)
     endpoint = f"http://{config.host}:{port}"
     registration = ServiceRegistration(store, "gateway", "gateway-0", endpoint, {"port": port})
     await registration.start()
@@ -51,7 +47,10 @@ async def run_gateway(config: StackConfig, ready: asyncio.Event | None = None) -
     if ready is not None:
         ready.set()
     await stopping.wait()
-    await registration.stop()
+    try:
+        await asyncio.wait_for(registration.stop(), timeout=5.0)
+    except asyncio.TimeoutError:
+        log.warning("gateway: could not deregister (Redis unreachable); its entry expires by TTL")
     await runner.cleanup()  # drains in-flight requests up to shutdown_timeout
     await backend.close()
     await store.close()

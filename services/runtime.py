@@ -81,7 +81,10 @@ class ServiceRuntime:
         with contextlib.suppress(Exception):
             await self._set_serving(False)
         if self._registration is not None:
-            await self._registration.stop()
+            try:
+                await asyncio.wait_for(self._registration.stop(), timeout=5.0)
+            except asyncio.TimeoutError:
+                log.warning("%s: could not deregister (Redis unreachable); its entry expires by TTL", self.service_id)
         if self._server is not None:
             await self._server.stop(grace=2.0)
         if self._metrics_server is not None:

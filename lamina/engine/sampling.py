@@ -37,7 +37,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature == 0.0 or self.top_k == 1
 
 
 def new_seed() -> int:

@@ -1,0 +1,27 @@
+"""Starting the real stack for end-to-end tests, and the prompts they use."""
+
+from __future__ import annotations
+
+import socket
+
+from services.config import AttentionSection, GatewaySection, StackConfig
+from services.launcher import Stack
+
+CHAT_PROMPTS = ["What is the capital of France?", "Name two colours of the rainbow."]
+COMPLETION_PROMPTS = ["The three primary colours are", "def add(a, b):\n    return"]
+MAX_TOKENS = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_stack(transport: str = "tcp", partition: str = "request", workers: int = 2, **kw) -> Stack:
+    config = StackConfig(transport=transport, partition=partition,
+                         gateway=GatewaySection(port=free_port(), **kw),
+                         attention=AttentionSection(workers=workers, kv_capacity_bytes=256 << 20))
+    stack = Stack(config)
+    stack.start(timeout_s=240)
+    return stack

@@ -1,0 +1,157 @@
+"""The OpenAI API of the whole stack, through the official client, against transformers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+
+from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def _model(stack) -> str:
+    return _client(stack).models.list().data[0].id
+
+
+def test_chat_and_completions_equal_transformers(stack, reference_outputs):
+    client, model = _client(stack), _model(stack)
+    for p in CHAT_PROMPTS:
+        ref = reference_outputs[("chat", p)]
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
+                                           max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].message.content == ref["text"]
+        assert r.usage.prompt_tokens == len(ref["prompt_ids"])
+        assert r.usage.completion_tokens == len(ref["token_ids"])
+        assert r.choices[0].finish_reason == ("stop" if len(ref["token_ids"]) < MAX_TOKENS else "length")
+        # Streaming gives the same text, chunk by chunk, and the usage when asked.
+        chunks = list(client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS, temperature=0,
+            stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref["text"]
+        assert chunks[-1].usage.completion_tokens == len(ref["token_ids"])
+    for p in COMPLETION_PROMPTS:
+        ref = reference_outputs[("completion", p)]
+        r = client.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].text == ref["text"]
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref["prompt_ids"]), len(ref["token_ids"]))
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0, stream=True) if c.choices)
+        assert streamed == ref["text"]
+
+
+def test_sixteen_concurrent_requests_of_different_lengths(stack, loaded_model):
+    from lamina.engine import Engine, SamplingParams
+
+    model = _model(stack)
+    prompts = [("word " * (1 + 5 * i)) + f"number {i} is" for i in range(16)]
+    lengths = [4 + (i % 5) * 3 for i in range(16)]
+
+    async def run_all():
+        client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+        return await asyncio.gather(*(client.completions.create(model=model, prompt=p, max_tokens=n,
+                                                                temperature=0)
+                                      for p, n in zip(prompts, lengths)))
+
+    results = asyncio.run(run_all())
+    # Each equals the request run alone through the local engine (greedy; batch invariant).
+    engine = Engine(loaded_model)
+    tok = loaded_model.tokenizer
+    for p, n, r in zip(prompts, lengths, results):
+        (alone,) = engine.generate([tok.encode(p)], SamplingParams(max_tokens=n, temperature=0.0))
+        assert r.choices[0].text == alone.text
+        assert r.usage.completion_tokens == len(alone.output_token_ids)
+
+
+async def _attention_occupancy(stack) -> list[int]:
+    from kvstore.metadata import MetadataConfig, MetadataStore
+    from services.protos import lamina_pb2, lamina_pb2_grpc
+
+    store = MetadataStore(MetadataConfig(url=stack.config.redis_url, namespace=stack.config.namespace))
+    try:
+        services = sorted(await store.list_services("attention"), key=lambda s: s.service_id)
+    finally:
+        await store.close()
+    counts = []
+    for s in services:
+        async with grpc.aio.insecure_channel(s.meta["grpc"]) as ch:
+            stats = await lamina_pb2_grpc.AttentionControlStub(ch).Stats(lamina_pb2.Empty())
+            counts.append(stats.num_sequences)
+    return counts
+
+
+def test_client_disconnect_frees_kv(stack):
+    model = _model(stack)
+
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+        stream = await client.completions.create(model=model, prompt="Count slowly: one, two,", max_tokens=400,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        assert sum(await _attention_occupancy(stack)) == 1  # the request's KV is on a worker
+        await stream.close()  # the client goes away mid-stream
+        for _ in range(100):
+            if sum(await _attention_occupancy(stack)) == 0:
+                return
+            await asyncio.sleep(0.1)  # polling another process's state over gRPC
+        raise AssertionError(f"KV not freed: {await _attention_occupancy(stack)}")
+
+    asyncio.run(scenario())
+
+
+def _post(stack, path: str, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(stack.base_url + path, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_bad_input_is_answered_clearly_while_others_continue(stack, reference_outputs):
+    model = _model(stack)
+
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+        p = COMPLETION_PROMPTS[0]
+        good = asyncio.create_task(client.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS,
+                                                             temperature=0))
+        loop = asyncio.get_running_loop()
+        cases = [
+            (b'{"model": "x", "messages": [', 400),  # malformed JSON
+            (json.dumps({"model": model, "messages": "hello"}).encode(), 400),  # wrong type
+            (json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404),
+            (json.dumps({"model": model, "messages": [{"role": "user", "content": "word " * 9000}]}).encode(), 400),
+            (json.dumps({"model": model, "n": 2, "messages": [{"role": "user", "content": "hi"}]}).encode(), 400),
+        ]
+        for body, status in cases:
+            code, payload = await loop.run_in_executor(None, _post, stack, "/v1/chat/completions", body)
+            assert code == status, payload
+            assert payload["error"]["message"]
+            assert "type" in payload["error"]
+        r = await good
+        assert r.choices[0].text == reference_outputs[("completion", p)]["text"]
+
+    asyncio.run(scenario())
+
+
+def test_health_and_metrics(stack):
+    with urllib.request.urlopen(stack.base_url + "/health", timeout=10) as r:
+        assert r.status == 200
+    with urllib.request.urlopen(stack.base_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert "lamina" in text
