@@ -3,10 +3,10 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PROMPT ?= What is the capital of France? Answer in one sentence.
+PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run test install bench clean csrc
+.PHONY: run test install bench clean csrc protos
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/lamina generate --chat --prompt "$(PROMPT)" --max-tokens 64
+	$(BIN)/lamina up --port $(PORT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
@@ -29,6 +29,10 @@ test: $(STAMP)
 # FHBN's CUDA library (needs nvcc: the dev extra installs it from PyPI; no GPU needed).
 csrc: $(STAMP)
 	$(BIN)/python -m transports.fhbn build build
+
+# Regenerate the gRPC code after editing services/protos/lamina.proto (the output is committed).
+protos: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. services/protos/lamina.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info

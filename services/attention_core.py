@@ -26,18 +26,20 @@ class AttentionCore:
         """Append the new tokens' K, V; attention of their queries. Returns out, lse."""
         if msg.k.shape[1] != self.num_kv_heads:
             raise RemoteError("bad_request", f"sent {msg.k.shape[1]} KV heads, this worker holds {self.num_kv_heads}")
+        unknown = [s for s, _ in msg.seqs if s not in self.kv]
+        if unknown:
+            # Decoding a sequence whose prompt KV never arrived (or was freed) would
+            # silently attend over nothing: refuse it.
+            raise RemoteError("unknown_sequence", f"no KV for sequence(s) {', '.join(map(repr, unknown))}")
         if msg.layer == 0:
             for seq_id, n in msg.seqs:
-                have = self.kv.get(seq_id).length if seq_id in self.kv else 0
                 try:
-                    self.kv.reserve(seq_id, have + n)
+                    self.kv.reserve(seq_id, self.kv.get(seq_id).length + n)
                 except KVCapacityError as exc:
                     raise RemoteError("kv_full", str(exc)) from exc
         keys, values, lens = [], [], []
         start = 0
         for seq_id, n in msg.seqs:
-            if seq_id not in self.kv:
-                raise RemoteError("unknown_sequence", f"no KV for sequence {seq_id!r}")
             kk, vv = self.kv.get(seq_id).write(msg.layer, msg.k[start : start + n], msg.v[start : start + n])
             keys.append(kk)
             values.append(vv)

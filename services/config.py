@@ -13,7 +13,8 @@ clear message naming the setting.
     host: 127.0.0.1             # interface every service binds
     gateway: {port: 8000, api_key: null, max_queue: 256, served_model_name: null}
     scheduler: {max_batch_size: 32, max_step_tokens: 2048, max_queue: 256, policy: fcfs}
-    prefill: {threads: 1}
+    prefill: {threads: 1, cache_block_tokens: 16, cache_device_bytes: 268435456,
+              cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru}
     model_worker: {threads: 1}
     attention: {workers: 2, threads: 1, kv_capacity_bytes: 1073741824}
 """
@@ -61,6 +62,17 @@ class WorkerSection:
 
 
 @dataclass(frozen=True)
+class PrefillSection:
+    threads: int = 1
+    cache_block_tokens: int = 16  # prefix-cache block size (tokens)
+    cache_device_bytes: int = 256 << 20  # 0 disables the prefix cache
+    cache_host_bytes: int = 512 << 20
+    cache_disk_bytes: int = 0  # > 0 needs cache_dir
+    cache_dir: str | None = None
+    cache_eviction: str = "lru"  # lru | fifo | random
+
+
+@dataclass(frozen=True)
 class AttentionSection:
     workers: int = 2
     threads: int = 1
@@ -78,7 +90,7 @@ class StackConfig:
     host: str = "127.0.0.1"
     gateway: GatewaySection = field(default_factory=GatewaySection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
-    prefill: WorkerSection = field(default_factory=WorkerSection)
+    prefill: PrefillSection = field(default_factory=PrefillSection)
     model_worker: WorkerSection = field(default_factory=WorkerSection)
     attention: AttentionSection = field(default_factory=AttentionSection)
 
@@ -96,8 +108,17 @@ class StackConfig:
                             ("model_worker.threads", self.model_worker.threads),
                             ("attention.workers", self.attention.workers),
                             ("attention.threads", self.attention.threads),
-                            ("attention.kv_capacity_bytes", self.attention.kv_capacity_bytes)):
+                            ("attention.kv_capacity_bytes", self.attention.kv_capacity_bytes),
+                            ("prefill.cache_block_tokens", self.prefill.cache_block_tokens)):
             _check(isinstance(value, int) and value > 0, name, "must be a positive integer", value)
+        for name, value in (("prefill.cache_device_bytes", self.prefill.cache_device_bytes),
+                            ("prefill.cache_host_bytes", self.prefill.cache_host_bytes),
+                            ("prefill.cache_disk_bytes", self.prefill.cache_disk_bytes)):
+            _check(isinstance(value, int) and value >= 0, name, "must be a non-negative integer", value)
+        _check(self.prefill.cache_eviction in ("lru", "fifo", "random"), "prefill.cache_eviction",
+               "must be lru, fifo or random", self.prefill.cache_eviction)
+        _check(not self.prefill.cache_disk_bytes or bool(self.prefill.cache_dir), "prefill.cache_dir",
+               "must be set when prefill.cache_disk_bytes > 0", self.prefill.cache_dir)
 
     def data_address(self, service_id: str) -> str:
         """Where a service listens for data-plane frames (port 0: the system picks)."""
@@ -115,7 +136,7 @@ def _check(ok: bool, name: str, rule: str, value: Any) -> None:
 
 
 _SECTIONS = {
-    "gateway": GatewaySection, "scheduler": SchedulerSection, "prefill": WorkerSection,
+    "gateway": GatewaySection, "scheduler": SchedulerSection, "prefill": PrefillSection,
     "model_worker": WorkerSection, "attention": AttentionSection,
 }
 

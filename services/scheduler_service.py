@@ -1,6 +1,8 @@
 """The scheduler: admits requests, places their KV, drives prefill and decode.
 
-Two loops, each an owned task: admission takes waiting requests in FCFS order,
+Two loops, each an owned task: admission takes waiting requests in the order of
+the configured policy (FCFS, Fastest-Prefix-First or Relaxed-FPF over the prefill
+service's prefix cache),
 places them on attention workers, and has the prefill service run them (which
 yields the first token); decoding runs steps of all running requests on the
 model worker, continuously (requests join and leave between steps). Prefill
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 
 import grpc
@@ -24,9 +27,12 @@ from services.config import StackConfig
 from services.placement import place_request
 from services.protos import lamina_pb2, lamina_pb2_grpc
 from services.runtime import ServiceRuntime, wait_for_services
-from services.scheduler_state import Request, Status, can_admit, decode_batch, stop_reason
+from services.scheduler_state import Request, Status, admission_order, can_admit, decode_batch, stop_reason
 
 log = logging.getLogger(__name__)
+
+# Waiting requests a prefix-aware policy considers at each admission.
+_POLICY_WINDOW = 32
 
 
 class SchedulerService:
@@ -92,8 +98,24 @@ class SchedulerService:
             await self._wake_admit.wait()
             self._wake_admit.clear()
             while self.waiting and can_admit(len(self.running), self.num_prefilling, self.limits.max_batch_size):
-                req = self.waiting.popleft()
+                req = await self._next_to_admit()
+                self.waiting.remove(req)
                 await self._prefill(req)
+
+    async def _next_to_admit(self) -> Request:
+        """FCFS takes the head of the queue; the prefix-aware policies look at the
+        first `_POLICY_WINDOW` waiting requests' cached-prefix tier distances."""
+        if self.limits.policy == "fcfs":
+            return self.waiting[0]
+        window = list(self.waiting)[:_POLICY_WINDOW]
+        try:
+            result = await self.prefill_stub.TierDistances(lamina_pb2.TierDistanceRequest(prompts=[
+                lamina_pb2.TierDistanceRequest.Prompt(token_ids=r.prompt_ids) for r in window]), timeout=10)
+            distances = list(result.distances)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("tier distances unavailable (%s); admitting in arrival order", exc.details())
+            return self.waiting[0]
+        return admission_order(window, distances, self.limits.policy, time.monotonic())[0]
 
     async def _prefill(self, req: Request) -> None:
         req.workers = place_request(self.config.partition, self.worker_tokens, len(req.prompt_ids))

@@ -8,6 +8,7 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from kvstore.policies import SCHEDULING_POLICIES, QueuedRequest
 from services.protos import lamina_pb2
 
 
@@ -43,6 +44,13 @@ def stop_reason(req: Request, token: int, eos_ids: Collection[int], max_model_le
     if len(req.output_ids) >= p.max_tokens or req.num_tokens >= max_model_len:
         return "length"
     return None
+
+
+def admission_order(waiting: Sequence[Request], distances: Sequence[int], policy: str, now: float) -> list[Request]:
+    """Waiting requests in the order the scheduling policy admits them (a pure decision)."""
+    queued = [QueuedRequest(r.request_id, r.arrival, d) for r, d in zip(waiting, distances)]
+    by_id = {r.request_id: r for r in waiting}
+    return [by_id[q.request_id] for q in SCHEDULING_POLICIES[policy](queued, now)]
 
 
 def decode_batch(running: Sequence[Request], max_batch_size: int) -> list[Request]:

@@ -94,6 +94,23 @@ class PrefillResult(_message.Message):
     cached_tokens: int
     def __init__(self, token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
+class TierDistanceRequest(_message.Message):
+    __slots__ = ("prompts",)
+    class Prompt(_message.Message):
+        __slots__ = ("token_ids",)
+        TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        token_ids: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[TierDistanceRequest.Prompt]
+    def __init__(self, prompts: _Optional[_Iterable[_Union[TierDistanceRequest.Prompt, _Mapping]]] = ...) -> None: ...
+
+class TierDistanceResult(_message.Message):
+    __slots__ = ("distances",)
+    DISTANCES_FIELD_NUMBER: _ClassVar[int]
+    distances: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, distances: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StepSequence(_message.Message):
     __slots__ = ("seq_id", "token_id", "position", "params", "output_index", "placement")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]

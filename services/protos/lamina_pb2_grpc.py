@@ -197,12 +197,23 @@ class PrefillStub:
                 request_serializer=services_dot_protos_dot_lamina__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=services_dot_protos_dot_lamina__pb2.PrefillResult.FromString,
                 _registered_method=True)
+        self.TierDistances = channel.unary_unary(
+                '/lamina.v1.Prefill/TierDistances',
+                request_serializer=services_dot_protos_dot_lamina__pb2.TierDistanceRequest.SerializeToString,
+                response_deserializer=services_dot_protos_dot_lamina__pb2.TierDistanceResult.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TierDistances(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -215,6 +226,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=services_dot_protos_dot_lamina__pb2.PrefillRequest.FromString,
                     response_serializer=services_dot_protos_dot_lamina__pb2.PrefillResult.SerializeToString,
+            ),
+            'TierDistances': grpc.unary_unary_rpc_method_handler(
+                    servicer.TierDistances,
+                    request_deserializer=services_dot_protos_dot_lamina__pb2.TierDistanceRequest.FromString,
+                    response_serializer=services_dot_protos_dot_lamina__pb2.TierDistanceResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -244,6 +260,33 @@ class Prefill:
             '/lamina.v1.Prefill/Prefill',
             services_dot_protos_dot_lamina__pb2.PrefillRequest.SerializeToString,
             services_dot_protos_dot_lamina__pb2.PrefillResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TierDistances(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lamina.v1.Prefill/TierDistances',
+            services_dot_protos_dot_lamina__pb2.TierDistanceRequest.SerializeToString,
+            services_dot_protos_dot_lamina__pb2.TierDistanceResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -155,3 +155,38 @@ def test_health_and_metrics(stack):
     with urllib.request.urlopen(stack.base_url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     assert "lamina" in text
+
+
+def _prefill_cached_tokens(stack) -> float:
+    from kvstore.metadata import MetadataConfig, MetadataStore
+
+    async def metrics_port() -> int:
+        store = MetadataStore(MetadataConfig(url=stack.config.redis_url, namespace=stack.config.namespace))
+        try:
+            (prefill,) = await store.list_services("prefill")
+        finally:
+            await store.close()
+        return int(prefill.meta["metrics_port"])
+
+    port = asyncio.run(metrics_port())
+    with urllib.request.urlopen(f"http://{stack.config.host}:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("lamina_prefill_cached_tokens_total "):
+                return float(line.split()[1])
+    raise AssertionError("prefill metrics lack lamina_prefill_cached_tokens_total")
+
+
+def test_prefix_cache_hit_gives_the_same_tokens(stack):
+    client, model = _client(stack), _model(stack)
+    shared = "You are a careful assistant. " * 12
+    before = _prefill_cached_tokens(stack)
+    first = client.completions.create(model=model, prompt=shared + "Question: what is two plus two?",
+                                      max_tokens=MAX_TOKENS, temperature=0)
+    middle = _prefill_cached_tokens(stack)
+    second = client.completions.create(model=model, prompt=shared + "Question: what is two plus two?",
+                                       max_tokens=MAX_TOKENS, temperature=0)
+    after = _prefill_cached_tokens(stack)
+    assert after - middle >= 64  # the second prefill read its shared prefix from the cache
+    assert middle - before < after - middle
+    assert second.choices[0].text == first.choices[0].text
+    assert second.usage == first.usage

@@ -1,0 +1,214 @@
+"""Serving benchmark: the running stack over HTTP against the local engine in one process.
+
+Workload: requests from the Azure conversation trace (../shared/traces/azure_conv_2023.csv),
+with their arrival times and lengths. Scaled to 2 CPU cores: the first --num-requests
+requests after a fixed offset, token lengths divided by --scale (kept >= 1, prompts capped
+at --max-prompt, outputs at --max-output), inter-arrival gaps divided by --time-scale.
+Prompts are synthetic text of the right token length; output length is forced
+(ignore_eos) so both systems generate the same number of tokens.
+
+It starts the stack itself (`lamina up` in-process: embedded Redis, every service in its
+own process) unless --url points at one already running, replays the trace against the
+OpenAI API with streaming, then runs the same requests through the local engine in one
+process (all submitted at once, continuous batching). Prints throughput, time to first
+token and time between tokens (mean, p50, p99), the stack's mean decode batch size, the
+ratio stack / local engine, and as its last line one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import datetime
+from pathlib import Path
+
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+
+def load_trace(n: int, offset: int, scale: int, time_scale: float, max_prompt: int, max_output: int):
+    rows = []
+    with open(TRACES / "azure_conv_2023.csv") as f:
+        reader = csv.DictReader(f)
+        for i, row in enumerate(reader):
+            if i < offset:
+                continue
+            if len(rows) >= n:
+                break
+            rows.append(row)
+    t0 = None
+    out = []
+    for row in rows:
+        whole, _, frac = row["TIMESTAMP"].partition(".")
+        ts = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").timestamp() + float("0." + (frac or "0"))
+        t0 = ts if t0 is None else t0
+        prompt = min(max_prompt, max(1, int(row["ContextTokens"]) // scale))
+        output = min(max_output, max(1, int(row["GeneratedTokens"]) // scale))
+        out.append(((ts - t0) / time_scale, prompt, output))
+    return out
+
+
+def make_prompt_ids(tokenizer, n: int, salt: int) -> list[int]:
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
+    ids: list[int] = []
+    i = salt
+    while len(ids) < n:
+        ids.extend(tokenizer.encode(" " + words[i % len(words)]))
+        i += 7
+    return ids[:n]
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def summary(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values) if values else float("nan"), "p50": pct(values, 0.5),
+            "p99": pct(values, 0.99)}
+
+
+async def replay(url: str, model: str, workload, prompts) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    ttft: list[float] = []
+    tbt: list[float] = []
+    tokens = 0
+    start = time.perf_counter()
+
+    async def one(arrival, ids, out_len):
+        nonlocal tokens
+        await asyncio.sleep(max(0.0, arrival - (time.perf_counter() - start)))
+        sent = time.perf_counter()
+        last = None
+        stream = await client.completions.create(model=model, prompt=ids, max_tokens=out_len, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True},
+                                                 stream_options={"include_usage": True})
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                tokens += chunk.usage.completion_tokens
+            if not chunk.choices:
+                continue
+            if last is None:
+                ttft.append(now - sent)
+            else:
+                tbt.append(now - last)
+            last = now
+
+    await asyncio.gather(*(one(a, ids, o) for (a, _, o), ids in zip(workload, prompts)))
+    elapsed = time.perf_counter() - start
+    return {"tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed, "ttft_s": summary(ttft),
+            "tbt_s": summary(tbt)}
+
+
+def run_local(workload, prompts, threads: int) -> dict:
+    import torch
+
+    from lamina.engine import Engine, SamplingParams
+    from model.loader import load_model
+
+    torch.set_num_threads(threads)
+    engine = Engine(load_model())
+    start = time.perf_counter()
+    ids = [engine.add_request(p, SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
+           for (_, _, o), p in zip(workload, prompts)]
+    first: dict[str, float] = {}
+    tokens = 0
+    while engine.has_work():
+        for out in engine.step():
+            tokens += len(out.new_token_ids)
+            first.setdefault(out.seq_id, time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    return {"tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed,
+            "mean_batch_size": engine.sum_batch_size / max(1, engine.num_steps),
+            "ttft_s": summary([first[i] for i in ids])}
+
+
+async def scheduler_stats(redis_url: str, namespace: str) -> dict:
+    import grpc
+
+    from kvstore.metadata import MetadataConfig, MetadataStore
+    from services.protos import lamina_pb2, lamina_pb2_grpc
+
+    store = MetadataStore(MetadataConfig(url=redis_url, namespace=namespace))
+    try:
+        (sched,) = await store.list_services("scheduler")
+    finally:
+        await store.close()
+    async with grpc.aio.insecure_channel(sched.endpoint) as ch:
+        s = await lamina_pb2_grpc.SchedulerStub(ch).Stats(lamina_pb2.Empty())
+    return {"num_steps": s.num_steps, "mean_batch_size": s.mean_batch_size}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-requests", type=int, default=24)
+    ap.add_argument("--offset", type=int, default=0)
+    ap.add_argument("--scale", type=int, default=16, help="divide token lengths by this")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="divide inter-arrival gaps by this")
+    ap.add_argument("--max-prompt", type=int, default=256)
+    ap.add_argument("--max-output", type=int, default=32)
+    ap.add_argument("--url", default=None, help="a running stack (default: start one)")
+    ap.add_argument("--transport", default="tcp")
+    ap.add_argument("--local-threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+
+    from model.loader import load_tokenizer
+
+    tokenizer, _ = load_tokenizer()
+    workload = load_trace(args.num_requests, args.offset, args.scale, args.time_scale, args.max_prompt,
+                          args.max_output)
+    prompts = [make_prompt_ids(tokenizer, p, i) for i, (_, p, _) in enumerate(workload)]
+    print(f"workload: {len(workload)} requests from azure_conv_2023.csv (offset {args.offset}), lengths / "
+          f"{args.scale} (prompt <= {args.max_prompt}, output <= {args.max_output}, forced), arrivals / "
+          f"{args.time_scale}; mean prompt {statistics.fmean(p for _, p, _ in workload):.1f} tokens, "
+          f"mean output {statistics.fmean(o for _, _, o in workload):.1f} tokens, span {workload[-1][0]:.1f} s")
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"{platform.python_implementation()} {platform.python_version()}")
+
+    stack = None
+    url = args.url
+    stats: dict = {}
+    if url is None:
+        from services.config import StackConfig
+        from services.launcher import Stack
+
+        stack = Stack(StackConfig(transport=args.transport))
+        print("starting the stack (2 attention workers, request-level partitioning)...", flush=True)
+        stack.start()
+        url = stack.base_url
+    try:
+        import openai
+
+        model = openai.OpenAI(base_url=url + "/v1", api_key="unused").models.list().data[0].id
+        served = asyncio.run(replay(url, model, workload, prompts))
+        if stack is not None:
+            stats = asyncio.run(scheduler_stats(stack.config.redis_url, stack.config.namespace))
+    finally:
+        if stack is not None:
+            stack.stop()
+    local = run_local(workload, prompts, args.local_threads)
+
+    print("\n               throughput   TTFT mean/p50/p99 (s)      TBT mean/p50/p99 (s)   batch")
+    print(f"stack (HTTP)  {served['tok_s']:8.2f} t/s  {served['ttft_s']['mean']:.2f}/{served['ttft_s']['p50']:.2f}/"
+          f"{served['ttft_s']['p99']:.2f}   {served['tbt_s']['mean']:.3f}/{served['tbt_s']['p50']:.3f}/"
+          f"{served['tbt_s']['p99']:.3f}   {stats.get('mean_batch_size', float('nan')):.1f}")
+    print(f"local engine  {local['tok_s']:8.2f} t/s  {local['ttft_s']['mean']:.2f}/{local['ttft_s']['p50']:.2f}/"
+          f"{local['ttft_s']['p99']:.2f}   (all submitted at once)          {local['mean_batch_size']:.1f}")
+    ratio = served["tok_s"] / local["tok_s"]
+    print(f"ratio stack / local engine throughput: {ratio:.2f}")
+    print(json.dumps({"stack": {**served, **stats}, "local_engine": local, "ratio_stack_over_local": ratio,
+                      "workload": {"requests": len(workload), "scale": args.scale, "time_scale": args.time_scale}}))
+
+
+if __name__ == "__main__":
+    main()

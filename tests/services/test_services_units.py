@@ -1,0 +1,156 @@
+"""Service logic without processes: configuration, placement, policies, the attention core, frames."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from model.attention import batched_attention
+from model.config import ModelConfig
+from services.attention_core import AttentionCore
+from services.config import ConfigError, load_config
+from services.placement import head_range, place_request
+from services.protos import lamina_pb2
+from services.scheduler_state import Request, Status, admission_order, can_admit, decode_batch, stop_reason
+from services.wire import Attend, Kind, RemoteError, StoreKV, error_frame, expect
+
+CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=6,
+                  num_kv_heads=3, head_dim=4)
+
+
+# -- configuration ---------------------------------------------------------------------------
+def test_config_file_env_and_flags(tmp_path):
+    f = tmp_path / "stack.yaml"
+    f.write_text("transport: shm\nattention: {workers: 3}\nscheduler: {policy: relaxed_fpf}\n")
+    cfg = load_config(f, env={"LAMINA_PARTITION": "head", "REDIS_URL": "redis://h:1"},
+                      overrides={"gateway.port": 9000, "transport": None})
+    assert (cfg.transport, cfg.partition, cfg.redis_url) == ("shm", "head", "redis://h:1")
+    assert (cfg.attention.workers, cfg.gateway.port, cfg.scheduler.policy) == (3, 9000, "relaxed_fpf")
+    toml = tmp_path / "stack.toml"
+    toml.write_text('transport = "ucx"\n[gateway]\nport = 8123\n')
+    assert load_config(toml, env={}).gateway.port == 8123
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("transport: carrier-pigeon\n", "transport must be one of tcp, ucx, shm"),
+    ("attention: {workers: 0}\n", "attention.workers must be a positive integer"),
+    ("attention: {workers: two}\n", "attention.workers must be an integer"),
+    ("colour: blue\n", "unknown setting(s) colour"),
+    ("gateway: {prot: 1}\n", "unknown setting(s) gateway.prot"),
+    ("prefill: {cache_disk_bytes: 10}\n", "prefill.cache_dir must be set"),
+    ("[unclosed\n", "not valid YAML"),
+])
+def test_config_errors_name_the_setting(tmp_path, text, message):
+    f = tmp_path / "stack.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(f, env={})
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="configuration file not found"):
+        load_config(tmp_path / "nope.yaml", env={})
+
+
+# -- placement and policies --------------------------------------------------------------------
+def test_head_ranges_cover_every_head_once():
+    assert [head_range(w, 2, 3) for w in range(2)] == [(0, 1), (1, 3)]
+    assert [head_range(w, 3, 3) for w in range(3)] == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(ValueError, match="at most 3 attention workers"):
+        head_range(0, 4, 3)
+
+
+def test_request_placement_picks_the_least_loaded_worker():
+    assert place_request("request", [10, 3, 3], 5) == [1]
+    assert place_request("head", [10, 3, 3], 5) == [0, 1, 2]
+
+
+def _req(rid: str, arrival: float, n_prompt: int = 3, **params) -> Request:
+    return Request(rid, list(range(n_prompt)), lamina_pb2.SamplingParams(max_tokens=4, **params), asyncio.Queue(),
+                   arrival=arrival)
+
+
+def test_admission_order_per_policy():
+    waiting = [_req("a", 0.0), _req("b", 1.0), _req("c", 2.0)]
+    distances = [3, 1, 0]
+    assert [r.request_id for r in admission_order(waiting, distances, "fcfs", 10.0)] == ["a", "b", "c"]
+    assert [r.request_id for r in admission_order(waiting, distances, "fpf", 10.0)] == ["c", "b", "a"]
+    # Relaxed-FPF: waiting x (4 - distance): a 10x1=10, b 9x3=27, c 8x4=32.
+    assert [r.request_id for r in admission_order(waiting, distances, "relaxed_fpf", 10.0)] == ["c", "b", "a"]
+    # A long wait outweighs a cached prefix: a 100x1=100, b 5x3=15.
+    late = [_req("a", 0.0), _req("b", 95.0)]
+    assert [r.request_id for r in admission_order(late, [3, 1], "relaxed_fpf", 100.0)] == ["a", "b"]
+    assert [r.request_id for r in admission_order(late, [3, 1], "fpf", 100.0)] == ["b", "a"]
+
+
+def test_stop_reasons():
+    r = _req("a", 0.0, stop_token_ids=[7])
+    r.output_ids = [5]
+    assert stop_reason(r, 5, eos_ids={2}, max_model_len=100) is None
+    assert stop_reason(r, 2, eos_ids={2}, max_model_len=100) == "stop"
+    assert stop_reason(r, 7, eos_ids={2}, max_model_len=100) == "stop"
+    r.output_ids = [5] * 4
+    assert stop_reason(r, 5, eos_ids={2}, max_model_len=100) == "length"
+    r.output_ids = [5]
+    assert stop_reason(r, 5, eos_ids={2}, max_model_len=4) == "length"  # context full
+    r.params.ignore_eos = True
+    assert stop_reason(r, 2, eos_ids={2}, max_model_len=100) is None
+
+
+def test_decode_batch_and_admission_limits():
+    reqs = [_req(str(i), float(i)) for i in range(5)]
+    for r in reqs:
+        r.status = Status.RUNNING
+    reqs[1].abort_requested = True
+    assert [r.request_id for r in decode_batch(reqs, 3)] == ["0", "2", "3"]
+    assert can_admit(2, 1, 4) and not can_admit(3, 1, 4)
+
+
+# -- attention core and frames ---------------------------------------------------------------
+def _kv(n: int, heads: int = 3) -> torch.Tensor:
+    return torch.randn(n, heads, 4)
+
+
+def test_attention_core_store_then_decode_matches_local_attention():
+    torch.manual_seed(0)
+    core = AttentionCore(CFG, capacity_bytes=1 << 20, num_kv_heads=3)
+    prompt_k = [_kv(5) for _ in range(2)]
+    prompt_v = [_kv(5) for _ in range(2)]
+    for layer in range(2):
+        done = core.store(StoreKV("s", layer, 2, prompt_k[layer], prompt_v[layer]))
+        assert done == (layer == 1)
+    assert core.kv.get("s").length == 5
+    q, k, v = torch.randn(1, 6, 4), _kv(1), _kv(1)
+    for layer in range(2):
+        out, lse = core.attend(Attend(layer, [("s", 1)], layer == 1, q, k, v))
+        ref, _ = batched_attention(q, [1], [torch.cat([prompt_k[layer], k])], [torch.cat([prompt_v[layer], v])])
+        torch.testing.assert_close(out, ref)
+    assert core.kv.get("s").length == 6
+    core.free(["s"])
+    assert core.kv.num_sequences == 0 and core.kv.used_bytes == 0
+
+
+def test_attention_core_errors_are_typed_and_recoverable():
+    core = AttentionCore(CFG, capacity_bytes=2 * CFG.num_layers * 3 * 4 * 4 * 64, num_kv_heads=3)
+    with pytest.raises(RemoteError, match="unknown_sequence"):
+        core.attend(Attend(0, [("ghost", 1)], False, torch.randn(1, 6, 4), _kv(1), _kv(1)))
+    with pytest.raises(RemoteError, match="bad_request"):
+        core.attend(Attend(0, [("x", 1)], False, torch.randn(1, 6, 4), _kv(1, 2), _kv(1, 2)))
+    # A prompt too big for the worker: one error, at the last layer, and nothing kept.
+    big = _kv(200)
+    assert core.store(StoreKV("big", 0, 2, big, big)) is False
+    with pytest.raises(RemoteError, match="kv_full"):
+        core.store(StoreKV("big", 1, 2, big, big))
+    assert "big" not in core.kv and core.kv.used_bytes == 0
+
+
+def test_frames_round_trip_and_errors():
+    q, k, v = torch.randn(2, 6, 4), _kv(2), _kv(2)
+    msg = Attend(3, [("a", 1), ("b", 1)], True, q, k, v)
+    back = Attend.from_frame(msg.to_frame())
+    assert (back.layer, back.seqs, back.commit) == (3, [("a", 1), ("b", 1)], True)
+    assert torch.equal(back.q, q)
+    with pytest.raises(RemoteError, match="kv_full: no room"):
+        expect(error_frame("kv_full", "no room"), Kind.RESULT)
