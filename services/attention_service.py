@@ -35,9 +35,11 @@ class _Control(lamina_pb2_grpc.AttentionControlServicer):
         return lamina_pb2.Empty()
 
     async def Stats(self, request, context):  # noqa: N802
-        kv = self.core.kv
-        return lamina_pb2.AttentionStats(num_sequences=kv.num_sequences, num_tokens=kv.num_tokens,
-                                         used_bytes=kv.used_bytes, capacity_bytes=kv.capacity_bytes)
+        c = self.core
+        return lamina_pb2.AttentionStats(num_sequences=c.num_sequences, num_tokens=c.slabs.num_used_tokens,
+                                         used_bytes=c.used_bytes, capacity_bytes=c.capacity_bytes,
+                                         occupancy=c.slabs.occupancy, fragmentation=c.slabs.fragmentation,
+                                         capacity_tokens=c.slabs.num_total_tokens)
 
 
 class AttentionService:
@@ -86,8 +88,8 @@ class AttentionService:
                 self.m_errors.labels("bad_request").inc()
                 reply = error_frame("bad_request", f"{type(exc).__name__}: {exc}")
             self.m_frames.labels(Kind(frame.kind).name if frame.kind in Kind._value2member_map_ else "other").inc()
-            self.m_used.set(self.core.kv.used_bytes)
-            self.m_seqs.set(self.core.kv.num_sequences)
+            self.m_used.set(self.core.used_bytes)
+            self.m_seqs.set(self.core.num_sequences)
             if reply is not None:
                 await conn.send(reply)
 

@@ -12,7 +12,7 @@ clear message naming the setting.
     cluster_token: null         # shared secret for data-plane connections
     host: 127.0.0.1             # interface every service binds
     gateway: {port: 8000, api_key: null, max_queue: 256, served_model_name: null}
-    scheduler: {max_batch_size: 32, max_step_tokens: 2048, max_queue: 256, policy: fcfs}
+    scheduler: {max_batch_size: 32, max_queue: 256, policy: fcfs}   # policy: fcfs | fpf | relaxed_fpf
     prefill: {threads: 1, cache_block_tokens: 16, cache_device_bytes: 268435456,
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru}
     model_worker: {threads: 1}
@@ -51,7 +51,6 @@ class GatewaySection:
 @dataclass(frozen=True)
 class SchedulerSection:
     max_batch_size: int = 32
-    max_step_tokens: int = 2048
     max_queue: int = 256
     policy: str = "fcfs"
 
@@ -102,7 +101,6 @@ class StackConfig:
         _check(0 <= self.gateway.port < 65536, "gateway.port", "must be a TCP port", self.gateway.port)
         for name, value in (("gateway.max_queue", self.gateway.max_queue),
                             ("scheduler.max_batch_size", self.scheduler.max_batch_size),
-                            ("scheduler.max_step_tokens", self.scheduler.max_step_tokens),
                             ("scheduler.max_queue", self.scheduler.max_queue),
                             ("prefill.threads", self.prefill.threads),
                             ("model_worker.threads", self.model_worker.threads),

@@ -13,10 +13,15 @@ def head_range(worker: int, num_workers: int, num_kv_heads: int) -> tuple[int, i
     return worker * num_kv_heads // num_workers, (worker + 1) * num_kv_heads // num_workers
 
 
-def place_request(partition: str, load_tokens: Sequence[int], num_tokens: int) -> list[int]:
-    """Workers for a new request: every worker for head-level partitioning; for
-    request-level, the one holding the fewest tokens (ties: the lowest index)."""
+def place_request(partition: str, reserved_tokens: Sequence[int], capacity_tokens: Sequence[int],
+                  num_tokens: int) -> list[int] | None:
+    """Workers for a new request that may grow to `num_tokens` tokens, or None when
+    none has room now. Head-level: every worker (each holds a share of every token).
+    Request-level: of the workers with room, the least reserved (ties: lowest index)."""
+    workers = range(len(reserved_tokens))
+    fits = [w for w in workers if reserved_tokens[w] + num_tokens <= capacity_tokens[w]]
     if partition == "head":
-        return list(range(len(load_tokens)))
-    best = min(range(len(load_tokens)), key=lambda w: (load_tokens[w], w))
-    return [best]
+        return list(workers) if len(fits) == len(reserved_tokens) else None
+    if not fits:
+        return None
+    return [min(fits, key=lambda w: (reserved_tokens[w], w))]

@@ -46,7 +46,10 @@ class SchedulerService:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
-        self.worker_tokens = [0] * config.attention.workers
+        # Tokens reserved on each attention worker: prompt + max_tokens of every placed
+        # request, so a request admitted now can always finish without running out of KV.
+        self.reserved_tokens = [0] * config.attention.workers
+        self.capacity_tokens = [0] * config.attention.workers
         self.num_prefilling = 0
         self.num_steps = 0
         self.sum_batch = 0
@@ -68,13 +71,19 @@ class SchedulerService:
         if len(request.prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(request.prompt_token_ids)} tokens; "
                              f"the model's context length is {self.max_model_len}")
+        most = max(self.capacity_tokens) if self.capacity_tokens else 0
+        need = min(len(request.prompt_token_ids) + request.params.max_tokens, self.max_model_len)
+        if need > most:
+            raise ValueError(f"prompt plus max_tokens ({need} tokens) exceeds the KV capacity of an attention "
+                             f"worker ({most} tokens)")
         if len(self.waiting) >= self.limits.max_queue:
             raise OverflowError(f"queue full ({self.limits.max_queue} requests waiting)")
         params = lamina_pb2.SamplingParams()
         params.CopyFrom(request.params)
         if not request.has_seed:
             params.seed = int(torch.randint(0, 2**62, (1,)).item())
-        req = Request(request.request_id, list(request.prompt_token_ids), params, asyncio.Queue())
+        req = Request(request.request_id, list(request.prompt_token_ids), params, asyncio.Queue(),
+                      max_model_len=self.max_model_len)
         self.waiting.append(req)
         self.by_id[req.request_id] = req
         self._wake_admit.set()
@@ -99,6 +108,8 @@ class SchedulerService:
             self._wake_admit.clear()
             while self.waiting and can_admit(len(self.running), self.num_prefilling, self.limits.max_batch_size):
                 req = await self._next_to_admit()
+                if not self._place(req):
+                    break  # no KV room until a running request finishes (which wakes this loop)
                 self.waiting.remove(req)
                 await self._prefill(req)
 
@@ -117,12 +128,18 @@ class SchedulerService:
             return self.waiting[0]
         return admission_order(window, distances, self.limits.policy, time.monotonic())[0]
 
+    def _place(self, req: Request) -> bool:
+        workers = place_request(self.config.partition, self.reserved_tokens, self.capacity_tokens, req.max_total_tokens)
+        if workers is None:
+            return False
+        req.workers = workers
+        for w in workers:
+            self.reserved_tokens[w] += req.max_total_tokens
+        return True
+
     async def _prefill(self, req: Request) -> None:
-        req.workers = place_request(self.config.partition, self.worker_tokens, len(req.prompt_ids))
         req.status = Status.PREFILLING
         self.num_prefilling += 1
-        for w in req.workers:
-            self.worker_tokens[w] += len(req.prompt_ids)
         try:
             await self.runtime.store.set_placement(req.request_id, KVPlacement(
                 workers=tuple(f"attention-{w}" for w in req.workers), partition=self.config.partition,
@@ -133,8 +150,9 @@ class SchedulerService:
         except grpc.aio.AioRpcError as exc:
             self.num_prefilling -= 1
             if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and self.running:
-                # KV memory is full: retry once running requests have finished and freed some.
+                # KV memory is full after all: retry once running requests have freed some.
                 self._release(req)
+                req.workers = []
                 req.status = Status.WAITING
                 self.waiting.appendleft(req)
                 return
@@ -184,8 +202,6 @@ class SchedulerService:
 
     async def _accept_token(self, req: Request, token: int) -> None:
         req.output_ids.append(token)
-        for w in req.workers:
-            self.worker_tokens[w] += 1
         reason = stop_reason(req, token, self.eos_ids, self.max_model_len)
         req.events.put_nowait(lamina_pb2.TokenChunk(token_ids=[token], finish_reason=reason or ""))
         if reason is not None:
@@ -213,8 +229,7 @@ class SchedulerService:
 
     def _release(self, req: Request) -> None:
         for w in req.workers:
-            self.worker_tokens[w] -= req.num_tokens
-            self.worker_tokens[w] = max(0, self.worker_tokens[w])
+            self.reserved_tokens[w] -= req.max_total_tokens
 
     def _update_gauges(self) -> None:
         self.m_waiting.set(len(self.waiting))
@@ -231,6 +246,8 @@ class SchedulerService:
         self._channels = [grpc.aio.insecure_channel(a.meta["grpc"]) for a in attn]
         self._channels += [grpc.aio.insecure_channel(prefill.endpoint), grpc.aio.insecure_channel(model.endpoint)]
         self.attention_stubs = [lamina_pb2_grpc.AttentionControlStub(c) for c in self._channels[: len(attn)]]
+        for w, stub in enumerate(self.attention_stubs):
+            self.capacity_tokens[w] = (await stub.Stats(lamina_pb2.Empty(), timeout=30)).capacity_tokens
         self.prefill_stub = lamina_pb2_grpc.PrefillStub(self._channels[-2])
         self.model_stub = lamina_pb2_grpc.ModelWorkerStub(self._channels[-1])
         self._tasks = [asyncio.create_task(self._admit_loop(), name="admit"),

@@ -30,10 +30,16 @@ class Request:
     workers: list[int] = field(default_factory=list)  # KV placement
     status: Status = Status.WAITING
     abort_requested: bool = False
+    max_model_len: int = 1 << 30
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this request's KV can grow to."""
+        return min(len(self.prompt_ids) + self.params.max_tokens, self.max_model_len)
 
 
 def stop_reason(req: Request, token: int, eos_ids: Collection[int], max_model_len: int) -> str | None:

@@ -5,6 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+
+# One intra-op thread: the end-to-end tests run several service processes beside the
+# test process on two cores, where OpenMP's spinning threads slow everything down.
+torch.set_num_threads(1)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRACES_DIR = REPO_ROOT.parent / "shared" / "traces"

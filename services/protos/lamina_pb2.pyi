@@ -148,13 +148,19 @@ class FreeRequest(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AttentionStats(_message.Message):
-    __slots__ = ("num_sequences", "num_tokens", "used_bytes", "capacity_bytes")
+    __slots__ = ("num_sequences", "num_tokens", "used_bytes", "capacity_bytes", "occupancy", "fragmentation", "capacity_tokens")
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OCCUPANCY_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_sequences: int
     num_tokens: int
     used_bytes: int
     capacity_bytes: int
-    def __init__(self, num_sequences: _Optional[int] = ..., num_tokens: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+    occupancy: float
+    fragmentation: float
+    capacity_tokens: int
+    def __init__(self, num_sequences: _Optional[int] = ..., num_tokens: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., occupancy: _Optional[float] = ..., fragmentation: _Optional[float] = ..., capacity_tokens: _Optional[int] = ...) -> None: ...

@@ -72,3 +72,15 @@ def test_mixed_prefill_and_decode_batch():
     for n, k, v in zip(qlens, keys, values):
         torch.testing.assert_close(out[start : start + n], _sdpa(q[start : start + n], k, v, True))
         start += n
+
+
+def test_fused_causal_attention_equals_the_reference_path():
+    from model.attention import causal_attention
+
+    torch.manual_seed(4)
+    for n, L in [(1, 1), (1, 33), (6, 6), (3, 11)]:
+        q = torch.randn(n, 9, 64, dtype=torch.float64)
+        k = torch.randn(L, 3, 64, dtype=torch.float64)
+        v = torch.randn(L, 3, 64, dtype=torch.float64)
+        torch.testing.assert_close(causal_attention(q, k, v), attention_with_lse(q, k, v)[0],
+                                   rtol=1e-12, atol=1e-12)

@@ -62,9 +62,13 @@ def test_head_ranges_cover_every_head_once():
         head_range(0, 4, 3)
 
 
-def test_request_placement_picks_the_least_loaded_worker():
-    assert place_request("request", [10, 3, 3], 5) == [1]
-    assert place_request("head", [10, 3, 3], 5) == [0, 1, 2]
+def test_placement_picks_the_least_loaded_worker_with_room():
+    cap = [20, 20, 20]
+    assert place_request("request", [10, 3, 3], cap, 5) == [1]
+    assert place_request("request", [10, 3, 16], [20, 7, 20], 5) == [0]  # worker 1 lacks room
+    assert place_request("request", [16, 16, 16], cap, 5) is None  # admission waits
+    assert place_request("head", [10, 3, 3], cap, 5) == [0, 1, 2]
+    assert place_request("head", [16, 3, 3], cap, 5) is None
 
 
 def _req(rid: str, arrival: float, n_prompt: int = 3, **params) -> Request:
@@ -121,19 +125,20 @@ def test_attention_core_store_then_decode_matches_local_attention():
     for layer in range(2):
         done = core.store(StoreKV("s", layer, 2, prompt_k[layer], prompt_v[layer]))
         assert done == (layer == 1)
-    assert core.kv.get("s").length == 5
+    assert core.slabs.num_tokens("s") == 5
     q, k, v = torch.randn(1, 6, 4), _kv(1), _kv(1)
     for layer in range(2):
         out, lse = core.attend(Attend(layer, [("s", 1)], layer == 1, q, k, v))
         ref, _ = batched_attention(q, [1], [torch.cat([prompt_k[layer], k])], [torch.cat([prompt_v[layer], v])])
         torch.testing.assert_close(out, ref)
-    assert core.kv.get("s").length == 6
+    assert core.slabs.num_tokens("s") == 6
     core.free(["s"])
-    assert core.kv.num_sequences == 0 and core.kv.used_bytes == 0
+    assert core.num_sequences == 0 and core.used_bytes == 0
 
 
 def test_attention_core_errors_are_typed_and_recoverable():
     core = AttentionCore(CFG, capacity_bytes=2 * CFG.num_layers * 3 * 4 * 4 * 64, num_kv_heads=3)
+    assert core.slabs.num_total_tokens == 64
     with pytest.raises(RemoteError, match="unknown_sequence"):
         core.attend(Attend(0, [("ghost", 1)], False, torch.randn(1, 6, 4), _kv(1), _kv(1)))
     with pytest.raises(RemoteError, match="bad_request"):
@@ -143,7 +148,14 @@ def test_attention_core_errors_are_typed_and_recoverable():
     assert core.store(StoreKV("big", 0, 2, big, big)) is False
     with pytest.raises(RemoteError, match="kv_full"):
         core.store(StoreKV("big", 1, 2, big, big))
-    assert "big" not in core.kv and core.kv.used_bytes == 0
+    assert not core.slabs.has_request("big") and core.used_bytes == 0
+    # A decode step that does not fit is refused before anything changes.
+    small = _kv(60)
+    core.store(StoreKV("s", 0, 2, small, small))
+    core.store(StoreKV("s", 1, 2, small, small))
+    with pytest.raises(RemoteError, match="kv_full"):
+        core.attend(Attend(0, [("s", 5)], False, torch.randn(5, 6, 4), _kv(5), _kv(5)))
+    assert core.slabs.num_tokens("s") == 60
 
 
 def test_frames_round_trip_and_errors():
