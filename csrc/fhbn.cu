@@ -149,9 +149,10 @@ int fhbn_map_uar(void* uar, size_t len, void** dev_ptr) {
 int fhbn_unmap_uar(void* uar) { return (int)cudaHostUnregister(uar); }
 
 // ---------------------------------------------------------------- host-proxy fallback
-// A ring of requests in mapped pinned host memory: the kernel fills a slot and then
-// publishes it by writing its sequence number; the host thread polls `seq` of the next
-// slot, posts the work request with ibv_post_send, and advances.
+// A ring of requests in mapped pinned host memory: the kernel waits until its slot is
+// free (seq == 0), fills it and publishes it by writing its sequence number; the host
+// thread (transports.fhbn.HostProxy) polls `seq` of the next slot, posts the work
+// request with ibv_post_send, clears `seq` (freeing the slot) and advances.
 struct fhbn_proxy_req {
     uint64_t laddr;
     uint64_t raddr;
@@ -166,6 +167,10 @@ __device__ void fhbn_proxy_enqueue(fhbn_proxy_req* ring, uint32_t slots, uint64_
                                    uint64_t laddr, uint32_t lkey, uint32_t len,
                                    uint64_t raddr, uint32_t rkey, uint32_t imm) {
     fhbn_proxy_req* r = &ring[n % slots];
+    while (r->seq != 0) {  // the proxy clears seq once it has posted the slot's request
+        __nanosleep(200);
+    }
+    __threadfence_system();
     r->laddr = laddr;
     r->raddr = raddr;
     r->lkey = lkey;

@@ -15,8 +15,11 @@ from dataclasses import dataclass
 import torch
 
 import transports
+from kvstore.metadata import MetadataStore
 from model.config import ModelConfig
+from services.config import StackConfig
 from services.placement import head_range
+from services.runtime import wait_for_services
 from services.wire import Attend, Kind, StoreKV, expect
 
 
@@ -40,6 +43,13 @@ class AttentionPool:
                       tcfg: transports.TransportConfig) -> AttentionPool:
         conns = [await transports.connect(a, tcfg) for a in addresses]
         return cls(conns, partition, cfg)
+
+    @classmethod
+    async def from_registry(cls, store: MetadataStore, config: StackConfig, cfg: ModelConfig) -> AttentionPool:
+        """Connect to the configured number of attention workers, as registered in Redis."""
+        workers = await wait_for_services(store, "attention", config.attention.workers)
+        tcfg = transports.TransportConfig(auth_token=config.cluster_token)
+        return await cls.connect([w.endpoint for w in workers], config.partition, cfg, tcfg)
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.conns), return_exceptions=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import grpc
 import prometheus_client
 import torch
 
@@ -94,17 +93,14 @@ class AttentionService:
                 await conn.send(reply)
 
     async def run(self) -> None:
-        rt = self.runtime
-        rt.install_signal_handlers()
         tcfg = transports.TransportConfig(auth_token=self.config.cluster_token)
         self._listener = await transports.listen(self.config.data_address(self.service_id), self._serve_connection, tcfg)
-        await rt.start_grpc(lambda s: lamina_pb2_grpc.add_AttentionControlServicer_to_server(_Control(self.core), s))
-        rt.start_metrics()
-        await rt.register(self._listener.address, {"index": self.index, "kv_heads": self.core.num_kv_heads})
-        log.info("attention worker %d: data %s, control %s", self.index, self._listener.address, rt.grpc_address)
-        await rt.stopping.wait()
-        await rt.close()
-        await self._listener.close()
+        try:
+            await self.runtime.serve(
+                lambda s: lamina_pb2_grpc.add_AttentionControlServicer_to_server(_Control(self.core), s),
+                endpoint=self._listener.address, meta={"index": self.index, "kv_heads": self.core.num_kv_heads})
+        finally:
+            await self._listener.close()
 
 
 def serve(config: StackConfig, index: int, threads: int | None = None) -> None:

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import time
 
-import grpc
 import prometheus_client
 import torch
 
@@ -25,7 +24,7 @@ from model.loader import load_model
 from services.attention_pool import AttentionPool, SeqRows
 from services.config import StackConfig
 from services.protos import lamina_pb2, lamina_pb2_grpc
-from services.runtime import ServiceRuntime, wait_for_services
+from services.runtime import ServiceRuntime, abort_for_remote_error
 from services.wire import RemoteError
 
 log = logging.getLogger(__name__)
@@ -45,8 +44,7 @@ class ModelSlices:
         self.cfg = self.loaded.config
         self.split = split_llama(self.loaded.model)
 
-    async def forward(self, batch: StepBatch, seqs: list[SeqRows], pool: AttentionPool,
-                      on_layer=None) -> torch.Tensor:
+    async def forward(self, batch: StepBatch, seqs: list[SeqRows], pool: AttentionPool) -> torch.Tensor:
         """Logits [B, V] of the batch; attention runs on the pool's workers."""
         inputs = batch.model_inputs()
         with torch.inference_mode():
@@ -66,11 +64,8 @@ class _ModelServicer(lamina_pb2_grpc.ModelWorkerServicer):
     async def Step(self, request, context):  # noqa: N802
         try:
             tokens = await self.service.step(request)
-        except RemoteError as exc:
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.code == "kv_full" else grpc.StatusCode.FAILED_PRECONDITION
-            await context.abort(code, str(exc))
-        except transports.TransportError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"attention worker unreachable: {exc}")
+        except (RemoteError, transports.TransportError) as exc:
+            await abort_for_remote_error(context, exc)
         return lamina_pb2.StepResult(token_ids=tokens)
 
 
@@ -105,19 +100,11 @@ class ModelService:
             return tokens
 
     async def run(self) -> None:
-        rt = self.runtime
-        rt.install_signal_handlers()
-        workers = await wait_for_services(rt.store, "attention", self.config.attention.workers)
-        tcfg = transports.TransportConfig(auth_token=self.config.cluster_token)
-        self.pool = await AttentionPool.connect([w.endpoint for w in workers], self.config.partition,
-                                                self.slices.cfg, tcfg)
-        await rt.start_grpc(lambda s: lamina_pb2_grpc.add_ModelWorkerServicer_to_server(_ModelServicer(self), s))
-        rt.start_metrics()
-        await rt.register(rt.grpc_address or "")
-        log.info("model worker serving on %s", rt.grpc_address)
-        await rt.stopping.wait()
-        await rt.close()
-        await self.pool.close()
+        self.pool = await AttentionPool.from_registry(self.runtime.store, self.config, self.slices.cfg)
+        try:
+            await self.runtime.serve(lambda s: lamina_pb2_grpc.add_ModelWorkerServicer_to_server(_ModelServicer(self), s))
+        finally:
+            await self.pool.close()
 
 
 def serve(config: StackConfig, threads: int | None = None) -> None:

@@ -15,7 +15,6 @@ import asyncio
 import logging
 import time
 
-import grpc
 import prometheus_client
 import torch
 
@@ -29,7 +28,7 @@ from services.attention_pool import AttentionPool
 from services.config import StackConfig
 from services.model_service import ModelSlices, params_from_proto
 from services.protos import lamina_pb2, lamina_pb2_grpc
-from services.runtime import ServiceRuntime, wait_for_services
+from services.runtime import ServiceRuntime, abort_for_remote_error
 from services.wire import RemoteError
 
 log = logging.getLogger(__name__)
@@ -106,18 +105,11 @@ class PrefillService:
             return handle.num_tokens
 
     async def run(self) -> None:
-        rt = self.runtime
-        rt.install_signal_handlers()
-        workers = await wait_for_services(rt.store, "attention", self.config.attention.workers)
-        tcfg = transports.TransportConfig(auth_token=self.config.cluster_token)
-        self.pool = await AttentionPool.connect([w.endpoint for w in workers], self.config.partition, self.cfg, tcfg)
-        await rt.start_grpc(lambda s: lamina_pb2_grpc.add_PrefillServicer_to_server(_PrefillServicer(self), s))
-        rt.start_metrics()
-        await rt.register(rt.grpc_address or "")
-        log.info("prefill worker serving on %s", rt.grpc_address)
-        await rt.stopping.wait()
-        await rt.close()
-        await self.pool.close()
+        self.pool = await AttentionPool.from_registry(self.runtime.store, self.config, self.cfg)
+        try:
+            await self.runtime.serve(lambda s: lamina_pb2_grpc.add_PrefillServicer_to_server(_PrefillServicer(self), s))
+        finally:
+            await self.pool.close()
 
 
 class _PrefillServicer(lamina_pb2_grpc.PrefillServicer):
@@ -131,11 +123,8 @@ class _PrefillServicer(lamina_pb2_grpc.PrefillServicer):
     async def Prefill(self, request, context):  # noqa: N802
         try:
             return await self.service.prefill(request)
-        except RemoteError as exc:
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.code == "kv_full" else grpc.StatusCode.FAILED_PRECONDITION
-            await context.abort(code, str(exc))
-        except transports.TransportError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"attention worker unreachable: {exc}")
+        except (RemoteError, transports.TransportError) as exc:
+            await abort_for_remote_error(context, exc)
 
 
 def serve(config: StackConfig, threads: int | None = None) -> None:

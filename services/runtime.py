@@ -71,6 +71,18 @@ class ServiceRuntime:
             if asyncio.iscoroutine(result):
                 await result
 
+    async def serve(self, add_servicers: Callable[[grpc.aio.Server], None], endpoint: str | None = None,
+                    meta: dict | None = None) -> None:
+        """Start gRPC and metrics, register (under `endpoint`, default the gRPC
+        address), serve until SIGINT/SIGTERM, then drain."""
+        self.install_signal_handlers()
+        await self.start_grpc(add_servicers)
+        self.start_metrics()
+        await self.register(endpoint or self.grpc_address or "", meta)
+        log.info("%s serving on %s", self.service_id, self.grpc_address)
+        await self.stopping.wait()
+        await self.close()
+
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -90,6 +102,16 @@ class ServiceRuntime:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         await self.store.close()
+
+
+async def abort_for_remote_error(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """Answer a gRPC call that failed on the data plane with the matching status."""
+    from services.wire import RemoteError
+
+    if isinstance(exc, RemoteError):
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.code == "kv_full" else grpc.StatusCode.FAILED_PRECONDITION
+        await context.abort(code, str(exc))
+    await context.abort(grpc.StatusCode.UNAVAILABLE, f"attention worker unreachable: {exc}")
 
 
 async def wait_for_services(store: MetadataStore, kind: str, count: int, timeout_s: float = 120.0) -> list:

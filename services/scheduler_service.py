@@ -238,7 +238,6 @@ class SchedulerService:
     # -- process ----------------------------------------------------------------------------
     async def run(self) -> None:
         rt = self.runtime
-        rt.install_signal_handlers()
         store = rt.store
         attn = await wait_for_services(store, "attention", self.config.attention.workers)
         (prefill,) = await wait_for_services(store, "prefill", 1)
@@ -252,17 +251,14 @@ class SchedulerService:
         self.model_stub = lamina_pb2_grpc.ModelWorkerStub(self._channels[-1])
         self._tasks = [asyncio.create_task(self._admit_loop(), name="admit"),
                        asyncio.create_task(self._decode_loop(), name="decode")]
-        await rt.start_grpc(lambda s: lamina_pb2_grpc.add_SchedulerServicer_to_server(_SchedulerServicer(self), s))
-        rt.start_metrics()
-        await rt.register(rt.grpc_address or "")
-        log.info("scheduler serving on %s", rt.grpc_address)
-        await rt.stopping.wait()
-        await rt.close()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for c in self._channels:
-            await c.close()
+        try:
+            await rt.serve(lambda s: lamina_pb2_grpc.add_SchedulerServicer_to_server(_SchedulerServicer(self), s))
+        finally:
+            for t in self._tasks:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            for c in self._channels:
+                await c.close()
 
 
 class _SchedulerServicer(lamina_pb2_grpc.SchedulerServicer):

@@ -14,7 +14,15 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .rdma import device_availability as rdma_device_availability
+from .rdma_transport import RdmaTransport
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "fhbn.cu"
 DEFAULT_ARCHS = ("80", "90")  # A100, H100/H200
@@ -75,7 +83,133 @@ def device_availability() -> str | None:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA device on this machine (or torch is a CPU build)"
+
     return None
+
+
+# ---------------------------------------------------------------- host-proxy fallback
+# One request of the ring, laid out exactly as ``struct fhbn_proxy_req`` in csrc/fhbn.cu
+# (checked against fhbn_proxy_req_size() by the build test). ``seq`` is written last by
+# the producer (n + 1 for request n) and cleared to 0 by the proxy once posted, which is
+# also what tells the producer the slot is free again.
+PROXY_REQ = np.dtype([("laddr", "<u8"), ("raddr", "<u8"), ("lkey", "<u4"), ("rkey", "<u4"),
+                      ("len", "<u4"), ("imm", "<u4"), ("seq", "<u8")])
+assert PROXY_REQ.itemsize == 40
+
+PostWrite = Callable[[int, int, int, int, int, int, int], None]
+"""post(laddr, lkey, length, raddr, rkey, imm, wr_id): e.g. VerbsEndpoint.post_write_imm."""
+
+
+class ProxyRing:
+    """``num_slots`` work-request descriptors in a caller-provided buffer: numpy memory in
+    tests, pinned host memory (a ``pin_memory()`` tensor, device-visible through UVA)
+    when a CUDA kernel is the producer."""
+
+    def __init__(self, buffer, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError("a proxy ring needs at least one slot")
+        self.num_slots = num_slots
+        self.reqs = np.frombuffer(buffer, dtype=PROXY_REQ, count=num_slots)
+        if not self.reqs.flags.writeable:
+            raise ValueError("the proxy ring's buffer must be writable")
+
+    @classmethod
+    def allocate(cls, num_slots: int) -> "ProxyRing":
+        return cls(bytearray(num_slots * PROXY_REQ.itemsize), num_slots)
+
+    @property
+    def address(self) -> int:
+        return self.reqs.ctypes.data
+
+    def try_enqueue(self, n: int, laddr: int, lkey: int, length: int, raddr: int, rkey: int,
+                    imm: int) -> bool:
+        """Host-side producer (same protocol as the device's ``fhbn_proxy_enqueue``):
+        fill slot ``n % num_slots`` and publish it; False while the slot is not yet drained."""
+        r = self.reqs[n % self.num_slots]
+        if r["seq"] != 0:
+            return False
+        r["laddr"], r["raddr"], r["lkey"], r["rkey"], r["len"], r["imm"] = laddr, raddr, lkey, rkey, length, imm
+        r["seq"] = n + 1  # last: publishes the request
+        return True
+
+
+class HostProxy:
+    """The thread that drains GPU-enqueued requests from a ``ProxyRing`` and posts each
+    with ``post`` (ibv_post_send through pyverbs) in order.
+
+    Polls the next slot's ``seq`` for ``spin_s`` after the last request, then naps
+    ``idle_sleep_s`` between polls so an idle proxy costs little CPU. ``start()`` /
+    ``stop()`` own the thread; a failing ``post`` stops the proxy and is kept in
+    ``error`` (re-raised by ``stop()``).
+    """
+
+    def __init__(self, ring: ProxyRing, post: PostWrite, *, spin_s: float = 50e-6,
+                 idle_sleep_s: float = 200e-6) -> None:
+        self.ring = ring
+        self._post = post
+        self._spin_s = spin_s
+        self._idle_sleep_s = idle_sleep_s
+        self.posted = 0  # requests drained and posted, in order
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("proxy already started")
+        self._thread = threading.Thread(target=self._run, name="fhbn-host-proxy", daemon=True)
+        self._thread.start()
+
+    def drain(self) -> int:
+        """Post every request published so far; returns how many."""
+        reqs, slots = self.ring.reqs, self.ring.num_slots
+        n = 0
+        while True:
+            r = reqs[self.posted % slots]
+            if r["seq"] != self.posted + 1:
+                return n
+            self._post(int(r["laddr"]), int(r["lkey"]), int(r["len"]), int(r["raddr"]),
+                       int(r["rkey"]), int(r["imm"]), self.posted)
+            r["seq"] = 0  # frees the slot for the producer
+            self.posted += 1
+            n += 1
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        try:
+            while not self._stop.is_set():
+                if self.drain():
+                    last = time.perf_counter()
+                elif time.perf_counter() - last > self._spin_s:
+                    self._stop.wait(self._idle_sleep_s)
+        except BaseException as exc:  # keep it for stop(): a thread has no caller to raise to
+            self.error = exc
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.error is not None:
+            raise self.error
+
+
+class FhbnTransport(RdmaTransport):
+    """``fhbn://DEVICE/PORT/HOST:TCPPORT``: needs a CUDA device and an RDMA device.
+
+    Frames travel with the verbs slot protocol of ``rdma://`` (the trailer a device-side
+    ``fhbn_wait_seq`` kernel can poll); the GPU-initiated send and the host proxy above
+    are primitives for device-resident producers, not used by ``Connection.send``.
+    """
+
+    scheme = "fhbn"
+
+    @classmethod
+    def availability(cls) -> str | None:
+        reason = device_availability()
+        if reason is not None:
+            return reason
+        return rdma_device_availability()
 
 
 if __name__ == "__main__":

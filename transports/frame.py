@@ -119,8 +119,13 @@ def buffer_view(b: Buffer) -> tuple[list, memoryview]:
     return [RAW, (view.nbytes,), view.nbytes], view
 
 
-def encode(frame: Frame, *, checksum_payloads: bool, max_frame_bytes: int) -> tuple[bytes, list[memoryview]]:
-    """Preamble+header bytes and the payload views to send after them (no payload copy)."""
+def encode(frame: Frame, *, checksum_payloads: bool, max_frame_bytes: int,
+           packer: msgpack.Packer | None = None) -> tuple[bytes, list[memoryview]]:
+    """Preamble+header bytes and the payload views to send after them (no payload copy).
+
+    ``packer``: a connection's own ``msgpack.Packer(use_bin_type=True)``; reusing one
+    saves building a packer per frame (``msgpack.packb`` does).
+    """
     kind = frame.kind
     if not 0 <= kind <= 0xFFFF:
         raise FrameError(f"frame kind must be in 0..65535, got {kind}")
@@ -139,8 +144,13 @@ def encode(frame: Frame, *, checksum_payloads: bool, max_frame_bytes: int) -> tu
         payload_len += meta[2]
     crcs = [zlib.crc32(v) for v in views] if checksum_payloads else None
     try:
-        header = msgpack.packb([frame.header, metas, crcs], use_bin_type=True)
+        if packer is None:
+            header = msgpack.packb([frame.header, metas, crcs], use_bin_type=True)
+        else:
+            header = packer.pack([frame.header, metas, crcs])
     except (TypeError, ValueError) as exc:
+        if packer is not None:
+            packer.reset()  # a failed pack may leave partial output in the packer's buffer
         raise FrameError(f"frame header is not msgpack-encodable: {exc}") from exc
     if len(header) + payload_len > max_frame_bytes:
         raise FrameError(

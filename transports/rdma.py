@@ -13,8 +13,7 @@ exchanged out of band over TCP.
 What runs here: the parameter exchange format, slot layout, sequence and credit
 bookkeeping (pure Python, unit-tested). ``VerbsEndpoint`` drives a real device through
 pyverbs and is tested only where an RDMA device exists (these machines have none).
-This module provides the verbs data path; it is not yet registered as an ``rdma://``
-transport in ``transports.registry``.
+``transports.rdma_transport`` turns it into the ``rdma://`` transport.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from .errors import FrameError, TransportUnavailable
 
 TRAILER_BYTES = 8
+CHUNK_HEADER = struct.Struct("<I")  # bytes of stream data in a slot (slot stream)
 _PARAMS = struct.Struct("<4sBxHII16sQIIII")  # magic ver lid qpn psn gid addr rkey slot nslots mtu
 _MAGIC = b"LMNQ"
 _VERSION = 1
@@ -164,6 +164,48 @@ class RecvWindow:
             raise FrameError(f"write into slot {imm}, expected slot {self.layout.slot_of(self.next_seq)}")
 
 
+def chunk_capacity(layout: "SlabLayout") -> int:
+    """Stream bytes one slot carries: the payload area less the chunk length."""
+    return layout.max_payload - CHUNK_HEADER.size
+
+
+def split_chunks(views: list[memoryview], capacity: int) -> list[tuple[list[memoryview], int]]:
+    """Cut a frame's views into slot-sized chunks (no copy): [(views, nbytes), ...]."""
+    out: list[tuple[list[memoryview], int]] = []
+    cur: list[memoryview] = []
+    room = capacity
+    for v in views:
+        while v.nbytes:
+            take = min(room, v.nbytes)
+            cur.append(v[:take])
+            v = v[take:]
+            room -= take
+            if room == 0:
+                out.append((cur, capacity))
+                cur, room = [], capacity
+    if cur:
+        out.append((cur, capacity - room))
+    return out
+
+
+def parse_rdma_address(address: str) -> tuple[str, int, str, int]:
+    """``rdma://DEVICE/PORT/HOST:TCPPORT`` -> (device, port, host, tcp port).
+
+    DEVICE is the verbs device name (``ibv_devices``), PORT its port number (1-based);
+    HOST:TCPPORT is the out-of-band TCP endpoint that exchanges queue pair parameters,
+    carries credits and doorbells, and reports a vanished peer.
+    """
+    scheme, sep, rest = address.partition("://")
+    parts = rest.split("/") if sep else []
+    if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or int(parts[1]) < 1:
+        raise ValueError(f"{scheme or 'rdma'} address must look like {scheme or 'rdma'}://mlx5_0/1/host:port, "
+                         f"got {address!r}")
+    host, colon, port = parts[2].rpartition(":")
+    if not colon or not port.isdigit():
+        raise ValueError(f"address {address!r} needs host:port after the device and port")
+    return parts[0], int(parts[1]), host.strip("[]") or "127.0.0.1", int(port)
+
+
 def device_availability() -> str | None:
     """``None`` when pyverbs and an RDMA device are present, else the reason."""
     try:
@@ -180,7 +222,45 @@ def device_availability() -> str | None:
     return None
 
 
-class VerbsEndpoint:
+class SlotStream:
+    """The slot protocol of the ``rdma://`` byte stream, over any slab-placing endpoint.
+
+    A frame's bytes travel in chunks, one per slot: u32 chunk length, the chunk, and the
+    trailer (sequence number + 1) at the slot's end. The endpoint supplies
+    ``_place(offset, data, trailer_offset, trailer, seq)`` (stage the bytes and write them
+    into the peer's slab at ``offset``, the trailer landing last) and
+    ``_slab_read(nbytes, offset)`` (bytes of its own receive slab); the pure logic here is
+    tested with an endpoint that places bytes in host memory, the verbs one is
+    ``VerbsEndpoint``. Attributes used: ``layout``, ``send`` (SendWindow), ``recv``
+    (RecvWindow).
+    """
+
+    def post_slot(self, chunks: list[memoryview], nbytes: int) -> int:
+        """Write ``chunks`` (``nbytes`` in all, at most ``chunk_capacity``) into the peer's
+        next slot; returns its seq. Raises RuntimeError without a credit."""
+        seq, offset, trailer = self.send.reserve(CHUNK_HEADER.size + nbytes)
+        data = b"".join([CHUNK_HEADER.pack(nbytes), *chunks])
+        self._place(offset, data, trailer, struct.pack("<Q", self.layout.trailer_value(seq)), seq)
+        return seq
+
+    def peek_slot(self) -> bytes | None:
+        """The chunk of the next slot once its trailer shows it complete, else None."""
+        off, value = self.recv.expected()
+        (trailer,) = struct.unpack("<Q", self._slab_read(TRAILER_BYTES, off))
+        if trailer != value:
+            return None
+        base = self.layout.payload_offset(self.recv.next_seq)
+        (n,) = CHUNK_HEADER.unpack(self._slab_read(CHUNK_HEADER.size, base))
+        if n > chunk_capacity(self.layout):
+            raise FrameError(f"slot announces {n} bytes, more than a slot holds")
+        return self._slab_read(n, base + CHUNK_HEADER.size)
+
+    def consume_slot(self) -> int:
+        """Release the slot read by ``peek_slot``; returns frames consumed in all."""
+        return self.recv.consume()[1]
+
+
+class VerbsEndpoint(SlotStream):
     """One RC queue pair with a registered receive slab and a send staging buffer.
 
     Usage: ``a = VerbsEndpoint(dev, layout)``, exchange ``a.local_params()`` with the peer
@@ -208,9 +288,13 @@ class VerbsEndpoint:
         self.pd = PD(self.ctx)
         access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
         self.recv_mr = MR(self.pd, layout.slab_bytes, access)
-        self.send_mr = MR(self.pd, layout.slot_bytes, e.IBV_ACCESS_LOCAL_WRITE)
-        self.cq = CQ(self.ctx, cq_depth)
-        cap = QPCap(max_send_wr=cq_depth // 2, max_recv_wr=cq_depth // 2, max_send_sge=1, max_recv_sge=1)
+        # One staging slot per receive slot: slot s is rewritten only after the peer's
+        # credit shows frame s consumed, i.e. after the NIC has long finished reading it.
+        self.send_mr = MR(self.pd, layout.slab_bytes, e.IBV_ACCESS_LOCAL_WRITE)
+        cq_depth = max(cq_depth, 2 * layout.num_slots + 16)  # send and receive completions
+        self.cq = CQ(self.ctx, cq_depth, None, None, 0)  # pyverbs: every argument is positional
+        cap = QPCap(max_send_wr=layout.num_slots + 8, max_recv_wr=layout.num_slots,
+                    max_send_sge=1, max_recv_sge=1)
         self.qp = QP(self.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap))
         self.send = SendWindow(layout)
         self.recv = RecvWindow(layout)
@@ -276,6 +360,30 @@ class VerbsEndpoint:
         wr.set_wr_rdma(rkey=self.peer.rkey, addr=self.peer.slab_addr + offset)
         self.qp.post_send(wr)
         return seq
+
+    def post_write_imm(self, laddr: int, lkey: int, length: int, raddr: int, rkey: int,
+                       imm: int, wr_id: int = 0) -> None:
+        """Post one signaled RDMA WRITE WITH IMMEDIATE of registered local memory (used by
+        the FHBN host proxy, which gets these fields from GPU-enqueued requests)."""
+        from pyverbs.wr import SGE, SendWR
+
+        e = self._e
+        wr = SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1,
+                    sg=[SGE(laddr, length, lkey)], send_flags=e.IBV_SEND_SIGNALED)
+        wr.imm_data = imm
+        wr.set_wr_rdma(rkey=rkey, addr=raddr)
+        self.qp.post_send(wr)
+
+    def _place(self, offset: int, data: bytes, trailer_offset: int, trailer: bytes, seq: int) -> None:
+        # Staging slot = receive slot index, so one WRITE covers the whole slot and the
+        # trailer at its end is placed last (RC ordering).
+        self.send_mr.write(data, len(data), offset)
+        self.send_mr.write(trailer, TRAILER_BYTES, trailer_offset)
+        self.post_write_imm(self.send_mr.buf + offset, self.send_mr.lkey, self.layout.slot_bytes,
+                            self.peer.slab_addr + offset, self.peer.rkey, self.layout.slot_of(seq), seq)
+
+    def _slab_read(self, nbytes: int, offset: int) -> bytes:
+        return self.recv_mr.read(nbytes, offset)
 
     def poll_frame(self, nbytes: int) -> bytes | None:
         """The next frame's first ``nbytes`` once its trailer shows it complete (memory

@@ -11,12 +11,13 @@ import importlib
 from .base import Transport, split_address
 from .errors import TransportUnavailable
 
-# scheme -> "module:Class". RDMA verbs (transports.rdma) and FHBN (transports.fhbn) are
-# building blocks tested only on hardware, not yet selectable schemes.
+# scheme -> "module:Class". rdma and fhbn need hardware; availability() says what is missing.
 _IMPLEMENTATIONS: dict[str, str] = {
     "tcp": "transports.tcp:TcpTransport",
     "shm": "transports.shm:ShmTransport",
     "ucx": "transports.ucx:UcxTransport",
+    "rdma": "transports.rdma_transport:RdmaTransport",
+    "fhbn": "transports.fhbn:FhbnTransport",
 }
 
 

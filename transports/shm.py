@@ -77,8 +77,10 @@ class ShmConnection(StreamConnection):
         self._peer = peer
         self._loop = asyncio.get_running_loop()
         self._waiters: list[asyncio.Future] = []
-        self._watching = False
+        self._safety: asyncio.TimerHandle | None = None
         self._eof = False
+        self._loop.add_reader(self._fd, self._on_bell)
+        self._watching = True
 
     @property
     def peer(self) -> str:
@@ -102,11 +104,18 @@ class ShmConnection(StreamConnection):
             data = b""
         if not data:
             self._eof = True
-        self._unwatch()
+            self._unwatch()  # level-triggered EOF would otherwise fire forever
+        self._wake_all()
+
+    def _wake_all(self) -> None:
         waiters, self._waiters = self._waiters, []
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
+
+    def _on_safety(self) -> None:
+        self._safety = None
+        self._wake_all()  # each sleeper re-checks its ring and sleeps again if need be
 
     def _unwatch(self) -> None:
         if self._watching:
@@ -114,17 +123,19 @@ class ShmConnection(StreamConnection):
             self._watching = False
 
     async def _sleep(self) -> None:
-        """Wait for a doorbell byte, the peer's EOF, or the safety timeout."""
+        """Wait for a doorbell byte, the peer's EOF, or the safety tick.
+
+        The doorbell socket's reader stays registered for the connection's life (adding
+        and removing it per wait costs two epoll updates), and one safety timer per
+        connection, armed while someone sleeps, replaces a timer per sleep.
+        """
         fut = self._loop.create_future()
         self._waiters.append(fut)
-        if not self._watching:
-            self._loop.add_reader(self._fd, self._on_bell)
-            self._watching = True
-        timer = self._loop.call_later(_SAFETY_S, _wake, fut)
+        if self._safety is None:
+            self._safety = self._loop.call_later(_SAFETY_S, self._on_safety)
         try:
             await fut
         finally:
-            timer.cancel()
             if fut in self._waiters:
                 self._waiters.remove(fut)
 
@@ -203,6 +214,9 @@ class ShmConnection(StreamConnection):
             return
         self._closed = True
         self._unwatch()
+        if self._safety is not None:
+            self._safety.cancel()
+            self._safety = None
         waiters, self._waiters = self._waiters, []
         for fut in waiters:
             if not fut.done():

@@ -18,11 +18,13 @@ import socket
 from .base import Handler, Listener, StreamConnection, Transport, parse_host_port, with_timeout
 from .config import TransportConfig
 from .errors import PeerClosed, TransportError
+from .frame import PREAMBLE_SIZE, Buffer, Frame, allocate, check_payload_crcs, decode_header, decode_preamble, encode
 from .handshake import client_handshake, server_handshake
 
 log = logging.getLogger(__name__)
 
 _SCRATCH = 256 * 1024
+_DIRECT = 64 * 1024  # payload remainders at least this large are received in place
 _IOV_MAX = 512
 _PEER_GONE = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
@@ -47,6 +49,18 @@ def _wake(fut: asyncio.Future) -> None:
 
 
 class TcpConnection(StreamConnection):
+    """Reads are push-driven: one reader callback stays registered for the connection's
+    life and moves bytes from the socket into a scratch buffer (or, while a large payload
+    is being received, straight into its destination), waking the receiving task only
+    when what it waits for is complete. Registering and removing a reader per wait (what
+    ``loop.sock_recv_into`` does) costs two epoll updates and a handle per frame.
+
+    Invariants: ``_rview[_rstart:_rend]`` holds received, unconsumed stream bytes; while
+    ``_dest`` is set the scratch buffer is empty and the callback fills ``_dest`` only;
+    the reader is paused (removed) only while the scratch buffer is full, and the consumer
+    resumes it when it makes room, so the socket buffer stays the backpressure bound.
+    """
+
     def __init__(self, sock: socket.socket, config: TransportConfig, peer: str) -> None:
         super().__init__(config)
         self._sock = sock
@@ -57,56 +71,128 @@ class TcpConnection(StreamConnection):
         self._rview = memoryview(self._rbuf)
         self._rstart = 0
         self._rend = 0
-        self._waiters: dict[bool, asyncio.Future] = {}  # writable? -> future
+        self._want = 0  # bytes the waiter needs buffered from _rstart
+        self._dest: memoryview | None = None  # remaining part of a direct payload read
+        self._waiter: asyncio.Future | None = None
+        self._write_waiter: asyncio.Future | None = None
+        self._error: TransportError | None = None  # EOF or socket error, seen by the callback
+        self._eof = False
+        self._loop.add_reader(self._fd, self._on_readable)
+        self._reading = True
 
     @property
     def peer(self) -> str:
         return self._peer
 
-    async def _wait(self, writable: bool) -> None:
-        fut = self._loop.create_future()
-        self._waiters[writable] = fut
-        if writable:
-            self._loop.add_writer(self._fd, _wake, fut)
+    # ------------------------------------------------------------------ reader callback
+    def _on_readable(self) -> None:
+        dest = self._dest
+        try:
+            if dest is not None:
+                n = self._sock.recv_into(dest)
+            else:
+                end = self._rend
+                if end == _SCRATCH:
+                    if self._rstart == 0:  # full: stop reading until the consumer drains
+                        self._pause()
+                        return
+                    self._compact()
+                    end = self._rend
+                n = self._sock.recv_into(self._rview[end:])
+        except (BlockingIOError, InterruptedError):
+            return
+        except _PEER_GONE as exc:
+            self._fail(PeerClosed(f"connection to {self._peer} lost: {exc}"))
+            return
+        except OSError as exc:
+            self._fail(TransportError(f"recv from {self._peer} failed: {exc}"))
+            return
+        if n == 0:
+            self._eof = True
+            self._fail(None)
+            return
+        if dest is not None:
+            if n == dest.nbytes:
+                self._dest = None
+                self._wake_reader()
+            else:
+                self._dest = dest[n:]
         else:
-            self._loop.add_reader(self._fd, _wake, fut)
+            self._rend += n
+            if self._rend - self._rstart >= self._want:
+                self._wake_reader()
+
+    def _wake_reader(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, error: TransportError | None) -> None:
+        """EOF (``None``) or an error: stop reading and wake the receiver to report it."""
+        if error is not None and self._error is None:
+            self._error = error
+        self._pause()
+        self._wake_reader()
+
+    def _pause(self) -> None:
+        if self._reading:
+            self._reading = False
+            if not self._closed:
+                self._loop.remove_reader(self._fd)
+
+    def _resume(self) -> None:
+        if not self._reading and not self._eof and self._error is None and not self._closed:
+            self._reading = True
+            self._loop.add_reader(self._fd, self._on_readable)
+
+    def _compact(self) -> None:
+        start, end = self._rstart, self._rend
+        if start:
+            self._rview[:end - start] = self._rview[start:end]
+            self._rstart, self._rend = 0, end - start
+
+    # ------------------------------------------------------------------ consumer side
+    def _check_readable(self, first: bool, got: int, need: int) -> None:
+        if self._closed:
+            raise PeerClosed(f"connection to {self._peer} is closed")
+        if self._error is not None:
+            raise self._error
+        if self._eof:
+            if first and got == 0:
+                raise PeerClosed(f"peer {self._peer} closed the connection")
+            raise PeerClosed(f"peer {self._peer} closed the connection in the middle of a frame "
+                             f"(truncated: {got} of {need} bytes of a read)")
+
+    async def _wait_readable(self) -> None:
+        fut = self._loop.create_future()
+        self._waiter = fut
         try:
             await fut
         finally:
-            self._waiters.pop(writable, None)
-            if not self._closed:
-                if writable:
-                    self._loop.remove_writer(self._fd)
-                else:
-                    self._loop.remove_reader(self._fd)
+            self._waiter = None
 
-    async def _recv_some(self, view: memoryview) -> int:
-        while True:
-            if self._closed:
-                raise PeerClosed(f"connection to {self._peer} is closed")
-            try:
-                return self._sock.recv_into(view)
-            except BlockingIOError:
-                await self._wait(False)
-            except _PEER_GONE as exc:
-                raise PeerClosed(f"connection to {self._peer} lost: {exc}") from None
-            except OSError as exc:
-                if self._closed or exc.errno == errno.EBADF:
-                    raise PeerClosed(f"connection to {self._peer} is closed") from None
-                raise TransportError(f"recv from {self._peer} failed: {exc}") from exc
-
-    def _eof(self, first: bool, got: int, need: int) -> PeerClosed:
-        if first and got == 0:
-            return PeerClosed(f"peer {self._peer} closed the connection")
-        return PeerClosed(f"peer {self._peer} closed the connection in the middle of a frame "
-                          f"(truncated: {got} of {need} bytes of a read)")
+    async def _fill(self, n: int, *, first: bool = False) -> None:
+        """Wait until ``n`` (<= the scratch size) bytes are buffered from ``_rstart``."""
+        if self._rstart + n > _SCRATCH:
+            self._compact()
+        while self._rend - self._rstart < n:
+            self._check_readable(first, self._rend - self._rstart, n)
+            self._want = n
+            self._resume()
+            await self._wait_readable()
 
     async def _read_small(self, n: int, *, first: bool = False) -> bytes | memoryview:
+        if n > _SCRATCH:
+            return await super()._read_small(n, first=first)
+        if self._rend - self._rstart < n:
+            await self._fill(n, first=first)
         start = self._rstart
-        if self._rend - start >= n:  # already buffered: parse in place, no copy
-            self._rstart = start + n
-            return self._rview[start:start + n]
-        return await super()._read_small(n, first=first)
+        self._rstart = start + n
+        if self._rstart == self._rend:
+            self._rstart = self._rend = 0  # empty: later reads start at the front
+        if not self._reading:
+            self._resume()
+        return self._rview[start:start + n]  # valid until the next read: parsed in place
 
     async def _read_exact(self, view: memoryview, *, first: bool = False) -> None:
         need = view.nbytes
@@ -114,31 +200,101 @@ class TcpConnection(StreamConnection):
         if pos:
             view[:pos] = self._rview[self._rstart:self._rstart + pos]
             self._rstart += pos
-        while pos < need:
-            remaining = need - pos
-            if remaining >= _SCRATCH // 2:
-                n = await self._recv_some(view[pos:])  # straight into the destination
-                if n == 0:
-                    raise self._eof(first, pos, need)
-                pos += n
-            else:
-                n = await self._recv_some(self._rview)
-                if n == 0:
-                    raise self._eof(first, pos, need)
-                take = min(n, remaining)
-                view[pos:pos + take] = self._rview[:take]
-                self._rstart, self._rend = take, n
-                pos += take
+            if self._rstart == self._rend:
+                self._rstart = self._rend = 0
+            if not self._reading:
+                self._resume()
+        if pos == need:
+            return
+        remaining = need - pos
+        if remaining < _DIRECT:
+            await self._fill(remaining, first=first and pos == 0)
+            start = self._rstart
+            view[pos:] = self._rview[start:start + remaining]
+            self._rstart = start + remaining
+            if self._rstart == self._rend:
+                self._rstart = self._rend = 0
+            return
+        # Large: the callback receives straight into the destination (no copy).
+        dest = view[pos:]
+        try:  # the bytes may already be in the socket buffer: no loop round trip then
+            n = self._sock.recv_into(dest)
+        except (BlockingIOError, InterruptedError):
+            n = -1
+        except _PEER_GONE as exc:
+            raise PeerClosed(f"connection to {self._peer} lost: {exc}") from None
+        except OSError as exc:
+            if self._closed or exc.errno == errno.EBADF:
+                raise PeerClosed(f"connection to {self._peer} is closed") from None
+            raise TransportError(f"recv from {self._peer} failed: {exc}") from exc
+        if n == 0:
+            self._eof = True
+            self._check_readable(first, pos, need)
+        if n > 0:
+            pos += n
+            if pos == need:
+                return
+            dest = dest[n:]
+        self._dest = dest
+        try:
+            while self._dest is not None:
+                self._check_readable(first, need - self._dest.nbytes, need)
+                self._resume()
+                await self._wait_readable()
+        finally:
+            self._dest = None
+
+    async def _recv_frame(self, out) -> Frame:
+        # Preamble and header are parsed in place from the scratch buffer; one wake-up
+        # normally brings both (and a small payload) in.
+        cfg = self.config
+        if self._rend - self._rstart < PREAMBLE_SIZE:
+            await self._fill(PREAMBLE_SIZE, first=True)
+        start = self._rstart
+        pre = decode_preamble(self._rview[start:start + PREAMBLE_SIZE], cfg.max_frame_bytes)
+        self._in_frame = True
+        self._rstart = start + PREAMBLE_SIZE
+        hlen = pre.header_len
+        header = await self._read_small(hlen)
+        user, metas, crcs = decode_header(pre, header)
+        buffers: list[Buffer] = []
+        views: list[memoryview] | None = [] if crcs is not None else None
+        for i, meta in enumerate(metas):
+            obj, view = allocate(meta, out[i] if out is not None and i < len(out) else None)
+            if view.nbytes:
+                await self._read_exact(view)
+            buffers.append(obj)
+            if views is not None:
+                views.append(view)
+        self._in_frame = False
+        if views is not None:
+            check_payload_crcs(views, crcs)
+        return Frame(pre.kind, user, buffers)
+
+    # ------------------------------------------------------------------ sending
+    async def _send_frame(self, frame: Frame) -> None:
+        head, views = encode(frame, checksum_payloads=self.config.checksum_payloads,
+                             max_frame_bytes=self.config.max_frame_bytes, packer=self._packer)
+        if views:
+            views = [memoryview(head)] + [v for v in views if v.nbytes]
+        else:
+            views = [memoryview(head)]
+        try:
+            await self._write(views)
+        except BaseException:
+            await self._abort("send interrupted in the middle of a frame")
+            raise
 
     async def _write(self, views: list[memoryview]) -> None:
+        # Try the send synchronously; await writability only when the kernel buffer is full.
         sock = self._sock
         while views:
             if self._closed:
                 raise PeerClosed(f"connection to {self._peer} is closed")
             try:
                 sent = sock.sendmsg(views[:_IOV_MAX], (), socket.MSG_NOSIGNAL)
-            except BlockingIOError:
-                await self._wait(True)
+            except (BlockingIOError, InterruptedError):
+                await self._wait_writable()
                 continue
             except _PEER_GONE as exc:
                 raise PeerClosed(f"connection to {self._peer} lost: {exc}") from None
@@ -154,16 +310,28 @@ class TcpConnection(StreamConnection):
             if sent:
                 views[0] = views[0][sent:]
 
+    async def _wait_writable(self) -> None:
+        fut = self._loop.create_future()
+        self._write_waiter = fut
+        self._loop.add_writer(self._fd, _wake, fut)
+        try:
+            await fut
+        finally:
+            self._write_waiter = None
+            if not self._closed:
+                self._loop.remove_writer(self._fd)
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for writable, fut in list(self._waiters.items()):
-            if writable:
-                self._loop.remove_writer(self._fd)
-            else:
-                self._loop.remove_reader(self._fd)
-            if not fut.done():
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._fd)
+        if self._write_waiter is not None:
+            self._loop.remove_writer(self._fd)
+        for fut in (self._waiter, self._write_waiter):
+            if fut is not None and not fut.done():
                 fut.set_exception(PeerClosed(f"connection to {self._peer} was closed"))
         self._sock.close()
 

@@ -55,7 +55,7 @@ class UcxConnection(StreamConnection):
 
     async def _send_frame(self, frame: Frame) -> None:
         head, views = encode(frame, checksum_payloads=self.config.checksum_payloads,
-                             max_frame_bytes=self.config.max_frame_bytes)
+                             max_frame_bytes=self.config.max_frame_bytes, packer=self._packer)
         mv = memoryview(head)
         try:
             await self._write([mv[:PREAMBLE_SIZE], mv[PREAMBLE_SIZE:]] + [v for v in views if v.nbytes])

@@ -29,3 +29,19 @@ def stack_config(args: argparse.Namespace, **extra: object) -> StackConfig | Non
     except ConfigError as exc:
         print(f"lamina: {exc}", file=sys.stderr)
         return None
+
+
+def run_service(args: argparse.Namespace, module: str, **extra: object) -> int:
+    """Validate the configuration, then run `module.serve(config[, threads])` until stopped."""
+    import importlib
+
+    config = stack_config(args, **extra)
+    if config is None:
+        return 2
+    serve = importlib.import_module(module).serve
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        serve(config, threads)
+    else:
+        serve(config)
+    return 0

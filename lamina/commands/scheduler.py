@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lamina.commands._service_args import add_common, stack_config
+from lamina.commands._service_args import add_common, run_service
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -12,10 +12,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = stack_config(args)
-    if config is None:
-        return 2
-    from services.scheduler_service import serve
-
-    serve(config)
-    return 0
+    return run_service(args, "services.scheduler_service")

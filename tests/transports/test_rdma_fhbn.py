@@ -121,6 +121,7 @@ def test_fhbn_compiles_with_nvcc(tmp_path):
     for name in fhbn.EXPORTS:
         assert hasattr(lib, name)
     assert lib.fhbn_proxy_req_size() == 40 and lib.fhbn_sq_size() == 40
+    assert fhbn.PROXY_REQ.itemsize == lib.fhbn_proxy_req_size()  # the host proxy's view of it
 
 
 @pytest.mark.skipif(fhbn.device_availability() is not None, reason=f"FHBN: {fhbn.device_availability()}")
@@ -142,3 +143,41 @@ def test_fhbn_device_side_polling(tmp_path):
     assert lib.fhbn_store_seq(ctypes.c_void_p(seq.data_ptr()), 5, ctypes.c_void_p(producer.cuda_stream)) == 0
     waiter.synchronize()
     assert observed.item() == 5 and consumer.item() == 6
+
+
+@pytest.mark.skipif(fhbn.device_availability() is not None, reason=f"FHBN: {fhbn.device_availability()}")
+@pytest.mark.skipif(fhbn.find_nvcc() is None, reason="nvcc not installed")
+def test_fhbn_kernel_enqueues_to_host_proxy(tmp_path):
+    """The CUDA kernel publishes write requests into a ring in pinned host memory (seen by
+    the GPU through UVA); the host proxy drains them in order and "posts" each by copying
+    host bytes (the NIC's part; a real post needs an RDMA device)."""
+    import numpy as np
+    import torch
+
+    lib = fhbn.load(fhbn.build(tmp_path, archs=("80", "90")))
+    slots, n, chunk = 4, 64, 32
+    ring_mem = torch.zeros(slots * fhbn.PROXY_REQ.itemsize, dtype=torch.uint8).pin_memory()
+    ring = fhbn.ProxyRing(ring_mem.numpy(), slots)
+    src = np.arange(n * chunk, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    posted = []
+
+    def post(laddr, lkey, length, raddr, rkey, imm, wr_id):
+        ctypes.memmove(raddr, laddr, length)
+        posted.append(imm)
+
+    proxy = fhbn.HostProxy(ring, post)
+    proxy.start()
+    stream = torch.cuda.Stream()
+    try:
+        for i in range(n):  # more requests than slots: the kernel waits for drained slots
+            assert lib.fhbn_launch_proxy_enqueue(
+                ctypes.c_void_p(ring_mem.data_ptr()), slots, i, src.ctypes.data + i * chunk, 1, chunk,
+                dst.ctypes.data + i * chunk, 2, i, ctypes.c_void_p(stream.cuda_stream)) == 0
+        stream.synchronize()
+        deadline = time.monotonic() + 10
+        while proxy.posted < n and time.monotonic() < deadline:
+            time.sleep(0.001)
+    finally:
+        proxy.stop()
+    assert posted == list(range(n)) and np.array_equal(dst, src)

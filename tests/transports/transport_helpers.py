@@ -6,12 +6,16 @@ import asyncio
 import os
 import uuid
 
-CONFORMANCE_SCHEMES = ["tcp", "shm", "ucx"]
+# rdma and fhbn run where their devices exist (skipped with the reason elsewhere).
+CONFORMANCE_SCHEMES = ["tcp", "shm", "ucx", "rdma", "fhbn"]
 
 
 def address_for(scheme: str) -> str:
     if scheme == "shm":
         return f"shm://test-{uuid.uuid4().hex[:12]}"
+    if scheme in ("rdma", "fhbn"):
+        from pyverbs.device import get_device_list
+        return f"{scheme}://{get_device_list()[0].name.decode()}/1/127.0.0.1:0"
     return f"{scheme}://127.0.0.1:0"
 
 
