@@ -1,7 +1,8 @@
 """One interface for frames of tensors between services; the implementation is chosen by
-the address's scheme: ``tcp://host:port`` (default), ``shm://name`` and
-``ucx://host:port``. ``transports.rdma`` (verbs) and ``transports.fhbn`` (CUDA) hold the
-RDMA data path's building blocks.
+the address's scheme: ``tcp://host:port`` (default), ``shm://name``, ``ucx://host:port``,
+and, where the hardware exists, ``rdma://DEVICE/PORT/HOST:TCPPORT`` (pyverbs) and
+``fhbn://DEVICE/PORT/HOST:TCPPORT`` (CUDA + verbs); ``transports.availability(scheme)``
+says why one cannot run here.
 
     listener = await transports.listen("tcp://0.0.0.0:0", handler, config)
     conn = await transports.connect(listener.address, config)

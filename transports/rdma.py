@@ -11,8 +11,10 @@ flow back so the sender never overwrites an unread slot. Queue-pair parameters a
 exchanged out of band over TCP.
 
 What runs here: the parameter exchange format, slot layout, sequence and credit
-bookkeeping (pure Python, unit-tested). ``VerbsEndpoint`` drives a real device through
-pyverbs and is tested only where an RDMA device exists (these machines have none).
+bookkeeping and the slot stream (``SlotStream``) (pure Python, unit-tested, the latter
+over an endpoint that places bytes in host memory). ``VerbsEndpoint`` drives a real
+device through pyverbs and is tested only where an RDMA device exists (these machines
+have none).
 ``transports.rdma_transport`` turns it into the ``rdma://`` transport.
 """
 

@@ -1,11 +1,14 @@
 """TCP transport (``tcp://host:port``): the always-available default.
 
 Uses the non-blocking socket directly from the event loop rather than asyncio streams:
-writes are one ``sendmsg`` of [preamble+header, payload views...] (scatter/gather, the
-payloads are never copied in user space), reads go straight into the destination
-tensor's memory with ``recv_into``. Small reads are served from a scratch buffer so a
-small frame costs one ``recv`` syscall. The kernel's socket buffers are the only queue:
-a slow receiver makes ``send`` wait for writability (backpressure, no unbounded buffer).
+writes are one synchronous ``sendmsg`` of [preamble+header, payload views...]
+(scatter/gather, payloads never copied in user space), awaiting writability only when
+the kernel buffer is full. Reads are push-driven by one reader callback that stays
+registered (see ``TcpConnection``): small frames land in a scratch buffer and preamble
+and header are parsed in place, so a small frame costs one ``recv`` and one task
+wake-up; large payloads are received straight into the destination tensor. The kernel's
+socket buffers and the bounded scratch buffer are the only queues: a slow receiver makes
+``send`` wait (backpressure, no unbounded buffer).
 """
 
 from __future__ import annotations
@@ -112,11 +115,24 @@ class TcpConnection(StreamConnection):
             self._fail(None)
             return
         if dest is not None:
-            if n == dest.nbytes:
-                self._dest = None
-                self._wake_reader()
-            else:
-                self._dest = dest[n:]
+            # Keep reading while the kernel has more: one wake-up per burst, not per skb.
+            while n < dest.nbytes:
+                dest = dest[n:]
+                try:
+                    n = self._sock.recv_into(dest)
+                except (BlockingIOError, InterruptedError):
+                    self._dest = dest
+                    return
+                except OSError:
+                    self._dest = dest
+                    return  # reported by the next callback
+                if n == 0:
+                    self._dest = dest
+                    self._eof = True
+                    self._fail(None)
+                    return
+            self._dest = None
+            self._wake_reader()
         else:
             self._rend += n
             if self._rend - self._rstart >= self._want:
