@@ -9,7 +9,9 @@ into preallocated buffers. ``rtt_us`` is the median round trip; ``gbps`` is
 2 * S * 8 / median round trip (bytes moved both ways), in Gbit/s. The last line printed
 is one JSON object: {"transports": {name: {"rtt_us": {size: x}, "gbps": {size: y}}}}.
 
-    python bench/transport_pingpong.py [--transports tcp,shm,ucx] [--quick]
+    python bench/transport_pingpong.py [--transports tcp,shm,ucx,rdma,fhbn] [--quick]
+
+Transports this machine cannot run are skipped with the reason (rdma and fhbn here).
 """
 
 from __future__ import annotations
@@ -114,8 +116,12 @@ def bench_transport(scheme: str, sizes: list[int], quick: bool) -> dict:
     import transports
     from transports import Frame
 
-    address = {"tcp": "tcp://127.0.0.1:0", "ucx": "ucx://127.0.0.1:0",
-               "shm": f"shm://bench-{os.getpid()}"}[scheme]
+    if scheme in ("rdma", "fhbn"):  # first verbs device, port 1, control socket on loopback
+        from pyverbs.device import get_device_list
+        address = f"{scheme}://{get_device_list()[0].name.decode()}/1/127.0.0.1:0"
+    else:
+        address = {"tcp": "tcp://127.0.0.1:0", "ucx": "ucx://127.0.0.1:0",
+                   "shm": f"shm://bench-{os.getpid()}"}[scheme]
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
     server = ctx.Process(target=_serve_transport, args=(address, ready), daemon=True)
@@ -293,7 +299,7 @@ def check_targets(results: dict) -> list[str]:
         return results.get(n, {}).get("rtt_us", {}).get(s)
     def bw(n, s=str(16 << 20)):
         return results.get(n, {}).get("gbps", {}).get(s)
-    for name in ("tcp", "ucx", "shm"):
+    for name in ("tcp", "ucx", "shm", "rdma", "fhbn"):
         if rtt(name) is not None and rtt("gloo") is not None:
             ok = rtt(name) < rtt("gloo")
             lines.append(f"{'MET ' if ok else 'MISS'} {name} 8 B rtt {rtt(name):.1f} us < gloo {rtt('gloo'):.1f} us")
@@ -312,7 +318,7 @@ def check_targets(results: dict) -> list[str]:
 def main() -> None:
     import transports
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--transports", default=",".join(s for s in ("tcp", "ucx", "shm")),
+    parser.add_argument("--transports", default="tcp,ucx,shm,rdma,fhbn",
                         help="comma-separated transports to measure (unavailable ones are skipped)")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")

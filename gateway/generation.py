@@ -67,6 +67,10 @@ class Generation:
     def text(self) -> str:
         return self._output.text
 
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._output.token_ids)
+
     async def __aenter__(self) -> Generation:
         rid = self.request.request_id
         # Journal first: the backend may need the entry as soon as it has admitted the request.

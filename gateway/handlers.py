@@ -51,7 +51,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise invalid(f"The messages could not be rendered with the model's chat template: {exc}", "messages")
     sampling = resolve_sampling(req.sampling, len(prompt_ids), state.context_length,
                                 state.config.default_max_tokens, "messages")
-    return await _generate(request, state, "chat", prompt_ids, sampling, req.stream, req.include_usage, arrived)
+    return await _generate(request, state, "chat", prompt_ids, sampling, req.stream, req.include_usage, arrived,
+                           req.return_token_ids)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -69,7 +70,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, state.config.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
     sampling = resolve_sampling(req.sampling, len(prompt_ids), state.context_length, default, "prompt")
     return await _generate(request, state, "completion", prompt_ids, sampling, req.stream, req.include_usage,
-                           arrived)
+                           arrived, req.return_token_ids)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -143,6 +144,7 @@ async def _generate(
     stream: bool,
     include_usage: bool,
     arrived: float,
+    return_token_ids: bool = False,
 ) -> web.StreamResponse:
     _check_admission(state)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -157,7 +159,7 @@ async def _generate(
             try:
                 if stream:
                     return await _stream(request, state, gen, head, kind, include_usage)
-                return await _collect(state, gen, head, kind, task)
+                return await _collect(state, gen, head, kind, task, return_token_ids)
             finally:
                 state.in_flight.pop(rid, None)
     except QueueFullError:
@@ -167,7 +169,7 @@ async def _generate(
 
 
 async def _collect(state: GatewayState, gen: Generation, head: r.ResponseHead, kind: Kind,
-                   task: asyncio.Task) -> web.Response:
+                   task: asyncio.Task, return_token_ids: bool = False) -> web.Response:
     finish_reason = "stop"
     try:
         async for delta in gen:
@@ -180,7 +182,10 @@ async def _collect(state: GatewayState, gen: Generation, head: r.ResponseHead, k
         raise _shutting_down() from None
     usage = r.Usage(gen.num_prompt_tokens, gen.num_completion_tokens)
     build = r.chat_completion if kind == "chat" else r.text_completion
-    return web.json_response(build(head, gen.text, finish_reason, usage), headers={"X-Request-Id": head.id})
+    body = build(head, gen.text, finish_reason, usage)
+    if return_token_ids:
+        body["choices"][0]["token_ids"] = gen.token_ids
+    return web.json_response(body, headers={"X-Request-Id": head.id})
 
 
 async def _stream(request: web.Request, state: GatewayState, gen: Generation, head: r.ResponseHead, kind: Kind,

@@ -70,7 +70,11 @@ class OutputProcessor:
         self._detok = tokenizer.detokenizer()
         self._matcher = StopStringMatcher(stop)
         self._stop_token_ids = frozenset(stop_token_ids)
-        self.num_tokens = 0
+        self.token_ids: list[int] = []  # every generated id, the final EOS or stop id included
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
     @property
     def stopped(self) -> bool:
@@ -83,7 +87,7 @@ class OutputProcessor:
 
     def add(self, token_ids: Sequence[int], finish_reason: str | None) -> str:
         """Take a backend event's tokens; return the text delta to send (maybe empty)."""
-        self.num_tokens += len(token_ids)
+        self.token_ids.extend(token_ids)
         ids = token_ids
         if finish_reason == "stop" and ids and ids[-1] in self._stop_token_ids:
             ids = ids[:-1]

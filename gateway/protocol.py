@@ -110,6 +110,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     sampling: SamplingFields = field(default_factory=SamplingFields)
+    return_token_ids: bool = False  # extension: the generated ids beside the text
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     sampling: SamplingFields = field(default_factory=SamplingFields)
+    return_token_ids: bool = False  # extension: the generated ids beside the text
 
 
 # Fields that every OpenAI client may send, accepted only at their "off" value;
@@ -141,7 +143,7 @@ _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_too
 
 _COMMON = frozenset(
     {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed", "stop",
-     "top_k", "stop_token_ids", "ignore_eos"}
+     "top_k", "stop_token_ids", "ignore_eos", "return_token_ids"}
 )
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _IGNORED | {
     "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "tools",
@@ -356,6 +358,13 @@ def _parse_messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
+def _parse_return_token_ids(body: dict[str, Any], stream: bool) -> bool:
+    wanted = _get_bool(body, "return_token_ids", False)
+    if wanted and stream:
+        raise _bad_value("return_token_ids", "token ids are returned only when 'stream' is false.")
+    return wanted
+
+
 def parse_chat_request(body: Any) -> ChatRequest:
     """Validate a decoded `/v1/chat/completions` JSON body."""
     body = _require_object(body)
@@ -364,7 +373,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     messages = _parse_messages(body)
     stream, include_usage = _parse_stream(body)
     sampling = _parse_sampling(body, ("max_tokens", "max_completion_tokens"))
-    return ChatRequest(model, messages, stream, include_usage, sampling)
+    return ChatRequest(model, messages, stream, include_usage, sampling, _parse_return_token_ids(body, stream))
 
 
 def _parse_prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
@@ -397,7 +406,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     prompt = _parse_prompt(body)
     stream, include_usage = _parse_stream(body)
     sampling = _parse_sampling(body, ("max_tokens",))
-    return CompletionRequest(model, prompt, stream, include_usage, sampling)
+    return CompletionRequest(model, prompt, stream, include_usage, sampling, _parse_return_token_ids(body, stream))
 
 
 def check_token_ids(ids: tuple[int, ...], vocab_size: int, param: str = "prompt") -> None:

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 _CTRL = 256
 _HEAD, _TAIL, _READER_WAITING, _WRITER_WAITING = 0, 8, 16, 24  # u64 indices
 _SAFETY_S = 0.02
+_CHUNKS = 4  # a large frame is streamed through the ring in ring/_CHUNKS pieces
+_COALESCE = 4096  # frames up to this size are copied into the ring in one piece
 _MAX_RING = 1 << 30
 _SETUP = struct.Struct("<Q")
 
@@ -76,7 +78,7 @@ class ShmConnection(StreamConnection):
         second = _Ring(self._base, _CTRL + ring_bytes, ring_bytes)
         # The client writes the first ring and reads the second.
         self._out, self._in = (first, second) if is_client else (second, first)
-        self._chunk = max(ring_bytes // 4, 4096)
+        self._chunk = max(ring_bytes // _CHUNKS, 4096)
         self._peer = peer
         self._loop = asyncio.get_running_loop()
         self._waiters: list[asyncio.Future] = []
@@ -182,6 +184,8 @@ class ShmConnection(StreamConnection):
     async def _write(self, views: list[memoryview]) -> None:
         ring = self._out
         ctrl, data, size = ring.ctrl, ring.data, ring.size
+        if len(views) > 1 and sum(v.nbytes for v in views) <= _COALESCE:
+            views = [memoryview(b"".join(views))]  # one ring update and bell check, not one per view
         for view in views:
             n = view.nbytes
             pos = 0

@@ -29,7 +29,9 @@ def test_chat_and_completions_equal_transformers(stack, reference_outputs):
     for p in CHAT_PROMPTS:
         ref = reference_outputs[("chat", p)]
         r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
-                                           max_tokens=MAX_TOKENS, temperature=0)
+                                           max_tokens=MAX_TOKENS, temperature=0,
+                                           extra_body={"return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == ref["token_ids"]  # token for token
         assert r.choices[0].message.content == ref["text"]
         assert r.usage.prompt_tokens == len(ref["prompt_ids"])
         assert r.usage.completion_tokens == len(ref["token_ids"])
@@ -42,7 +44,9 @@ def test_chat_and_completions_equal_transformers(stack, reference_outputs):
         assert chunks[-1].usage.completion_tokens == len(ref["token_ids"])
     for p in COMPLETION_PROMPTS:
         ref = reference_outputs[("completion", p)]
-        r = client.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
+        r = client.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == ref["token_ids"]
         assert r.choices[0].text == ref["text"]
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref["prompt_ids"]), len(ref["token_ids"]))
         streamed = "".join(c.choices[0].text for c in client.completions.create(

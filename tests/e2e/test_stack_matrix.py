@@ -24,11 +24,13 @@ def test_greedy_identity(transport, workers, partition, reference_outputs):
         model = client.models.list().data[0].id
         p = CHAT_PROMPTS[0]
         r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
-                                           max_tokens=MAX_TOKENS, temperature=0)
+                                           max_tokens=MAX_TOKENS, temperature=0, extra_body={"return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == reference_outputs[("chat", p)]["token_ids"]
         assert r.choices[0].message.content == reference_outputs[("chat", p)]["text"]
         p = COMPLETION_PROMPTS[1]
-        r = client.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
+        r = client.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == reference_outputs[("completion", p)]["token_ids"]
         assert r.choices[0].text == reference_outputs[("completion", p)]["text"]
-        assert r.usage.completion_tokens == len(reference_outputs[("completion", p)]["token_ids"])
     finally:
         stack.stop()

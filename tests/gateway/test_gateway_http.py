@@ -327,3 +327,21 @@ async def test_shutdown_ends_in_flight_streams_and_aborts_them(tokenizer, make_b
         await client.close()
     assert "shutting down" in info.value.message
     assert backend.aborted == [first.id] and backend.num_running == 0
+
+
+async def test_return_token_ids_extension(tokenizer, make_backend, script_ids):
+    backend = make_backend()
+    async with serve(backend, tokenizer) as srv:
+        client = srv.client()
+        resp = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=100,
+                                               extra_body={"return_token_ids": True})
+        plain = await client.chat.completions.create(model=MODEL, messages=MESSAGES)
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
+                                                 extra_body={"return_token_ids": True})
+        await client.close()
+    ids = resp.choices[0].model_extra["token_ids"]
+    assert ids[:-1] == list(script_ids) and ids[-1] in tokenizer.eos_token_ids  # the EOS id included
+    assert len(ids) == resp.usage.completion_tokens
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+    assert err.value.body["param"] == "return_token_ids"
