@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import socket
-import struct
 import threading
 import time
 
