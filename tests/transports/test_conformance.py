@@ -58,6 +58,15 @@ async def test_frame_sizes(address, nbytes):
         assert got.header == {"n": nbytes} and torch.equal(got.tensors[0], payload)
 
 
+async def test_header_larger_than_receive_scratch(address):
+    listener, conn = await pair(address)
+    async with listener, conn:
+        blob = "h" * (400 << 10)  # beyond TCP's 256 KiB scratch buffer
+        await conn.send(Frame(5, {"blob": blob}, [torch.arange(3)]))
+        got = await conn.recv()
+        assert got.header == {"blob": blob} and torch.equal(got.tensors[0], torch.arange(3))
+
+
 async def test_many_small_frames_pipelined(address):
     listener, conn = await pair(address)
     n = 3000
