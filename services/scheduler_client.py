@@ -38,7 +38,7 @@ class SchedulerBackend:
                 s = await self._stub.Stats(lamina_pb2.Empty(), timeout=5)
                 self._stats = BackendStats(s.num_waiting, s.num_running)
             except grpc.aio.AioRpcError:
-                pass
+                pass  # keep the last figures; the next poll retries
             await asyncio.sleep(1.0)
 
     def stats(self) -> BackendStats:
@@ -87,7 +87,7 @@ class SchedulerBackend:
         try:
             await self._stub.Abort(lamina_pb2.AbortRequest(request_id=request_id), timeout=10)
         except grpc.aio.AioRpcError:
-            pass
+            pass  # the scheduler is gone or already freed the request: nothing left to abort
 
 
 def _error(exc: grpc.aio.AioRpcError) -> BackendError:
