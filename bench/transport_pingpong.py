@@ -78,7 +78,6 @@ def _result(rtts: dict[int, float]) -> dict:
 def _serve_transport(address: str, ready: mp.Queue) -> None:
     import torch
     import transports
-    from transports import Frame
 
     async def main() -> None:
         done = asyncio.Event()

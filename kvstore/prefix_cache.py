@@ -36,7 +36,7 @@ import torch
 
 from kvstore.block_hash import ROOT_HASH, chain_hash
 from kvstore.eviction import EVICTION_POLICIES, BlockStats, make_policy
-from kvstore.prefix_index import MISS, PrefixIndex, PrefixMatch
+from kvstore.prefix_index import PrefixIndex, PrefixMatch
 from kvstore.quant import QuantizedTensor, dequantize_4bit, quantize_4bit
 from kvstore.tiers import DiskTier, MemoryTier, Payload, Tier, payload_nbytes
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import socket
 import collections
 import logging
 from typing import Awaitable, Callable, Sequence
@@ -354,6 +355,33 @@ class Listener(abc.ABC):
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+class SocketListener(Listener):
+    """A listener that accepts on a socket of its own, in one accept task it owns.
+
+    Subclasses implement ``_accept_loop`` (accept, handshake, ``_deliver``); closing
+    cancels and awaits that task, then closes the socket.
+    """
+
+    def __init__(self, sock: socket.socket, address: str, config: TransportConfig,
+                 handler: Handler | None) -> None:
+        super().__init__(config, handler)
+        self._sock = sock
+        self._address = address
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @abc.abstractmethod
+    async def _accept_loop(self) -> None: ...
+
+    async def _stop_accepting(self) -> None:
+        self._accept_task.cancel()
+        await asyncio.gather(self._accept_task, return_exceptions=True)
+        self._sock.close()
 
 
 class Transport(abc.ABC):

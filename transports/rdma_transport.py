@@ -32,7 +32,7 @@ import struct
 import time
 from typing import Callable
 
-from .base import Handler, Listener, StreamConnection, Transport, with_timeout
+from .base import Handler, SocketListener, StreamConnection, Transport, with_timeout
 from .config import TransportConfig
 from .errors import FrameError, PeerClosed, TransportError, TransportUnavailable
 from .handshake import client_handshake, server_handshake
@@ -283,19 +283,12 @@ async def establish(sock: socket.socket, endpoint, config: TransportConfig, *, i
     return RdmaConnection(endpoint, control, config, peer)
 
 
-class RdmaListener(Listener):
+class RdmaListener(SocketListener):
     def __init__(self, sock: socket.socket, device: str, port: int, config: TransportConfig,
                  handler: Handler | None) -> None:
-        super().__init__(config, handler)
-        self._sock = sock
         self._device, self._port = device, port
         host, tcp_port = sock.getsockname()[:2]
-        self._address = f"rdma://{device}/{port}/{host}:{tcp_port}"
-        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
-
-    @property
-    def address(self) -> str:
-        return self._address
+        super().__init__(sock, f"rdma://{device}/{port}/{host}:{tcp_port}", config, handler)
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -330,11 +323,6 @@ class RdmaListener(Listener):
                 endpoint.close()
             raise
         self._deliver(conn)
-
-    async def _stop_accepting(self) -> None:
-        self._accept_task.cancel()
-        await asyncio.gather(self._accept_task, return_exceptions=True)
-        self._sock.close()
 
 
 class RdmaTransport(Transport):

@@ -31,7 +31,7 @@ import os
 import socket
 import struct
 
-from .base import Handler, Listener, StreamConnection, Transport, split_address, with_timeout
+from .base import Handler, SocketListener, StreamConnection, Transport, split_address, with_timeout
 from .config import TransportConfig
 from .errors import FrameError, PeerClosed, TransportError
 from .handshake import client_handshake, server_handshake
@@ -274,16 +274,9 @@ def _map(fd: int, ring_bytes: int) -> mmap.mmap:
         os.close(fd)
 
 
-class ShmListener(Listener):
+class ShmListener(SocketListener):
     def __init__(self, sock: socket.socket, name: str, config: TransportConfig, handler: Handler | None) -> None:
-        super().__init__(config, handler)
-        self._sock = sock
-        self._address = f"shm://{name}"
-        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
-
-    @property
-    def address(self) -> str:
-        return self._address
+        super().__init__(sock, f"shm://{name}", config, handler)
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -328,11 +321,6 @@ class ShmListener(Listener):
             sock.close()
             raise
         self._deliver(conn)
-
-    async def _stop_accepting(self) -> None:
-        self._accept_task.cancel()
-        await asyncio.gather(self._accept_task, return_exceptions=True)
-        self._sock.close()
 
 
 class ShmTransport(Transport):

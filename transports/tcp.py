@@ -18,7 +18,7 @@ import errno
 import logging
 import socket
 
-from .base import Handler, Listener, StreamConnection, Transport, parse_host_port, with_timeout
+from .base import Handler, SocketListener, StreamConnection, Transport, parse_host_port, with_timeout
 from .config import TransportConfig
 from .errors import PeerClosed, TransportError
 from .frame import PREAMBLE_SIZE, Buffer, Frame, allocate, check_payload_crcs, decode_header, decode_preamble, encode
@@ -361,17 +361,11 @@ class TcpConnection(StreamConnection):
         return bytes(buf)
 
 
-class TcpListener(Listener):
+class TcpListener(SocketListener):
     def __init__(self, sock: socket.socket, config: TransportConfig, handler: Handler | None) -> None:
-        super().__init__(config, handler)
-        self._sock = sock
         host, port = sock.getsockname()[:2]
-        self._address = f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}"
-        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
-
-    @property
-    def address(self) -> str:
-        return self._address
+        address = f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}"
+        super().__init__(sock, address, config, handler)
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -403,11 +397,6 @@ class TcpListener(Listener):
             await conn.close()
             raise
         self._deliver(conn)
-
-    async def _stop_accepting(self) -> None:
-        self._accept_task.cancel()
-        await asyncio.gather(self._accept_task, return_exceptions=True)
-        self._sock.close()
 
 
 class TcpTransport(Transport):
