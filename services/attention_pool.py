@@ -48,7 +48,7 @@ class AttentionPool:
     async def from_registry(cls, store: MetadataStore, config: StackConfig, cfg: ModelConfig) -> AttentionPool:
         """Connect to the configured number of attention workers, as registered in Redis."""
         workers = await wait_for_services(store, "attention", config.attention.workers)
-        tcfg = transports.TransportConfig(auth_token=config.cluster_token)
+        tcfg = config.transport_config()
         return await cls.connect([w.endpoint for w in workers], config.partition, cfg, tcfg)
 
     async def close(self) -> None:

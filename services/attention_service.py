@@ -93,7 +93,7 @@ class AttentionService:
                 await conn.send(reply)
 
     async def run(self) -> None:
-        tcfg = transports.TransportConfig(auth_token=self.config.cluster_token)
+        tcfg = self.config.transport_config()
         self._listener = await transports.listen(self.config.data_address(self.service_id), self._serve_connection, tcfg)
         try:
             await self.runtime.serve(

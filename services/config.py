@@ -17,6 +17,8 @@ clear message naming the setting.
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru}
     model_worker: {threads: 1}
     attention: {workers: 2, threads: 1, kv_capacity_bytes: 1073741824}
+    data_plane: {busy_poll_us: 50.0, checksum_payloads: false, shm_ring_bytes: 16777216,
+                 ucx_progress_mode: blocking, ucx_tls: null}   # see docs/transports.md
 """
 
 from __future__ import annotations
@@ -79,6 +81,17 @@ class AttentionSection:
 
 
 @dataclass(frozen=True)
+class DataPlaneSection:
+    """Transport settings of every data-plane connection (transports.TransportConfig)."""
+
+    busy_poll_us: float = 50.0  # receivers spin this long before parking (adaptive; 0: never)
+    checksum_payloads: bool = False  # crc32 of payloads too (headers always are)
+    shm_ring_bytes: int = 16 << 20  # per direction, shm transport
+    ucx_progress_mode: str = "blocking"  # blocking | thread | polling | thread-polling
+    ucx_tls: str | None = None  # UCX_TLS for the ucx transport (null: UCX decides)
+
+
+@dataclass(frozen=True)
 class StackConfig:
     model: str | None = None
     redis_url: str | None = None
@@ -92,6 +105,7 @@ class StackConfig:
     prefill: PrefillSection = field(default_factory=PrefillSection)
     model_worker: WorkerSection = field(default_factory=WorkerSection)
     attention: AttentionSection = field(default_factory=AttentionSection)
+    data_plane: DataPlaneSection = field(default_factory=DataPlaneSection)
 
     def __post_init__(self) -> None:
         _check(self.transport in TRANSPORTS, "transport", f"must be one of {', '.join(TRANSPORTS)}", self.transport)
@@ -117,6 +131,18 @@ class StackConfig:
                "must be lru, fifo or random", self.prefill.cache_eviction)
         _check(not self.prefill.cache_disk_bytes or bool(self.prefill.cache_dir), "prefill.cache_dir",
                "must be set when prefill.cache_disk_bytes > 0", self.prefill.cache_dir)
+        try:
+            self.transport_config()
+        except ValueError as exc:
+            raise ConfigError(f"configuration: data_plane: {exc}") from None
+
+    def transport_config(self):
+        """The ``transports.TransportConfig`` of every data-plane connection."""
+        from transports import TransportConfig  # the transports package is imported by services anyway
+        dp = self.data_plane
+        return TransportConfig(auth_token=self.cluster_token, busy_poll_us=dp.busy_poll_us,
+                               checksum_payloads=dp.checksum_payloads, shm_ring_bytes=dp.shm_ring_bytes,
+                               ucx_progress_mode=dp.ucx_progress_mode, ucx_tls=dp.ucx_tls)
 
     def data_address(self, service_id: str) -> str:
         """Where a service listens for data-plane frames (port 0: the system picks)."""
@@ -135,7 +161,7 @@ def _check(ok: bool, name: str, rule: str, value: Any) -> None:
 
 _SECTIONS = {
     "gateway": GatewaySection, "scheduler": SchedulerSection, "prefill": PrefillSection,
-    "model_worker": WorkerSection, "attention": AttentionSection,
+    "model_worker": WorkerSection, "attention": AttentionSection, "data_plane": DataPlaneSection,
 }
 
 # Environment variables and the settings they override.
@@ -176,15 +202,25 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
     ann = str(annotation)
     if value is None:
         return None
+    kind = ann.split(" ")[0]
     try:
-        if ann.startswith("int"):
-            if isinstance(value, bool):
-                raise ValueError("a boolean")
+        if isinstance(value, bool) and kind in ("int", "float"):
+            raise ValueError("a boolean")
+        if kind == "int":
             return int(value)
-        if ann.startswith("str"):
+        if kind == "float":
+            return float(value)
+        if kind == "bool":
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+                return value.lower() in ("true", "1", "yes")
+            if not isinstance(value, bool):
+                raise ValueError("not a boolean")
+            return value
+        if kind == "str":
             return str(value)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"configuration: {name} must be an integer (got {value!r})") from exc
+        noun = {"int": "an integer", "float": "a number", "bool": "true or false"}.get(kind, kind)
+        raise ConfigError(f"configuration: {name} must be {noun} (got {value!r})") from exc
     return value
 
 

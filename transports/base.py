@@ -24,7 +24,7 @@ import msgpack
 from .config import TransportConfig
 from .errors import FrameError, PeerClosed, TransportError, TransportTimeout
 from .frame import (
-    PREAMBLE_SIZE, Buffer, Frame, allocate, check_payload_crcs, decode_header,
+    PREAMBLE_SIZE, Buffer, Frame, allocate, byte_view, check_payload_crcs, decode_header,
     decode_preamble, encode,
 )
 
@@ -120,7 +120,6 @@ class Connection(abc.ABC):
         Waits (bounded by the transport's buffer) while the receiver is slow: there is no
         unbounded sender-side queue.
         """
-        timeout = self.config.send_timeout if timeout is None else timeout
         lock = self._send_lock
         if lock.busy:
             await lock.acquire()
@@ -128,18 +127,28 @@ class Connection(abc.ABC):
             lock.busy = True  # uncontended: no coroutine, no future (the common case)
         try:
             self._check_open()
+            rest = self._start_send(frame)
+            if rest is None:
+                return  # all of it left without waiting (the common case for small frames)
+            timeout = self.config.send_timeout if timeout is None else timeout
             if timeout is None:
-                await self._send_frame(frame)
+                await rest
             else:
                 try:
                     async with asyncio.timeout(timeout):
-                        await self._send_frame(frame)
+                        await rest
                 except TimeoutError:
                     # Part of the frame may be on the wire: the stream cannot be resumed.
                     await self._abort(f"send timed out after {timeout}s")
                     raise TransportTimeout(f"send to {self.peer} timed out after {timeout}s") from None
         finally:
             lock.release()
+
+    def _start_send(self, frame: Frame) -> Awaitable[None] | None:
+        """Send what can leave without waiting; return an awaitable that finishes the
+        frame, or ``None`` when all of it left. Raises FrameError, before anything is
+        written, for a frame that cannot be encoded."""
+        return self._send_frame(frame)
 
     async def recv(self, *, out: Sequence[Buffer | None] | None = None,
                    timeout: float | None = None) -> Frame:
@@ -160,6 +169,13 @@ class Connection(abc.ABC):
             lock.busy = True
         try:
             self._check_open()
+            try:
+                frame = self._recv_now(out)
+            except FrameError as exc:
+                await self._abort(str(exc))
+                raise
+            if frame is not None:
+                return frame
             if timeout is None:
                 return await self._guarded_recv(out)
             try:
@@ -169,6 +185,12 @@ class Connection(abc.ABC):
                 raise TransportTimeout(f"recv from {self.peer} timed out after {timeout}s") from None
         finally:
             lock.release()
+
+    def _recv_now(self, out) -> Frame | None:
+        """A whole frame that is already here (or arrives within the busy-poll budget),
+        taken without waiting; ``None`` sends the caller down the waiting path. It never
+        consumes part of a frame."""
+        return None
 
     async def _guarded_recv(self, out) -> Frame:
         try:
@@ -244,10 +266,24 @@ class StreamConnection(Connection):
         await self._read_exact(memoryview(buf), first=first)
         return buf
 
+    def _start_send(self, frame: Frame) -> Awaitable[None] | None:
+        head, bufs = encode(frame, checksum_payloads=self.config.checksum_payloads,
+                            max_frame_bytes=self.config.max_frame_bytes, packer=self._packer)
+        bufs.insert(0, head)
+        rest = self._write_now(bufs)
+        return None if rest is None else self._finish_send(rest)
+
     async def _send_frame(self, frame: Frame) -> None:
-        head, views = encode(frame, checksum_payloads=self.config.checksum_payloads,
-                             max_frame_bytes=self.config.max_frame_bytes, packer=self._packer)
-        views = [memoryview(head)] + [v for v in views if v.nbytes]
+        rest = self._start_send(frame)
+        if rest is not None:
+            await rest
+
+    def _write_now(self, bufs: list) -> list[memoryview] | None:
+        """Write what fits without waiting; return the unwritten rest as byte views, or
+        ``None`` when everything was written. By default nothing is written here."""
+        return [byte_view(b) for b in bufs]
+
+    async def _finish_send(self, views: list[memoryview]) -> None:
         try:
             await self._write(views)
         except BaseException:

@@ -29,8 +29,16 @@ class TransportConfig:
     tcp_keepalive_s: int | None = 10
     # Shared memory: bytes of each direction's ring; frames larger than it are streamed.
     shm_ring_bytes: int = 16 << 20
+    # Receivers spin this long on the socket or ring before parking in the event loop
+    # (0: never). Adaptive: spinning stops on a connection whose peer answers slower
+    # than this, and resumes when it is quick again (transports/polling.py).
+    busy_poll_us: float = 50.0
     # UCX: exported as UCX_TLS before UCX starts when set (e.g. "tcp,sm,self").
     ucx_tls: str | None = None
+    # ucxx progress mode: "blocking" (the event loop waits on UCX's event descriptor),
+    # "thread" (a progress thread), "polling" (spins the event loop: lowest latency,
+    # one busy core per process) or "thread-polling".
+    ucx_progress_mode: str = "blocking"
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout", "handshake_timeout", "send_timeout", "recv_timeout"):
@@ -43,6 +51,11 @@ class TransportConfig:
             raise ValueError("socket_buffer_bytes must be at least 4096 or None")
         if self.shm_ring_bytes < 64 * 1024 or self.shm_ring_bytes % 4096:
             raise ValueError("shm_ring_bytes must be a multiple of 4096 and at least 64 KiB")
+        if not 0 <= self.busy_poll_us <= 10_000:
+            raise ValueError(f"busy_poll_us must be in 0..10000, got {self.busy_poll_us!r}")
+        if self.ucx_progress_mode not in ("blocking", "thread", "polling", "thread-polling"):
+            raise ValueError("ucx_progress_mode must be one of blocking, thread, polling, "
+                             f"thread-polling; got {self.ucx_progress_mode!r}")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("auth_token must be a non-empty string or None")
 

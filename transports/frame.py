@@ -56,7 +56,7 @@ _DTYPE_NAMES = {d: n for n, d in DTYPES.items()}
 Buffer = Union[torch.Tensor, bytes, bytearray, memoryview]
 
 
-@dataclass
+@dataclass(slots=True)
 class Frame:
     """One message: a small typed header and a list of tensors or byte buffers.
 
@@ -119,35 +119,54 @@ def buffer_view(b: Buffer) -> tuple[list, memoryview]:
     return [RAW, (view.nbytes,), view.nbytes], view
 
 
-def encode(frame: Frame, *, checksum_payloads: bool, max_frame_bytes: int,
-           packer: msgpack.Packer | None = None) -> tuple[bytes, list[memoryview]]:
-    """Preamble+header bytes and the payload views to send after them (no payload copy).
+def byte_view(buf) -> memoryview:
+    """Flat, sliceable byte view of any C-contiguous buffer (numpy array, bytes, view)."""
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
-    ``packer``: a connection's own ``msgpack.Packer(use_bin_type=True)``; reusing one
-    saves building a packer per frame (``msgpack.packb`` does).
+
+# Tensor dtypes whose numpy view is taken directly on the send fast path, with wire names.
+_FAST_NAMES = {d: _DTYPE_NAMES[d] for d in _NUMPY_OK}
+
+
+def encode(frame: Frame, *, checksum_payloads: bool, max_frame_bytes: int,
+           packer: msgpack.Packer | None = None) -> tuple[bytes, list]:
+    """Preamble+header bytes and the non-empty payload buffers to send after them.
+
+    Payloads are not copied: each is the tensor's own memory as a numpy array or a
+    memoryview (C-contiguous, any shape); ``byte_view`` gives a sliceable byte view of
+    one when a transport must split it. ``packer``: a connection's own
+    ``msgpack.Packer(use_bin_type=True)``; reusing one saves building a packer per frame.
     """
     kind = frame.kind
     if not 0 <= kind <= 0xFFFF:
         raise FrameError(f"frame kind must be in 0..65535, got {kind}")
     metas = []
-    views = []
+    bufs = []
+    crcs = [] if checksum_payloads else None
     payload_len = 0
     for b in frame.tensors:
-        if type(b) is torch.Tensor and b.dtype in _NUMPY_OK and b.is_cpu and b.is_contiguous():
-            arr = b.numpy()  # fast path: the common case
-            view = memoryview(arr).cast("B") if arr.size else _EMPTY
-            meta = [_DTYPE_NAMES[b.dtype], tuple(b.shape), view.nbytes]
+        # Fast path, the common case: a contiguous CPU tensor numpy can view (the
+        # attribute tests alone cost microseconds per frame, so they are ordered cheap first).
+        name = _FAST_NAMES.get(b.dtype) if type(b) is torch.Tensor else None
+        if name is not None and b.is_cpu and b.is_contiguous():
+            arr = b.numpy()
+            n = arr.nbytes
+            metas.append((name, b.shape, n))
         else:
-            meta, view = buffer_view(b)
-        metas.append(meta)
-        views.append(view)
-        payload_len += meta[2]
-    crcs = [zlib.crc32(v) for v in views] if checksum_payloads else None
+            meta, arr = buffer_view(b)
+            n = meta[2]
+            metas.append(meta)
+        if crcs is not None:
+            crcs.append(zlib.crc32(arr) if n else 0)
+        if n:
+            bufs.append(arr)
+            payload_len += n
     try:
         if packer is None:
-            header = msgpack.packb([frame.header, metas, crcs], use_bin_type=True)
+            header = msgpack.packb((frame.header, metas, crcs), use_bin_type=True)
         else:
-            header = packer.pack([frame.header, metas, crcs])
+            header = packer.pack((frame.header, metas, crcs))
     except (TypeError, ValueError) as exc:
         if packer is not None:
             packer.reset()  # a failed pack may leave partial output in the packer's buffer
@@ -158,7 +177,7 @@ def encode(frame: Frame, *, checksum_payloads: bool, max_frame_bytes: int,
         )
     head = _PREAMBLE_HEAD.pack(MAGIC, WIRE_VERSION, FLAG_PAYLOAD_CRC if checksum_payloads else 0,
                                kind, len(header), len(metas), payload_len, zlib.crc32(header))
-    return b"".join((head, _CRC.pack(zlib.crc32(head)), header)), views
+    return b"".join((head, _CRC.pack(zlib.crc32(head)), header)), bufs
 
 
 _CRC = struct.Struct("<I")
@@ -173,11 +192,13 @@ class Preamble(NamedTuple):
     header_crc: int
 
 
-def decode_preamble(data: bytes | memoryview, max_frame_bytes: int) -> Preamble:
-    magic, version, flags, kind, header_len, nbufs, payload_len, header_crc, pre_crc = PREAMBLE.unpack(data)
+def decode_preamble(data: bytes | memoryview, max_frame_bytes: int, offset: int = 0) -> Preamble:
+    """The preamble at ``data[offset:offset + PREAMBLE_SIZE]``, checked."""
+    magic, version, flags, kind, header_len, nbufs, payload_len, header_crc, pre_crc = \
+        PREAMBLE.unpack_from(data, offset)
     if magic != MAGIC:
         raise FrameError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): corrupted stream")
-    if zlib.crc32(data[:28]) != pre_crc:
+    if zlib.crc32(data[offset:offset + 28]) != pre_crc:
         raise FrameError("frame preamble checksum mismatch: corrupted frame")
     if version != WIRE_VERSION:
         raise FrameError(f"unsupported wire version {version} (this side speaks {WIRE_VERSION})")
@@ -185,7 +206,28 @@ def decode_preamble(data: bytes | memoryview, max_frame_bytes: int) -> Preamble:
         raise FrameError(
             f"frame of {header_len + payload_len} bytes exceeds max_frame_bytes={max_frame_bytes}"
         )
-    return Preamble(flags, kind, header_len, nbufs, payload_len, header_crc)
+    # tuple.__new__ skips the named tuple's Python-level constructor (per-frame hot path).
+    return _new_tuple(Preamble, (flags, kind, header_len, nbufs, payload_len, header_crc))
+
+
+_new_tuple = tuple.__new__
+
+
+# Buffer descriptions already validated, by (dtype, shape, nbytes): a connection carries
+# the same few shapes over and over, and validating one costs microseconds.
+_META_CACHE: dict[tuple, BufferMeta] = {}
+_META_CACHE_MAX = 4096
+
+
+def _check_meta(dtype: str, shape: tuple, nbytes: int) -> BufferMeta:
+    if dtype == RAW:
+        expected = shape[0] if len(shape) == 1 else -1
+    else:
+        expected = math.prod(shape) * DTYPES[dtype].itemsize
+    if (type(nbytes) is not int or expected != nbytes
+            or any(type(s) is not int or s < 0 for s in shape)):
+        raise FrameError(f"buffer of shape {shape} {dtype} cannot hold {nbytes} bytes")
+    return BufferMeta(dtype, shape, nbytes)
 
 
 def decode_header(pre: Preamble, data: bytes | memoryview) -> tuple[Any, list[BufferMeta], list[int] | None]:
@@ -197,16 +239,15 @@ def decode_header(pre: Preamble, data: bytes | memoryview) -> tuple[Any, list[Bu
         metas = []
         total = 0
         for dtype, shape, nbytes in raw_metas:
-            shape = tuple(shape)
-            if dtype == RAW:
-                expected = shape[0] if len(shape) == 1 else -1
-            else:
-                expected = math.prod(shape) * DTYPES[dtype].itemsize
-            if (type(nbytes) is not int or expected != nbytes
-                    or any(type(s) is not int or s < 0 for s in shape)):
-                raise FrameError(f"buffer of shape {shape} {dtype} cannot hold {nbytes} bytes")
-            total += nbytes
-            metas.append(BufferMeta(dtype, shape, nbytes))
+            key = (dtype, tuple(shape), nbytes)
+            meta = _META_CACHE.get(key)
+            if meta is None:
+                meta = _check_meta(*key)
+                if len(_META_CACHE) >= _META_CACHE_MAX:
+                    _META_CACHE.clear()
+                _META_CACHE[key] = meta
+            total += meta.nbytes
+            metas.append(meta)
     except FrameError:
         raise
     except KeyError as exc:
@@ -256,3 +297,58 @@ def check_payload_crcs(views: Sequence[memoryview], crcs: list[int] | None) -> N
     for i, (v, c) in enumerate(zip(views, crcs)):
         if zlib.crc32(v) != c:
             raise FrameError(f"payload {i} checksum mismatch: corrupted frame")
+
+
+class OutViews:
+    """Byte views of callers' ``out`` tensors, cached per connection.
+
+    Services receive into the same preallocated tensors frame after frame, and taking a
+    tensor's byte view costs more than copying a small payload. An entry is reused only
+    for the same tensor object at the same data pointer and size; the cache holds at most
+    ``limit`` tensors alive and starts over when full.
+    """
+
+    __slots__ = ("_views", "_limit")
+
+    def __init__(self, limit: int = 64) -> None:
+        self._views: dict[int, tuple[torch.Tensor, int, memoryview]] = {}
+        self._limit = limit
+
+    def get(self, out: Buffer, nbytes: int) -> memoryview:
+        if type(out) is torch.Tensor:
+            entry = self._views.get(id(out))
+            ptr = out.data_ptr()
+            if (entry is not None and entry[0] is out and entry[1] == ptr
+                    and entry[2].nbytes == nbytes == out.nbytes):  # resize_ keeps the pointer
+                return entry[2]
+            _, view = allocate(BufferMeta(RAW, (nbytes,), nbytes), out)
+            if len(self._views) >= self._limit:
+                self._views.clear()
+            self._views[id(out)] = (out, ptr, view)
+            return view
+        return allocate(BufferMeta(RAW, (nbytes,), nbytes), out)[1]
+
+
+def parse_frame(pre: Preamble, body: memoryview, out: Sequence[Buffer | None] | None,
+                out_views: OutViews | None = None) -> Frame:
+    """The frame whose header and payloads (``pre.header_len + pre.payload_len`` bytes)
+    are all in ``body``: one pass, payloads copied once into their destinations."""
+    hlen = pre.header_len
+    user, metas, crcs = decode_header(pre, body[:hlen])
+    pos = hlen
+    buffers: list[Buffer] = []
+    for i, meta in enumerate(metas):
+        n = meta.nbytes
+        dest = out[i] if out is not None and i < len(out) else None
+        if dest is None:
+            obj, view = allocate(meta)
+        else:
+            obj = dest
+            view = out_views.get(dest, n) if out_views is not None else allocate(meta, dest)[1]
+        if n:
+            view[:] = body[pos:pos + n]
+            if crcs is not None and zlib.crc32(view) != crcs[i]:
+                raise FrameError(f"payload {i} checksum mismatch: corrupted frame")
+            pos += n
+        buffers.append(obj)
+    return Frame(pre.kind, user, buffers)

@@ -9,10 +9,15 @@ The connection's unix-domain socket (abstract namespace, derived from ``name``) 
 the handshake, passes the memfd, and then serves as the doorbell: a side that finds its
 ring empty (or full) sets its waiting flag, re-checks, and sleeps on the socket; the
 other side writes one byte when it sees the flag. The socket's reader stays registered
-for the connection's life and reports a vanished peer (EOF) at once. No spinning before
-sleeping: a 20-100 us bounded spin on the ring counters was measured on the 2-vCPU
-machines and helped only when the peer had a core to itself (44 us vs 160 us), and made
-the round trip 3-4x worse when it did not (spinning takes the CPU the peer needs). Ring layout: 256-byte control block (head @0, tail @64,
+for the connection's life and reports a vanished peer (EOF) at once.
+
+A receiver first polls the ring's head counter for ``busy_poll_us`` without setting its
+flag, so a quick peer's frame is taken with no system call on either side. Spinning
+helps only while the peer has a core of its own (it takes the CPU a peer on the same
+core needs), so the adaptive policy in transports/polling.py stops it on a connection
+whose peer answers slowly. Frames that fit the ring whole are parsed straight out of it.
+
+Ring layout: 256-byte control block (head @0, tail @64,
 reader_waiting @128, writer_waiting @192, u64 each; head/tail count bytes ever
 written/read) followed by the data area.
 
@@ -30,11 +35,14 @@ import mmap
 import os
 import socket
 import struct
+import time
 
 from .base import Handler, SocketListener, StreamConnection, Transport, split_address, with_timeout
 from .config import TransportConfig
 from .errors import FrameError, PeerClosed, TransportError
+from .frame import PREAMBLE_SIZE, Frame, OutViews, byte_view, decode_preamble, parse_frame
 from .handshake import client_handshake, server_handshake
+from .polling import BusyPoll
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +51,7 @@ _HEAD, _TAIL, _READER_WAITING, _WRITER_WAITING = 0, 8, 16, 24  # u64 indices
 _SAFETY_S = 0.02
 _CHUNKS = 4  # a large frame is streamed through the ring in ring/_CHUNKS pieces
 _COALESCE = 4096  # frames up to this size are copied into the ring in one piece
+_WHOLE = 64 * 1024  # frames up to this size (and the ring's) are parsed in place
 _MAX_RING = 1 << 30
 _SETUP = struct.Struct("<Q")
 
@@ -84,6 +93,9 @@ class ShmConnection(StreamConnection):
         self._waiters: list[asyncio.Future] = []
         self._safety: asyncio.TimerHandle | None = None
         self._eof = False
+        self._poll = BusyPoll(config.busy_poll_us)
+        self._outs = OutViews()
+        self._whole = min(_WHOLE, ring_bytes)
         self._loop.add_reader(self._fd, self._on_bell)
         self._watching = True
 
@@ -138,17 +150,79 @@ class ShmConnection(StreamConnection):
         self._waiters.append(fut)
         if self._safety is None:
             self._safety = self._loop.call_later(_SAFETY_S, self._on_safety)
+        parked = time.perf_counter()
         try:
             await fut
         finally:
             if fut in self._waiters:
                 self._waiters.remove(fut)
+            self._poll.parked(time.perf_counter() - parked)
 
     def _gone(self, first: bool, got: int, need: int) -> PeerClosed:
         if first and got == 0:
             return PeerClosed(f"peer {self._peer} closed the connection")
         return PeerClosed(f"peer {self._peer} closed the connection in the middle of a frame "
                           f"(truncated: {got} of {need} bytes of a read)")
+
+    # ------------------------------------------------------------------ fast path
+    def _peek(self, start: int, n: int) -> memoryview:
+        """``n`` unread bytes from ring offset ``start``: a view into the ring, or a copy
+        when they wrap around its end."""
+        ring = self._in
+        if start + n <= ring.size:
+            return ring.data[start:start + n]
+        first = ring.size - start
+        return memoryview(b"".join((ring.data[start:], ring.data[:n - first])))
+
+    def _recv_now(self, out) -> Frame | None:
+        ring = self._in
+        ctrl, size = ring.ctrl, ring.size
+        poll = self._poll
+        deadline = 0.0
+        while True:
+            tail = ctrl[_TAIL]
+            avail = ctrl[_HEAD] - tail
+            if avail >= PREAMBLE_SIZE:
+                start = tail % size
+                pre = decode_preamble(self._peek(start, PREAMBLE_SIZE), self.config.max_frame_bytes)
+                total = PREAMBLE_SIZE + pre.header_len + pre.payload_len
+                if total > self._whole:
+                    return None  # streamed through the ring by the waiting path
+                if avail >= total:
+                    body = self._peek((start + PREAMBLE_SIZE) % size, total - PREAMBLE_SIZE)
+                    frame = parse_frame(pre, body, out, self._outs)  # copies out of the ring
+                    ctrl[_TAIL] = tail + total
+                    if ctrl[_WRITER_WAITING]:
+                        self._ring_bell()
+                    if deadline:
+                        poll.hit()
+                    return frame
+            if self._eof or not poll.active:
+                return None
+            if not deadline:
+                deadline = poll.deadline()
+            elif time.perf_counter() >= deadline:
+                poll.miss()
+                return None
+
+    def _write_now(self, bufs: list) -> list[memoryview] | None:
+        # A small frame goes into the ring in one copy when it has room for all of it.
+        n = len(bufs[0]) + sum(b.nbytes for b in bufs[1:])
+        ring = self._out
+        ctrl, size = ring.ctrl, ring.size
+        head = ctrl[_HEAD]
+        if n <= self._whole and size - (head - ctrl[_TAIL]) >= n and not self._eof:
+            blob = b"".join(bufs) if len(bufs) > 1 else bufs[0]
+            start = head % size
+            first = min(n, size - start)
+            ring.data[start:start + first] = blob[:first]
+            if n > first:
+                ring.data[:n - first] = blob[first:]
+            ctrl[_HEAD] = head + n
+            if ctrl[_READER_WAITING]:
+                self._ring_bell()
+            return None
+        return [byte_view(b) for b in bufs]
 
     # ------------------------------------------------------------------ byte stream
     async def _read_exact(self, view: memoryview, *, first: bool = False) -> None:

@@ -17,12 +17,17 @@ import asyncio
 import errno
 import logging
 import socket
+import time
 
 from .base import Handler, SocketListener, StreamConnection, Transport, parse_host_port, with_timeout
 from .config import TransportConfig
 from .errors import PeerClosed, TransportError
-from .frame import PREAMBLE_SIZE, Buffer, Frame, allocate, check_payload_crcs, decode_header, decode_preamble, encode
+from .frame import (
+    PREAMBLE_SIZE, Buffer, Frame, OutViews, allocate, byte_view, check_payload_crcs, decode_header,
+    decode_preamble, parse_frame,
+)
 from .handshake import client_handshake, server_handshake
+from .polling import BusyPoll
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +49,18 @@ def _configure(sock: socket.socket, config: TransportConfig) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, k)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, k // 3))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+
+
+def _advance(views: list[memoryview], sent: int) -> list[memoryview]:
+    """What is left of ``views`` after ``sent`` bytes of them were written."""
+    i = 0
+    while i < len(views) and sent >= views[i].nbytes:
+        sent -= views[i].nbytes
+        i += 1
+    views = views[i:]
+    if sent:
+        views[0] = views[0][sent:]
+    return views
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -80,6 +97,8 @@ class TcpConnection(StreamConnection):
         self._write_waiter: asyncio.Future | None = None
         self._error: TransportError | None = None  # EOF or socket error, seen by the callback
         self._eof = False
+        self._poll = BusyPoll(config.busy_poll_us)
+        self._outs = OutViews()
         self._loop.add_reader(self._fd, self._on_readable)
         self._reading = True
 
@@ -182,10 +201,74 @@ class TcpConnection(StreamConnection):
     async def _wait_readable(self) -> None:
         fut = self._loop.create_future()
         self._waiter = fut
+        parked = time.perf_counter()
         try:
             await fut
         finally:
             self._waiter = None
+            self._poll.parked(time.perf_counter() - parked)
+
+    # ------------------------------------------------------------------ fast path
+    def _pull(self) -> int:
+        """One non-blocking read into the scratch buffer: bytes read, 0 when there is
+        nothing to read, -1 when reading cannot go on here (EOF, error, full buffer; the
+        waiting path reports or handles it)."""
+        if self._eof or self._error is not None:
+            return -1
+        end = self._rend
+        if end == _SCRATCH:
+            if self._rstart == 0:
+                return -1
+            self._compact()
+            end = self._rend
+        try:
+            n = self._sock.recv_into(self._rview[end:])
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError:
+            return -1
+        if n == 0:
+            self._eof = True
+            self._fail(None)
+            return -1
+        self._rend = end + n
+        return n
+
+    def _recv_now(self, out) -> Frame | None:
+        # A frame that fits the scratch buffer is parsed in place once all of it is
+        # buffered; meanwhile the receiver polls the socket within its busy-poll budget.
+        poll = self._poll
+        deadline = 0.0
+        while True:
+            start = self._rstart
+            avail = self._rend - start
+            if avail >= PREAMBLE_SIZE:
+                pre = decode_preamble(self._rview, self.config.max_frame_bytes, start)
+                size = PREAMBLE_SIZE + pre.header_len + pre.payload_len
+                if avail >= size:
+                    frame = parse_frame(pre, self._rview[start + PREAMBLE_SIZE:start + size], out, self._outs)
+                    self._rstart = start + size
+                    if self._rstart == self._rend:
+                        self._rstart = self._rend = 0
+                    if not self._reading:
+                        self._resume()
+                    if deadline:
+                        poll.hit()
+                    return frame
+                if size > _SCRATCH:
+                    return None  # streamed by the waiting path
+                if start + size > _SCRATCH:
+                    self._compact()
+            n = self._pull()
+            if n > 0:
+                continue
+            if n < 0 or not poll.active:
+                return None
+            if not deadline:
+                deadline = poll.deadline()
+            elif time.perf_counter() >= deadline:
+                poll.miss()
+                return None
 
     async def _fill(self, n: int, *, first: bool = False) -> None:
         """Wait until ``n`` (<= the scratch size) bytes are buffered from ``_rstart``."""
@@ -288,18 +371,17 @@ class TcpConnection(StreamConnection):
         return Frame(pre.kind, user, buffers)
 
     # ------------------------------------------------------------------ sending
-    async def _send_frame(self, frame: Frame) -> None:
-        head, views = encode(frame, checksum_payloads=self.config.checksum_payloads,
-                             max_frame_bytes=self.config.max_frame_bytes, packer=self._packer)
-        if views:
-            views = [memoryview(head)] + [v for v in views if v.nbytes]
-        else:
-            views = [memoryview(head)]
-        try:
-            await self._write(views)
-        except BaseException:
-            await self._abort("send interrupted in the middle of a frame")
-            raise
+    def _write_now(self, bufs: list) -> list[memoryview] | None:
+        # One sendmsg of [preamble+header, payloads...]: the whole frame normally leaves here.
+        if len(bufs) <= _IOV_MAX:
+            try:
+                sent = self._sock.sendmsg(bufs, (), socket.MSG_NOSIGNAL)
+            except OSError:  # would block, or an error that the waiting path reports
+                sent = 0
+            if sent == len(bufs[0]) + sum(b.nbytes for b in bufs[1:]):
+                return None
+            return _advance([byte_view(b) for b in bufs], sent)
+        return [byte_view(b) for b in bufs]
 
     async def _write(self, views: list[memoryview]) -> None:
         # Try the send synchronously; await writability only when the kernel buffer is full.
@@ -318,13 +400,7 @@ class TcpConnection(StreamConnection):
                 if self._closed or exc.errno == errno.EBADF:
                     raise PeerClosed(f"connection to {self._peer} is closed") from None
                 raise TransportError(f"send to {self._peer} failed: {exc}") from exc
-            i = 0
-            while i < len(views) and sent >= views[i].nbytes:
-                sent -= views[i].nbytes
-                i += 1
-            views = views[i:]
-            if sent:
-                views[0] = views[0][sent:]
+            views = _advance(views, sent)
 
     async def _wait_writable(self) -> None:
         fut = self._loop.create_future()

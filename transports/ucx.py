@@ -2,9 +2,16 @@
 
 UCX picks the wire (``UCX_TLS``): tcp and shared memory on these machines, RDMA and GPU
 memory on a cluster whose UCX is built for them. ``ucxx`` is imported only when this
-transport is used. A frame is sent as tagged messages on the endpoint: the 32-byte
-preamble, the header, then one message per non-empty payload buffer, each received
-straight into its destination buffer.
+transport is used, and its progress mode (``TransportConfig.ucx_progress_mode``, default
+"blocking": the event loop waits on the UCX worker's event descriptor) is set before it
+starts.
+
+A frame is sent as tagged messages on the endpoint, as few as its size allows (each
+UCX message costs a request and a completion): a frame of at most ``_INLINE`` bytes is
+one message, received into the connection's scratch buffer and parsed there; a larger
+one is the preamble and header in one message (two when the header alone is larger
+than ``_INLINE``) followed by one message per non-empty payload buffer, each received
+straight into its destination.
 
 On UCX a receive that times out or is cancelled closes the connection: the posted
 UCX receive cannot be withdrawn, so the message stream could not be trusted afterwards.
@@ -20,15 +27,22 @@ import os
 from .base import Handler, Listener, StreamConnection, Transport, parse_host_port, with_timeout
 from .config import TransportConfig
 from .errors import FrameError, PeerClosed, TransportError
-from .frame import PREAMBLE_SIZE, Frame, encode
+from .frame import (
+    PREAMBLE_SIZE, Buffer, Frame, OutViews, allocate, check_payload_crcs, decode_header,
+    decode_preamble, encode, parse_frame,
+)
 from .handshake import client_handshake, server_handshake
 
 log = logging.getLogger(__name__)
+
+_INLINE = 64 * 1024  # frames up to this size travel as one UCX message
 
 
 def _ucxx(config: TransportConfig):
     if config.ucx_tls is not None:
         os.environ["UCX_TLS"] = config.ucx_tls  # read by UCX when it first initializes
+    # Read by ucxx when its context starts; an explicit environment setting wins.
+    os.environ.setdefault("UCXPY_PROGRESS_MODE", config.ucx_progress_mode)
     import ucxx
     return ucxx
 
@@ -45,6 +59,8 @@ class UcxConnection(StreamConnection):
         super().__init__(config)
         self._ep = ep
         self._peer = peer
+        self._scratch = memoryview(bytearray(_INLINE))
+        self._outs = OutViews()
 
     @property
     def peer(self) -> str:
@@ -53,15 +69,43 @@ class UcxConnection(StreamConnection):
     def _mid_frame(self) -> bool:
         return True
 
-    async def _send_frame(self, frame: Frame) -> None:
-        head, views = encode(frame, checksum_payloads=self.config.checksum_payloads,
-                             max_frame_bytes=self.config.max_frame_bytes, packer=self._packer)
-        mv = memoryview(head)
-        try:
-            await self._write([mv[:PREAMBLE_SIZE], mv[PREAMBLE_SIZE:]] + [v for v in views if v.nbytes])
-        except BaseException:
-            await self._abort("send interrupted in the middle of a frame")
-            raise
+    def _start_send(self, frame: Frame):
+        head, bufs = encode(frame, checksum_payloads=self.config.checksum_payloads,
+                            max_frame_bytes=self.config.max_frame_bytes, packer=self._packer)
+        total = len(head) + sum(b.nbytes for b in bufs)
+        if total <= _INLINE:
+            messages = [b"".join((head, *bufs)) if bufs else head]
+        elif len(head) <= _INLINE:
+            messages = [head, *bufs]
+        else:
+            mv = memoryview(head)
+            messages = [mv[:PREAMBLE_SIZE], mv[PREAMBLE_SIZE:], *bufs]
+        return self._finish_send(messages)
+
+    async def _recv_frame(self, out) -> Frame:
+        scratch = self._scratch
+        await self._read_exact(scratch, first=True)  # the frame's first message, <= _INLINE bytes
+        pre = decode_preamble(scratch, self.config.max_frame_bytes)
+        hlen = pre.header_len
+        head_len = PREAMBLE_SIZE + hlen
+        if head_len + pre.payload_len <= _INLINE:
+            return parse_frame(pre, scratch[PREAMBLE_SIZE:head_len + pre.payload_len], out, self._outs)
+        if head_len <= _INLINE:
+            header = scratch[PREAMBLE_SIZE:head_len]
+        else:
+            header = memoryview(bytearray(hlen))
+            await self._read_exact(header)
+        user, metas, crcs = decode_header(pre, header)
+        buffers: list[Buffer] = []
+        views: list[memoryview] = []
+        for i, meta in enumerate(metas):
+            obj, view = allocate(meta, out[i] if out is not None and i < len(out) else None)
+            if view.nbytes:
+                await self._read_exact(view)
+            buffers.append(obj)
+            views.append(view)
+        check_payload_crcs(views, crcs)
+        return Frame(pre.kind, user, buffers)
 
     async def _write(self, views: list[memoryview]) -> None:
         for v in views:

@@ -33,6 +33,15 @@ def test_config_file_env_and_flags(tmp_path):
     assert load_config(toml, env={}).gateway.port == 8123
 
 
+def test_data_plane_settings_reach_the_transport_config(tmp_path):
+    f = tmp_path / "stack.yaml"
+    f.write_text("cluster_token: s3cret\ndata_plane: {busy_poll_us: 0, checksum_payloads: true}\n")
+    tcfg = load_config(f, env={}, overrides={"data_plane.ucx_progress_mode": "thread"}).transport_config()
+    assert (tcfg.auth_token, tcfg.busy_poll_us, tcfg.checksum_payloads, tcfg.ucx_progress_mode) == \
+        ("s3cret", 0.0, True, "thread")
+    assert load_config(env={}).transport_config().busy_poll_us == 50.0
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("transport: carrier-pigeon\n", "transport must be one of tcp, ucx, shm"),
     ("attention: {workers: 0}\n", "attention.workers must be a positive integer"),
@@ -41,6 +50,9 @@ def test_config_file_env_and_flags(tmp_path):
     ("gateway: {prot: 1}\n", "unknown setting(s) gateway.prot"),
     ("prefill: {cache_disk_bytes: 10}\n", "prefill.cache_dir must be set"),
     ("[unclosed\n", "not valid YAML"),
+    ("data_plane: {busy_poll_us: -1}\n", "data_plane: busy_poll_us must be in 0..10000"),
+    ("data_plane: {busy_poll_us: fast}\n", "data_plane.busy_poll_us must be a number"),
+    ("data_plane: {checksum_payloads: maybe}\n", "data_plane.checksum_payloads must be true or false"),
 ])
 def test_config_errors_name_the_setting(tmp_path, text, message):
     f = tmp_path / "stack.yaml"

@@ -132,6 +132,63 @@ async def test_recv_into_preallocated(address):
             await conn.recv(out=[torch.empty(3)])
 
 
+@pytest.mark.parametrize("busy_poll_us", [0.0, 50.0])
+async def test_sizes_around_buffer_boundaries(address, busy_poll_us):
+    # Around UCX's one-message limit and the shared-memory parse-in-place limit (64 KiB),
+    # TCP's 256 KiB scratch buffer, and through a 64 KiB ring that wraps many times;
+    # small frames in between, received into reused and fresh buffers.
+    config = TransportConfig(busy_poll_us=busy_poll_us, shm_ring_bytes=64 << 10)
+    listener, conn = await pair(address, server_config=config, client_config=config)
+    sizes = [(64 << 10) - 80, (64 << 10) - 33, 64 << 10, (64 << 10) + 1, (256 << 10) - 100,
+             (256 << 10) + 1, 3, 40_000, 17, 100_000, 1]
+    async with listener, conn:
+        for round_ in range(3):
+            for k, n in enumerate(sizes):
+                payload = torch.randint(0, 255, (n,), dtype=torch.uint8)
+                await conn.send(Frame(4, {"k": k, "r": round_}, [payload, b"tail"]))
+                out = [torch.empty(n, dtype=torch.uint8)] if k % 2 else None
+                f = await conn.recv(out=out)
+                assert f.header == {"k": k, "r": round_}
+                assert torch.equal(f.tensors[0], payload) and bytes(f.tensors[1]) == b"tail"
+                if out is not None:
+                    assert f.tensors[0] is out[0]
+
+
+async def test_recv_into_the_same_buffer_frame_after_frame(address):
+    listener, conn = await pair(address)
+    async with listener, conn:
+        out = torch.empty(16, 8)
+        for i in range(50):
+            await conn.send(Frame(1, {}, [torch.full((16, 8), float(i))]))
+            f = await conn.recv(out=[out])
+            assert f.tensors[0] is out and bool((out == i).all())
+        other = torch.empty(16, 8)  # a new destination is used, not the cached one
+        await conn.send(Frame(1, {}, [torch.full((16, 8), -1.0)]))
+        await conn.recv(out=[other])
+        assert bool((other == -1).all()) and bool((out == 49).all())
+        out.resize_(4, 8)  # same tensor, other size: refused, not written past its end
+        await conn.send(Frame(1, {}, [torch.zeros(16, 8)]))
+        with pytest.raises(FrameError, match="out buffer"):
+            await conn.recv(out=[out])
+
+
+async def test_slow_peer_with_busy_polling(address):
+    # The receiver spins, runs out of budget, parks, and still gets every frame.
+    async def slow_echo(conn):
+        while True:
+            frame = await conn.recv()
+            await asyncio.sleep(0.005)
+            await conn.send(frame)
+
+    config = TransportConfig(busy_poll_us=200.0)
+    listener, conn = await pair(address, slow_echo, client_config=config, server_config=config)
+    async with listener, conn:
+        for i in range(10):
+            await conn.send(Frame(1, {"i": i}, [torch.tensor([i])]))
+            f = await conn.recv()
+            assert f.header == {"i": i} and f.tensors[0].item() == i
+
+
 async def test_corrupted_frame_closes_only_that_connection(scheme, address):
     listener = await transports.listen(address, echo)
     async with listener:
@@ -140,8 +197,8 @@ async def test_corrupted_frame_closes_only_that_connection(scheme, address):
                              max_frame_bytes=1 << 20)
         corrupted = bytearray(head)
         corrupted[-2] ^= 0xFF  # inside the msgpack header: caught by its crc
-        if scheme == "ucx":
-            await bad._write([memoryview(corrupted)[:32], memoryview(corrupted)[32:], views[0]])
+        if scheme == "ucx":  # a small frame is one UCX message
+            await bad._write([memoryview(bytes(corrupted) + bytes(views[0]))])
         else:
             await bad._write([memoryview(corrupted), views[0]])
         with pytest.raises(PeerClosed):  # the listener dropped this connection
