@@ -6,10 +6,14 @@ Compared in the same run with three references: a raw blocking-socket ping-pong
 
 Method: the client sends a payload of S bytes, the server echoes it, both sides receive
 into preallocated buffers. ``rtt_us`` is the median round trip; ``gbps`` is
-2 * S * 8 / median round trip (bytes moved both ways), in Gbit/s. The last line printed
-is one JSON object: {"transports": {name: {"rtt_us": {size: x}, "gbps": {size: y}}}}.
+2 * S * 8 / median round trip (bytes moved both ways), in Gbit/s. The whole set
+(transports and references) is measured ``--repeat`` times in turn, so that a noisy
+phase of a shared machine hits every contender alike, and the median of the runs' medians
+is reported. Our transports run with their default configuration (busy polling on). The
+last line printed is one JSON object:
+{"transports": {name: {"rtt_us": {size: x}, "gbps": {size: y}}}}.
 
-    python bench/transport_pingpong.py [--transports tcp,shm,ucx,rdma,fhbn] [--quick]
+    python bench/transport_pingpong.py [--transports tcp,shm,ucx,rdma,fhbn] [--quick] [--repeat 3]
 
 Transports this machine cannot run are skipped with the reason (rdma and fhbn here).
 """
@@ -21,6 +25,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import platform
 import socket
 import statistics
 import struct
@@ -65,6 +70,15 @@ async def _ameasure(one_round, size: int, quick: bool) -> float:
         await one_round()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _combine(runs: list[dict]) -> dict:
+    """Median over repeated runs of each figure."""
+    out: dict = {}
+    for key in ("rtt_us", "gbps"):
+        sizes = runs[0][key].keys()
+        out[key] = {s: round(statistics.median(r[key][s] for r in runs), 3) for s in sizes}
+    return out
 
 
 def _result(rtts: dict[int, float]) -> dict:
@@ -271,6 +285,17 @@ def bench_memcpy(sizes: list[int], quick: bool) -> dict:
 
 
 # ---------------------------------------------------------------- report
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown cpu"
+
+
 def _fmt_size(s: int) -> str:
     for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if s >= div:
@@ -320,26 +345,34 @@ def main() -> None:
     parser.add_argument("--transports", default="tcp,ucx,shm,rdma,fhbn",
                         help="comma-separated transports to measure (unavailable ones are skipped)")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--quick", action="store_true", help="fewer round trips per size")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of the whole set, in turn")
     parser.add_argument("--no-references", action="store_true")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    results: dict[str, dict] = {}
-    print(f"machine: {os.cpu_count()} cpus, python {sys.version.split()[0]}", flush=True)
+    runs: dict[str, list[dict]] = {}
+    cfg = _config()
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cpus ({_cpu_model()}), "
+          f"python {sys.version.split()[0]}", flush=True)
+    print(f"workload: echo ping-pong between two processes, sizes {sizes}, "
+          f"{args.repeat} runs in turn; busy_poll_us={cfg.busy_poll_us}, "
+          f"ucx_progress_mode={cfg.ucx_progress_mode}", flush=True)
+    schemes = []
     for scheme in args.transports.split(","):
         reason = transports.availability(scheme)
         if reason is not None:
             print(f"skipping {scheme}: {reason}", flush=True)
-            continue
-        print(f"measuring {scheme} ...", flush=True)
-        results[scheme] = bench_transport(scheme, sizes, args.quick)
-    if not args.no_references:
-        print("measuring raw_socket ...", flush=True)
-        results["raw_socket"] = bench_raw_socket(sizes, args.quick)
-        print("measuring gloo ...", flush=True)
-        results["gloo"] = bench_gloo(sizes, args.quick)
-        print("measuring memcpy ...", flush=True)
-        results["memcpy"] = bench_memcpy(sizes, args.quick)
+        else:
+            schemes.append(scheme)
+    for run in range(args.repeat):
+        for scheme in schemes:
+            print(f"run {run + 1}/{args.repeat}: {scheme} ...", flush=True)
+            runs.setdefault(scheme, []).append(bench_transport(scheme, sizes, args.quick))
+        if not args.no_references:
+            for name, fn in (("raw_socket", bench_raw_socket), ("gloo", bench_gloo), ("memcpy", bench_memcpy)):
+                print(f"run {run + 1}/{args.repeat}: {name} ...", flush=True)
+                runs.setdefault(name, []).append(fn(sizes, args.quick))
+    results = {name: _combine(r) for name, r in runs.items()}
     print_table(results, sizes)
     print()
     for line in check_targets(results):

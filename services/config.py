@@ -174,6 +174,7 @@ ENV_OVERRIDES = {
     "LAMINA_NAMESPACE": "namespace",
     "LAMINA_API_KEY": "gateway.api_key",
     "LAMINA_PORT": "gateway.port",
+    "LAMINA_BUSY_POLL_US": "data_plane.busy_poll_us",
 }
 
 

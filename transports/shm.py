@@ -150,13 +150,11 @@ class ShmConnection(StreamConnection):
         self._waiters.append(fut)
         if self._safety is None:
             self._safety = self._loop.call_later(_SAFETY_S, self._on_safety)
-        parked = time.perf_counter()
         try:
             await fut
         finally:
             if fut in self._waiters:
                 self._waiters.remove(fut)
-            self._poll.parked(time.perf_counter() - parked)
 
     def _gone(self, first: bool, got: int, need: int) -> PeerClosed:
         if first and got == 0:
@@ -197,9 +195,11 @@ class ShmConnection(StreamConnection):
                     if deadline:
                         poll.hit()
                     return frame
-            if self._eof or not poll.active:
+            if self._eof:
                 return None
             if not deadline:
+                if not poll.should_spin():
+                    return None
                 deadline = poll.deadline()
             elif time.perf_counter() >= deadline:
                 poll.miss()

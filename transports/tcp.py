@@ -201,12 +201,10 @@ class TcpConnection(StreamConnection):
     async def _wait_readable(self) -> None:
         fut = self._loop.create_future()
         self._waiter = fut
-        parked = time.perf_counter()
         try:
             await fut
         finally:
             self._waiter = None
-            self._poll.parked(time.perf_counter() - parked)
 
     # ------------------------------------------------------------------ fast path
     def _pull(self) -> int:
@@ -262,9 +260,11 @@ class TcpConnection(StreamConnection):
             n = self._pull()
             if n > 0:
                 continue
-            if n < 0 or not poll.active:
+            if n < 0:
                 return None
             if not deadline:
+                if not poll.should_spin():
+                    return None
                 deadline = poll.deadline()
             elif time.perf_counter() >= deadline:
                 poll.miss()

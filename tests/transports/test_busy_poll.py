@@ -10,30 +10,31 @@ from transports.polling import BusyPoll
 
 def test_spins_until_misses_in_a_row():
     poll = BusyPoll(50.0)
-    assert poll.active and poll.budget == pytest.approx(50e-6)
+    assert poll.should_spin() and poll.budget == pytest.approx(50e-6)
     poll.miss()
-    assert poll.active  # one slow reply is not a pattern
+    assert poll.spinning  # one slow reply is not a pattern
     poll.hit()
     poll.miss()
-    assert poll.active  # a hit in between resets the count
+    assert poll.spinning  # a hit in between resets the count
     poll.miss()
-    assert not poll.active
+    assert not poll.spinning
 
 
-def test_short_parked_wait_turns_spinning_back_on():
+def test_probes_now_and_then_and_a_hit_turns_spinning_back_on():
     poll = BusyPoll(50.0)
     poll.miss()
     poll.miss()
-    poll.parked(0.05)  # a 50 ms wait: the peer is still slow
-    assert not poll.active
-    poll.parked(100e-6)  # answered within a few budgets: spin again
-    assert poll.active
+    decisions = [poll.should_spin() for _ in range(3 * BusyPoll.PROBE_EVERY)]
+    assert sum(decisions) == 3 and decisions[BusyPoll.PROBE_EVERY - 1]  # one wait in PROBE_EVERY
+    poll.miss()  # the probe found the peer still slow
+    assert not poll.spinning
+    poll.hit()  # a probe that got its frame
+    assert poll.spinning and all(poll.should_spin() for _ in range(5))
 
 
 def test_zero_budget_never_spins():
     poll = BusyPoll(0.0)
-    poll.parked(0.0)
-    assert not poll.active
+    assert not any(poll.should_spin() for _ in range(100))
 
 
 def test_config_validation():
