@@ -108,54 +108,67 @@ class TcpConnection(StreamConnection):
 
     # ------------------------------------------------------------------ reader callback
     def _on_readable(self) -> None:
-        dest = self._dest
+        if self._dest is not None:
+            self._read_direct()
+        elif self._pull() > 0 and self._rend - self._rstart >= self._want:
+            self._wake_reader()
+
+    def _pull(self) -> int:
+        """One non-blocking read into the scratch buffer (the callback's, and the
+        receiver's while it polls): bytes read; 0 when there is nothing to read; -1 when
+        reading stops here (EOF or an error, recorded for the receiver; or a full buffer,
+        reading paused until the consumer drains it)."""
+        if self._eof or self._error is not None:
+            return -1
+        end = self._rend
+        if end == _SCRATCH:
+            if self._rstart == 0:
+                self._pause()
+                return -1
+            self._compact()
+            end = self._rend
         try:
-            if dest is not None:
-                n = self._sock.recv_into(dest)
-            else:
-                end = self._rend
-                if end == _SCRATCH:
-                    if self._rstart == 0:  # full: stop reading until the consumer drains
-                        self._pause()
-                        return
-                    self._compact()
-                    end = self._rend
-                n = self._sock.recv_into(self._rview[end:])
+            n = self._sock.recv_into(self._rview[end:])
         except (BlockingIOError, InterruptedError):
-            return
+            return 0
         except _PEER_GONE as exc:
             self._fail(PeerClosed(f"connection to {self._peer} lost: {exc}"))
-            return
+            return -1
         except OSError as exc:
             self._fail(TransportError(f"recv from {self._peer} failed: {exc}"))
-            return
+            return -1
         if n == 0:
             self._eof = True
             self._fail(None)
-            return
-        if dest is not None:
-            # Keep reading while the kernel has more: one wake-up per burst, not per skb.
-            while n < dest.nbytes:
-                dest = dest[n:]
-                try:
-                    n = self._sock.recv_into(dest)
-                except (BlockingIOError, InterruptedError):
-                    self._dest = dest
-                    return
-                except OSError:
-                    self._dest = dest
-                    return  # reported by the next callback
-                if n == 0:
-                    self._dest = dest
-                    self._eof = True
-                    self._fail(None)
-                    return
-            self._dest = None
-            self._wake_reader()
-        else:
-            self._rend += n
-            if self._rend - self._rstart >= self._want:
+            return -1
+        self._rend = end + n
+        return n
+
+    def _read_direct(self) -> None:
+        """Receive into the large payload's destination, while the kernel has more: one
+        wake-up per burst, not per skb."""
+        dest = self._dest
+        while True:
+            try:
+                n = self._sock.recv_into(dest)
+            except (BlockingIOError, InterruptedError):
+                break
+            except _PEER_GONE as exc:
+                self._fail(PeerClosed(f"connection to {self._peer} lost: {exc}"))
+                break
+            except OSError as exc:
+                self._fail(TransportError(f"recv from {self._peer} failed: {exc}"))
+                break
+            if n == 0:
+                self._eof = True
+                self._fail(None)
+                break
+            if n == dest.nbytes:
+                self._dest = None
                 self._wake_reader()
+                return
+            dest = dest[n:]
+        self._dest = dest
 
     def _wake_reader(self) -> None:
         w = self._waiter
@@ -207,31 +220,6 @@ class TcpConnection(StreamConnection):
             self._waiter = None
 
     # ------------------------------------------------------------------ fast path
-    def _pull(self) -> int:
-        """One non-blocking read into the scratch buffer: bytes read, 0 when there is
-        nothing to read, -1 when reading cannot go on here (EOF, error, full buffer; the
-        waiting path reports or handles it)."""
-        if self._eof or self._error is not None:
-            return -1
-        end = self._rend
-        if end == _SCRATCH:
-            if self._rstart == 0:
-                return -1
-            self._compact()
-            end = self._rend
-        try:
-            n = self._sock.recv_into(self._rview[end:])
-        except (BlockingIOError, InterruptedError):
-            return 0
-        except OSError:
-            return -1
-        if n == 0:
-            self._eof = True
-            self._fail(None)
-            return -1
-        self._rend = end + n
-        return n
-
     def _recv_now(self, out) -> Frame | None:
         # A frame that fits the scratch buffer is parsed in place once all of it is
         # buffered; meanwhile the receiver polls the socket within its busy-poll budget.
