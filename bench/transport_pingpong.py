@@ -81,6 +81,12 @@ def _combine(runs: list[dict]) -> dict:
     return out
 
 
+def _one_thread(torch) -> None:
+    """Every process here moves bytes on one core: idle OpenMP workers left spinning
+    after a parallel op (filling a 64 MiB payload) would take the CPU the peer needs."""
+    torch.set_num_threads(1)
+
+
 def _result(rtts: dict[int, float]) -> dict:
     return {
         "rtt_us": {str(s): round(t * 1e6, 2) for s, t in rtts.items()},
@@ -91,6 +97,7 @@ def _result(rtts: dict[int, float]) -> dict:
 # ---------------------------------------------------------------- our transports
 def _serve_transport(address: str, ready: mp.Queue) -> None:
     import torch
+    _one_thread(torch)
     import transports
 
     async def main() -> None:
@@ -126,6 +133,7 @@ def _config():
 
 def bench_transport(scheme: str, sizes: list[int], quick: bool) -> dict:
     import torch
+    _one_thread(torch)
     import transports
     from transports import Frame
 
@@ -230,6 +238,7 @@ def bench_raw_socket(sizes: list[int], quick: bool) -> dict:
 # ---------------------------------------------------------------- gloo
 def _gloo_rank(rank: int, port: int, sizes: list[int], quick: bool, results) -> None:
     import torch
+    _one_thread(torch)
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
