@@ -295,6 +295,11 @@ class StreamConnection(Connection):
         pre = decode_preamble(await self._read_small(PREAMBLE_SIZE, first=True), cfg.max_frame_bytes)
         self._in_frame = True
         user, metas, crcs = decode_header(pre, await self._read_small(pre.header_len))
+        return await self._read_payloads(pre, user, metas, crcs, out)
+
+    async def _read_payloads(self, pre, user, metas, crcs, out) -> Frame:
+        """The rest of a frame whose header is decoded: each payload read straight into
+        its destination (``out`` entry or a new buffer), then checked."""
         buffers: list[Buffer] = []
         views: list[memoryview] = []
         for i, meta in enumerate(metas):

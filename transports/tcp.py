@@ -22,10 +22,7 @@ import time
 from .base import Handler, SocketListener, StreamConnection, Transport, parse_host_port, with_timeout
 from .config import TransportConfig
 from .errors import PeerClosed, TransportError
-from .frame import (
-    PREAMBLE_SIZE, Buffer, Frame, OutViews, allocate, byte_view, check_payload_crcs, decode_header,
-    decode_preamble, parse_frame,
-)
+from .frame import PREAMBLE_SIZE, Frame, OutViews, byte_view, decode_preamble, parse_frame
 from .handshake import client_handshake, server_handshake
 from .polling import BusyPoll
 
@@ -331,32 +328,6 @@ class TcpConnection(StreamConnection):
         finally:
             self._dest = None
 
-    async def _recv_frame(self, out) -> Frame:
-        # Preamble and header are parsed in place from the scratch buffer; one wake-up
-        # normally brings both (and a small payload) in.
-        cfg = self.config
-        if self._rend - self._rstart < PREAMBLE_SIZE:
-            await self._fill(PREAMBLE_SIZE, first=True)
-        start = self._rstart
-        pre = decode_preamble(self._rview[start:start + PREAMBLE_SIZE], cfg.max_frame_bytes)
-        self._in_frame = True
-        self._rstart = start + PREAMBLE_SIZE
-        hlen = pre.header_len
-        header = await self._read_small(hlen)
-        user, metas, crcs = decode_header(pre, header)
-        buffers: list[Buffer] = []
-        views: list[memoryview] | None = [] if crcs is not None else None
-        for i, meta in enumerate(metas):
-            obj, view = allocate(meta, out[i] if out is not None and i < len(out) else None)
-            if view.nbytes:
-                await self._read_exact(view)
-            buffers.append(obj)
-            if views is not None:
-                views.append(view)
-        self._in_frame = False
-        if views is not None:
-            check_payload_crcs(views, crcs)
-        return Frame(pre.kind, user, buffers)
 
     # ------------------------------------------------------------------ sending
     def _write_now(self, bufs: list) -> list[memoryview] | None:

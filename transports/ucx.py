@@ -27,10 +27,7 @@ import os
 from .base import Handler, Listener, StreamConnection, Transport, parse_host_port, with_timeout
 from .config import TransportConfig
 from .errors import FrameError, PeerClosed, TransportError
-from .frame import (
-    PREAMBLE_SIZE, Buffer, Frame, OutViews, allocate, check_payload_crcs, decode_header,
-    decode_preamble, encode, parse_frame,
-)
+from .frame import PREAMBLE_SIZE, Frame, OutViews, decode_header, decode_preamble, encode, parse_frame
 from .handshake import client_handshake, server_handshake
 
 log = logging.getLogger(__name__)
@@ -96,16 +93,7 @@ class UcxConnection(StreamConnection):
             header = memoryview(bytearray(hlen))
             await self._read_exact(header)
         user, metas, crcs = decode_header(pre, header)
-        buffers: list[Buffer] = []
-        views: list[memoryview] = []
-        for i, meta in enumerate(metas):
-            obj, view = allocate(meta, out[i] if out is not None and i < len(out) else None)
-            if view.nbytes:
-                await self._read_exact(view)
-            buffers.append(obj)
-            views.append(view)
-        check_payload_crcs(views, crcs)
-        return Frame(pre.kind, user, buffers)
+        return await self._read_payloads(pre, user, metas, crcs, out)
 
     async def _write(self, views: list[memoryview]) -> None:
         for v in views:
