@@ -22,9 +22,11 @@ from urllib.parse import urlsplit
 import msgpack
 
 from .config import TransportConfig
+from .handshake import client_handshake
+from .polling import BusyPoll
 from .errors import FrameError, PeerClosed, TransportError, TransportTimeout
 from .frame import (
-    PREAMBLE_SIZE, Buffer, Frame, allocate, byte_view, check_payload_crcs, decode_header,
+    PREAMBLE_SIZE, Buffer, Frame, OutViews, allocate, byte_view, check_payload_crcs, decode_header,
     decode_preamble, encode,
 )
 
@@ -249,6 +251,8 @@ class StreamConnection(Connection):
         super().__init__(config)
         self._in_frame = False
         self._packer = msgpack.Packer(use_bin_type=True)  # reused for every frame's header
+        self._poll = BusyPoll(config.busy_poll_us)  # used by transports with a _recv_now
+        self._outs = OutViews()
 
     def _mid_frame(self) -> bool:
         return self._in_frame
@@ -440,6 +444,17 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def connect(self, address: str, config: TransportConfig) -> Connection: ...
+
+
+async def client_handshake_or_close(conn: "StreamConnection", config: TransportConfig,
+                                    address: str) -> None:
+    """Run the client side of the handshake on a new connection; close it on failure."""
+    try:
+        await with_timeout(client_handshake(conn._send_raw, conn._recv_raw, config.auth_token),
+                           config.handshake_timeout, f"handshake with {address}")
+    except BaseException:
+        await conn.close()
+        raise
 
 
 async def with_timeout(aw: Awaitable, timeout: float | None, what: str):

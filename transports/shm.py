@@ -40,9 +40,8 @@ import time
 from .base import Handler, SocketListener, StreamConnection, Transport, split_address, with_timeout
 from .config import TransportConfig
 from .errors import FrameError, PeerClosed, TransportError
-from .frame import PREAMBLE_SIZE, Frame, OutViews, byte_view, decode_preamble, parse_frame
+from .frame import PREAMBLE_SIZE, Frame, byte_view, decode_preamble, parse_frame
 from .handshake import client_handshake, server_handshake
-from .polling import BusyPoll
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +92,6 @@ class ShmConnection(StreamConnection):
         self._waiters: list[asyncio.Future] = []
         self._safety: asyncio.TimerHandle | None = None
         self._eof = False
-        self._poll = BusyPoll(config.busy_poll_us)
-        self._outs = OutViews()
         self._whole = min(_WHOLE, ring_bytes)
         self._loop.add_reader(self._fd, self._on_bell)
         self._watching = True

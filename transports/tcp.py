@@ -19,12 +19,14 @@ import logging
 import socket
 import time
 
-from .base import Handler, SocketListener, StreamConnection, Transport, parse_host_port, with_timeout
+from .base import (
+    Handler, SocketListener, StreamConnection, Transport, client_handshake_or_close, parse_host_port,
+    with_timeout,
+)
 from .config import TransportConfig
 from .errors import PeerClosed, TransportError
-from .frame import PREAMBLE_SIZE, Frame, OutViews, byte_view, decode_preamble, parse_frame
-from .handshake import client_handshake, server_handshake
-from .polling import BusyPoll
+from .frame import PREAMBLE_SIZE, Frame, byte_view, decode_preamble, parse_frame
+from .handshake import server_handshake
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +96,6 @@ class TcpConnection(StreamConnection):
         self._write_waiter: asyncio.Future | None = None
         self._error: TransportError | None = None  # EOF or socket error, seen by the callback
         self._eof = False
-        self._poll = BusyPoll(config.busy_poll_us)
-        self._outs = OutViews()
         self._loop.add_reader(self._fd, self._on_readable)
         self._reading = True
 
@@ -472,10 +472,5 @@ class TcpTransport(Transport):
             sock.close()
             raise
         conn = TcpConnection(sock, config, f"{host}:{port}")
-        try:
-            await with_timeout(client_handshake(conn._send_raw, conn._recv_raw, config.auth_token),
-                               config.handshake_timeout, f"handshake with {address}")
-        except BaseException:
-            await conn.close()
-            raise
+        await client_handshake_or_close(conn, config, address)
         return conn

@@ -24,11 +24,14 @@ import importlib.util
 import logging
 import os
 
-from .base import Handler, Listener, StreamConnection, Transport, parse_host_port, with_timeout
+from .base import (
+    Handler, Listener, StreamConnection, Transport, client_handshake_or_close, parse_host_port,
+    with_timeout,
+)
 from .config import TransportConfig
 from .errors import FrameError, PeerClosed, TransportError
-from .frame import PREAMBLE_SIZE, Frame, OutViews, decode_header, decode_preamble, encode, parse_frame
-from .handshake import client_handshake, server_handshake
+from .frame import PREAMBLE_SIZE, Frame, decode_header, decode_preamble, encode, parse_frame
+from .handshake import server_handshake
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +60,6 @@ class UcxConnection(StreamConnection):
         self._ep = ep
         self._peer = peer
         self._scratch = memoryview(bytearray(_INLINE))
-        self._outs = OutViews()
 
     @property
     def peer(self) -> str:
@@ -195,10 +197,5 @@ class UcxTransport(Transport):
         except Exception as exc:
             raise PeerClosed(f"cannot connect to {address}: {exc}") from exc
         conn = UcxConnection(ep, config, f"{host}:{port}")
-        try:
-            await with_timeout(client_handshake(conn._send_raw, conn._recv_raw, config.auth_token),
-                               config.handshake_timeout, f"handshake with {address}")
-        except BaseException:
-            await conn.close()
-            raise
+        await client_handshake_or_close(conn, config, address)
         return conn
