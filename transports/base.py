@@ -25,9 +25,10 @@ from .config import TransportConfig
 from .handshake import client_handshake
 from .polling import BusyPoll
 from .errors import FrameError, PeerClosed, TransportError, TransportTimeout
+from . import frame as _frame
 from .frame import (
-    PREAMBLE_SIZE, Buffer, Frame, OutViews, allocate, byte_view, check_payload_crcs, decode_header,
-    decode_preamble, encode,
+    PREAMBLE_SIZE, Buffer, Frame, OutViews, allocate, byte_view, check_payload_crcs,
+    decode_header, decode_preamble, encode, pack_user_header,
 )
 
 log = logging.getLogger(__name__)
@@ -240,6 +241,18 @@ class Connection(abc.ABC):
         await self.close()
 
 
+def advance(views: list[memoryview], sent: int) -> list[memoryview]:
+    """What is left of ``views`` after ``sent`` bytes of them were written."""
+    i = 0
+    while i < len(views) and sent >= views[i].nbytes:
+        sent -= views[i].nbytes
+        i += 1
+    views = views[i:]
+    if sent:
+        views[0] = views[0][sent:]
+    return views
+
+
 class StreamConnection(Connection):
     """Framing over an ordered byte stream (TCP socket, shared-memory ring).
 
@@ -253,6 +266,9 @@ class StreamConnection(Connection):
         self._packer = msgpack.Packer(use_bin_type=True)  # reused for every frame's header
         self._poll = BusyPoll(config.busy_poll_us)  # used by transports with a _recv_now
         self._outs = OutViews()
+        # The native codec (transports/_wire) or None: read at connection set-up, so that
+        # setting transports.frame.NATIVE to None switches new connections to Python.
+        self._native = _frame.NATIVE if config.native_frames else None
 
     def _mid_frame(self) -> bool:
         return self._in_frame
@@ -271,11 +287,30 @@ class StreamConnection(Connection):
         return buf
 
     def _start_send(self, frame: Frame) -> Awaitable[None] | None:
+        native = self._native
+        if native is None:
+            return self._send_encoded(frame)
+        return self._send_native(native, frame, pack_user_header(frame.header, self._packer))
+
+    def _send_native(self, native, frame: Frame, user: bytes) -> Awaitable[None] | None:
+        """Send ``frame`` through the native codec ``native`` where the transport can
+        (``user``: its header's msgpack); by default through the Python codec."""
+        return self._send_encoded(frame, user)
+
+    def _send_encoded(self, frame: Frame, user: bytes | None = None,
+                      left: int | None = None) -> Awaitable[None] | None:
+        """Send ``frame`` encoded by the Python codec. ``user``: its header's msgpack
+        when packed already; ``left``: the native codec wrote all but this many bytes of
+        the frame (the codecs produce the same bytes, so the rest follows from here)."""
         head, bufs = encode(frame, checksum_payloads=self.config.checksum_payloads,
-                            max_frame_bytes=self.config.max_frame_bytes, packer=self._packer)
+                            max_frame_bytes=self.config.max_frame_bytes, packer=self._packer,
+                            user=user)
         bufs.insert(0, head)
-        rest = self._write_now(bufs)
-        return None if rest is None else self._finish_send(rest)
+        if left is None:
+            rest = self._write_now(bufs)
+            return None if rest is None else self._finish_send(rest)
+        views = [byte_view(b) for b in bufs]
+        return self._finish_send(advance(views, sum(v.nbytes for v in views) - left))
 
     async def _send_frame(self, frame: Frame) -> None:
         rest = self._start_send(frame)

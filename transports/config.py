@@ -33,6 +33,10 @@ class TransportConfig:
     # (0: never). Adaptive: spinning stops on a connection whose peer answers slower
     # than this, and resumes when it is quick again (transports/polling.py).
     busy_poll_us: float = 50.0
+    # Encode and parse frames with the native codec (transports/_wire, csrc/wire.c) where
+    # it is built; False keeps the Python codec (same bytes on the wire, several times
+    # the per-frame CPU time).
+    native_frames: bool = True
     # UCX: exported as UCX_TLS before UCX starts when set (e.g. "tcp,sm,self").
     ucx_tls: str | None = None
     # ucxx progress mode: "blocking" (the event loop waits on UCX's event descriptor),

@@ -5,15 +5,28 @@ Wire layout of one frame (all integers little-endian)::
     preamble (32 bytes)
       magic        4s   b"LMNF"
       version      u8   WIRE_VERSION
-      flags        u8   bit 0: payload crc32s are in the header
+      flags        u8   bit 0: payload crc32s are in the buffer descriptors
       kind         u16  Frame.kind
-      header_len   u32  bytes of the msgpack header that follows
+      header_len   u32  bytes of the header that follows
       num_buffers  u32  number of payload buffers after the header
       payload_len  u64  sum of the payload buffers' lengths
-      header_crc   u32  crc32 of the msgpack header
+      header_crc   u32  crc32 of the header
       preamble_crc u32  crc32 of the 28 bytes before it
-    header (header_len bytes): msgpack [user_header, [[dtype, shape, nbytes], ...], crcs|None]
+    header (header_len bytes)
+      num_buffers buffer descriptors, each 16 + 8 * ndim bytes:
+        dtype  u8   0: raw bytes; otherwise 1 + the dtype's index in WIRE_DTYPES
+        ndim   u8   at most MAX_NDIM (a raw buffer has ndim 1: its length)
+        zero   u16
+        crc    u32  crc32 of the payload when flags bit 0 is set, else 0
+        nbytes u64
+        dims   ndim x u64
+      the user header: msgpack, the rest of header_len (at least one byte)
     payloads: num_buffers buffers, back to back, each exactly nbytes long
+
+Buffer descriptors are fixed binary records so that native code (transports/_wire,
+built from csrc/wire.c) can encode and parse a frame without calling into Python for
+them; this module is the reference implementation of the format and the fallback where
+the extension is not built, and both produce the same bytes.
 
 Every length is explicit and checked against ``TransportConfig.max_frame_bytes`` before
 anything is allocated; a frame that fails a check raises ``FrameError``.
@@ -21,7 +34,10 @@ anything is allocated; a frame that fails a check raises ``FrameError``.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import os
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -33,25 +49,32 @@ import torch
 
 from .errors import FrameError
 
+log = logging.getLogger(__name__)
+
 MAGIC = b"LMNF"
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 FLAG_PAYLOAD_CRC = 1
+MAX_NDIM = 32
 PREAMBLE = struct.Struct("<4sBBHIIQII")
 PREAMBLE_SIZE = PREAMBLE.size  # 32
 _PREAMBLE_HEAD = struct.Struct("<4sBBHIIQI")  # everything the preamble crc covers
 RAW = "raw"  # dtype tag of a plain byte buffer (received as a bytearray)
 
-# Only these dtypes are accepted from the wire (never getattr(torch, <peer string>)).
-DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-        torch.complex64, torch.complex128,
-        torch.float8_e4m3fn, torch.float8_e5m2,
-    )
-}
+# The dtypes a frame can carry; a descriptor's dtype code is 1 + the index here, so this
+# order is part of the wire format (append only).
+WIRE_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.complex64, torch.complex128,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+)
+DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in WIRE_DTYPES}
 _DTYPE_NAMES = {d: n for n, d in DTYPES.items()}
+_CODES = {d: i + 1 for i, d in enumerate(WIRE_DTYPES)}
+_CODE_NAMES = (RAW, *(str(d).removeprefix("torch.") for d in WIRE_DTYPES))
+_DESC = struct.Struct("<BBHIQ")  # dtype code, ndim, zero, payload crc, nbytes
+DESC_SIZE = _DESC.size  # 16
+_DIMS = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
 
 Buffer = Union[torch.Tensor, bytes, bytearray, memoryview]
 
@@ -98,8 +121,8 @@ def tensor_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def buffer_view(b: Buffer) -> tuple[list, memoryview]:
-    """Wire description ``[dtype, shape, nbytes]`` and byte view of one outgoing buffer.
+def buffer_view(b: Buffer) -> tuple[int, tuple[int, ...], memoryview]:
+    """Dtype code, shape and byte view of one outgoing buffer.
 
     Non-contiguous tensors are made contiguous (one copy: the wire carries dense bytes);
     device tensors are copied to host by transports that cannot read device memory.
@@ -110,13 +133,14 @@ def buffer_view(b: Buffer) -> tuple[list, memoryview]:
             t = t.cpu()
         if not t.is_contiguous():
             t = t.contiguous()
-        name = _DTYPE_NAMES.get(t.dtype)
-        if name is None:
+        if t.is_conj() or t.is_neg():  # lazy views: the wire carries the values
+            t = t.resolve_conj().resolve_neg()
+        code = _CODES.get(t.dtype)
+        if code is None:
             raise FrameError(f"unsupported tensor dtype {t.dtype}")
-        view = tensor_view(t)
-        return [name, tuple(t.shape), view.nbytes], view
+        return code, tuple(t.shape), tensor_view(t)
     view = memoryview(b).cast("B")
-    return [RAW, (view.nbytes,), view.nbytes], view
+    return 0, (view.nbytes,), view
 
 
 def byte_view(buf) -> memoryview:
@@ -125,58 +149,70 @@ def byte_view(buf) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-# Tensor dtypes whose numpy view is taken directly on the send fast path, with wire names.
-_FAST_NAMES = {d: _DTYPE_NAMES[d] for d in _NUMPY_OK}
+# Tensor dtypes whose numpy view is taken directly on the send fast path, with wire codes
+# (complex tensors may be lazily conjugated views: they go through buffer_view).
+_FAST_CODES = {d: _CODES[d] for d in _NUMPY_OK if not d.is_complex}
+
+
+def pack_user_header(header: Any, packer: msgpack.Packer | None = None) -> bytes:
+    """The msgpack bytes of a frame's user header (``packer``: a connection's own
+    ``msgpack.Packer(use_bin_type=True)``; reusing one saves building one per frame)."""
+    try:
+        if packer is None:
+            return msgpack.packb(header, use_bin_type=True)
+        return packer.pack(header)
+    except (TypeError, ValueError, OverflowError) as exc:
+        if packer is not None:
+            packer.reset()  # a failed pack may leave partial output in the packer's buffer
+        raise FrameError(f"frame header is not msgpack-encodable: {exc}") from exc
+
+
+def check_kind(kind: int) -> None:
+    if not 0 <= kind <= 0xFFFF:
+        raise FrameError(f"frame kind must be in 0..65535, got {kind}")
 
 
 def encode(frame: Frame, *, checksum_payloads: bool, max_frame_bytes: int,
-           packer: msgpack.Packer | None = None) -> tuple[bytes, list]:
+           packer: msgpack.Packer | None = None, user: bytes | None = None) -> tuple[bytes, list]:
     """Preamble+header bytes and the non-empty payload buffers to send after them.
 
     Payloads are not copied: each is the tensor's own memory as a numpy array or a
     memoryview (C-contiguous, any shape); ``byte_view`` gives a sliceable byte view of
-    one when a transport must split it. ``packer``: a connection's own
-    ``msgpack.Packer(use_bin_type=True)``; reusing one saves building a packer per frame.
+    one when a transport must split it. ``user``: the header's msgpack bytes when the
+    caller has them already (``pack_user_header``).
     """
     kind = frame.kind
-    if not 0 <= kind <= 0xFFFF:
-        raise FrameError(f"frame kind must be in 0..65535, got {kind}")
-    metas = []
+    check_kind(kind)
+    parts = []
     bufs = []
-    crcs = [] if checksum_payloads else None
     payload_len = 0
     for b in frame.tensors:
         # Fast path, the common case: a contiguous CPU tensor numpy can view (the
         # attribute tests alone cost microseconds per frame, so they are ordered cheap first).
-        name = _FAST_NAMES.get(b.dtype) if type(b) is torch.Tensor else None
-        if name is not None and b.is_cpu and b.is_contiguous():
+        code = _FAST_CODES.get(b.dtype) if type(b) is torch.Tensor else None
+        if code is not None and b.is_cpu and b.is_contiguous():
             arr = b.numpy()
-            n = arr.nbytes
-            metas.append((name, b.shape, n))
+            shape = b.shape
         else:
-            meta, arr = buffer_view(b)
-            n = meta[2]
-            metas.append(meta)
-        if crcs is not None:
-            crcs.append(zlib.crc32(arr) if n else 0)
+            code, shape, arr = buffer_view(b)
+        n = arr.nbytes
+        if len(shape) > MAX_NDIM:
+            raise FrameError(f"a frame carries tensors of at most {MAX_NDIM} dimensions, got {len(shape)}")
+        crc = zlib.crc32(arr) if checksum_payloads and n else 0
+        parts.append(_DESC.pack(code, len(shape), 0, crc, n))
+        if shape:
+            parts.append(_DIMS[len(shape)].pack(*shape))
         if n:
             bufs.append(arr)
             payload_len += n
-    try:
-        if packer is None:
-            header = msgpack.packb((frame.header, metas, crcs), use_bin_type=True)
-        else:
-            header = packer.pack((frame.header, metas, crcs))
-    except (TypeError, ValueError) as exc:
-        if packer is not None:
-            packer.reset()  # a failed pack may leave partial output in the packer's buffer
-        raise FrameError(f"frame header is not msgpack-encodable: {exc}") from exc
+    parts.append(pack_user_header(frame.header, packer) if user is None else user)
+    header = b"".join(parts)
     if len(header) + payload_len > max_frame_bytes:
         raise FrameError(
             f"frame of {len(header) + payload_len} bytes exceeds max_frame_bytes={max_frame_bytes}"
         )
     head = _PREAMBLE_HEAD.pack(MAGIC, WIRE_VERSION, FLAG_PAYLOAD_CRC if checksum_payloads else 0,
-                               kind, len(header), len(metas), payload_len, zlib.crc32(header))
+                               kind, len(header), len(frame.tensors), payload_len, zlib.crc32(header))
     return b"".join((head, _CRC.pack(zlib.crc32(head)), header)), bufs
 
 
@@ -213,54 +249,68 @@ def decode_preamble(data: bytes | memoryview, max_frame_bytes: int, offset: int 
 _new_tuple = tuple.__new__
 
 
-# Buffer descriptions already validated, by (dtype, shape, nbytes): a connection carries
-# the same few shapes over and over, and validating one costs microseconds.
+# Buffer descriptions already validated, by (dtype code, shape, nbytes): a connection
+# carries the same few shapes over and over, and validating one costs microseconds.
 _META_CACHE: dict[tuple, BufferMeta] = {}
 _META_CACHE_MAX = 4096
 
 
-def _check_meta(dtype: str, shape: tuple, nbytes: int) -> BufferMeta:
-    if dtype == RAW:
+def _check_meta(code: int, shape: tuple, nbytes: int) -> BufferMeta:
+    if code == 0:
         expected = shape[0] if len(shape) == 1 else -1
+    elif code <= len(WIRE_DTYPES):
+        expected = math.prod(shape) * WIRE_DTYPES[code - 1].itemsize
     else:
-        expected = math.prod(shape) * DTYPES[dtype].itemsize
-    if (type(nbytes) is not int or expected != nbytes
-            or any(type(s) is not int or s < 0 for s in shape)):
-        raise FrameError(f"buffer of shape {shape} {dtype} cannot hold {nbytes} bytes")
-    return BufferMeta(dtype, shape, nbytes)
+        raise FrameError(f"unknown dtype code {code} in frame header")
+    if expected != nbytes:
+        raise FrameError(f"buffer of shape {shape} {_CODE_NAMES[code]} cannot hold {nbytes} bytes")
+    return BufferMeta(_CODE_NAMES[code], shape, nbytes)
+
+
+def _unpack_user(data) -> Any:
+    if len(data) == 1 and data[0] == 0x80:  # {}: the most common header on the data plane
+        return {}
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # malformed msgpack, trailing bytes, nesting too deep
+        raise FrameError(f"malformed frame header: {exc}") from None
 
 
 def decode_header(pre: Preamble, data: bytes | memoryview) -> tuple[Any, list[BufferMeta], list[int] | None]:
-    """Check and unpack the msgpack header; validates every buffer description."""
+    """Check and unpack the header; validates every buffer description."""
     if zlib.crc32(data) != pre.header_crc:
         raise FrameError("frame header checksum mismatch: corrupted frame")
-    try:
-        user, raw_metas, crcs = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        metas = []
-        total = 0
-        for dtype, shape, nbytes in raw_metas:
-            key = (dtype, tuple(shape), nbytes)
-            meta = _META_CACHE.get(key)
-            if meta is None:
-                meta = _check_meta(*key)
-                if len(_META_CACHE) >= _META_CACHE_MAX:
-                    _META_CACHE.clear()
-                _META_CACHE[key] = meta
-            total += meta.nbytes
-            metas.append(meta)
-    except FrameError:
-        raise
-    except KeyError as exc:
-        raise FrameError(f"unknown dtype {exc.args[0]!r} in frame header") from None
-    except Exception as exc:  # malformed msgpack or structure
-        raise FrameError(f"malformed frame header: {exc}") from exc
-    if len(metas) != pre.num_buffers or total != pre.payload_len:
-        raise FrameError("frame header disagrees with the preamble's buffer count or length")
-    if pre.flags & FLAG_PAYLOAD_CRC:
-        if not isinstance(crcs, list) or len(crcs) != len(metas):
-            raise FrameError("frame flags promise payload checksums that the header lacks")
-        return user, metas, crcs
-    return user, metas, None
+    size = len(data)
+    metas = []
+    crcs = []
+    total = 0
+    pos = 0
+    for _ in range(pre.num_buffers):
+        if pos + DESC_SIZE > size:
+            raise FrameError("frame header is shorter than its buffer descriptors")
+        code, ndim, zero, crc, nbytes = _DESC.unpack_from(data, pos)
+        if ndim > MAX_NDIM or zero:
+            raise FrameError(f"malformed buffer descriptor (ndim {ndim}, reserved {zero})")
+        pos += DESC_SIZE
+        if pos + 8 * ndim > size:
+            raise FrameError("frame header is shorter than its buffer descriptors")
+        key = (code, _DIMS[ndim].unpack_from(data, pos), nbytes)
+        pos += 8 * ndim
+        meta = _META_CACHE.get(key)
+        if meta is None:
+            meta = _check_meta(*key)
+            if len(_META_CACHE) >= _META_CACHE_MAX:
+                _META_CACHE.clear()
+            _META_CACHE[key] = meta
+        total += nbytes
+        metas.append(meta)
+        crcs.append(crc)
+    if pos >= size:
+        raise FrameError("frame header lacks its user header")
+    if total != pre.payload_len:
+        raise FrameError("frame header disagrees with the preamble's payload length")
+    user = _unpack_user(data[pos:])
+    return user, metas, (crcs if pre.flags & FLAG_PAYLOAD_CRC else None)
 
 
 def allocate(meta: BufferMeta, out: Buffer | None = None) -> tuple[Buffer, memoryview]:
@@ -352,3 +402,33 @@ def parse_frame(pre: Preamble, body: memoryview, out: Sequence[Buffer | None] | 
             pos += n
         buffers.append(obj)
     return Frame(pre.kind, user, buffers)
+
+
+# ---------------------------------------------------------------- native codec
+def _alloc(code: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A new tensor for a received buffer (called by the native codec)."""
+    dtype = WIRE_DTYPES[code - 1]
+    np_dtype = _NUMPY_OK.get(dtype)
+    if np_dtype is not None:  # numpy allocates faster than torch.empty
+        return torch.from_numpy(np.empty(shape, np_dtype))
+    return torch.empty(shape, dtype=dtype)
+
+
+def _load_native():
+    """The native codec (transports/_wire, built from csrc/wire.c), set up, or ``None``
+    where it is not built or ``LAMINA_NATIVE_FRAMES=0``."""
+    if os.environ.get("LAMINA_NATIVE_FRAMES", "1") == "0":
+        return None
+    try:
+        from . import _wire
+    except ImportError as exc:
+        log.info("native frame codec not built (%s): using the Python codec", exc)
+        return None
+    _wire.setup(torch.Tensor, tuple(None if d.is_complex else d for d in WIRE_DTYPES),
+                tuple(d.itemsize for d in WIRE_DTYPES), Frame,
+                functools.partial(msgpack.unpackb, raw=False, strict_map_key=False),
+                _alloc, FrameError)
+    return _wire
+
+
+NATIVE = _load_native()

@@ -173,19 +173,31 @@ class ShmConnection(StreamConnection):
         ring = self._in
         ctrl, size = ring.ctrl, ring.size
         poll = self._poll
+        native = self._native
+        if native is not None and out is not None and type(out) is not list:
+            out = list(out)
         deadline = 0.0
         while True:
             tail = ctrl[_TAIL]
             avail = ctrl[_HEAD] - tail
             if avail >= PREAMBLE_SIZE:
                 start = tail % size
-                pre = decode_preamble(self._peek(start, PREAMBLE_SIZE), self.config.max_frame_bytes)
-                total = PREAMBLE_SIZE + pre.header_len + pre.payload_len
-                if total > self._whole:
-                    return None  # streamed through the ring by the waiting path
-                if avail >= total:
-                    body = self._peek((start + PREAMBLE_SIZE) % size, total - PREAMBLE_SIZE)
-                    frame = parse_frame(pre, body, out, self._outs)  # copies out of the ring
+                frame = None
+                if native is not None:  # parses (and copies out) straight from the ring
+                    r = native.parse(ring.data, start, avail, self.config.max_frame_bytes, out)
+                    if type(r) is tuple:
+                        frame, total = r
+                    elif r > self._whole:
+                        return None  # streamed through the ring by the waiting path
+                else:
+                    pre = decode_preamble(self._peek(start, PREAMBLE_SIZE), self.config.max_frame_bytes)
+                    total = PREAMBLE_SIZE + pre.header_len + pre.payload_len
+                    if total > self._whole:
+                        return None  # streamed through the ring by the waiting path
+                    if avail >= total:
+                        body = self._peek((start + PREAMBLE_SIZE) % size, total - PREAMBLE_SIZE)
+                        frame = parse_frame(pre, body, out, self._outs)  # copies out of the ring
+                if frame is not None:
                     ctrl[_TAIL] = tail + total
                     if ctrl[_WRITER_WAITING]:
                         self._ring_bell()
@@ -201,6 +213,24 @@ class ShmConnection(StreamConnection):
             elif time.perf_counter() >= deadline:
                 poll.miss()
                 return None
+
+    def _send_native(self, native, frame: Frame, user: bytes):
+        cfg = self.config
+        ring = self._out
+        ctrl = ring.ctrl
+        head = ctrl[_HEAD]
+        if not self._eof:
+            # A frame that fits the ring's free space is written into it whole, in one pass.
+            n = native.write_ring(ring.data, head % ring.size,
+                                  min(self._whole, ring.size - (head - ctrl[_TAIL])),
+                                  frame.kind, user, frame.tensors, cfg.checksum_payloads,
+                                  cfg.max_frame_bytes)
+            if n:
+                ctrl[_HEAD] = head + n
+                if ctrl[_READER_WAITING]:
+                    self._ring_bell()
+                return None
+        return self._send_encoded(frame, user)
 
     def _write_now(self, bufs: list) -> list[memoryview] | None:
         # A small frame goes into the ring in one copy when it has room for all of it.

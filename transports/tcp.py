@@ -20,8 +20,8 @@ import socket
 import time
 
 from .base import (
-    Handler, SocketListener, StreamConnection, Transport, client_handshake_or_close, parse_host_port,
-    with_timeout,
+    Handler, SocketListener, StreamConnection, Transport, advance, client_handshake_or_close,
+    parse_host_port, with_timeout,
 )
 from .config import TransportConfig
 from .errors import PeerClosed, TransportError
@@ -48,18 +48,6 @@ def _configure(sock: socket.socket, config: TransportConfig) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, k)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, k // 3))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-
-
-def _advance(views: list[memoryview], sent: int) -> list[memoryview]:
-    """What is left of ``views`` after ``sent`` bytes of them were written."""
-    i = 0
-    while i < len(views) and sent >= views[i].nbytes:
-        sent -= views[i].nbytes
-        i += 1
-    views = views[i:]
-    if sent:
-        views[0] = views[0][sent:]
-    return views
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -221,15 +209,28 @@ class TcpConnection(StreamConnection):
         # A frame that fits the scratch buffer is parsed in place once all of it is
         # buffered; meanwhile the receiver polls the socket within its busy-poll budget.
         poll = self._poll
+        native = self._native
+        if native is not None and out is not None and type(out) is not list:
+            out = list(out)
         deadline = 0.0
         while True:
             start = self._rstart
             avail = self._rend - start
             if avail >= PREAMBLE_SIZE:
-                pre = decode_preamble(self._rview, self.config.max_frame_bytes, start)
-                size = PREAMBLE_SIZE + pre.header_len + pre.payload_len
-                if avail >= size:
-                    frame = parse_frame(pre, self._rview[start + PREAMBLE_SIZE:start + size], out, self._outs)
+                frame = None
+                if native is not None:
+                    r = native.parse(self._rview, start, avail, self.config.max_frame_bytes, out)
+                    if type(r) is tuple:
+                        frame, size = r
+                    else:
+                        size = r
+                else:
+                    pre = decode_preamble(self._rview, self.config.max_frame_bytes, start)
+                    size = PREAMBLE_SIZE + pre.header_len + pre.payload_len
+                    if avail >= size:
+                        frame = parse_frame(pre, self._rview[start + PREAMBLE_SIZE:start + size],
+                                            out, self._outs)
+                if frame is not None:
                     self._rstart = start + size
                     if self._rstart == self._rend:
                         self._rstart = self._rend = 0
@@ -330,6 +331,16 @@ class TcpConnection(StreamConnection):
 
 
     # ------------------------------------------------------------------ sending
+    def _send_native(self, native, frame: Frame, user: bytes):
+        cfg = self.config
+        # One sendmsg of [preamble+header, payloads...] built natively (tensor memory by
+        # pointer): the whole frame normally leaves here.
+        left = native.send(self._sock.fileno(), frame.kind, user, frame.tensors,
+                           cfg.checksum_payloads, cfg.max_frame_bytes)
+        if left == 0:
+            return None
+        return self._send_encoded(frame, user, left)  # left None: not for the native path
+
     def _write_now(self, bufs: list) -> list[memoryview] | None:
         # One sendmsg of [preamble+header, payloads...]: the whole frame normally leaves here.
         if len(bufs) <= _IOV_MAX:
@@ -339,7 +350,7 @@ class TcpConnection(StreamConnection):
                 sent = 0
             if sent == len(bufs[0]) + sum(b.nbytes for b in bufs[1:]):
                 return None
-            return _advance([byte_view(b) for b in bufs], sent)
+            return advance([byte_view(b) for b in bufs], sent)
         return [byte_view(b) for b in bufs]
 
     async def _write(self, views: list[memoryview]) -> None:
@@ -359,7 +370,7 @@ class TcpConnection(StreamConnection):
                 if self._closed or exc.errno == errno.EBADF:
                     raise PeerClosed(f"connection to {self._peer} is closed") from None
                 raise TransportError(f"send to {self._peer} failed: {exc}") from exc
-            views = _advance(views, sent)
+            views = advance(views, sent)
 
     async def _wait_writable(self) -> None:
         fut = self._loop.create_future()

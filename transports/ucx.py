@@ -30,7 +30,9 @@ from .base import (
 )
 from .config import TransportConfig
 from .errors import FrameError, PeerClosed, TransportError
-from .frame import PREAMBLE_SIZE, Frame, decode_header, decode_preamble, encode, parse_frame
+from .frame import (
+    PREAMBLE_SIZE, Frame, decode_header, decode_preamble, encode, parse_frame,
+)
 from .handshake import server_handshake
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,9 @@ class UcxConnection(StreamConnection):
         self._ep = ep
         self._peer = peer
         self._scratch = memoryview(bytearray(_INLINE))
+        # A small frame is built here by the native codec; sends are serialized by the
+        # send lock and complete before it is released, so one buffer serves them all.
+        self._send_scratch = memoryview(bytearray(_INLINE))
 
     @property
     def peer(self) -> str:
@@ -68,9 +73,19 @@ class UcxConnection(StreamConnection):
     def _mid_frame(self) -> bool:
         return True
 
-    def _start_send(self, frame: Frame):
-        head, bufs = encode(frame, checksum_payloads=self.config.checksum_payloads,
-                            max_frame_bytes=self.config.max_frame_bytes, packer=self._packer)
+    def _send_native(self, native, frame: Frame, user: bytes):
+        cfg = self.config
+        n = native.write_ring(self._send_scratch, 0, _INLINE, frame.kind, user, frame.tensors,
+                              cfg.checksum_payloads, cfg.max_frame_bytes)
+        if n:
+            return self._finish_send([self._send_scratch[:n]])
+        return self._send_encoded(frame, user)
+
+    def _send_encoded(self, frame: Frame, user: bytes | None = None, left: int | None = None):
+        # Nothing is written before this on UCX (``left`` is always None here).
+        cfg = self.config
+        head, bufs = encode(frame, checksum_payloads=cfg.checksum_payloads,
+                            max_frame_bytes=cfg.max_frame_bytes, packer=self._packer, user=user)
         total = len(head) + sum(b.nbytes for b in bufs)
         if total <= _INLINE:
             messages = [b"".join((head, *bufs)) if bufs else head]
@@ -84,6 +99,12 @@ class UcxConnection(StreamConnection):
     async def _recv_frame(self, out) -> Frame:
         scratch = self._scratch
         await self._read_exact(scratch, first=True)  # the frame's first message, <= _INLINE bytes
+        if self._native is not None:
+            if out is not None and type(out) is not list:
+                out = list(out)
+            r = self._native.parse(scratch, 0, _INLINE, self.config.max_frame_bytes, out)
+            if type(r) is tuple:
+                return r[0]
         pre = decode_preamble(scratch, self.config.max_frame_bytes)
         hlen = pre.header_len
         head_len = PREAMBLE_SIZE + hlen

@@ -35,11 +35,13 @@ def test_config_file_env_and_flags(tmp_path):
 
 def test_data_plane_settings_reach_the_transport_config(tmp_path):
     f = tmp_path / "stack.yaml"
-    f.write_text("cluster_token: s3cret\ndata_plane: {busy_poll_us: 0, checksum_payloads: true}\n")
+    f.write_text("cluster_token: s3cret\n"
+                 "data_plane: {busy_poll_us: 0, checksum_payloads: true, native_frames: false}\n")
     tcfg = load_config(f, env={}, overrides={"data_plane.ucx_progress_mode": "thread"}).transport_config()
-    assert (tcfg.auth_token, tcfg.busy_poll_us, tcfg.checksum_payloads, tcfg.ucx_progress_mode) == \
-        ("s3cret", 0.0, True, "thread")
-    assert load_config(env={}).transport_config().busy_poll_us == 50.0
+    assert (tcfg.auth_token, tcfg.busy_poll_us, tcfg.checksum_payloads, tcfg.ucx_progress_mode,
+            tcfg.native_frames) == ("s3cret", 0.0, True, "thread", False)
+    default = load_config(env={}).transport_config()
+    assert default.busy_poll_us == 50.0 and default.native_frames
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from transports import TransportConfig
 from transports.polling import BusyPoll
+
+
+def spins_for(poll: BusyPoll, seconds: float) -> bool:
+    """Whether ``poll.deadline()`` allows a spin of ``seconds`` (exact despite preemption:
+    the deadline lies between the clock reads around it plus the spin)."""
+    t0 = time.perf_counter()
+    deadline = poll.deadline()
+    t1 = time.perf_counter()
+    return t0 + seconds - 1e-9 <= deadline <= t1 + seconds + 1e-9
 
 
 def test_spins_until_misses_in_a_row():
@@ -28,8 +39,13 @@ def test_probes_now_and_then_and_a_hit_turns_spinning_back_on():
     assert sum(decisions) == 3 and decisions[BusyPoll.PROBE_EVERY - 1]  # one wait in PROBE_EVERY
     poll.miss()  # the probe found the peer still slow
     assert not poll.spinning
+    for _ in range(BusyPoll.PROBE_EVERY - 1):
+        assert not poll.should_spin()
+    assert poll.should_spin()  # a probe spins longer than an ordinary spin
+    assert spins_for(poll, BusyPoll.PROBE_SCALE * 50e-6)
     poll.hit()  # a probe that got its frame
     assert poll.spinning and all(poll.should_spin() for _ in range(5))
+    assert spins_for(poll, 50e-6)  # back to the budget
 
 
 def test_zero_budget_never_spins():

@@ -17,11 +17,25 @@ import transports
 from transports import (
     AuthError, Frame, FrameError, PeerClosed, TransportConfig, TransportTimeout,
 )
+import transports.frame
 from transports.frame import encode
 
 from transport_helpers import address_for, open_fds, transport_tasks
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def codec(request, monkeypatch) -> str:
+    """Every test runs with each frame codec (the peer child processes keep the default,
+    so those tests also cross the two)."""
+    if request.param == "native":
+        if transports.frame.NATIVE is None:
+            pytest.skip("native frame codec not built (transports/_wire needs a C compiler "
+                        "and zlib headers at install)")
+    else:
+        monkeypatch.setattr(transports.frame, "NATIVE", None)
+    return request.param
 
 CHILD = os.path.join(os.path.dirname(__file__), "peer_child.py")
 
