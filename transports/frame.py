@@ -128,7 +128,7 @@ def buffer_view(b: Buffer) -> tuple[int, tuple[int, ...], memoryview]:
     device tensors are copied to host by transports that cannot read device memory.
     """
     if isinstance(b, torch.Tensor):
-        t = b
+        t = b.detach()  # the wire carries values (and numpy refuses tensors that need grad)
         if not t.is_cpu:
             t = t.cpu()
         if not t.is_contiguous():
@@ -190,7 +190,7 @@ def encode(frame: Frame, *, checksum_payloads: bool, max_frame_bytes: int,
         # Fast path, the common case: a contiguous CPU tensor numpy can view (the
         # attribute tests alone cost microseconds per frame, so they are ordered cheap first).
         code = _FAST_CODES.get(b.dtype) if type(b) is torch.Tensor else None
-        if code is not None and b.is_cpu and b.is_contiguous():
+        if code is not None and b.is_cpu and b.is_contiguous() and not b.requires_grad:
             arr = b.numpy()
             shape = b.shape
         else:

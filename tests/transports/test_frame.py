@@ -33,6 +33,7 @@ def sample_frames() -> list[Frame]:
         Frame(2, [1, "x"], [b"raw bytes", bytearray(b"\x00\x01"), memoryview(b"view")]),
         Frame(3, {}, [torch.arange(6, dtype=torch.int64).reshape(2, 3).t()]),  # non-contiguous
         Frame(4, {}, [torch.ones(1, 1, 1, 1, 2, dtype=torch.bool)]),
+        Frame(9, {}, [torch.ones(3, requires_grad=True)]),  # sent by value
     ]
     for dtype in WIRE_DTYPES:
         t = torch.randn(3, 5, generator=g).to(dtype) if dtype.is_floating_point or dtype.is_complex \
