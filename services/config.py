@@ -71,6 +71,8 @@ class PrefillSection:
     cache_disk_bytes: int = 0  # > 0 needs cache_dir
     cache_dir: str | None = None
     cache_eviction: str = "lru"  # lru | fifo | random
+    max_batch_tokens: int = 2048  # prompts waiting together run as one forward up to this many tokens
+    batch_window_ms: float = 5.0  # how long a batch waits for more prompts before its forward
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ class StackConfig:
                             ("scheduler.max_batch_size", self.scheduler.max_batch_size),
                             ("scheduler.max_queue", self.scheduler.max_queue),
                             ("prefill.threads", self.prefill.threads),
+                            ("prefill.max_batch_tokens", self.prefill.max_batch_tokens),
                             ("model_worker.threads", self.model_worker.threads),
                             ("attention.workers", self.attention.workers),
                             ("attention.threads", self.attention.threads),
@@ -128,6 +131,8 @@ class StackConfig:
                             ("prefill.cache_host_bytes", self.prefill.cache_host_bytes),
                             ("prefill.cache_disk_bytes", self.prefill.cache_disk_bytes)):
             _check(isinstance(value, int) and value >= 0, name, "must be a non-negative integer", value)
+        _check(isinstance(self.prefill.batch_window_ms, (int, float)) and 0 <= self.prefill.batch_window_ms <= 1000,
+               "prefill.batch_window_ms", "must be a number of milliseconds in 0..1000", self.prefill.batch_window_ms)
         _check(self.prefill.cache_eviction in ("lru", "fifo", "random"), "prefill.cache_eviction",
                "must be lru, fifo or random", self.prefill.cache_eviction)
         _check(not self.prefill.cache_disk_bytes or bool(self.prefill.cache_dir), "prefill.cache_dir",

@@ -1,5 +1,11 @@
-"""The prefill service: runs a prompt, samples its first token, and hands the
-prompt's KV to the attention workers layer by layer as each layer finishes.
+"""The prefill service: runs prompts, samples their first tokens, and hands the
+prompts' KV to the attention workers layer by layer as each layer finishes.
+
+Prompts that wait while a forward runs are coalesced into the next one (up to
+``prefill.max_batch_tokens`` tokens): one StepBatch, attention causal per sequence,
+so many short prompts cost about one forward of their total length instead of one
+forward each. Each sequence still gets its own reply from its attention workers, so a
+refusal (KV full on one worker) fails that request alone.
 
 The longest cached prefix of the prompt comes from the tiered prefix cache, so
 only the rest runs through the model (at least the last token, whose logits give
@@ -51,42 +57,91 @@ class PrefillService:
             block_size=pc.cache_block_tokens, device_bytes=pc.cache_device_bytes, host_bytes=pc.cache_host_bytes,
             disk_bytes=pc.cache_disk_bytes, disk_dir=pc.cache_dir, eviction=pc.cache_eviction,
         )) if pc.cache_device_bytes else None
+        self.m_batch = prometheus_client.Histogram(
+            "lamina_prefill_batch_prompts", "prompts per prefill forward", buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r)
         self.pool: AttentionPool | None = None
-        self._lock = asyncio.Lock()
+        self._queue: list[tuple[lamina_pb2.PrefillRequest, asyncio.Future]] = []
+        self._wake = asyncio.Event()
 
     async def prefill(self, req: lamina_pb2.PrefillRequest) -> lamina_pb2.PrefillResult:
-        token_ids = list(req.token_ids)
-        workers = list(req.placement.workers)
-        async with self._lock:
-            start = time.perf_counter()
-            num = len(token_ids)
-            kv = KVStore(self.cfg, capacity_bytes=(num + 64) * self.cfg.kv_bytes_per_token())
-            seq_kv = kv.reserve(req.seq_id, num)
-            cached = self._install_prefix(token_ids, seq_kv)
-            batch = StepBatch.build([req.seq_id], [token_ids[cached:]], [cached])
-            local = LocalAttention(kv, batch)
-            inputs = batch.model_inputs()
-            split = self.slices.split
-            with torch.inference_mode():
-                out = split.slices[0](inputs)
-                for i in range(split.num_attention):
-                    q, k, v = out.qkv
-                    attn = local.attend(i, q, k, v)
-                    await self.pool.store_layer(req.seq_id, workers, i, seq_kv.buf[i, 0, :num],
-                                                seq_kv.buf[i, 1, :num])
-                    out = split.slices[i + 1](inputs, attn, out.context)
-            local.commit()
-            await self.pool.wait_stored(workers)
+        """Queue one prompt for the next forward and wait for its first token."""
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.append((req, fut))
+        self._wake.set()
+        return await fut
+
+    async def _batch_loop(self) -> None:
+        window = self.config.prefill.batch_window_ms / 1000
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                # A forward holds this event loop, so requests that came meanwhile are
+                # still in the RPC server: give them a moment to join this batch.
+                if window:
+                    await asyncio.sleep(window)
+                batch = take_batch(self._queue, self.config.prefill.max_batch_tokens)
+                reqs = [r for r, _ in batch]
+                try:
+                    results = await self._prefill_batch(reqs)
+                except Exception as exc:  # e.g. an attention worker's connection failed
+                    results = [exc] * len(batch)
+                for (_, fut), res in zip(batch, results):
+                    if fut.done():  # the caller went away (RPC cancelled)
+                        continue
+                    if isinstance(res, BaseException):
+                        fut.set_exception(res)
+                    else:
+                        fut.set_result(res)
+
+    async def _prefill_batch(self, reqs: list[lamina_pb2.PrefillRequest]
+                             ) -> list[lamina_pb2.PrefillResult | RemoteError]:
+        start = time.perf_counter()
+        prompts = [list(r.token_ids) for r in reqs]
+        seq_ids = [r.seq_id for r in reqs]
+        workers = [list(r.placement.workers) for r in reqs]
+        lens = [len(p) for p in prompts]
+        kv = KVStore(self.cfg, capacity_bytes=sum(n + 64 for n in lens) * self.cfg.kv_bytes_per_token())
+        seq_kvs = [kv.reserve(s, n) for s, n in zip(seq_ids, lens)]
+        cached = [self._install_prefix(p, skv) for p, skv in zip(prompts, seq_kvs)]
+        batch = StepBatch.build(seq_ids, [p[c:] for p, c in zip(prompts, cached)], cached)
+        local = LocalAttention(kv, batch)
+        inputs = batch.model_inputs()
+        split = self.slices.split
+        with torch.inference_mode():
+            out = split.slices[0](inputs)
+            for i in range(split.num_attention):
+                q, k, v = out.qkv
+                attn = local.attend(i, q, k, v)
+                for s, w, skv, n in zip(seq_ids, workers, seq_kvs, lens):
+                    await self.pool.store_layer(s, w, i, skv.buf[i, 0, :n], skv.buf[i, 1, :n])
+                out = split.slices[i + 1](inputs, attn, out.context)
+        local.commit()
+        # One reply per sequence and worker, read in the order the last layers were sent.
+        stored: list[RemoteError | None] = []
+        for w in workers:
+            try:
+                await self.pool.wait_stored(w)
+                stored.append(None)
+            except RemoteError as exc:
+                stored.append(exc)
+        tokens = sample(out.output, [params_from_proto(r.params) for r in reqs],
+                        [r.params.seed for r in reqs], [0] * len(reqs))
+        results: list[lamina_pb2.PrefillResult | RemoteError] = []
+        for prompt, skv, n, c, token, error in zip(prompts, seq_kvs, lens, cached, tokens, stored):
+            if error is not None:
+                results.append(error)
+                continue
             if self.cache is not None:
-                self.cache.insert(token_ids, seq_kv.buf[:, :, :num])
-            params = params_from_proto(req.params)
-            (token,) = sample(out.output, [params], [req.params.seed], [0])
-            kv.free(req.seq_id)
+                self.cache.insert(prompt, skv.buf[:, :, :n])
             self.m_prompts.inc()
-            self.m_tokens.inc(num - cached)
-            self.m_cached.inc(cached)
-            self.m_seconds.observe(time.perf_counter() - start)
-            return lamina_pb2.PrefillResult(token_id=token, cached_tokens=cached)
+            self.m_tokens.inc(n - c)
+            self.m_cached.inc(c)
+            results.append(lamina_pb2.PrefillResult(token_id=token, cached_tokens=c))
+        self.m_batch.observe(len(reqs))
+        self.m_seconds.observe(time.perf_counter() - start)
+        return results
 
     def tier_distances(self, prompts: list[list[int]]) -> list[int]:
         if self.cache is None:
@@ -106,10 +161,31 @@ class PrefillService:
 
     async def run(self) -> None:
         self.pool = await AttentionPool.from_registry(self.runtime.store, self.config, self.cfg)
+        batcher = asyncio.create_task(self._batch_loop(), name="prefill-batches")
         try:
             await self.runtime.serve(lambda s: lamina_pb2_grpc.add_PrefillServicer_to_server(_PrefillServicer(self), s))
         finally:
+            batcher.cancel()
+            await asyncio.gather(batcher, return_exceptions=True)
+            for _, fut in self._queue:
+                fut.cancel()
             await self.pool.close()
+
+
+def take_batch(queue: list, max_tokens: int) -> list:
+    """Remove and return the queue's head run of (request, future) pairs whose prompts
+    add up to at most ``max_tokens`` (always at least one: a long prompt runs alone)."""
+    total = 0
+    n = 0
+    for req, _ in queue:
+        size = len(req.token_ids)
+        if n and total + size > max_tokens:
+            break
+        total += size
+        n += 1
+    batch = queue[:n]
+    del queue[:n]
+    return batch
 
 
 class _PrefillServicer(lamina_pb2_grpc.PrefillServicer):

@@ -56,6 +56,7 @@ class SchedulerService:
         self._wake_admit = asyncio.Event()
         self._wake_decode = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._prefills: set[asyncio.Task] = set()  # owned: cancelled at shutdown
         r = self.runtime.registry
         self.m_waiting = prometheus_client.Gauge("lamina_scheduler_waiting", "requests waiting", registry=r)
         self.m_running = prometheus_client.Gauge("lamina_scheduler_running", "requests decoding", registry=r)
@@ -106,27 +107,51 @@ class SchedulerService:
         while True:
             await self._wake_admit.wait()
             self._wake_admit.clear()
-            while self.waiting and can_admit(len(self.running), self.num_prefilling, self.limits.max_batch_size):
-                req = await self._next_to_admit()
-                if not self._place(req):
-                    break  # no KV room until a running request finishes (which wakes this loop)
-                self.waiting.remove(req)
-                await self._prefill(req)
+            while self.waiting and self._room_for_one():
+                # One ordering per window, then as many admissions as there is room for:
+                # asking the prefill service per admission would wait behind its running
+                # forward each time, and prompts could not gather for a shared forward.
+                admitted = 0
+                for req in await self._admission_order():
+                    if not self._room_for_one():
+                        break
+                    if req not in self.waiting:
+                        continue  # aborted while the order was computed
+                    if not self._place(req):
+                        break  # no KV room until a running request finishes (which wakes this loop)
+                    self.waiting.remove(req)
+                    self._start_prefill(req)
+                    admitted += 1
+                if not admitted:
+                    break
 
-    async def _next_to_admit(self) -> Request:
-        """FCFS takes the head of the queue; the prefix-aware policies look at the
-        first `_POLICY_WINDOW` waiting requests' cached-prefix tier distances."""
-        if self.limits.policy == "fcfs":
-            return self.waiting[0]
+    def _room_for_one(self) -> bool:
+        return can_admit(len(self.running), self.num_prefilling, self.limits.max_batch_size)
+
+    def _start_prefill(self, req: Request) -> None:
+        # Prefills run concurrently (the prefill service batches those that wait
+        # together); counted as prefilling from here, so admission sees them.
+        req.status = Status.PREFILLING
+        self.num_prefilling += 1
+        task = asyncio.create_task(self._prefill(req), name=f"prefill-{req.request_id}")
+        self._prefills.add(task)
+        task.add_done_callback(self._prefills.discard)
+
+    async def _admission_order(self) -> list[Request]:
+        """The first `_POLICY_WINDOW` waiting requests in the order to admit them: arrival
+        order for FCFS; the prefix-aware policies order them by cached-prefix tier
+        distance (asked of the prefill service once per window)."""
         window = list(self.waiting)[:_POLICY_WINDOW]
+        if self.limits.policy == "fcfs":
+            return window
         try:
             result = await self.prefill_stub.TierDistances(lamina_pb2.TierDistanceRequest(prompts=[
                 lamina_pb2.TierDistanceRequest.Prompt(token_ids=r.prompt_ids) for r in window]), timeout=10)
             distances = list(result.distances)
         except grpc.aio.AioRpcError as exc:
             log.warning("tier distances unavailable (%s); admitting in arrival order", exc.details())
-            return self.waiting[0]
-        return admission_order(window, distances, self.limits.policy, time.monotonic())[0]
+            return window
+        return admission_order(window, distances, self.limits.policy, time.monotonic())
 
     def _place(self, req: Request) -> bool:
         workers = place_request(self.config.partition, self.reserved_tokens, self.capacity_tokens, req.max_total_tokens)
@@ -138,8 +163,17 @@ class SchedulerService:
         return True
 
     async def _prefill(self, req: Request) -> None:
-        req.status = Status.PREFILLING
-        self.num_prefilling += 1
+        try:
+            await self._run_prefill(req)
+        except Exception:  # e.g. the metadata store failed: this request ends, the others go on
+            log.exception("prefill of %s failed", req.request_id)
+            if req.status is Status.PREFILLING:
+                self.num_prefilling -= 1
+                await self._finish(req, "abort")
+        finally:
+            self._wake_admit.set()  # a prefill slot is free again
+
+    async def _run_prefill(self, req: Request) -> None:
         try:
             await self.runtime.store.set_placement(req.request_id, KVPlacement(
                 workers=tuple(f"attention-{w}" for w in req.workers), partition=self.config.partition,
@@ -149,8 +183,9 @@ class SchedulerService:
                 placement=lamina_pb2.Placement(workers=req.workers)))
         except grpc.aio.AioRpcError as exc:
             self.num_prefilling -= 1
-            if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and self.running:
-                # KV memory is full after all: retry once running requests have freed some.
+            if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and (self.running or self.num_prefilling):
+                # KV memory is full after all: retry once running (or other prefilling)
+                # requests have freed some.
                 self._release(req)
                 req.workers = []
                 req.status = Status.WAITING
@@ -254,9 +289,10 @@ class SchedulerService:
         try:
             await rt.serve(lambda s: lamina_pb2_grpc.add_SchedulerServicer_to_server(_SchedulerServicer(self), s))
         finally:
-            for t in self._tasks:
+            tasks = [*self._tasks, *self._prefills]
+            for t in tasks:
                 t.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             for c in self._channels:
                 await c.close()
 

@@ -67,7 +67,13 @@ def test_sixteen_concurrent_requests_of_different_lengths(stack, loaded_model):
                                                                 temperature=0)
                                       for p, n in zip(prompts, lengths)))
 
+    forwards, prompted = _prefill_metric(stack, "lamina_prefill_batch_prompts_count"), \
+        _prefill_metric(stack, "lamina_prefill_batch_prompts_sum")
     results = asyncio.run(run_all())
+    # Prompts that arrived together were prefilled in shared forwards.
+    forwards = _prefill_metric(stack, "lamina_prefill_batch_prompts_count") - forwards
+    prompted = _prefill_metric(stack, "lamina_prefill_batch_prompts_sum") - prompted
+    assert prompted == 16 and forwards < 16
     # Each equals the request run alone through the local engine (greedy; batch invariant).
     engine = Engine(loaded_model)
     tok = loaded_model.tokenizer
@@ -161,7 +167,8 @@ def test_health_and_metrics(stack):
     assert "lamina" in text
 
 
-def _prefill_cached_tokens(stack) -> float:
+def _prefill_metric(stack, name: str) -> float:
+    """One sample of the prefill service's Prometheus metrics, read over HTTP."""
     from kvstore.metadata import MetadataConfig, MetadataStore
 
     async def metrics_port() -> int:
@@ -175,9 +182,13 @@ def _prefill_cached_tokens(stack) -> float:
     port = asyncio.run(metrics_port())
     with urllib.request.urlopen(f"http://{stack.config.host}:{port}/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("lamina_prefill_cached_tokens_total "):
+            if line.startswith(name + " "):
                 return float(line.split()[1])
-    raise AssertionError("prefill metrics lack lamina_prefill_cached_tokens_total")
+    raise AssertionError(f"prefill metrics lack {name}")
+
+
+def _prefill_cached_tokens(stack) -> float:
+    return _prefill_metric(stack, "lamina_prefill_cached_tokens_total")
 
 
 def test_prefix_cache_hit_gives_the_same_tokens(stack):

@@ -180,3 +180,17 @@ def test_frames_round_trip_and_errors():
     assert torch.equal(back.q, q)
     with pytest.raises(RemoteError, match="kv_full: no room"):
         expect(error_frame("kv_full", "no room"), Kind.RESULT)
+
+
+def test_prefill_batches_take_waiting_prompts_up_to_the_token_limit():
+    from services.prefill_service import take_batch
+    from services.protos import lamina_pb2
+
+    def req(n: int) -> lamina_pb2.PrefillRequest:
+        return lamina_pb2.PrefillRequest(seq_id=f"s{n}", token_ids=list(range(n)))
+
+    queue = [(req(n), None) for n in (10, 20, 30, 100, 5)]
+    assert [r.seq_id for r, _ in take_batch(queue, 60)] == ["s10", "s20", "s30"]
+    assert [r.seq_id for r, _ in take_batch(queue, 60)] == ["s100"]  # longer than the limit: alone
+    assert [r.seq_id for r, _ in take_batch(queue, 60)] == ["s5"]
+    assert queue == [] and take_batch(queue, 60) == []
