@@ -165,6 +165,8 @@ class Connection(abc.ABC):
         that times out (or is cancelled) mid-frame closes it.
         """
         timeout = self.config.recv_timeout if timeout is None else timeout
+        if out is not None and type(out) is not list:
+            out = list(out)  # the native codec takes a list (or None)
         lock = self._recv_lock
         if lock.busy:
             await lock.acquire()

@@ -63,6 +63,17 @@ class BusyPoll:
         """When the spin that ``should_spin`` allowed ends (a probe spins longer)."""
         return time.perf_counter() + (self.budget * self.PROBE_SCALE if self._probing else self.budget)
 
+    def keep_spinning(self, deadline: float) -> float:
+        """One look of a wait that found nothing: the deadline to spin until (``deadline``
+        is 0.0 on the first look, which starts a spin if this wait spins at all), or
+        0.0 when the receiver should park now (no spin this time, or it ran out: a miss)."""
+        if not deadline:
+            return self.deadline() if self.should_spin() else 0.0
+        if time.perf_counter() >= deadline:
+            self.miss()
+            return 0.0
+        return deadline
+
     def hit(self) -> None:
         """Data came while spinning."""
         self._misses = 0

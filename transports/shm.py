@@ -35,7 +35,6 @@ import mmap
 import os
 import socket
 import struct
-import time
 
 from .base import Handler, SocketListener, StreamConnection, Transport, split_address, with_timeout
 from .config import TransportConfig
@@ -174,8 +173,6 @@ class ShmConnection(StreamConnection):
         ctrl, size = ring.ctrl, ring.size
         poll = self._poll
         native = self._native
-        if native is not None and out is not None and type(out) is not list:
-            out = list(out)
         deadline = 0.0
         while True:
             tail = ctrl[_TAIL]
@@ -206,12 +203,8 @@ class ShmConnection(StreamConnection):
                     return frame
             if self._eof:
                 return None
+            deadline = poll.keep_spinning(deadline)
             if not deadline:
-                if not poll.should_spin():
-                    return None
-                deadline = poll.deadline()
-            elif time.perf_counter() >= deadline:
-                poll.miss()
                 return None
 
     def _send_native(self, native, frame: Frame, user: bytes):

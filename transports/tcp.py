@@ -17,7 +17,6 @@ import asyncio
 import errno
 import logging
 import socket
-import time
 
 from .base import (
     Handler, SocketListener, StreamConnection, Transport, advance, client_handshake_or_close,
@@ -210,8 +209,6 @@ class TcpConnection(StreamConnection):
         # buffered; meanwhile the receiver polls the socket within its busy-poll budget.
         poll = self._poll
         native = self._native
-        if native is not None and out is not None and type(out) is not list:
-            out = list(out)
         deadline = 0.0
         while True:
             start = self._rstart
@@ -248,12 +245,8 @@ class TcpConnection(StreamConnection):
                 continue
             if n < 0:
                 return None
+            deadline = poll.keep_spinning(deadline)
             if not deadline:
-                if not poll.should_spin():
-                    return None
-                deadline = poll.deadline()
-            elif time.perf_counter() >= deadline:
-                poll.miss()
                 return None
 
     async def _fill(self, n: int, *, first: bool = False) -> None:

@@ -100,8 +100,6 @@ class UcxConnection(StreamConnection):
         scratch = self._scratch
         await self._read_exact(scratch, first=True)  # the frame's first message, <= _INLINE bytes
         if self._native is not None:
-            if out is not None and type(out) is not list:
-                out = list(out)
             r = self._native.parse(scratch, 0, _INLINE, self.config.max_frame_bytes, out)
             if type(r) is tuple:
                 return r[0]

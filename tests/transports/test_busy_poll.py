@@ -59,3 +59,17 @@ def test_config_validation():
     with pytest.raises(ValueError, match="ucx_progress_mode"):
         TransportConfig(ucx_progress_mode="fast")
     assert TransportConfig(busy_poll_us=0).busy_poll_us == 0
+
+
+def test_keep_spinning_starts_a_spin_then_parks_with_a_miss_when_it_runs_out():
+    slow = BusyPoll(1e6)  # a 1 s budget: the next look is surely within it
+    deadline = slow.keep_spinning(0.0)
+    assert deadline > 0 and slow.keep_spinning(deadline) == deadline
+    poll = BusyPoll(50.0)
+    deadline = poll.keep_spinning(0.0)  # first empty look: a spin starts
+    assert deadline > 0
+    time.sleep(100e-6)
+    assert poll.keep_spinning(deadline) == 0.0  # ran out: park, and count a miss
+    assert poll.keep_spinning(poll.keep_spinning(0.0) - 1.0) == 0.0  # second miss in a row
+    assert not poll.spinning and poll.keep_spinning(0.0) == 0.0  # parks without spinning now
+    assert BusyPoll(0.0).keep_spinning(0.0) == 0.0
