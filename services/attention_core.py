@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from kvstore.slab import KVAllocationError, SlabAllocator, SlabConfig
-from model.attention import batched_attention
+from model.attention import attention_with_lse, batched_attention, combine_partials
 from model.config import ModelConfig
-from services.wire import Attend, RemoteError, StoreKV
+from services.wire import RemoteError, StoreKV
 
 
 class AttentionCore:
@@ -34,32 +34,70 @@ class AttentionCore:
         self._failed: dict[str, RemoteError] = {}  # prefilled sequences whose store failed
 
     # -- decode ---------------------------------------------------------------------------
-    def attend(self, msg: Attend) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the new tokens' K, V; attention of their queries. Returns out, lse."""
-        if msg.k.shape[1] != self.num_kv_heads:
-            raise RemoteError("bad_request", f"sent {msg.k.shape[1]} KV heads, this worker holds {self.num_kv_heads}")
-        unknown = [s for s, _ in msg.seqs if not self.slabs.has_request(s)]
+    def _check(self, seqs: list[tuple[str, int]], kv_heads: int | None) -> None:
+        if kv_heads is not None and kv_heads != self.num_kv_heads:
+            raise RemoteError("bad_request", f"sent {kv_heads} KV heads, this worker holds {self.num_kv_heads}")
+        unknown = [s for s, _ in seqs if not self.slabs.has_request(s)]
         if unknown:
             # Decoding a sequence whose prompt KV never arrived (or was freed) would
             # silently attend over nothing: refuse it.
             raise RemoteError("unknown_sequence", f"no KV for sequence(s) {', '.join(map(repr, unknown))}")
-        if msg.layer == 0:
-            needed = sum(n for _, n in msg.seqs)
+
+    def _append(self, layer: int, seqs: list[tuple[str, int]], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the step's new K, V (extending the sequences at layer 0)."""
+        if layer == 0:
+            needed = sum(n for _, n in seqs)
             if not self.slabs.can_allocate(needed):
                 raise RemoteError("kv_full", f"{needed} more tokens asked, {self.slabs.num_free_tokens} free")
-            for seq_id, n in msg.seqs:
+            for seq_id, n in seqs:
                 self.slabs.extend(seq_id, n)
-        keys, values, lens = [], [], []
         start = 0
-        for seq_id, n in msg.seqs:
+        for seq_id, n in seqs:
             total = self.slabs.num_tokens(seq_id)
-            self.slabs.write(seq_id, msg.layer, total - n, msg.k[start : start + n], msg.v[start : start + n])
-            k, v = self.slabs.read(seq_id, msg.layer)  # [T, Hkv, D]
-            keys.append(k)
-            values.append(v)
-            lens.append(n)
+            self.slabs.write(seq_id, layer, total - n, k[start : start + n], v[start : start + n])
             start += n
-        return batched_attention(msg.q, lens, keys, values)
+
+    def attend(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append the new tokens' K, V; attention of their queries over every token.
+
+        seqs: (seq_id, n_new) in row order; q: [T, Hq, D]; k, v: [T, Hkv, D].
+        Returns out [T, Hq, D] and, if asked, lse [T, Hq]."""
+        self._check(seqs, k.shape[1])
+        self._append(layer, seqs, k, v)
+        keys, values = zip(*(self.slabs.read(s, layer) for s, _ in seqs))  # each [L, Hkv, D]
+        out, lse = batched_attention(q, [n for _, n in seqs], keys, values)
+        return out, lse if need_lse else None
+
+    def attend_held(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q-early, first half: attention of the new queries over the KV held before
+        this step's tokens (every held token is visible to each query).
+        Returns out [T, Hq, D] and lse [T, Hq]."""
+        self._check(seqs, None)
+        outs, lses = [], []
+        start = 0
+        for seq_id, n in seqs:
+            held = self.slabs.num_tokens(seq_id) - (n if layer > 0 else 0)  # layer 0 extends later
+            k, v = self.slabs.read(seq_id, layer)
+            out, lse = attention_with_lse(q[start : start + n], k[:held], v[:held], causal=False)
+            outs.append(out)
+            lses.append(lse)
+            start += n
+        return torch.cat(outs), torch.cat(lses)
+
+    def append_and_combine(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, held_out: torch.Tensor, held_lse: torch.Tensor) -> torch.Tensor:
+        """Q-early, second half: append K, V, attend the new tokens among themselves
+        (causally) and combine with the held part by log-sum-exp. Returns out [T, Hq, D]."""
+        self._check(seqs, k.shape[1])
+        self._append(layer, seqs, k, v)
+        lens = [n for _, n in seqs]
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        new_keys = [k[s : s + n] for s, n in zip(starts, lens)]
+        new_values = [v[s : s + n] for s, n in zip(starts, lens)]
+        new_out, new_lse = batched_attention(q, lens, new_keys, new_values)
+        return combine_partials(held_out, held_lse, new_out, new_lse)[0]
 
     # -- prompt KV from prefill -----------------------------------------------------------
     def store(self, msg: StoreKV) -> bool:

@@ -2,13 +2,24 @@
 
 Request-level partitioning sends each sequence's rows to the one worker holding
 its KV; head-level partitioning sends every row to every worker, each with its
-share of the heads, and concatenates the outputs along heads. One step at a
-time uses the pool (the owner awaits each call), so replies arrive in order.
+share of the heads, and concatenates the outputs along heads.
+
+Several callers (micro-batches) use the pool at once. Each request frame carries
+a tag its reply echoes; one reader task per connection hands every reply to the
+future waiting for that tag, so replies are matched by id, never by order. The
+pool owns those reader tasks (`close()` cancels and awaits them); a connection
+that fails fails every future still waiting on it.
+
+With `q_early`, a layer's Q goes out in its own frame before K and V: the worker
+starts attention over the KV it already holds as soon as Q arrives and combines
+it with the new tokens' part when K and V follow (`services.attention_core`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,7 +31,9 @@ from model.config import ModelConfig
 from services.config import StackConfig
 from services.placement import head_range
 from services.runtime import wait_for_services
-from services.wire import Attend, Kind, StoreKV, expect
+from services.wire import Attend, Kind, RemoteError, StoreKV, Tag, expect, frame_tag
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,37 +44,128 @@ class SeqRows:
 
 
 class AttentionPool:
-    def __init__(self, conns: list[transports.Connection], partition: str, cfg: ModelConfig) -> None:
+    def __init__(self, conns: list[transports.Connection], partition: str, cfg: ModelConfig,
+                 q_early: bool = False) -> None:
         self.conns = conns
         self.partition = partition
         self.cfg = cfg
+        self.q_early = q_early
         self.kv_heads = [head_range(w, len(conns), cfg.num_kv_heads) for w in range(len(conns))] \
             if partition == "head" else []
+        # (worker, tag) -> the future its reply completes.
+        self._waiting: dict[tuple[int, Tag], asyncio.Future] = {}
+        self._acks: dict[str, list[asyncio.Future]] = {}  # seq_id -> its workers' STORE_KV replies
+        self.send_s = 0.0  # time in send calls: a figure for the pipeline's time shares
+        self._readers = [asyncio.create_task(self._read(w), name=f"attention-reader-{w}")
+                         for w in range(len(conns))]
 
     @classmethod
     async def connect(cls, addresses: list[str], partition: str, cfg: ModelConfig,
-                      tcfg: transports.TransportConfig) -> AttentionPool:
-        conns = [await transports.connect(a, tcfg) for a in addresses]
-        return cls(conns, partition, cfg)
+                      tcfg: transports.TransportConfig, q_early: bool = False) -> AttentionPool:
+        conns: list[transports.Connection] = []
+        try:
+            for a in addresses:
+                conns.append(await transports.connect(a, tcfg))
+        except BaseException:
+            await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+            raise
+        return cls(conns, partition, cfg, q_early)
 
     @classmethod
     async def from_registry(cls, store: MetadataStore, config: StackConfig, cfg: ModelConfig) -> AttentionPool:
         """Connect to the configured number of attention workers, as registered in Redis."""
         workers = await wait_for_services(store, "attention", config.attention.workers)
         tcfg = config.transport_config()
-        return await cls.connect([w.endpoint for w in workers], config.partition, cfg, tcfg)
+        return await cls.connect([w.endpoint for w in workers], config.partition, cfg, tcfg,
+                                 q_early=config.pipeline.q_early)
 
     async def close(self) -> None:
+        for t in self._readers:
+            t.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
         await asyncio.gather(*(c.close() for c in self.conns), return_exceptions=True)
+        self._fail_all(transports.TransportError("the attention pool is closed"))
 
-    async def attend(self, layer: int, seqs: Sequence[SeqRows], q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, commit: bool) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> attention output [T, Hq, D]."""
+    # -- replies ----------------------------------------------------------------------------
+    async def _read(self, w: int) -> None:
+        conn = self.conns[w]
+        try:
+            while True:
+                frame = await conn.recv()
+                try:
+                    tag = frame_tag(frame)
+                except RemoteError:
+                    log.warning("attention worker %d sent a frame without a tag (kind %s); dropped", w, frame.kind)
+                    continue
+                fut = self._waiting.pop((w, tag), None)
+                if fut is None:
+                    log.warning("attention worker %d replied to %r, which nobody awaits; dropped", w, tag)
+                elif not fut.done():
+                    fut.set_result(frame)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the link is gone: everyone waiting on it fails now
+            self._fail_all(exc if isinstance(exc, transports.TransportError)
+                           else transports.TransportError(f"attention worker {w}: {exc}"), worker=w)
+
+    def _fail_all(self, exc: BaseException, worker: int | None = None) -> None:
+        for key in [k for k in self._waiting if worker is None or k[0] == worker]:
+            fut = self._waiting.pop(key)
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _expect_reply(self, w: int, tag: Tag) -> asyncio.Future:
+        if self._readers[w].done():
+            raise transports.TransportError(f"the connection to attention worker {w} is closed")
+        key = (w, tag)
+        if key in self._waiting:
+            raise RuntimeError(f"tag {tag!r} is already in flight on attention worker {w}")
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[key] = fut
+        return fut
+
+    async def _send(self, w: int, msg: Attend | StoreKV, tag: Tag | None) -> asyncio.Future | None:
+        """Send one frame; with a tag, register for its reply first (a fast reply must find it)."""
+        fut = self._expect_reply(w, tag) if tag is not None else None
+        t0 = time.perf_counter()
+        try:
+            await self.conns[w].send(msg.to_frame())
+        except BaseException:
+            if fut is not None:
+                self._waiting.pop((w, tag), None)
+            raise
+        self.send_s += time.perf_counter() - t0
+        return fut
+
+    @staticmethod
+    async def _gather(futures: Sequence[asyncio.Future], kind: Kind) -> list[torch.Tensor | None]:
+        # Await every worker's reply before judging any: an error from one must not
+        # leave another's reply pending for a tag that is about to be reused.
+        frames = await asyncio.gather(*futures, return_exceptions=True)
+        for f in frames:
+            if isinstance(f, BaseException):
+                raise f
+        return [expect(f, kind).tensors[0] if f.tensors else None for f in frames]
+
+    # -- decode -----------------------------------------------------------------------------
+    async def attend(self, tag: Tag, layer: int, seqs: Sequence[SeqRows], q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> attention output [T, Hq, D].
+
+        `tag` must be unique among the calls in flight (micro-batch, step, layer).
+        """
         if self.partition == "head":
-            return await self._attend_heads(layer, seqs, q, k, v, commit)
-        return await self._attend_requests(layer, seqs, q, k, v, commit)
+            return await self._attend_heads(tag, layer, seqs, q, k, v)
+        return await self._attend_requests(tag, layer, seqs, q, k, v)
 
-    async def _attend_requests(self, layer, seqs, q, k, v, commit) -> torch.Tensor:
+    async def _send_attend(self, w: int, tag: Tag, layer: int, members: list[tuple[str, int]],
+                           q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> asyncio.Future:
+        if self.q_early:
+            await self._send(w, Attend(Kind.ATTEND_Q, tag, layer, members, q=q), None)
+            return await self._send(w, Attend(Kind.ATTEND_KV, tag, layer, members, k=k, v=v), tag)
+        return await self._send(w, Attend(Kind.ATTEND, tag, layer, members, q, k, v), tag)
+
+    async def _attend_requests(self, tag, layer, seqs, q, k, v) -> torch.Tensor:
         rows: dict[int, list[int]] = {}
         members: dict[int, list[tuple[str, int]]] = {}
         start = 0
@@ -71,44 +175,56 @@ class AttentionPool:
             members.setdefault(w, []).append((s.seq_id, s.num_rows))
             start += s.num_rows
         order = sorted(rows)
+        if len(order) == 1:
+            (w,) = order
+            fut = await self._send_attend(w, tag, layer, members[w], q, k, v)
+            return (await self._gather([fut], Kind.RESULT))[0]
         index = {w: torch.tensor(rows[w], dtype=torch.long) for w in order}
+        futures = []
         for w in order:
             idx = index[w]
-            await self.conns[w].send(Attend(layer, members[w], commit, q[idx], k[idx], v[idx]).to_frame())
-        frames = await _replies([self.conns[w] for w in order])
+            futures.append(await self._send_attend(w, tag, layer, members[w], q[idx], k[idx], v[idx]))
+        outs = await self._gather(futures, Kind.RESULT)
         out = torch.empty_like(q)
-        for w, frame in zip(order, frames):
-            out[index[w]] = expect(frame, Kind.RESULT).tensors[0]
+        for w, o in zip(order, outs):
+            out[index[w]] = o
         return out
 
-    async def _attend_heads(self, layer, seqs, q, k, v, commit) -> torch.Tensor:
+    async def _attend_heads(self, tag, layer, seqs, q, k, v) -> torch.Tensor:
         members = [(s.seq_id, s.num_rows) for s in seqs]
         groups = self.cfg.num_groups
+        futures = []
         for w, (h0, h1) in enumerate(self.kv_heads):
-            msg = Attend(layer, members, commit, q[:, h0 * groups : h1 * groups], k[:, h0:h1], v[:, h0:h1])
-            await self.conns[w].send(msg.to_frame())
-        frames = await _replies(self.conns)
-        return torch.cat([expect(f, Kind.RESULT).tensors[0] for f in frames], dim=1)
+            futures.append(await self._send_attend(w, tag, layer, members, q[:, h0 * groups : h1 * groups],
+                                                   k[:, h0:h1], v[:, h0:h1]))
+        return torch.cat(await self._gather(futures, Kind.RESULT), dim=1)
 
+    # -- prompt KV --------------------------------------------------------------------------
     async def store_layer(self, seq_id: str, workers: Sequence[int], layer: int, k: torch.Tensor,
                           v: torch.Tensor) -> None:
-        """Hand one layer of a prefilled sequence's KV ([P, Hkv, D]) to its workers."""
+        """Hand one layer of a prefilled sequence's KV ([P, Hkv, D]) to its workers.
+
+        The last layer registers for each worker's acknowledgement (`wait_stored`)."""
         n = self.cfg.num_layers
+        acks = []
         for w in workers:
             if self.partition == "head":
                 h0, h1 = self.kv_heads[w]
                 kk, vv = k[:, h0:h1], v[:, h0:h1]
             else:
                 kk, vv = k, v
-            await self.conns[w].send(StoreKV(seq_id, layer, n, kk, vv).to_frame())
+            msg = StoreKV(seq_id, layer, n, kk, vv)
+            acks.append(await self._send(w, msg, msg.tag if layer == n - 1 else None))
+        if layer == n - 1:
+            self._acks[seq_id] = acks
 
-    async def wait_stored(self, workers: Sequence[int]) -> None:
+    async def wait_stored(self, seq_id: str) -> None:
         """Await each worker's acknowledgement of a whole sequence's KV."""
-        for frame in await _replies([self.conns[w] for w in workers]):
-            expect(frame, Kind.ACK)
-
-
-async def _replies(conns: Sequence[transports.Connection]) -> list[transports.Frame]:
-    # Read every peer's reply before judging any: an error from one worker must not
-    # leave another's reply unread on its connection, or the next step would get it.
-    return [await c.recv() for c in conns]
+        acks = self._acks.pop(seq_id, None)
+        if acks is None:
+            raise RuntimeError(f"the last layer of {seq_id!r} was not sent")
+        frames = await asyncio.gather(*acks, return_exceptions=True)
+        for f in frames:
+            if isinstance(f, BaseException):
+                raise f
+            expect(f, Kind.ACK)

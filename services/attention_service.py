@@ -1,7 +1,8 @@
 """The attention service: one process holding KV and computing attention.
 
 Data plane: a transport listener; each connection (a model or prefill worker)
-sends ATTEND / STORE_KV frames and gets RESULT / ACK / ERROR back, in order.
+sends ATTEND (or ATTEND_Q then ATTEND_KV) and STORE_KV frames and gets RESULT, ACK
+or ERROR back, each echoing its request's tag (services.wire).
 Control plane: gRPC AttentionControl (Free, Stats) and health.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import prometheus_client
 import torch
@@ -20,7 +22,7 @@ from services.config import StackConfig
 from services.placement import head_range
 from services.protos import lamina_pb2, lamina_pb2_grpc
 from services.runtime import ServiceRuntime
-from services.wire import Attend, Kind, RemoteError, StoreKV, ack_frame, error_frame, result_frame
+from services.wire import Attend, Kind, RemoteError, StoreKV, Tag, ack_frame, error_frame, frame_tag, result_frame
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ class _Control(lamina_pb2_grpc.AttentionControlServicer):
 
 
 class AttentionService:
-    def __init__(self, config: StackConfig, index: int) -> None:
+    def __init__(self, config: StackConfig, index: int = 0) -> None:
         self.config = config
         self.index = index
         self.service_id = f"attention-{index}"
@@ -59,10 +61,16 @@ class AttentionService:
         self.m_errors = prometheus_client.Counter("lamina_attention_errors", "refused frames", ["code"], registry=r)
         self.m_used = prometheus_client.Gauge("lamina_attention_kv_used_bytes", "KV bytes in use", registry=r)
         self.m_seqs = prometheus_client.Gauge("lamina_attention_sequences", "sequences held", registry=r)
+        self.m_compute = prometheus_client.Counter("lamina_attention_compute_seconds",
+                                                   "time handling frames (KV writes, attention)", registry=r)
+        self.m_send = prometheus_client.Counter("lamina_attention_send_seconds", "time sending replies", registry=r)
         self._listener: transports.Listener | None = None
 
     async def _serve_connection(self, conn: transports.Connection) -> None:
-        # One peer: frames are answered in the order they arrive.
+        # One peer (a model or prefill worker). Frames are handled in arrival order and
+        # every reply echoes its request's tag, so the peer matches replies by id.
+        # Q-early halves wait here between their ATTEND_Q and ATTEND_KV frames.
+        held: dict[Tag, tuple[torch.Tensor, torch.Tensor] | RemoteError] = {}
         while True:
             try:
                 frame = await conn.recv()
@@ -71,26 +79,52 @@ class AttentionService:
             except transports.TransportError as exc:
                 log.warning("data connection from %s dropped: %s", conn.peer, exc)
                 return
-            try:
-                if frame.kind == Kind.ATTEND:
-                    out, lse = self.core.attend(Attend.from_frame(frame))
-                    reply = result_frame(out, lse)
-                elif frame.kind == Kind.STORE_KV:
-                    done = self.core.store(StoreKV.from_frame(frame))
-                    reply = ack_frame() if done else None
-                else:
-                    raise RemoteError("protocol", f"unexpected frame kind {frame.kind}")
-            except RemoteError as exc:
-                self.m_errors.labels(exc.code).inc()
-                reply = error_frame(exc.code, str(exc))
-            except (KeyError, ValueError, TypeError, RuntimeError) as exc:
-                self.m_errors.labels("bad_request").inc()
-                reply = error_frame("bad_request", f"{type(exc).__name__}: {exc}")
-            self.m_frames.labels(Kind(frame.kind).name if frame.kind in Kind._value2member_map_ else "other").inc()
+            t0 = time.perf_counter()
+            reply = self._handle(frame, held)
+            t1 = time.perf_counter()
+            self.m_compute.inc(t1 - t0)
+            kind = Kind(frame.kind).name if frame.kind in Kind._value2member_map_ else "other"
+            self.m_frames.labels(kind).inc()
             self.m_used.set(self.core.used_bytes)
             self.m_seqs.set(self.core.num_sequences)
             if reply is not None:
                 await conn.send(reply)
+                self.m_send.inc(time.perf_counter() - t1)
+
+    def _handle(self, frame: transports.Frame, held: dict) -> transports.Frame | None:
+        """The reply to one frame (None when it needs none)."""
+        tag = None
+        try:
+            tag = frame_tag(frame)
+            if frame.kind == Kind.ATTEND:
+                msg = Attend.from_frame(frame)
+                out, _ = self.core.attend(msg.layer, msg.seqs, msg.q, msg.k, msg.v, need_lse=False)
+                return result_frame(tag, out)
+            if frame.kind == Kind.ATTEND_Q:
+                msg = Attend.from_frame(frame)
+                try:
+                    held[tag] = (msg.q, *self.core.attend_held(msg.layer, msg.seqs, msg.q))
+                except RemoteError as exc:
+                    held[tag] = exc  # answered when K, V of the same tag arrive
+                return None
+            if frame.kind == Kind.ATTEND_KV:
+                msg = Attend.from_frame(frame)
+                part = held.pop(tag, None)
+                if part is None:
+                    raise RemoteError("protocol", f"ATTEND_KV {tag!r} without its ATTEND_Q")
+                if isinstance(part, RemoteError):
+                    raise part
+                q, out, lse = part
+                return result_frame(tag, self.core.append_and_combine(msg.layer, msg.seqs, q, msg.k, msg.v, out, lse))
+            if frame.kind == Kind.STORE_KV:
+                return ack_frame(tag) if self.core.store(StoreKV.from_frame(frame)) else None
+            raise RemoteError("protocol", f"unexpected frame kind {frame.kind}")
+        except RemoteError as exc:
+            self.m_errors.labels(exc.code).inc()
+            return error_frame(tag, exc.code, str(exc))
+        except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+            self.m_errors.labels("bad_request").inc()
+            return error_frame(tag, "bad_request", f"{type(exc).__name__}: {exc}")
 
     async def run(self) -> None:
         tcfg = self.config.transport_config()
@@ -103,7 +137,7 @@ class AttentionService:
             await self._listener.close()
 
 
-def serve(config: StackConfig, index: int, threads: int | None = None) -> None:
+def serve(config: StackConfig, threads: int | None = None, index: int = 0) -> None:
     torch.set_num_threads(threads or config.attention.threads)
     transports.install_uvloop()
     asyncio.run(AttentionService(config, index).run())

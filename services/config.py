@@ -15,7 +15,8 @@ clear message naming the setting.
     scheduler: {max_batch_size: 32, max_queue: 256, policy: fcfs}   # policy: fcfs | fpf | relaxed_fpf
     prefill: {threads: 1, cache_block_tokens: 16, cache_device_bytes: 268435456,
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru}
-    model_worker: {threads: 1}
+    model_worker: {threads: 1, workers: 1}
+    pipeline: {micro_batches: 2, q_early: false}   # staggered micro-batches per model worker
     attention: {workers: 2, threads: 1, kv_capacity_bytes: 1073741824}
     data_plane: {busy_poll_us: 50.0, checksum_payloads: false, shm_ring_bytes: 16777216,
                  ucx_progress_mode: blocking, ucx_tls: null}   # see docs/transports.md
@@ -63,6 +64,18 @@ class WorkerSection:
 
 
 @dataclass(frozen=True)
+class ModelWorkerSection:
+    threads: int = 1
+    workers: int = 1  # model-slice worker processes; the scheduler spreads sequences over them
+
+
+@dataclass(frozen=True)
+class PipelineSection:
+    micro_batches: int = 2  # micro-batches in flight per model worker (1: no staggering)
+    q_early: bool = False  # send Q before K, V and combine partial attention by log-sum-exp
+
+
+@dataclass(frozen=True)
 class PrefillSection:
     threads: int = 1
     cache_block_tokens: int = 16  # prefix-cache block size (tokens)
@@ -106,7 +119,8 @@ class StackConfig:
     gateway: GatewaySection = field(default_factory=GatewaySection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     prefill: PrefillSection = field(default_factory=PrefillSection)
-    model_worker: WorkerSection = field(default_factory=WorkerSection)
+    model_worker: ModelWorkerSection = field(default_factory=ModelWorkerSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
     attention: AttentionSection = field(default_factory=AttentionSection)
     data_plane: DataPlaneSection = field(default_factory=DataPlaneSection)
 
@@ -122,6 +136,8 @@ class StackConfig:
                             ("prefill.threads", self.prefill.threads),
                             ("prefill.max_batch_tokens", self.prefill.max_batch_tokens),
                             ("model_worker.threads", self.model_worker.threads),
+                            ("model_worker.workers", self.model_worker.workers),
+                            ("pipeline.micro_batches", self.pipeline.micro_batches),
                             ("attention.workers", self.attention.workers),
                             ("attention.threads", self.attention.threads),
                             ("attention.kv_capacity_bytes", self.attention.kv_capacity_bytes),
@@ -168,7 +184,8 @@ def _check(ok: bool, name: str, rule: str, value: Any) -> None:
 
 _SECTIONS = {
     "gateway": GatewaySection, "scheduler": SchedulerSection, "prefill": PrefillSection,
-    "model_worker": WorkerSection, "attention": AttentionSection, "data_plane": DataPlaneSection,
+    "model_worker": ModelWorkerSection, "pipeline": PipelineSection, "attention": AttentionSection,
+    "data_plane": DataPlaneSection,
 }
 
 # Environment variables and the settings they override.
@@ -182,6 +199,8 @@ ENV_OVERRIDES = {
     "LAMINA_API_KEY": "gateway.api_key",
     "LAMINA_PORT": "gateway.port",
     "LAMINA_BUSY_POLL_US": "data_plane.busy_poll_us",
+    "LAMINA_MICRO_BATCHES": "pipeline.micro_batches",
+    "LAMINA_Q_EARLY": "pipeline.q_early",
 }
 
 

@@ -60,7 +60,8 @@ class Stack:
         base = [sys.executable, "-m", "lamina.cli"]
         common = ["--config", str(cfg_path)]
         names = [(f"attention-{i}", ["attention", "--index", str(i)]) for i in range(self.config.attention.workers)]
-        names += [("model", ["model"]), ("prefill", ["prefill"]), ("scheduler", ["scheduler"]), ("gateway", ["gateway"])]
+        names += [(f"model-{i}", ["model", "--index", str(i)]) for i in range(self.config.model_worker.workers)]
+        names += [("prefill", ["prefill"]), ("scheduler", ["scheduler"]), ("gateway", ["gateway"])]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         try:
             for name, argv in names:

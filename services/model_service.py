@@ -1,10 +1,14 @@
 """The model-slice service: holds the weights and the slices, runs decode steps.
 
-For each step it runs slice 0, then for every layer sends Q, K, V to the
-attention workers holding the batch's KV and runs the next slice on their
-output; after the last slice it samples. Stateless between steps: the KV lives
-on the attention workers and the sequences' state at the scheduler, so a lost
-model worker is replaced without losing requests.
+The scheduler opens one Decode stream to each model worker and sends batch changes
+on it; the worker's DecodeRunner steps its sequences in `pipeline.micro_batches`
+staggered micro-batches and streams every step's tokens back. A step runs slice 0,
+then for every layer sends Q, K, V to the attention workers holding the micro-batch's
+KV and runs the next slice on their output; after the last slice it samples.
+
+The worker keeps each decoding sequence's latest token and position (sent whole
+when the sequence joins); its KV lives on the attention workers. When its stream
+ends, the worker drops them all.
 """
 
 from __future__ import annotations
@@ -17,23 +21,17 @@ import prometheus_client
 import torch
 
 import transports
-from lamina.engine.sampling import SamplingParams, sample
 from lamina.engine.step import StepBatch
 from model.llama import split_llama
 from model.loader import load_model
 from services.attention_pool import AttentionPool, SeqRows
 from services.config import StackConfig
+from services.decode_runner import DecodeRunner
 from services.protos import lamina_pb2, lamina_pb2_grpc
-from services.runtime import ServiceRuntime, abort_for_remote_error
-from services.wire import RemoteError
+from services.runtime import ServiceRuntime
+from services.wire import decode_tag
 
 log = logging.getLogger(__name__)
-
-
-def params_from_proto(p: lamina_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(max_tokens=max(1, p.max_tokens), temperature=p.temperature, top_p=p.top_p or 1.0,
-                          top_k=p.top_k, seed=p.seed, stop_token_ids=tuple(p.stop_token_ids),
-                          ignore_eos=p.ignore_eos)
 
 
 class ModelSlices:
@@ -43,17 +41,27 @@ class ModelSlices:
         self.loaded = load_model(model_path)
         self.cfg = self.loaded.config
         self.split = split_llama(self.loaded.model)
+        self.compute_s = 0.0  # time in the slices, every micro-batch together
 
-    async def forward(self, batch: StepBatch, seqs: list[SeqRows], pool: AttentionPool) -> torch.Tensor:
-        """Logits [B, V] of the batch; attention runs on the pool's workers."""
+    async def forward(self, micro_batch: int, step: int, batch: StepBatch, seqs: list[SeqRows],
+                      pool: AttentionPool) -> torch.Tensor:
+        """Logits [B, V] of the batch; attention runs on the pool's workers.
+
+        Micro-batches interleave at the awaits, so grad mode is set per slice call,
+        never held across an await."""
         inputs = batch.model_inputs()
+        slices = self.split.slices
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.split.slices[0](inputs)
-            n = self.split.num_attention
-            for i in range(n):
-                q, k, v = out.qkv
-                attn = await pool.attend(i, seqs, q, k, v, commit=i == n - 1)
-                out = self.split.slices[i + 1](inputs, attn, out.context)
+            out = slices[0](inputs)
+        self.compute_s += time.perf_counter() - t0
+        for i in range(self.split.num_attention):
+            q, k, v = out.qkv
+            attn = await pool.attend(decode_tag(micro_batch, step, i), i, seqs, q, k, v)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = slices[i + 1](inputs, attn, out.context)
+            self.compute_s += time.perf_counter() - t0
         return out.output
 
 
@@ -61,53 +69,95 @@ class _ModelServicer(lamina_pb2_grpc.ModelWorkerServicer):
     def __init__(self, service: ModelService) -> None:
         self.service = service
 
-    async def Step(self, request, context):  # noqa: N802
-        try:
-            tokens = await self.service.step(request)
-        except (RemoteError, transports.TransportError) as exc:
-            await abort_for_remote_error(context, exc)
-        return lamina_pb2.StepResult(token_ids=tokens)
+    async def Decode(self, request_iterator, context):  # noqa: N802
+        async for result in self.service.decode(request_iterator):
+            yield result
 
 
 class ModelService:
-    def __init__(self, config: StackConfig) -> None:
+    def __init__(self, config: StackConfig, index: int = 0) -> None:
         self.config = config
+        self.index = index
         self.slices = ModelSlices(config.model)
-        self.runtime = ServiceRuntime("model", "model-0", config)
+        self.runtime = ServiceRuntime("model", f"model-{index}", config)
         r = self.runtime.registry
-        self.m_steps = prometheus_client.Counter("lamina_model_steps", "decode steps run", registry=r)
-        self.m_step_seconds = prometheus_client.Histogram("lamina_model_step_seconds", "decode step time", registry=r)
-        self.m_batch = prometheus_client.Histogram("lamina_model_batch_size", "sequences per step",
-                                                   buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.m_steps = prometheus_client.Counter("lamina_model_steps", "micro-batch decode steps run", registry=r)
+        self.m_step_seconds = prometheus_client.Histogram("lamina_model_step_seconds",
+                                                          "one micro-batch's decode step, wall time", registry=r)
+        self.m_batch = prometheus_client.Histogram("lamina_model_batch_size", "sequences per micro-batch step",
+                                                   buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.m_compute = prometheus_client.Counter("lamina_model_compute_seconds",
+                                                   "time computing the slices", registry=r)
+        self.m_send = prometheus_client.Counter("lamina_model_send_seconds",
+                                                "time sending Q, K, V to attention workers", registry=r)
         self.pool: AttentionPool | None = None
-        self._lock = asyncio.Lock()
+        self._runner: DecodeRunner | None = None
+        self._reported = (0.0, 0.0)  # compute and send seconds already counted
 
-    async def step(self, request: lamina_pb2.StepRequest) -> list[int]:
-        seqs = list(request.seqs)
-        if not seqs:
-            return []
-        async with self._lock:  # the pool's connections carry one step at a time
-            start = time.perf_counter()
-            batch = StepBatch.build([s.seq_id for s in seqs], [[s.token_id] for s in seqs],
-                                    [s.position for s in seqs])
-            rows = [SeqRows(s.seq_id, 1, list(s.placement.workers)) for s in seqs]
-            logits = await self.slices.forward(batch, rows, self.pool)
-            params = [params_from_proto(s.params) for s in seqs]
-            tokens = sample(logits, params, [s.params.seed for s in seqs], [s.output_index for s in seqs])
-            self.m_steps.inc()
-            self.m_batch.observe(len(seqs))
-            self.m_step_seconds.observe(time.perf_counter() - start)
-            return tokens
+    def _on_step(self, num_seqs: int, wall_s: float) -> None:
+        self.m_steps.inc()
+        self.m_batch.observe(num_seqs)
+        self.m_step_seconds.observe(wall_s)
+        self.m_compute.inc(self.slices.compute_s - self._reported[0])
+        self.m_send.inc(self.pool.send_s - self._reported[1])
+        self._reported = (self.slices.compute_s, self.pool.send_s)
+
+    async def decode(self, updates):
+        """One Decode stream: apply the scheduler's updates, yield step results.
+
+        A new stream replaces the one before (a restarted scheduler): the old
+        stream's sequences are dropped with it."""
+        if self._runner is not None:
+            log.warning("a new decode stream replaces the running one")
+            await self._runner.close()
+        first = await anext(aiter(updates), None)
+        if first is None:
+            return
+        pipe = self.config.pipeline
+
+        async def forward(mb, step, batch, rows):
+            return await self.slices.forward(mb, step, batch, rows, self.pool)
+
+        runner = DecodeRunner(forward, pipe.micro_batches, first.stop, on_step=self._on_step)
+        self._runner = runner
+        runner.join(list(first.joins))
+        runner.leave(list(first.leaves))
+        runner.start()
+
+        async def read_updates() -> None:
+            async for u in updates:
+                runner.join(list(u.joins))
+                runner.leave(list(u.leaves))
+
+        reader = asyncio.create_task(read_updates(), name="decode-updates")
+        next_result = asyncio.ensure_future(runner.results.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({reader, next_result}, return_when=asyncio.FIRST_COMPLETED)
+                if next_result in done:
+                    yield next_result.result()
+                    next_result = asyncio.ensure_future(runner.results.get())
+                elif reader in done:
+                    reader.result()  # the scheduler closed its side (or the stream broke): end here
+                    return
+        finally:
+            for t in (reader, next_result):
+                t.cancel()
+            await asyncio.gather(reader, next_result, return_exceptions=True)
+            await runner.close()
+            if self._runner is runner:
+                self._runner = None
 
     async def run(self) -> None:
         self.pool = await AttentionPool.from_registry(self.runtime.store, self.config, self.slices.cfg)
         try:
-            await self.runtime.serve(lambda s: lamina_pb2_grpc.add_ModelWorkerServicer_to_server(_ModelServicer(self), s))
+            await self.runtime.serve(lambda s: lamina_pb2_grpc.add_ModelWorkerServicer_to_server(_ModelServicer(self), s),
+                                     meta={"index": self.index})
         finally:
             await self.pool.close()
 
 
-def serve(config: StackConfig, threads: int | None = None) -> None:
+def serve(config: StackConfig, threads: int | None = None, index: int = 0) -> None:
     torch.set_num_threads(threads or config.model_worker.threads)
     transports.install_uvloop()
-    asyncio.run(ModelService(config).run())
+    asyncio.run(ModelService(config, index).run())

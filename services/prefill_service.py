@@ -32,7 +32,8 @@ from lamina.engine.sampling import sample
 from lamina.engine.step import LocalAttention, StepBatch
 from services.attention_pool import AttentionPool
 from services.config import StackConfig
-from services.model_service import ModelSlices, params_from_proto
+from services.decode_runner import params_from_proto
+from services.model_service import ModelSlices
 from services.protos import lamina_pb2, lamina_pb2_grpc
 from services.runtime import ServiceRuntime, abort_for_remote_error
 from services.wire import RemoteError
@@ -118,11 +119,11 @@ class PrefillService:
                     await self.pool.store_layer(s, w, i, skv.buf[i, 0, :n], skv.buf[i, 1, :n])
                 out = split.slices[i + 1](inputs, attn, out.context)
         local.commit()
-        # One reply per sequence and worker, read in the order the last layers were sent.
+        # One acknowledgement per sequence and worker, matched by sequence id.
         stored: list[RemoteError | None] = []
-        for w in workers:
+        for s in seq_ids:
             try:
-                await self.pool.wait_stored(w)
+                await self.pool.wait_stored(s)
                 stored.append(None)
             except RemoteError as exc:
                 stored.append(exc)

@@ -1,12 +1,16 @@
 """The scheduler: admits requests, places their KV, drives prefill and decode.
 
-Two loops, each an owned task: admission takes waiting requests in the order of
-the configured policy (FCFS, Fastest-Prefix-First or Relaxed-FPF over the prefill
-service's prefix cache),
-places them on attention workers, and has the prefill service run them (which
-yields the first token); decoding runs steps of all running requests on the
-model worker, continuously (requests join and leave between steps). Prefill
-and decode run in different processes at the same time.
+Admission is an owned task: it takes waiting requests in the order of the
+configured policy (FCFS, Fastest-Prefix-First or Relaxed-FPF over the prefill
+service's prefix cache), places them on attention workers, and has the prefill
+service run them (which yields the first token). A prefilled request then joins
+the decode stream of the least loaded model worker (services.model_streams),
+which steps it with the others in staggered micro-batches and streams its tokens
+back; the scheduler only sends joins and leaves. Prefill and decode run in
+different processes at the same time.
+
+A request's KV is freed only once its model worker has released it (a stop rule,
+a leave, a failure), so no step in flight ever writes into freed KV.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from services.config import StackConfig
 from services.placement import place_request
 from services.protos import lamina_pb2, lamina_pb2_grpc
 from services.runtime import ServiceRuntime, wait_for_services
-from services.scheduler_state import Request, Status, admission_order, can_admit, decode_batch, stop_reason
+from services.micro_batches import join_target
+from services.model_streams import ModelStream
+from services.scheduler_state import Request, Status, admission_order, can_admit, stop_reason
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +59,9 @@ class SchedulerService:
         self.num_prefilling = 0
         self.num_steps = 0
         self.sum_batch = 0
+        self.decoding: dict[str, Request] = {}  # held by a model worker (joined, not yet released)
+        self.model_streams: list[ModelStream] = []
         self._wake_admit = asyncio.Event()
-        self._wake_decode = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._prefills: set[asyncio.Task] = set()  # owned: cancelled at shutdown
         r = self.runtime.registry
@@ -98,8 +105,10 @@ class SchedulerService:
         if req.status is Status.WAITING:
             self.waiting.remove(req)
             await self._finish(req, "abort")
+        elif req.status is Status.RUNNING:
+            await self._finish(req, "abort")  # its model worker is told to drop it
         else:
-            # Prefilling or inside a step: finished by the loop that owns it, after that call.
+            # Prefilling: finished by the task that owns the prefill, after that call.
             req.abort_requested = True
 
     # -- loops ------------------------------------------------------------------------------
@@ -200,44 +209,66 @@ class SchedulerService:
             if req.abort_requested:
                 await self._finish(req, "abort")
             else:
-                req.status = Status.RUNNING
-                self.running.append(req)
-                self._wake_decode.set()
+                self._join_decode(req)
         self._update_gauges()
 
-    async def _decode_loop(self) -> None:
-        while True:
-            batch = decode_batch(self.running, self.limits.max_batch_size)
-            if not batch:
-                for req in [r for r in self.running if r.abort_requested]:
-                    await self._finish(req, "abort")
-                self._wake_decode.clear()
-                await self._wake_decode.wait()
-                continue
-            step = lamina_pb2.StepRequest(step=self.num_steps, seqs=[
-                lamina_pb2.StepSequence(seq_id=r.request_id, token_id=r.output_ids[-1], position=r.num_tokens - 1,
-                                        params=r.params, output_index=len(r.output_ids),
-                                        placement=lamina_pb2.Placement(workers=r.workers))
-                for r in batch])
-            try:
-                result = await self.model_stub.Step(step)
-            except grpc.aio.AioRpcError as exc:
-                log.error("decode step failed: %s", exc.details())
-                for req in batch:
-                    await self._finish(req, "abort")
-                continue
+    # -- decoding ---------------------------------------------------------------------------
+    def _join_decode(self, req: Request) -> None:
+        """Hand a prefilled request to the least loaded model worker's decode stream."""
+        w = join_target([m.num_sequences for m in self.model_streams])
+        req.status = Status.RUNNING
+        req.model_worker = w
+        self.running.append(req)
+        self.decoding[req.request_id] = req
+        self.model_streams[w].join([lamina_pb2.StepSequence(
+            seq_id=req.request_id, token_id=req.output_ids[-1], position=req.num_tokens - 1, params=req.params,
+            output_index=len(req.output_ids), placement=lamina_pb2.Placement(workers=req.workers))])
+
+    async def _on_decode_result(self, worker: int, result: lamina_pb2.DecodeResult) -> None:
+        if result.tokens:
             self.num_steps += 1
-            self.sum_batch += len(batch)
-            for req, token in zip(batch, result.token_ids):
-                await self._accept_token(req, token)
-                if req.status is not Status.FINISHED and req.abort_requested:
+            self.sum_batch += len(result.tokens)
+        for t in result.tokens:
+            req = self.decoding.get(t.seq_id)
+            if req is None:
+                continue
+            if req.status is not Status.FINISHED:
+                await self._accept_token(req, t.token_id)
+            if t.finished:
+                if req.status is not Status.FINISHED:
+                    # Both sides end a sequence by stop_reason: this would be a bug, not a race.
+                    log.error("model worker %d ended %s, which the scheduler would continue", worker, t.seq_id)
                     await self._finish(req, "abort")
-            for req in [r for r in self.running if r.abort_requested]:
+                await self._released(req)
+        for sid in result.left:
+            req = self.decoding.get(sid)
+            if req is not None:
+                await self._released(req)
+        for f in result.failed:
+            req = self.decoding.get(f.seq_id)
+            if req is not None:
+                log.warning("decode of %s failed on model worker %d: %s", f.seq_id, worker, f.message)
                 await self._finish(req, "abort")
+                await self._released(req)
+
+    async def _on_decode_lost(self, worker: int, error: str) -> None:
+        reqs = [r for r in self.decoding.values() if r.model_worker == worker]
+        log.error("decode stream of model worker %d lost (%s); ending its %d requests", worker, error, len(reqs))
+        for req in reqs:
+            await self._finish(req, "abort")
+            await self._released(req)
+
+    async def _released(self, req: Request) -> None:
+        """The model worker holds `req` no more: no frame of it is in flight, its KV can go."""
+        if self.decoding.pop(req.request_id, None) is None:
+            return
+        self.model_streams[req.model_worker].released()
+        await self._free_kv(req)
 
     async def _accept_token(self, req: Request, token: int) -> None:
         req.output_ids.append(token)
-        reason = stop_reason(req, token, self.eos_ids, self.max_model_len)
+        reason = stop_reason(req.params, token, len(req.output_ids), req.num_tokens, self.eos_ids,
+                             self.max_model_len)
         req.events.put_nowait(lamina_pb2.TokenChunk(token_ids=[token], finish_reason=reason or ""))
         if reason is not None:
             await self._finish(req, reason, notify=False)
@@ -253,14 +284,21 @@ class SchedulerService:
         if notify:
             req.events.put_nowait(lamina_pb2.TokenChunk(finish_reason=reason))
         self.m_finished.labels(reason).inc()
-        if was_placed:
-            self._release(req)
-            await asyncio.gather(*(self.attention_stubs[w].Free(lamina_pb2.FreeRequest(seq_ids=[req.request_id]))
-                                   for w in req.workers), return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await self.runtime.store.delete_placement(req.request_id)
+        if req.request_id in self.decoding:
+            # A step of it may be in flight: its KV is freed once the model worker lets go.
+            self.model_streams[req.model_worker].leave([req.request_id])
+        elif was_placed:
+            await self._free_kv(req)
         self._wake_admit.set()
         self._update_gauges()
+
+    async def _free_kv(self, req: Request) -> None:
+        self._release(req)
+        await asyncio.gather(*(self.attention_stubs[w].Free(lamina_pb2.FreeRequest(seq_ids=[req.request_id]))
+                               for w in req.workers), return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.runtime.store.delete_placement(req.request_id)
+        self._wake_admit.set()
 
     def _release(self, req: Request) -> None:
         for w in req.workers:
@@ -276,16 +314,21 @@ class SchedulerService:
         store = rt.store
         attn = await wait_for_services(store, "attention", self.config.attention.workers)
         (prefill,) = await wait_for_services(store, "prefill", 1)
-        (model,) = await wait_for_services(store, "model", 1)
+        models = await wait_for_services(store, "model", self.config.model_worker.workers)
         self._channels = [grpc.aio.insecure_channel(a.meta["grpc"]) for a in attn]
-        self._channels += [grpc.aio.insecure_channel(prefill.endpoint), grpc.aio.insecure_channel(model.endpoint)]
+        self._channels.append(grpc.aio.insecure_channel(prefill.endpoint))
+        model_channels = [grpc.aio.insecure_channel(m.endpoint) for m in models]
+        self._channels += model_channels
         self.attention_stubs = [lamina_pb2_grpc.AttentionControlStub(c) for c in self._channels[: len(attn)]]
         for w, stub in enumerate(self.attention_stubs):
             self.capacity_tokens[w] = (await stub.Stats(lamina_pb2.Empty(), timeout=30)).capacity_tokens
-        self.prefill_stub = lamina_pb2_grpc.PrefillStub(self._channels[-2])
-        self.model_stub = lamina_pb2_grpc.ModelWorkerStub(self._channels[-1])
-        self._tasks = [asyncio.create_task(self._admit_loop(), name="admit"),
-                       asyncio.create_task(self._decode_loop(), name="decode")]
+        self.prefill_stub = lamina_pb2_grpc.PrefillStub(self._channels[len(attn)])
+        stop = lamina_pb2.StopRule(eos_token_ids=sorted(self.eos_ids), max_model_len=self.max_model_len)
+        self.model_streams = [ModelStream(i, lamina_pb2_grpc.ModelWorkerStub(c), stop, self._on_decode_result,
+                                          self._on_decode_lost) for i, c in enumerate(model_channels)]
+        for m in self.model_streams:
+            m.open()
+        self._tasks = [asyncio.create_task(self._admit_loop(), name="admit")]
         try:
             await rt.serve(lambda s: lamina_pb2_grpc.add_SchedulerServicer_to_server(_SchedulerServicer(self), s))
         finally:
@@ -293,6 +336,7 @@ class SchedulerService:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*(m.close() for m in self.model_streams), return_exceptions=True)
             for c in self._channels:
                 await c.close()
 

@@ -28,6 +28,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     workers: list[int] = field(default_factory=list)  # KV placement
+    model_worker: int = -1  # whose decode stream holds it
     status: Status = Status.WAITING
     abort_requested: bool = False
     max_model_len: int = 1 << 30
@@ -42,12 +43,14 @@ class Request:
         return min(len(self.prompt_ids) + self.params.max_tokens, self.max_model_len)
 
 
-def stop_reason(req: Request, token: int, eos_ids: Collection[int], max_model_len: int) -> str | None:
-    """Why the request ends after `token` was appended, or None if it goes on."""
-    p = req.params
-    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids):
+def stop_reason(params: lamina_pb2.SamplingParams, token: int, num_output: int, num_tokens: int,
+                eos_ids: Collection[int], max_model_len: int) -> str | None:
+    """Why a sequence ends after `token` became its `num_output`-th output token (its
+    `num_tokens`-th in all), or None if it goes on. The scheduler and the model workers
+    decide with this one function, so they agree on when a sequence is done."""
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):
         return "stop"
-    if len(req.output_ids) >= p.max_tokens or req.num_tokens >= max_model_len:
+    if num_output >= params.max_tokens or num_tokens >= max_model_len:
         return "length"
     return None
 
@@ -57,11 +60,6 @@ def admission_order(waiting: Sequence[Request], distances: Sequence[int], policy
     queued = [QueuedRequest(r.request_id, r.arrival, d) for r, d in zip(waiting, distances)]
     by_id = {r.request_id: r for r in waiting}
     return [by_id[q.request_id] for q in SCHEDULING_POLICIES[policy](queued, now)]
-
-
-def decode_batch(running: Sequence[Request], max_batch_size: int) -> list[Request]:
-    """The sequences of the next decode step: the longest-running first, up to the limit."""
-    return [r for r in running if r.status is Status.RUNNING and not r.abort_requested][:max_batch_size]
 
 
 def can_admit(num_running: int, num_prefilling: int, max_batch_size: int) -> bool:

@@ -45,3 +45,25 @@ def run_service(args: argparse.Namespace, module: str, **extra: object) -> int:
     else:
         serve(config)
     return 0
+
+
+def add_indexed(p: argparse.ArgumentParser, what: str) -> None:
+    """Flags of a service that runs as one of several (attention and model workers)."""
+    add_common(p)
+    p.add_argument("--index", type=int, default=0, help=f"this worker's index among the {what}")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the section's threads)")
+
+
+def run_indexed_service(args: argparse.Namespace, module: str, section: str) -> int:
+    """Like run_service, for `module.serve(config, threads, index)` with index < `section`.workers."""
+    import importlib
+
+    config = stack_config(args)
+    if config is None:
+        return 2
+    count = getattr(config, section).workers
+    if not 0 <= args.index < count:
+        print(f"lamina: --index must be below {section}.workers ({count})", file=sys.stderr)
+        return 2
+    importlib.import_module(module).serve(config, args.threads, args.index)
+    return 0

@@ -14,11 +14,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common(p)
     p.add_argument("--port", type=int, default=None, help="HTTP port of the OpenAI API (default 8000)")
     p.add_argument("--attention-workers", type=int, default=None, help="number of attention workers (default 2)")
+    p.add_argument("--model-workers", type=int, default=None, help="number of model-slice workers (default 1)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="staggered micro-batches per model worker (default 2; 1 turns staggering off)")
+    p.add_argument("--q-early", action=argparse.BooleanOptionalAction, default=None,
+                   help="send Q before K, V and combine partial attention (default off)")
     p.add_argument("--api-key", default=None, help="require this bearer token on /v1/ requests")
 
 
 def run(args: argparse.Namespace) -> int:
     config = stack_config(args, **{"gateway.port": args.port, "attention.workers": args.attention_workers,
+                                   "model_worker.workers": args.model_workers,
+                                   "pipeline.micro_batches": args.micro_batches, "pipeline.q_early": args.q_early,
                                    "gateway.api_key": args.api_key})
     if config is None:
         return 2
@@ -28,7 +35,9 @@ def run(args: argparse.Namespace) -> int:
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
-    print(f"starting: {config.attention.workers} attention workers, transport {config.transport}, "
+    print(f"starting: {config.model_worker.workers} model worker(s) with {config.pipeline.micro_batches} "
+          f"micro-batch(es){' and Q sent early' if config.pipeline.q_early else ''}, "
+          f"{config.attention.workers} attention workers, transport {config.transport}, "
           f"{config.partition}-level partitioning; logs in {stack.log_dir}", file=sys.stderr)
     try:
         stack.start()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cservices/protos/lamina.proto\x12\tlamina.v1\"\x07\n\x05\x45mpty\"\x91\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\"|\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.lamina.v1.SamplingParams\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\"6\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"y\n\x0eSchedulerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x11\n\tnum_steps\x18\x03 \x01(\x04\x12\x17\n\x0fmean_batch_size\x18\x04 \x01(\x01\x12\x11\n\tmax_queue\x18\x05 \x01(\r\"\x1c\n\tPlacement\x12\x0f\n\x07workers\x18\x01 \x03(\r\"\x87\x01\n\x0ePrefillRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.lamina.v1.SamplingParams\x12\'\n\tplacement\x18\x04 \x01(\x0b\x32\x14.lamina.v1.Placement\"8\n\rPrefillResult\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"j\n\x13TierDistanceRequest\x12\x36\n\x07prompts\x18\x01 \x03(\x0b\x32%.lamina.v1.TierDistanceRequest.Prompt\x1a\x1b\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\'\n\x12TierDistanceResult\x12\x11\n\tdistances\x18\x01 \x03(\r\"\xac\x01\n\x0cStepSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x10\n\x08position\x18\x03 \x01(\r\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.lamina.v1.SamplingParams\x12\x14\n\x0coutput_index\x18\x05 \x01(\r\x12\'\n\tplacement\x18\x06 \x01(\x0b\x32\x14.lamina.v1.Placement\"B\n\x0bStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12%\n\x04seqs\x18\x02 \x03(\x0b\x32\x17.lamina.v1.StepSequence\"\x1f\n\nStepResult\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x1e\n\x0b\x46reeRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\"\xaa\x01\n\x0e\x41ttentionStats\x12\x15\n\rnum_sequences\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x11\n\toccupancy\x18\x05 \x01(\x01\x12\x15\n\rfragmentation\x18\x06 \x01(\x01\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x07 \x01(\x04\x32\xb6\x01\n\tScheduler\x12?\n\x08Generate\x12\x1a.lamina.v1.GenerateRequest\x1a\x15.lamina.v1.TokenChunk0\x01\x12\x32\n\x05\x41\x62ort\x12\x17.lamina.v1.AbortRequest\x1a\x10.lamina.v1.Empty\x12\x34\n\x05Stats\x12\x10.lamina.v1.Empty\x1a\x19.lamina.v1.SchedulerStats2\x99\x01\n\x07Prefill\x12>\n\x07Prefill\x12\x19.lamina.v1.PrefillRequest\x1a\x18.lamina.v1.PrefillResult\x12N\n\rTierDistances\x12\x1e.lamina.v1.TierDistanceRequest\x1a\x1d.lamina.v1.TierDistanceResult2D\n\x0bModelWorker\x12\x35\n\x04Step\x12\x16.lamina.v1.StepRequest\x1a\x15.lamina.v1.StepResult2z\n\x10\x41ttentionControl\x12\x30\n\x04\x46ree\x12\x16.lamina.v1.FreeRequest\x1a\x10.lamina.v1.Empty\x12\x34\n\x05Stats\x12\x10.lamina.v1.Empty\x1a\x19.lamina.v1.AttentionStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cservices/protos/lamina.proto\x12\tlamina.v1\"\x07\n\x05\x45mpty\"\x91\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\"|\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.lamina.v1.SamplingParams\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\"6\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"y\n\x0eSchedulerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x11\n\tnum_steps\x18\x03 \x01(\x04\x12\x17\n\x0fmean_batch_size\x18\x04 \x01(\x01\x12\x11\n\tmax_queue\x18\x05 \x01(\r\"\x1c\n\tPlacement\x12\x0f\n\x07workers\x18\x01 \x03(\r\"\x87\x01\n\x0ePrefillRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.lamina.v1.SamplingParams\x12\'\n\tplacement\x18\x04 \x01(\x0b\x32\x14.lamina.v1.Placement\"8\n\rPrefillResult\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"j\n\x13TierDistanceRequest\x12\x36\n\x07prompts\x18\x01 \x03(\x0b\x32%.lamina.v1.TierDistanceRequest.Prompt\x1a\x1b\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\'\n\x12TierDistanceResult\x12\x11\n\tdistances\x18\x01 \x03(\r\"\xac\x01\n\x0cStepSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x10\n\x08position\x18\x03 \x01(\r\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.lamina.v1.SamplingParams\x12\x14\n\x0coutput_index\x18\x05 \x01(\r\x12\'\n\tplacement\x18\x06 \x01(\x0b\x32\x14.lamina.v1.Placement\"8\n\x08StopRule\x12\x15\n\reos_token_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"i\n\x0c\x44\x65\x63odeUpdate\x12&\n\x05joins\x18\x01 \x03(\x0b\x32\x17.lamina.v1.StepSequence\x12\x0e\n\x06leaves\x18\x02 \x03(\t\x12!\n\x04stop\x18\x03 \x01(\x0b\x32\x13.lamina.v1.StopRule\"A\n\x0b\x44\x65\x63odeToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\">\n\rDecodeFailure\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x91\x01\n\x0c\x44\x65\x63odeResult\x12\x13\n\x0bmicro_batch\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12&\n\x06tokens\x18\x03 \x03(\x0b\x32\x16.lamina.v1.DecodeToken\x12\x0c\n\x04left\x18\x04 \x03(\t\x12(\n\x06\x66\x61iled\x18\x05 \x03(\x0b\x32\x18.lamina.v1.DecodeFailure\"\x1e\n\x0b\x46reeRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\"\xaa\x01\n\x0e\x41ttentionStats\x12\x15\n\rnum_sequences\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x11\n\toccupancy\x18\x05 \x01(\x01\x12\x15\n\rfragmentation\x18\x06 \x01(\x01\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x07 \x01(\x04\x32\xb6\x01\n\tScheduler\x12?\n\x08Generate\x12\x1a.lamina.v1.GenerateRequest\x1a\x15.lamina.v1.TokenChunk0\x01\x12\x32\n\x05\x41\x62ort\x12\x17.lamina.v1.AbortRequest\x1a\x10.lamina.v1.Empty\x12\x34\n\x05Stats\x12\x10.lamina.v1.Empty\x1a\x19.lamina.v1.SchedulerStats2\x99\x01\n\x07Prefill\x12>\n\x07Prefill\x12\x19.lamina.v1.PrefillRequest\x1a\x18.lamina.v1.PrefillResult\x12N\n\rTierDistances\x12\x1e.lamina.v1.TierDistanceRequest\x1a\x1d.lamina.v1.TierDistanceResult2M\n\x0bModelWorker\x12>\n\x06\x44\x65\x63ode\x12\x17.lamina.v1.DecodeUpdate\x1a\x17.lamina.v1.DecodeResult(\x01\x30\x01\x32z\n\x10\x41ttentionControl\x12\x30\n\x04\x46ree\x12\x16.lamina.v1.FreeRequest\x1a\x10.lamina.v1.Empty\x12\x34\n\x05Stats\x12\x10.lamina.v1.Empty\x1a\x19.lamina.v1.AttentionStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -57,20 +57,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIERDISTANCERESULT']._serialized_end=914
   _globals['_STEPSEQUENCE']._serialized_start=917
   _globals['_STEPSEQUENCE']._serialized_end=1089
-  _globals['_STEPREQUEST']._serialized_start=1091
-  _globals['_STEPREQUEST']._serialized_end=1157
-  _globals['_STEPRESULT']._serialized_start=1159
-  _globals['_STEPRESULT']._serialized_end=1190
-  _globals['_FREEREQUEST']._serialized_start=1192
-  _globals['_FREEREQUEST']._serialized_end=1222
-  _globals['_ATTENTIONSTATS']._serialized_start=1225
-  _globals['_ATTENTIONSTATS']._serialized_end=1395
-  _globals['_SCHEDULER']._serialized_start=1398
-  _globals['_SCHEDULER']._serialized_end=1580
-  _globals['_PREFILL']._serialized_start=1583
-  _globals['_PREFILL']._serialized_end=1736
-  _globals['_MODELWORKER']._serialized_start=1738
-  _globals['_MODELWORKER']._serialized_end=1806
-  _globals['_ATTENTIONCONTROL']._serialized_start=1808
-  _globals['_ATTENTIONCONTROL']._serialized_end=1930
+  _globals['_STOPRULE']._serialized_start=1091
+  _globals['_STOPRULE']._serialized_end=1147
+  _globals['_DECODEUPDATE']._serialized_start=1149
+  _globals['_DECODEUPDATE']._serialized_end=1254
+  _globals['_DECODETOKEN']._serialized_start=1256
+  _globals['_DECODETOKEN']._serialized_end=1321
+  _globals['_DECODEFAILURE']._serialized_start=1323
+  _globals['_DECODEFAILURE']._serialized_end=1385
+  _globals['_DECODERESULT']._serialized_start=1388
+  _globals['_DECODERESULT']._serialized_end=1533
+  _globals['_FREEREQUEST']._serialized_start=1535
+  _globals['_FREEREQUEST']._serialized_end=1565
+  _globals['_ATTENTIONSTATS']._serialized_start=1568
+  _globals['_ATTENTIONSTATS']._serialized_end=1738
+  _globals['_SCHEDULER']._serialized_start=1741
+  _globals['_SCHEDULER']._serialized_end=1923
+  _globals['_PREFILL']._serialized_start=1926
+  _globals['_PREFILL']._serialized_end=2079
+  _globals['_MODELWORKER']._serialized_start=2081
+  _globals['_MODELWORKER']._serialized_end=2158
+  _globals['_ATTENTIONCONTROL']._serialized_start=2160
+  _globals['_ATTENTIONCONTROL']._serialized_end=2282
 # @@protoc_insertion_point(module_scope)

@@ -127,19 +127,57 @@ class StepSequence(_message.Message):
     placement: Placement
     def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., position: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_index: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
 
-class StepRequest(_message.Message):
-    __slots__ = ("step", "seqs")
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    SEQS_FIELD_NUMBER: _ClassVar[int]
-    step: int
-    seqs: _containers.RepeatedCompositeFieldContainer[StepSequence]
-    def __init__(self, step: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[StepSequence, _Mapping]]] = ...) -> None: ...
+class StopRule(_message.Message):
+    __slots__ = ("eos_token_ids", "max_model_len")
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_model_len: int
+    def __init__(self, eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
-class StepResult(_message.Message):
-    __slots__ = ("token_ids",)
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+class DecodeUpdate(_message.Message):
+    __slots__ = ("joins", "leaves", "stop")
+    JOINS_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    joins: _containers.RepeatedCompositeFieldContainer[StepSequence]
+    leaves: _containers.RepeatedScalarFieldContainer[str]
+    stop: StopRule
+    def __init__(self, joins: _Optional[_Iterable[_Union[StepSequence, _Mapping]]] = ..., leaves: _Optional[_Iterable[str]] = ..., stop: _Optional[_Union[StopRule, _Mapping]] = ...) -> None: ...
+
+class DecodeToken(_message.Message):
+    __slots__ = ("seq_id", "token_id", "finished")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    token_id: int
+    finished: bool
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class DecodeFailure(_message.Message):
+    __slots__ = ("seq_id", "code", "message")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    code: str
+    message: str
+    def __init__(self, seq_id: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DecodeResult(_message.Message):
+    __slots__ = ("micro_batch", "step", "tokens", "left", "failed")
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    micro_batch: int
+    step: int
+    tokens: _containers.RepeatedCompositeFieldContainer[DecodeToken]
+    left: _containers.RepeatedScalarFieldContainer[str]
+    failed: _containers.RepeatedCompositeFieldContainer[DecodeFailure]
+    def __init__(self, micro_batch: _Optional[int] = ..., step: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[DecodeToken, _Mapping]]] = ..., left: _Optional[_Iterable[str]] = ..., failed: _Optional[_Iterable[_Union[DecodeFailure, _Mapping]]] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
     __slots__ = ("seq_ids",)

@@ -307,17 +307,17 @@ class ModelWorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Step = channel.unary_unary(
-                '/lamina.v1.ModelWorker/Step',
-                request_serializer=services_dot_protos_dot_lamina__pb2.StepRequest.SerializeToString,
-                response_deserializer=services_dot_protos_dot_lamina__pb2.StepResult.FromString,
+        self.Decode = channel.stream_stream(
+                '/lamina.v1.ModelWorker/Decode',
+                request_serializer=services_dot_protos_dot_lamina__pb2.DecodeUpdate.SerializeToString,
+                response_deserializer=services_dot_protos_dot_lamina__pb2.DecodeResult.FromString,
                 _registered_method=True)
 
 
 class ModelWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Step(self, request, context):
+    def Decode(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -326,10 +326,10 @@ class ModelWorkerServicer:
 
 def add_ModelWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Step': grpc.unary_unary_rpc_method_handler(
-                    servicer.Step,
-                    request_deserializer=services_dot_protos_dot_lamina__pb2.StepRequest.FromString,
-                    response_serializer=services_dot_protos_dot_lamina__pb2.StepResult.SerializeToString,
+            'Decode': grpc.stream_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=services_dot_protos_dot_lamina__pb2.DecodeUpdate.FromString,
+                    response_serializer=services_dot_protos_dot_lamina__pb2.DecodeResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -343,7 +343,7 @@ class ModelWorker:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Step(request,
+    def Decode(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -353,12 +353,12 @@ class ModelWorker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/lamina.v1.ModelWorker/Step',
-            services_dot_protos_dot_lamina__pb2.StepRequest.SerializeToString,
-            services_dot_protos_dot_lamina__pb2.StepResult.FromString,
+            '/lamina.v1.ModelWorker/Decode',
+            services_dot_protos_dot_lamina__pb2.DecodeUpdate.SerializeToString,
+            services_dot_protos_dot_lamina__pb2.DecodeResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,8 +13,10 @@ from services.attention_core import AttentionCore
 from services.config import ConfigError, load_config
 from services.placement import head_range, place_request
 from services.protos import lamina_pb2
-from services.scheduler_state import Request, Status, admission_order, can_admit, decode_batch, stop_reason
-from services.wire import Attend, Kind, RemoteError, StoreKV, error_frame, expect
+from services.scheduler_state import Request, admission_order, can_admit, stop_reason
+from services.wire import (Attend, Kind, RemoteError, StoreKV, ack_frame, decode_tag, error_frame, expect,
+                           frame_tag, result_frame)
+from transports import Frame
 
 CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=6,
                   num_kv_heads=3, head_dim=4)
@@ -104,25 +106,17 @@ def test_admission_order_per_policy():
 
 
 def test_stop_reasons():
-    r = _req("a", 0.0, stop_token_ids=[7])
-    r.output_ids = [5]
-    assert stop_reason(r, 5, eos_ids={2}, max_model_len=100) is None
-    assert stop_reason(r, 2, eos_ids={2}, max_model_len=100) == "stop"
-    assert stop_reason(r, 7, eos_ids={2}, max_model_len=100) == "stop"
-    r.output_ids = [5] * 4
-    assert stop_reason(r, 5, eos_ids={2}, max_model_len=100) == "length"
-    r.output_ids = [5]
-    assert stop_reason(r, 5, eos_ids={2}, max_model_len=4) == "length"  # context full
-    r.params.ignore_eos = True
-    assert stop_reason(r, 2, eos_ids={2}, max_model_len=100) is None
+    p = lamina_pb2.SamplingParams(max_tokens=4, stop_token_ids=[7])
+    assert stop_reason(p, 5, 1, 10, eos_ids={2}, max_model_len=100) is None
+    assert stop_reason(p, 2, 1, 10, eos_ids={2}, max_model_len=100) == "stop"
+    assert stop_reason(p, 7, 1, 10, eos_ids={2}, max_model_len=100) == "stop"
+    assert stop_reason(p, 5, 4, 10, eos_ids={2}, max_model_len=100) == "length"
+    assert stop_reason(p, 5, 1, 4, eos_ids={2}, max_model_len=4) == "length"  # context full
+    p.ignore_eos = True
+    assert stop_reason(p, 2, 1, 10, eos_ids={2}, max_model_len=100) is None
 
 
-def test_decode_batch_and_admission_limits():
-    reqs = [_req(str(i), float(i)) for i in range(5)]
-    for r in reqs:
-        r.status = Status.RUNNING
-    reqs[1].abort_requested = True
-    assert [r.request_id for r in decode_batch(reqs, 3)] == ["0", "2", "3"]
+def test_admission_limits():
     assert can_admit(2, 1, 4) and not can_admit(3, 1, 4)
 
 
@@ -142,7 +136,7 @@ def test_attention_core_store_then_decode_matches_local_attention():
     assert core.slabs.num_tokens("s") == 5
     q, k, v = torch.randn(1, 6, 4), _kv(1), _kv(1)
     for layer in range(2):
-        out, lse = core.attend(Attend(layer, [("s", 1)], layer == 1, q, k, v))
+        out, lse = core.attend(layer, [("s", 1)], q, k, v, need_lse=True)
         ref, _ = batched_attention(q, [1], [torch.cat([prompt_k[layer], k])], [torch.cat([prompt_v[layer], v])])
         torch.testing.assert_close(out, ref)
     assert core.slabs.num_tokens("s") == 6
@@ -154,9 +148,9 @@ def test_attention_core_errors_are_typed_and_recoverable():
     core = AttentionCore(CFG, capacity_bytes=2 * CFG.num_layers * 3 * 4 * 4 * 64, num_kv_heads=3)
     assert core.slabs.num_total_tokens == 64
     with pytest.raises(RemoteError, match="unknown_sequence"):
-        core.attend(Attend(0, [("ghost", 1)], False, torch.randn(1, 6, 4), _kv(1), _kv(1)))
+        core.attend(0, [("ghost", 1)], torch.randn(1, 6, 4), _kv(1), _kv(1))
     with pytest.raises(RemoteError, match="bad_request"):
-        core.attend(Attend(0, [("x", 1)], False, torch.randn(1, 6, 4), _kv(1, 2), _kv(1, 2)))
+        core.attend(0, [("x", 1)], torch.randn(1, 6, 4), _kv(1, 2), _kv(1, 2))
     # A prompt too big for the worker: one error, at the last layer, and nothing kept.
     big = _kv(200)
     assert core.store(StoreKV("big", 0, 2, big, big)) is False
@@ -168,18 +162,31 @@ def test_attention_core_errors_are_typed_and_recoverable():
     core.store(StoreKV("s", 0, 2, small, small))
     core.store(StoreKV("s", 1, 2, small, small))
     with pytest.raises(RemoteError, match="kv_full"):
-        core.attend(Attend(0, [("s", 5)], False, torch.randn(5, 6, 4), _kv(5), _kv(5)))
+        core.attend(0, [("s", 5)], torch.randn(5, 6, 4), _kv(5), _kv(5))
     assert core.slabs.num_tokens("s") == 60
 
 
 def test_frames_round_trip_and_errors():
     q, k, v = torch.randn(2, 6, 4), _kv(2), _kv(2)
-    msg = Attend(3, [("a", 1), ("b", 1)], True, q, k, v)
-    back = Attend.from_frame(msg.to_frame())
-    assert (back.layer, back.seqs, back.commit) == (3, [("a", 1), ("b", 1)], True)
-    assert torch.equal(back.q, q)
+    tag = decode_tag(1, 7, 3)
+    for msg in (Attend(Kind.ATTEND, tag, 3, [("a", 1), ("b", 1)], q, k, v),
+                Attend(Kind.ATTEND_Q, tag, 3, [("a", 1), ("b", 1)], q=q),
+                Attend(Kind.ATTEND_KV, tag, 3, [("a", 1), ("b", 1)], k=k, v=v)):
+        back = Attend.from_frame(msg.to_frame())
+        assert (back.kind, back.tag, back.layer, back.seqs) == (msg.kind, (1, 7, 3), 3, [("a", 1), ("b", 1)])
+        for name in "qkv":
+            sent, got = getattr(msg, name), getattr(back, name)
+            assert (got is None) if sent is None else torch.equal(got, sent)
+    # Replies echo the tag they answer, so they are matched by id, never by order.
+    assert frame_tag(result_frame(tag, q)) == tag
+    assert frame_tag(ack_frame(("s",))) == ("s",)
     with pytest.raises(RemoteError, match="kv_full: no room"):
-        expect(error_frame("kv_full", "no room"), Kind.RESULT)
+        expect(error_frame(tag, "kv_full", "no room"), Kind.RESULT)
+    with pytest.raises(RemoteError, match="ATTEND_Q carries 1 tensors"):
+        Attend.from_frame(Frame(kind=Kind.ATTEND_Q, header={"tag": [1, 1, 1], "layer": 0, "seqs": []},
+                                tensors=[q, k]))
+    with pytest.raises(RemoteError, match="without a tag"):
+        frame_tag(Frame(kind=Kind.RESULT, header={}, tensors=[]))
 
 
 def test_prefill_batches_take_waiting_prompts_up_to_the_token_limit():

@@ -1,0 +1,187 @@
+"""A model worker's decode loop: its sequences, in micro-batches stepped back to back.
+
+The scheduler streams batch changes (sequences joining with their whole state,
+sequences leaving); the runner keeps N micro-batch tasks, each running steps of its
+own sequences one after another and reporting each step's tokens. The tasks share
+one event loop: while one awaits its attention replies, another computes its slice,
+which is what staggers them (services.micro_batches decides who is in which).
+
+What must hold:
+- A sequence is in at most one step in flight: it belongs to one micro-batch, and
+  moves between micro-batches only at its own micro-batch's step start.
+- A sequence leaves (dropped, reported in `left`) only between its micro-batch's
+  steps, so once the scheduler reads `left` (or `finished`, or `failed`), no frame
+  of that sequence is on its way to an attention worker and its KV can be freed.
+- The runner ends a sequence by the scheduler's own rule
+  (services.scheduler_state.stop_reason), so both agree on its last token.
+
+Owned tasks: the micro-batch tasks, cancelled and awaited by `close()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+import transports
+from lamina.engine.sampling import SamplingParams, sample
+from lamina.engine.step import StepBatch
+from services.attention_pool import SeqRows
+from services.micro_batches import join_target, rebalance
+from services.protos import lamina_pb2
+from services.scheduler_state import stop_reason
+from services.wire import RemoteError
+
+log = logging.getLogger(__name__)
+
+# forward(micro_batch, step, batch, rows) -> logits [B, V]
+Forward = Callable[[int, int, StepBatch, list[SeqRows]], Awaitable[torch.Tensor]]
+
+
+def params_from_proto(p: lamina_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(max_tokens=max(1, p.max_tokens), temperature=p.temperature, top_p=p.top_p or 1.0,
+                          top_k=p.top_k, seed=p.seed, stop_token_ids=tuple(p.stop_token_ids),
+                          ignore_eos=p.ignore_eos)
+
+
+@dataclass
+class DecodeSeq:
+    seq_id: str
+    token: int  # the newest token: this sequence's input to its next step, not yet in the KV
+    position: int  # that token's position
+    output_index: int  # index among the outputs of the token the next step samples
+    proto_params: lamina_pb2.SamplingParams
+    params: SamplingParams
+    workers: tuple[int, ...]
+    micro_batch: int
+    leaving: bool = False
+
+    @classmethod
+    def from_proto(cls, s: lamina_pb2.StepSequence, micro_batch: int) -> DecodeSeq:
+        return cls(s.seq_id, s.token_id, s.position, s.output_index, s.params, params_from_proto(s.params),
+                   tuple(s.placement.workers), micro_batch)
+
+
+class DecodeRunner:
+    def __init__(self, forward: Forward, num_micro_batches: int, stop: lamina_pb2.StopRule,
+                 on_step: Callable[[int, float], None] | None = None) -> None:
+        self._forward = forward
+        self._stop_eos = set(stop.eos_token_ids)
+        self._max_model_len = stop.max_model_len or (1 << 30)
+        self._on_step = on_step
+        self.num_micro_batches = num_micro_batches
+        self.results: asyncio.Queue[lamina_pb2.DecodeResult] = asyncio.Queue()
+        self._seqs: dict[str, DecodeSeq] = {}
+        self._members: list[list[DecodeSeq]] = [[] for _ in range(num_micro_batches)]
+        self._wake = [asyncio.Event() for _ in range(num_micro_batches)]
+        self._tasks: list[asyncio.Task] = []
+
+    # -- changes from the scheduler ---------------------------------------------------------
+    def join(self, seqs: list[lamina_pb2.StepSequence]) -> None:
+        for s in seqs:
+            if s.seq_id in self._seqs:
+                log.warning("sequence %s joined twice; the second join is ignored", s.seq_id)
+                continue
+            mb = join_target([len(m) for m in self._members])
+            seq = DecodeSeq.from_proto(s, mb)
+            self._seqs[s.seq_id] = seq
+            self._members[mb].append(seq)
+            self._wake[mb].set()
+
+    def leave(self, seq_ids: list[str]) -> None:
+        unknown = []
+        for sid in seq_ids:
+            seq = self._seqs.get(sid)
+            if seq is None:
+                unknown.append(sid)  # already ended here (a stop rule, a failure): nothing in flight
+            else:
+                seq.leaving = True
+                self._wake[seq.micro_batch].set()
+        if unknown:
+            self.results.put_nowait(lamina_pb2.DecodeResult(left=unknown))
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    # -- tasks ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._run(mb), name=f"micro-batch-{mb}")
+                       for mb in range(self.num_micro_batches)]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    def _start_step(self, mb: int) -> tuple[list[DecodeSeq], list[str]]:
+        """This micro-batch's sequences for its next step, and those that left."""
+        left = [s.seq_id for s in self._members[mb] if s.leaving]
+        members = [s for s in self._members[mb] if not s.leaving]
+        for sid in left:
+            del self._seqs[sid]
+        for target in rebalance(mb, [len(members) if i == mb else len(m) for i, m in enumerate(self._members)]):
+            seq = members.pop()
+            seq.micro_batch = target
+            self._members[target].append(seq)
+            self._wake[target].set()
+        self._members[mb] = members
+        return list(members), left
+
+    def _drop(self, mb: int, seq_ids: set[str]) -> None:
+        self._members[mb] = [s for s in self._members[mb] if s.seq_id not in seq_ids]
+        for sid in seq_ids:
+            self._seqs.pop(sid, None)
+
+    async def _run(self, mb: int) -> None:
+        step = 0
+        while True:
+            members, left = self._start_step(mb)
+            if left:
+                self.results.put_nowait(lamina_pb2.DecodeResult(micro_batch=mb, step=step, left=left))
+            if not members:
+                self._wake[mb].clear()
+                await self._wake[mb].wait()
+                continue
+            step += 1
+            start = time.perf_counter()
+            try:
+                result = await self._step(mb, step, members)
+            except (RemoteError, transports.TransportError) as exc:
+                code = exc.code if isinstance(exc, RemoteError) else "transport"
+                log.warning("step %d of micro-batch %d failed: %s", step, mb, exc)
+                self._drop(mb, {s.seq_id for s in members})
+                result = lamina_pb2.DecodeResult(micro_batch=mb, step=step, failed=[
+                    lamina_pb2.DecodeFailure(seq_id=s.seq_id, code=code, message=str(exc)) for s in members])
+            self.results.put_nowait(result)
+            if self._on_step is not None:
+                self._on_step(len(members), time.perf_counter() - start)
+
+    async def _step(self, mb: int, step: int, members: list[DecodeSeq]) -> lamina_pb2.DecodeResult:
+        batch = StepBatch.build([s.seq_id for s in members], [[s.token] for s in members],
+                                [s.position for s in members])
+        rows = [SeqRows(s.seq_id, 1, s.workers) for s in members]
+        logits = await self._forward(mb, step, batch, rows)
+        tokens = sample(logits, [s.params for s in members], [s.proto_params.seed for s in members],
+                        [s.output_index for s in members])
+        out = lamina_pb2.DecodeResult(micro_batch=mb, step=step)
+        done: set[str] = set()
+        for seq, tok in zip(members, tokens):
+            seq.token = tok
+            seq.position += 1
+            seq.output_index += 1
+            # output_index now counts this sequence's outputs; position + 1 its tokens.
+            finished = stop_reason(seq.proto_params, tok, seq.output_index, seq.position + 1, self._stop_eos,
+                                   self._max_model_len) is not None
+            if finished:
+                done.add(seq.seq_id)
+            out.tokens.append(lamina_pb2.DecodeToken(seq_id=seq.seq_id, token_id=tok, finished=finished))
+        if done:
+            self._drop(mb, done)
+        return out

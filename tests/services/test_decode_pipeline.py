@@ -1,0 +1,191 @@
+"""The model worker's micro-batch pipeline without processes: membership policy and DecodeRunner.
+
+The runner is driven with a forward function that stands in for the slices and the
+attention pool (it yields to the event loop once per "layer", as the real one does
+while it awaits attention replies), so the tests see exactly which sequences each
+micro-batch steps, and when.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from services.decode_runner import DecodeRunner
+from services.micro_batches import join_target, rebalance
+from services.protos import lamina_pb2
+from services.wire import RemoteError
+
+VOCAB = 64
+EOS = 63
+
+
+def test_join_goes_to_the_smallest_micro_batch():
+    assert join_target([3, 1, 2]) == 1
+    assert join_target([2, 2, 2]) == 0
+
+
+@pytest.mark.parametrize(("own", "sizes", "moves"), [
+    (0, [5, 1], [1, 1]),          # 5/1 -> 3/3
+    (0, [4, 3], []),              # within one: stays
+    (1, [0, 6, 0], [0, 2, 0, 2]),  # 0/6/0 -> 2/2/2
+    (0, [1, 5], []),              # only the micro-batch starting its step gives away
+])
+def test_rebalance_moves_only_the_excess_of_the_starting_micro_batch(own, sizes, moves):
+    assert rebalance(own, sizes) == moves
+
+
+def _seq(seq_id: str, position: int, max_tokens: int = 100, token: int = 1) -> lamina_pb2.StepSequence:
+    return lamina_pb2.StepSequence(seq_id=seq_id, token_id=token, position=position, output_index=1,
+                                   params=lamina_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, seed=5),
+                                   placement=lamina_pb2.Placement(workers=[0]))
+
+
+class FakeSlices:
+    """Greedy 'model': the next token is (position + 1) % VOCAB, EOS at position 62."""
+
+    def __init__(self, layers: int = 3) -> None:
+        self.layers = layers
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.steps: list[tuple[int, int, list[str]]] = []  # (micro_batch, step, seq ids)
+        self.fail_micro_batch: int | None = None
+
+    async def forward(self, mb, step, batch, rows):
+        self.steps.append((mb, step, list(batch.seq_ids)))
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            for _ in range(self.layers):
+                await asyncio.sleep(0)  # awaiting an attention reply
+                if self.fail_micro_batch == mb:
+                    self.fail_micro_batch = None  # once
+                    raise RemoteError("kv_full", "no room")
+        finally:
+            self.in_flight -= 1
+        logits = torch.zeros(len(batch.seq_ids), VOCAB)
+        logits[torch.arange(len(batch.seq_ids)), (batch.positions + 1) % VOCAB] = 1.0
+        return logits
+
+
+async def _collect(runner: DecodeRunner, until) -> list[lamina_pb2.DecodeResult]:
+    results = []
+    while not until(results):
+        results.append(await asyncio.wait_for(runner.results.get(), 5))
+    return results
+
+
+def _tokens(results) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for r in results:
+        for t in r.tokens:
+            out.setdefault(t.seq_id, []).append(t.token_id)
+    return out
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_micro_batches_are_in_flight_together_and_tokens_follow_positions():
+    async def main():
+        fake = FakeSlices()
+        runner = DecodeRunner(fake.forward, 2, lamina_pb2.StopRule(eos_token_ids=[EOS], max_model_len=1000))
+        runner.join([_seq(f"s{i}", 10 * i, max_tokens=5) for i in range(4)])
+        runner.start()
+        try:
+            results = await _collect(runner, lambda rs: sum(t.finished for r in rs for t in r.tokens) == 4)
+        finally:
+            await runner.close()
+        return fake, results
+
+    fake, results = _run(main())
+    assert fake.max_in_flight == 2  # staggered: both micro-batches between their layers at once
+    members = {mb: set(ids) for mb, _, ids in fake.steps}
+    assert members[0].isdisjoint(members[1]) and len(members[0]) == len(members[1]) == 2
+    # Each sequence: 4 more tokens (it joined with 1 of max_tokens 5), from position + 1 on.
+    assert _tokens(results) == {f"s{i}": [10 * i + 1 + j for j in range(4)] for i in range(4)}
+    finished = [t for r in results for t in r.tokens if t.finished]
+    assert sorted(t.seq_id for t in finished) == ["s0", "s1", "s2", "s3"]
+
+
+def test_eos_and_context_end_sequences_by_the_schedulers_rule():
+    async def main():
+        fake = FakeSlices()
+        runner = DecodeRunner(fake.forward, 2, lamina_pb2.StopRule(eos_token_ids=[EOS], max_model_len=100))
+        runner.join([_seq("eos", 60), _seq("ctx", 95)])
+        runner.start()
+        try:
+            return await _collect(runner, lambda rs: sum(t.finished for r in rs for t in r.tokens) == 2)
+        finally:
+            await runner.close()
+
+    toks = _tokens(_run(main()))
+    assert toks["eos"] == [61, 62, EOS]  # ends on EOS
+    assert toks["ctx"] == [32, 33, 34, 35]  # positions 96..99: the 100-token context is full
+
+
+def test_a_leaving_sequence_finishes_its_step_in_flight_and_is_in_no_later_step():
+    async def main():
+        fake = FakeSlices(layers=5)
+        runner = DecodeRunner(fake.forward, 1, lamina_pb2.StopRule(max_model_len=1000))
+        runner.join([_seq("stay", 0), _seq("go", 100)])
+        runner.start()
+        try:
+            await asyncio.sleep(0)  # the first step is now in flight
+            await asyncio.sleep(0)
+            runner.leave(["go", "never-joined"])
+            results = await _collect(runner, lambda rs: sum("go" in r.left for r in rs) == 1
+                                     and sum("never-joined" in r.left for r in rs) == 1)
+            more = await _collect(runner, lambda rs: len(rs) == 3)
+        finally:
+            await runner.close()
+        return fake, results, more
+
+    fake, results, more = _run(main())
+    left_at = next(i for i, r in enumerate(results) if "go" in r.left)
+    assert all("go" not in ids for _, step, ids in fake.steps[left_at + 1:])
+    assert "go" not in _tokens(more) and _tokens(more)["stay"]
+    assert fake.steps[0][2] == ["stay", "go"]
+
+
+def test_a_failed_step_fails_its_micro_batch_only():
+    async def main():
+        fake = FakeSlices()
+        runner = DecodeRunner(fake.forward, 2, lamina_pb2.StopRule(max_model_len=1000))
+        runner.join([_seq("a", 0), _seq("b", 0), _seq("c", 0), _seq("d", 0)])
+        fake.fail_micro_batch = 1
+        runner.start()
+        try:
+            results = await _collect(runner, lambda rs: any(r.failed for r in rs) and len(rs) >= 4)
+        finally:
+            await runner.close()
+        return fake, results
+
+    fake, results = _run(main())
+    failed = {f.seq_id: f.code for r in results for f in r.failed}
+    doomed = set(next(ids for mb, _, ids in fake.steps if mb == 1))
+    assert set(failed) == doomed == {"b", "d"} and set(failed.values()) == {"kv_full"}
+    assert set(_tokens(results)) == {"a", "c"}  # the other micro-batch went on
+    assert all("b" not in ids and "d" not in ids for _, _, ids in fake.steps[2:])
+
+
+def test_joins_rebalance_micro_batches_as_sequences_leave():
+    async def main():
+        fake = FakeSlices()
+        runner = DecodeRunner(fake.forward, 2, lamina_pb2.StopRule(max_model_len=1000))
+        # Micro-batch 1's sequences all end after 2 tokens; micro-batch 0's go on.
+        runner.join([_seq("long0", 0), _seq("short0", 0, max_tokens=3), _seq("long1", 0),
+                     _seq("short1", 0, max_tokens=3), _seq("long2", 0), _seq("long3", 0)])
+        runner.start()
+        try:
+            await _collect(runner, lambda rs: len(rs) >= 12)
+        finally:
+            await runner.close()
+        return fake
+
+    fake = _run(main())
+    last = {mb: ids for mb, _, ids in fake.steps}
+    assert {len(last[0]), len(last[1])} == {2}  # 4 long sequences, 2 and 2 again
