@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from services.config import AttentionSection, GatewaySection, StackConfig
+from services.config import AttentionSection, GatewaySection, ModelWorkerSection, PipelineSection, StackConfig
 from services.launcher import Stack
 
 CHAT_PROMPTS = ["What is the capital of France?", "Name two colours of the rainbow."]
@@ -18,10 +18,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_stack(transport: str = "tcp", partition: str = "request", workers: int = 2, **kw) -> Stack:
+def start_stack(transport: str = "tcp", partition: str = "request", workers: int = 2, micro_batches: int = 2,
+                q_early: bool = False, model_workers: int = 1, **kw) -> Stack:
     config = StackConfig(transport=transport, partition=partition,
                          gateway=GatewaySection(port=free_port(), **kw),
-                         attention=AttentionSection(workers=workers, kv_capacity_bytes=256 << 20))
+                         attention=AttentionSection(workers=workers, kv_capacity_bytes=256 << 20),
+                         model_worker=ModelWorkerSection(workers=model_workers),
+                         pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early))
     stack = Stack(config)
     stack.start(timeout_s=240)
     return stack
