@@ -5,7 +5,8 @@ with their arrival times and lengths. Scaled to 2 CPU cores: the first --num-req
 requests after a fixed offset, token lengths divided by --scale (kept >= 1, prompts capped
 at --max-prompt, outputs at --max-output), inter-arrival gaps divided by --time-scale.
 Prompts are synthetic text of the right token length; output length is forced
-(ignore_eos) so both systems generate the same number of tokens.
+(ignore_eos) so both systems generate the same number of tokens. --decode-heavy takes 32
+requests at once with outputs lengthened to 32..96 tokens, so decode dominates.
 
 It starts the stack itself (`lamina up` in-process: embedded Redis, every service in its
 own process) unless --url points at one already running, replays the trace against the
@@ -32,7 +33,8 @@ from pathlib import Path
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 
 
-def load_trace(n: int, offset: int, scale: int, time_scale: float, max_prompt: int, max_output: int):
+def load_trace(n: int, offset: int, scale: int, time_scale: float, max_prompt: int, max_output: int,
+               min_output: int = 1):
     rows = []
     with open(TRACES / "azure_conv_2023.csv") as f:
         reader = csv.DictReader(f)
@@ -49,7 +51,7 @@ def load_trace(n: int, offset: int, scale: int, time_scale: float, max_prompt: i
         ts = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").timestamp() + float("0." + (frac or "0"))
         t0 = ts if t0 is None else t0
         prompt = min(max_prompt, max(1, int(row["ContextTokens"]) // scale))
-        output = min(max_output, max(1, int(row["GeneratedTokens"]) // scale))
+        output = min(max_output, max(min_output, int(row["GeneratedTokens"]) // scale))
         out.append(((ts - t0) / time_scale, prompt, output))
     return out
 
@@ -174,19 +176,25 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=1.0, help="divide inter-arrival gaps by this")
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--max-output", type=int, default=32)
+    ap.add_argument("--min-output", type=int, default=1, help="outputs shorter than this are lengthened")
+    ap.add_argument("--decode-heavy", action="store_true",
+                    help="32 requests at once, outputs of 32-96 tokens (mean >= 32): decode dominates")
+    ap.add_argument("--micro-batches", type=int, default=None, help="the stack's pipeline.micro_batches")
     ap.add_argument("--url", default=None, help="a running stack (default: start one)")
     ap.add_argument("--transport", default="tcp")
     ap.add_argument("--local-threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
+    if args.decode_heavy:
+        args.num_requests, args.time_scale, args.min_output, args.max_output = 32, 1000.0, 32, 96
 
     from model.loader import load_tokenizer
 
     tokenizer, _ = load_tokenizer()
     workload = load_trace(args.num_requests, args.offset, args.scale, args.time_scale, args.max_prompt,
-                          args.max_output)
+                          args.max_output, args.min_output)
     prompts = [make_prompt_ids(tokenizer, p, i) for i, (_, p, _) in enumerate(workload)]
     print(f"workload: {len(workload)} requests from azure_conv_2023.csv (offset {args.offset}), lengths / "
-          f"{args.scale} (prompt <= {args.max_prompt}, output <= {args.max_output}, forced), arrivals / "
+          f"{args.scale} (prompt <= {args.max_prompt}, output {args.min_output}..{args.max_output}, forced), arrivals / "
           f"{args.time_scale}; mean prompt {statistics.fmean(p for _, p, _ in workload):.1f} tokens, "
           f"mean output {statistics.fmean(o for _, _, o in workload):.1f} tokens, span {workload[-1][0]:.1f} s")
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -196,11 +204,15 @@ def main() -> None:
     url = args.url
     stats: dict = {}
     if url is None:
-        from services.config import StackConfig
+        from services.config import PipelineSection, StackConfig
         from services.launcher import Stack
 
-        stack = Stack(StackConfig(transport=args.transport))
-        print("starting the stack (2 attention workers, request-level partitioning)...", flush=True)
+        config = StackConfig(transport=args.transport)
+        if args.micro_batches:
+            config = StackConfig(transport=args.transport, pipeline=PipelineSection(micro_batches=args.micro_batches))
+        stack = Stack(config)
+        print(f"starting the stack (2 attention workers, request-level partitioning, "
+              f"{config.pipeline.micro_batches} micro-batches)...", flush=True)
         stack.start()
         url = stack.base_url
     try:

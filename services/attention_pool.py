@@ -43,6 +43,21 @@ class SeqRows:
     workers: Sequence[int]  # its placement
 
 
+@dataclass(frozen=True)
+class Route:
+    """A step's rows per attention worker: (worker, rows or None for all, [(seq_id, n)])."""
+
+    parts: list[tuple[int, slice | torch.Tensor | None, list[tuple[str, int]]]]
+    num_rows: int
+
+
+def _rows_selector(rows: list[int]) -> slice | torch.Tensor:
+    # Consecutive rows are a view (no gather, and the frame sends it as it is).
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, dtype=torch.long)
+
+
 class AttentionPool:
     def __init__(self, conns: list[transports.Connection], partition: str, cfg: ModelConfig,
                  q_early: bool = False) -> None:
@@ -147,57 +162,61 @@ class AttentionPool:
                 raise f
         return [expect(f, kind).tensors[0] if f.tensors else None for f in frames]
 
-    # -- decode -----------------------------------------------------------------------------
-    async def attend(self, tag: Tag, layer: int, seqs: Sequence[SeqRows], q: torch.Tensor, k: torch.Tensor,
+    # -- decode ---------------------------------------------------------------------------
+    def route(self, seqs: Sequence[SeqRows]) -> Route:
+        """Where a step's rows go; the same for every layer of the step, so made once."""
+        members = [(s.seq_id, s.num_rows) for s in seqs]
+        if self.partition == "head":
+            return Route([(w, None, members) for w in range(len(self.conns))], sum(n for _, n in members))
+        parts: list[tuple[int, list[int], list[tuple[str, int]]]] = []
+        by_worker: dict[int, int] = {}
+        start = 0
+        for s in seqs:
+            w = s.workers[0]
+            if w not in by_worker:
+                by_worker[w] = len(parts)
+                parts.append((w, [], []))
+            _, rows, mem = parts[by_worker[w]]
+            rows.extend(range(start, start + s.num_rows))
+            mem.append((s.seq_id, s.num_rows))
+            start += s.num_rows
+        return Route([(w, _rows_selector(rows), mem) for w, rows, mem in parts], start)
+
+    async def attend(self, tag: Tag, layer: int, route: Route, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] -> attention output [T, Hq, D].
 
         `tag` must be unique among the calls in flight (micro-batch, step, layer).
         """
+        futures = []
         if self.partition == "head":
-            return await self._attend_heads(tag, layer, seqs, q, k, v)
-        return await self._attend_requests(tag, layer, seqs, q, k, v)
+            groups = self.cfg.num_groups
+            for (w, _, members), (h0, h1) in zip(route.parts, self.kv_heads):
+                futures.append(await self._send_attend(w, tag, layer, members, q[:, h0 * groups : h1 * groups],
+                                                       k[:, h0:h1], v[:, h0:h1]))
+            return torch.cat(await self._gather(futures, Kind.RESULT), dim=1)
+        if len(route.parts) == 1:
+            w, _, members = route.parts[0]
+            fut = await self._send_attend(w, tag, layer, members, q, k, v)
+            return (await self._gather([fut], Kind.RESULT))[0]
+        for w, rows, members in route.parts:
+            futures.append(await self._send_attend(w, tag, layer, members, q[rows], k[rows], v[rows]))
+        outs = await self._gather(futures, Kind.RESULT)
+        if all(isinstance(rows, slice) for _, rows, _ in route.parts):
+            return torch.cat(outs)  # rows grouped by worker: the parts are in row order
+        out = torch.empty_like(q)
+        for (_, rows, _), o in zip(route.parts, outs):
+            out[rows] = o
+        return out
 
     async def _send_attend(self, w: int, tag: Tag, layer: int, members: list[tuple[str, int]],
                            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> asyncio.Future:
+        # Frames send contiguous tensors straight from memory (a no-op for row slices).
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if self.q_early:
             await self._send(w, Attend(Kind.ATTEND_Q, tag, layer, members, q=q), None)
             return await self._send(w, Attend(Kind.ATTEND_KV, tag, layer, members, k=k, v=v), tag)
         return await self._send(w, Attend(Kind.ATTEND, tag, layer, members, q, k, v), tag)
-
-    async def _attend_requests(self, tag, layer, seqs, q, k, v) -> torch.Tensor:
-        rows: dict[int, list[int]] = {}
-        members: dict[int, list[tuple[str, int]]] = {}
-        start = 0
-        for s in seqs:
-            w = s.workers[0]
-            rows.setdefault(w, []).extend(range(start, start + s.num_rows))
-            members.setdefault(w, []).append((s.seq_id, s.num_rows))
-            start += s.num_rows
-        order = sorted(rows)
-        if len(order) == 1:
-            (w,) = order
-            fut = await self._send_attend(w, tag, layer, members[w], q, k, v)
-            return (await self._gather([fut], Kind.RESULT))[0]
-        index = {w: torch.tensor(rows[w], dtype=torch.long) for w in order}
-        futures = []
-        for w in order:
-            idx = index[w]
-            futures.append(await self._send_attend(w, tag, layer, members[w], q[idx], k[idx], v[idx]))
-        outs = await self._gather(futures, Kind.RESULT)
-        out = torch.empty_like(q)
-        for w, o in zip(order, outs):
-            out[index[w]] = o
-        return out
-
-    async def _attend_heads(self, tag, layer, seqs, q, k, v) -> torch.Tensor:
-        members = [(s.seq_id, s.num_rows) for s in seqs]
-        groups = self.cfg.num_groups
-        futures = []
-        for w, (h0, h1) in enumerate(self.kv_heads):
-            futures.append(await self._send_attend(w, tag, layer, members, q[:, h0 * groups : h1 * groups],
-                                                   k[:, h0:h1], v[:, h0:h1]))
-        return torch.cat(await self._gather(futures, Kind.RESULT), dim=1)
 
     # -- prompt KV --------------------------------------------------------------------------
     async def store_layer(self, seq_id: str, workers: Sequence[int], layer: int, k: torch.Tensor,

@@ -164,6 +164,8 @@ class DecodeRunner:
                 self._on_step(len(members), time.perf_counter() - start)
 
     async def _step(self, mb: int, step: int, members: list[DecodeSeq]) -> lamina_pb2.DecodeResult:
+        # Rows grouped by attention worker: each worker's share of Q, K, V is then a view.
+        members = sorted(members, key=lambda s: s.workers[0])
         batch = StepBatch.build([s.seq_id for s in members], [[s.token] for s in members],
                                 [s.position for s in members])
         rows = [SeqRows(s.seq_id, 1, s.workers) for s in members]

@@ -50,6 +50,7 @@ class ModelSlices:
         Micro-batches interleave at the awaits, so grad mode is set per slice call,
         never held across an await."""
         inputs = batch.model_inputs()
+        route = pool.route(seqs)
         slices = self.split.slices
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -57,7 +58,7 @@ class ModelSlices:
         self.compute_s += time.perf_counter() - t0
         for i in range(self.split.num_attention):
             q, k, v = out.qkv
-            attn = await pool.attend(decode_tag(micro_batch, step, i), i, seqs, q, k, v)
+            attn = await pool.attend(decode_tag(micro_batch, step, i), i, route, q, k, v)
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = slices[i + 1](inputs, attn, out.context)
