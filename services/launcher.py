@@ -117,7 +117,7 @@ class Stack:
                     sp.proc.wait()
         self.processes.clear()
         if self.redis is not None:
-            self.redis.stop()
+            self.redis.close()  # stops it and removes its directory
             self.redis = None
 
     def __enter__(self) -> Stack:
