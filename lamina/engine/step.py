@@ -14,6 +14,7 @@ import torch
 
 from lamina.engine.kv import KVStore
 from model.attention import causal_attention
+from model.kv_attention import buffer_attention
 from model.splitter import SplitModel
 
 
@@ -49,18 +50,33 @@ class LocalAttention:
         self._kv = kv
         self._batch = batch
         self._seqs = [kv.get(s) for s in batch.seq_ids]
+        # The leading sequences that decode one token (the scheduler puts running ones first).
+        self._num_decoding = next((i for i, n in enumerate(batch.query_lens) if n != 1), len(batch.query_lens))
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, Hq, D]; k, v: [T, Hkv, D]. Nothing here combines partials, so the
-        # fused kernel without lse serves (the per-sequence loop is the engine's
-        # main cost after the linears: about 45 us per sequence and layer).
-        outs = []
+        # q: [T, Hq, D]; k, v: [T, Hkv, D]. Nothing here combines partials, so no lse.
+        # Decoding sequences (one new token each) go through one batched kernel call
+        # over their buffers in place; a prompt's many causal rows through fused SDPA,
+        # whose matmuls beat the kernel's one-pass loop at that size.
+        lens = self._batch.query_lens
+        keys, values = [], []
         start = 0
-        for seq, n in zip(self._seqs, self._batch.query_lens):
+        for seq, n in zip(self._seqs, lens):
             kk, vv = seq.write(layer_id, k[start : start + n], v[start : start + n])
-            outs.append(causal_attention(q[start : start + n], kk, vv))
+            keys.append(kk)
+            values.append(vv)
             start += n
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        if self._num_decoding == len(lens):
+            return buffer_attention(q.contiguous(), lens, keys, values, need_lse=False)[0]
+        out = torch.empty_like(q)
+        d = self._num_decoding
+        if d:
+            out[:d] = buffer_attention(q[:d].contiguous(), lens[:d], keys[:d], values[:d], need_lse=False)[0]
+        start = d
+        for n, kk, vv in zip(lens[d:], keys[d:], values[d:]):
+            out[start : start + n] = causal_attention(q[start : start + n], kk, vv)
+            start += n
+        return out
 
     def commit(self) -> None:
         for seq, n in zip(self._seqs, self._batch.query_lens):
