@@ -18,7 +18,7 @@ clear message naming the setting.
     model_worker: {threads: 1, workers: 1}
     pipeline: {micro_batches: 2, q_early: false}   # staggered micro-batches per model worker
     attention: {workers: 2, threads: 1, kv_capacity_bytes: 1073741824}
-    data_plane: {busy_poll_us: 50.0, checksum_payloads: false, shm_ring_bytes: 16777216,
+    data_plane: {busy_poll_us: null, checksum_payloads: false, shm_ring_bytes: 16777216,
                  ucx_progress_mode: blocking, ucx_tls: null}   # see docs/transports.md
 """
 
@@ -99,7 +99,9 @@ class AttentionSection:
 class DataPlaneSection:
     """Transport settings of every data-plane connection (transports.TransportConfig)."""
 
-    busy_poll_us: float = 50.0  # receivers spin this long before parking (adaptive; 0: never)
+    # Receivers spin this long before parking (adaptive; 0: never). null: 50 where the
+    # host has a core for each data-plane process of the stack, else 0 (see data_plane_processes).
+    busy_poll_us: float | None = None
     checksum_payloads: bool = False  # crc32 of payloads too (headers always are)
     shm_ring_bytes: int = 16 << 20  # per direction, shm transport
     ucx_progress_mode: str = "blocking"  # blocking | thread | polling | thread-polling
@@ -161,11 +163,21 @@ class StackConfig:
     def transport_config(self):
         """The ``transports.TransportConfig`` of every data-plane connection."""
         from transports import TransportConfig  # the transports package is imported by services anyway
+        from transports.polling import default_budget_us
         dp = self.data_plane
-        return TransportConfig(auth_token=self.cluster_token, busy_poll_us=dp.busy_poll_us,
+        busy_poll = dp.busy_poll_us
+        if busy_poll is None:
+            busy_poll = default_budget_us(self.data_plane_processes)
+        return TransportConfig(auth_token=self.cluster_token, busy_poll_us=busy_poll,
                                checksum_payloads=dp.checksum_payloads, shm_ring_bytes=dp.shm_ring_bytes,
                                ucx_progress_mode=dp.ucx_progress_mode, ucx_tls=dp.ucx_tls,
                                native_frames=dp.native_frames)
+
+    @property
+    def data_plane_processes(self) -> int:
+        """Processes that exchange frames and compute between them: attention workers,
+        model workers and the prefill worker (all on one host under `lamina up`)."""
+        return self.attention.workers + self.model_worker.workers + 1
 
     def data_address(self, service_id: str) -> str:
         """Where a service listens for data-plane frames (port 0: the system picks)."""

@@ -20,7 +20,18 @@ probe hits in turn.
 
 from __future__ import annotations
 
+import os
 import time
+
+DEFAULT_BUDGET_US = 50.0
+
+
+def default_budget_us(busy_processes: int, num_cores: int | None = None) -> float:
+    """The spin budget where none is configured: spin only while every busy process on
+    the host can have a core to itself. A spinning receiver on an oversubscribed host
+    takes the core its peer needs to compute the reply it waits for."""
+    cores = num_cores or len(os.sched_getaffinity(0))
+    return DEFAULT_BUDGET_US if busy_processes <= cores else 0.0
 
 
 class BusyPoll:

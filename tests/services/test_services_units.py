@@ -17,6 +17,7 @@ from services.scheduler_state import Request, admission_order, can_admit, stop_r
 from services.wire import (Attend, Kind, RemoteError, StoreKV, ack_frame, decode_tag, error_frame, expect,
                            frame_tag, result_frame)
 from transports import Frame
+from transports.polling import default_budget_us
 
 CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=6,
                   num_kv_heads=3, head_dim=4)
@@ -42,8 +43,17 @@ def test_data_plane_settings_reach_the_transport_config(tmp_path):
     tcfg = load_config(f, env={}, overrides={"data_plane.ucx_progress_mode": "thread"}).transport_config()
     assert (tcfg.auth_token, tcfg.busy_poll_us, tcfg.checksum_payloads, tcfg.ucx_progress_mode,
             tcfg.native_frames) == ("s3cret", 0.0, True, "thread", False)
-    default = load_config(env={}).transport_config()
-    assert default.busy_poll_us == 50.0 and default.native_frames
+    default = load_config(env={})
+    assert default.transport_config().native_frames
+    # Unset, the spin budget follows the host: 2 attention + 1 model + 1 prefill worker.
+    assert default.data_plane_processes == 4
+    assert default.transport_config().busy_poll_us == default_budget_us(4)
+
+
+def test_busy_polling_only_where_every_busy_process_has_a_core():
+    assert default_budget_us(4, num_cores=2) == 0.0
+    assert default_budget_us(4, num_cores=4) == 50.0
+    assert default_budget_us(5, num_cores=16) == 50.0
 
 
 @pytest.mark.parametrize(("text", "message"), [
