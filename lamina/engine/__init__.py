@@ -1,8 +1,9 @@
 """The local engine: continuous batching over the split model in one process.
 
-It runs the same code path the distributed services use (slices, the attention
-operator over token-granular KV, the sampler), with attention computed in
-process instead of on attention workers.
+It shares with the distributed services the split model's slices, the sampler and
+the batched attention kernel (model.kv_attention); it keeps KV in per-sequence
+buffers and computes attention in process, where the services keep KV in slabs on
+attention workers. docs/model.md says what is shared and what is not.
 """
 
 from lamina.engine.engine import Engine, EngineConfig, RequestOutput
