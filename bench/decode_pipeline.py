@@ -15,11 +15,13 @@ Compared, in one run:
 - attention alone, per layer, for the same batch and contexts: the attention
   worker's core (services.attention_core) against the local engine's attention.
 
-For each stack run it reads the services' Prometheus counters: the share of wall time
-each process spent computing and sending (the rest is waiting), and the overlap of
-model and attention compute, estimated as max(0, model compute + attention compute
-- wall) / wall: time in which both computed, exact when neither side sat idle with
-work queued, a lower bound otherwise.
+For each stack run it reads the services' Prometheus counters: per process, the CPU
+time spent computing and the wall time spent sending, as shares of the run's wall time
+(the rest is waiting, or being descheduled on a busy host); the model workers' CPU
+milliseconds per generated token (steady however loaded the host is); and the overlap
+of model and attention compute, estimated as max(0, model compute + attention compute
+- wall) / wall: time in which both computed, exact when neither side sat idle with work
+queued, a lower bound otherwise. The local engine reports its CPU ms per token too.
 
 Prints the machine, the workload and a table; the last line is one JSON object.
 """
@@ -81,11 +83,12 @@ def run_local(loaded, prompts: list[list[int]], steps: int, threads: int) -> dic
     while len(prefilled) < len(prompts):  # prefill (and the first token) of every prompt: not timed
         prefilled.update(o.seq_id for o in engine.step())
     tokens = 0
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     while engine.has_work():
         tokens += sum(len(o.new_token_ids) for o in engine.step())
     elapsed = time.perf_counter() - start
-    return {"tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed}
+    return {"tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed,
+            "cpu_ms_per_token": 1e3 * (time.process_time() - cpu) / tokens}
 
 
 # -- attention alone -----------------------------------------------------------------------------
@@ -200,7 +203,8 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
                          scheduler=SchedulerSection(max_batch_size=len(prompts), max_queue=max(256, len(prompts))),
                          attention=AttentionSection(workers=2, kv_capacity_bytes=kv_bytes),
                          model_worker=ModelWorkerSection(workers=model_workers),
-                         pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early))
+                         # Exactly the micro-batches asked for, however small they get.
+                         pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1))
     import socket
 
     with socket.socket() as s:
@@ -267,7 +271,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
     model_c = sum(v["compute"] for k, v in shares.items() if k.startswith("model"))
     attn_c = sum(v["compute"] for k, v in shares.items() if k.startswith("attention"))
     return {"tok_s": tokens / wall, "tokens": tokens, "seconds": wall, "shares": shares,
-            "overlap": max(0.0, model_c + attn_c - 1.0)}
+            "overlap": max(0.0, model_c + attn_c - 1.0), "cpu_ms_per_token": 1e3 * model_c * wall / tokens}
 
 
 def main() -> None:
@@ -328,7 +332,8 @@ def main() -> None:
             print(f"  stack, 2 micro-batches, Q early: {q_on['tok_s']:.1f} tok/s", flush=True)
         attn = attention_per_layer(cfg, args.batch, context, repeats=20)
 
-        print(f"\n{'configuration':34s} {'tok/s':>8s}  {'vs best local':>13s}  time shares (compute/send/wait)")
+        print(f"\n{'configuration':34s} {'tok/s':>8s}  {'vs best local':>13s}  {'CPU ms/tok':>10s}  "
+              "time shares (compute/send/wait)")
         best_local = max(r["tok_s"] for r in local.values())
         for name, r in [("local engine, 1 thread", local["1"]), ("local engine, 2 threads", local["2"]),
                         *((f"stack, {m[2:]} micro-batch(es)", stack[m]) for m in stack),
@@ -336,7 +341,8 @@ def main() -> None:
             share = "  ".join(f"{sid} {v['compute']:.2f}/{v['send']:.2f}/{v['wait']:.2f}"
                               for sid, v in sorted(r.get("shares", {}).items()))
             overlap = f"  overlap {r['overlap']:.2f}" if "overlap" in r else ""
-            print(f"{name:34s} {r['tok_s']:8.1f}  {r['tok_s'] / best_local:12.2f}x  {share}{overlap}")
+            print(f"{name:34s} {r['tok_s']:8.1f}  {r['tok_s'] / best_local:12.2f}x  {r['cpu_ms_per_token']:10.2f}  "
+                  f"{share}{overlap}")
         print(f"attention per layer, {args.batch} x {context}: worker core {attn['worker']:.2f} ms, "
               f"local engine {attn['engine']:.2f} ms ({attn['worker'] / attn['engine']:.2f}x)")
         targets = {"attention worker within 1.3x of the engine": attn["worker"] <= 1.3 * attn["engine"]}

@@ -16,7 +16,7 @@ clear message naming the setting.
     prefill: {threads: 1, cache_block_tokens: 16, cache_device_bytes: 268435456,
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru}
     model_worker: {threads: 1, workers: 1}
-    pipeline: {micro_batches: 2, q_early: false}   # staggered micro-batches per model worker
+    pipeline: {micro_batches: 2, min_micro_batch: 16, q_early: false}   # staggered micro-batches per model worker
     attention: {workers: 2, threads: 1, kv_capacity_bytes: 1073741824}
     data_plane: {busy_poll_us: null, checksum_payloads: false, shm_ring_bytes: 16777216,
                  ucx_progress_mode: blocking, ucx_tls: null}   # see docs/transports.md
@@ -72,6 +72,7 @@ class ModelWorkerSection:
 @dataclass(frozen=True)
 class PipelineSection:
     micro_batches: int = 2  # micro-batches in flight per model worker (1: no staggering)
+    min_micro_batch: int = 16  # fewer micro-batches while they would hold fewer sequences than this
     q_early: bool = False  # send Q before K, V and combine partial attention by log-sum-exp
 
 
@@ -140,6 +141,7 @@ class StackConfig:
                             ("model_worker.threads", self.model_worker.threads),
                             ("model_worker.workers", self.model_worker.workers),
                             ("pipeline.micro_batches", self.pipeline.micro_batches),
+                            ("pipeline.min_micro_batch", self.pipeline.min_micro_batch),
                             ("attention.workers", self.attention.workers),
                             ("attention.threads", self.attention.threads),
                             ("attention.kv_capacity_bytes", self.attention.kv_capacity_bytes),

@@ -32,7 +32,7 @@ import transports
 from lamina.engine.sampling import SamplingParams, sample
 from lamina.engine.step import StepBatch
 from services.attention_pool import SeqRows
-from services.micro_batches import join_target, rebalance
+from services.micro_batches import join_target, num_active, rebalance
 from services.protos import lamina_pb2
 from services.scheduler_state import stop_reason
 from services.wire import RemoteError
@@ -69,12 +69,13 @@ class DecodeSeq:
 
 class DecodeRunner:
     def __init__(self, forward: Forward, num_micro_batches: int, stop: lamina_pb2.StopRule,
-                 on_step: Callable[[int, float], None] | None = None) -> None:
+                 on_step: Callable[[int, float], None] | None = None, min_micro_batch: int = 1) -> None:
         self._forward = forward
         self._stop_eos = set(stop.eos_token_ids)
         self._max_model_len = stop.max_model_len or (1 << 30)
         self._on_step = on_step
         self.num_micro_batches = num_micro_batches
+        self.min_micro_batch = min_micro_batch
         self.results: asyncio.Queue[lamina_pb2.DecodeResult] = asyncio.Queue()
         self._seqs: dict[str, DecodeSeq] = {}
         self._members: list[list[DecodeSeq]] = [[] for _ in range(num_micro_batches)]
@@ -87,7 +88,7 @@ class DecodeRunner:
             if s.seq_id in self._seqs:
                 log.warning("sequence %s joined twice; the second join is ignored", s.seq_id)
                 continue
-            mb = join_target([len(m) for m in self._members])
+            mb = join_target([len(m) for m in self._members], self._active(len(self._seqs) + 1))
             seq = DecodeSeq.from_proto(s, mb)
             self._seqs[s.seq_id] = seq
             self._members[mb].append(seq)
@@ -109,6 +110,9 @@ class DecodeRunner:
     def num_sequences(self) -> int:
         return len(self._seqs)
 
+    def _active(self, num_sequences: int) -> int:
+        return num_active(num_sequences, self.num_micro_batches, self.min_micro_batch)
+
     # -- tasks ------------------------------------------------------------------------------
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._run(mb), name=f"micro-batch-{mb}")
@@ -126,7 +130,8 @@ class DecodeRunner:
         members = [s for s in self._members[mb] if not s.leaving]
         for sid in left:
             del self._seqs[sid]
-        for target in rebalance(mb, [len(members) if i == mb else len(m) for i, m in enumerate(self._members)]):
+        sizes = [len(members) if i == mb else len(m) for i, m in enumerate(self._members)]
+        for target in rebalance(mb, sizes, self._active(sum(sizes))):
             seq = members.pop()
             seq.micro_batch = target
             self._members[target].append(seq)

@@ -41,7 +41,7 @@ class ModelSlices:
         self.loaded = load_model(model_path)
         self.cfg = self.loaded.config
         self.split = split_llama(self.loaded.model)
-        self.compute_s = 0.0  # time in the slices, every micro-batch together
+        self.compute_s = 0.0  # CPU time in the slices, every micro-batch together
 
     async def forward(self, micro_batch: int, step: int, batch: StepBatch, seqs: list[SeqRows],
                       pool: AttentionPool) -> torch.Tensor:
@@ -52,17 +52,19 @@ class ModelSlices:
         inputs = batch.model_inputs()
         route = pool.route(seqs)
         slices = self.split.slices
-        t0 = time.perf_counter()
+        # CPU time of this thread, not wall time: on a shared host the figure stays the
+        # work done, whoever else takes the core meanwhile.
+        t0 = time.thread_time()
         with torch.inference_mode():
             out = slices[0](inputs)
-        self.compute_s += time.perf_counter() - t0
+        self.compute_s += time.thread_time() - t0
         for i in range(self.split.num_attention):
             q, k, v = out.qkv
             attn = await pool.attend(decode_tag(micro_batch, step, i), i, route, q, k, v)
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             with torch.inference_mode():
                 out = slices[i + 1](inputs, attn, out.context)
-            self.compute_s += time.perf_counter() - t0
+            self.compute_s += time.thread_time() - t0
         return out.output
 
 
@@ -88,7 +90,7 @@ class ModelService:
         self.m_batch = prometheus_client.Histogram("lamina_model_batch_size", "sequences per micro-batch step",
                                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.m_compute = prometheus_client.Counter("lamina_model_compute_seconds",
-                                                   "time computing the slices", registry=r)
+                                                   "CPU time computing the slices", registry=r)
         self.m_send = prometheus_client.Counter("lamina_model_send_seconds",
                                                 "time sending Q, K, V to attention workers", registry=r)
         self.pool: AttentionPool | None = None
@@ -119,7 +121,8 @@ class ModelService:
         async def forward(mb, step, batch, rows):
             return await self.slices.forward(mb, step, batch, rows, self.pool)
 
-        runner = DecodeRunner(forward, pipe.micro_batches, first.stop, on_step=self._on_step)
+        runner = DecodeRunner(forward, pipe.micro_batches, first.stop, on_step=self._on_step,
+                              min_micro_batch=pipe.min_micro_batch)
         self._runner = runner
         runner.join(list(first.joins))
         runner.leave(list(first.leaves))

@@ -24,7 +24,8 @@ def start_stack(transport: str = "tcp", partition: str = "request", workers: int
                          gateway=GatewaySection(port=free_port(), **kw),
                          attention=AttentionSection(workers=workers, kv_capacity_bytes=256 << 20),
                          model_worker=ModelWorkerSection(workers=model_workers),
-                         pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early))
+                         # min_micro_batch 1: the few requests of a test still fill every micro-batch.
+                         pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1))
     stack = Stack(config)
     stack.start(timeout_s=240)
     return stack

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.decode_runner import DecodeRunner
-from services.micro_batches import join_target, rebalance
+from services.micro_batches import join_target, num_active, rebalance
 from services.protos import lamina_pb2
 from services.wire import RemoteError
 
@@ -25,6 +25,17 @@ EOS = 63
 def test_join_goes_to_the_smallest_micro_batch():
     assert join_target([3, 1, 2]) == 1
     assert join_target([2, 2, 2]) == 0
+    assert join_target([3, 2, 0], active=2) == 1  # micro-batch 2 is not active
+
+
+def test_micro_batches_stay_at_least_the_minimum_size():
+    assert [num_active(n, 3, 16) for n in (0, 15, 16, 31, 32, 47, 48, 200)] == [1, 1, 1, 1, 2, 2, 3, 3]
+    assert num_active(5, 2, 1) == 2
+
+
+def test_an_inactive_micro_batch_gives_everything_away():
+    assert rebalance(2, [3, 3, 2], active=2) == [0, 1]
+    assert rebalance(1, [1, 4], active=1) == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize(("own", "sizes", "moves"), [
@@ -170,6 +181,26 @@ def test_a_failed_step_fails_its_micro_batch_only():
     assert set(failed) == doomed == {"b", "d"} and set(failed.values()) == {"kv_full"}
     assert set(_tokens(results)) == {"a", "c"}  # the other micro-batch went on
     assert all("b" not in ids and "d" not in ids for _, _, ids in fake.steps[2:])
+
+
+def test_few_sequences_run_in_one_micro_batch_until_there_are_enough_for_two():
+    async def main():
+        fake = FakeSlices()
+        runner = DecodeRunner(fake.forward, 2, lamina_pb2.StopRule(max_model_len=1000), min_micro_batch=3)
+        runner.join([_seq(f"s{i}", 0) for i in range(5)])  # 5 // 3 = 1 active micro-batch
+        runner.start()
+        try:
+            await _collect(runner, lambda rs: len(rs) >= 2)
+            runner.join([_seq("s5", 0)])  # 6 // 3 = 2: the next steps split 3 and 3
+            await _collect(runner, lambda rs: len(rs) >= 6)
+        finally:
+            await runner.close()
+        return fake
+
+    fake = _run(main())
+    assert fake.steps[0][0] == 0 and len(fake.steps[0][2]) == 5
+    last = {mb: ids for mb, _, ids in fake.steps}
+    assert sorted(len(ids) for ids in last.values()) == [3, 3]
 
 
 def test_joins_rebalance_micro_batches_as_sequences_leave():
