@@ -158,9 +158,13 @@ class DecodeRunner:
             start = time.perf_counter()
             try:
                 result = await self._step(mb, step, members)
-            except (RemoteError, transports.TransportError) as exc:
-                code = exc.code if isinstance(exc, RemoteError) else "transport"
-                log.warning("step %d of micro-batch %d failed: %s", step, mb, exc)
+            except Exception as exc:  # noqa: BLE001 - a failed step must fail its sequences, never hang them
+                if isinstance(exc, (RemoteError, transports.TransportError)):
+                    code = exc.code if isinstance(exc, RemoteError) else "transport"
+                    log.warning("step %d of micro-batch %d failed: %s", step, mb, exc)
+                else:
+                    code = "internal"
+                    log.exception("step %d of micro-batch %d failed", step, mb)
                 self._drop(mb, {s.seq_id for s in members})
                 result = lamina_pb2.DecodeResult(micro_batch=mb, step=step, failed=[
                     lamina_pb2.DecodeFailure(seq_id=s.seq_id, code=code, message=str(exc)) for s in members])

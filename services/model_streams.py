@@ -61,6 +61,10 @@ class ModelStream:
             raise
         except grpc.aio.AioRpcError as exc:
             await self._on_lost(self.index, exc.details() or exc.code().name)
+        except Exception as exc:  # noqa: BLE001 - requests must end, not wait on a dead reader
+            log.exception("decode stream %d: handling a result failed", self.index)
+            self._call.cancel()
+            await self._on_lost(self.index, f"{type(exc).__name__}: {exc}")
 
     def join(self, seqs: list[lamina_pb2.StepSequence]) -> None:
         self.num_sequences += len(seqs)

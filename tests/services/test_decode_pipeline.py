@@ -63,6 +63,7 @@ class FakeSlices:
         self.max_in_flight = 0
         self.steps: list[tuple[int, int, list[str]]] = []  # (micro_batch, step, seq ids)
         self.fail_micro_batch: int | None = None
+        self.failure: Exception = RemoteError("kv_full", "no room")
 
     async def forward(self, mb, step, batch, rows):
         self.steps.append((mb, step, list(batch.seq_ids)))
@@ -73,7 +74,7 @@ class FakeSlices:
                 await asyncio.sleep(0)  # awaiting an attention reply
                 if self.fail_micro_batch == mb:
                     self.fail_micro_batch = None  # once
-                    raise RemoteError("kv_full", "no room")
+                    raise self.failure
         finally:
             self.in_flight -= 1
         logits = torch.zeros(len(batch.seq_ids), VOCAB)
@@ -162,9 +163,12 @@ def test_a_leaving_sequence_finishes_its_step_in_flight_and_is_in_no_later_step(
     assert fake.steps[0][2] == ["stay", "go"]
 
 
-def test_a_failed_step_fails_its_micro_batch_only():
+@pytest.mark.parametrize(("failure", "code"), [(RemoteError("kv_full", "no room"), "kv_full"),
+                                               (ValueError("a bug"), "internal")])
+def test_a_failed_step_fails_its_micro_batch_only(failure, code):
     async def main():
         fake = FakeSlices()
+        fake.failure = failure
         runner = DecodeRunner(fake.forward, 2, lamina_pb2.StopRule(max_model_len=1000))
         runner.join([_seq("a", 0), _seq("b", 0), _seq("c", 0), _seq("d", 0)])
         fake.fail_micro_batch = 1
@@ -178,7 +182,7 @@ def test_a_failed_step_fails_its_micro_batch_only():
     fake, results = _run(main())
     failed = {f.seq_id: f.code for r in results for f in r.failed}
     doomed = set(next(ids for mb, _, ids in fake.steps if mb == 1))
-    assert set(failed) == doomed == {"b", "d"} and set(failed.values()) == {"kv_full"}
+    assert set(failed) == doomed == {"b", "d"} and set(failed.values()) == {code}
     assert set(_tokens(results)) == {"a", "c"}  # the other micro-batch went on
     assert all("b" not in ids and "d" not in ids for _, _, ids in fake.steps[2:])
 
