@@ -15,6 +15,12 @@ Sharing: `fork` gives a new request the first n tokens of another by reference (
 reference count of each slot counts the requests using it). Writing a position whose
 slot is shared first copies it to a fresh slot (copy-on-write) in every layer.
 
+Slot lists: each request's slots are kept as an int64 array, so the slots of a batch of
+requests concatenate into one index tensor without a Python loop over tokens
+(`batch_slots`); `slot_version` changes whenever a request's slots do (allocation,
+extension, copy-on-write, free), so a caller can keep such a tensor across the layers of
+a step and know when it is stale.
+
 Failure: `allocate`, `extend` and `prepare_write` raise KVAllocationError before any
 state changes when the free list cannot cover the request; `can_allocate` answers the
 same question without raising, so a scheduler can check before admitting a request.
@@ -23,7 +29,10 @@ Not thread-safe: one attention worker's event loop owns it.
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import count
 
 import torch
 
@@ -83,7 +92,9 @@ class SlabAllocator:
                         for _ in range(config.num_layers)]
         self._free: list[int] = []  # LIFO: the top is the end of the list
         self._refcount = [0] * n
-        self._seqs: dict[str, list[int]] = {}  # request id -> slot of each position
+        self._seqs: dict[str, array] = {}  # request id -> slot of each position (int64)
+        self._versions: dict[str, int] = {}  # request id -> stamp of its slots' last change
+        self._stamps = count(1)
         self.num_open_slabs = 0
 
     # ---- accounting ----
@@ -130,8 +141,16 @@ class SlabAllocator:
         return list(self._seqs[request_id])
 
     def slot_tensor(self, request_id: str) -> torch.Tensor:
-        return torch.tensor(self._seqs[request_id], dtype=torch.long,
-                            device=self.config.device)  # [T]
+        return _int64_tensor([self._seqs[request_id]]).to(self.config.device)  # [T]
+
+    def batch_slots(self, request_ids: Sequence[str]) -> torch.Tensor:
+        """The slots of each request in position order, concatenated: int64 [sum T] (CPU)."""
+        return _int64_tensor([self._seqs[r] for r in request_ids])
+
+    def slot_version(self, request_id: str) -> int:
+        """Changes whenever the request's slots change; never repeats, even for a
+        request id that is freed and allocated again."""
+        return self._versions[request_id]
 
     def slab_ranges(self, request_id: str) -> list[tuple[int, int]]:
         """The request's slots as contiguous [start, end) runs, in position order."""
@@ -153,8 +172,9 @@ class SlabAllocator:
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} already holds KV")
         slots = self._pop(num_tokens)
-        self._seqs[request_id] = slots
-        return list(slots)
+        self._seqs[request_id] = array("q", slots)
+        self._versions[request_id] = next(self._stamps)
+        return slots
 
     def fork(self, source_id: str, request_id: str, num_tokens: int) -> list[int]:
         """A new request sharing the first `num_tokens` tokens of `source_id`."""
@@ -166,7 +186,8 @@ class SlabAllocator:
         shared = source[:num_tokens]
         for s in shared:
             self._refcount[s] += 1
-        self._seqs[request_id] = list(shared)
+        self._seqs[request_id] = shared
+        self._versions[request_id] = next(self._stamps)
         return list(shared)
 
     def extend(self, request_id: str, num_tokens: int = 1) -> list[int]:
@@ -174,11 +195,13 @@ class SlabAllocator:
         seq = self._seqs[request_id]
         slots = self._pop(num_tokens)
         seq.extend(slots)
-        return list(slots)
+        self._versions[request_id] = next(self._stamps)
+        return slots
 
     def free(self, request_id: str) -> int:
         """Ends a request; returns how many slots went back to the free list."""
         seq = self._seqs.pop(request_id)
+        del self._versions[request_id]
         num_freed = 0
         for s in reversed(seq):  # so the first position's slot ends on top
             self._refcount[s] -= 1
@@ -213,13 +236,14 @@ class SlabAllocator:
         for p, s in zip(shared, fresh):
             self._refcount[seq[p]] -= 1
             seq[p] = s
+        self._versions[request_id] = next(self._stamps)
 
     def write(self, request_id: str, layer: int, start: int, k: torch.Tensor,
               v: torch.Tensor) -> None:
         """k, v: [n, H, D] for positions [start, start + n) of layer `layer`."""
         n = k.shape[0]
         self.prepare_write(request_id, start, n)
-        idx = torch.tensor(self._seqs[request_id][start:start + n], dtype=torch.long)
+        idx = _int64_tensor([self._seqs[request_id][start:start + n]])
         self.k_pools[layer][idx] = k
         self.v_pools[layer][idx] = v
 
@@ -249,3 +273,9 @@ class SlabAllocator:
         first = self.num_open_slabs * size
         self._free.extend(range(first + size - 1, first - 1, -1))
         self.num_open_slabs += 1
+
+
+def _int64_tensor(parts: list[array]) -> torch.Tensor:
+    """int64 arrays concatenated into one tensor: a byte copy, no per-element Python."""
+    data = bytearray().join(parts)
+    return torch.frombuffer(data, dtype=torch.int64) if data else torch.empty(0, dtype=torch.int64)

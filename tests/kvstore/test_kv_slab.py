@@ -120,3 +120,37 @@ def test_every_token_freed_when_requests_end_or_abort(end):
     assert all(a.refcount(s) == 0 for s in range(a.num_total_tokens))
     assert a.abort("p") == 0  # aborting an ended request is harmless
     assert a.fragmentation == 1.0 and a.occupancy == 0.0
+
+
+def test_batch_slots_concatenate_each_request_in_position_order():
+    a = make(num_slabs=4)
+    a.allocate("p", 3)
+    a.allocate("q", 2)
+    a.extend("p", 2)
+    a.allocate("empty", 0)
+    slots = a.batch_slots(["q", "empty", "p"])
+    assert slots.dtype == torch.int64 and slots.tolist() == a.slots("q") + a.slots("p")
+    assert a.batch_slots([]).shape == (0,)
+    assert torch.equal(a.slot_tensor("p"), torch.tensor(a.slots("p")))
+    slots[0] = 99  # a copy: the allocator's lists are untouched
+    assert a.slots("q")[0] != 99
+
+
+def test_slot_version_changes_exactly_when_the_slots_do():
+    a = make(num_slabs=4)
+    a.allocate("p", 3)
+    v0 = a.slot_version("p")
+    a.write("p", 0, 0, torch.zeros(3, H, D), torch.zeros(3, H, D))  # exclusive slots: written in place
+    assert a.slot_version("p") == v0
+    a.fork("p", "c", 3)
+    assert a.slot_version("p") == v0  # sharing does not move the source's slots
+    v_c = a.slot_version("c")
+    a.extend("c")
+    assert a.slot_version("c") != v_c
+    v_c = a.slot_version("c")
+    a.write("c", 0, 1, torch.ones(1, H, D), torch.ones(1, H, D))  # copy-on-write moves position 1
+    assert a.slot_version("c") != v_c
+    stamps = {a.slot_version("p"), a.slot_version("c")}
+    a.free("c")
+    a.allocate("c", 4)  # the same id and length again: a new version all the same
+    assert a.slot_version("c") not in stamps
