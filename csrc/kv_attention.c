@@ -17,9 +17,11 @@
  * Query i of sequence b (of n_b) sees keys 0 .. L_b - n_b + i when causal, every
  * key otherwise.
  *
- * One pass over the keys with an online softmax, in blocks of keys: for each
- * sequence all Hq * n_b query rows are processed together, so each K and V row
- * ([Hkv, D], contiguous) is read from memory once.
+ * One pass over the keys with an online softmax, in blocks of BLOCK keys. Within a
+ * block, for each KV head, every query row that reads that head (n_b * G of them)
+ * takes the block's scores, softmax update and weighted sum of V in turn: the block's
+ * K and V rows come from memory once and are then read from cache by the other rows.
+ * A causal row's visible keys are a prefix of the block, so nothing is masked.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,22 +30,36 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define BLOCK 32
-/* Built with -ffast-math (vectorized expf): nothing here may rely on infinities, so
- * "no score" is a large finite negative, and -inf is written only into lse, by bits. */
+#define BLOCK 64
+/* Built with -ffast-math (vectorized expf): nothing here may rely on infinities, so the
+ * running maximum starts at a large finite negative and -inf is written only into lse,
+ * by its bits. */
 #define NONE (-1e30f)
-#define NONE_HALF (-5e29f)
 
 static inline float minus_infinity(void) {
     union { uint32_t u; float f; } bits = {0xff800000u};
     return bits.f;
 }
 
-#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
-#define CLONES __attribute__((target_clones("arch=haswell", "default")))
+/* Each loop is compiled twice on x86: for AVX2 + FMA and for the baseline; `run` picks
+ * by what the CPU reports, so one built .so is fast where AVX2 is and runs everywhere.
+ * (target_clones("arch=haswell") would pick by CPU model, never on AMD.) */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define X86 1
+#define AVX2 __attribute__((target("avx2,fma")))
 #else
-#define CLONES
+#define X86 0
+#define AVX2
 #endif
+#define INLINE static inline __attribute__((always_inline))
+
+/* Eight floats; the unaligned, aliasing form is for loads and stores of tensor rows. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+
+INLINE v8 load8(const float *p) { return *(const v8u *)p; }
+INLINE void store8(float *p, v8 x) { *(v8u *)p = x; }
+INLINE float hsum8(v8 x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])); }
 
 typedef struct {
     const float *q;
@@ -58,23 +74,101 @@ typedef struct {
     float scale;
 } job_t;
 
-/* Eight independent partial sums: vectorizes without reassociating float adds. */
-static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
-    float part[8] = {0};
-    int64_t x = 0;
-    for (; x + 8 <= d; x += 8)
-        for (int u = 0; u < 8; u++) part[u] += a[x + u] * b[x + u];
-    float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-    for (; x < d; x++) sum += a[x] * b[x];
-    return sum;
+/* s[j] = scale * <q, k_j> for the block's first jn keys (k_j = krow[j] + off).
+ * Four keys at a time: four independent accumulators hide the FMA latency. */
+INLINE void scores(const float *restrict q, const float *const *krow, int64_t off, int64_t jn, int64_t d,
+                   float scale, float *restrict s) {
+    int64_t j = 0;
+    for (; j + 4 <= jn; j += 4) {
+        const float *k0 = krow[j] + off, *k1 = krow[j + 1] + off, *k2 = krow[j + 2] + off, *k3 = krow[j + 3] + off;
+        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int64_t x = 0;
+        for (; x + 8 <= d; x += 8) {
+            const v8 qq = load8(q + x);
+            a0 += qq * load8(k0 + x);
+            a1 += qq * load8(k1 + x);
+            a2 += qq * load8(k2 + x);
+            a3 += qq * load8(k3 + x);
+        }
+        float t0 = hsum8(a0), t1 = hsum8(a1), t2 = hsum8(a2), t3 = hsum8(a3);
+        for (; x < d; x++) {
+            t0 += q[x] * k0[x];
+            t1 += q[x] * k1[x];
+            t2 += q[x] * k2[x];
+            t3 += q[x] * k3[x];
+        }
+        s[j] = t0 * scale;
+        s[j + 1] = t1 * scale;
+        s[j + 2] = t2 * scale;
+        s[j + 3] = t3 * scale;
+    }
+    for (; j < jn; j++) {
+        const float *k0 = krow[j] + off;
+        v8 a0 = {0};
+        int64_t x = 0;
+        for (; x + 8 <= d; x += 8) a0 += load8(q + x) * load8(k0 + x);
+        float t0 = hsum8(a0);
+        for (; x < d; x++) t0 += q[x] * k0[x];
+        s[j] = t0 * scale;
+    }
 }
 
-/* One sequence, every head: each K and V row ([Hkv, D], contiguous) is read once per
- * block for all Hq * n query rows. Row r of the sequence is query i = r / hq, head
- * r % hq = kh * g + gg, which reads KV head kh. */
-CLONES
-static void one_sequence(const job_t *job, int64_t b, float *scores, float *acc, float *m, float *l) {
-    const int64_t d = job->d, hq = job->hq, hkv = job->hkv, g = hq / hkv;
+/* acc = acc * corr + sum_j p[j] v_j (v_j = vrow[j] + off), 64 columns at a time so the
+ * accumulator stays in eight registers across the block's keys. */
+INLINE void weighted_values(const float *restrict p, const float *const *vrow, int64_t off, int64_t jn, int64_t d,
+                            float corr, float *restrict acc) {
+    int64_t x = 0;
+    for (; x + 64 <= d; x += 64) {
+        v8 c[8];
+        for (int u = 0; u < 8; u++) c[u] = load8(acc + x + 8 * u) * corr;
+        for (int64_t j = 0; j < jn; j++) {
+            const float *vv = vrow[j] + off + x;
+            const float pj = p[j];
+            for (int u = 0; u < 8; u++) c[u] += pj * load8(vv + 8 * u);
+        }
+        for (int u = 0; u < 8; u++) store8(acc + x + 8 * u, c[u]);
+    }
+    for (; x + 8 <= d; x += 8) {
+        v8 c = load8(acc + x) * corr;
+        for (int64_t j = 0; j < jn; j++) c += p[j] * load8(vrow[j] + off + x);
+        store8(acc + x, c);
+    }
+    for (; x < d; x++) {
+        float c = acc[x] * corr;
+        for (int64_t j = 0; j < jn; j++) c += p[j] * vrow[j][off + x];
+        acc[x] = c;
+    }
+}
+
+/* Asks for KV head kh of the keys j0 .. j0 + BLOCK of sequence b (or, past its end, of
+ * the next sequence's first block) while the current block is computed: slots can be
+ * anywhere in the pool, where the hardware's stream prefetch would not look. One head
+ * at a time keeps what is fetched ahead small beside the block in use. */
+INLINE void prefetch_block(const job_t *job, int64_t b, int64_t j0, int64_t kh) {
+    for (; b < job->batch; b++, j0 = 0) {
+        const int64_t len = job->kv_len ? job->kv_len[b] : job->kv_start[b + 1] - job->kv_start[b];
+        if (j0 >= len) continue;
+        const int64_t jn = len - j0 < BLOCK ? len - j0 : BLOCK;
+        const int64_t row_bytes = job->hkv * job->d * (int64_t)sizeof(float), head_bytes = job->d * (int64_t)sizeof(float);
+        const char *kb = (const char *)(intptr_t)job->k_base[b] + kh * head_bytes;
+        const char *vb = (const char *)(intptr_t)job->v_base[b] + kh * head_bytes;
+        const int64_t *slots = job->slots ? job->slots + job->kv_start[b] : NULL;
+        for (int64_t j = j0; j < j0 + jn; j++) {
+            const int64_t at = (slots ? slots[j] : j) * row_bytes;
+            for (int64_t x = 0; x < head_bytes; x += 64) {
+                __builtin_prefetch(kb + at + x);
+                __builtin_prefetch(vb + at + x);
+            }
+        }
+        return;
+    }
+}
+
+/* One sequence. Row r of the sequence's queries is query i = r / hq, head h = r % hq,
+ * which reads KV head h / g. m, l: [n * hq] running maximum and sum; acc: [n * hq, d];
+ * s: [BLOCK]. d is a constant in the specialized copies below, so loops unroll. */
+INLINE void one_sequence(const job_t *job, int64_t b, int64_t d, float *acc, float *m, float *l, float *s) {
+    const int64_t hq = job->hq, hkv = job->hkv, g = hq / hkv;
     const int64_t n = job->q_start[b + 1] - job->q_start[b];
     const int64_t len = job->kv_len ? job->kv_len[b] : job->kv_start[b + 1] - job->kv_start[b];
     const int64_t rows = n * hq;
@@ -82,7 +176,7 @@ static void one_sequence(const job_t *job, int64_t b, float *scores, float *acc,
     const float *vb = (const float *)(intptr_t)job->v_base[b];
     const int64_t *slots = job->slots ? job->slots + job->kv_start[b] : NULL;
     const int64_t row_stride = hkv * d;
-    const float *q = job->q + job->q_start[b] * hq * d; /* [n * hq, d]: row r is query r / hq, head r % hq */
+    const float *q = job->q + job->q_start[b] * hq * d; /* [n * hq, d] */
 
     for (int64_t r = 0; r < rows; r++) {
         m[r] = NONE;
@@ -93,65 +187,69 @@ static void one_sequence(const job_t *job, int64_t b, float *scores, float *acc,
     for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {
         const int64_t jn = len - j0 < BLOCK ? len - j0 : BLOCK;
         const float *krow[BLOCK], *vrow[BLOCK];
-        for (int64_t jj = 0; jj < jn; jj++) {
-            const int64_t row = slots ? slots[j0 + jj] : j0 + jj;
-            krow[jj] = kb + row * row_stride;
-            vrow[jj] = vb + row * row_stride;
+        for (int64_t j = 0; j < jn; j++) {
+            const int64_t row = slots ? slots[j0 + j] : j0 + j;
+            krow[j] = kb + row * row_stride;
+            vrow[j] = vb + row * row_stride;
         }
-        /* scores: [rows, BLOCK]; rows in (query i, KV head, group member) order, no divisions */
-        for (int64_t jj = 0; jj < jn; jj++) {
+        for (int64_t kh = 0; kh < hkv; kh++) {
+            prefetch_block(job, b, j0 + BLOCK, kh);
             for (int64_t i = 0; i < n; i++) {
-                /* keys past this query's own position are masked when causal */
-                const int masked = job->causal && j0 + jj > len - n + i;
-                for (int64_t kh = 0; kh < hkv; kh++) {
-                    const float *k = krow[jj] + kh * d;
-                    for (int64_t gg = 0; gg < g; gg++) {
-                        const int64_t r = (i * hkv + kh) * g + gg;
-                        scores[r * BLOCK + jj] = masked ? NONE : dot(q + r * d, k, d) * job->scale;
-                    }
-                }
-            }
-        }
-        for (int64_t r = 0; r < rows; r++) {
-            float *s = scores + r * BLOCK;
-            float bmax = NONE;
-            for (int64_t jj = 0; jj < jn; jj++) bmax = s[jj] > bmax ? s[jj] : bmax;
-            if (bmax <= NONE_HALF) { /* every key of the block is masked for this row */
-                for (int64_t jj = 0; jj < jn; jj++) s[jj] = 0.0f;
-                continue;
-            }
-            const float mnew = bmax > m[r] ? bmax : m[r];
-            const float corr = expf(m[r] - mnew); /* 0 when m was NONE */
-            l[r] *= corr;
-            float *a = acc + r * d;
-            for (int64_t x = 0; x < d; x++) a[x] *= corr;
-            m[r] = mnew;
-            float sum = 0.0f;
-            for (int64_t jj = 0; jj < jn; jj++) {
-                s[jj] = s[jj] <= NONE_HALF ? 0.0f : expf(s[jj] - mnew); /* now the weights */
-                sum += s[jj];
-            }
-            l[r] += sum;
-        }
-        for (int64_t jj = 0; jj < jn; jj++) {
-            for (int64_t rk = 0; rk < rows / g; rk++) { /* rk = i * hkv + KV head */
-                const float *restrict vv = vrow[jj] + (rk % hkv) * d;
+                /* keys this query sees in the block: all, or up to its own position */
+                int64_t seen = job->causal ? len - n + i + 1 - j0 : jn;
+                if (seen > jn) seen = jn;
+                if (seen <= 0) continue;
                 for (int64_t gg = 0; gg < g; gg++) {
-                    const int64_t r = rk * g + gg;
-                    const float pj = scores[r * BLOCK + jj];
-                    float *restrict a = acc + r * d;
-                    for (int64_t x = 0; x < d; x++) a[x] += pj * vv[x];
+                    const int64_t r = i * hq + kh * g + gg;
+                    scores(q + r * d, krow, kh * d, seen, d, job->scale, s);
+                    float bmax = s[0];
+                    for (int64_t j = 1; j < seen; j++) bmax = s[j] > bmax ? s[j] : bmax;
+                    const float mnew = bmax > m[r] ? bmax : m[r];
+                    const float corr = expf(m[r] - mnew); /* 0 on the row's first block */
+                    float sum = 0.0f;
+                    for (int64_t j = 0; j < seen; j++) {
+                        s[j] = expf(s[j] - mnew); /* now the weights */
+                        sum += s[j];
+                    }
+                    m[r] = mnew;
+                    l[r] = l[r] * corr + sum;
+                    weighted_values(s, vrow, kh * d, seen, d, corr, acc + r * d);
                 }
             }
         }
     }
+    float *out = job->out + job->q_start[b] * hq * d;
     for (int64_t r = 0; r < rows; r++) {
-        float *o = job->out + (job->q_start[b] * hq + r) * d;
         const float *a = acc + r * d;
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int64_t x = 0; x < d; x++) o[x] = a[x] * inv;
+        for (int64_t x = 0; x < d; x++) out[r * d + x] = a[x] * inv;
         if (job->lse) job->lse[job->q_start[b] * hq + r] = l[r] > 0.0f ? m[r] + logf(l[r]) : minus_infinity();
     }
+}
+
+/* Head sizes 64 and 128 get copies with d constant (unrolled, accumulators in registers). */
+#define SEQUENCES(name, attr, dim)                                                   \
+    attr static void name(const job_t *job, float *acc, float *m, float *l, float *s) { \
+        for (int64_t b = 0; b < job->batch; b++) one_sequence(job, b, dim, acc, m, l, s); \
+    }
+SEQUENCES(sequences_d64, , 64)
+SEQUENCES(sequences_d128, , 128)
+SEQUENCES(sequences_any, , job->d)
+#if X86
+SEQUENCES(sequences_d64_avx2, AVX2, 64)
+SEQUENCES(sequences_d128_avx2, AVX2, 128)
+SEQUENCES(sequences_any_avx2, AVX2, job->d)
+#endif
+
+typedef void (*sequences_fn)(const job_t *, float *, float *, float *, float *);
+
+static sequences_fn pick(int64_t d) {
+#if X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return d == 64 ? sequences_d64_avx2 : d == 128 ? sequences_d128_avx2 : sequences_any_avx2;
+#endif
+    return d == 64 ? sequences_d64 : d == 128 ? sequences_d128 : sequences_any;
 }
 
 static int run(const job_t *job) {
@@ -161,10 +259,10 @@ static int run(const job_t *job) {
         if (rows > max_rows) max_rows = rows;
     }
     if (max_rows == 0) return 0;
-    float *scratch = malloc((size_t)max_rows * (BLOCK + job->d + 2) * sizeof(float));
+    float *scratch = malloc(((size_t)max_rows * (job->d + 2) + BLOCK) * sizeof(float));
     if (!scratch) return -1;
-    float *scores = scratch, *acc = scores + max_rows * BLOCK, *m = acc + max_rows * job->d, *l = m + max_rows;
-    for (int64_t b = 0; b < job->batch; b++) one_sequence(job, b, scores, acc, m, l);
+    float *acc = scratch, *m = acc + max_rows * job->d, *l = m + max_rows, *s = l + max_rows;
+    pick(job->d)(job, acc, m, l, s);
     free(scratch);
     return 0;
 }

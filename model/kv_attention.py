@@ -2,7 +2,7 @@
 
 Two ways KV is stored, one kernel (csrc/kv_attention.c, built into
 `model._kv_attention`; `NATIVE` is None where it could not be built, and the
-torch reference below runs instead):
+torch reference below runs instead, with the same results):
 
 - `slot_attention`: KV in a slab pool ([S, Hkv, D] per layer, kvstore.slab), each
   sequence's keys named by their slots (a `SlotBatch`, built once per step and used
@@ -11,22 +11,27 @@ torch reference below runs instead):
   contiguous): the local engine's layout.
 
 Both take the new tokens' queries of every sequence concatenated (q: [T, Hq, D],
-`query_lens` per sequence) and return out [T, Hq, D] and, with `need_lse`, the
-log-sum-exp of the scaled scores lse [T, Hq] (float32; -inf for a query that saw no
-key, so its partial combines as zero: see model.attention.combine_partials). With
-`causal`, query i of a sequence of n queries and L keys sees keys 0 .. L - n + i (the
-queries are the last n keys); without, every key (Q-early's part over the KV held
-before the step).
+`query_lens` per sequence, T = sum(query_lens), Hq a multiple of Hkv) and return
+out [T, Hq, D] and, with `need_lse`, the log-sum-exp of the scaled scores lse [T, Hq]
+(float32; -inf for a query that saw no key, whose out is 0, so its partial combines as
+nothing: see model.attention.combine_partials). With `causal`, query i of a sequence of
+n queries and L keys sees keys 0 .. L - n + i (the queries are the last n keys);
+without, every key (Q-early's part over the KV held before the step).
 
-The kernel reads each K and V row once per KV head for all the queries that share it,
-with an online softmax; it accumulates in float32 like the reference, so the two agree
-to float rounding (tests/model/test_kv_attention.py).
+The kernel makes one pass over each sequence's keys with an online softmax; every query
+head of a sequence is served from each K and V row while it is in cache, so a row comes
+from memory once; it accumulates in float32 like the reference, so the two agree to
+float rounding (tests/model/test_kv_attention.py). Everything the kernel relies on
+(dtypes, shapes, contiguity, the CPU, slots inside the pool, lengths) is checked here
+first: a bad argument raises ValueError, never reaches the C code.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -38,81 +43,97 @@ except ImportError:  # not built (no C compiler at install): the torch reference
     NATIVE = None
 
 
+def _offsets(lens: Sequence[int]) -> array:
+    """int64 [B + 1] start of each sequence, then the total."""
+    return array("q", accumulate(lens, initial=0))
+
+
+def _addr(a: array) -> int:
+    return a.buffer_info()[0]
+
+
+def _is_cpu_float32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
 def _check_q(q: torch.Tensor, query_lens: Sequence[int], hkv: int, d: int) -> None:
-    if q.dtype != torch.float32 or q.dim() != 3 or not q.is_contiguous():
-        raise ValueError(f"q must be a contiguous float32 [T, Hq, D] tensor, got {q.dtype} {tuple(q.shape)}")
-    if q.shape[2] != d or q.shape[1] % hkv:
+    if q.dim() != 3 or not _is_cpu_float32(q):
+        raise ValueError(f"q must be a contiguous float32 [T, Hq, D] CPU tensor, got {q.dtype} {tuple(q.shape)} "
+                         f"on {q.device}")
+    if q.shape[2] != d or q.shape[1] == 0 or q.shape[1] % hkv:
         raise ValueError(f"q {tuple(q.shape)} does not fit KV of {hkv} heads of dimension {d}")
-    if sum(query_lens) != q.shape[0]:
-        raise ValueError(f"query_lens add up to {sum(query_lens)}, q has {q.shape[0]} rows")
+    if any(n < 0 for n in query_lens) or sum(query_lens) != q.shape[0]:
+        raise ValueError(f"query_lens {list(query_lens)[:8]} do not add up to the {q.shape[0]} rows of q")
 
 
-def _starts(lens: Sequence[int]) -> torch.Tensor:
-    out = torch.zeros(len(lens) + 1, dtype=torch.int64)  # [B + 1]
-    if lens:
-        out[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
-    return out
-
-
-def _prepare(q: torch.Tensor, query_lens: Sequence[int], kv_lens: Sequence[int], causal: bool, need_lse: bool):
-    """Outputs and the int64 start offsets ([B + 1]) the kernel reads."""
+def _outputs(q: torch.Tensor, query_lens: Sequence[int], kv_lens: Sequence[int], causal: bool,
+             need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if len(query_lens) != len(kv_lens):
+        raise ValueError(f"{len(query_lens)} query lengths for {len(kv_lens)} sequences of keys")
     if causal and any(n > length for n, length in zip(query_lens, kv_lens)):
         raise ValueError("a sequence has more queries than keys (causal queries are its last keys)")
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32) if need_lse else None
-    return out, lse, _starts(query_lens), _starts(kv_lens)
+    out = torch.empty_like(q)  # [T, Hq, D]
+    return out, torch.empty(q.shape[:2], dtype=torch.float32) if need_lse else None  # [T, Hq]
 
 
 @dataclass(frozen=True)
 class SlotBatch:
     """The slots of a batch's sequences, checked once and reused for every layer.
 
-    slots: int64 [sum(lens)], each sequence's slots in position order, concatenated;
-    starts: int64 [B + 1] offsets into slots; lens: tokens per sequence."""
+    slots: int64 [sum(lens)] (CPU, contiguous), each sequence's slots in position
+    order, concatenated; lens: keys per sequence; num_slots: the pool size every slot
+    is below. The tensor must not change after the batch is built (the kernel trusts
+    the range check done here)."""
 
     slots: torch.Tensor
-    starts: torch.Tensor
     lens: tuple[int, ...]
-    num_slots: int  # the pool size every slot is below
+    num_slots: int
+    starts: array = field(init=False, repr=False, compare=False)  # int64 [B + 1] offsets into slots
+
+    def __post_init__(self) -> None:
+        s = self.slots
+        if s.dtype != torch.int64 or s.dim() != 1 or not s.is_contiguous() or s.device.type != "cpu":
+            raise ValueError(f"slots must be a contiguous int64 [N] CPU tensor, got {s.dtype} {tuple(s.shape)}")
+        if any(n < 0 for n in self.lens) or sum(self.lens) != s.numel():
+            raise ValueError(f"{s.numel()} slots for sequences of {sum(self.lens)} keys")
+        if s.numel() and (int(s.min()) < 0 or int(s.max()) >= self.num_slots):
+            raise ValueError(f"slots outside the pool of {self.num_slots}")
+        object.__setattr__(self, "starts", _offsets(self.lens))
 
     @classmethod
     def build(cls, per_sequence: Sequence[Sequence[int]], num_slots: int) -> SlotBatch:
-        lens = tuple(len(s) for s in per_sequence)
         slots = torch.tensor([x for seq in per_sequence for x in seq], dtype=torch.int64)
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
-            raise ValueError(f"slots outside the pool of {num_slots}")
-        return cls(slots, _starts(lens), lens, num_slots)
+        return cls(slots, tuple(len(s) for s in per_sequence), num_slots)
 
 
 def slot_attention(q: torch.Tensor, query_lens: Sequence[int], k_pool: torch.Tensor, v_pool: torch.Tensor,
                    batch: SlotBatch, kv_lens: Sequence[int] | None = None, *, causal: bool = True,
                    need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """k_pool, v_pool: [S, Hkv, D]; `batch` names each sequence's slots. With
-    `kv_lens`, sequence b attends over its first kv_lens[b] slots only."""
-    if k_pool.shape != v_pool.shape or k_pool.dim() != 3:
-        raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} must be [S, Hkv, D]")
-    if k_pool.dtype != torch.float32 or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
-        raise ValueError("k_pool and v_pool must be contiguous float32")
+    """k_pool, v_pool: [S, Hkv, D], contiguous float32; `batch` names each sequence's
+    slots. With `kv_lens`, sequence b attends over its first kv_lens[b] slots only."""
+    if k_pool.dim() != 3 or k_pool.shape != v_pool.shape or not (_is_cpu_float32(k_pool) and _is_cpu_float32(v_pool)):
+        raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} must be contiguous "
+                         f"float32 [S, Hkv, D] CPU tensors")
     num_slots, hkv, d = k_pool.shape
     _check_q(q, query_lens, hkv, d)
-    if batch.num_slots > num_slots or len(batch.lens) != len(query_lens):
-        raise ValueError(f"a slot batch of {len(batch.lens)} sequences in a pool of {batch.num_slots} does not fit "
-                         f"{len(query_lens)} sequences in a pool of {num_slots}")
+    if batch.num_slots > num_slots:
+        raise ValueError(f"a slot batch for a pool of {batch.num_slots} does not fit a pool of {num_slots}")
     lens = batch.lens if kv_lens is None else tuple(kv_lens)
-    if any(not 0 <= n <= m for n, m in zip(lens, batch.lens)) or len(lens) != len(batch.lens):
+    if len(lens) != len(batch.lens) or any(not 0 <= n <= m for n, m in zip(lens, batch.lens)):
         raise ValueError("kv_lens must not exceed the sequences' slots")
-    out, lse, q_start, _ = _prepare(q, query_lens, lens, causal, need_lse)
+    out, lse = _outputs(q, query_lens, lens, causal, need_lse)
     if NATIVE is None:
-        keys = [k_pool[batch.slots[s : s + n]] for s, n in zip(batch.starts.tolist(), lens)]
-        values = [v_pool[batch.slots[s : s + n]] for s, n in zip(batch.starts.tolist(), lens)]
+        starts = batch.starts
+        keys = [k_pool[batch.slots[s : s + n]] for s, n in zip(starts, lens)]
+        values = [v_pool[batch.slots[s : s + n]] for s, n in zip(starts, lens)]
         return _reference(q, query_lens, keys, values, causal, need_lse)
     b = len(lens)
-    kv_len = torch.tensor(lens, dtype=torch.int64)
-    k_base = torch.full((b,), k_pool.data_ptr(), dtype=torch.int64)
-    v_base = torch.full((b,), v_pool.data_ptr(), dtype=torch.int64)
-    NATIVE.attend(q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0, k_base.data_ptr(),
-                  v_base.data_ptr(), batch.slots.data_ptr(), q_start.data_ptr(), batch.starts.data_ptr(),
-                  kv_len.data_ptr(), b, q.shape[1], hkv, d, causal, d**-0.5)
+    q_start = _offsets(query_lens)
+    kv_len = array("q", lens)
+    k_base, v_base = array("q", [k_pool.data_ptr()]) * b, array("q", [v_pool.data_ptr()]) * b
+    NATIVE.attend(q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0, _addr(k_base),
+                  _addr(v_base), batch.slots.data_ptr(), _addr(q_start), _addr(batch.starts), _addr(kv_len), b,
+                  q.shape[1], hkv, d, causal, d**-0.5)
     return out, lse
 
 
@@ -120,30 +141,26 @@ def buffer_attention(q: torch.Tensor, query_lens: Sequence[int], keys: Sequence[
                      values: Sequence[torch.Tensor], *, causal: bool = True,
                      need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """keys[b], values[b]: [L_b, Hkv, D] contiguous float32, sequence b's keys in order."""
-    if not keys:
-        raise ValueError("no sequences")
-    hkv, d = keys[0].shape[1], keys[0].shape[2]
-    _check_q(q, query_lens, hkv, d)
-    if not len(query_lens) == len(keys) == len(values):
-        raise ValueError(f"{len(query_lens)} query lengths for {len(keys)} keys and {len(values)} values")
-    kv_lens = []
-    k_ptrs, v_ptrs = [], []
+    if not keys or len(keys) != len(values):
+        raise ValueError(f"{len(keys)} keys and {len(values)} values: one of each per sequence")
+    hkv, d = keys[0].shape[1:] if keys[0].dim() == 3 else (0, 0)
+    k_ptrs, v_ptrs, kv_lens = array("q"), array("q"), array("q")
     for k, v in zip(keys, values):
-        if k.shape != v.shape or k.shape[1:] != (hkv, d) or k.dtype != torch.float32 \
-                or not (k.is_contiguous() and v.is_contiguous()):
-            raise ValueError(f"keys and values must be contiguous float32 [L, {hkv}, {d}], got {tuple(k.shape)}")
+        if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != (hkv, d) or hkv == 0 \
+                or not (_is_cpu_float32(k) and _is_cpu_float32(v)):
+            raise ValueError(f"keys and values must be contiguous float32 [L, Hkv, D] CPU tensors of one Hkv and D, "
+                             f"got {k.dtype} {tuple(k.shape)} and {v.dtype} {tuple(v.shape)}")
         kv_lens.append(k.shape[0])
         k_ptrs.append(k.data_ptr())
         v_ptrs.append(v.data_ptr())
-    out, lse, q_start, kv_start = _prepare(q, query_lens, kv_lens, causal, need_lse)
+    _check_q(q, query_lens, hkv, d)
+    out, lse = _outputs(q, query_lens, kv_lens, causal, need_lse)
     if NATIVE is None:
         return _reference(q, query_lens, keys, values, causal, need_lse)
-    hq = q.shape[1]
-    k_base = torch.tensor(k_ptrs, dtype=torch.int64)
-    v_base = torch.tensor(v_ptrs, dtype=torch.int64)
-    NATIVE.attend(q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0, k_base.data_ptr(),
-                  v_base.data_ptr(), 0, q_start.data_ptr(), kv_start.data_ptr(), 0, len(keys), hq, hkv, d,
-                  causal, d**-0.5)
+    q_start, kv_start = _offsets(query_lens), _offsets(kv_lens)
+    NATIVE.attend(q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0, _addr(k_ptrs),
+                  _addr(v_ptrs), 0, _addr(q_start), _addr(kv_start), 0, len(keys), q.shape[1], hkv, d, causal,
+                  d**-0.5)
     return out, lse
 
 
@@ -152,7 +169,7 @@ def _reference(q, query_lens, keys, values, causal, need_lse):
     outs, lses = [], []
     start = 0
     for n, k, v in zip(query_lens, keys, values):
-        qq = q[start : start + n]
+        qq = q[start : start + n]  # [n, Hq, D]
         if k.shape[0] == 0:
             outs.append(torch.zeros_like(qq))
             lses.append(torch.full(qq.shape[:2], float("-inf")))

@@ -1,4 +1,7 @@
-"""The batched attention kernel over KV in place, against the reference operator."""
+"""The batched attention kernel over KV in place, against the reference operator.
+
+Every case runs on both paths: the native kernel (skipped where model/_kv_attention is
+not built) and the torch fallback."""
 
 from __future__ import annotations
 
@@ -9,14 +12,26 @@ from model import kv_attention
 from model.attention import attention_with_lse, combine_partials
 from model.kv_attention import SlotBatch, buffer_attention, slot_attention
 
-pytestmark = pytest.mark.skipif(kv_attention.NATIVE is None,
-                                reason="model/_kv_attention is not built on this machine (no C compiler at install)")
+NOT_BUILT = "model/_kv_attention is not built on this machine (no C compiler at install)"
+
+
+@pytest.fixture(params=["native", "torch"])
+def path(request, monkeypatch):
+    if request.param == "native" and kv_attention.NATIVE is None:
+        pytest.skip(NOT_BUILT)
+    if request.param == "torch":
+        monkeypatch.setattr(kv_attention, "NATIVE", None)
+    return request.param
 
 
 def _reference(q, query_lens, keys, values, causal=True):
     outs, lses, start = [], [], 0
     for n, k, v in zip(query_lens, keys, values):
-        out, lse = attention_with_lse(q[start : start + n], k, v, causal=causal)
+        qq = q[start : start + n]
+        if k.shape[0] == 0:  # no key: out 0, lse -inf
+            out, lse = torch.zeros_like(qq), torch.full(qq.shape[:2], float("-inf"))
+        else:
+            out, lse = attention_with_lse(qq, k, v, causal=causal)
         outs.append(out)
         lses.append(lse)
         start += n
@@ -24,6 +39,7 @@ def _reference(q, query_lens, keys, values, causal=True):
 
 
 def _pool(lens, hkv, d, shuffle, seed=0):
+    """A pool with room to spare and each sequence's slots (scattered when `shuffle`)."""
     g = torch.Generator().manual_seed(seed)
     num_slots = sum(lens) + 7
     k_pool, v_pool = torch.randn(num_slots, hkv, d, generator=g), torch.randn(num_slots, hkv, d, generator=g)
@@ -35,78 +51,98 @@ def _pool(lens, hkv, d, shuffle, seed=0):
     return k_pool, v_pool, per_seq
 
 
-@pytest.mark.parametrize(("query_lens", "kv_lens", "hq", "hkv", "d", "shuffle"), [
-    ([1, 1, 1], [5, 70, 33], 9, 3, 64, False),       # decode, GQA 3
-    ([1, 1], [40, 1], 4, 4, 64, True),               # no grouping, scattered slots
-    ([4, 1, 6], [4, 9, 30], 6, 2, 48, True),         # causal queries (a whole prompt; a prefix + new)
-    ([2, 3], [100, 3], 8, 2, 13, False),             # a head size that is no multiple of 8
-])
-def test_slot_attention_equals_the_reference(query_lens, kv_lens, hq, hkv, d, shuffle):
+CASES = [  # query_lens, kv_lens, Hq, Hkv, D, shuffled slots, causal
+    ([1, 1, 1], [5, 70, 33], 9, 3, 64, False, True),  # decode, G = 3
+    ([1, 1], [40, 1], 4, 4, 64, True, True),  # G = 1, scattered slots
+    ([4, 1, 6], [4, 9, 30], 6, 2, 48, True, True),  # a whole prompt (n = L) and a prefix + new tokens
+    ([2, 3], [100, 3], 8, 2, 13, False, True),  # a head size that is no multiple of 8
+    ([1, 3], [300, 150], 16, 2, 128, True, True),  # D = 128, several blocks of keys, G = 8
+    ([70, 1], [200, 65], 3, 1, 64, False, True),  # more queries than a block of keys
+    ([3, 2, 1], [10, 0, 129], 6, 3, 64, True, False),  # not causal, one sequence with no keys
+    ([0, 1, 0], [0, 12, 5], 6, 3, 64, False, True),  # sequences without queries
+]
+
+
+@pytest.mark.parametrize(("query_lens", "kv_lens", "hq", "hkv", "d", "shuffle", "causal"), CASES)
+def test_slot_and_buffer_attention_equal_the_reference(path, query_lens, kv_lens, hq, hkv, d, shuffle, causal):
     k_pool, v_pool, per_seq = _pool(kv_lens, hkv, d, shuffle)
     q = torch.randn(sum(query_lens), hq, d)
+    keys = [k_pool[torch.tensor(s, dtype=torch.int64)] for s in per_seq]
+    values = [v_pool[torch.tensor(s, dtype=torch.int64)] for s in per_seq]
+    ref_out, ref_lse = _reference(q, query_lens, keys, values, causal)
     batch = SlotBatch.build(per_seq, k_pool.shape[0])
-    out, lse = slot_attention(q, query_lens, k_pool, v_pool, batch)
-    keys = [k_pool[torch.tensor(s)] for s in per_seq]
-    values = [v_pool[torch.tensor(s)] for s in per_seq]
-    ref_out, ref_lse = _reference(q, query_lens, keys, values)
-    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=1e-5)
-    out2, lse2 = buffer_attention(q, query_lens, [k.contiguous() for k in keys], [v.contiguous() for v in values],
-                                  need_lse=False)
+    out, lse = slot_attention(q, query_lens, k_pool, v_pool, batch, causal=causal)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    out2, lse2 = buffer_attention(q, query_lens, keys, values, causal=causal, need_lse=False)
     assert lse2 is None
-    torch.testing.assert_close(out2, out, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out2, ref_out, atol=1e-5, rtol=1e-4)
 
 
-def test_prefix_partials_combine_into_the_whole():
-    """Q-early: attention over the held prefix (non-causal) and over the new token,
-    combined by log-sum-exp, equals attention over all of them."""
-    lens = [17, 64, 3]
+def test_a_prefix_of_the_slots_and_partials_that_combine_into_the_whole(path):
+    """Q-early: attention over the held prefix (non-causal, `kv_lens`) and over the new
+    token, combined by log-sum-exp, equals attention over all of them."""
+    lens = [17, 64, 3, 1]
     k_pool, v_pool, per_seq = _pool(lens, 3, 64, shuffle=True, seed=3)
     batch = SlotBatch.build(per_seq, k_pool.shape[0])
-    q = torch.randn(3, 9, 64)
-    held_out, held_lse = slot_attention(q, [1, 1, 1], k_pool, v_pool, batch, [n - 1 for n in lens], causal=False)
+    q = torch.randn(4, 9, 64)
+    held_out, held_lse = slot_attention(q, [1] * 4, k_pool, v_pool, batch, [n - 1 for n in lens], causal=False)
     keys = [k_pool[torch.tensor(s)] for s in per_seq]
     values = [v_pool[torch.tensor(s)] for s in per_seq]
-    new_out, new_lse = _reference(q, [1, 1, 1], [k[-1:] for k in keys], [v[-1:] for v in values])
+    assert torch.equal(held_out[3], torch.zeros(9, 64)) and (held_lse[3] == float("-inf")).all()  # held nothing
+    new_out, new_lse = _reference(q, [1] * 4, [k[-1:] for k in keys], [v[-1:] for v in values])
     out, _ = combine_partials(held_out, held_lse, new_out, new_lse)
-    torch.testing.assert_close(out, _reference(q, [1, 1, 1], keys, values)[0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out, _reference(q, [1] * 4, keys, values)[0], atol=1e-5, rtol=1e-4)
 
 
-def test_a_sequence_without_keys_gives_zero_and_minus_infinity():
-    k_pool, v_pool, per_seq = _pool([4, 6], 2, 8, shuffle=False)
+def test_an_empty_batch(path):
+    k_pool, v_pool, _ = _pool([4], 2, 8, shuffle=False)
+    out, lse = slot_attention(torch.empty(0, 2, 8), [], k_pool, v_pool, SlotBatch.build([], k_pool.shape[0]))
+    assert out.shape == (0, 2, 8) and lse.shape == (0, 2)
+
+
+def test_the_native_kernel_and_the_torch_path_agree(monkeypatch):
+    if kv_attention.NATIVE is None:
+        pytest.skip(NOT_BUILT)
+    k_pool, v_pool, per_seq = _pool([9, 30, 200], 3, 64, shuffle=True, seed=5)
     batch = SlotBatch.build(per_seq, k_pool.shape[0])
-    out, lse = slot_attention(torch.randn(2, 2, 8), [1, 1], k_pool, v_pool, batch, [0, 6], causal=False)
-    assert torch.equal(out[0], torch.zeros(2, 8)) and torch.isinf(lse[0]).all() and (lse[0] < 0).all()
-    assert torch.isfinite(lse[1]).all()
+    q = torch.randn(6, 9, 64)
+    native = slot_attention(q, [1, 2, 3], k_pool, v_pool, batch)
+    monkeypatch.setattr(kv_attention, "NATIVE", None)
+    torch_path = slot_attention(q, [1, 2, 3], k_pool, v_pool, batch)
+    torch.testing.assert_close(native, torch_path, atol=1e-5, rtol=1e-4)
 
 
-def test_bad_arguments_are_refused_before_the_kernel_runs():
+def test_bad_arguments_are_refused_before_the_kernel_runs(path):
     k_pool, v_pool, per_seq = _pool([4], 3, 8, shuffle=False)
     batch = SlotBatch.build(per_seq, k_pool.shape[0])
     q = torch.randn(1, 9, 8)
-    with pytest.raises(ValueError, match="slots outside the pool"):
-        SlotBatch.build([[0, 99]], k_pool.shape[0])
-    with pytest.raises(ValueError, match="q must be a contiguous float32"):
-        slot_attention(q.double(), [1], k_pool, v_pool, batch)
-    with pytest.raises(ValueError, match="does not fit KV"):
-        slot_attention(torch.randn(1, 9, 16), [1], k_pool, v_pool, batch)
-    with pytest.raises(ValueError, match="query_lens add up to 2"):
-        slot_attention(q, [2], k_pool, v_pool, batch)
-    with pytest.raises(ValueError, match="more queries than keys"):
-        slot_attention(torch.randn(5, 9, 8), [5], k_pool, v_pool, batch)
-    with pytest.raises(ValueError, match="must not exceed"):
-        slot_attention(q, [1], k_pool, v_pool, batch, [5])
-    with pytest.raises(ValueError, match="does not fit"):
-        slot_attention(q, [1], k_pool[:2].contiguous(), v_pool[:2].contiguous(), batch)
-    with pytest.raises(ValueError, match="contiguous float32"):
-        buffer_attention(q, [1], [k_pool[:8:2]], [v_pool[:8:2]])  # every other row: not contiguous
-
-
-def test_the_torch_path_gives_the_same_results(monkeypatch):
-    k_pool, v_pool, per_seq = _pool([9, 30], 3, 64, shuffle=True, seed=5)
-    batch = SlotBatch.build(per_seq, k_pool.shape[0])
-    q = torch.randn(3, 9, 64)
-    native = slot_attention(q, [1, 2], k_pool, v_pool, batch)
-    monkeypatch.setattr(kv_attention, "NATIVE", None)
-    torch_path = slot_attention(q, [1, 2], k_pool, v_pool, batch)
-    torch.testing.assert_close(native, torch_path, atol=2e-5, rtol=1e-4)
+    refused = [
+        ("slots outside the pool", lambda: SlotBatch.build([[0, 99]], k_pool.shape[0])),
+        ("slots outside the pool", lambda: SlotBatch.build([[-1]], k_pool.shape[0])),
+        ("contiguous int64", lambda: SlotBatch(torch.tensor([0, 1], dtype=torch.int32), (2,), 8)),
+        ("2 slots for sequences of 3", lambda: SlotBatch(torch.tensor([0, 1]), (3,), 8)),
+        ("q must be a contiguous float32", lambda: slot_attention(q.double(), [1], k_pool, v_pool, batch)),
+        ("q must be a contiguous float32",
+         lambda: slot_attention(torch.randn(1, 9, 16)[:, :, :8], [1], k_pool, v_pool, batch)),
+        ("does not fit KV", lambda: slot_attention(torch.randn(1, 9, 16), [1], k_pool, v_pool, batch)),
+        ("does not fit KV", lambda: slot_attention(torch.randn(1, 4, 8), [1], k_pool, v_pool, batch)),
+        ("do not add up", lambda: slot_attention(q, [2], k_pool, v_pool, batch)),
+        ("do not add up", lambda: slot_attention(q, [2, -1], k_pool, v_pool, batch)),
+        ("more queries than keys", lambda: slot_attention(torch.randn(5, 9, 8), [5], k_pool, v_pool, batch)),
+        ("must not exceed", lambda: slot_attention(q, [1], k_pool, v_pool, batch, [5])),
+        ("must not exceed", lambda: slot_attention(q, [1], k_pool, v_pool, batch, [1, 1])),
+        ("1 query lengths for 2", lambda: slot_attention(
+            q, [1], k_pool, v_pool, SlotBatch.build([[0], [1]], k_pool.shape[0]))),
+        ("does not fit a pool", lambda: slot_attention(q, [1], k_pool[:2].contiguous(), v_pool[:2].contiguous(),
+                                                        batch)),
+        ("must be contiguous float32", lambda: slot_attention(q, [1], k_pool.half(), v_pool.half(), batch)),
+        ("must be contiguous float32", lambda: slot_attention(q, [1], k_pool, v_pool[:4], batch)),
+        ("contiguous float32", lambda: buffer_attention(q, [1], [k_pool[:8:2]], [v_pool[:8:2]])),
+        ("contiguous float32", lambda: buffer_attention(q, [1], [k_pool[:4]], [v_pool[:3]])),
+        ("one of each", lambda: buffer_attention(q, [1], [], [])),
+        ("one of each", lambda: buffer_attention(q, [1], [k_pool[:4]], [v_pool[:4], v_pool[:4]])),
+    ]
+    for message, call in refused:
+        with pytest.raises(ValueError, match=message):
+            call()
