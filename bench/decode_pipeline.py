@@ -109,7 +109,7 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int) -> dict:
     q = torch.randn(batch, hq, d)
     k = torch.randn(batch, hkv, d)
     v = torch.randn(batch, hkv, d)
-    need = batch * (context + repeats + 8) * cfg.kv_bytes_per_token()
+    need = batch * (context + repeats + 128) * cfg.kv_bytes_per_token()  # with the engine's 64-token chunks
 
     core = AttentionCore(cfg, need + (64 << 20), hkv)
     for s in ids:
