@@ -2,8 +2,16 @@
 
 Holds each sequence's K and V for the KV heads this worker owns in the
 token-granular slab allocator (kvstore.slab), and computes attention for the
-rows it is sent. The service wraps it in a transport listener and a gRPC
+rows it is sent: per frame, the new tokens' K and V go into the pools in one
+indexed write each, and one call of the batched kernel (model.kv_attention)
+attends every sequence of the frame, reading the pools in place. The slots a
+micro-batch reads are concatenated once per step and kept while its sequences'
+slots do not change. The service wraps it in a transport listener and a gRPC
 control server.
+
+Several micro-batches interleave their layers on one worker, each with its own
+sequences; nothing here tracks a step in progress except through the sequences
+themselves (their lengths and slot versions), so any interleaving is served.
 
 What must hold: a sequence is decoded only after its prompt KV arrived whole
 (STORE_KV up to the last layer); a decode step extends every sequence by its new
@@ -14,14 +22,16 @@ token is ever read by a later step.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
+from itertools import accumulate, chain
 
 import torch
 
 from kvstore.slab import KVAllocationError, SlabAllocator, SlabConfig
-from model.attention import batched_attention, combine_partials
+from model.attention import combine_partials
 from model.config import ModelConfig
-from model.kv_attention import SlotBatch, slot_attention
+from model.kv_attention import SlotBatch, buffer_attention, slot_attention
 from services.wire import RemoteError, StoreKV
 
 _STEP_SLOTS_KEPT = 8  # micro-batches in flight on one worker, with room to spare
@@ -29,7 +39,8 @@ _STEP_SLOTS_KEPT = 8  # micro-batches in flight on one worker, with room to spar
 
 @dataclass(frozen=True)
 class _StepSlots:
-    batch: SlotBatch  # every slot of the step's sequences
+    versions: tuple[int, ...]  # each sequence's slot_version when this was built
+    batch: SlotBatch  # every slot of the micro-batch's sequences
     new: torch.Tensor  # int64 [T]: the slots of the step's new tokens, in row order
 
 
@@ -43,12 +54,21 @@ class AttentionCore:
         except ValueError as exc:
             raise ValueError(f"attention.kv_capacity_bytes: {exc}") from exc
         self._failed: dict[str, RemoteError] = {}  # prefilled sequences whose store failed
+        # Per micro-batch (its sequence ids, in row order): the slots its layers read.
         self._step_slots: dict[tuple[str, ...], _StepSlots] = {}
 
     # -- decode ---------------------------------------------------------------------------
-    def _check(self, seqs: list[tuple[str, int]], kv_heads: int | None) -> None:
-        if kv_heads is not None and kv_heads != self.num_kv_heads:
-            raise RemoteError("bad_request", f"sent {kv_heads} KV heads, this worker holds {self.num_kv_heads}")
+    def _check(self, seqs: list[tuple[str, int]], q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor] | None
+               ) -> None:
+        """Refuses a frame that does not fit this worker before any state changes."""
+        rows = sum(n for _, n in seqs)
+        heads = self.cfg.num_groups * self.num_kv_heads  # the query heads of this worker's KV heads
+        if any(n < 1 for _, n in seqs) or q.shape != (rows, heads, self.cfg.head_dim):
+            raise RemoteError("bad_request", f"q {tuple(q.shape)} for {rows} new tokens of {len(seqs)} sequences: "
+                                             f"this worker attends {heads} query heads of {self.cfg.head_dim}")
+        if kv is not None and not kv[0].shape == kv[1].shape == (rows, self.num_kv_heads, self.cfg.head_dim):
+            raise RemoteError("bad_request", f"k {tuple(kv[0].shape)}, v {tuple(kv[1].shape)}: this worker holds "
+                                             f"{self.num_kv_heads} KV heads of {self.cfg.head_dim} for {rows} tokens")
         unknown = [s for s, _ in seqs if not self.slabs.has_request(s)]
         if unknown:
             # Decoding a sequence whose prompt KV never arrived (or was freed) would
@@ -56,23 +76,27 @@ class AttentionCore:
             raise RemoteError("unknown_sequence", f"no KV for sequence(s) {', '.join(map(repr, unknown))}")
 
     def _slots(self, seqs: list[tuple[str, int]]) -> _StepSlots:
-        """The step's slots, built once and reused by every later layer of the step.
+        """The micro-batch's slots, built once and reused by its later layers.
 
-        A micro-batch's sequences keep their slots from layer 1 to the last layer (they
-        grow at layer 0 only), so the cache entry of the same sequences with the same
-        lengths is still right; `free` and a new prompt's first layer clear the cache."""
-        key = tuple(s for s, _ in seqs)
-        lens = tuple(self.slabs.num_tokens(s) for s in key)
-        hit = self._step_slots.get(key)
-        if hit is not None and hit.batch.lens == lens:
+        A sequence's slots change only when it is extended (layer 0 of a step), copied
+        on write or freed, and each of those changes its slot version: an entry whose
+        versions still hold is right, whatever other micro-batches did in between."""
+        ids = tuple(s for s, _ in seqs)
+        versions = tuple(map(self.slabs.slot_version, ids))
+        hit = self._step_slots.get(ids)
+        if hit is not None and hit.versions == versions:
             return hit
-        per_seq = [self.slabs.slots(s) for s in key]
-        new = [slot for slots, (_, n) in zip(per_seq, seqs) for slot in slots[len(slots) - n:]]
-        entry = _StepSlots(SlotBatch.build(per_seq, self.slabs.config.num_slots),
-                           torch.tensor(new, dtype=torch.int64))
+        lens = tuple(map(self.slabs.num_tokens, ids))
+        batch = SlotBatch(self.slabs.batch_slots(ids), lens, self.slabs.config.num_slots)
+        # The step's new tokens are each sequence's last n positions.
+        new_rows = array("q", chain.from_iterable(
+            range(end - n, end) for end, (_, n) in zip(accumulate(lens), seqs)))
+        entry = _StepSlots(versions, batch, batch.slots[torch.frombuffer(new_rows, dtype=torch.int64)]
+                           if new_rows else torch.empty(0, dtype=torch.int64))
+        self._step_slots.pop(ids, None)
         if len(self._step_slots) >= _STEP_SLOTS_KEPT:
-            self._step_slots.pop(next(iter(self._step_slots)))
-        self._step_slots[key] = entry
+            self._step_slots.pop(next(iter(self._step_slots)))  # the oldest micro-batch
+        self._step_slots[ids] = entry
         return entry
 
     def _append(self, layer: int, seqs: list[tuple[str, int]], k: torch.Tensor, v: torch.Tensor) -> _StepSlots:
@@ -96,29 +120,30 @@ class AttentionCore:
         seqs: (seq_id, n_new) in row order; q: [T, Hq, D]; k, v: [T, Hkv, D].
         Returns out [T, Hq, D] and, if asked, lse [T, Hq]: one kernel call over every
         sequence, reading the slab pools in place."""
-        self._check(seqs, k.shape[1])
+        self._check(seqs, q, (k, v))
         step = self._append(layer, seqs, k, v)
-        return slot_attention(q, [n for _, n in seqs], self.slabs.k_pools[layer], self.slabs.v_pools[layer],
-                              step.batch, need_lse=need_lse)
+        return slot_attention(q.contiguous(), [n for _, n in seqs], self.slabs.k_pools[layer],
+                              self.slabs.v_pools[layer], step.batch, need_lse=need_lse)
 
     def attend_held(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Q-early, first half: attention of the new queries over the KV held before
-        this step's tokens (every held token is visible to each query).
-        Returns out [T, Hq, D] and lse [T, Hq]."""
-        self._check(seqs, None)
-        step = self._slots(seqs) if layer > 0 else self._slots([(s, 0) for s, _ in seqs])
+        this step's tokens (every held token is visible to each query), before this
+        layer's K, V arrive. Returns out [T, Hq, D] and lse [T, Hq] (-inf where a
+        sequence held nothing)."""
+        self._check(seqs, q, None)
+        step = self._slots(seqs)
         # Layer 0 comes before the step extends the sequences: all they hold is old.
-        held = [m - (n if layer > 0 else 0) for m, (_, n) in zip(step.batch.lens, seqs)]
-        out, lse = slot_attention(q, [n for _, n in seqs], self.slabs.k_pools[layer], self.slabs.v_pools[layer],
-                                  step.batch, held, causal=False, need_lse=True)
+        held = step.batch.lens if layer == 0 else [m - n for m, (_, n) in zip(step.batch.lens, seqs)]
+        out, lse = slot_attention(q.contiguous(), [n for _, n in seqs], self.slabs.k_pools[layer],
+                                  self.slabs.v_pools[layer], step.batch, held, causal=False, need_lse=True)
         return out, lse
 
     def append_and_combine(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor, held_out: torch.Tensor, held_lse: torch.Tensor) -> torch.Tensor:
         """Q-early, second half: append K, V, attend the new tokens among themselves
         (causally) and combine with the held part by log-sum-exp. Returns out [T, Hq, D]."""
-        self._check(seqs, k.shape[1])
+        self._check(seqs, q, (k, v))
         self._append(layer, seqs, k, v)
         lens = [n for _, n in seqs]
         if all(n == 1 for n in lens):
@@ -127,9 +152,10 @@ class AttentionCore:
             new_out = v.repeat_interleave(g, dim=1)  # [T, Hq, D]
             new_lse = (q * k.repeat_interleave(g, dim=1)).sum(-1) * q.shape[-1] ** -0.5  # [T, Hq]
         else:
-            starts = [sum(lens[:i]) for i in range(len(lens))]
-            new_out, new_lse = batched_attention(q, lens, [k[s : s + n] for s, n in zip(starts, lens)],
-                                                 [v[s : s + n] for s, n in zip(starts, lens)])
+            k, v = k.contiguous(), v.contiguous()
+            starts = [0, *accumulate(lens)]
+            new_out, new_lse = buffer_attention(q.contiguous(), lens, [k[s : s + n] for s, n in zip(starts, lens)],
+                                                [v[s : s + n] for s, n in zip(starts, lens)])
         return combine_partials(held_out, held_lse, new_out, new_lse)[0]
 
     # -- prompt KV from prefill -----------------------------------------------------------
@@ -142,7 +168,6 @@ class AttentionCore:
         """
         num_tokens = msg.k.shape[0]
         if msg.layer == 0:
-            self._step_slots.clear()
             self._failed.pop(msg.seq_id, None)
             if self.slabs.has_request(msg.seq_id):
                 self.slabs.free(msg.seq_id)
@@ -164,7 +189,6 @@ class AttentionCore:
         return True
 
     def free(self, seq_ids: list[str]) -> None:
-        self._step_slots.clear()
         for s in seq_ids:
             if self.slabs.has_request(s):
                 self.slabs.free(s)

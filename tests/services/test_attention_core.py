@@ -9,50 +9,133 @@ import torch
 from model.attention import batched_attention
 from model.config import ModelConfig
 from services.attention_core import AttentionCore
-from services.wire import StoreKV
+from services.wire import RemoteError, StoreKV
 
-CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=6,
+CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=9,
                   num_kv_heads=3, head_dim=8)
 
 
-@pytest.mark.parametrize("kv_heads", [3, 1])  # all of the model's KV heads, or a head-level share
-def test_plain_and_q_early_steps_equal_attention_over_the_history(kv_heads):
+class History:
+    """Every sequence's K and V per layer, as the reference sees them."""
+
+    def __init__(self, kv_heads: int) -> None:
+        self.kv_heads = kv_heads
+        self.kv: dict[str, list[list[torch.Tensor]]] = {}  # seq -> layer -> [K rows, V rows]
+
+    def prompt(self, cores: list[AttentionCore], seq: str, n: int) -> None:
+        self.kv[seq] = []
+        for layer in range(CFG.num_layers):
+            k, v = torch.randn(n, self.kv_heads, 8), torch.randn(n, self.kv_heads, 8)
+            self.kv[seq].append([k, v])
+            for core in cores:
+                core.store(StoreKV(seq, layer, CFG.num_layers, k, v))
+
+    def append(self, layer: int, seqs: list[tuple[str, int]], k: torch.Tensor, v: torch.Tensor) -> None:
+        start = 0
+        for s, n in seqs:
+            self.kv[s][layer][0] = torch.cat([self.kv[s][layer][0], k[start : start + n]])
+            self.kv[s][layer][1] = torch.cat([self.kv[s][layer][1], v[start : start + n]])
+            start += n
+
+    def attention(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor):
+        return batched_attention(q, [n for _, n in seqs], [self.kv[s][layer][0] for s, _ in seqs],
+                                 [self.kv[s][layer][1] for s, _ in seqs])
+
+
+def _step_inputs(seqs: list[tuple[str, int]], hq: int, kv_heads: int):
+    rows = sum(n for _, n in seqs)
+    return torch.randn(rows, hq, 8), torch.randn(rows, kv_heads, 8), torch.randn(rows, kv_heads, 8)
+
+
+@pytest.mark.parametrize("kv_heads", [3, 1])  # all of the model's KV heads (G = 3), or a head-level share
+@pytest.mark.parametrize("new_tokens", [[1, 1, 1], [2, 1, 3]])  # decode, or several new tokens per sequence
+def test_plain_and_q_early_steps_equal_attention_over_the_history(kv_heads, new_tokens):
     torch.manual_seed(0)
     hq = CFG.num_groups * kv_heads
-    plain = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=kv_heads)
-    early = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=kv_heads)
-    # Two micro-batches of sequences with different prompt lengths.
-    micro_batches = [["a", "b"], ["c", "d", "e"]]
-    history: dict[str, list[list[torch.Tensor]]] = {}  # seq -> layer -> [K rows, V rows]
+    # Small slabs: sequences that grow in turn get slots scattered over the pool.
+    plain = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=kv_heads, tokens_per_slab=4)
+    early = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=kv_heads, tokens_per_slab=4)
+    history = History(kv_heads)
+    micro_batches = [["a", "b"], ["c", "d", "e"]]  # disjoint sets of sequences on one worker
     for i, s in enumerate("abcde"):
-        n = 3 + 5 * i
-        history[s] = []
-        for layer in range(CFG.num_layers):
-            k, v = torch.randn(n, kv_heads, 8), torch.randn(n, kv_heads, 8)
-            history[s].append([k, v])
-            for core in (plain, early):
-                core.store(StoreKV(s, layer, CFG.num_layers, k, v))
+        history.prompt([plain, early], s, 3 + 5 * i)
     for _step in range(3):
-        new = {s: [(torch.randn(1, hq, 8), torch.randn(1, kv_heads, 8), torch.randn(1, kv_heads, 8))
-                   for _ in range(CFG.num_layers)] for s in history}
+        batches = [[(s, n) for s, n in zip(mb, new_tokens)] for mb in micro_batches]
+        inputs = [[_step_inputs(seqs, hq, kv_heads) for _ in range(CFG.num_layers)] for seqs in batches]
         for layer in range(CFG.num_layers):
-            for mb in micro_batches:  # layer l of one micro-batch, then of the other
-                seqs = [(s, 1) for s in mb]
-                q = torch.cat([new[s][layer][0] for s in mb])
-                k = torch.cat([new[s][layer][1] for s in mb])
-                v = torch.cat([new[s][layer][2] for s in mb])
+            for seqs, per_layer in zip(batches, inputs):  # layer l of one micro-batch, then of the other
+                q, k, v = per_layer[layer]
                 out, lse = plain.attend(layer, seqs, q, k, v, need_lse=True)
                 held_out, held_lse = early.attend_held(layer, seqs, q)
                 combined = early.append_and_combine(layer, seqs, q, k, v, held_out, held_lse)
-                for s, kk, vv in zip(mb, k, v):
-                    history[s][layer][0] = torch.cat([history[s][layer][0], kk[None]])
-                    history[s][layer][1] = torch.cat([history[s][layer][1], vv[None]])
-                ref, ref_lse = batched_attention(q, [1] * len(mb), [history[s][layer][0] for s in mb],
-                                                 [history[s][layer][1] for s in mb])
-                torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-                torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=1e-5)
-                torch.testing.assert_close(combined, ref, atol=2e-5, rtol=1e-4)
+                history.append(layer, seqs, k, v)
+                ref, ref_lse = history.attention(layer, seqs, q)
+                torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(combined, out, atol=1e-5, rtol=1e-4)
     for core in (plain, early):
-        assert core.slabs.num_tokens("e") == 3 + 5 * 4 + 3
-        core.free(list(history))
+        assert core.slabs.num_tokens("e") == 3 + 5 * 4 + 3 * new_tokens[2]
+        core.free(list(history.kv))
         assert core.num_sequences == 0 and core.used_bytes == 0
+
+
+def test_q_early_interleaves_its_halves_across_micro_batches():
+    """Micro-batch B's first half arrives between A's halves, at every layer."""
+    torch.manual_seed(1)
+    core = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=3, tokens_per_slab=4)
+    history = History(3)
+    for s, n in [("a", 4), ("b", 9), ("c", 1)]:
+        history.prompt([core], s, n)
+    mb_a, mb_b = [("a", 1), ("b", 1)], [("c", 1)]
+    for _step in range(2):
+        for layer in range(CFG.num_layers):
+            qa, ka, va = _step_inputs(mb_a, 9, 3)
+            qb, kb, vb = _step_inputs(mb_b, 9, 3)
+            held_a = core.attend_held(layer, mb_a, qa)
+            held_b = core.attend_held(layer, mb_b, qb)
+            out_a = core.append_and_combine(layer, mb_a, qa, ka, va, *held_a)
+            out_b = core.append_and_combine(layer, mb_b, qb, kb, vb, *held_b)
+            history.append(layer, mb_a, ka, va)
+            history.append(layer, mb_b, kb, vb)
+            torch.testing.assert_close(out_a, history.attention(layer, mb_a, qa)[0], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(out_b, history.attention(layer, mb_b, qb)[0], atol=1e-5, rtol=1e-4)
+
+
+def test_a_sequence_freed_and_stored_again_is_read_afresh():
+    """The slots kept for a micro-batch follow its sequences: one freed and prefilled
+    again under the same id, reaching the same length, is read from its new slots."""
+    torch.manual_seed(2)
+    core = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=3, tokens_per_slab=4)
+    history = History(3)
+    seqs = [("a", 1)]
+    for prompt_len in (5, 5):
+        history.prompt([core], "a", prompt_len)
+        for layer in range(CFG.num_layers):
+            q, k, v = _step_inputs(seqs, 9, 3)
+            out, _ = core.attend(layer, seqs, q, k, v)
+            history.append(layer, seqs, k, v)
+            torch.testing.assert_close(out, history.attention(layer, seqs, q)[0], atol=1e-5, rtol=1e-4)
+        core.free(["a"])
+        history.prompt([core], "x", 3)  # takes the freed slots
+
+
+def test_a_frame_that_does_not_fit_changes_nothing():
+    core = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=1)
+    History(1).prompt([core], "a", 4)
+    q, k, v = torch.randn(1, 3, 8), torch.randn(1, 1, 8), torch.randn(1, 1, 8)
+    bad = [
+        (torch.randn(2, 3, 8), k, v),  # rows for two tokens
+        (torch.randn(1, 9, 8), k, v),  # the model's query heads, not this share's
+        (q, torch.randn(2, 1, 8), torch.randn(2, 1, 8)),
+        (q, torch.randn(1, 3, 8), torch.randn(1, 3, 8)),  # KV heads this worker does not hold
+    ]
+    for qq, kk, vv in bad:
+        with pytest.raises(RemoteError, match="bad_request"):
+            core.attend(0, [("a", 1)], qq, kk, vv)
+        with pytest.raises(RemoteError, match="bad_request"):
+            core.append_and_combine(0, [("a", 1)], qq, kk, vv, torch.zeros(1, 3, 8), torch.zeros(1, 3))
+    with pytest.raises(RemoteError, match="bad_request"):
+        core.attend_held(0, [("a", 1)], torch.randn(1, 9, 8))
+    assert core.slabs.num_tokens("a") == 4
+    out, _ = core.attend(0, [("a", 1)], q, k, v)
+    assert out.shape == (1, 3, 8) and core.slabs.num_tokens("a") == 5
