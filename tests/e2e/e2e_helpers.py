@@ -29,3 +29,22 @@ def start_stack(transport: str = "tcp", partition: str = "request", workers: int
     stack = Stack(config)
     stack.start(timeout_s=240)
     return stack
+
+
+async def attention_stats(stack: Stack) -> list:
+    """Every attention worker's AttentionStats, in worker order, over gRPC."""
+    import grpc
+
+    from kvstore.metadata import MetadataConfig, MetadataStore
+    from services.protos import lamina_pb2, lamina_pb2_grpc
+
+    store = MetadataStore(MetadataConfig(url=stack.config.redis_url, namespace=stack.config.namespace))
+    try:
+        services = sorted(await store.list_services("attention"), key=lambda s: s.service_id)
+    finally:
+        await store.close()
+    stats = []
+    for s in services:
+        async with grpc.aio.insecure_channel(s.meta["grpc"]) as ch:
+            stats.append(await lamina_pb2_grpc.AttentionControlStub(ch).Stats(lamina_pb2.Empty()))
+    return stats

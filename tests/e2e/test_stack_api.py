@@ -7,11 +7,10 @@ import json
 import urllib.error
 import urllib.request
 
-import grpc
 import openai
 import pytest
 
-from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS
+from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, attention_stats
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -84,20 +83,7 @@ def test_sixteen_concurrent_requests_of_different_lengths(stack, loaded_model):
 
 
 async def _attention_occupancy(stack) -> list[int]:
-    from kvstore.metadata import MetadataConfig, MetadataStore
-    from services.protos import lamina_pb2, lamina_pb2_grpc
-
-    store = MetadataStore(MetadataConfig(url=stack.config.redis_url, namespace=stack.config.namespace))
-    try:
-        services = sorted(await store.list_services("attention"), key=lambda s: s.service_id)
-    finally:
-        await store.close()
-    counts = []
-    for s in services:
-        async with grpc.aio.insecure_channel(s.meta["grpc"]) as ch:
-            stats = await lamina_pb2_grpc.AttentionControlStub(ch).Stats(lamina_pb2.Empty())
-            counts.append(stats.num_sequences)
-    return counts
+    return [s.num_sequences for s in await attention_stats(stack)]
 
 
 def test_client_disconnect_frees_kv(stack):

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import openai
 import pytest
 
-from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, start_stack
+from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, attention_stats, start_stack
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -38,20 +37,7 @@ def seeded_reference(loaded_model):
 
 
 async def _occupancy(stack) -> list[int]:
-    from kvstore.metadata import MetadataConfig, MetadataStore
-    from services.protos import lamina_pb2, lamina_pb2_grpc
-
-    store = MetadataStore(MetadataConfig(url=stack.config.redis_url, namespace=stack.config.namespace))
-    try:
-        services = sorted(await store.list_services("attention"), key=lambda s: s.service_id)
-    finally:
-        await store.close()
-    used = []
-    for s in services:
-        async with grpc.aio.insecure_channel(s.meta["grpc"]) as ch:
-            stats = await lamina_pb2_grpc.AttentionControlStub(ch).Stats(lamina_pb2.Empty())
-            used.append(stats.num_tokens)
-    return used
+    return [s.num_tokens for s in await attention_stats(stack)]
 
 
 @pytest.mark.parametrize(("model_workers", "micro_batches", "q_early", "partition"), PIPELINES,
