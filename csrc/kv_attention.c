@@ -4,6 +4,8 @@
  *
  * Built at install into model/_kv_attention (setup.py); model/kv_attention.py checks
  * every argument (dtypes, shapes, contiguity, slot ranges) and is the only caller.
+ * `append_rows` (at the end) writes a step's new K or V rows into sequences' own
+ * buffers, one call for the batch.
  *
  * Layout (float32, contiguous):
  *   q    [T, Hq, D]     the new tokens' queries, sequences concatenated
@@ -291,10 +293,33 @@ static PyObject *attend(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Appends new rows to sequences' own buffers: sequence b's rows src_start[b] ..
+ * src_start[b + 1] of src (each `row` floats) go to base[b] from row at[b] on. Rows are
+ * consecutive on both sides, so each sequence is one copy. */
+static PyObject *append_rows(PyObject *self, PyObject *args) {
+    long long src, base, at, src_start, batch, row;
+    if (!PyArg_ParseTuple(args, "LLLLLL", &src, &base, &at, &src_start, &batch, &row)) return NULL;
+    if (batch < 0 || row <= 0) {
+        PyErr_SetString(PyExc_ValueError, "bad row dimensions");
+        return NULL;
+    }
+    const float *from = (const float *)(intptr_t)src;
+    const int64_t *bases = (const int64_t *)(intptr_t)base, *ats = (const int64_t *)(intptr_t)at;
+    const int64_t *starts = (const int64_t *)(intptr_t)src_start;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t b = 0; b < batch; b++)
+        memcpy((float *)(intptr_t)bases[b] + ats[b] * row, from + starts[b] * row,
+               (size_t)((starts[b + 1] - starts[b]) * row) * sizeof(float));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"attend", attend, METH_VARARGS,
      "attend(q, out, lse, k_base, v_base, slots, q_start, kv_start, kv_len, batch, hq, hkv, d, causal, scale): "
      "addresses of checked buffers; see model/kv_attention.py"},
+    {"append_rows", append_rows, METH_VARARGS,
+     "append_rows(src, base, at, src_start, batch, row): addresses of checked buffers; see model/kv_attention.py"},
     {NULL, NULL, 0, NULL},
 };
 

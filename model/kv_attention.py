@@ -7,8 +7,11 @@ torch reference below runs instead, with the same results):
 - `slot_attention`: KV in a slab pool ([S, Hkv, D] per layer, kvstore.slab), each
   sequence's keys named by their slots (a `SlotBatch`, built once per step and used
   for every layer): the attention workers' layout.
-- `buffer_attention`: each sequence's keys in a buffer of its own ([L_b, Hkv, D],
-  contiguous): the local engine's layout.
+- `BufferBatch`: each sequence's KV in a buffer of its own ([num_layers, 2, capacity,
+  Hkv, D]: the local engine's layout), addressed once per step; it also appends the new
+  tokens' K and V to every buffer in one call per layer.
+- `buffer_attention`: each sequence's keys and values given as tensors
+  ([L_b, Hkv, D], contiguous), checked at every call.
 
 Both take the new tokens' queries of every sequence concatenated (q: [T, Hq, D],
 `query_lens` per sequence, T = sum(query_lens), Hq a multiple of Hkv) and return
@@ -162,6 +165,89 @@ def buffer_attention(q: torch.Tensor, query_lens: Sequence[int], keys: Sequence[
                   _addr(v_ptrs), 0, _addr(q_start), _addr(kv_start), 0, len(keys), q.shape[1], hkv, d, causal,
                   d**-0.5)
     return out, lse
+
+
+class BufferBatch:
+    """A step's sequences whose KV lives in buffers of their own, addressed once per step.
+
+    buffers[b]: [num_layers, 2, capacity_b, Hkv, D] contiguous float32 (K of layer l at
+    [l, 0], V at [l, 1]: the local engine's layout), holding held_lens[b] tokens, to
+    which this step appends query_lens[b] new ones. Every check and every address is
+    done here, so that each layer then takes one `append` and one `attend` call
+    whatever the number of sequences. The buffers must not be replaced or resized
+    until the step ends (the engine reserves room before a step)."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor], held_lens: Sequence[int], query_lens: Sequence[int]) -> None:
+        if not buffers or not len(buffers) == len(held_lens) == len(query_lens):
+            raise ValueError(f"{len(buffers)} buffers, {len(held_lens)} held lengths, {len(query_lens)} query lengths")
+        shape = buffers[0].shape
+        if len(shape) != 5 or shape[1] != 2 or 0 in (shape[0], shape[3], shape[4]):
+            raise ValueError(f"a KV buffer must be [num_layers, 2, capacity, Hkv, D], got {tuple(shape)}")
+        self.num_layers, _, _, self.hkv, self.d = shape
+        for buf, held, n in zip(buffers, held_lens, query_lens):
+            if buf.dim() != 5 or buf.shape[:2] != shape[:2] or buf.shape[3:] != shape[3:] or not _is_cpu_float32(buf):
+                raise ValueError(f"KV buffers must be contiguous float32 CPU tensors [{self.num_layers}, 2, capacity, "
+                                 f"{self.hkv}, {self.d}], got {buf.dtype} {tuple(buf.shape)}")
+            if held < 0 or n < 0 or held + n > buf.shape[2]:
+                raise ValueError(f"{held} held and {n} new tokens do not fit a buffer of {buf.shape[2]}")
+        self._buffers = list(buffers)  # keeps the memory the addresses point to alive
+        self.held_lens = array("q", held_lens)
+        self.query_lens = list(query_lens)
+        self.kv_lens = array("q", (h + n for h, n in zip(held_lens, query_lens)))
+        self._q_start = _offsets(query_lens)
+        row = self.hkv * self.d * 4  # bytes per token and layer
+        # K and V addresses of every sequence, layer-major ([num_layers, B]): one layer's
+        # are a contiguous run, handed to the kernel as they are.
+        self._k_base, self._v_base = array("q"), array("q")
+        for layer in range(self.num_layers):
+            for buf in buffers:
+                k = buf.data_ptr() + layer * 2 * buf.shape[2] * row
+                self._k_base.append(k)
+                self._v_base.append(k + buf.shape[2] * row)
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} of {self.num_layers}")
+
+    def _layer(self, bases: array, layer: int) -> int:
+        return _addr(bases) + layer * len(self._buffers) * bases.itemsize
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [T, Hkv, D], the new tokens of every sequence in order: stored after
+        each sequence's held tokens."""
+        self._check_layer(layer)
+        rows = self._q_start[-1]
+        for t in (k, v):
+            if t.shape != (rows, self.hkv, self.d) or not _is_cpu_float32(t):
+                raise ValueError(f"new K and V must be contiguous float32 [{rows}, {self.hkv}, {self.d}] CPU tensors, "
+                                 f"got {t.dtype} {tuple(t.shape)}")
+        if NATIVE is None:
+            for buf, h, s, e in zip(self._buffers, self.held_lens, self._q_start, self._q_start[1:]):
+                buf[layer, 0, h : h + e - s] = k[s:e]
+                buf[layer, 1, h : h + e - s] = v[s:e]
+            return
+        for src, bases in ((k, self._k_base), (v, self._v_base)):
+            NATIVE.append_rows(src.data_ptr(), self._layer(bases, layer), _addr(self.held_lens), _addr(self._q_start),
+                               len(self._buffers), self.hkv * self.d)
+
+    def keys_values(self, layer: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence b's keys and values of one layer, held and new: [L_b, Hkv, D] views."""
+        return self._buffers[b][layer, 0, : self.kv_lens[b]], self._buffers[b][layer, 1, : self.kv_lens[b]]
+
+    def attend(self, layer: int, q: torch.Tensor, *, causal: bool = True,
+               need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of the new tokens' queries (q: [T, Hq, D]) over every token of their
+        sequence, the new ones appended first. Returns out [T, Hq, D] and lse [T, Hq]."""
+        self._check_layer(layer)
+        _check_q(q, self.query_lens, self.hkv, self.d)
+        out, lse = _outputs(q, self.query_lens, self.kv_lens, causal, need_lse)
+        if NATIVE is None:
+            keys, values = zip(*(self.keys_values(layer, b) for b in range(len(self._buffers))))
+            return _reference(q, self.query_lens, keys, values, causal, need_lse)
+        NATIVE.attend(q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0,
+                      self._layer(self._k_base, layer), self._layer(self._v_base, layer), 0, _addr(self._q_start), 0,
+                      _addr(self.kv_lens), len(self._buffers), q.shape[1], self.hkv, self.d, causal, self.d**-0.5)
+        return out, lse
 
 
 def _reference(q, query_lens, keys, values, causal, need_lse):

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from lamina.engine.kv import KVStore
 from model.attention import causal_attention
-from model.kv_attention import buffer_attention
+from model.kv_attention import BufferBatch
 from model.splitter import SplitModel
 
 
@@ -43,39 +44,49 @@ class StepBatch:
         return {"input_ids": self.input_ids, "positions": self.positions, "logits_index": self.logits_index}
 
 
+# Sequences with at most this many new tokens attend through the batched kernel; longer
+# ones (prompts) through fused SDPA, whose matmuls win from about 16 queries per sequence
+# over a few hundred keys (one thread, 9 query and 3 KV heads of 64).
+KERNEL_MAX_QUERIES = 8
+
+
 class LocalAttention:
-    """Attention over the engine's own KV store (the attention worker's job, in process)."""
+    """Attention over the engine's own KV store (the attention worker's job, in process).
+
+    Each layer stores the new tokens' K and V in every sequence's buffer with one call,
+    then attends the sequences with few new tokens (decoding ones) in one kernel call
+    over their buffers in place, and each longer one (a prompt) with fused SDPA."""
 
     def __init__(self, kv: KVStore, batch: StepBatch) -> None:
-        self._kv = kv
         self._batch = batch
         self._seqs = [kv.get(s) for s in batch.seq_ids]
-        # The leading sequences that decode one token (the scheduler puts running ones first).
-        self._num_decoding = next((i for i, n in enumerate(batch.query_lens) if n != 1), len(batch.query_lens))
+        lens = batch.query_lens
+        held = [seq.length for seq in self._seqs]
+        self._all = BufferBatch([seq.buf for seq in self._seqs], held, lens)
+        small = [b for b, n in enumerate(lens) if n <= KERNEL_MAX_QUERIES]
+        self._small = self._all if len(small) == len(lens) else None
+        self._small_rows = None  # the rows of q that belong to the small sequences, when not all are
+        self._large: list[tuple[int, int, int]] = []  # (sequence, first row, rows) of the others
+        if self._small is None:
+            starts = [0, *accumulate(lens)]
+            if small:
+                self._small = BufferBatch([self._seqs[b].buf for b in small], [held[b] for b in small],
+                                          [lens[b] for b in small])
+                self._small_rows = torch.cat([torch.arange(starts[b], starts[b] + lens[b]) for b in small])
+            self._large = [(b, starts[b], n) for b, n in enumerate(lens) if n > KERNEL_MAX_QUERIES]
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]. Nothing here combines partials, so no lse.
-        # Decoding sequences (one new token each) go through one batched kernel call
-        # over their buffers in place; a prompt's many causal rows through fused SDPA,
-        # whose matmuls beat the kernel's one-pass loop at that size.
-        lens = self._batch.query_lens
-        keys, values = [], []
-        start = 0
-        for seq, n in zip(self._seqs, lens):
-            kk, vv = seq.write(layer_id, k[start : start + n], v[start : start + n])
-            keys.append(kk)
-            values.append(vv)
-            start += n
-        if self._num_decoding == len(lens):
-            return buffer_attention(q.contiguous(), lens, keys, values, need_lse=False)[0]
+        self._all.append(layer_id, k.contiguous(), v.contiguous())
+        q = q.contiguous()
+        if self._small is self._all:
+            return self._all.attend(layer_id, q)[0]
         out = torch.empty_like(q)
-        d = self._num_decoding
-        if d:
-            out[:d] = buffer_attention(q[:d].contiguous(), lens[:d], keys[:d], values[:d], need_lse=False)[0]
-        start = d
-        for n, kk, vv in zip(lens[d:], keys[d:], values[d:]):
+        if self._small is not None:
+            out[self._small_rows] = self._small.attend(layer_id, q[self._small_rows])[0]
+        for b, start, n in self._large:
+            kk, vv = self._all.keys_values(layer_id, b)
             out[start : start + n] = causal_attention(q[start : start + n], kk, vv)
-            start += n
         return out
 
     def commit(self) -> None:

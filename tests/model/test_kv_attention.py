@@ -146,3 +146,84 @@ def test_bad_arguments_are_refused_before_the_kernel_runs(path):
     for message, call in refused:
         with pytest.raises(ValueError, match=message):
             call()
+
+
+def _buffers(held, capacity, layers=2, hkv=3, d=64, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(layers, 2, c, hkv, d, generator=g) for c in capacity]
+
+
+def test_a_buffer_batch_appends_every_sequence_and_attends_over_its_buffer(path):
+    held, new, capacity = [5, 0, 130, 2], [1, 3, 1, 9], [8, 64, 192, 11]
+    buffers = _buffers(held, capacity)
+    before = [b.clone() for b in buffers]
+    batch = kv_attention.BufferBatch(buffers, held, new)
+    for layer in range(2):
+        q, k, v = torch.randn(sum(new), 9, 64), torch.randn(sum(new), 3, 64), torch.randn(sum(new), 3, 64)
+        batch.append(layer, k, v)
+        start = 0
+        for buf, old, h, n in zip(buffers, before, held, new):
+            assert torch.equal(buf[layer, 0, h : h + n], k[start : start + n])
+            assert torch.equal(buf[layer, 1, h : h + n], v[start : start + n])
+            assert torch.equal(buf[layer, :, : h], old[layer, :, : h])  # the held tokens stay
+            assert torch.equal(buf[1 - layer, :, h + n :], old[1 - layer, :, h + n :])  # nothing else moves
+            start += n
+        keys = [buf[layer, 0, : h + n] for buf, h, n in zip(buffers, held, new)]
+        values = [buf[layer, 1, : h + n] for buf, h, n in zip(buffers, held, new)]
+        out, lse = batch.attend(layer, q, need_lse=True)
+        ref_out, ref_lse = _reference(q, new, keys, values)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_a_buffer_batch_refuses_what_does_not_fit(path):
+    buffers = _buffers([4], [8])
+    batch = kv_attention.BufferBatch(buffers, [4], [1])
+    refused = [
+        ("do not fit a buffer of 8", lambda: kv_attention.BufferBatch(buffers, [4], [5])),
+        ("held lengths", lambda: kv_attention.BufferBatch(buffers, [4, 1], [1])),
+        ("must be \\[num_layers, 2", lambda: kv_attention.BufferBatch([torch.zeros(2, 3, 8, 3, 64)], [0], [1])),
+        ("contiguous float32", lambda: kv_attention.BufferBatch([buffers[0], buffers[0][:, :, :, :2]], [0, 0], [1, 1])),
+        ("contiguous float32", lambda: kv_attention.BufferBatch([buffers[0].double()], [0], [1])),
+        ("new K and V", lambda: batch.append(0, torch.randn(2, 3, 64), torch.randn(2, 3, 64))),
+        ("new K and V", lambda: batch.append(0, torch.randn(1, 3, 64), torch.randn(1, 3, 64).half())),
+        ("layer 2 of 2", lambda: batch.append(2, torch.randn(1, 3, 64), torch.randn(1, 3, 64))),
+        ("do not add up", lambda: batch.attend(0, torch.randn(2, 9, 64))),
+    ]
+    for message, call in refused:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_the_engine_attends_decoding_and_prompt_rows_in_any_order(path):
+    """LocalAttention: sequences with few new tokens through the kernel, prompts through
+    SDPA, in whatever order they come; every new token stored."""
+    from lamina.engine.kv import KVStore
+    from lamina.engine.step import KERNEL_MAX_QUERIES, LocalAttention, StepBatch
+    from model.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=9,
+                      num_kv_heads=3, head_dim=64)
+    kv = KVStore(cfg, 64 << 20)
+    prompt = KERNEL_MAX_QUERIES + 5
+    held, new = [7, 0, 40, 0, 3], [1, prompt, 2, 4, 1]  # a prompt between decoding rows, a short prompt
+    ids = [f"s{i}" for i in range(len(held))]
+    history = []
+    for s, h, n in zip(ids, held, new):
+        seq = kv.reserve(s, h + n)
+        history.append([[torch.randn(h, 3, 64), torch.randn(h, 3, 64)] for _ in range(2)])
+        for layer in range(2):
+            seq.buf[layer, 0, :h], seq.buf[layer, 1, :h] = history[-1][layer]
+        seq.length = h
+    local = LocalAttention(kv, StepBatch.build(ids, [[0] * n for n in new], held))
+    for layer in range(2):
+        q, k, v = torch.randn(sum(new), 9, 64), torch.randn(sum(new), 3, 64), torch.randn(sum(new), 3, 64)
+        out = local.attend(layer, q, k, v)
+        start, keys, values = 0, [], []
+        for h, n, hist in zip(held, new, history):
+            keys.append(torch.cat([hist[layer][0], k[start : start + n]]))
+            values.append(torch.cat([hist[layer][1], v[start : start + n]]))
+            start += n
+        torch.testing.assert_close(out, _reference(q, new, keys, values)[0], atol=1e-5, rtol=1e-4)
+    local.commit()
+    assert [kv.get(s).length for s in ids] == [h + n for h, n in zip(held, new)]
