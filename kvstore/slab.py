@@ -17,9 +17,9 @@ slot is shared first copies it to a fresh slot (copy-on-write) in every layer.
 
 Slot lists: each request's slots are kept as an int64 array, so the slots of a batch of
 requests concatenate into one index tensor without a Python loop over tokens
-(`batch_slots`); `slot_version` changes whenever a request's slots do (allocation,
-extension, copy-on-write, free), so a caller can keep such a tensor across the layers of
-a step and know when it is stale.
+(`batch_slots`); `slot_version` changes whenever a request's slots do (extension,
+copy-on-write) and never repeats, even for an id freed and allocated again, so a caller
+can keep such a tensor across the layers of a step and know when it is stale.
 
 Failure: `allocate`, `extend` and `prepare_write` raise KVAllocationError before any
 state changes when the free list cannot cover the request; `can_allocate` answers the
