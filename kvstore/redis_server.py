@@ -19,6 +19,8 @@ from pathlib import Path
 
 import redis
 
+from lamina.lifetime import child_argv
+
 ENV_REDIS_URL = "REDIS_URL"
 
 
@@ -61,9 +63,9 @@ class EmbeddedRedis:
             return self
         log = Path(self._dir) / "redis.log"
         self._proc = subprocess.Popen(
-            [self.executable, "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", self._dir,
-             "--logfile", str(log), "--daemonize", "no"],
+            child_argv([self.executable, "--port", str(self.port), "--bind", "127.0.0.1",
+                        "--save", "", "--appendonly", "no", "--dir", self._dir,
+                        "--logfile", str(log), "--daemonize", "no"]),  # ends with this process
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             # Its own session: a Ctrl-C meant for the owner must not stop Redis
             # before the services that use it have deregistered.

@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # prints the usage error and exits
         return 2
     name = argv[0]
+    if name != "generate":
+        from lamina.lifetime import die_with_parent
+
+        die_with_parent()  # a service started by a launcher ends with it
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"lamina {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)

@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from kvstore.redis_server import EmbeddedRedis
+from lamina.lifetime import child_env
 from model.loader import resolve_checkpoint
 from services.config import StackConfig
 
@@ -62,7 +63,7 @@ class Stack:
         names = [(f"attention-{i}", ["attention", "--index", str(i)]) for i in range(self.config.attention.workers)]
         names += [(f"model-{i}", ["model", "--index", str(i)]) for i in range(self.config.model_worker.workers)]
         names += [("prefill", ["prefill"]), ("scheduler", ["scheduler"]), ("gateway", ["gateway"])]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = child_env({**os.environ, "PYTHONUNBUFFERED": "1"})  # the services end with this process
         try:
             for name, argv in names:
                 sp = ServiceProcess(name, base + argv + common)

@@ -1,0 +1,58 @@
+"""A launcher killed outright leaves no service running: every child ends with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")]
+
+LAUNCHER = """
+import json, sys, time
+sys.path.insert(0, {tests!r})
+from e2e_helpers import start_stack
+stack = start_stack(workers=1)
+pids = [sp.proc.pid for sp in stack.processes] + [stack.redis._proc.pid]
+print(json.dumps(pids), flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state  # a zombie has exited; only its entry is left
+
+
+def test_killing_the_launcher_stops_every_service_and_redis():
+    tests = str(Path(__file__).resolve().parent)
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER.format(tests=tests)], stdout=subprocess.PIPE,
+                                text=True, cwd=Path(__file__).resolve().parents[2])
+    try:
+        line = launcher.stdout.readline()
+        assert line, "the launcher did not start the stack"
+        pids = json.loads(line)
+        assert len(pids) == 6 and all(_alive(p) for p in pids)  # redis, 1 attention, model, prefill, scheduler, gateway
+        launcher.send_signal(signal.SIGKILL)  # no chance to clean up
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)  # polling other processes' exit: there is no event to wait on
+        assert not [p for p in pids if _alive(p)], "services outlived their launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for p in locals().get("pids", []):
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
