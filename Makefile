@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt setup.py
 # Native parts (csrc/wire.c -> transports/_wire*.so, csrc/kv_attention.c ->
 # model/_kv_attention*.so), rebuilt when a source changes. Optional: where they cannot be
 # compiled the Python paths are used.
-$(NATIVE): $(STAMP) csrc/wire.c csrc/kv_attention.c setup.py
+$(NATIVE): $(STAMP) csrc/wire.c csrc/kv_attention.c csrc/qmatmul.c csrc/slice_ops.c setup.py
 	$(BIN)/python setup.py -q build_ext --inplace
 	touch $(NATIVE)
 
@@ -45,4 +45,4 @@ protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. services/protos/lamina.proto
 
 clean:
-	rm -rf $(VENV) build *.egg-info transports/_wire*.so model/_kv_attention*.so
+	rm -rf $(VENV) build *.egg-info transports/_wire*.so model/_kv_attention*.so model/_qmatmul*.so model/_slice_ops*.so

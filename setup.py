@@ -5,6 +5,9 @@ Both are optional: where one cannot be compiled the install goes on without it.
   (transports.frame.NATIVE is then None).
 - model/_kv_attention (csrc/kv_attention.c): without it attention over stored KV runs
   in torch (model.kv_attention.NATIVE is then None).
+- model/_qmatmul (csrc/qmatmul.c): without it linears run in torch, quantized weights
+  dequantized at each call (model.quant.NATIVE is then None).
+- model/_slice_ops (csrc/slice_ops.c): without it RMSNorm runs in torch.
 """
 
 from setuptools import Extension, setup
@@ -24,6 +27,20 @@ setup(
             # -ffast-math for vectorized expf (glibc's libmvec); the kernel uses no infinities.
             # -Wno-psabi: its 8-float vectors cross only inlined calls, so no ABI is involved.
             extra_compile_args=["-O3", "-std=gnu11", "-ffast-math", "-funroll-loops", "-Wno-psabi"],
+            libraries=["m"],
+            optional=True,
+        ),
+        Extension(
+            "model._qmatmul",
+            sources=["csrc/qmatmul.c"],
+            # No contraction: decoded weights must round like the reference's d * q + m.
+            extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off"],
+            optional=True,
+        ),
+        Extension(
+            "model._slice_ops",
+            sources=["csrc/slice_ops.c"],
+            extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off"],
             libraries=["m"],
             optional=True,
         ),

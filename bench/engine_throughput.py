@@ -22,7 +22,8 @@ directory (`LoadedModel.weights_dir`, a Hugging Face layout with identical float
 A short warm-up runs on both before timing; engine start-up (the split) is reported apart.
 
 Decode step: the engine's steps in which every sequence decodes one token (no prefill),
-against the memory-bandwidth bound: bytes read per step (all weights once, plus the KV of
+against the memory-bandwidth bound: bytes read per step (every weight the step reads, in
+the form it is stored, the embedding table only where it is the LM head's; plus the KV of
 every sequence in the batch) / copy bandwidth (a 256 MiB tensor copy, read + write bytes).
 
 The last line printed is one JSON object with every number.
@@ -73,6 +74,26 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return 2 * nbytes / best
+
+
+def weight_bytes_read(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: every linear's weight (packed or not) and the
+    norms, each tensor once; an embedding gathers one row per token and is left out unless
+    it is the LM head's table (then the head counts it)."""
+    from model.llama import RMSNorm
+    from model.quant import QuantLinear
+
+    seen: dict[int, int] = {}
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            tensors = list(m.buffers(recurse=False))
+        elif isinstance(m, (torch.nn.Linear, RMSNorm)):
+            tensors = [t for t in (m.weight, getattr(m, "bias", None)) if t is not None]
+        else:
+            continue
+        for t in tensors:
+            seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 def run_lamina(loaded, prompts: list[list[int]], outs: list[int]) -> dict:
@@ -203,7 +224,7 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f}); requests with identical tokens: {same}/{len(work)} "
           "(padding changes float rounding, so a near-tie can flip)")
 
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())  # tied weights once
+    weight_bytes = weight_bytes_read(loaded.model)
     bw = copy_bandwidth()
     steps = lam["decode_steps"]
     if steps:

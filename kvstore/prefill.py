@@ -24,8 +24,9 @@ class _SequenceContext:
     def __init__(self, model: LlamaForCausalLM, capacity: int,
                  prefix_kv: torch.Tensor | None) -> None:
         cfg = model.config
-        dtype = model.lm_head.weight.dtype
-        device = model.lm_head.weight.device
+        # The final norm's weight is a plain parameter whatever form the linears' weights take.
+        dtype = model.model.norm.weight.dtype
+        device = model.model.norm.weight.device
         self.kv = torch.empty(cfg.num_layers, 2, capacity, cfg.num_kv_heads, cfg.head_dim,
                               dtype=dtype, device=device)  # [L, 2, capacity, H, D]
         self.length = 0
@@ -51,7 +52,7 @@ class _SequenceContext:
 
 
 def _forward(model: LlamaForCausalLM, ctx: _SequenceContext, tokens: Sequence[int]) -> torch.Tensor:
-    device = model.lm_head.weight.device
+    device = model.model.norm.weight.device
     ids = torch.tensor(list(tokens), dtype=torch.long, device=device)  # [n]
     positions = torch.arange(ctx.length, ctx.length + len(tokens), device=device)  # [n]
     last = torch.tensor([len(tokens) - 1], device=device)  # [1]

@@ -1,6 +1,10 @@
 """A plain LLaMA-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-Parameter names follow Hugging Face's, so a checkpoint's state dict loads as is.
+Parameter names follow Hugging Face's, except that each layer's Q, K and V
+projections are one linear (`qkv_proj`) and so are the MLP's gate and up
+projections (`gate_up_proj`): one product each instead of three and two. A
+Hugging Face state dict still loads as is: the fused weights are concatenated
+from the checkpoint's tensors as it loads (`FUSED_PROJECTIONS`).
 Activations are token-major with no batch dimension: the tokens of every
 sequence in a batch are concatenated ([T, ...]), and the attention context
 knows where each sequence starts. Attention is the only operator with state;
@@ -10,14 +14,66 @@ be cut into slices at its `AttentionOp`s.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
+import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
 from model.attention import AttentionContext
 from model.config import ModelConfig
+from model.quant import QuantEmbedding, QuantLinear
 from model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from model.splitter import SplitModel
+
+try:
+    from model import _slice_ops as _SLICE_OPS
+except ImportError:  # not built (no C compiler at install): torch's rms_norm runs
+    _SLICE_OPS = None
+
+
+# Fused projections -> the checkpoint tensors they concatenate, rows in this order.
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _fuse_checkpoint_tensors(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook: checkpoint names -> fused tensors (left alone when a part is missing)."""
+    for fused, parts in FUSED_PROJECTIONS.items():
+        if not hasattr(module, fused):
+            continue
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{part}.{kind}" for part in parts]
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{fused}.{kind}"] = torch.cat([state_dict.pop(k) for k in keys])
+
+
+def checkpoint_names(names: Iterable[str]) -> set[str]:
+    """Parameter names as a Hugging Face checkpoint spells them (fused ones split)."""
+    out = set()
+    for name in names:
+        module, _, kind = name.rpartition(".")
+        path, _, last = module.rpartition(".")
+        parts = FUSED_PROJECTIONS.get(last)
+        out.update(f"{path}.{p}.{kind}" for p in parts) if parts else out.add(name)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2) + eps)) over the last dimension; x: [T, d].
+
+    One native call (csrc/slice_ops.c) for float32 rows, else torch's rms_norm, which
+    computes Hugging Face's form with its rounding. A leaf for torch.fx (wrapped below).
+    """
+    if _SLICE_OPS is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or (
+            x.stride(1) != 1):
+        return F.rms_norm(x, weight.shape, weight, eps)
+    out = torch.empty(x.shape, dtype=torch.float32)  # [T, d]
+    _SLICE_OPS.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+torch.fx.wrap("rms_norm")
 
 
 class RMSNorm(nn.Module):
@@ -27,9 +83,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, d]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class AttentionOp(nn.Module):
@@ -55,20 +109,19 @@ class SelfAttention(nn.Module):
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.attn = AttentionOp(layer_id)
+        self.register_load_state_dict_pre_hook(_fuse_checkpoint_tensors)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:  # x: [T, d]
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        hq, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(-1, hq + 2 * hkv, self.head_dim)  # [T, Hq + 2 Hkv, D]
+        qk = apply_rope(qkv[:, : hq + hkv], cos, sin)  # [T, Hq + Hkv, D]: Q and K rotated at once
+        q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D] (views)
+        v = qkv[:, hq + hkv :]  # [T, Hkv, D] (a view)
         o = self.attn(q, k, v, ctx)  # [T, Hq, D]
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
@@ -76,12 +129,13 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.register_load_state_dict_pre_hook(_fuse_checkpoint_tensors)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, d]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] each (views)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -131,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
 
         Returns logits [B, vocab] float32.
         """
-        cos, sin = rope_cos_sin(positions, self.model.inv_freq)  # [T, 1, D]
+        cos, sin = rope_cos_sin(positions, self.model.inv_freq)  # [T, 1, D] each
         x = self.model.embed_tokens(input_ids)  # [T, d]
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx)
@@ -141,6 +195,11 @@ class LlamaForCausalLM(nn.Module):
 
 def is_attention_op(module: nn.Module) -> bool:
     return isinstance(module, AttentionOp)
+
+
+def is_packed_module(module: nn.Module) -> bool:
+    """Linears and embeddings over packed weights: called whole by the slices, never traced."""
+    return isinstance(module, (QuantLinear, QuantEmbedding))
 
 
 def split_llama(model: LlamaForCausalLM, example_tokens: int = 8) -> SplitModel:
@@ -159,4 +218,4 @@ def split_llama(model: LlamaForCausalLM, example_tokens: int = 8) -> SplitModel:
         "ctx": _Dense(),
     }
     with torch.no_grad():
-        return split_model(model, example, is_attention_op)
+        return split_model(model, example, is_attention_op, is_packed_module)

@@ -17,14 +17,14 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from model.config import ModelConfig
 from model.errors import CheckpointError
-from model.llama import LlamaForCausalLM
+from model.llama import LlamaForCausalLM, checkpoint_names
 from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,8 @@ class LoadedModel:
     weights_dir: Path  # the Hugging Face-layout directory the weights were read from
     load_seconds: float
     was_cached: bool  # False when this load converted a GGUF file
+    weights: str = "float32"  # the weights choice it was loaded with (model.packing.WEIGHT_CHOICES)
+    weight_formats: dict[str, int] = field(default_factory=dict)  # packed format -> matrices in it
 
 
 def default_model_path() -> Path:
@@ -139,7 +141,8 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: Path, 
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    names = checkpoint_names(model.state_dict())  # as the checkpoint spells them (fused ones split)
+    expected = {k for k in names if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     missing = sorted(expected - state.keys())
     if missing:
         raise CheckpointError(source, f"weights missing from checkpoint: {', '.join(missing[:5])}"
@@ -180,11 +183,19 @@ def load_tokenizer(path: str | Path | None = None) -> tuple[Tokenizer, ModelConf
 
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct)."""
+    """Load a checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct).
+
+    float32 linears hold their weights in the native kernel's panels (model.packing).
+    """
+    from model.packing import pack_model
+
     start = time.perf_counter()
     source, weights_dir, was_cached = resolve_checkpoint(path)
     cfg = read_hf_config(weights_dir)
     state = read_hf_weights(weights_dir)
     model = build_model(cfg, state, weights_dir, dtype)
+    del state
+    formats = pack_model(model, "float32") if dtype == torch.float32 else {}
     tokenizer = Tokenizer.from_dir(weights_dir, cfg)
-    return LoadedModel(model, cfg, tokenizer, source, weights_dir, time.perf_counter() - start, was_cached)
+    return LoadedModel(model, cfg, tokenizer, source, weights_dir, time.perf_counter() - start, was_cached,
+                       "float32", formats)

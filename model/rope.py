@@ -36,17 +36,24 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [T] int64; inv_freq: [D/2]. Returns cos, sin: [T, 1, D] float32."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-    return emb.cos(), emb.sin()
+    """positions: [T] int64; inv_freq: [D/2]. Returns cos, sin: [T, 1, D] float32.
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    sin carries rotate-half's sign: [-sin f, sin f], so that `apply_rope` needs no
+    negation of its own.
+    """
+    freqs = positions.float()[:, None, None] * inv_freq  # [T, 1, D/2]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, 1, D]. Rotates each head's (i, i + D/2) pairs."""
-    return (x * cos.to(x.dtype)) + (_rotate_half(x) * sin.to(x.dtype))
+    """x: [T, H, D]; cos, sin: [T, 1, D] from `rope_cos_sin`. Rotates each head's (i, i + D/2) pairs.
+
+    Equals Hugging Face's x * cos + rotate_half(x) * sin bit for bit: the swapped
+    halves times the signed sin are rotate_half's products (negation is exact).
+    (torch.addcmul would save an operation but fuses the multiply-add, which rounds
+    differently.)
+    """
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [T, H, D]
+    return x * cos.to(x.dtype) + swapped * sin.to(x.dtype)

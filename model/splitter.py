@@ -91,12 +91,15 @@ class SplitModel:
 
 
 class _Tracer(fx.Tracer):
-    def __init__(self, is_attention: Callable[[nn.Module], bool]) -> None:
+    def __init__(self, is_attention: Callable[[nn.Module], bool], is_leaf: Callable[[nn.Module], bool] | None) -> None:
         super().__init__()
         self._is_attention = is_attention
+        self._is_leaf = is_leaf
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return self._is_attention(m) or super().is_leaf_module(m, qualname)
+        if self._is_attention(m) or (self._is_leaf is not None and self._is_leaf(m)):
+            return True
+        return super().is_leaf_module(m, qualname)
 
 
 def _nbytes(node: fx.Node) -> int | None:
@@ -112,13 +115,16 @@ def split_model(
     model: nn.Module,
     example_inputs: dict[str, Any],
     is_attention: Callable[[nn.Module], bool],
+    is_leaf: Callable[[nn.Module], bool] | None = None,
 ) -> SplitModel:
     """Trace `model` and cut it at every module for which `is_attention` holds.
 
     `example_inputs` are the forward arguments by name; they drive shape
     propagation (the edge weights) and reach the attention modules during it.
+    Modules for which `is_leaf` holds are called whole rather than traced through
+    (besides torch.nn's own, which always are).
     """
-    graph = _Tracer(is_attention).trace(model)
+    graph = _Tracer(is_attention, is_leaf).trace(model)
     gm = fx.GraphModule(model, graph)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     ShapeProp(gm).propagate(*[example_inputs[str(p.target)] for p in placeholders])
@@ -307,13 +313,34 @@ class _SliceBuilder:
             g.output(tuple(copy(a) for a in results) + tuple(copy(a) for a in ctx_out))
         return Slice(
             index=j,
-            module=fx.GraphModule(self.gm, g),
+            module=fx.GraphModule(self._flatten_targets(g), g),
             graph_inputs=[str(p.target) for p in graph_inputs],
             context_in=[a.name for a in ordered_ctx_in],
             context_out=[a.name for a in ctx_out],
             takes_attention=prev_attn is not None,
             is_last=is_last,
         )
+
+
+    def _flatten_targets(self, g: fx.Graph) -> dict[str, Any]:
+        """Gives the modules and tensors `g` reads flat names ("model.layers.3.mlp" ->
+        "model_layers_3_mlp") and returns them by those names, the slice's attributes.
+
+        The generated code then reaches each with one attribute lookup instead of a
+        chain of them, a cost paid at every call of every slice.
+        """
+        owned: dict[str, Any] = {}
+        for n in g.nodes:
+            if n.op in ("call_module", "get_attr"):
+                obj = self.gm.get_submodule(n.target) if n.op == "call_module" else _get_attr(self.gm, n.target)
+                n.target = n.target.replace(".", "_")
+                owned[n.target] = obj
+        return owned
+
+
+def _get_attr(root: nn.Module, target: str) -> Any:
+    path, _, name = target.rpartition(".")
+    return getattr(root.get_submodule(path) if path else root, name)
 
 
 def _nodes_in(arg: Any) -> list[fx.Node]:

@@ -22,6 +22,7 @@ from model import gguf_file
 from model.attention import attention_with_lse
 from model.errors import CheckpointError
 from model.loader import load_model
+from model.quant import QuantLinear, float_weight
 
 # -- the tiny GGUF checkpoint -------------------------------------------------------------
 
@@ -454,7 +455,7 @@ def test_cache_key_follows_the_file(tiny_gguf, cache_dir, tmp_path):
     write_tiny_gguf(copy, types=dict(TENSOR_TYPES, **{"output.weight": QT.F32}))
     b = load_model(copy)
     assert not b.was_cached and b.weights_dir != a.weights_dir
-    assert not torch.equal(a.model.lm_head.weight, b.model.lm_head.weight)
+    assert not torch.equal(float_weight(a.model.lm_head), float_weight(b.model.lm_head))
 
 
 # -- Hugging Face directories -------------------------------------------------------------
@@ -501,13 +502,15 @@ def test_hf_directory_logits_match_transformers(kind, tmp_path, loaded_model):
     if kind == "llama3-rope":
         assert c.rope_scaling.kind == "llama3" and c.rope_scaling.original_max_position_embeddings == 64
         assert c.rope_theta == 500000.0 and not c.tie_word_embeddings
-        assert not torch.equal(ours.model.lm_head.weight, ours.model.model.embed_tokens.weight)
+        assert not torch.equal(float_weight(ours.model.lm_head), ours.model.model.embed_tokens.weight)
     elif kind == "linear-rope":
         assert c.rope_scaling.kind == "linear" and c.rope_scaling.factor == 4.0
     else:
         assert c.model_type == "qwen2" and c.attention_bias and c.tie_word_embeddings
-        assert ours.model.lm_head.weight is ours.model.model.embed_tokens.weight
-        assert ours.model.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
+        embed, head = ours.model.model.embed_tokens, ours.model.lm_head
+        # one table: the embedding reads the head's packed weight (or, unpacked, they share it)
+        assert embed.table is head if isinstance(head, QuantLinear) else embed.weight is head.weight
+        assert ours.model.model.layers[0].self_attn.qkv_proj.bias.abs().sum() > 0
 
     # Past original_max_position_embeddings so the scaled frequencies matter.
     ids = torch.randint(0, cfg.vocab_size, (150,), generator=torch.Generator().manual_seed(1))

@@ -1,0 +1,400 @@
+/*
+ * Products against weights kept packed: y[M, N] = x[M, K] @ W^T (+ bias), W [N, K],
+ * read in the packed form, never expanded to float32 in memory as a whole.
+ *
+ * Built at install into model/_qmatmul (setup.py); model/quant.py packs the weights,
+ * checks every argument and is the only caller.
+ *
+ * Layout: W's rows (the outputs) are grouped in panels of NR = 16; panel p holds rows
+ * 16p .. 16p + 15 (the last one zero-padded), so for every k the panel's 16 values
+ * are adjacent and one pass over a panel produces 16 outputs of every row of x.
+ *   f32:  w  float  [P, K, 16]
+ *   q8_0: q  int8   [P, K/32, 32, 16]        w = d * q
+ *         d  f16    [P, K/32, 16]            (one scale per output and group of 32 k)
+ *   q4_0: q  uint8  [P, K/32, 32, 8]         byte j of a k holds output j (low nibble)
+ *         d  f16    [P, K/32, 16]            and output j + 8 (high nibble); w = d * (q - 8)
+ *   q4_1: as q4_0, and m f16 [P, K/32, 16]   w = d * q + m
+ * These are GGUF's Q8_0, Q4_0 and Q4_1 blocks (32 values along K with an f16 scale,
+ * and a min for Q4_1) with the same bits, reordered so a panel is contiguous.
+ *
+ * Exactness: a group's weights are decoded with the reference's operations (gguf's
+ * dequantize: d * q, d * (q - 8), d * q + m, each product rounded to float32 before
+ * the add; this file is built with -ffp-contract=off so no FMA merges them), so the
+ * product differs from dequantize-then-matmul only in the order of accumulation.
+ *
+ * Blocking: rows of x in chunks of about 192 KiB (a chunk stays in L2 while every panel passes);
+ * within a chunk, register blocks of MR = 6 rows x 16 outputs (12 accumulators). With
+ * more than MR rows a quantized panel is decoded once per chunk into a float buffer
+ * (L2) that every register block reads; with MR rows or fewer each group of 32 k is
+ * decoded into a tile in L1 just before its products.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define HAVE_X86 0
+#endif
+
+enum { FMT_F32 = 0, FMT_Q8_0 = 1, FMT_Q4_0 = 2, FMT_Q4_1 = 3 };
+#define NR 16
+#define GS 32
+#define MR 6
+#define CHUNK_FLOATS (48 * 1024) /* rows of x per chunk: about 192 KiB of them, whatever K */
+
+typedef struct {
+    int fmt;
+    const float *x; /* [m, k] row-major */
+    float *y;       /* [m, n] row-major */
+    int64_t m, k, n;
+    const void *w;       /* f32 panels, or the quantized values */
+    const uint16_t *d;   /* f16 scales (quantized formats) */
+    const uint16_t *mn;  /* f16 mins (q4_1) */
+    const float *bias;   /* [n] or NULL */
+} job_t;
+
+static inline int64_t groups(const job_t *j) { return j->k / GS; }
+
+/* Bytes of quantized values per group of one panel. */
+static inline int64_t group_bytes(int fmt) { return fmt == FMT_Q8_0 ? GS * NR : GS * NR / 2; }
+
+static inline const uint8_t *panel_q(const job_t *j, int64_t p) {
+    return (const uint8_t *)j->w + p * groups(j) * group_bytes(j->fmt);
+}
+
+/* ---------------------------------------------------------------- portable path */
+
+static float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            int e = -1;
+            do {
+                man <<= 1;
+                e++;
+            } while (!(man & 0x400u));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    union { uint32_t u; float f; } v = {bits};
+    return v.f;
+}
+
+/* Group g of panel p as floats, out[kk * 16 + c]. */
+static void decode_group_scalar(const job_t *j, int64_t p, int64_t g, float *out) {
+    const int64_t G = groups(j);
+    const uint8_t *q = panel_q(j, p) + g * group_bytes(j->fmt);
+    const uint16_t *d = j->d + (p * G + g) * NR;
+    const uint16_t *mn = j->mn ? j->mn + (p * G + g) * NR : NULL;
+    for (int kk = 0; kk < GS; kk++) {
+        for (int c = 0; c < NR; c++) {
+            const float dc = half_to_float(d[c]);
+            float w;
+            if (j->fmt == FMT_Q8_0) {
+                w = dc * (float)(int8_t)q[kk * NR + c];
+            } else {
+                const uint8_t b = q[kk * (NR / 2) + (c & 7)];
+                const int v = c < 8 ? (b & 0x0f) : (b >> 4);
+                if (j->fmt == FMT_Q4_0) {
+                    w = dc * (float)(v - 8);
+                } else {
+                    const float prod = dc * (float)v;
+                    w = prod + half_to_float(mn[c]);
+                }
+            }
+            out[kk * NR + c] = w;
+        }
+    }
+}
+
+static void run_scalar(const job_t *j, float *buf) {
+    const int64_t K = j->k, P = (j->n + NR - 1) / NR;
+    for (int64_t p = 0; p < P; p++) {
+        const float *w;
+        if (j->fmt == FMT_F32) {
+            w = (const float *)j->w + p * K * NR;
+        } else {
+            for (int64_t g = 0; g < groups(j); g++) decode_group_scalar(j, p, g, buf + g * GS * NR);
+            w = buf;
+        }
+        const int ncols = j->n - p * NR < NR ? (int)(j->n - p * NR) : NR;
+        for (int64_t r = 0; r < j->m; r++) {
+            float acc[NR];
+            for (int c = 0; c < NR; c++) acc[c] = j->bias && c < ncols ? j->bias[p * NR + c] : 0.0f;
+            const float *x = j->x + r * K;
+            for (int64_t k = 0; k < K; k++)
+                for (int c = 0; c < NR; c++) acc[c] += x[k] * w[k * NR + c];
+            memcpy(j->y + r * j->n + p * NR, acc, (size_t)ncols * sizeof(float));
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- AVX2 path */
+
+#if HAVE_X86
+
+/* Group g of panel p as floats into out[kk * 16 + c] (64-byte aligned). */
+TARGET_AVX2 static inline void decode_group_avx2(const job_t *j, const uint8_t *q, const uint16_t *d,
+                                                 const uint16_t *mn, float *out) {
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));
+    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8)));
+    if (j->fmt == FMT_Q8_0) {
+        for (int kk = 0; kk < GS; kk++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(q + kk * NR));
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+            _mm256_store_ps(out + kk * NR, _mm256_mul_ps(d0, lo));
+            _mm256_store_ps(out + kk * NR + 8, _mm256_mul_ps(d1, hi));
+        }
+        return;
+    }
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    if (j->fmt == FMT_Q4_0) {
+        const __m256i eight = _mm256_set1_epi32(8);
+        for (int kk = 0; kk < GS; kk++) {
+            const __m128i b = _mm_loadl_epi64((const __m128i *)(q + kk * (NR / 2)));
+            const __m256i vlo = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(b, mask)), eight);
+            const __m256i vhi = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)), eight);
+            _mm256_store_ps(out + kk * NR, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(vlo)));
+            _mm256_store_ps(out + kk * NR + 8, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(vhi)));
+        }
+        return;
+    }
+    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mn));
+    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + 8)));
+    for (int kk = 0; kk < GS; kk++) {
+        const __m128i b = _mm_loadl_epi64((const __m128i *)(q + kk * (NR / 2)));
+        const __m256 vlo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, mask)));
+        const __m256 vhi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+        /* d * q rounded, then + m: the reference's two roundings */
+        _mm256_store_ps(out + kk * NR, _mm256_add_ps(_mm256_mul_ps(d0, vlo), m0));
+        _mm256_store_ps(out + kk * NR + 8, _mm256_add_ps(_mm256_mul_ps(d1, vhi), m1));
+    }
+}
+
+/* Accumulators of register block row r: a<r>0 (outputs 0-7), a<r>1 (outputs 8-15).
+ * Named variables, not an array, so that they stay in registers. */
+#define ROW_FMA(r)                                                   \
+    if (R > r) {                                                     \
+        const __m256 xb = _mm256_broadcast_ss(xr + r * ldx + kk);     \
+        a##r##0 = _mm256_fmadd_ps(xb, w0, a##r##0);                  \
+        a##r##1 = _mm256_fmadd_ps(xb, w1, a##r##1);                  \
+    }
+
+#define ROW_FMA_ODD(r, s)                                            \
+    if (R > r) {                                                     \
+        const __m256 xb = _mm256_broadcast_ss(xr + r * ldx + kk + 1); \
+        a##s##0 = _mm256_fmadd_ps(xb, v0, a##s##0);                  \
+        a##s##1 = _mm256_fmadd_ps(xb, v1, a##s##1);                  \
+    }
+
+/* a += x[0 .. R, 0 .. kn) @ w[kn, 16] (R a constant after inlining). With three rows
+ * or fewer, odd k go to the spare accumulators of rows r + 3 (added in at the end),
+ * so that more independent sums hide the latency of the multiply-adds. */
+#define FMA_ROWS(xbase, wbase, kn)                                   \
+    do {                                                             \
+        const float *xr = (xbase);                                   \
+        const float *wr = (wbase);                                   \
+        int64_t kk = 0;                                              \
+        if (R <= 3) {                                                \
+            for (; kk + 2 <= (kn); kk += 2) {                        \
+                const __m256 w0 = _mm256_loadu_ps(wr + kk * NR);     \
+                const __m256 w1 = _mm256_loadu_ps(wr + kk * NR + 8); \
+                const __m256 v0 = _mm256_loadu_ps(wr + kk * NR + 16); \
+                const __m256 v1 = _mm256_loadu_ps(wr + kk * NR + 24); \
+                ROW_FMA(0) ROW_FMA(1) ROW_FMA(2)                     \
+                ROW_FMA_ODD(0, 3) ROW_FMA_ODD(1, 4) ROW_FMA_ODD(2, 5) \
+            }                                                        \
+        }                                                            \
+        for (; kk < (kn); kk++) {                                    \
+            const __m256 w0 = _mm256_loadu_ps(wr + kk * NR);         \
+            const __m256 w1 = _mm256_loadu_ps(wr + kk * NR + 8);     \
+            ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5) \
+        }                                                            \
+    } while (0)
+
+#define ROW_STORE(r)                                                 \
+    if (R > r) {                                                     \
+        float *y = j->y + (r0 + r) * j->n + p * NR;                  \
+        if (ncols == NR) {                                           \
+            _mm256_storeu_ps(y, a##r##0);                            \
+            _mm256_storeu_ps(y + 8, a##r##1);                        \
+        } else {                                                     \
+            float out[NR];                                           \
+            _mm256_storeu_ps(out, a##r##0);                          \
+            _mm256_storeu_ps(out + 8, a##r##1);                      \
+            memcpy(y, out, (size_t)ncols * sizeof(float));           \
+        }                                                            \
+    }
+
+/* R rows starting at r0 against panel p: from the float panel wf when given (f32, or
+ * a quantized panel decoded in advance), else decoding group by group into tile. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void rows_avx2(const int R, const job_t *j, int64_t r0,
+                                                                        int64_t p, const float *wf, float *tile) {
+    const int64_t K = j->k, ldx = K;
+    const int ncols = j->n - p * NR < NR ? (int)(j->n - p * NR) : NR;
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    if (j->bias) {
+        float bb[NR] = {0};
+        memcpy(bb, j->bias + p * NR, (size_t)ncols * sizeof(float));
+        b0 = _mm256_loadu_ps(bb);
+        b1 = _mm256_loadu_ps(bb + 8);
+    }
+    __m256 a00 = b0, a01 = b1, a10 = b0, a11 = b1, a20 = b0, a21 = b1;
+    /* rows 3-5 start at zero when they are row 0-2's spares (the bias is counted once) */
+    const __m256 z = _mm256_setzero_ps();
+    __m256 a30 = R <= 3 ? z : b0, a31 = R <= 3 ? z : b1, a40 = R <= 3 ? z : b0, a41 = R <= 3 ? z : b1;
+    __m256 a50 = R <= 3 ? z : b0, a51 = R <= 3 ? z : b1;
+    const float *x = j->x + r0 * K;
+    if (wf) {
+        FMA_ROWS(x, wf, K);
+    } else {
+        const int64_t G = groups(j);
+        const uint8_t *q = panel_q(j, p);
+        const uint16_t *d = j->d + p * G * NR;
+        const uint16_t *mn = j->mn ? j->mn + p * G * NR : NULL;
+        for (int64_t g = 0; g < G; g++) {
+            decode_group_avx2(j, q + g * group_bytes(j->fmt), d + g * NR, mn ? mn + g * NR : NULL, tile);
+            FMA_ROWS(x + g * GS, tile, GS);
+        }
+    }
+    if (R <= 3) {
+        a00 = _mm256_add_ps(a00, a30);
+        a01 = _mm256_add_ps(a01, a31);
+        a10 = _mm256_add_ps(a10, a40);
+        a11 = _mm256_add_ps(a11, a41);
+        a20 = _mm256_add_ps(a20, a50);
+        a21 = _mm256_add_ps(a21, a51);
+    }
+    ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)
+}
+
+TARGET_AVX2 static void rows_dispatch(int R, const job_t *j, int64_t r0, int64_t p, const float *wf, float *tile) {
+    switch (R) {
+    case 1: rows_avx2(1, j, r0, p, wf, tile); break;
+    case 2: rows_avx2(2, j, r0, p, wf, tile); break;
+    case 3: rows_avx2(3, j, r0, p, wf, tile); break;
+    case 4: rows_avx2(4, j, r0, p, wf, tile); break;
+    case 5: rows_avx2(5, j, r0, p, wf, tile); break;
+    default: rows_avx2(6, j, r0, p, wf, tile); break;
+    }
+}
+
+TARGET_AVX2 static void run_avx2(const job_t *j, float *buf, float *tile) {
+    const int64_t K = j->k, P = (j->n + NR - 1) / NR, G = groups(j);
+    int64_t chunk = CHUNK_FLOATS / K / MR * MR;
+    if (chunk < MR) chunk = MR;
+    for (int64_t c0 = 0; c0 < j->m; c0 += chunk) {
+        const int64_t rows = j->m - c0 < chunk ? j->m - c0 : chunk;
+        for (int64_t p = 0; p < P; p++) {
+            const float *wf = NULL;
+            if (j->fmt == FMT_F32) {
+                wf = (const float *)j->w + p * K * NR;
+            } else if (rows > MR) { /* decoded once, read by every register block of the chunk */
+                const uint8_t *q = panel_q(j, p);
+                for (int64_t g = 0; g < G; g++)
+                    decode_group_avx2(j, q + g * group_bytes(j->fmt), j->d + (p * G + g) * NR,
+                                      j->mn ? j->mn + (p * G + g) * NR : NULL, buf + g * GS * NR);
+                wf = buf;
+            }
+            for (int64_t r0 = c0; r0 < c0 + rows; r0 += MR) {
+                const int64_t left = c0 + rows - r0;
+                rows_dispatch(left < MR ? (int)left : MR, j, r0, p, wf, tile);
+            }
+        }
+    }
+}
+
+static int use_avx2(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    }
+    return cached;
+}
+#endif
+
+/* ---------------------------------------------------------------- entry points */
+
+/* Scratch of the calling thread, kept between calls (a decode step makes hundreds). */
+static __thread float *scratch;
+static __thread size_t scratch_floats;
+
+static int run(const job_t *j, int force_scalar) {
+    /* tile: one decoded group; buf: a decoded panel (quantized formats). 64-byte aligned. */
+    const size_t need = GS * NR + (j->fmt == FMT_F32 ? 0 : (size_t)(j->k * NR));
+    if (need > scratch_floats) {
+        float *mem = aligned_alloc(64, need * sizeof(float));
+        if (!mem) return -1;
+        free(scratch);
+        scratch = mem;
+        scratch_floats = need;
+    }
+    float *tile = scratch, *buf = scratch + GS * NR;
+#if HAVE_X86
+    if (!force_scalar && use_avx2())
+        run_avx2(j, buf, tile);
+    else
+        run_scalar(j, buf);
+#else
+    (void)force_scalar;
+    run_scalar(j, buf);
+#endif
+    return 0;
+}
+
+static PyObject *matmul(PyObject *self, PyObject *args) {
+    int fmt, force_scalar = 0;
+    long long x, y, m, k, n, w, d, mn, bias;
+    if (!PyArg_ParseTuple(args, "LLLiLLLLLL|p", &x, &y, &m, &fmt, &k, &n, &w, &d, &mn, &bias, &force_scalar))
+        return NULL;
+    if (fmt < FMT_F32 || fmt > FMT_Q4_1 || m < 0 || k <= 0 || n <= 0 || (fmt != FMT_F32 && k % GS) ||
+        (fmt != FMT_F32 && !d) || (fmt == FMT_Q4_1 && !mn)) {
+        PyErr_SetString(PyExc_ValueError, "bad packed matmul arguments");
+        return NULL;
+    }
+    job_t job = {fmt, (const float *)(intptr_t)x, (float *)(intptr_t)y, m, k, n, (const void *)(intptr_t)w,
+                 (const uint16_t *)(intptr_t)d, (const uint16_t *)(intptr_t)mn, (const float *)(intptr_t)bias};
+    int rc = 0;
+    if (m > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = run(&job, force_scalar);
+        Py_END_ALLOW_THREADS
+    }
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *has_avx2(PyObject *self, PyObject *unused) {
+#if HAVE_X86
+    return PyBool_FromLong(use_avx2());
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", matmul, METH_VARARGS,
+     "matmul(x, y, m, fmt, k, n, w, d, mn, bias[, force_scalar]): addresses of checked buffers; "
+     "see model/quant.py"},
+    {"has_avx2", has_avx2, METH_NOARGS, "whether the AVX2/FMA/F16C kernels run on this CPU"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qmatmul", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__qmatmul(void) { return PyModule_Create(&module); }
