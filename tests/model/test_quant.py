@@ -1,0 +1,245 @@
+"""Packed weights: formats, the native kernel against dequantize-then-matmul, GGUF blocks
+kept as they are, and greedy decoding with the file's own quantized weights."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QT
+
+from lamina.engine import Engine, SamplingParams
+from model import gguf_file, quant
+from model.loader import load_model
+from model.quant import PackedWeight, QuantLinear, dequantize, pack_float, pack_gguf, packed_matmul, quantize
+from test_loader import TENSOR_TYPES, VOCAB, _our_logits, cache_dir, write_tiny_gguf  # noqa: F401 (cache_dir: a fixture)
+from test_reference import MAX_NEW, _hf_greedy, _prompts
+
+native = pytest.mark.skipif(quant.NATIVE is None, reason="model._qmatmul was not built (no C compiler at install)")
+FORMATS = ["f32", "q8_0", "q4_0", "q4_1"]
+_GGUF_TYPE = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1}
+
+
+def _weight(fmt: str, n: int, k: int, seed: int = 0) -> PackedWeight:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    if fmt == "f32":
+        return pack_float(w)
+    raw = gguf.quants.quantize(w.numpy(), _GGUF_TYPE[fmt])  # gguf's own quantizer, all three formats
+    return pack_gguf(fmt, raw, n, k)
+
+
+def _run(x: torch.Tensor, pw: PackedWeight, bias=None, scalar: bool = False) -> torch.Tensor:
+    y = torch.empty(x.shape[0], pw.n)
+    args = (quant._FORMAT_CODE[pw.fmt], pw.k, pw.n, pw.values.data_ptr(),
+            0 if pw.scale is None else pw.scale.data_ptr(), 0 if pw.minimum is None else pw.minimum.data_ptr(),
+            0 if bias is None else bias.data_ptr())
+    quant.NATIVE.matmul(x.data_ptr(), y.data_ptr(), x.shape[0], *args, scalar)
+    return y
+
+
+# -- formats ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_gguf_blocks_decode_like_gguf(fmt):
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(1)) * 0.1
+    raw = gguf.quants.quantize(w.numpy(), _GGUF_TYPE[fmt])
+    pw = pack_gguf(fmt, raw, 48, 96)
+    expected = gguf.quants.dequantize(raw, _GGUF_TYPE[fmt]).reshape(48, 96)
+    np.testing.assert_array_equal(dequantize(pw).numpy(), expected)
+    # Unpacking gives the file's bits back: quantized values, scales and mins.
+    q, d, m = quant.unpack_quantized(pw)
+    again = quant.pack_quantized(fmt, q, d, m)
+    for name, t in pw.tensors().items():
+        assert torch.equal(t, again.tensors()[name]), name
+    rows = torch.tensor([0, 17, 47, 3])
+    assert torch.equal(quant.dequantize_rows(pw, rows), dequantize(pw)[rows])
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_quantize_equals_gguf_quantizer(fmt):
+    """q8_0 and q4 (stored as q4_1: group-wise min-max 4-bit) quantize float weights bit for bit
+    as gguf's quantizer does."""
+    w = torch.randn(40, 128, generator=torch.Generator().manual_seed(2)) * 0.1
+    w[3, :32] = 0.0  # a constant group: scale 0
+    ours = quantize(w, fmt)
+    theirs = pack_gguf(fmt, gguf.quants.quantize(w.numpy(), _GGUF_TYPE[fmt]), 40, 128)
+    for name, t in ours.tensors().items():
+        assert torch.equal(t, theirs.tensors()[name]), name
+
+
+def test_stacked_rows_keep_every_format():
+    for fmt in FORMATS:
+        parts = [_weight(fmt, n, 64, seed=i) for i, n in enumerate((24, 16, 8))]
+        both = quant.concat_rows(parts)
+        assert both.fmt == fmt and both.n == 48
+        assert torch.equal(dequantize(both), torch.cat([dequantize(p) for p in parts]))
+    with pytest.raises(ValueError, match="one format"):
+        quant.concat_rows([_weight("q8_0", 16, 64), _weight("q4_1", 16, 64)])
+
+
+def test_packed_weight_is_checked():
+    pw = _weight("q4_1", 32, 64)
+    with pytest.raises(ValueError, match="minimum"):
+        PackedWeight("q4_1", 32, 64, pw.values, pw.scale, None)
+    with pytest.raises(ValueError, match="unknown packed format"):
+        PackedWeight("q5_0", 32, 64, pw.values)
+    with pytest.raises(ValueError, match="divide by 32"):
+        quantize(torch.randn(4, 40), "q8_0")
+
+
+# -- the kernel --------------------------------------------------------------------------------
+
+
+@native
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scalar", [False, True], ids=["avx2", "portable"])
+def test_kernel_decodes_the_reference_values_exactly(fmt, scalar):
+    """x = the identity: every output is a single weight times one, so any difference from
+    dequantize() would be a decoding difference (Q4_1's d * q + m rounded twice included)."""
+    if not scalar and not quant.NATIVE.has_avx2():
+        pytest.skip("this CPU has no AVX2/FMA/F16C")
+    pw = _weight(fmt, 40, 64)  # 40 outputs: the last panel is padded
+    expected = dequantize(pw).t()  # [K, N]
+    for rows in (slice(0, 64), slice(5, 6), slice(0, 3)):  # many rows (panel decoded once), one, a few
+        eye = torch.eye(64)[rows].contiguous()
+        assert torch.equal(_run(eye, pw, scalar=scalar), expected[rows])
+
+
+@native
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 6, 7, 10, 64, 200])
+def test_kernel_matches_dequantize_then_matmul(fmt, m):
+    """The product differs from dequantize-then-matmul only by the order of accumulation:
+    each output within 2^-20 of sum_k |x_k w_k| (the kernel's float32 sums of 1536 terms
+    reach about 2^-22 of it here, torch's blocked ones 2^-24; any order is within K * 2^-24)."""
+    n, k = 200, 1536
+    pw = _weight(fmt, n, k)
+    w = dequantize(pw)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(n)
+    exact = F.linear(x.double(), w.double(), bias.double())
+    scale = x.abs().double() @ w.abs().double().t() + bias.abs().double()
+    for y in (packed_matmul(x, pw, bias), _run(x, pw, bias, scalar=True)):
+        assert ((y.double() - exact).abs() <= scale * 2**-20).all()
+
+
+@native
+def test_kernel_takes_any_input_size_for_float_panels():
+    pw = _weight("f32", 19, 37)
+    x = torch.randn(5, 37)
+    torch.testing.assert_close(packed_matmul(x, pw), F.linear(x, dequantize(pw)), rtol=0, atol=1e-5)
+
+
+def test_torch_path_computes_the_same_product():
+    for fmt in FORMATS:
+        pw = _weight(fmt, 24, 64)
+        x = torch.randn(4, 64)
+        torch.testing.assert_close(packed_matmul(x, pw, native=False), F.linear(x, dequantize(pw)),
+                                   rtol=0, atol=0)
+
+
+def test_quant_linear_replaces_a_linear():
+    lin = torch.nn.Linear(64, 24)
+    x = torch.randn(3, 5, 64)  # any leading dimensions
+    for fmt in ("f32", "q8_0", "q4_1"):
+        q = QuantLinear.from_linear(lin, fmt)
+        with torch.no_grad():
+            expected = F.linear(x, quant.float_weight(q), lin.bias)
+        torch.testing.assert_close(q(x), expected, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="float32"):
+        q(torch.randn(3, 32))
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    """The tiny LLaMA of test_loader with layer 0's Q, K, V all Q4_1 (one fused packed matrix)
+    and its other matrices in mixed formats."""
+    path = tmp_path_factory.mktemp("gguf-quant") / "tiny.gguf"
+    write_tiny_gguf(path, types=dict(TENSOR_TYPES, **{"blk.0.attn_q.weight": QT.Q4_1,
+                                                       "blk.0.attn_v.weight": QT.Q4_1}))
+    return path
+
+
+def test_read_packed_keeps_the_files_blocks(tiny_path):
+    reader = gguf.GGUFReader(str(tiny_path))
+    cfg = gguf_file.read_config(tiny_path, reader)
+    floats = gguf_file.read_state_dict(tiny_path, cfg, reader)
+    packed = gguf_file.read_packed(tiny_path, cfg, reader)
+    stored = {gguf_file._hf_name(t.name): t.tensor_type.name for t in reader.tensors}
+    assert {n for n, t in stored.items() if t in gguf_file.PACKED_TYPES} == set(packed)
+    for name, pw in packed.items():
+        assert pw.fmt == gguf_file.PACKED_TYPES[stored[name]]
+        # The same values the float32 conversion holds (Q and K rows un-permuted alike).
+        assert torch.equal(dequantize(pw), floats[name]), name
+
+
+def test_as_file_loads_the_files_formats(tiny_path, cache_dir):
+    ref = load_model(tiny_path)
+    ours = load_model(tiny_path, weights="as_file")
+    assert ours.weights == "as_file"
+    layers = ours.model.model.layers
+    assert layers[0].self_attn.qkv_proj.fmt == "q4_1"  # Q, K, V all Q4_1: stacked, still packed
+    assert layers[1].self_attn.qkv_proj.fmt == "f32"  # F32, F16, Q4_1 mixed: float panels
+    assert layers[1].self_attn.o_proj.fmt == "q8_0" and layers[1].mlp.down_proj.fmt == "q4_0"
+    assert ours.model.lm_head.fmt == "f32"  # the file's F16 output matrix
+    assert ours.model.model.embed_tokens.table.fmt == "q8_0"  # untied: the file's Q8_0 embedding
+    ids = torch.randint(0, VOCAB, (11,), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_our_logits(ours, ids), _our_logits(ref, ids), rtol=0, atol=1e-5)
+
+
+def test_file_blocks_are_repacked_once_into_the_cache(tiny_path, cache_dir):
+    first = load_model(tiny_path, weights="as_file")
+    cached = first.weights_dir / "packed" / "as_file.safetensors"
+    assert cached.is_file()
+    again = load_model(tiny_path, weights="as_file")  # read from the cache, not the GGUF
+    for (name, a), (_, b) in zip(first.model.state_dict().items(), again.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    cached.write_bytes(cached.read_bytes()[:200])  # damaged: repacked from the file again
+    third = load_model(tiny_path, weights="as_file")
+    assert torch.equal(third.model.lm_head.values, first.model.lm_head.values)
+    assert cached.stat().st_size > 200
+
+
+def test_weights_choices_are_checked(tiny_path, cache_dir):
+    with pytest.raises(ValueError, match="unknown weights"):
+        load_model(tiny_path, weights="q3")
+    with pytest.raises(ValueError, match="float32"):
+        load_model(tiny_path, dtype=torch.bfloat16, weights="q4")
+    q4 = load_model(tiny_path, weights="q4")
+    assert q4.weight_formats == {"q4_1": 2 * 4, "q8_0": 2}  # decoder linears; head and untied embedding
+
+
+# -- the default model with the file's own quantized weights ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def as_file_model():
+    return load_model(weights="as_file")
+
+
+def test_default_model_keeps_its_quantized_blocks(as_file_model, loaded_model):
+    # SmolLM2-135M-Instruct.Q4_1.gguf: every decoder matrix Q4_1, the tied embedding Q8_0.
+    assert as_file_model.weight_formats == {"q4_1": 4 * loaded_model.config.num_layers, "q8_0": 1}
+    head = as_file_model.model.lm_head
+    assert as_file_model.model.model.embed_tokens.table is head and head.fmt == "q8_0"
+
+
+def test_greedy_tokens_with_file_weights_equal_transformers(as_file_model, hf_reference):
+    """transformers dequantizes the same blocks to float32; computing on the blocks gives
+    the same greedy tokens on the held-out prompts of test_reference.py."""
+    engine = Engine(as_file_model)
+    prompts = _prompts(as_file_model.tokenizer)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    for ids, out in zip(prompts, outs):
+        assert out.output_token_ids == _hf_greedy(hf_reference, ids)
+
+
+def test_logits_with_file_weights_match_transformers(as_file_model, hf_reference):
+    ids = torch.tensor(_prompts(as_file_model.tokenizer)[5])
+    with torch.no_grad():
+        ref = hf_reference(ids[None]).logits[0]
+    torch.testing.assert_close(_our_logits(as_file_model, ids), ref, rtol=0, atol=2e-4)
