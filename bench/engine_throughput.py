@@ -29,6 +29,9 @@ the form it is stored: packed bytes for packed weights, the embedding table only
 is the LM head's; plus the KV of every sequence in the batch) / copy bandwidth (a 256 MiB
 tensor copy, read + write bytes).
 
+--decode-batches adds pure-decode steps at fixed batch sizes (40-token random prompts,
+every weights choice in turn, CPU time).
+
 The last line printed is one JSON object with every number (the top-level engine figures
 are the first --weights choice's; "weights" holds each choice's).
 """
@@ -141,6 +144,24 @@ def run_lamina(loaded, prompts: list[list[int]], outs: list[int]) -> dict:
     }
 
 
+def decode_step_cpu(loaded, batch: int, prompt_len: int, steps: int, seed: int) -> float:
+    """Median CPU seconds of a pure-decode step at a fixed batch size (after one prefill step)."""
+    from lamina.engine import Engine, SamplingParams
+
+    engine = Engine(loaded)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(batch):
+        ids = torch.randint(100, loaded.config.vocab_size, (prompt_len,), generator=gen).tolist()
+        engine.add_request(ids, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 2))
+    engine.step()  # every prompt in one prefill step
+    times = []
+    for _ in range(steps):
+        c = time.process_time()
+        engine.step()
+        times.append(time.process_time() - c)
+    return statistics.median(times)
+
+
 def run_transformers(weights_dir: Path, prompts: list[list[int]], outs: list[int], batch: int, pad_id: int) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -186,6 +207,9 @@ def main() -> None:
     ap.add_argument("--weights", default="float32,as_file",
                     help="comma-separated weights choices for the engine, run side by side (float32, q8_0, q4, as_file)")
     ap.add_argument("--repeat", type=int, default=1, help="engine runs per weights choice, interleaved (medians)")
+    ap.add_argument("--decode-batches", default="1,10,64",
+                    help="also time pure-decode steps at these batch sizes (40-token prompts), each weights "
+                         "choice in turn; empty to skip")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads for both sides (default 1: this machine is shared)")
     args = ap.parse_args()
@@ -222,6 +246,17 @@ def main() -> None:
     for _ in range(args.repeat):  # interleaved, so that load on the machine hits every choice alike
         for w in choices:
             runs[w].append(run_lamina(models[w][0], prompts, outs))
+
+    by_batch: dict[str, dict[int, float]] = {w: {} for w in choices}
+    for b in (int(x) for x in args.decode_batches.split(",") if x.strip()):
+        per = {w: [] for w in choices}
+        for _ in range(args.repeat):
+            for w in choices:
+                per[w].append(decode_step_cpu(models[w][0], b, 40, 12, args.seed))
+        for w in choices:
+            by_batch[w][b] = statistics.median(per[w])
+        print(f"decode step CPU time at batch {b} (40-token prompts, median of 12 steps): "
+              + ", ".join(f"{w} {by_batch[w][b] * 1e3:.1f} ms" for w in choices))
 
     hf = run_transformers(first.weights_dir, prompts, outs, args.hf_batch, pad_id=cfg.eos_token_ids[0])
     hf_tps = total_out / hf["seconds"]
@@ -263,6 +298,7 @@ def main() -> None:
             "bandwidth_bound_ms": round(bound_s * 1e3, 2), "weight_bytes": weight_bytes,
             "decode_batch_median": batch, "identical_requests": same, "engine_start_s": round(rs[0]["start_s"], 3),
             "formats": models[w][0].weight_formats,
+            "decode_step_cpu_ms_by_batch": {b: round(v * 1e3, 2) for b, v in by_batch[w].items()},
         }
     print("(left padding changes transformers' float rounding, so a near-tie can flip a request; "
           f"load average {os.getloadavg()[0]:.1f})")

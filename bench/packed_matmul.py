@@ -15,8 +15,9 @@ cache) are timed with:
   rounds x and the result to bfloat16) for reference. Q8_0 has no torch kernel with groups
   (`_weight_int8pack_mm` scales whole channels only).
 
-Variants run interleaved, --repeat times; medians. One torch thread (--threads). The last
-line printed is one JSON object with every number.
+Variants run interleaved, --repeat times; medians of this process's CPU time (the machine
+is shared: wall time counts the time others run; with one thread CPU time is the compute).
+One torch thread (--threads). The last line printed is one JSON object with every number.
 """
 
 from __future__ import annotations
@@ -104,9 +105,9 @@ def main() -> None:
                 f(x)  # warm-up
             for _ in range(args.repeat):
                 for name, (f, _) in variants.items():
-                    t = time.perf_counter()
+                    t = time.process_time()
                     f(x)
-                    times[name].append(time.perf_counter() - t)
+                    times[name].append(time.process_time() - t)
             med = {name: statistics.median(ts) * variants[name][1] for name, ts in times.items()}
             best = min(med, key=med.get)
             results.setdefault(fmt, {})[m] = {name: round(s * 1e3, 2) for name, s in med.items()}
