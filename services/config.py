@@ -5,6 +5,7 @@ flags. Everything is validated at start; a bad value stops the service with one
 clear message naming the setting.
 
     model: null                 # checkpoint dir or .gguf; null = SmolLM2-135M-Instruct
+    weights: float32            # float32 | q8_0 | q4 | as_file (packed linears: docs/model.md)
     redis_url: null             # null = embedded redis-server (lamina up starts it)
     namespace: lamina           # prefix of every Redis key
     transport: tcp              # tcp | ucx | shm (data plane)
@@ -37,6 +38,7 @@ import yaml
 TRANSPORTS = ("tcp", "ucx", "shm")
 PARTITIONS = ("request", "head")
 POLICIES = ("fcfs", "fpf", "relaxed_fpf")
+WEIGHT_CHOICES = ("float32", "q8_0", "q4", "as_file")  # model.packing.WEIGHT_CHOICES (tested equal)
 
 
 class ConfigError(ValueError):
@@ -113,6 +115,7 @@ class DataPlaneSection:
 @dataclass(frozen=True)
 class StackConfig:
     model: str | None = None
+    weights: str = "float32"  # how model and prefill workers hold the linears (model.packing)
     redis_url: str | None = None
     namespace: str = "lamina"
     transport: str = "tcp"
@@ -128,6 +131,8 @@ class StackConfig:
     data_plane: DataPlaneSection = field(default_factory=DataPlaneSection)
 
     def __post_init__(self) -> None:
+        _check(self.weights in WEIGHT_CHOICES, "weights", f"must be one of {', '.join(WEIGHT_CHOICES)}",
+               self.weights)
         _check(self.transport in TRANSPORTS, "transport", f"must be one of {', '.join(TRANSPORTS)}", self.transport)
         _check(self.partition in PARTITIONS, "partition", f"must be one of {', '.join(PARTITIONS)}", self.partition)
         _check(self.scheduler.policy in POLICIES, "scheduler.policy", f"must be one of {', '.join(POLICIES)}",
@@ -206,6 +211,7 @@ _SECTIONS = {
 ENV_OVERRIDES = {
     "REDIS_URL": "redis_url",
     "LAMINA_MODEL": "model",
+    "LAMINA_WEIGHTS": "weights",
     "LAMINA_TRANSPORT": "transport",
     "LAMINA_PARTITION": "partition",
     "LAMINA_CLUSTER_TOKEN": "cluster_token",

@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 class ModelSlices:
     """The split model and how one batch runs through it with remote attention."""
 
-    def __init__(self, model_path: str | None) -> None:
-        self.loaded = load_model(model_path)
+    def __init__(self, model_path: str | None, weights: str = "float32") -> None:
+        self.loaded = load_model(model_path, weights=weights)
         self.cfg = self.loaded.config
         self.split = split_llama(self.loaded.model)
         self.compute_s = 0.0  # CPU time in the slices, every micro-batch together
@@ -81,7 +81,7 @@ class ModelService:
     def __init__(self, config: StackConfig, index: int = 0) -> None:
         self.config = config
         self.index = index
-        self.slices = ModelSlices(config.model)
+        self.slices = ModelSlices(config.model, config.weights)
         self.runtime = ServiceRuntime("model", f"model-{index}", config)
         r = self.runtime.registry
         self.m_steps = prometheus_client.Counter("lamina_model_steps", "micro-batch decode steps run", registry=r)

@@ -19,6 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="staggered micro-batches per model worker (default 2; 1 turns staggering off)")
     p.add_argument("--q-early", action=argparse.BooleanOptionalAction, default=None,
                    help="send Q before K, V and combine partial attention (default off)")
+    p.add_argument("--weights", default=None, choices=("float32", "q8_0", "q4", "as_file"),
+                   help="how model and prefill workers hold the linears (default float32; docs/model.md)")
     p.add_argument("--api-key", default=None, help="require this bearer token on /v1/ requests")
 
 
@@ -26,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     config = stack_config(args, **{"gateway.port": args.port, "attention.workers": args.attention_workers,
                                    "model_worker.workers": args.model_workers,
                                    "pipeline.micro_batches": args.micro_batches, "pipeline.q_early": args.q_early,
-                                   "gateway.api_key": args.api_key})
+                                   "weights": args.weights, "gateway.api_key": args.api_key})
     if config is None:
         return 2
     from services.launcher import Stack

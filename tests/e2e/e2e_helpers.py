@@ -19,8 +19,8 @@ def free_port() -> int:
 
 
 def start_stack(transport: str = "tcp", partition: str = "request", workers: int = 2, micro_batches: int = 2,
-                q_early: bool = False, model_workers: int = 1, **kw) -> Stack:
-    config = StackConfig(transport=transport, partition=partition,
+                q_early: bool = False, model_workers: int = 1, weights: str = "float32", **kw) -> Stack:
+    config = StackConfig(transport=transport, partition=partition, weights=weights,
                          gateway=GatewaySection(port=free_port(), **kw),
                          attention=AttentionSection(workers=workers, kv_capacity_bytes=256 << 20),
                          model_worker=ModelWorkerSection(workers=model_workers),

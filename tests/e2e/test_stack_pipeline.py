@@ -19,8 +19,9 @@ pytestmark = pytest.mark.timeout(600)
 SEEDED = [("Once upon a time", 11), ("The best way to learn", 12), ("My favourite food is", 13)]
 SEEDED_TOKENS = 12
 
-# (model workers, micro-batches, Q-early, partition)
-PIPELINES = [(2, 3, True, "request"), (2, 1, False, "head")]
+# (model workers, micro-batches, Q-early, partition, weights): the GGUF's own packed
+# blocks compute with exactly the values transformers dequantizes, so greedy still matches.
+PIPELINES = [(2, 3, True, "request", "float32"), (2, 1, False, "head", "as_file")]
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +41,12 @@ async def _occupancy(stack) -> list[int]:
     return [s.num_tokens for s in await attention_stats(stack)]
 
 
-@pytest.mark.parametrize(("model_workers", "micro_batches", "q_early", "partition"), PIPELINES,
-                         ids=[f"{m}mw-mb{b}{'-qearly' if q else ''}-{p}" for m, b, q, p in PIPELINES])
-def test_pipeline_outputs_equal_the_peers(model_workers, micro_batches, q_early, partition, reference_outputs,
-                                          seeded_reference):
+@pytest.mark.parametrize(("model_workers", "micro_batches", "q_early", "partition", "weights"), PIPELINES,
+                         ids=[f"{m}mw-mb{b}{'-qearly' if q else ''}-{p}-{w}" for m, b, q, p, w in PIPELINES])
+def test_pipeline_outputs_equal_the_peers(model_workers, micro_batches, q_early, partition, weights,
+                                          reference_outputs, seeded_reference):
     stack = start_stack(partition=partition, micro_batches=micro_batches, q_early=q_early,
-                        model_workers=model_workers)
+                        model_workers=model_workers, weights=weights)
     try:
         async def scenario():
             client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)

@@ -50,6 +50,16 @@ def test_data_plane_settings_reach_the_transport_config(tmp_path):
     assert default.transport_config().busy_poll_us == default_budget_us(4)
 
 
+def test_weight_choices_are_the_loaders():
+    from model.packing import WEIGHT_CHOICES as LOADER_CHOICES
+    from services.config import WEIGHT_CHOICES
+
+    assert WEIGHT_CHOICES == LOADER_CHOICES
+    assert load_config(env={"LAMINA_WEIGHTS": "as_file"}).weights == "as_file"
+    with pytest.raises(ConfigError, match="weights must be one of float32, q8_0, q4, as_file"):
+        load_config(env={"LAMINA_WEIGHTS": "fp8"})
+
+
 def test_busy_polling_only_where_every_busy_process_has_a_core():
     assert default_budget_us(4, num_cores=2) == 0.0
     assert default_budget_us(4, num_cores=4) == 50.0
