@@ -205,7 +205,8 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--hf-batch", type=int, default=8)
     ap.add_argument("--weights", default="float32,as_file",
-                    help="comma-separated weights choices for the engine, run side by side (float32, q8_0, q4, as_file)")
+                    help="comma-separated weights choices for the engine, run side by side "
+                         "(float32, q8_0, q4, as_file)")
     ap.add_argument("--repeat", type=int, default=1, help="engine runs per weights choice, interleaved (medians)")
     ap.add_argument("--decode-batches", default="1,10,64",
                     help="also time pure-decode steps at these batch sizes (40-token prompts), each weights "

@@ -5,6 +5,7 @@ projections are one linear (`qkv_proj`) and so are the MLP's gate and up
 projections (`gate_up_proj`): one product each instead of three and two. A
 Hugging Face state dict still loads as is: the fused weights are concatenated
 from the checkpoint's tensors as it loads (`FUSED_PROJECTIONS`).
+
 Activations are token-major with no batch dimension: the tokens of every
 sequence in a batch are concatenated ([T, ...]), and the attention context
 knows where each sequence starts. Attention is the only operator with state;
@@ -55,7 +56,10 @@ def checkpoint_names(names: Iterable[str]) -> set[str]:
         module, _, kind = name.rpartition(".")
         path, _, last = module.rpartition(".")
         parts = FUSED_PROJECTIONS.get(last)
-        out.update(f"{path}.{p}.{kind}" for p in parts) if parts else out.add(name)
+        if parts:
+            out.update(f"{path}.{p}.{kind}" for p in parts)
+        else:
+            out.add(name)
     return out
 
 
@@ -65,8 +69,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     One native call (csrc/slice_ops.c) for float32 rows, else torch's rms_norm, which
     computes Hugging Face's form with its rounding. A leaf for torch.fx (wrapped below).
     """
-    if _SLICE_OPS is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or (
-            x.stride(1) != 1):
+    native = (_SLICE_OPS is not None and x.dtype == torch.float32 and weight.dtype == torch.float32
+              and x.dim() == 2 and x.stride(1) == 1 and x.is_cpu and weight.is_cpu and weight.is_contiguous())
+    if not native:
         return F.rms_norm(x, weight.shape, weight, eps)
     out = torch.empty(x.shape, dtype=torch.float32)  # [T, d]
     _SLICE_OPS.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)

@@ -95,9 +95,10 @@ def _panels(n: int) -> int:
 
 
 def _check(t: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...], name: str) -> None:
-    if t is None or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
-        got = "nothing" if t is None else f"{t.dtype} {tuple(t.shape)}"
-        raise ValueError(f"packed {name} must be a contiguous {dtype} tensor of shape {shape}, got {got}")
+    # The kernel reads these by address: CPU memory, this exact layout.
+    if t is None or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or not t.is_cpu:
+        got = "nothing" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}"
+        raise ValueError(f"packed {name} must be a contiguous CPU {dtype} tensor of shape {shape}, got {got}")
 
 
 # -- packing ---------------------------------------------------------------------------------
@@ -255,8 +256,8 @@ def packed_matmul(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None =
     """x [..., K] float32 @ W^T (+ bias) -> [..., N] float32, reading W packed.
 
     native: None picks the kernel where it was built; False forces torch (tests)."""
-    if x.dtype != torch.float32 or x.shape[-1] != pw.k:
-        raise ValueError(f"x must be float32 [..., {pw.k}], got {x.dtype} {tuple(x.shape)}")
+    if x.dtype != torch.float32 or x.shape[-1] != pw.k or not x.is_cpu:
+        raise ValueError(f"x must be a CPU float32 [..., {pw.k}] tensor, got {x.dtype} {tuple(x.shape)} on {x.device}")
     if native is None:
         native = NATIVE is not None
     if not native:
@@ -325,8 +326,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K] -> [T, N]
         if NATIVE is None:
             return packed_matmul(x, self.packed, self.bias, native=False)
-        if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
-            raise ValueError(f"x must be float32 [..., {self.in_features}], got {x.dtype} {tuple(x.shape)}")
+        if x.dtype != torch.float32 or x.shape[-1] != self.in_features or not x.is_cpu:
+            raise ValueError(f"x must be a CPU float32 [..., {self.in_features}] tensor, got {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
         # The kernel's arguments are looked up once (a decode step makes hundreds of calls);
         # the buffers only change through _apply (.to() and the like) and state-dict loads.
         args = self._native_args

@@ -12,7 +12,8 @@ from lamina.engine import Engine, SamplingParams
 from model import gguf_file, quant
 from model.loader import load_model
 from model.quant import PackedWeight, QuantLinear, dequantize, pack_float, pack_gguf, packed_matmul, quantize
-from test_loader import TENSOR_TYPES, VOCAB, _our_logits, cache_dir, write_tiny_gguf  # noqa: F401 (cache_dir: a fixture)
+from test_loader import cache_dir  # noqa: F401 (a fixture: LAMINA_CACHE_DIR in a temporary folder)
+from test_loader import TENSOR_TYPES, VOCAB, _our_logits, write_tiny_gguf
 from test_reference import MAX_NEW, _hf_greedy, _prompts
 
 native = pytest.mark.skipif(quant.NATIVE is None, reason="model._qmatmul was not built (no C compiler at install)")
