@@ -9,9 +9,13 @@ into preallocated buffers. ``rtt_us`` is the median round trip; ``gbps`` is
 2 * S * 8 / median round trip (bytes moved both ways), in Gbit/s. The whole set
 (transports and references) is measured ``--repeat`` times in turn, so that a noisy
 phase of a shared machine hits every contender alike, and the median of the runs' medians
-is reported. Our transports run with their default configuration (busy polling on). The
-last line printed is one JSON object:
-{"transports": {name: {"rtt_us": {size: x}, "gbps": {size: y}}}}.
+is reported with the spread (min and max over the runs). Our transports run with their
+default configuration (busy polling derived from the host: on while the two processes
+fit its cores). The targets are checked in every run and on the medians, each printed
+as MET or MISS. The last line printed is one JSON object:
+{"transports": {name: {"rtt_us": {size: x}, "gbps": {size: y},
+                       "rtt_us_spread": {size: [min, max]}, "gbps_spread": {...}}},
+ "targets_per_run": [{"held": [...], "missed": [...]}, ...]}.
 
     python bench/transport_pingpong.py [--transports tcp,shm,ucx,rdma,fhbn] [--quick] [--repeat 3]
 
@@ -73,11 +77,14 @@ async def _ameasure(one_round, size: int, quick: bool) -> float:
 
 
 def _combine(runs: list[dict]) -> dict:
-    """Median over repeated runs of each figure."""
+    """Median over repeated runs of each figure, and the spread: ``<figure>_spread``
+    holds [min, max] over the runs."""
     out: dict = {}
     for key in ("rtt_us", "gbps"):
         sizes = runs[0][key].keys()
         out[key] = {s: round(statistics.median(r[key][s] for r in runs), 3) for s in sizes}
+        out[key + "_spread"] = {s: [min(r[key][s] for r in runs), max(r[key][s] for r in runs)]
+                                for s in sizes}
     return out
 
 
@@ -308,6 +315,11 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown cpu"
 
 
+def _load() -> str:
+    """The 1, 5 and 15 minute load averages (other work on a shared machine shows here)."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def _fmt_size(s: int) -> str:
     for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if s >= div:
@@ -315,40 +327,74 @@ def _fmt_size(s: int) -> str:
     return f"{s} B"
 
 
-def print_table(results: dict, sizes: list[int]) -> None:
-    names = list(results)
-    print("\nround trip, median, microseconds")
-    print(f"{'size':>10} " + " ".join(f"{n:>11}" for n in names))
-    for s in sizes:
-        row = [results[n]["rtt_us"].get(str(s)) for n in names]
-        print(f"{_fmt_size(s):>10} " + " ".join(f"{v:>11.1f}" if v is not None else f"{'-':>11}" for v in row))
-    print("\nbandwidth, Gbit/s (2 x size x 8 / round trip; memcpy: size x 8 / copy time)")
-    print(f"{'size':>10} " + " ".join(f"{n:>11}" for n in names))
-    for s in sizes:
-        row = [results[n]["gbps"].get(str(s)) for n in names]
-        print(f"{_fmt_size(s):>10} " + " ".join(f"{v:>11.2f}" if v is not None else f"{'-':>11}" for v in row))
+def _num(v: float) -> str:
+    return f"{v:.0f}" if v >= 1000 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
 
 
-def check_targets(results: dict) -> list[str]:
-    lines = []
+def _cell(results: dict, name: str, key: str, size: int) -> str:
+    """``median [min-max]`` over the runs, or ``-``."""
+    med = results[name][key].get(str(size))
+    if med is None:
+        return "-"
+    spread = results[name].get(key + "_spread", {}).get(str(size))
+    if spread is None or spread[0] == spread[1]:
+        return _num(med)
+    return f"{_num(med)} [{_num(spread[0])}-{_num(spread[1])}]"
+
+
+def print_table(results: dict, sizes: list[int], repeat: int) -> None:
+    for key, title in (("rtt_us", "round trip, microseconds"),
+                       ("gbps", "bandwidth, Gbit/s (2 x size x 8 / round trip; memcpy: size x 8 / copy time)")):
+        cols = [n for n in results if results[n][key]]
+        cells = [[_cell(results, n, key, s) for n in cols] for s in sizes]
+        width = max([len(n) for n in cols] + [len(c) for row in cells for c in row]) + 1
+        print(f"\n{title}: median [min-max] of {repeat} runs")
+        print(f"{'size':>8} " + " ".join(f"{n:>{width}}" for n in cols))
+        for s, row in zip(sizes, cells):
+            print(f"{_fmt_size(s):>8} " + " ".join(f"{c:>{width}}" for c in row))
+
+
+def check_targets(results: dict) -> list[tuple[bool, str]]:
+    """The targets that ``results`` (one run's, or the medians) can be checked against:
+    (held, description) each."""
+    checks = []
     def rtt(n, s="8"):
         return results.get(n, {}).get("rtt_us", {}).get(s)
     def bw(n, s=str(16 << 20)):
         return results.get(n, {}).get("gbps", {}).get(s)
     for name in ("tcp", "ucx", "shm", "rdma", "fhbn"):
         if rtt(name) is not None and rtt("gloo") is not None:
-            ok = rtt(name) < rtt("gloo")
-            lines.append(f"{'MET ' if ok else 'MISS'} {name} 8 B rtt {rtt(name):.1f} us < gloo {rtt('gloo'):.1f} us")
+            checks.append((rtt(name) < rtt("gloo"),
+                           f"{name} 8 B rtt {rtt(name):.1f} us < gloo {rtt('gloo'):.1f} us"))
     if rtt("tcp") is not None and rtt("raw_socket") is not None:
         r = rtt("tcp") / rtt("raw_socket")
-        lines.append(f"{'MET ' if r <= 1.5 else 'MISS'} tcp 8 B rtt {r:.2f}x raw socket (target <= 1.5x)")
+        checks.append((r <= 1.5, f"tcp 8 B rtt {r:.2f}x raw socket ({rtt('tcp'):.1f} against "
+                                 f"{rtt('raw_socket'):.1f} us; target <= 1.5x)"))
     if bw("tcp") is not None and bw("raw_socket") is not None:
         r = bw("tcp") / bw("raw_socket")
-        lines.append(f"{'MET ' if r >= 0.7 else 'MISS'} tcp 16 MiB bandwidth {r:.0%} of raw socket (target >= 70%)")
+        checks.append((r >= 0.7, f"tcp 16 MiB bandwidth {r:.0%} of raw socket (target >= 70%)"))
     if bw("shm") is not None and bw("memcpy") is not None:
         r = bw("shm") / bw("memcpy")
-        lines.append(f"{'MET ' if r >= 0.5 else 'MISS'} shm 16 MiB bandwidth {r:.0%} of memcpy (target >= 50%)")
-    return lines
+        checks.append((r >= 0.5, f"shm 16 MiB bandwidth {r:.0%} of memcpy (target >= 50%)"))
+    return checks
+
+
+def _print_checks(title: str, checks: list[tuple[bool, str]]) -> None:
+    print(f"{title}: {sum(ok for ok, _ in checks)} of {len(checks)} targets held")
+    for ok, text in checks:
+        print(f"  {'MET ' if ok else 'MISS'} {text}")
+
+
+def report_targets(runs: dict[str, list[dict]], results: dict) -> list[dict]:
+    """Print the targets checked in every run and on the medians; return them per run."""
+    per_run = []
+    for i in range(max(len(r) for r in runs.values())):
+        checks = check_targets({n: r[i] for n, r in runs.items() if i < len(r)})
+        _print_checks(f"run {i + 1}", checks)
+        per_run.append({"held": [t for ok, t in checks if ok], "missed": [t for ok, t in checks if not ok]})
+    _print_checks("medians of the runs", check_targets(results))
+    print(f"every target held in {sum(not r['missed'] for r in per_run)} of {len(per_run)} runs")
+    return per_run
 
 
 def main() -> None:
@@ -365,10 +411,12 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     runs: dict[str, list[dict]] = {}
     cfg = _config()
+    derived = (f" (derived: {cfg.busy_processes} busy processes, "
+               f"{len(os.sched_getaffinity(0))} cores)" if cfg.busy_poll_us is None else "")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cpus ({_cpu_model()}), "
-          f"python {sys.version.split()[0]}", flush=True)
+          f"python {sys.version.split()[0]}; load average {_load()}", flush=True)
     print(f"workload: echo ping-pong between two processes, sizes {sizes}, "
-          f"{args.repeat} runs in turn; busy_poll_us={cfg.busy_poll_us}, "
+          f"{args.repeat} runs in turn; busy_poll_us={cfg.busy_poll_budget_us}{derived}, "
           f"ucx_progress_mode={cfg.ucx_progress_mode}", flush=True)
     from transports.frame import NATIVE
     print(f"frame codec: {'native (transports/_wire)' if NATIVE else 'Python (native codec not built)'}"
@@ -391,11 +439,11 @@ def main() -> None:
                 print(f"run {run + 1}/{args.repeat}: {name} ...", flush=True)
                 runs.setdefault(name, []).append(fn(sizes, args.quick))
     results = {name: _combine(r) for name, r in runs.items()}
-    print_table(results, sizes)
+    print_table(results, sizes, args.repeat)
     print()
-    for line in check_targets(results):
-        print(line)
-    print(json.dumps({"transports": results}))
+    per_run = report_targets(runs, results)
+    print(f"load average at the end: {_load()}")
+    print(json.dumps({"transports": results, "targets_per_run": per_run}))
 
 
 if __name__ == "__main__":

@@ -266,7 +266,7 @@ class StreamConnection(Connection):
         super().__init__(config)
         self._in_frame = False
         self._packer = msgpack.Packer(use_bin_type=True)  # reused for every frame's header
-        self._poll = BusyPoll(config.busy_poll_us)  # used by transports with a _recv_now
+        self._poll = BusyPoll(config.busy_poll_budget_us)  # used by transports with a _recv_now
         self._outs = OutViews()
         # The native codec (transports/_wire) or None: read at connection set-up, so that
         # setting transports.frame.NATIVE to None switches new connections to Python.

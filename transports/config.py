@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .polling import default_budget_us
+
 
 @dataclass(frozen=True)
 class TransportConfig:
@@ -31,8 +33,14 @@ class TransportConfig:
     shm_ring_bytes: int = 16 << 20
     # Receivers spin this long on the socket or ring before parking in the event loop
     # (0: never). Adaptive: spinning stops on a connection whose peer answers slower
-    # than this, and resumes when it is quick again (transports/polling.py).
-    busy_poll_us: float = 50.0
+    # than this, and resumes when it is quick again (transports/polling.py). None:
+    # derived from the host, 50 while ``busy_processes`` fit its cores, else 0
+    # (``busy_poll_budget_us``, polling.default_budget_us).
+    busy_poll_us: float | None = None
+    # Processes on this host that exchange frames and compute between them (this one and
+    # its peers): what an unset ``busy_poll_us`` is derived from. A launcher sets the
+    # number it starts; 2 is one process and its peer.
+    busy_processes: int = 2
     # Encode and parse frames with the native codec (transports/_wire, csrc/wire.c) where
     # it is built; False keeps the Python codec (same bytes on the wire, several times
     # the per-frame CPU time).
@@ -55,13 +63,23 @@ class TransportConfig:
             raise ValueError("socket_buffer_bytes must be at least 4096 or None")
         if self.shm_ring_bytes < 64 * 1024 or self.shm_ring_bytes % 4096:
             raise ValueError("shm_ring_bytes must be a multiple of 4096 and at least 64 KiB")
-        if not 0 <= self.busy_poll_us <= 10_000:
-            raise ValueError(f"busy_poll_us must be in 0..10000, got {self.busy_poll_us!r}")
+        if self.busy_poll_us is not None and not 0 <= self.busy_poll_us <= 10_000:
+            raise ValueError(f"busy_poll_us must be in 0..10000 or None, got {self.busy_poll_us!r}")
+        if self.busy_processes < 1:
+            raise ValueError(f"busy_processes must be at least 1, got {self.busy_processes!r}")
         if self.ucx_progress_mode not in ("blocking", "thread", "polling", "thread-polling"):
             raise ValueError("ucx_progress_mode must be one of blocking, thread, polling, "
                              f"thread-polling; got {self.ucx_progress_mode!r}")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("auth_token must be a non-empty string or None")
+
+    @property
+    def busy_poll_budget_us(self) -> float:
+        """The busy-poll budget in force: ``busy_poll_us`` where set, else derived from the
+        host's cores and ``busy_processes``."""
+        if self.busy_poll_us is not None:
+            return self.busy_poll_us
+        return default_budget_us(self.busy_processes)
 
     def replace(self, **changes) -> "TransportConfig":
         return dataclasses.replace(self, **changes)
