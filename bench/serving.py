@@ -152,10 +152,9 @@ def run_local(workload, prompts, threads: int) -> dict:
             "ttft_s": summary(list(first.values())), "tbt_s": summary(tbt)}
 
 
-async def scheduler_stats(redis_url: str, namespace: str) -> dict:
-    import grpc
-
+async def scheduler_stats(redis_url: str, namespace: str, token: str | None = None) -> dict:
     from kvstore.metadata import MetadataConfig, MetadataStore
+    from services.channels import open_channel
     from services.protos import lamina_pb2, lamina_pb2_grpc
 
     store = MetadataStore(MetadataConfig(url=redis_url, namespace=namespace))
@@ -163,7 +162,7 @@ async def scheduler_stats(redis_url: str, namespace: str) -> dict:
         (sched,) = await store.list_services("scheduler")
     finally:
         await store.close()
-    async with grpc.aio.insecure_channel(sched.endpoint) as ch:
+    async with open_channel(sched.endpoint, token) as ch:
         s = await lamina_pb2_grpc.SchedulerStub(ch).Stats(lamina_pb2.Empty())
     return {"num_steps": s.num_steps, "mean_batch_size": s.mean_batch_size}
 
@@ -221,7 +220,7 @@ def main() -> None:
         model = openai.OpenAI(base_url=url + "/v1", api_key="unused").models.list().data[0].id
         served = asyncio.run(replay(url, model, workload, prompts))
         if stack is not None:
-            stats = asyncio.run(scheduler_stats(stack.config.redis_url, stack.config.namespace))
+            stats = asyncio.run(scheduler_stats(stack.config.redis_url, stack.config.namespace, stack.config.cluster_token))
     finally:
         if stack is not None:
             stack.stop()

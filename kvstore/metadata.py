@@ -17,6 +17,11 @@ Key layout (NS = MetadataConfig.namespace, default "lamina"):
                                     partition ("request" | "head"), slab_ranges (JSON
                                     {worker: [[start, end], ...]})
   NS:reqs                   set     request ids that have a placement
+  NS:jrn:RID                hash    journal of a running request: prompt (JSON ids),
+                                    params (base64 of its serialized sampling params),
+                                    owner (the scheduler's id)
+  NS:jrn:RID:out            list    its generated token ids, appended in batches
+  NS:jrns                   set     request ids that have a journal entry
   NS:events                 channel pub/sub: JSON {"type": ..., ...} for every change
 
 Event types: service_registered, service_deregistered, blocks_stored, blocks_removed,
@@ -68,6 +73,17 @@ class MetadataConfig:
     @property
     def heartbeat_s(self) -> float:
         return self.heartbeat_interval_s or self.service_ttl_s / 3
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """What a recovering scheduler needs to know of a request (metadata journal)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: str  # base64 of the serialized lamina_pb2.SamplingParams (seed included)
+    owner: str  # the scheduler that admitted it
+    output_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -207,6 +223,13 @@ class MetadataStore:
             await self.redis.srem(self._svcs_key(kind), *dead)
         return out
 
+    async def get_service(self, kind: str, service_id: str) -> ServiceInfo | None:
+        """One service's registration; None when it is not (or no longer) registered."""
+        row = await self.redis.hgetall(self._svc_key(kind, service_id))
+        if not row:
+            return None
+        return ServiceInfo(kind, service_id, row["endpoint"], float(row["started_at"]), json.loads(row["meta"]))
+
     # ---- prefix blocks ----
 
     async def put_blocks(self, node: str, records: Iterable[BlockRecord]) -> None:
@@ -284,6 +307,45 @@ class MetadataStore:
 
     async def placed_requests(self) -> set[str]:
         return set(await self.redis.smembers(self._reqs_key()))
+
+    # ---- request journal ----
+
+    def _jrn_key(self, request_id: str) -> str:
+        return f"{self.ns}:jrn:{request_id}"
+
+    async def write_journal(self, started: Iterable[JournalEntry], tokens: dict[str, list[int]],
+                            ended: Iterable[str]) -> None:
+        """Apply one batch of journal changes in one transaction: requests that started,
+        tokens generated since the last batch, requests that ended."""
+        async with self.redis.pipeline(transaction=True) as p:
+            for e in started:
+                p.hset(self._jrn_key(e.request_id), mapping={
+                    "prompt": json.dumps(e.prompt_ids), "params": e.params, "owner": e.owner})
+                p.sadd(f"{self.ns}:jrns", e.request_id)
+            for rid, ids in tokens.items():
+                if ids:
+                    p.rpush(f"{self._jrn_key(rid)}:out", *ids)
+            for rid in ended:
+                p.delete(self._jrn_key(rid), f"{self._jrn_key(rid)}:out")
+                p.srem(f"{self.ns}:jrns", rid)
+            await p.execute()
+
+    async def read_journal(self) -> list[JournalEntry]:
+        """Every journaled request, with the tokens generated so far."""
+        ids = sorted(await self.redis.smembers(f"{self.ns}:jrns"))
+        if not ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as p:
+            for rid in ids:
+                p.hgetall(self._jrn_key(rid))
+                p.lrange(f"{self._jrn_key(rid)}:out", 0, -1)
+            rows = await p.execute()
+        out = []
+        for rid, row, toks in zip(ids, rows[::2], rows[1::2]):
+            if row:
+                out.append(JournalEntry(rid, json.loads(row["prompt"]), row["params"], row["owner"],
+                                        [int(t) for t in toks]))
+        return out
 
     # ---- events ----
 

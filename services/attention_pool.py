@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,9 @@ from services.runtime import wait_for_services
 from services.wire import Attend, Kind, RemoteError, StoreKV, Tag, expect, frame_tag
 
 log = logging.getLogger(__name__)
+
+# reconnect(worker) -> a new connection to that attention worker (wherever it now listens)
+Reconnect = Callable[[int], Awaitable[transports.Connection]]
 
 
 @dataclass(frozen=True)
@@ -60,23 +63,29 @@ def _rows_selector(rows: list[int]) -> slice | torch.Tensor:
 
 class AttentionPool:
     def __init__(self, conns: list[transports.Connection], partition: str, cfg: ModelConfig,
-                 q_early: bool = False) -> None:
+                 q_early: bool = False, reply_timeout_s: float | None = None,
+                 reconnect: Reconnect | None = None) -> None:
         self.conns = conns
         self.partition = partition
         self.cfg = cfg
         self.q_early = q_early
+        self.reply_timeout_s = reply_timeout_s
+        self._reconnect = reconnect
+        self._reconnecting = [asyncio.Lock() for _ in conns]
         self.kv_heads = [head_range(w, len(conns), cfg.num_kv_heads) for w in range(len(conns))] \
             if partition == "head" else []
         # (worker, tag) -> the future its reply completes.
         self._waiting: dict[tuple[int, Tag], asyncio.Future] = {}
         self._acks: dict[str, list[asyncio.Future]] = {}  # seq_id -> its workers' STORE_KV replies
         self.send_s = 0.0  # time in send calls: a figure for the pipeline's time shares
+        self.reconnects = 0
         self._readers = [asyncio.create_task(self._read(w), name=f"attention-reader-{w}")
                          for w in range(len(conns))]
 
     @classmethod
     async def connect(cls, addresses: list[str], partition: str, cfg: ModelConfig,
-                      tcfg: transports.TransportConfig, q_early: bool = False) -> AttentionPool:
+                      tcfg: transports.TransportConfig, q_early: bool = False, reply_timeout_s: float | None = None,
+                      reconnect: Reconnect | None = None) -> AttentionPool:
         conns: list[transports.Connection] = []
         try:
             for a in addresses:
@@ -84,15 +93,27 @@ class AttentionPool:
         except BaseException:
             await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
             raise
-        return cls(conns, partition, cfg, q_early)
+        return cls(conns, partition, cfg, q_early, reply_timeout_s, reconnect)
 
     @classmethod
     async def from_registry(cls, store: MetadataStore, config: StackConfig, cfg: ModelConfig) -> AttentionPool:
-        """Connect to the configured number of attention workers, as registered in Redis."""
+        """Connect to the configured number of attention workers, as registered in Redis.
+
+        A worker whose connection failed is looked up and connected again on the
+        pool's next use of it, so a restarted worker (same index, new endpoint) is
+        found without restarting this process."""
         workers = await wait_for_services(store, "attention", config.attention.workers)
         tcfg = config.transport_config()
+
+        async def reconnect(w: int) -> transports.Connection:
+            info = await store.get_service("attention", f"attention-{w}")
+            if info is None:
+                raise transports.TransportError(f"attention worker {w} is not registered (down or restarting)")
+            return await asyncio.wait_for(transports.connect(info.endpoint, tcfg), config.deadlines.health_s)
+
         return await cls.connect([w.endpoint for w in workers], config.partition, cfg, tcfg,
-                                 q_early=config.pipeline.q_early)
+                                 q_early=config.pipeline.q_early, reply_timeout_s=config.deadlines.reply_s,
+                                 reconnect=reconnect)
 
     async def close(self) -> None:
         for t in self._readers:
@@ -100,6 +121,35 @@ class AttentionPool:
         await asyncio.gather(*self._readers, return_exceptions=True)
         await asyncio.gather(*(c.close() for c in self.conns), return_exceptions=True)
         self._fail_all(transports.TransportError("the attention pool is closed"))
+
+    async def _ensure_connected(self, w: int) -> None:
+        """Connect worker `w` again if its link failed (one attempt per call; callers
+        fail their step on an error, and the scheduler decides what to retry)."""
+        if not self._readers[w].done():
+            return
+        if self._reconnect is None:
+            raise transports.TransportError(f"the connection to attention worker {w} is closed")
+        async with self._reconnecting[w]:
+            if not self._readers[w].done():
+                return  # another caller reconnected it meanwhile
+            try:
+                conn = await self._reconnect(w)
+            except (OSError, asyncio.TimeoutError, transports.TransportError) as exc:
+                raise transports.TransportError(f"attention worker {w} unreachable: {exc}") from exc
+            old, self.conns[w] = self.conns[w], conn
+            await asyncio.gather(old.close(), return_exceptions=True)
+            self._readers[w] = asyncio.create_task(self._read(w), name=f"attention-reader-{w}")
+            self.reconnects += 1
+            log.info("attention worker %d connected again", w)
+
+    async def _drop_link(self, w: int, reason: BaseException) -> None:
+        """Give up on worker `w`'s link (it stopped answering): fail whatever still waits
+        on it; the next use connects again."""
+        reader = self._readers[w]
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await asyncio.gather(self.conns[w].close(), return_exceptions=True)
+        self._fail_all(transports.TransportError(str(reason)), worker=w)
 
     # -- replies ----------------------------------------------------------------------------
     async def _read(self, w: int) -> None:
@@ -130,10 +180,9 @@ class AttentionPool:
                 fut.set_exception(exc)
 
     def _expect_reply(self, w: int, tag: Tag) -> asyncio.Future:
-        if self._readers[w].done():
-            raise transports.TransportError(f"the connection to attention worker {w} is closed")
         key = (w, tag)
-        if key in self._waiting:
+        old = self._waiting.get(key)
+        if old is not None and not old.done():  # a cancelled wait's reply may never come
             raise RuntimeError(f"tag {tag!r} is already in flight on attention worker {w}")
         fut = asyncio.get_running_loop().create_future()
         self._waiting[key] = fut
@@ -141,6 +190,7 @@ class AttentionPool:
 
     async def _send(self, w: int, msg: Attend | StoreKV, tag: Tag | None) -> asyncio.Future | None:
         """Send one frame; with a tag, register for its reply first (a fast reply must find it)."""
+        await self._ensure_connected(w)
         fut = self._expect_reply(w, tag) if tag is not None else None
         t0 = time.perf_counter()
         try:
@@ -152,15 +202,30 @@ class AttentionPool:
         self.send_s += time.perf_counter() - t0
         return fut
 
-    @staticmethod
-    async def _gather(futures: Sequence[asyncio.Future], kind: Kind) -> list[torch.Tensor | None]:
+    async def _gather(self, futures: Sequence[asyncio.Future], kind: Kind) -> list[torch.Tensor | None]:
         # Await every worker's reply before judging any: an error from one must not
         # leave another's reply pending for a tag that is about to be reused.
-        frames = await asyncio.gather(*futures, return_exceptions=True)
-        for f in frames:
-            if isinstance(f, BaseException):
-                raise f
+        frames = await self._replies(futures)
         return [expect(f, kind).tensors[0] if f.tensors else None for f in frames]
+
+    async def _replies(self, futures: Sequence[asyncio.Future]) -> list[transports.Frame]:
+        """The frames answering `futures`, within the reply deadline. A worker that lets
+        it pass loses its link (its late replies would answer nobody), and the caller
+        gets a TransportError naming it."""
+        done, pending = await asyncio.wait(futures, timeout=self.reply_timeout_s)
+        if pending:
+            late = sorted({w for (w, _), f in list(self._waiting.items()) if f in pending})
+            exc = transports.TransportError(f"attention worker(s) {late} did not answer within "
+                                            f"{self.reply_timeout_s:g} s")
+            for w in late:
+                await self._drop_link(w, exc)
+            for f in pending:
+                f.cancel()
+            raise exc
+        for f in futures:
+            if f.exception() is not None:
+                raise f.exception()
+        return [f.result() for f in futures]
 
     # -- decode ---------------------------------------------------------------------------
     def route(self, seqs: Sequence[SeqRows]) -> Route:
@@ -237,13 +302,16 @@ class AttentionPool:
         if layer == n - 1:
             self._acks[seq_id] = acks
 
+    def forget_stored(self, seq_id: str) -> None:
+        """Stop tracking a sequence whose prefill failed before `wait_stored` (its
+        acknowledgements, if any come, are dropped as unawaited)."""
+        for fut in self._acks.pop(seq_id, []):
+            fut.cancel()
+
     async def wait_stored(self, seq_id: str) -> None:
         """Await each worker's acknowledgement of a whole sequence's KV."""
         acks = self._acks.pop(seq_id, None)
         if acks is None:
             raise RuntimeError(f"the last layer of {seq_id!r} was not sent")
-        frames = await asyncio.gather(*acks, return_exceptions=True)
-        for f in frames:
-            if isinstance(f, BaseException):
-                raise f
+        for f in await self._replies(acks):
             expect(f, Kind.ACK)

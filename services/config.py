@@ -5,7 +5,7 @@ flags. Everything is validated at start; a bad value stops the service with one
 clear message naming the setting.
 
     model: null                 # checkpoint dir or .gguf; null = SmolLM2-135M-Instruct
-    weights: float32            # float32 | q8_0 | q4 | as_file (packed linears: docs/model.md)
+    weights: as_file            # as_file | float32 | q8_0 | q4 (packed linears: docs/model.md)
     redis_url: null             # null = embedded redis-server (lamina up starts it)
     namespace: lamina           # prefix of every Redis key
     transport: tcp              # tcp | ucx | shm (data plane)
@@ -21,6 +21,7 @@ clear message naming the setting.
     attention: {workers: 2, threads: 1, kv_capacity_bytes: 1073741824}
     data_plane: {busy_poll_us: null, checksum_payloads: false, shm_ring_bytes: 16777216,
                  ucx_progress_mode: blocking, ucx_tls: null}   # see docs/transports.md
+    deadlines: {reply_s: 10, rpc_s: 30, health_s: 2, recovery_s: 120}   # every wait on a peer (docs/reliability.md)
 """
 
 from __future__ import annotations
@@ -113,9 +114,19 @@ class DataPlaneSection:
 
 
 @dataclass(frozen=True)
+class DeadlinesSection:
+    """How long any wait on a peer may last before the waiter gives up (seconds)."""
+
+    reply_s: float = 10.0  # an attention worker's reply to one layer, or its acknowledgement of prompt KV
+    rpc_s: float = 30.0  # a unary gRPC call between services (Free, Stats, a prefill's whole forward)
+    health_s: float = 2.0  # a liveness probe of a peer during recovery
+    recovery_s: float = 120.0  # a request waiting for its workers to be back before it ends with an error
+
+
+@dataclass(frozen=True)
 class StackConfig:
     model: str | None = None
-    weights: str = "float32"  # how model and prefill workers hold the linears (model.packing)
+    weights: str = "as_file"  # how model and prefill workers hold the linears (model.packing)
     redis_url: str | None = None
     namespace: str = "lamina"
     transport: str = "tcp"
@@ -129,6 +140,7 @@ class StackConfig:
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     attention: AttentionSection = field(default_factory=AttentionSection)
     data_plane: DataPlaneSection = field(default_factory=DataPlaneSection)
+    deadlines: DeadlinesSection = field(default_factory=DeadlinesSection)
 
     def __post_init__(self) -> None:
         _check(self.weights in WEIGHT_CHOICES, "weights", f"must be one of {', '.join(WEIGHT_CHOICES)}",
@@ -158,6 +170,10 @@ class StackConfig:
             _check(isinstance(value, int) and value >= 0, name, "must be a non-negative integer", value)
         _check(isinstance(self.prefill.batch_window_ms, (int, float)) and 0 <= self.prefill.batch_window_ms <= 1000,
                "prefill.batch_window_ms", "must be a number of milliseconds in 0..1000", self.prefill.batch_window_ms)
+        for f in dataclasses.fields(DeadlinesSection):
+            value = getattr(self.deadlines, f.name)
+            _check(isinstance(value, (int, float)) and value > 0, f"deadlines.{f.name}", "must be a positive number "
+                   "of seconds", value)
         _check(self.prefill.cache_eviction in ("lru", "fifo", "random"), "prefill.cache_eviction",
                "must be lru, fifo or random", self.prefill.cache_eviction)
         _check(not self.prefill.cache_disk_bytes or bool(self.prefill.cache_dir), "prefill.cache_dir",
@@ -204,7 +220,7 @@ def _check(ok: bool, name: str, rule: str, value: Any) -> None:
 _SECTIONS = {
     "gateway": GatewaySection, "scheduler": SchedulerSection, "prefill": PrefillSection,
     "model_worker": ModelWorkerSection, "pipeline": PipelineSection, "attention": AttentionSection,
-    "data_plane": DataPlaneSection,
+    "data_plane": DataPlaneSection, "deadlines": DeadlinesSection,
 }
 
 # Environment variables and the settings they override.

@@ -25,7 +25,11 @@ def model_display_name(config: StackConfig) -> str:
 async def run_gateway(config: StackConfig, ready: asyncio.Event | None = None) -> None:
     store = MetadataStore(MetadataConfig(url=config.redis_url or "", namespace=config.namespace))
     (scheduler,) = await wait_for_services(store, "scheduler", 1)
-    backend = SchedulerBackend(scheduler.endpoint)
+    async def scheduler_address() -> str | None:
+        info = await store.get_service("scheduler", "scheduler-0")
+        return info.endpoint if info is not None else None
+
+    backend = SchedulerBackend(scheduler.endpoint, config.cluster_token, resolve=scheduler_address)
     await backend.start()
     tokenizer, model_cfg = load_tokenizer(config.model)
     gw = config.gateway

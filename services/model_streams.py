@@ -37,6 +37,7 @@ class ModelStream:
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task | None = None
         self.num_sequences = 0  # joined and not yet released: the scheduler's load figure
+        self.alive = True  # false once the stream failed (the scheduler opens a new one)
 
     def open(self) -> None:
         self._call = self._stub.Decode(self._outgoing())

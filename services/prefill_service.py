@@ -88,6 +88,8 @@ class PrefillService:
                     results = await self._prefill_batch(reqs)
                 except Exception as exc:  # e.g. an attention worker's connection failed
                     results = [exc] * len(batch)
+                    for r in reqs:
+                        self.pool.forget_stored(r.seq_id)
                 for (_, fut), res in zip(batch, results):
                     if fut.done():  # the caller went away (RPC cancelled)
                         continue

@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from gateway.backend import BackendError, BackendStats, QueueFullError
 from gateway.protocol import GenerateRequest, TokenEvent
+from services.channels import open_channel
 from services.protos import lamina_pb2, lamina_pb2_grpc
 
 
 class SchedulerBackend:
-    """Implements gateway.backend.Backend. Owns its gRPC channel (`close()`)."""
+    """Implements gateway.backend.Backend. Owns its gRPC channels (`close()`).
 
-    def __init__(self, address: str) -> None:
-        self._channel = grpc.aio.insecure_channel(address)
+    `resolve()` gives the scheduler's current address (its registration): a restarted
+    scheduler listens elsewhere, so when the scheduler is unreachable the backend asks
+    again and moves to the new address. Requests that were running on a scheduler that
+    died end with an error; a request refused as unavailable before it started is sent
+    once more, to the new address."""
+
+    def __init__(self, address: str, token: str | None = None,
+                 resolve: Callable[[], Awaitable[str | None]] | None = None) -> None:
+        self._token = token
+        self._resolve = resolve
+        self._address = address
+        self._channel = open_channel(address, token)
+        self._old_channels: list[grpc.aio.Channel] = []
         self._stub = lamina_pb2_grpc.SchedulerStub(self._channel)
         self._calls: dict[str, grpc.aio.UnaryStreamCall] = {}
         self._stats = BackendStats(0, 0)
@@ -29,7 +41,24 @@ class SchedulerBackend:
         if self._stats_task is not None:
             self._stats_task.cancel()
             await asyncio.gather(self._stats_task, return_exceptions=True)
-        await self._channel.close()
+        for channel in (self._channel, *self._old_channels):
+            await channel.close()
+
+    async def _follow(self) -> bool:
+        """Move to the scheduler's registered address if it changed; True if it did."""
+        if self._resolve is None:
+            return False
+        try:
+            address = await self._resolve()
+        except Exception:  # noqa: BLE001 - the metadata store is down too: keep the address
+            return False
+        if not address or address == self._address:
+            return False
+        self._old_channels.append(self._channel)  # calls in flight on it end by themselves
+        self._address = address
+        self._channel = open_channel(address, self._token)
+        self._stub = lamina_pb2_grpc.SchedulerStub(self._channel)
+        return True
 
     async def _poll_stats(self) -> None:
         # A periodic refresh for the gauges; stats() must not block.
@@ -38,13 +67,24 @@ class SchedulerBackend:
                 s = await self._stub.Stats(lamina_pb2.Empty(), timeout=5)
                 self._stats = BackendStats(s.num_waiting, s.num_running)
             except grpc.aio.AioRpcError:
-                pass  # keep the last figures; the next poll retries
+                await self._follow()  # keep the last figures; the next poll retries
             await asyncio.sleep(1.0)
 
     def stats(self) -> BackendStats:
         return self._stats
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        try:
+            return await self._start(request)
+        except _Unavailable as exc:
+            if not await self._follow():
+                raise _error(exc.rpc) from exc.rpc
+        try:
+            return await self._start(request)
+        except _Unavailable as exc:
+            raise _error(exc.rpc) from exc.rpc
+
+    async def _start(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         sp = request.sampling
         params = lamina_pb2.SamplingParams(
             max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
@@ -57,6 +97,8 @@ class SchedulerBackend:
             first = await call.read()
         except grpc.aio.AioRpcError as exc:
             self._calls.pop(request.request_id, None)
+            if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                raise _Unavailable(exc) from exc
             raise _error(exc) from exc
         except BaseException:
             # Cancelled while queued (the client left): cancelling the stream aborts it.
@@ -88,6 +130,12 @@ class SchedulerBackend:
             await self._stub.Abort(lamina_pb2.AbortRequest(request_id=request_id), timeout=10)
         except grpc.aio.AioRpcError:
             pass  # the scheduler is gone or already freed the request: nothing left to abort
+
+
+class _Unavailable(Exception):
+    def __init__(self, rpc: grpc.aio.AioRpcError) -> None:
+        super().__init__(rpc.details())
+        self.rpc = rpc
 
 
 def _error(exc: grpc.aio.AioRpcError) -> BackendError:

@@ -11,12 +11,23 @@ different processes at the same time.
 
 A request's KV is freed only once its model worker has released it (a stop rule,
 a leave, a failure), so no step in flight ever writes into freed KV.
+
+Failures (docs/reliability.md): when a decode step or a prefill fails because an
+attention worker, the prefill worker or a model worker died or stopped answering,
+the affected requests are not ended: their KV is freed where it can be, they are
+placed again on attention workers that answer a health probe (a restarted one
+included, found anew in the metadata store), and the prefill service recomputes
+their KV from the prompt and the tokens generated so far (its prefix cache serves
+the prompt); then they rejoin a live model worker's decode stream. Sampling is seeded
+per output index, so the stream goes on with the tokens it would have had. A request
+ends with an error only when no placement works within `deadlines.recovery_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -27,7 +38,9 @@ import torch
 
 from kvstore.metadata import KVPlacement
 from model.loader import load_tokenizer
+from services.channels import open_channel
 from services.config import StackConfig
+from services.journal import Journal
 from services.placement import place_request
 from services.protos import lamina_pb2, lamina_pb2_grpc
 from services.runtime import ServiceRuntime, wait_for_services
@@ -39,6 +52,23 @@ log = logging.getLogger(__name__)
 
 # Waiting requests a prefix-aware policy considers at each admission.
 _POLICY_WINDOW = 32
+# A request whose KV had to be rebuilt this often is failing for a reason a rebuild
+# does not cure: it ends with an error.
+_MAX_RECOVERIES = 3
+# gRPC codes of a peer that is gone, restarting or not answering: worth a rebuild.
+_PEER_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                  grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+
+
+class _NotYet(Exception):
+    """A rebuild cannot proceed now (no worker up with room, prefill unreachable)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestFailed:
+    """Put on a request's event queue in place of a chunk: its stream ends with this error."""
+
+    message: str
 
 
 class SchedulerService:
@@ -49,6 +79,7 @@ class SchedulerService:
         self.eos_ids = set(tokenizer.eos_token_ids)
         self.max_model_len = model_cfg.max_position_embeddings
         self.runtime = ServiceRuntime("scheduler", "scheduler-0", config)
+        self.journal = Journal(self.runtime.store, "scheduler-0")
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
@@ -64,11 +95,20 @@ class SchedulerService:
         self._wake_admit = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._prefills: set[asyncio.Task] = set()  # owned: cancelled at shutdown
+        self._recoveries: set[asyncio.Task] = set()  # owned: rebuilds and model-stream reopenings
+        self._parked: list[Request] = []  # KV in place, waiting for a live model worker
+        # Sequences to free on an attention worker once it answers again (it did not when
+        # their requests were moved away).
+        self._orphans: dict[int, set[str]] = {}
+        self._attention_grpc: list[str] = []  # each attention worker's gRPC address in use
+        self._prefill_endpoint = ""
         r = self.runtime.registry
         self.m_waiting = prometheus_client.Gauge("lamina_scheduler_waiting", "requests waiting", registry=r)
         self.m_running = prometheus_client.Gauge("lamina_scheduler_running", "requests decoding", registry=r)
         self.m_finished = prometheus_client.Counter("lamina_scheduler_finished", "requests finished", ["reason"],
                                                     registry=r)
+        self.m_recovered = prometheus_client.Counter(
+            "lamina_scheduler_rebuilds", "requests whose KV was rebuilt after a worker failed", ["stage"], registry=r)
 
     # -- requests ---------------------------------------------------------------------------
     def submit(self, request: lamina_pb2.GenerateRequest) -> Request:
@@ -94,6 +134,7 @@ class SchedulerService:
                       max_model_len=self.max_model_len)
         self.waiting.append(req)
         self.by_id[req.request_id] = req
+        self.journal.started(req.request_id, req.prompt_ids, params)
         self._wake_admit.set()
         self._update_gauges()
         return req
@@ -107,8 +148,11 @@ class SchedulerService:
             await self._finish(req, "abort")
         elif req.status is Status.RUNNING:
             await self._finish(req, "abort")  # its model worker is told to drop it
+        elif req in self._parked:  # KV in place, waiting for a model worker: nothing in flight
+            self._parked.remove(req)
+            await self._finish(req, "abort")
         else:
-            # Prefilling: finished by the task that owns the prefill, after that call.
+            # Prefilling or recovering: finished by the task that owns it, after its call.
             req.abort_requested = True
 
     # -- loops ------------------------------------------------------------------------------
@@ -182,14 +226,18 @@ class SchedulerService:
         finally:
             self._wake_admit.set()  # a prefill slot is free again
 
+    async def _prefill_call(self, req: Request, token_ids: list[int]) -> lamina_pb2.PrefillResult:
+        """Record the placement and have the prefill service compute `token_ids`' KV on it."""
+        await self.runtime.store.set_placement(req.request_id, KVPlacement(
+            workers=tuple(f"attention-{w}" for w in req.workers), partition=self.config.partition,
+            slab_ranges={}))
+        return await self.prefill_stub.Prefill(lamina_pb2.PrefillRequest(
+            seq_id=req.request_id, token_ids=token_ids, params=req.params,
+            placement=lamina_pb2.Placement(workers=req.workers)), timeout=self.config.deadlines.rpc_s)
+
     async def _run_prefill(self, req: Request) -> None:
         try:
-            await self.runtime.store.set_placement(req.request_id, KVPlacement(
-                workers=tuple(f"attention-{w}" for w in req.workers), partition=self.config.partition,
-                slab_ranges={}))
-            result = await self.prefill_stub.Prefill(lamina_pb2.PrefillRequest(
-                seq_id=req.request_id, token_ids=req.prompt_ids, params=req.params,
-                placement=lamina_pb2.Placement(workers=req.workers)))
+            result = await self._prefill_call(req, req.prompt_ids)
         except grpc.aio.AioRpcError as exc:
             self.num_prefilling -= 1
             if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and (self.running or self.num_prefilling):
@@ -199,6 +247,11 @@ class SchedulerService:
                 req.workers = []
                 req.status = Status.WAITING
                 self.waiting.appendleft(req)
+                return
+            if exc.code() in _PEER_FAILURES:
+                # A worker died or stopped answering: place it again and prefill anew.
+                self.running.append(req)
+                self._start_recovery(req, "prefill", f"{exc.code().name}: {exc.details()}")
                 return
             log.warning("prefill of %s failed: %s", req.request_id, exc.details())
             await self._finish(req, "abort")
@@ -214,11 +267,18 @@ class SchedulerService:
 
     # -- decoding ---------------------------------------------------------------------------
     def _join_decode(self, req: Request) -> None:
-        """Hand a prefilled request to the least loaded model worker's decode stream."""
-        w = join_target([m.num_sequences for m in self.model_streams])
+        """Hand a prefilled request to the least loaded live model worker's decode
+        stream; with none live, it waits (KV in place) for one to come back."""
+        if req not in self.running:
+            self.running.append(req)
+        live = [i for i, m in enumerate(self.model_streams) if m.alive]
+        if not live:
+            req.status = Status.RECOVERING
+            self._parked.append(req)
+            return
+        w = live[join_target([self.model_streams[i].num_sequences for i in live])]
         req.status = Status.RUNNING
         req.model_worker = w
-        self.running.append(req)
         self.decoding[req.request_id] = req
         self.model_streams[w].join([lamina_pb2.StepSequence(
             seq_id=req.request_id, token_id=req.output_ids[-1], position=req.num_tokens - 1, params=req.params,
@@ -246,17 +306,32 @@ class SchedulerService:
                 await self._released(req)
         for f in result.failed:
             req = self.decoding.get(f.seq_id)
-            if req is not None:
-                log.warning("decode of %s failed on model worker %d: %s", f.seq_id, worker, f.message)
-                await self._finish(req, "abort")
+            if req is None:
+                continue
+            if req.status is Status.FINISHED:
                 await self._released(req)
+                continue
+            # The model worker dropped it: no frame of it is in flight any more.
+            self.decoding.pop(req.request_id)
+            self.model_streams[worker].released()
+            self._start_recovery(req, "decode", f"model worker {worker}: {f.code}: {f.message}")
 
     async def _on_decode_lost(self, worker: int, error: str) -> None:
+        stream = self.model_streams[worker]
+        stream.alive = False
         reqs = [r for r in self.decoding.values() if r.model_worker == worker]
-        log.error("decode stream of model worker %d lost (%s); ending its %d requests", worker, error, len(reqs))
+        log.error("decode stream of model worker %d lost (%s); rebuilding its %d requests elsewhere",
+                  worker, error, len(reqs))
         for req in reqs:
-            await self._finish(req, "abort")
-            await self._released(req)
+            # The worker is gone or its stream is: a step of these may have written part
+            # of a token's KV, so each is rebuilt whole.
+            self.decoding.pop(req.request_id)
+            stream.released()
+            if req.status is Status.FINISHED:
+                await self._free_kv(req)
+            else:
+                self._start_recovery(req, "model", f"model worker {worker}: {error}")
+        self._own(self._reopen_model_stream(worker), f"reopen-model-{worker}")
 
     async def _released(self, req: Request) -> None:
         """The model worker holds `req` no more: no frame of it is in flight, its KV can go."""
@@ -267,6 +342,7 @@ class SchedulerService:
 
     async def _accept_token(self, req: Request, token: int) -> None:
         req.output_ids.append(token)
+        self.journal.generated(req.request_id, token)
         reason = stop_reason(req.params, token, len(req.output_ids), req.num_tokens, self.eos_ids,
                              self.max_model_len)
         req.events.put_nowait(lamina_pb2.TokenChunk(token_ids=[token], finish_reason=reason or ""))
@@ -279,6 +355,7 @@ class SchedulerService:
         was_placed = req.status is not Status.WAITING
         req.status = Status.FINISHED
         self.by_id.pop(req.request_id, None)
+        self.journal.ended(req.request_id)
         if req in self.running:
             self.running.remove(req)
         if notify:
@@ -293,9 +370,15 @@ class SchedulerService:
         self._update_gauges()
 
     async def _free_kv(self, req: Request) -> None:
-        self._release(req)
-        await asyncio.gather(*(self.attention_stubs[w].Free(lamina_pb2.FreeRequest(seq_ids=[req.request_id]))
-                               for w in req.workers), return_exceptions=True)
+        workers, req.workers = req.workers, []
+        for w in workers:
+            self.reserved_tokens[w] -= req.max_total_tokens
+        results = await asyncio.gather(*(self.attention_stubs[w].Free(
+            lamina_pb2.FreeRequest(seq_ids=[req.request_id]), timeout=self.config.deadlines.health_s)
+            for w in workers), return_exceptions=True)
+        for w, r in zip(workers, results):
+            if isinstance(r, BaseException):  # freed once the worker answers again (_probe_attention)
+                self._orphans.setdefault(w, set()).add(req.request_id)
         with contextlib.suppress(Exception):
             await self.runtime.store.delete_placement(req.request_id)
         self._wake_admit.set()
@@ -303,6 +386,171 @@ class SchedulerService:
     def _release(self, req: Request) -> None:
         for w in req.workers:
             self.reserved_tokens[w] -= req.max_total_tokens
+
+    # -- recovery ---------------------------------------------------------------------------
+    async def _end_orphans(self) -> None:
+        """Requests a previous scheduler left behind (it died: their clients' streams
+        ended with it): free their KV on every attention worker and drop their
+        placements and journal entries, so the stack starts consistent."""
+        store = self.runtime.store
+        entries = await store.read_journal()
+        ids = sorted({e.request_id for e in entries} | await store.placed_requests())
+        if not ids:
+            return
+        log.warning("freeing %d request(s) left by a previous scheduler", len(ids))
+        await asyncio.gather(*(stub.Free(lamina_pb2.FreeRequest(seq_ids=ids), timeout=self.config.deadlines.rpc_s)
+                               for stub in self.attention_stubs), return_exceptions=True)
+        await store.write_journal([], {}, ids)
+        for rid in ids:
+            await store.delete_placement(rid)
+
+    def _own(self, coro, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._recoveries.add(task)
+        task.add_done_callback(self._recoveries.discard)
+
+    def _start_recovery(self, req: Request, stage: str, cause: str) -> None:
+        req.status = Status.RECOVERING
+        req.recoveries += 1
+        self.m_recovered.labels(stage).inc()
+        log.warning("rebuilding %s (%s failed: %s)", req.request_id, stage, cause)
+        self._own(self._recover(req, cause), f"recover-{req.request_id}")
+
+    async def _recover(self, req: Request, cause: str) -> None:
+        """Free what the request holds, then place and prefill it again until that works,
+        it is aborted, or the recovery deadline passes."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.deadlines.recovery_s
+        delay = 0.1
+        try:
+            await self._free_kv(req)
+            while True:
+                if req.abort_requested or req.status is Status.FINISHED:
+                    await self._finish(req, "abort")
+                    return
+                if req.recoveries > _MAX_RECOVERIES:
+                    await self._fail(req, f"its KV was lost {req.recoveries} times; last cause: {cause}")
+                    return
+                try:
+                    await self._rebuild(req)
+                    return
+                except _NotYet as exc:
+                    cause = str(exc)
+                if loop.time() + delay > deadline:
+                    await self._fail(req, f"no attention and prefill workers available within "
+                                          f"{self.config.deadlines.recovery_s:g} s ({cause})")
+                    return
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+        except Exception:  # noqa: BLE001 - a request must end, never wait on a dead task
+            log.exception("rebuilding %s failed", req.request_id)
+            await self._fail(req, "internal error while rebuilding its KV")
+
+    async def _fail(self, req: Request, message: str) -> None:
+        log.error("request %s ends: %s", req.request_id, message)
+        req.events.put_nowait(RequestFailed(message))
+        await self._finish(req, "error", notify=False)
+
+    async def _rebuild(self, req: Request) -> None:
+        """One attempt: place on healthy workers, recompute the KV, rejoin decode."""
+        healthy = await self._probe_attention()
+        capacity = [c if ok else 0 for c, ok in zip(self.capacity_tokens, healthy)]
+        workers = place_request(self.config.partition, self.reserved_tokens, capacity, req.max_total_tokens)
+        if workers is None:
+            down = [w for w, ok in enumerate(healthy) if not ok]
+            raise _NotYet(f"attention worker(s) {down} down and no other with room")
+        req.workers = workers
+        for w in workers:
+            self.reserved_tokens[w] += req.max_total_tokens
+        first = not req.output_ids  # failed during its first prefill: that one samples the first token
+        try:
+            result = await self._prefill_call(req, req.prompt_ids if first else req.rebuild_ids)
+        except grpc.aio.AioRpcError as exc:
+            await self._free_kv(req)
+            if exc.code() not in _PEER_FAILURES and exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            await self._refresh_prefill()
+            raise _NotYet(f"prefill: {exc.code().name}: {exc.details()}") from None
+        log.info("%s rebuilt on attention worker(s) %s (%d tokens)", req.request_id, workers,
+                 len(req.prompt_ids) if first else len(req.rebuild_ids))
+        if req.abort_requested:
+            await self._finish(req, "abort")
+            return
+        if first:
+            await self._accept_token(req, result.token_id)
+            if req.status is Status.FINISHED:
+                return
+        self._join_decode(req)
+        self._update_gauges()
+
+    async def _probe_attention(self) -> list[bool]:
+        """Which attention workers answer now. Re-reads their registrations, so a
+        restarted worker is reached at its new address; frees orphans on those that answer."""
+        d = self.config.deadlines
+        with contextlib.suppress(Exception):
+            for info in await self.runtime.store.list_services("attention"):
+                w = int(info.service_id.rsplit("-", 1)[1])
+                if w < len(self.attention_stubs) and info.meta.get("grpc") != self._attention_grpc[w]:
+                    self._attention_grpc[w] = info.meta["grpc"]
+                    channel = open_channel(info.meta["grpc"], self.config.cluster_token)
+                    self._channels.append(channel)
+                    self.attention_stubs[w] = lamina_pb2_grpc.AttentionControlStub(channel)
+        stats = await asyncio.gather(*(stub.Stats(lamina_pb2.Empty(), timeout=d.health_s)
+                                       for stub in self.attention_stubs), return_exceptions=True)
+        healthy = []
+        for w, st in enumerate(stats):
+            ok = not isinstance(st, BaseException)
+            if ok and self._orphans.get(w):
+                seq_ids = sorted(self._orphans[w])
+                try:
+                    await self.attention_stubs[w].Free(lamina_pb2.FreeRequest(seq_ids=seq_ids), timeout=d.health_s)
+                    self._orphans[w].difference_update(seq_ids)
+                except grpc.aio.AioRpcError:
+                    ok = False
+            healthy.append(ok)
+        return healthy
+
+    async def _refresh_prefill(self) -> None:
+        """Reach the prefill service at its registered address (it may have restarted)."""
+        with contextlib.suppress(Exception):
+            info = await self.runtime.store.get_service("prefill", "prefill-0")
+            if info is not None and info.endpoint != self._prefill_endpoint:
+                self._prefill_endpoint = info.endpoint
+                channel = open_channel(info.endpoint, self.config.cluster_token)
+                self._channels.append(channel)
+                self.prefill_stub = lamina_pb2_grpc.PrefillStub(channel)
+
+    async def _reopen_model_stream(self, worker: int) -> None:
+        """Open a new decode stream to model worker `worker` once it is registered and
+        serving again (backing off while it is not), then hand it the parked requests."""
+        old = self.model_streams[worker]
+        delay = 0.25
+        while True:
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 4.0)
+            info = await self.runtime.store.get_service("model", f"model-{worker}")
+            if info is None:
+                continue
+            channel = open_channel(info.endpoint, self.config.cluster_token)
+            try:
+                await asyncio.wait_for(channel.channel_ready(), self.config.deadlines.health_s)
+            except asyncio.TimeoutError:
+                await channel.close()
+                continue
+            self._channels.append(channel)
+            stream = ModelStream(worker, lamina_pb2_grpc.ModelWorkerStub(channel), self._stop_rule,
+                                 self._on_decode_result, self._on_decode_lost)
+            await old.close()
+            self.model_streams[worker] = stream
+            stream.open()
+            log.info("decode stream of model worker %d open again at %s", worker, info.endpoint)
+            parked, self._parked = self._parked, []
+            for req in parked:
+                if req.status is Status.RECOVERING and not req.abort_requested:
+                    self._join_decode(req)
+                else:
+                    await self._finish(req, "abort")
+            return
 
     def _update_gauges(self) -> None:
         self.m_waiting.set(len(self.waiting))
@@ -315,28 +563,36 @@ class SchedulerService:
         attn = await wait_for_services(store, "attention", self.config.attention.workers)
         (prefill,) = await wait_for_services(store, "prefill", 1)
         models = await wait_for_services(store, "model", self.config.model_worker.workers)
-        self._channels = [grpc.aio.insecure_channel(a.meta["grpc"]) for a in attn]
-        self._channels.append(grpc.aio.insecure_channel(prefill.endpoint))
-        model_channels = [grpc.aio.insecure_channel(m.endpoint) for m in models]
+        self._attention_grpc = [a.meta["grpc"] for a in attn]
+        self._prefill_endpoint = prefill.endpoint
+        self._channels = [open_channel(a.meta["grpc"], self.config.cluster_token) for a in attn]
+        self._channels.append(open_channel(prefill.endpoint, self.config.cluster_token))
+        model_channels = [open_channel(m.endpoint, self.config.cluster_token) for m in models]
         self._channels += model_channels
         self.attention_stubs = [lamina_pb2_grpc.AttentionControlStub(c) for c in self._channels[: len(attn)]]
         for w, stub in enumerate(self.attention_stubs):
-            self.capacity_tokens[w] = (await stub.Stats(lamina_pb2.Empty(), timeout=30)).capacity_tokens
+            self.capacity_tokens[w] = (await stub.Stats(lamina_pb2.Empty(),
+                                                        timeout=self.config.deadlines.rpc_s)).capacity_tokens
         self.prefill_stub = lamina_pb2_grpc.PrefillStub(self._channels[len(attn)])
-        stop = lamina_pb2.StopRule(eos_token_ids=sorted(self.eos_ids), max_model_len=self.max_model_len)
+        stop = self._stop_rule = lamina_pb2.StopRule(eos_token_ids=sorted(self.eos_ids),
+                                                     max_model_len=self.max_model_len)
         self.model_streams = [ModelStream(i, lamina_pb2_grpc.ModelWorkerStub(c), stop, self._on_decode_result,
                                           self._on_decode_lost) for i, c in enumerate(model_channels)]
+        await self._end_orphans()
         for m in self.model_streams:
             m.open()
+        self.journal.start()
         self._tasks = [asyncio.create_task(self._admit_loop(), name="admit")]
         try:
             await rt.serve(lambda s: lamina_pb2_grpc.add_SchedulerServicer_to_server(_SchedulerServicer(self), s))
         finally:
-            tasks = [*self._tasks, *self._prefills]
+            tasks = [*self._tasks, *self._prefills, *self._recoveries]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.gather(*(m.close() for m in self.model_streams), return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.journal.close(), self.config.deadlines.health_s)
             for c in self._channels:
                 await c.close()
 
@@ -356,6 +612,9 @@ class _SchedulerServicer(lamina_pb2_grpc.SchedulerServicer):
         try:
             while not finished:
                 chunk = await req.events.get()
+                if isinstance(chunk, RequestFailed):
+                    finished = True
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, chunk.message)
                 finished = bool(chunk.finish_reason)
                 yield chunk
         finally:

@@ -16,6 +16,7 @@ class Status(enum.Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
     RUNNING = "running"
+    RECOVERING = "recovering"  # its KV is being rebuilt after a worker failed
     FINISHED = "finished"
 
 
@@ -32,6 +33,13 @@ class Request:
     status: Status = Status.WAITING
     abort_requested: bool = False
     max_model_len: int = 1 << 30
+    recoveries: int = 0  # times its KV was rebuilt after a failure
+
+    @property
+    def rebuild_ids(self) -> list[int]:
+        """The tokens whose KV a decoding request holds: all but the newest output,
+        which is the input of its next step."""
+        return self.prompt_ids + self.output_ids[:-1]
 
     @property
     def num_tokens(self) -> int:

@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--q-early", action=argparse.BooleanOptionalAction, default=None,
                    help="send Q before K, V and combine partial attention (default off)")
     p.add_argument("--weights", default=None, choices=("float32", "q8_0", "q4", "as_file"),
-                   help="how model and prefill workers hold the linears (default float32; docs/model.md)")
+                   help="how model and prefill workers hold the linears (default as_file; docs/model.md)")
     p.add_argument("--api-key", default=None, help="require this bearer token on /v1/ requests")
 
 

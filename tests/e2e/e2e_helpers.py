@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import socket
 
-from services.config import AttentionSection, GatewaySection, ModelWorkerSection, PipelineSection, StackConfig
+from services.config import (AttentionSection, DeadlinesSection, GatewaySection, ModelWorkerSection, PipelineSection,
+                             StackConfig)
 from services.launcher import Stack
 
 CHAT_PROMPTS = ["What is the capital of France?", "Name two colours of the rainbow."]
@@ -19,8 +20,10 @@ def free_port() -> int:
 
 
 def start_stack(transport: str = "tcp", partition: str = "request", workers: int = 2, micro_batches: int = 2,
-                q_early: bool = False, model_workers: int = 1, weights: str = "float32", **kw) -> Stack:
+                q_early: bool = False, model_workers: int = 1, weights: str = StackConfig.weights,
+                deadlines: DeadlinesSection | None = None, **kw) -> Stack:
     config = StackConfig(transport=transport, partition=partition, weights=weights,
+                         deadlines=deadlines or DeadlinesSection(),
                          gateway=GatewaySection(port=free_port(), **kw),
                          attention=AttentionSection(workers=workers, kv_capacity_bytes=256 << 20),
                          model_worker=ModelWorkerSection(workers=model_workers),
@@ -33,9 +36,8 @@ def start_stack(transport: str = "tcp", partition: str = "request", workers: int
 
 async def attention_stats(stack: Stack) -> list:
     """Every attention worker's AttentionStats, in worker order, over gRPC."""
-    import grpc
-
     from kvstore.metadata import MetadataConfig, MetadataStore
+    from services.channels import open_channel
     from services.protos import lamina_pb2, lamina_pb2_grpc
 
     store = MetadataStore(MetadataConfig(url=stack.config.redis_url, namespace=stack.config.namespace))
@@ -45,6 +47,6 @@ async def attention_stats(stack: Stack) -> list:
         await store.close()
     stats = []
     for s in services:
-        async with grpc.aio.insecure_channel(s.meta["grpc"]) as ch:
+        async with open_channel(s.meta["grpc"], stack.config.cluster_token) as ch:
             stats.append(await lamina_pb2_grpc.AttentionControlStub(ch).Stats(lamina_pb2.Empty()))
     return stats

@@ -161,3 +161,35 @@ def test_resolve_redis_url(monkeypatch):
     finally:
         server.close()
     assert not server.is_running
+
+
+async def test_journal_batches_and_ends_requests(store, namespace):
+    import base64
+
+    from services.journal import Journal
+    from services.protos import lamina_pb2
+
+    journal = Journal(store, "scheduler-0", interval_s=0.01)
+    journal.start()
+    params = lamina_pb2.SamplingParams(max_tokens=5, seed=7, temperature=0.5)
+    journal.started("r1", [1, 2, 3], params)
+    journal.started("r2", [4], params)
+    journal.started("gone", [5], params)
+    journal.ended("gone")  # ended before any write: never written at all
+    for t in (10, 11, 12):
+        journal.generated("r1", t)
+    await asyncio.sleep(0.2)
+    entries = {e.request_id: e for e in await store.read_journal()}
+    assert sorted(entries) == ["r1", "r2"]
+    assert entries["r1"].prompt_ids == [1, 2, 3] and entries["r1"].output_ids == [10, 11, 12]
+    got = lamina_pb2.SamplingParams()
+    got.ParseFromString(base64.b64decode(entries["r1"].params))
+    assert got == params and entries["r1"].owner == "scheduler-0"
+    # Six changes above, written in far fewer transactions than one per change.
+    assert 1 <= journal.batches <= 3
+    journal.generated("r1", 13)
+    journal.ended("r2")
+    await journal.close()  # flushes what is left
+    entries = {e.request_id: e for e in await store.read_journal()}
+    assert sorted(entries) == ["r1"] and entries["r1"].output_ids == [10, 11, 12, 13]
+    assert not [k for k in await store.redis.keys(f"{namespace}:jrn:r2*")]

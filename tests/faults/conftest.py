@@ -1,0 +1,10 @@
+"""Fault tests: the real stack in real processes, with workers killed, stopped or fed
+hostile input. They start stacks the way the end-to-end tests do (tests/e2e)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# e2e_helpers (start_stack, the prompts, attention_stats) and the e2e fixtures' helpers.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))

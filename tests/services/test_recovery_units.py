@@ -1,0 +1,104 @@
+"""Pieces of failure recovery that need no stack: the attention pool's reply deadline
+and reconnection (over real TCP connections), the rebuild's token list, the deadlines
+configuration."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+import transports
+from model.loader import load_config
+from services.attention_pool import AttentionPool, SeqRows
+from services.config import ConfigError, load_config as load_stack_config
+from services.protos import lamina_pb2
+from services.scheduler_state import Request
+from services.wire import decode_tag, frame_tag, result_frame
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def _silent(conn: transports.Connection) -> None:
+    """A worker that reads frames and never answers (a stopped or hung process)."""
+    try:
+        while True:
+            await conn.recv()
+    except transports.TransportError:
+        return
+
+
+async def _answering(conn: transports.Connection) -> None:
+    """A worker that answers every frame with a zero result of Q's shape."""
+    try:
+        while True:
+            frame = await conn.recv()
+            await conn.send(result_frame(frame_tag(frame), torch.zeros_like(frame.tensors[0])))
+    except transports.TransportError:
+        return
+
+
+async def _closing(conn: transports.Connection) -> None:
+    """A worker that dies on the first frame."""
+    await conn.recv()
+    await conn.close()
+
+
+def _qkv(cfg):
+    return (torch.randn(1, cfg.num_heads, cfg.head_dim), torch.randn(1, cfg.num_kv_heads, cfg.head_dim),
+            torch.randn(1, cfg.num_kv_heads, cfg.head_dim))
+
+
+@pytest.mark.parametrize("first", [_silent, _closing], ids=["silent", "closing"])
+async def test_a_lost_worker_fails_the_step_in_time_and_is_reconnected_on_next_use(first):
+    cfg = load_config(None)
+    lost = await transports.listen("tcp://127.0.0.1:0", first)
+    back = await transports.listen("tcp://127.0.0.1:0", _answering)
+    pool = await AttentionPool.connect([lost.address], "request", cfg, transports.TransportConfig(),
+                                       reply_timeout_s=0.5, reconnect=lambda w: transports.connect(back.address))
+    try:
+        route = pool.route([SeqRows("s", 1, (0,))])
+        start = time.monotonic()
+        with pytest.raises(transports.TransportError):
+            await pool.attend(decode_tag(0, 1, 0), 0, route, *_qkv(cfg))
+        assert time.monotonic() - start < 3.0  # the deadline, not a hang
+        assert pool.reconnects == 0
+        out = await pool.attend(decode_tag(0, 2, 0), 0, route, *_qkv(cfg))
+        assert out.shape == (1, cfg.num_heads, cfg.head_dim)
+        assert pool.reconnects == 1
+    finally:
+        await pool.close()
+        await lost.close()
+        await back.close()
+
+
+async def test_without_a_reconnect_rule_a_lost_link_stays_an_error():
+    cfg = load_config(None)
+    lost = await transports.listen("tcp://127.0.0.1:0", _closing)
+    pool = await AttentionPool.connect([lost.address], "request", cfg, transports.TransportConfig(),
+                                       reply_timeout_s=5.0)
+    try:
+        route = pool.route([SeqRows("s", 1, (0,))])
+        with pytest.raises(transports.TransportError):
+            await pool.attend(decode_tag(0, 1, 0), 0, route, *_qkv(cfg))
+        await asyncio.sleep(0.05)
+        with pytest.raises(transports.TransportError, match="closed"):
+            await pool.attend(decode_tag(0, 2, 0), 0, route, *_qkv(cfg))
+    finally:
+        await pool.close()
+        await lost.close()
+
+
+def test_a_rebuild_recomputes_every_token_but_the_newest_output():
+    req = Request("r", [1, 2, 3], lamina_pb2.SamplingParams(max_tokens=8), asyncio.Queue())
+    req.output_ids = [7, 8, 9]
+    assert req.rebuild_ids == [1, 2, 3, 7, 8]  # 9 is the next step's input
+
+
+def test_deadlines_are_configured_and_checked():
+    cfg = load_stack_config(overrides={"deadlines.reply_s": "2.5"}, env={})
+    assert cfg.deadlines.reply_s == 2.5 and cfg.deadlines.recovery_s == 120.0
+    with pytest.raises(ConfigError, match="deadlines.health_s must be a positive number"):
+        load_stack_config(overrides={"deadlines.health_s": 0}, env={})
