@@ -32,6 +32,7 @@ from kvstore.slab import KVAllocationError, SlabAllocator, SlabConfig
 from model.attention import combine_partials
 from model.config import ModelConfig
 from model.kv_attention import SlotBatch, buffer_attention, slot_attention
+from services.attention_checks import KVShape, PendingStore, check_attend, check_store
 from services.wire import RemoteError, StoreKV
 
 _STEP_SLOTS_KEPT = 8  # micro-batches in flight on one worker, with room to spare
@@ -53,27 +54,17 @@ class AttentionCore:
                                                   tokens_per_slab=tokens_per_slab))
         except ValueError as exc:
             raise ValueError(f"attention.kv_capacity_bytes: {exc}") from exc
-        self._failed: dict[str, RemoteError] = {}  # prefilled sequences whose store failed
+        self.shape = KVShape(cfg.num_layers, cfg.num_groups * num_kv_heads, num_kv_heads, cfg.head_dim,
+                             self.slabs.config.dtype)
+        self._storing: dict[str, PendingStore] = {}  # prefilled sequences whose layers are arriving
         # Per micro-batch (its sequence ids, in row order): the slots its layers read.
         self._step_slots: dict[tuple[str, ...], _StepSlots] = {}
 
     # -- decode ---------------------------------------------------------------------------
-    def _check(self, seqs: list[tuple[str, int]], q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor] | None
-               ) -> None:
+    def _check(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor,
+               kv: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Refuses a frame that does not fit this worker before any state changes."""
-        rows = sum(n for _, n in seqs)
-        heads = self.cfg.num_groups * self.num_kv_heads  # the query heads of this worker's KV heads
-        if any(n < 1 for _, n in seqs) or q.shape != (rows, heads, self.cfg.head_dim):
-            raise RemoteError("bad_request", f"q {tuple(q.shape)} for {rows} new tokens of {len(seqs)} sequences: "
-                                             f"this worker attends {heads} query heads of {self.cfg.head_dim}")
-        if kv is not None and not kv[0].shape == kv[1].shape == (rows, self.num_kv_heads, self.cfg.head_dim):
-            raise RemoteError("bad_request", f"k {tuple(kv[0].shape)}, v {tuple(kv[1].shape)}: this worker holds "
-                                             f"{self.num_kv_heads} KV heads of {self.cfg.head_dim} for {rows} tokens")
-        unknown = [s for s, _ in seqs if not self.slabs.has_request(s)]
-        if unknown:
-            # Decoding a sequence whose prompt KV never arrived (or was freed) would
-            # silently attend over nothing: refuse it.
-            raise RemoteError("unknown_sequence", f"no KV for sequence(s) {', '.join(map(repr, unknown))}")
+        check_attend(self.shape, self.slabs, self._storing, layer, seqs, q, kv)
 
     def _slots(self, seqs: list[tuple[str, int]]) -> _StepSlots:
         """The micro-batch's slots, built once and reused by its later layers.
@@ -88,9 +79,11 @@ class AttentionCore:
             return hit
         lens = tuple(map(self.slabs.num_tokens, ids))
         batch = SlotBatch(self.slabs.batch_slots(ids), lens, self.slabs.config.num_slots)
-        # The step's new tokens are each sequence's last n positions.
+        # The step's new tokens are each sequence's last n positions. (Q-early's layer 0
+        # reads the slots before the step extends its sequences, and not these: min()
+        # keeps each range inside its sequence there.)
         new_rows = array("q", chain.from_iterable(
-            range(end - n, end) for end, (_, n) in zip(accumulate(lens), seqs)))
+            range(end - min(n, m), end) for end, m, (_, n) in zip(accumulate(lens), lens, seqs)))
         entry = _StepSlots(versions, batch, batch.slots[torch.frombuffer(new_rows, dtype=torch.int64)]
                            if new_rows else torch.empty(0, dtype=torch.int64))
         self._step_slots.pop(ids, None)
@@ -120,7 +113,7 @@ class AttentionCore:
         seqs: (seq_id, n_new) in row order; q: [T, Hq, D]; k, v: [T, Hkv, D].
         Returns out [T, Hq, D] and, if asked, lse [T, Hq]: one kernel call over every
         sequence, reading the slab pools in place."""
-        self._check(seqs, q, (k, v))
+        self._check(layer, seqs, q, (k, v))
         step = self._append(layer, seqs, k, v)
         return slot_attention(q.contiguous(), [n for _, n in seqs], self.slabs.k_pools[layer],
                               self.slabs.v_pools[layer], step.batch, need_lse=need_lse)
@@ -131,7 +124,7 @@ class AttentionCore:
         this step's tokens (every held token is visible to each query), before this
         layer's K, V arrive. Returns out [T, Hq, D] and lse [T, Hq] (-inf where a
         sequence held nothing)."""
-        self._check(seqs, q, None)
+        self._check(layer, seqs, q, None)
         step = self._slots(seqs)
         # Layer 0 comes before the step extends the sequences: all they hold is old.
         held = step.batch.lens if layer == 0 else [m - n for m, (_, n) in zip(step.batch.lens, seqs)]
@@ -143,7 +136,7 @@ class AttentionCore:
                            v: torch.Tensor, held_out: torch.Tensor, held_lse: torch.Tensor) -> torch.Tensor:
         """Q-early, second half: append K, V, attend the new tokens among themselves
         (causally) and combine with the held part by log-sum-exp. Returns out [T, Hq, D]."""
-        self._check(seqs, q, (k, v))
+        self._check(layer, seqs, q, (k, v))
         self._append(layer, seqs, k, v)
         lens = [n for _, n in seqs]
         if all(n == 1 for n in lens):
@@ -162,34 +155,56 @@ class AttentionCore:
     def store(self, msg: StoreKV) -> bool:
         """Install a prefilled sequence's KV, one layer per message. True after the last.
 
-        The sender expects exactly one reply per sequence, after its last layer: a
-        failure at any layer is remembered and raised then, and the layers in
-        between are dropped.
+        The sender expects one reply per sequence, after its last layer: a failure of
+        a well-formed store (no room at layer 0) is remembered and raised then, and
+        the layers in between are dropped. A message that fails the checks raises at
+        once (the worker answers it) and changes nothing but this: a store it belonged
+        to is abandoned, its KV freed, and its last layer raises too.
         """
-        num_tokens = msg.k.shape[0]
+        seq_id = msg.seq_id
+        pending = self._storing.get(seq_id)
+        try:
+            check_store(self.shape, msg, pending)
+        except RemoteError as exc:
+            if pending is not None:
+                self._abandon(msg, pending, exc)
+            raise
         if msg.layer == 0:
-            self._failed.pop(msg.seq_id, None)
-            if self.slabs.has_request(msg.seq_id):
-                self.slabs.free(msg.seq_id)
+            self._storing.pop(seq_id, None)
+            if self.slabs.has_request(seq_id):
+                self.slabs.free(seq_id)  # stored again: the new prompt KV replaces the old
+            pending = self._storing[seq_id] = PendingStore(0, msg.k.shape[0])
             try:
-                self.slabs.allocate(msg.seq_id, num_tokens)
+                self.slabs.allocate(seq_id, pending.num_tokens)
             except KVAllocationError as exc:
-                self._failed[msg.seq_id] = RemoteError("kv_full", str(exc))
-        elif not self.slabs.has_request(msg.seq_id) and msg.seq_id not in self._failed:
-            self._failed[msg.seq_id] = RemoteError(
-                "unknown_sequence", f"layer {msg.layer} of {msg.seq_id!r} arrived before layer 0")
-        if msg.seq_id not in self._failed:
-            self.slabs.write(msg.seq_id, msg.layer, 0, msg.k, msg.v)
+                pending.error = RemoteError("kv_full", str(exc))
+        if pending.error is None:
+            self.slabs.write(seq_id, msg.layer, 0, msg.k, msg.v)
+        pending.next_layer += 1
         if msg.layer != msg.num_layers - 1:
             return False
-        error = self._failed.pop(msg.seq_id, None)
-        if error is not None:
-            self.free([msg.seq_id])
-            raise error
+        del self._storing[seq_id]
+        if pending.error is not None:
+            raise pending.error
         return True
 
+    def _abandon(self, msg: StoreKV, pending: PendingStore, error: RemoteError) -> None:
+        """A refused message named a store in progress: free its KV; unless the message
+        was its last layer, the layers still to come are dropped and the last raises `error`."""
+        if pending.error is None:
+            if self.slabs.has_request(msg.seq_id):
+                self.slabs.free(msg.seq_id)
+            pending.error = error
+        if msg.layer == self.shape.num_layers - 1:
+            del self._storing[msg.seq_id]
+        elif msg.layer == pending.next_layer:
+            pending.next_layer += 1
+
     def free(self, seq_ids: list[str]) -> None:
+        """Forget sequences: their KV, and a store of theirs in progress (whose later
+        layers are then refused as unknown)."""
         for s in seq_ids:
+            self._storing.pop(s, None)
             if self.slabs.has_request(s):
                 self.slabs.free(s)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import prometheus_client
 import torch
@@ -25,6 +26,19 @@ from services.runtime import ServiceRuntime
 from services.wire import Attend, Kind, RemoteError, StoreKV, Tag, ack_frame, error_frame, frame_tag, result_frame
 
 log = logging.getLogger(__name__)
+
+# Q-early halves one connection may leave waiting for their K, V: a few per micro-batch
+# in flight is all a model worker needs; more is a broken or hostile peer.
+_MAX_HELD_Q = 64
+
+
+@dataclass(frozen=True)
+class _HeldQ:
+    layer: int
+    seqs: list[tuple[str, int]]
+    q: torch.Tensor  # [T, Hq, D]
+    out: torch.Tensor  # [T, Hq, D]: attention over the KV held when Q came
+    lse: torch.Tensor  # [T, Hq]
 
 
 class _Control(lamina_pb2_grpc.AttentionControlServicer):
@@ -70,13 +84,15 @@ class AttentionService:
         # One peer (a model or prefill worker). Frames are handled in arrival order and
         # every reply echoes its request's tag, so the peer matches replies by id.
         # Q-early halves wait here between their ATTEND_Q and ATTEND_KV frames.
-        held: dict[Tag, tuple[torch.Tensor, torch.Tensor] | RemoteError] = {}
+        held: dict[Tag, _HeldQ | RemoteError] = {}
         while True:
             try:
                 frame = await conn.recv()
             except transports.PeerClosed:
                 return
             except transports.TransportError as exc:
+                # A corrupted frame (or a failed socket): the transport closed this
+                # connection; the worker goes on serving the others.
                 log.warning("data connection from %s dropped: %s", conn.peer, exc)
                 return
             t0 = time.thread_time()  # CPU time: the work done, however busy the host is
@@ -92,7 +108,9 @@ class AttentionService:
                 self.m_send.inc(time.perf_counter() - t1)
 
     def _handle(self, frame: transports.Frame, held: dict) -> transports.Frame | None:
-        """The reply to one frame (None when it needs none)."""
+        """The reply to one frame (None when it needs none). A frame that cannot be
+        applied is answered with an ERROR frame and changes nothing: it never ends
+        the connection."""
         tag = None
         try:
             tag = frame_tag(frame)
@@ -101,30 +119,45 @@ class AttentionService:
                 out, _ = self.core.attend(msg.layer, msg.seqs, msg.q, msg.k, msg.v, need_lse=False)
                 return result_frame(tag, out)
             if frame.kind == Kind.ATTEND_Q:
-                msg = Attend.from_frame(frame)
-                try:
-                    held[tag] = (msg.q, *self.core.attend_held(msg.layer, msg.seqs, msg.q))
-                except RemoteError as exc:
-                    held[tag] = exc  # answered when K, V of the same tag arrive
-                return None
+                return self._hold(tag, frame, held)
             if frame.kind == Kind.ATTEND_KV:
+                part = held.pop(tag, None)  # first: a refused K, V still ends its Q's wait
                 msg = Attend.from_frame(frame)
-                part = held.pop(tag, None)
                 if part is None:
                     raise RemoteError("protocol", f"ATTEND_KV {tag!r} without its ATTEND_Q")
                 if isinstance(part, RemoteError):
                     raise part
-                q, out, lse = part
-                return result_frame(tag, self.core.append_and_combine(msg.layer, msg.seqs, q, msg.k, msg.v, out, lse))
+                if (msg.layer, msg.seqs) != (part.layer, part.seqs):
+                    raise RemoteError("protocol", f"ATTEND_KV {tag!r} names other sequences or another layer "
+                                                  f"than its ATTEND_Q")
+                return result_frame(tag, self.core.append_and_combine(msg.layer, msg.seqs, part.q, msg.k, msg.v,
+                                                                      part.out, part.lse))
             if frame.kind == Kind.STORE_KV:
                 return ack_frame(tag) if self.core.store(StoreKV.from_frame(frame)) else None
             raise RemoteError("protocol", f"unexpected frame kind {frame.kind}")
         except RemoteError as exc:
             self.m_errors.labels(exc.code).inc()
             return error_frame(tag, exc.code, str(exc))
-        except (KeyError, ValueError, TypeError, RuntimeError) as exc:
-            self.m_errors.labels("bad_request").inc()
-            return error_frame(tag, "bad_request", f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a bug: the checks let through what the core cannot apply
+            log.exception("attention worker failed on a frame of kind %s", frame.kind)
+            self.m_errors.labels("internal").inc()
+            return error_frame(tag, "internal", f"{type(exc).__name__}: {exc}")
+
+    def _hold(self, tag: Tag, frame: transports.Frame, held: dict) -> transports.Frame | None:
+        """Q-early's first half: attend over the KV held so far and keep the partials
+        until K and V of the same tag arrive. A refused Q is answered then, as its tag's
+        one reply; only a connection holding too many halves is answered at once."""
+        if tag in held:
+            held[tag] = RemoteError("protocol", f"ATTEND_Q {tag!r} arrived twice before its ATTEND_KV")
+            return None
+        if len(held) >= _MAX_HELD_Q:
+            raise RemoteError("protocol", f"{len(held)} ATTEND_Q frames already await their ATTEND_KV")
+        try:
+            msg = Attend.from_frame(frame)
+            held[tag] = _HeldQ(msg.layer, msg.seqs, msg.q, *self.core.attend_held(msg.layer, msg.seqs, msg.q))
+        except RemoteError as exc:
+            held[tag] = exc  # answered (and counted) when K, V of the same tag arrive
+        return None
 
     async def run(self) -> None:
         tcfg = self.config.transport_config()

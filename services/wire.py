@@ -19,12 +19,26 @@ frames and replies interleave.
     ERROR     attention -> sender header {tag, code, message}; that request failed, the link stays up
 
 A decode tag is [micro_batch, step, layer]; a store tag is [seq_id].
+
+Decoding is strict: a header that is not a map, a field missing or of the wrong
+type, or a raw byte buffer where a tensor belongs raises RemoteError, which the
+worker answers with an ERROR frame. The codes of ERROR frames:
+
+    bad_request       the message does not fit: its fields, or its tensors against
+                      the worker's model shape (services.attention_checks)
+    protocol          out of the exchange's order: an unknown kind, no tag, an
+                      ATTEND_KV without its ATTEND_Q, a STORE_KV layer out of turn
+    unknown_sequence  the worker holds no KV for a sequence the message names
+    kv_full           the worker's KV memory cannot hold the new tokens
+    internal          the worker failed (a bug); the message changed nothing it checked
 """
 
 from __future__ import annotations
 
 import enum
+import reprlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,12 +71,54 @@ def decode_tag(micro_batch: int, step: int, layer: int) -> Tag:
     return (micro_batch, step, layer)
 
 
+_MAX_TAG_ITEMS = 8
+_REPR = reprlib.Repr()  # bounded reprs: a hostile value must not make a long reply
+_REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict, _REPR.maxlevel = 60, 60, 6, 6, 2
+short_repr = _REPR.repr
+
+
 def frame_tag(f: Frame) -> Tag:
-    """The tag of a frame, as a hashable tuple (msgpack gives lists back)."""
-    tag = f.header.get("tag")
-    if not isinstance(tag, (list, tuple)):
-        raise RemoteError("protocol", f"frame kind {f.kind} without a tag")
+    """The tag of a frame, as a hashable tuple (msgpack gives lists back): a short list
+    of integers and strings, or RemoteError."""
+    tag = f.header.get("tag") if isinstance(f.header, dict) else None
+    if not (isinstance(tag, (list, tuple)) and 0 < len(tag) <= _MAX_TAG_ITEMS
+            and all(isinstance(t, (int, str)) for t in tag)):
+        raise RemoteError("protocol", f"frame kind {f.kind} without a tag (a list of up to {_MAX_TAG_ITEMS} "
+                                      f"integers and strings), got {short_repr(tag)}")
     return tuple(tag)
+
+
+def _header(f: Frame) -> dict:
+    if not isinstance(f.header, dict):
+        raise RemoteError("bad_request", f"frame kind {f.kind}: the header is {type(f.header).__name__}, not a map")
+    return f.header
+
+
+def _field(h: dict, name: str, kind: type) -> Any:
+    """Header field `name`, of type `kind` (int excludes bool), or RemoteError."""
+    value = h.get(name)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        got = "missing" if name not in h else f"{type(value).__name__} {short_repr(value)}"
+        raise RemoteError("bad_request", f"header field {name!r} must be {kind.__name__}, got {got}")
+    return value
+
+
+def _tensors(f: Frame, kind: Kind, count: int) -> list[torch.Tensor]:
+    if len(f.tensors) != count:
+        raise RemoteError("bad_request", f"{kind.name} carries {count} tensors, got {len(f.tensors)}")
+    for i, t in enumerate(f.tensors):
+        if not isinstance(t, torch.Tensor):
+            raise RemoteError("bad_request", f"{kind.name}: buffer {i} is raw bytes, not a tensor")
+    return f.tensors
+
+
+def _seqs(h: dict) -> list[tuple[str, int]]:
+    seqs = _field(h, "seqs", list)
+    if not all(isinstance(m, list) and len(m) == 2 and isinstance(m[0], str)
+               and isinstance(m[1], int) and not isinstance(m[1], bool) for m in seqs):
+        raise RemoteError("bad_request", f"header field 'seqs' must be a list of [seq_id: str, new tokens: int], "
+                                         f"got {short_repr(seqs)}")
+    return [(s, n) for s, n in seqs]
 
 
 @dataclass(frozen=True)
@@ -86,20 +142,19 @@ class Attend:
 
     @classmethod
     def from_frame(cls, f: Frame) -> Attend:
-        h = f.header
+        """The message of an ATTEND, ATTEND_Q or ATTEND_KV frame; its fields typed, its
+        tensors not yet checked against a model (services.attention_checks)."""
+        h = _header(f)
         kind = Kind(f.kind)
-        expected = {Kind.ATTEND: 3, Kind.ATTEND_Q: 1, Kind.ATTEND_KV: 2}[kind]
-        if len(f.tensors) != expected:
-            raise RemoteError("bad_request", f"{kind.name} carries {expected} tensors, got {len(f.tensors)}")
+        tensors = _tensors(f, kind, {Kind.ATTEND: 3, Kind.ATTEND_Q: 1, Kind.ATTEND_KV: 2}[kind])
         q = k = v = None
         if kind is Kind.ATTEND:
-            q, k, v = f.tensors
+            q, k, v = tensors
         elif kind is Kind.ATTEND_Q:
-            (q,) = f.tensors
+            (q,) = tensors
         else:
-            k, v = f.tensors
-        seqs = [(str(s), int(n)) for s, n in h["seqs"]]
-        return cls(kind, frame_tag(f), int(h["layer"]), seqs, q, k, v)
+            k, v = tensors
+        return cls(kind, frame_tag(f), _field(h, "layer", int), _seqs(h), q, k, v)
 
 
 @dataclass(frozen=True)
@@ -121,9 +176,9 @@ class StoreKV:
 
     @classmethod
     def from_frame(cls, f: Frame) -> StoreKV:
-        h = f.header
-        k, v = f.tensors
-        return cls(str(h["seq_id"]), int(h["layer"]), int(h["num_layers"]), k, v)
+        h = _header(f)
+        k, v = _tensors(f, Kind.STORE_KV, 2)
+        return cls(_field(h, "seq_id", str), _field(h, "layer", int), _field(h, "num_layers", int), k, v)
 
 
 def result_frame(tag: Tag, out: torch.Tensor) -> Frame:
