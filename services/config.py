@@ -10,9 +10,12 @@ clear message naming the setting.
     namespace: lamina           # prefix of every Redis key
     transport: tcp              # tcp | ucx | shm (data plane)
     partition: request          # request | head (how KV is spread over attention workers)
-    cluster_token: null         # shared secret for data-plane connections
+    cluster_token: null         # shared secret every gRPC call and data-plane connection between services
+                                # must present; null: lamina up generates one, a service started alone
+                                # accepts everyone (and logs a warning). docs/security.md
     host: 127.0.0.1             # interface every service binds
-    gateway: {port: 8000, api_key: null, max_queue: 256, served_model_name: null}
+    gateway: {port: 8000, api_key: null, max_queue: 256, served_model_name: null,
+              insecure: false}   # insecure: serve without api_key on a host other than loopback
     scheduler: {max_batch_size: 32, max_queue: 256, policy: fcfs}   # policy: fcfs | fpf | relaxed_fpf
     prefill: {threads: 1, cache_block_tokens: 16, cache_device_bytes: 268435456,
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru}
@@ -52,6 +55,8 @@ class GatewaySection:
     api_key: str | None = None
     max_queue: int = 256
     served_model_name: str | None = None
+    # Without api_key the gateway listens only on a loopback host, unless this is set.
+    insecure: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,8 @@ class StackConfig:
     namespace: str = "lamina"
     transport: str = "tcp"
     partition: str = "request"
+    # Shared secret of the stack's services: gRPC calls carry it, data-plane handshakes
+    # prove it (services/auth.py, transports/handshake.py). None: not authenticated.
     cluster_token: str | None = None
     host: str = "127.0.0.1"
     gateway: GatewaySection = field(default_factory=GatewaySection)

@@ -10,7 +10,7 @@ from gateway.app import create_app, start_server
 from gateway.config import GatewayConfig
 from kvstore.metadata import MetadataConfig, MetadataStore, ServiceRegistration
 from model.loader import load_tokenizer, resolve_checkpoint
-from services.config import StackConfig
+from services.config import ConfigError, StackConfig
 from services.runtime import wait_for_services
 from services.scheduler_client import SchedulerBackend
 
@@ -22,7 +22,19 @@ def model_display_name(config: StackConfig) -> str:
     return source.stem if source.is_file() else source.name
 
 
+def gateway_config(config: StackConfig) -> GatewayConfig:
+    """The gateway's own configuration from the stack's; ConfigError names what is wrong
+    (among it: no api_key on a host other than loopback without gateway.insecure)."""
+    gw = config.gateway
+    try:
+        return GatewayConfig(host=config.host, port=gw.port, api_key=gw.api_key, insecure=gw.insecure,
+                             max_queue=gw.max_queue, served_model_name=gw.served_model_name)
+    except ValueError as exc:
+        raise ConfigError(f"configuration: {exc}") from None
+
+
 async def run_gateway(config: StackConfig, ready: asyncio.Event | None = None) -> None:
+    gcfg = gateway_config(config)  # before anything starts: a refused configuration stops here
     store = MetadataStore(MetadataConfig(url=config.redis_url or "", namespace=config.namespace))
     (scheduler,) = await wait_for_services(store, "scheduler", 1)
     async def scheduler_address() -> str | None:
@@ -33,8 +45,6 @@ async def run_gateway(config: StackConfig, ready: asyncio.Event | None = None) -
     await backend.start()
     tokenizer, model_cfg = load_tokenizer(config.model)
     gw = config.gateway
-    gcfg = GatewayConfig(host=config.host, port=gw.port, api_key=gw.api_key, max_queue=gw.max_queue,
-                         served_model_name=gw.served_model_name)
     app = create_app(gcfg, backend, tokenizer, model_display_name(config), model_cfg.max_position_embeddings,
                      vocab_size=model_cfg.vocab_size)
     # Handler cancellation: a client that disconnects while its request is queued or

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -56,7 +57,9 @@ class Stack:
         if not self.config.redis_url:
             self.redis = EmbeddedRedis().start()
             self.config = dataclasses.replace(self.config, redis_url=self.redis.url)
-        cfg_path = self._dir / "stack.yaml"
+        if self.config.cluster_token is None:  # every service authenticates its peers with it (docs/security.md)
+            self.config = dataclasses.replace(self.config, cluster_token=secrets.token_urlsafe(32))
+        cfg_path = self._dir / "stack.yaml"  # in a 0700 directory: it holds the token
         cfg_path.write_text(yaml.safe_dump(self.config.to_dict()))
         base = [sys.executable, "-m", "lamina.cli"]
         common = ["--config", str(cfg_path)]

@@ -19,6 +19,7 @@ import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.metadata import MetadataConfig, MetadataStore, ServiceRegistration
+from services.auth import server_interceptors
 from services.config import StackConfig
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,9 @@ class ServiceRuntime:
         self.stopping = asyncio.Event()
 
     async def start_grpc(self, add_servicers: Callable[[grpc.aio.Server], None]) -> str:
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # Every call but the health service's must carry the cluster token (services/auth.py).
+        server = grpc.aio.server(interceptors=server_interceptors(self.config.cluster_token, self.service_id),
+                                 options=[("grpc.so_reuseport", 0)])
         add_servicers(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         port = server.add_insecure_port(f"{self.config.host}:0")

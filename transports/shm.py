@@ -6,9 +6,13 @@ straight into the destination tensor, by the receiver. Frames larger than a ring
 streamed through it in chunks, so both copies overlap.
 
 The connection's unix-domain socket (abstract namespace, derived from ``name``) carries
-the handshake, passes the memfd, and then serves as the doorbell: a side that finds its
-ring empty (or full) sets its waiting flag, re-checks, and sleeps on the socket; the
-other side writes one byte when it sees the flag. The socket's reader stays registered
+the handshake, passes the memfd, and then serves as the doorbell. An abstract socket has
+no file, hence no file permissions: any process of the host's network namespace can
+connect, so each side reads its peer's uid (SO_PEERCRED) and refuses a peer that runs as
+another user, before the handshake. The token handshake then applies as on TCP.
+
+Doorbell: a side that finds its ring empty (or full) sets its waiting flag, re-checks,
+and sleeps on the socket; the other side writes one byte when it sees the flag. The socket's reader stays registered
 for the connection's life and reports a vanished peer (EOF) at once.
 
 A receiver first polls the ring's head counter for ``busy_poll_us`` without setting its
@@ -38,7 +42,7 @@ import struct
 
 from .base import Handler, SocketListener, StreamConnection, Transport, split_address, with_timeout
 from .config import TransportConfig
-from .errors import FrameError, PeerClosed, TransportError
+from .errors import AuthError, FrameError, PeerClosed, TransportError
 from .frame import PREAMBLE_SIZE, Frame, byte_view, decode_preamble, parse_frame
 from .handshake import client_handshake, server_handshake
 
@@ -52,6 +56,7 @@ _COALESCE = 4096  # frames up to this size are copied into the ring in one piece
 _WHOLE = 64 * 1024  # frames up to this size (and the ring's) are parsed in place
 _MAX_RING = 1 << 30
 _SETUP = struct.Struct("<Q")
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def socket_address(name: str) -> str:
@@ -361,6 +366,15 @@ async def _recv_fds(loop, sock: socket.socket) -> tuple[bytes, list[int]]:
                 loop.remove_reader(sock.fileno())
 
 
+def require_same_user(sock: socket.socket, peer: str) -> None:
+    """Refuse (AuthError) a connected peer that does not run as this process's user: it
+    would share this process's memory through the ring."""
+    _pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    if uid != os.geteuid():
+        raise AuthError(f"{peer} runs as uid {uid}, this process as uid {os.geteuid()}: "
+                        "shared-memory peers must be the same user")
+
+
 def _map(fd: int, ring_bytes: int) -> mmap.mmap:
     try:
         return mmap.mmap(fd, 2 * (_CTRL + ring_bytes))
@@ -390,6 +404,7 @@ class ShmListener(SocketListener):
         sock.setblocking(False)
         try:
             async def setup() -> ShmConnection:
+                require_same_user(sock, peer)
                 await server_handshake(lambda b: loop.sock_sendall(sock, b),
                                        lambda n: _recv_exact(loop, sock, n), self.config.auth_token)
                 msg, fds = await _recv_fds(loop, sock)
@@ -454,6 +469,7 @@ class ShmTransport(Transport):
             raise
 
         async def setup() -> ShmConnection:
+            require_same_user(sock, address)
             await client_handshake(lambda b: loop.sock_sendall(sock, b),
                                    lambda n: _recv_exact(loop, sock, n), config.auth_token)
             ring_bytes = config.shm_ring_bytes

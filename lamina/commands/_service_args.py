@@ -31,6 +31,25 @@ def stack_config(args: argparse.Namespace, **extra: object) -> StackConfig | Non
         return None
 
 
+def add_gateway_exposure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", default=None, help="require this bearer token on /v1/ requests")
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="serve the API without --api-key on a host other than loopback (gateway.insecure)")
+
+
+def gateway_refused(config: StackConfig) -> bool:
+    """Whether the gateway would refuse `config` (no API key on a host other than loopback,
+    without gateway.insecure); prints why. Checked before anything starts."""
+    from services.gateway_service import gateway_config
+
+    try:
+        gateway_config(config)
+    except ConfigError as exc:
+        print(f"lamina: {exc}", file=sys.stderr)
+        return True
+    return False
+
+
 def run_service(args: argparse.Namespace, module: str, **extra: object) -> int:
     """Validate the configuration, then run `module.serve(config[, threads])` until stopped."""
     import importlib

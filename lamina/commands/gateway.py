@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import argparse
 
-from lamina.commands._service_args import add_common, run_service
+from lamina.commands._service_args import add_common, add_gateway_exposure, gateway_refused, stack_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common(p)
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: gateway.port, 8000)")
-    p.add_argument("--api-key", default=None, help="require this bearer token on /v1/ requests")
+    add_gateway_exposure(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_service(args, "services.gateway_service", **{"gateway.port": args.port, "gateway.api_key": args.api_key})
+    config = stack_config(args, **{"gateway.port": args.port, "gateway.api_key": args.api_key,
+                                   "gateway.insecure": args.insecure})
+    if config is None or gateway_refused(config):
+        return 2
+    from services.gateway_service import serve
+
+    serve(config)
+    return 0
