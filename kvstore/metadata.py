@@ -22,6 +22,8 @@ Key layout (NS = MetadataConfig.namespace, default "lamina"):
                                     owner (the scheduler's id)
   NS:jrn:RID:out            list    its generated token ids, appended in batches
   NS:jrns                   set     request ids that have a journal entry
+  NS:restarts               hash    service id -> how many times its launcher restarted
+                                    it (services.launcher.Stack, reset when a stack starts)
   NS:events                 channel pub/sub: JSON {"type": ..., ...} for every change
 
 Event types: service_registered, service_deregistered, blocks_stored, blocks_removed,
@@ -229,6 +231,19 @@ class MetadataStore:
         if not row:
             return None
         return ServiceInfo(kind, service_id, row["endpoint"], float(row["started_at"]), json.loads(row["meta"]))
+
+    # ---- restarts of service processes (counted by their launcher) ----
+
+    async def count_restart(self, service_id: str) -> int:
+        """One more restart of `service_id`; returns its count so far."""
+        return int(await self.redis.hincrby(f"{self.ns}:restarts", service_id, 1))
+
+    async def restart_counts(self) -> dict[str, int]:
+        """service id -> restarts, for the services restarted at least once."""
+        return {k: int(v) for k, v in (await self.redis.hgetall(f"{self.ns}:restarts")).items()}
+
+    async def reset_restart_counts(self) -> None:
+        await self.redis.delete(f"{self.ns}:restarts")
 
     # ---- prefix blocks ----
 

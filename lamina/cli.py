@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("lamina.commands.generate", "generate text with the local engine"),
     "up": ("lamina.commands.up", "start the whole stack: Redis, every service, the OpenAI API"),
+    "status": ("lamina.commands.status", "every service of a running cluster, KV occupancy, requests"),
     "gateway": ("lamina.commands.gateway", "the OpenAI-compatible HTTP/SSE gateway"),
     "scheduler": ("lamina.commands.scheduler", "the scheduler (continuous batching, KV placement)"),
     "prefill": ("lamina.commands.prefill", "a prefill worker"),
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # prints the usage error and exits
         return 2
     name = argv[0]
-    if name != "generate":
+    if name not in ("generate", "status"):  # the commands that are not services
         from lamina.lifetime import die_with_parent
 
         die_with_parent()  # a service started by a launcher ends with it

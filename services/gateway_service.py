@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import socket
 
 from gateway.app import create_app, start_server
 from gateway.config import GatewayConfig
@@ -51,7 +53,8 @@ async def run_gateway(config: StackConfig, ready: asyncio.Event | None = None) -
     # prefilling is noticed at once, not at the next token.
     runner, port = await start_server(app, config.host, gw.port)
     endpoint = f"http://{config.host}:{port}"
-    registration = ServiceRegistration(store, "gateway", "gateway-0", endpoint, {"port": port})
+    registration = ServiceRegistration(store, "gateway", "gateway-0", endpoint,
+                                       {"port": port, "pid": os.getpid(), "host": socket.gethostname()})
     await registration.start()
     log.info("gateway serving the OpenAI API at %s/v1", endpoint)
     stopping = asyncio.Event()

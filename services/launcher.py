@@ -5,10 +5,17 @@ every service process. Start order: Redis, attention workers, model and
 prefill workers, scheduler, gateway; each service finds the ones it needs
 through the metadata store. Stop order is the reverse, gateway first, so no
 request arrives at a service that is already gone.
+
+Supervision (`supervise=True`, what `lamina up` uses): once the stack is healthy, a
+thread owned by the Stack restarts a service process that exits, with the same argv,
+after the delay `services.supervision.decide` returns; it gives up on a service that
+keeps crashing and sets `given_up`, and then restarts nothing more. `stop()` ends
+supervision before it stops any process, so a stop never races with a restart.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -18,33 +25,60 @@ import subprocess
 import sys
 import tempfile
 import time
+import threading
 import urllib.request
 from pathlib import Path
 
 import yaml
 
+from kvstore.metadata import REDIS_ERRORS, MetadataConfig, MetadataStore
 from kvstore.redis_server import EmbeddedRedis
 from lamina.lifetime import child_env
 from model.loader import resolve_checkpoint
+from services import local_stacks
 from services.config import StackConfig
+from services.supervision import GiveUp, RestartPolicy, Run, decide, describe_exit
 
 log = logging.getLogger(__name__)
 
 
+# How often the supervisor looks for exited processes. Popen offers no wait on "any of
+# these children"; polling a handful of processes twice a second costs nothing.
+SUPERVISE_POLL_S = 0.5
+
+
 @dataclasses.dataclass
 class ServiceProcess:
-    name: str
+    name: str  # its log file's name (attention-0, prefill, ...)
     argv: list[str]
     proc: subprocess.Popen | None = None
+    service_id: str = ""  # its id in the metadata store (attention-0, prefill-0, ...)
+    started_at: float = 0.0  # time.monotonic() when the current process started
+    runs: list[Run] = dataclasses.field(default_factory=list)  # its processes that exited, oldest first
+
+
+@dataclasses.dataclass(frozen=True)
+class GivenUp:
+    process: ServiceProcess
+    reason: str  # how it last exited and why the policy gave up
 
 
 class Stack:
-    def __init__(self, config: StackConfig, log_dir: Path | None = None) -> None:
+    def __init__(self, config: StackConfig, log_dir: Path | None = None, supervise: bool = False,
+                 restart_policy: RestartPolicy = RestartPolicy()) -> None:
         self.config = config
         self.redis: EmbeddedRedis | None = None
         self.processes: list[ServiceProcess] = []
         self._dir = Path(tempfile.mkdtemp(prefix="lamina-stack-"))
         self.log_dir = log_dir or self._dir
+        self.supervise = supervise
+        self.restart_policy = restart_policy
+        self.given_up: GivenUp | None = None  # set by the supervisor when it gives up on a service
+        self._env: dict[str, str] = {}
+        self._supervisor: threading.Thread | None = None
+        self._stop_supervising = threading.Event()
+        self._supervisor_idle = threading.Event()  # set when it will start no more processes
+        self._supervisor_release = threading.Event()  # set by stop() once every process is stopped
 
     @property
     def base_url(self) -> str:
@@ -63,22 +97,32 @@ class Stack:
         cfg_path.write_text(yaml.safe_dump(self.config.to_dict()))
         base = [sys.executable, "-m", "lamina.cli"]
         common = ["--config", str(cfg_path)]
-        names = [(f"attention-{i}", ["attention", "--index", str(i)]) for i in range(self.config.attention.workers)]
-        names += [(f"model-{i}", ["model", "--index", str(i)]) for i in range(self.config.model_worker.workers)]
-        names += [("prefill", ["prefill"]), ("scheduler", ["scheduler"]), ("gateway", ["gateway"])]
-        env = child_env({**os.environ, "PYTHONUNBUFFERED": "1"})  # the services end with this process
+        names = [(f"attention-{i}", f"attention-{i}", ["attention", "--index", str(i)])
+                 for i in range(self.config.attention.workers)]
+        names += [(f"model-{i}", f"model-{i}", ["model", "--index", str(i)])
+                  for i in range(self.config.model_worker.workers)]
+        names += [(name, f"{name}-0", [name]) for name in ("prefill", "scheduler", "gateway")]
+        self._env = child_env({**os.environ, "PYTHONUNBUFFERED": "1"})  # the services end with this process
         try:
-            for name, argv in names:
-                sp = ServiceProcess(name, base + argv + common)
-                logf = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (owned by the child)
-                sp.proc = subprocess.Popen(sp.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                           start_new_session=True)
-                logf.close()
+            for name, service_id, argv in names:
+                sp = ServiceProcess(name, base + argv + common, service_id=service_id)
+                self._spawn(sp, log_mode="wb")
                 self.processes.append(sp)
             self._wait_healthy(timeout_s)
+            local_stacks.publish(self.config.gateway.port, cfg_path)  # `lamina status --port` finds it
+            if self.supervise:
+                self._supervisor = threading.Thread(target=self._supervise, name="lamina-supervisor", daemon=True)
+                self._supervisor.start()
         except BaseException:
             self.stop()
             raise
+
+    def _spawn(self, sp: ServiceProcess, log_mode: str) -> None:
+        logf = open(self.log_dir / f"{sp.name}.log", log_mode)  # noqa: SIM115 (owned by the child)
+        sp.proc = subprocess.Popen(sp.argv, stdout=logf, stderr=subprocess.STDOUT, env=self._env,
+                                   start_new_session=True)
+        sp.started_at = time.monotonic()
+        logf.close()
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -108,8 +152,67 @@ class Stack:
             return "(no log)"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
+    # ---- supervision (its own thread) ----
+
+    def _supervise(self) -> None:
+        """Restart exited services until stop() or a give-up. The processes this thread
+        starts get SIGTERM when it ends (PR_SET_PDEATHSIG follows the thread that forked,
+        lamina/lifetime.py), so it ends only after stop() has stopped them."""
+        try:
+            self._count_restart(None)  # a stack starts at zero restarts (an external Redis may hold old counts)
+            due: dict[str, float] = {}  # name -> when its restart is due (monotonic)
+            while not self._stop_supervising.wait(SUPERVISE_POLL_S):
+                now = time.monotonic()
+                for sp in self.processes:
+                    if sp.name in due:
+                        if now >= due[sp.name]:
+                            del due[sp.name]
+                            self._restart(sp)
+                        continue
+                    code = sp.proc.poll() if sp.proc is not None else None
+                    if code is None:
+                        continue
+                    sp.runs.append(Run(sp.started_at, now))
+                    decision = decide(self.restart_policy, sp.runs, now)
+                    if isinstance(decision, GiveUp):
+                        log.error("%s exited with %s; giving up on it (%s)", sp.name, describe_exit(code),
+                                  decision.reason)
+                        self.given_up = GivenUp(sp, f"{describe_exit(code)}; {decision.reason}")
+                        return
+                    log.warning("%s exited with %s; restart %d in %.1f s", sp.name, describe_exit(code),
+                                len(sp.runs), decision.delay_s)
+                    due[sp.name] = now + decision.delay_s
+        except Exception:
+            log.exception("supervision failed; no service will be restarted")
+        finally:
+            self._supervisor_idle.set()
+            self._supervisor_release.wait()
+
+    def _restart(self, sp: ServiceProcess) -> None:
+        with open(self.log_dir / f"{sp.name}.log", "ab") as logf:
+            logf.write(f"--- lamina: restart {len(sp.runs)} of {sp.name} ---\n".encode())
+        self._spawn(sp, log_mode="ab")
+        self._count_restart(sp.service_id)
+
+    def _count_restart(self, service_id: str | None) -> None:
+        """Count one restart of `service_id` in the metadata store (None: reset every count)."""
+        async def update() -> None:
+            async with MetadataStore(MetadataConfig(url=self.config.redis_url, namespace=self.config.namespace)) as s:
+                await (s.reset_restart_counts() if service_id is None else s.count_restart(service_id))
+
+        try:
+            asyncio.run(update())
+        except REDIS_ERRORS as exc:  # the restart itself matters more than its count
+            log.warning("could not update the restart count of %s: %s", service_id or "every service", exc)
+
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM each service, gateway first; SIGKILL what has not exited in time."""
+        """End supervision, then SIGTERM each service, gateway first; SIGKILL what has not
+        exited in time."""
+        supervisor, self._supervisor = self._supervisor, None
+        if supervisor is not None:
+            self._stop_supervising.set()
+            self._supervisor_idle.wait()  # a restart under way finishes; none starts after it
+        local_stacks.withdraw(self.config.gateway.port)
         for sp in reversed(self.processes):
             if sp.proc is not None and sp.proc.poll() is None:
                 sp.proc.send_signal(signal.SIGTERM)
@@ -120,6 +223,9 @@ class Stack:
                     sp.proc.kill()
                     sp.proc.wait()
         self.processes.clear()
+        if supervisor is not None:
+            self._supervisor_release.set()
+            supervisor.join()
         if self.redis is not None:
             self.redis.close()  # stops it and removes its directory
             self.redis = None

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 from collections.abc import Callable
 
 import grpc
@@ -62,7 +64,9 @@ class ServiceRuntime:
 
     async def register(self, endpoint: str, meta: dict | None = None) -> None:
         meta = dict(meta or {})
-        meta.update({"grpc": self.grpc_address, "metrics_port": self.metrics_port})
+        # pid and host: which process to look at (`lamina status`); a pid means something only on its host.
+        meta.update({"grpc": self.grpc_address, "metrics_port": self.metrics_port, "pid": os.getpid(),
+                     "host": socket.gethostname()})
         self._registration = ServiceRegistration(self.store, self.kind, self.service_id, endpoint, meta)
         await self._registration.start()
         await self._set_serving(True)

@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=None, choices=("float32", "q8_0", "q4", "as_file"),
                    help="how model and prefill workers hold the linears (default as_file; docs/model.md)")
     add_gateway_exposure(p)
+    p.add_argument("--supervise", action=argparse.BooleanOptionalAction, default=True,
+                   help="restart a service process that exits, with backoff (default on; with --no-supervise "
+                        "any exit stops the stack)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,8 +36,9 @@ def run(args: argparse.Namespace) -> int:
     if config is None or gateway_refused(config):
         return 2
     from services.launcher import Stack
+    from services.supervision import describe_exit
 
-    stack = Stack(config)
+    stack = Stack(config, supervise=args.supervise)
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
@@ -50,9 +54,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"Lamina is serving the OpenAI API at {stack.base_url}/v1 (Ctrl-C to stop)", flush=True)
     try:
         while not stopping.wait(1.0):
-            dead = stack.dead_process()
+            # Supervised, a process that exits is restarted; the stack stops only when the
+            # supervisor gives up on one (it keeps crashing).
+            if stack.given_up is not None:
+                name = stack.given_up.process.name
+                print(f"lamina up: {name} keeps exiting ({stack.given_up.reason}); stopping.\n"
+                      f"{stack.log_tail(name)}", file=sys.stderr)
+                return 1
+            dead = None if args.supervise else stack.dead_process()
             if dead is not None:
-                print(f"lamina up: {dead.name} exited ({dead.proc.returncode}); stopping.\n"
+                print(f"lamina up: {dead.name} exited ({describe_exit(dead.proc.returncode)}); stopping.\n"
                       f"{stack.log_tail(dead.name)}", file=sys.stderr)
                 return 1
     finally:

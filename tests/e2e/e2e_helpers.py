@@ -21,7 +21,7 @@ def free_port() -> int:
 
 def start_stack(transport: str = "tcp", partition: str = "request", workers: int = 2, micro_batches: int = 2,
                 q_early: bool = False, model_workers: int = 1, weights: str = StackConfig.weights,
-                deadlines: DeadlinesSection | None = None, **kw) -> Stack:
+                deadlines: DeadlinesSection | None = None, supervise: bool = False, **kw) -> Stack:
     config = StackConfig(transport=transport, partition=partition, weights=weights,
                          deadlines=deadlines or DeadlinesSection(),
                          gateway=GatewaySection(port=free_port(), **kw),
@@ -29,7 +29,7 @@ def start_stack(transport: str = "tcp", partition: str = "request", workers: int
                          model_worker=ModelWorkerSection(workers=model_workers),
                          # min_micro_batch 1: the few requests of a test still fill every micro-batch.
                          pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1))
-    stack = Stack(config)
+    stack = Stack(config, supervise=supervise)
     stack.start(timeout_s=240)
     return stack
 

@@ -1,0 +1,138 @@
+"""What `lamina status` shows: every service of a cluster as its metadata store and its
+own health check see it, the attention workers' KV occupancy and the scheduler's queue.
+
+Read-only: it lists registrations and asks each service over gRPC (or the gateway over
+HTTP); it changes nothing. Every question has the deadline `deadlines.health_s`, so a
+stopped (SIGSTOP) or unreachable service costs one deadline, asked concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.metadata import MetadataConfig, MetadataStore, ServiceInfo
+from services.channels import open_channel
+from services.config import StackConfig
+from services.protos import lamina_pb2, lamina_pb2_grpc
+
+KINDS = ("attention", "model", "prefill", "scheduler", "gateway")  # the order the launcher starts them
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    kind: str
+    name: str  # its service id (attention-0, prefill-0, ...)
+    index: int | None
+    pid: int | None  # None: not registered (it exited and was not, or not yet, restarted)
+    host: str | None
+    endpoint: str | None
+    healthy: bool  # registered, and its health check answers SERVING (the gateway: /health 200)
+    restarts: int  # times its launcher restarted it (metadata store, NS:restarts)
+
+
+@dataclass(frozen=True)
+class AttentionOccupancy:
+    name: str
+    num_sequences: int | None = None
+    num_tokens: int | None = None
+    capacity_tokens: int | None = None
+    used_bytes: int | None = None
+    capacity_bytes: int | None = None
+    occupancy: float | None = None
+    fragmentation: float | None = None
+    error: str | None = None  # why the numbers are missing
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    services: list[ServiceStatus]
+    attention: list[AttentionOccupancy]
+    running: int | None  # None: the scheduler did not answer
+    waiting: int | None
+
+    def to_dict(self) -> dict:
+        return {"services": [dataclasses.asdict(s) for s in self.services],
+                "attention": [dataclasses.asdict(a) for a in self.attention],
+                "requests": {"running": self.running, "waiting": self.waiting}}
+
+
+async def read_status(config: StackConfig) -> ClusterStatus:
+    """The cluster's status; redis errors propagate (there is no cluster to show)."""
+    async with MetadataStore(MetadataConfig(url=config.redis_url or "", namespace=config.namespace)) as store:
+        infos = [info for kind in KINDS for info in await store.list_services(kind)]
+        restarts = await store.restart_counts()
+    deadline = config.deadlines.health_s
+    token = config.cluster_token
+    healthy = await asyncio.gather(*(_is_healthy(info, token, deadline) for info in infos))
+    services = [ServiceStatus(info.kind, info.service_id, _index(info.service_id, info.meta), info.meta.get("pid"),
+                              info.meta.get("host"), info.endpoint, ok, restarts.get(info.service_id, 0))
+                for info, ok in zip(infos, healthy)]
+    # A restarted service that is not registered (again) is down: show it too.
+    registered = {info.service_id for info in infos}
+    for service_id in sorted(set(restarts) - registered):
+        kind = service_id.rsplit("-", 1)[0]
+        services.append(ServiceStatus(kind, service_id, _index(service_id, {}), None, None, None, False,
+                                      restarts[service_id]))
+    services.sort(key=lambda s: (KINDS.index(s.kind) if s.kind in KINDS else len(KINDS), s.index or 0, s.name))
+    attention = await asyncio.gather(*(_attention_occupancy(info, token, deadline)
+                                       for info in infos if info.kind == "attention"))
+    schedulers = [info for info in infos if info.kind == "scheduler"]
+    running, waiting = await _requests(schedulers[0], token, deadline) if schedulers else (None, None)
+    return ClusterStatus(services, list(attention), running, waiting)
+
+
+def _index(service_id: str, meta: dict) -> int | None:
+    if isinstance(meta.get("index"), int):
+        return meta["index"]
+    suffix = service_id.rsplit("-", 1)[-1]
+    return int(suffix) if suffix.isdigit() else None
+
+
+async def _is_healthy(info: ServiceInfo, token: str | None, deadline_s: float) -> bool:
+    if info.kind == "gateway":  # HTTP only: its /health answers 200 while it serves
+        return await _http_ok(info.endpoint + "/health", deadline_s)
+    address = info.meta.get("grpc")
+    if not address:
+        return False
+    async with open_channel(address, token) as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                    timeout=deadline_s)
+        except grpc.aio.AioRpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def _http_ok(url: str, deadline_s: float) -> bool:
+    import aiohttp  # the gateway's own dependency; only the gateway is asked over HTTP
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=deadline_s)) as session:
+            async with session.get(url) as response:
+                return response.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
+
+
+async def _attention_occupancy(info: ServiceInfo, token: str | None, deadline_s: float) -> AttentionOccupancy:
+    async with open_channel(info.meta.get("grpc", ""), token) as channel:
+        try:
+            s = await lamina_pb2_grpc.AttentionControlStub(channel).Stats(lamina_pb2.Empty(), timeout=deadline_s)
+        except grpc.aio.AioRpcError as exc:
+            return AttentionOccupancy(info.service_id, error=f"{exc.code().name}: {exc.details()}")
+    return AttentionOccupancy(info.service_id, s.num_sequences, s.num_tokens, s.capacity_tokens, s.used_bytes,
+                              s.capacity_bytes, s.occupancy, s.fragmentation)
+
+
+async def _requests(scheduler: ServiceInfo, token: str | None, deadline_s: float) -> tuple[int | None, int | None]:
+    async with open_channel(scheduler.meta.get("grpc") or scheduler.endpoint, token) as channel:
+        try:
+            s = await lamina_pb2_grpc.SchedulerStub(channel).Stats(lamina_pb2.Empty(), timeout=deadline_s)
+        except grpc.aio.AioRpcError:
+            return None, None
+    return s.num_running, s.num_waiting
