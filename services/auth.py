@@ -44,7 +44,8 @@ def server_interceptors(token: str | None, service: str) -> list[grpc.aio.Server
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call outside OPEN_SERVICES whose metadata lacks the token.
 
-    Per call, not per message: a refused streaming call ends before it reads a request."""
+    Per call, not per message: a refused call that streams requests ends without waiting
+    for the first one (the refusal has the refused method's kind)."""
 
     def __init__(self, token: str) -> None:
         if not token:

@@ -25,9 +25,11 @@ MAX_TOKENS = 48
 VICTIM_TOKENS = 160  # long enough to be still decoding while the test calls Free
 
 
-@pytest.fixture(scope="module")
-def stack():
-    stack = start_stack(workers=1)
+@pytest.fixture(scope="module", params=["tcp", "shm"])
+def stack(request):
+    """One stack per data-plane transport: shm's socket has its own check (same user) before
+    the token handshake."""
+    stack = start_stack(transport=request.param, workers=1)
     try:
         yield stack
     finally:
