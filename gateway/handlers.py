@@ -15,7 +15,8 @@ import uuid
 from typing import Any, Literal
 
 import jinja2
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.backend import BackendError, QueueFullError
 from gateway.generation import Generation
@@ -49,6 +50,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         prompt_ids = state.tokenizer.encode_chat(list(req.messages))
     except (jinja2.TemplateError, ValueError) as exc:
         raise invalid(f"The messages could not be rendered with the model's chat template: {exc}", "messages")
+    check_token_ids(req.sampling.stop_token_ids, state.vocab_size, "stop_token_ids")
     sampling = resolve_sampling(req.sampling, len(prompt_ids), state.context_length,
                                 state.config.default_max_tokens, "messages")
     return await _generate(request, state, "chat", prompt_ids, sampling, req.stream, req.include_usage, arrived,
@@ -67,6 +69,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     else:
         check_token_ids(req.prompt, state.vocab_size)
         prompt_ids = list(req.prompt)
+    check_token_ids(req.sampling.stop_token_ids, state.vocab_size, "stop_token_ids")
     default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, state.config.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
     sampling = resolve_sampling(req.sampling, len(prompt_ids), state.context_length, default, "prompt")
     return await _generate(request, state, "completion", prompt_ids, sampling, req.stream, req.include_usage,
@@ -100,11 +103,34 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _read_json(request: web.Request) -> Any:
-    raw = await request.read()
+    """The request's JSON body; every way it can be unreadable is the client's 4xx."""
+    if request.headers.get(hdrs.CONTENT_TYPE) is not None and not _is_json(request.content_type):
+        raise ApiError(415, f"Unsupported Content-Type '{request.content_type}': send the request body as "
+                            f"application/json.", code="unsupported_media_type")
+    limit = request.app[STATE_KEY].config.max_request_bytes
+    if request.content_length is not None and request.content_length > limit:
+        # Refused before reading: the client may be about to send all of it.
+        raise ApiError(413, "Request Entity Too Large", code="request_too_large")
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise invalid(f"We could not parse the JSON body of your request: {exc}.", code="invalid_json")
+        raw = await request.read()
+    except RequestPayloadError as exc:  # a body that does not decompress, or broken chunked framing
+        detail = getattr(exc.__cause__, "message", None) or "its framing or encoding is broken"
+        raise invalid(f"We could not read the body of your request: {detail}.", code="invalid_body") from None
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise invalid("We could not parse the JSON body of your request: it is nested too deeply.",
+                      code="invalid_json") from None
+    except ValueError as exc:  # malformed JSON, invalid UTF-8, an integer too long to convert
+        raise invalid(f"We could not parse the JSON body of your request: {exc}.", code="invalid_json") from None
+
+
+def _is_json(content_type: str) -> bool:
+    return content_type == "application/json" or content_type.endswith("+json")
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def _check_model(state: GatewayState, model: str) -> None:

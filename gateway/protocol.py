@@ -20,6 +20,8 @@ from lamina.engine.sampling import SamplingParams  # noqa: F401 (re-exported)
 
 # Per request; bounds the cost of stop-string matching on every token.
 MAX_STOP_STRINGS = 16
+# Larger top_k values keep every token, as 0 does; the bound keeps them in the wire's 32 bits.
+MAX_TOP_K = (1 << 31) - 1
 # Returned when the backend has no explicit `max_tokens` from a completions request (OpenAI's default).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -160,7 +162,7 @@ def _type_name(value: Any) -> str:
     if isinstance(value, int):
         return "an integer"
     if isinstance(value, float):
-        return "a number"
+        return "a number" if math.isfinite(value) else "a number that is not finite"
     if isinstance(value, str):
         return "a string"
     if isinstance(value, list):
@@ -184,7 +186,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    # (an int is finite however large, and too large for math.isfinite)
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -208,7 +211,7 @@ def _get_number(body: dict[str, Any], name: str, default: float, lo: float, hi: 
     return float(value)
 
 
-def _get_int(body: dict[str, Any], name: str, minimum: int | None = None) -> int | None:
+def _get_int(body: dict[str, Any], name: str, minimum: int | None = None, maximum: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -216,7 +219,27 @@ def _get_int(body: dict[str, Any], name: str, minimum: int | None = None) -> int
         raise _wrong_type(name, "an integer", value)
     if minimum is not None and value < minimum:
         raise _bad_value(name, f"must be at least {minimum}, got {value}.")
+    if maximum is not None and value > maximum:
+        raise _bad_value(name, f"must be at most {maximum}, got {value}.")
     return value
+
+
+def _get_seed(body: dict[str, Any]) -> int | None:
+    """A 64-bit seed, signed or not; negative ones are taken modulo 2**64 (the same samples
+    wherever the seed is used: every use reduces it modulo 2**63)."""
+    seed = _get_int(body, "seed", minimum=-(1 << 63), maximum=(1 << 64) - 1)
+    return None if seed is None else seed % (1 << 64)
+
+
+def _check_text(text: str, param: str) -> str:
+    """`text`, if it is valid Unicode: JSON's \\u escapes can spell an unpaired surrogate,
+    which no tokenizer (or UTF-8) takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _bad_value(param, f"the text holds an unpaired surrogate (\\u{ord(text[exc.start]):04x} at "
+                                f"position {exc.start}).") from None
+    return text
 
 
 def _check_fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
@@ -271,6 +294,7 @@ def _parse_stop(body: dict[str, Any]) -> tuple[str, ...]:
             raise _wrong_type(f"stop[{i}]", "a string", s)
         if not s:
             raise _bad_value(f"stop[{i}]", "stop strings must not be empty.")
+        _check_text(s, f"stop[{i}]")
     return tuple(dict.fromkeys(value))
 
 
@@ -284,7 +308,7 @@ def _parse_sampling(body: dict[str, Any], max_tokens_fields: tuple[str, ...]) ->
         value = _get_int(body, name, minimum=1)
         if value is not None:
             max_tokens, max_tokens_param = value, name
-    top_k = _get_int(body, "top_k", minimum=-1)
+    top_k = _get_int(body, "top_k", minimum=-1, maximum=MAX_TOP_K)
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is None:
         stop_token_ids = []
@@ -301,7 +325,7 @@ def _parse_sampling(body: dict[str, Any], max_tokens_fields: tuple[str, ...]) ->
         temperature=_get_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_get_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=0 if top_k is None or top_k == -1 else top_k,  # -1 and 0: no top-k (vLLM's convention)
-        seed=_get_int(body, "seed"),
+        seed=_get_seed(body),
         stop=_parse_stop(body),
         stop_token_ids=tuple(stop_token_ids),
         ignore_eos=_get_bool(body, "ignore_eos", False),
@@ -316,7 +340,7 @@ def _require_object(body: Any) -> dict[str, Any]:
 
 def _parse_content(content: Any, param: str, role: str) -> str:
     if isinstance(content, str):
-        return content
+        return _check_text(content, param)
     if content is None and role == "assistant":
         return ""
     if isinstance(content, list):
@@ -329,7 +353,7 @@ def _parse_content(content: Any, param: str, role: str) -> str:
             text = part.get("text")
             if not isinstance(text, str):
                 raise _wrong_type(f"{param}[{i}].text", "a string", text)
-            texts.append(text)
+            texts.append(_check_text(text, f"{param}[{i}].text"))
         return "".join(texts)
     raise _wrong_type(param, "a string or an array of content parts", content)
 
@@ -386,7 +410,7 @@ def _parse_prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
             raise _bad_value("prompt", "the prompt must not be empty.")
-        return prompt
+        return _check_text(prompt, "prompt")
     if isinstance(prompt, list):
         if not prompt:
             raise _bad_value("prompt", "the prompt must not be empty.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import aiohttp
+import pytest
 
 from gateway.config import GatewayConfig
 from gateway_helpers import MODEL, serve
@@ -101,3 +102,33 @@ async def test_metrics(tokenizer, make_backend):
     assert "lamina_gateway_requests_in_flight 0.0" in lines
     assert "lamina_backend_requests_waiting 2.0" in lines
     assert "lamina_backend_requests_running 0.0" in lines
+
+
+@pytest.mark.parametrize("body, headers, status, code", [
+    (b'{"model": "m", "prompt": ' + b"[" * 50000 + b"]" * 50000 + b"}", {}, 400, "invalid_json"),  # nesting
+    (b'{"model": "m", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", {}, 400, "invalid_json"),  # int digits
+    (b'{"model": "m", "prompt": "x", "temperature": NaN}', {}, 400, "invalid_json"),
+    (b'{"model": "m", "prompt": "x", "top_p": ' + b"1" + b"0" * 400 + b"}", {}, 400, "invalid_value"),
+    (b'{"model": "m", "prompt": "x\\ud800"}', {}, 400, "invalid_value"),  # unpaired surrogate
+    (b'{"model": "m", "prompt": "x"}', {"Content-Type": "text/plain"}, 415, "unsupported_media_type"),
+    (b"not gzip", {"Content-Encoding": "gzip"}, 400, "invalid_body"),
+    (b'{"model": "m", "prompt": "x", "seed": -1, "top_k": 4294967296}', {}, 400, "invalid_value"),
+    (b'{"model": "m", "prompt": "x", "seed": 18446744073709551616}', {}, 400, "invalid_value"),
+    (b'{"model": "m", "prompt": "x", "stop_token_ids": [4294967296]}', {}, 400, "invalid_value"),
+])
+async def test_bodies_python_cannot_take_are_4xx_not_500(tokenizer, make_backend, body, headers, status, code):
+    async with serve(make_backend(), tokenizer) as srv:
+        got, reply = await post(srv.url + "/v1/completions", body.replace(b'"m"', f'"{MODEL}"'.encode()), headers)
+    assert (got, reply["error"]["code"]) == (status, code), reply
+
+
+async def test_a_declared_length_over_the_limit_is_refused_before_the_body(tokenizer, make_backend):
+    import asyncio
+
+    async with serve(make_backend(), tokenizer, GatewayConfig(port=0, max_request_bytes=4096)) as srv:
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(srv.url.rsplit(":", 1)[1]))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 99999999999\r\n\r\n{")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)  # no more of the body was sent
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 413 ")
