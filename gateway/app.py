@@ -125,7 +125,7 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
             raise
         headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        error = ApiError(exc.status, exc.reason, type=kind)
+        error = ApiError(exc.status, exc.reason, type=kind, code="request_too_large" if exc.status == 413 else None)
         return web.json_response(error.body(), status=exc.status, headers=headers)
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
