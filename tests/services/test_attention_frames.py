@@ -131,7 +131,7 @@ def test_hostile_frames_get_an_error_and_change_nothing(service):
 
 def test_a_failed_q_early_half_appends_nothing(service):
     torch.manual_seed(1)
-    _store(service, "a", 4)
+    kv = _store(service, "a", 4)
     _store(service, "c", 2)
     held: dict = {}
     q, k, v = torch.randn(1, HQ, D), torch.randn(1, HKV, D), torch.randn(1, HKV, D)
@@ -148,6 +148,13 @@ def test_a_failed_q_early_half_appends_nothing(service):
     reply = service._handle(_attend(0, [("a", 1)], None, k, v, Kind.ATTEND_KV, tag), held)
     assert reply.header["code"] == "bad_request" and not held
     _assert_same(before, _snapshot(service))
+    # The same step sent right: the two halves give plain attention's output.
+    assert service._handle(_attend(0, [("a", 1)], q, None, None, Kind.ATTEND_Q, tag), held) is None
+    reply = service._handle(_attend(0, [("a", 1)], None, k, v, Kind.ATTEND_KV, tag), held)
+    assert reply.kind == Kind.RESULT and not held
+    ref, _ = batched_attention(q, [1], [torch.cat([kv[0][0], k])], [torch.cat([kv[0][1], v])])
+    torch.testing.assert_close(reply.tensors[0], ref, atol=1e-5, rtol=1e-4)
+    before = _snapshot(service)
     # Too many halves waiting on one connection: refused at once.
     for i in range(64):
         assert service._handle(_attend(0, [("a", 1)], q, None, None, Kind.ATTEND_Q, (9, i, 0)), held) is None
