@@ -333,7 +333,8 @@ class MetadataStore:
         """Apply one batch of journal changes in one transaction: requests that started,
         tokens generated since the last batch, requests that ended."""
         async with self.redis.pipeline(transaction=True) as p:
-            for e in started:
+            for e in started:  # whole entries: tokens of the same batch follow
+                p.delete(f"{self._jrn_key(e.request_id)}:out")
                 p.hset(self._jrn_key(e.request_id), mapping={
                     "prompt": json.dumps(e.prompt_ids), "params": e.params, "owner": e.owner})
                 p.sadd(f"{self.ns}:jrns", e.request_id)

@@ -24,7 +24,7 @@ clear message naming the setting.
     attention: {workers: 2, threads: 1, kv_capacity_bytes: 1073741824}
     data_plane: {busy_poll_us: null, checksum_payloads: false, shm_ring_bytes: 16777216,
                  ucx_progress_mode: blocking, ucx_tls: null}   # see docs/transports.md
-    deadlines: {reply_s: 10, rpc_s: 30, health_s: 2, recovery_s: 120}   # every wait on a peer (docs/reliability.md)
+    deadlines: {reply_s: 10, rpc_s: 30, step_s: 30, health_s: 2, recovery_s: 120}   # every wait on a peer (docs/reliability.md)
 """
 
 from __future__ import annotations
@@ -124,6 +124,7 @@ class DeadlinesSection:
 
     reply_s: float = 10.0  # an attention worker's reply to one layer, or its acknowledgement of prompt KV
     rpc_s: float = 30.0  # a unary gRPC call between services (Free, Stats, a prefill's whole forward)
+    step_s: float = 30.0  # a model worker holding sequences that sends no step result for this long is lost
     health_s: float = 2.0  # a liveness probe of a peer during recovery
     recovery_s: float = 120.0  # a request waiting for its workers to be back before it ends with an error
 

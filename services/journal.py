@@ -52,6 +52,13 @@ class Journal:
             request_id, list(prompt_ids), base64.b64encode(params.SerializeToString()).decode(), self._owner)
         self._wake.set()
 
+    def restore(self, request_id: str, prompt_ids: list[int], params: lamina_pb2.SamplingParams,
+                output_ids: list[int]) -> None:
+        """Write a running request's whole entry again (the store lost it: a restarted Redis)."""
+        self._ended.discard(request_id)
+        self.started(request_id, prompt_ids, params)
+        self._tokens[request_id] = list(output_ids)
+
     def generated(self, request_id: str, token_id: int) -> None:
         self._tokens[request_id].append(token_id)
         self._wake.set()

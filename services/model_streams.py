@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -38,6 +39,9 @@ class ModelStream:
         self._reader: asyncio.Task | None = None
         self.num_sequences = 0  # joined and not yet released: the scheduler's load figure
         self.alive = True  # false once the stream failed (the scheduler opens a new one)
+        # When the worker last showed progress (a result), or got work while idle: a
+        # worker holding sequences that shows none for a while is hung (stalled_for).
+        self._progress_at = time.monotonic()
 
     def open(self) -> None:
         self._call = self._stub.Decode(self._outgoing())
@@ -57,6 +61,7 @@ class ModelStream:
                 if result is grpc.aio.EOF:
                     await self._on_lost(self.index, "the model worker ended its decode stream")
                     return
+                self._progress_at = time.monotonic()
                 await self._on_result(self.index, result)
         except asyncio.CancelledError:
             raise
@@ -68,11 +73,17 @@ class ModelStream:
             await self._on_lost(self.index, f"{type(exc).__name__}: {exc}")
 
     def join(self, seqs: list[lamina_pb2.StepSequence]) -> None:
+        if not self.num_sequences:
+            self._progress_at = time.monotonic()
         self.num_sequences += len(seqs)
         self._updates.put_nowait(lamina_pb2.DecodeUpdate(joins=seqs))
 
     def leave(self, seq_ids: list[str]) -> None:
         self._updates.put_nowait(lamina_pb2.DecodeUpdate(leaves=seq_ids))
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds the worker has held sequences without a result (0 when it holds none)."""
+        return now - self._progress_at if self.num_sequences > 0 else 0.0
 
     def released(self, count: int = 1) -> None:
         self.num_sequences -= count

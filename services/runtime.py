@@ -20,7 +20,7 @@ import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.metadata import MetadataConfig, MetadataStore, ServiceRegistration
+from kvstore.metadata import MetadataConfig, MetadataStore, RebuildHook, ServiceRegistration
 from services.auth import server_interceptors
 from services.config import StackConfig
 
@@ -62,12 +62,13 @@ class ServiceRuntime:
         self.metrics_port = server.server_port
         return self.metrics_port
 
-    async def register(self, endpoint: str, meta: dict | None = None) -> None:
+    async def register(self, endpoint: str, meta: dict | None = None, rebuild: RebuildHook | None = None) -> None:
         meta = dict(meta or {})
         # pid and host: which process to look at (`lamina status`); a pid means something only on its host.
         meta.update({"grpc": self.grpc_address, "metrics_port": self.metrics_port, "pid": os.getpid(),
                      "host": socket.gethostname()})
-        self._registration = ServiceRegistration(self.store, self.kind, self.service_id, endpoint, meta)
+        self._registration = ServiceRegistration(self.store, self.kind, self.service_id, endpoint, meta,
+                                                 rebuild=rebuild)
         await self._registration.start()
         await self._set_serving(True)
 
@@ -79,13 +80,14 @@ class ServiceRuntime:
                 await result
 
     async def serve(self, add_servicers: Callable[[grpc.aio.Server], None], endpoint: str | None = None,
-                    meta: dict | None = None) -> None:
+                    meta: dict | None = None, rebuild: RebuildHook | None = None) -> None:
         """Start gRPC and metrics, register (under `endpoint`, default the gRPC
-        address), serve until SIGINT/SIGTERM, then drain."""
+        address), serve until SIGINT/SIGTERM, then drain. `rebuild` runs after a
+        re-registration that found the metadata store emptied (a restarted Redis)."""
         self.install_signal_handlers()
         await self.start_grpc(add_servicers)
         self.start_metrics()
-        await self.register(endpoint or self.grpc_address or "", meta)
+        await self.register(endpoint or self.grpc_address or "", meta, rebuild)
         log.info("%s serving on %s", self.service_id, self.grpc_address)
         await self.stopping.wait()
         await self.close()

@@ -36,7 +36,7 @@ import grpc
 import prometheus_client
 import torch
 
-from kvstore.metadata import KVPlacement
+from kvstore.metadata import REDIS_ERRORS, KVPlacement
 from model.loader import load_tokenizer
 from services.channels import open_channel
 from services.config import StackConfig
@@ -46,7 +46,7 @@ from services.protos import lamina_pb2, lamina_pb2_grpc
 from services.runtime import ServiceRuntime, wait_for_services
 from services.micro_batches import join_target
 from services.model_streams import ModelStream
-from services.scheduler_state import Request, Status, admission_order, can_admit, stop_reason
+from services.scheduler_state import Request, Status, admission_order, can_admit, kv_id, stop_reason
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,8 @@ class SchedulerService:
             return window
         try:
             result = await self.prefill_stub.TierDistances(lamina_pb2.TierDistanceRequest(prompts=[
-                lamina_pb2.TierDistanceRequest.Prompt(token_ids=r.prompt_ids) for r in window]), timeout=10)
+                lamina_pb2.TierDistanceRequest.Prompt(token_ids=r.prompt_ids) for r in window]),
+                timeout=self.config.deadlines.rpc_s)
             distances = list(result.distances)
         except grpc.aio.AioRpcError as exc:
             log.warning("tier distances unavailable (%s); admitting in arrival order", exc.details())
@@ -227,12 +228,19 @@ class SchedulerService:
             self._wake_admit.set()  # a prefill slot is free again
 
     async def _prefill_call(self, req: Request, token_ids: list[int]) -> lamina_pb2.PrefillResult:
-        """Record the placement and have the prefill service compute `token_ids`' KV on it."""
-        await self.runtime.store.set_placement(req.request_id, KVPlacement(
-            workers=tuple(f"attention-{w}" for w in req.workers), partition=self.config.partition,
-            slab_ranges={}))
+        """Record the placement and have the prefill service compute `token_ids`' KV on it.
+
+        The record is for observers (lamina status) and for cleaning up after a failed
+        scheduler; with the metadata store unreachable the request still runs, and its
+        placement is written again when the store is back (`_republish`)."""
+        try:
+            await self.runtime.store.set_placement(req.request_id, KVPlacement(
+                workers=tuple(f"attention-{w}" for w in req.workers), partition=self.config.partition,
+                slab_ranges={}))
+        except REDIS_ERRORS as exc:
+            log.warning("placement of %s not recorded (metadata store unreachable: %s)", req.request_id, exc)
         return await self.prefill_stub.Prefill(lamina_pb2.PrefillRequest(
-            seq_id=req.request_id, token_ids=token_ids, params=req.params,
+            seq_id=req.kv_id, token_ids=token_ids, params=req.params,
             placement=lamina_pb2.Placement(workers=req.workers)), timeout=self.config.deadlines.rpc_s)
 
     async def _run_prefill(self, req: Request) -> None:
@@ -279,9 +287,9 @@ class SchedulerService:
         w = live[join_target([self.model_streams[i].num_sequences for i in live])]
         req.status = Status.RUNNING
         req.model_worker = w
-        self.decoding[req.request_id] = req
+        self.decoding[req.kv_id] = req
         self.model_streams[w].join([lamina_pb2.StepSequence(
-            seq_id=req.request_id, token_id=req.output_ids[-1], position=req.num_tokens - 1, params=req.params,
+            seq_id=req.kv_id, token_id=req.output_ids[-1], position=req.num_tokens - 1, params=req.params,
             output_index=len(req.output_ids), placement=lamina_pb2.Placement(workers=req.workers))])
 
     async def _on_decode_result(self, worker: int, result: lamina_pb2.DecodeResult) -> None:
@@ -312,7 +320,7 @@ class SchedulerService:
                 await self._released(req)
                 continue
             # The model worker dropped it: no frame of it is in flight any more.
-            self.decoding.pop(req.request_id)
+            self.decoding.pop(req.kv_id)
             self.model_streams[worker].released()
             self._start_recovery(req, "decode", f"model worker {worker}: {f.code}: {f.message}")
 
@@ -325,7 +333,7 @@ class SchedulerService:
         for req in reqs:
             # The worker is gone or its stream is: a step of these may have written part
             # of a token's KV, so each is rebuilt whole.
-            self.decoding.pop(req.request_id)
+            self.decoding.pop(req.kv_id)
             stream.released()
             if req.status is Status.FINISHED:
                 await self._free_kv(req)
@@ -335,7 +343,7 @@ class SchedulerService:
 
     async def _released(self, req: Request) -> None:
         """The model worker holds `req` no more: no frame of it is in flight, its KV can go."""
-        if self.decoding.pop(req.request_id, None) is None:
+        if self.decoding.pop(req.kv_id, None) is None:
             return
         self.model_streams[req.model_worker].released()
         await self._free_kv(req)
@@ -361,9 +369,9 @@ class SchedulerService:
         if notify:
             req.events.put_nowait(lamina_pb2.TokenChunk(finish_reason=reason))
         self.m_finished.labels(reason).inc()
-        if req.request_id in self.decoding:
+        if req.kv_id in self.decoding:
             # A step of it may be in flight: its KV is freed once the model worker lets go.
-            self.model_streams[req.model_worker].leave([req.request_id])
+            self.model_streams[req.model_worker].leave([req.kv_id])
         elif was_placed:
             await self._free_kv(req)
         self._wake_admit.set()
@@ -374,11 +382,11 @@ class SchedulerService:
         for w in workers:
             self.reserved_tokens[w] -= req.max_total_tokens
         results = await asyncio.gather(*(self.attention_stubs[w].Free(
-            lamina_pb2.FreeRequest(seq_ids=[req.request_id]), timeout=self.config.deadlines.health_s)
+            lamina_pb2.FreeRequest(seq_ids=[req.kv_id]), timeout=self.config.deadlines.health_s)
             for w in workers), return_exceptions=True)
         for w, r in zip(workers, results):
             if isinstance(r, BaseException):  # freed once the worker answers again (_probe_attention)
-                self._orphans.setdefault(w, set()).add(req.request_id)
+                self._orphans.setdefault(w, set()).add(req.kv_id)
         with contextlib.suppress(Exception):
             await self.runtime.store.delete_placement(req.request_id)
         self._wake_admit.set()
@@ -388,6 +396,17 @@ class SchedulerService:
             self.reserved_tokens[w] -= req.max_total_tokens
 
     # -- recovery ---------------------------------------------------------------------------
+    async def _republish(self, store) -> None:
+        """The metadata store lost everything (Redis restarted without persistence):
+        write the placement and journal entry of every request still here again."""
+        for req in list(self.by_id.values()):
+            self.journal.restore(req.request_id, req.prompt_ids, req.params, req.output_ids)
+            if req.workers:
+                await store.set_placement(req.request_id, KVPlacement(
+                    workers=tuple(f"attention-{w}" for w in req.workers), partition=self.config.partition,
+                    slab_ranges={}))
+        log.info("republished %d request(s) to a restarted metadata store", len(self.by_id))
+
     async def _end_orphans(self) -> None:
         """Requests a previous scheduler left behind (it died: their clients' streams
         ended with it): free their KV on every attention worker and drop their
@@ -398,7 +417,8 @@ class SchedulerService:
         if not ids:
             return
         log.warning("freeing %d request(s) left by a previous scheduler", len(ids))
-        await asyncio.gather(*(stub.Free(lamina_pb2.FreeRequest(seq_ids=ids), timeout=self.config.deadlines.rpc_s)
+        kv_ids = [kv_id(rid, n) for rid in ids for n in range(_MAX_RECOVERIES + 1)]
+        await asyncio.gather(*(stub.Free(lamina_pb2.FreeRequest(seq_ids=kv_ids), timeout=self.config.deadlines.rpc_s)
                                for stub in self.attention_stubs), return_exceptions=True)
         await store.write_journal([], {}, ids)
         for rid in ids:
@@ -411,7 +431,6 @@ class SchedulerService:
 
     def _start_recovery(self, req: Request, stage: str, cause: str) -> None:
         req.status = Status.RECOVERING
-        req.recoveries += 1
         self.m_recovered.labels(stage).inc()
         log.warning("rebuilding %s (%s failed: %s)", req.request_id, stage, cause)
         self._own(self._recover(req, cause), f"recover-{req.request_id}")
@@ -424,6 +443,9 @@ class SchedulerService:
         delay = 0.1
         try:
             await self._free_kv(req)
+            # A new KV id: frames of the old one still on their way (from a worker that
+            # was only stopped and resumes) find no sequence instead of corrupting this one.
+            req.recoveries += 1
             while True:
                 if req.abort_requested or req.status is Status.FINISHED:
                     await self._finish(req, "abort")
@@ -520,6 +542,20 @@ class SchedulerService:
                 self._channels.append(channel)
                 self.prefill_stub = lamina_pb2_grpc.PrefillStub(channel)
 
+    async def _watch_model_workers(self) -> None:
+        """A model worker that holds sequences and sends no step result for
+        `deadlines.step_s` (hung, e.g. stopped) is treated as lost: its requests are
+        rebuilt elsewhere and its stream is opened anew once it answers."""
+        limit = self.config.deadlines.step_s
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            now = time.monotonic()
+            for w, stream in enumerate(self.model_streams):
+                if stream.alive and stream.stalled_for(now) > limit:
+                    stream.alive = False
+                    await stream.close()
+                    await self._on_decode_lost(w, f"no step result for {limit:g} s")
+
     async def _reopen_model_stream(self, worker: int) -> None:
         """Open a new decode stream to model worker `worker` once it is registered and
         serving again (backing off while it is not), then hand it the parked requests."""
@@ -582,9 +618,11 @@ class SchedulerService:
         for m in self.model_streams:
             m.open()
         self.journal.start()
-        self._tasks = [asyncio.create_task(self._admit_loop(), name="admit")]
+        self._tasks = [asyncio.create_task(self._admit_loop(), name="admit"),
+                       asyncio.create_task(self._watch_model_workers(), name="model-watchdog")]
         try:
-            await rt.serve(lambda s: lamina_pb2_grpc.add_SchedulerServicer_to_server(_SchedulerServicer(self), s))
+            await rt.serve(lambda s: lamina_pb2_grpc.add_SchedulerServicer_to_server(_SchedulerServicer(self), s),
+                           rebuild=self._republish)
         finally:
             tasks = [*self._tasks, *self._prefills, *self._recoveries]
             for t in tasks:

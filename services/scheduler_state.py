@@ -36,6 +36,11 @@ class Request:
     recoveries: int = 0  # times its KV was rebuilt after a failure
 
     @property
+    def kv_id(self) -> str:
+        """The id its KV has on the attention workers (and on its model worker)."""
+        return kv_id(self.request_id, self.recoveries)
+
+    @property
     def rebuild_ids(self) -> list[int]:
         """The tokens whose KV a decoding request holds: all but the newest output,
         which is the input of its next step."""
@@ -49,6 +54,12 @@ class Request:
     def max_total_tokens(self) -> int:
         """The most tokens this request's KV can grow to."""
         return min(len(self.prompt_ids) + self.params.max_tokens, self.max_model_len)
+
+
+def kv_id(request_id: str, recoveries: int) -> str:
+    """The sequence id of a request's KV after `recoveries` rebuilds: each rebuild
+    stores it under a new id, so nothing addressed to the old one can reach it."""
+    return request_id if not recoveries else f"{request_id}#{recoveries}"
 
 
 def stop_reason(params: lamina_pb2.SamplingParams, token: int, num_output: int, num_tokens: int,

@@ -6,5 +6,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 # e2e_helpers (start_stack, the prompts, attention_stats) and the e2e fixtures' helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+
+
+def pytest_collection_modifyitems(config, items):
+    # Everything here is slow and kills processes: `make test-faults` runs it (CI too),
+    # `make test` leaves it out.
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if here in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.faults)

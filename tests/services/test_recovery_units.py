@@ -95,6 +95,9 @@ def test_a_rebuild_recomputes_every_token_but_the_newest_output():
     req = Request("r", [1, 2, 3], lamina_pb2.SamplingParams(max_tokens=8), asyncio.Queue())
     req.output_ids = [7, 8, 9]
     assert req.rebuild_ids == [1, 2, 3, 7, 8]  # 9 is the next step's input
+    assert req.kv_id == "r"
+    req.recoveries = 2
+    assert req.kv_id == "r#2"  # a rebuilt KV never shares an id with the one it replaces
 
 
 def test_deadlines_are_configured_and_checked():
