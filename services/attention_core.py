@@ -36,6 +36,10 @@ from services.attention_checks import KVShape, PendingStore, check_attend, check
 from services.wire import RemoteError, StoreKV
 
 _STEP_SLOTS_KEPT = 8  # micro-batches in flight on one worker, with room to spare
+# Prompts whose layers may be arriving at once: a prefill worker sends a batch's few at a
+# time; the bound keeps a sender that starts stores and never ends them from growing
+# the table without end (a failed store holds no KV, only its entry).
+_MAX_PENDING_STORES = 1024
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,8 @@ class AttentionCore:
                 self._abandon(msg, pending, exc)
             raise
         if msg.layer == 0:
+            if pending is None and len(self._storing) >= _MAX_PENDING_STORES:
+                raise RemoteError("kv_full", f"{len(self._storing)} stores are already in progress")
             self._storing.pop(seq_id, None)
             if self.slabs.has_request(seq_id):
                 self.slabs.free(seq_id)  # stored again: the new prompt KV replaces the old

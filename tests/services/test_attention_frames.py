@@ -186,3 +186,15 @@ def test_a_malformed_layer_abandons_its_store(service):
     # A whole store afterwards is acknowledged.
     _store(service, "p", 3)
     service.core.free(["p"])
+
+
+def test_stores_in_progress_are_bounded(service, monkeypatch):
+    monkeypatch.setattr("services.attention_core._MAX_PENDING_STORES", 3)
+    kv = (torch.randn(1, HKV, D), torch.randn(1, HKV, D))
+    for s in "xyz":
+        assert service._handle(StoreKV(s, 0, L, *kv).to_frame(), {}) is None
+    reply = service._handle(StoreKV("w", 0, L, *kv).to_frame(), {})
+    assert reply.header["code"] == "kv_full" and not service.core.slabs.has_request("w")
+    assert service._handle(StoreKV("x", 0, L, *kv).to_frame(), {}) is None  # restarting one is no new store
+    service.core.free(list("xyz"))
+    assert service.core.used_bytes == 0 and not service.core._storing
