@@ -23,7 +23,9 @@ from services.config import StackConfig
 from services.placement import head_range
 from services.protos import lamina_pb2, lamina_pb2_grpc
 from services.runtime import ServiceRuntime
-from services.wire import Attend, Kind, RemoteError, StoreKV, Tag, ack_frame, error_frame, frame_tag, result_frame
+from services.wire import (
+    Attend, Kind, RemoteError, StoreKV, Tag, ack_frame, error_frame, frame_tag, result_frame, short_repr,
+)
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +126,11 @@ class AttentionService:
                 part = held.pop(tag, None)  # first: a refused K, V still ends its Q's wait
                 msg = Attend.from_frame(frame)
                 if part is None:
-                    raise RemoteError("protocol", f"ATTEND_KV {tag!r} without its ATTEND_Q")
+                    raise RemoteError("protocol", f"ATTEND_KV {short_repr(tag)} without its ATTEND_Q")
                 if isinstance(part, RemoteError):
                     raise part
                 if (msg.layer, msg.seqs) != (part.layer, part.seqs):
-                    raise RemoteError("protocol", f"ATTEND_KV {tag!r} names other sequences or another layer "
+                    raise RemoteError("protocol", f"ATTEND_KV {short_repr(tag)} names other sequences or another layer "
                                                   f"than its ATTEND_Q")
                 return result_frame(tag, self.core.append_and_combine(msg.layer, msg.seqs, part.q, msg.k, msg.v,
                                                                       part.out, part.lse))
@@ -148,7 +150,7 @@ class AttentionService:
         until K and V of the same tag arrive. A refused Q is answered then, as its tag's
         one reply; only a connection holding too many halves is answered at once."""
         if tag in held:
-            held[tag] = RemoteError("protocol", f"ATTEND_Q {tag!r} arrived twice before its ATTEND_KV")
+            held[tag] = RemoteError("protocol", f"ATTEND_Q {short_repr(tag)} arrived twice before its ATTEND_KV")
             return None
         if len(held) >= _MAX_HELD_Q:
             raise RemoteError("protocol", f"{len(held)} ATTEND_Q frames already await their ATTEND_KV")
