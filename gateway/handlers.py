@@ -46,6 +46,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_model(state, req.model)
     if not state.tokenizer.has_chat_template:
         raise invalid("This model has no chat template; use /v1/completions instead.", "messages")
+    _check_text_size(state, sum(len(m["content"]) for m in req.messages), "messages")
     try:
         prompt_ids = state.tokenizer.encode_chat(list(req.messages))
     except (jinja2.TemplateError, ValueError) as exc:
@@ -63,6 +64,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = parse_completion_request(await _read_json(request))
     _check_model(state, req.model)
     if isinstance(req.prompt, str):
+        _check_text_size(state, len(req.prompt), "prompt")
         prompt_ids = state.tokenizer.encode(req.prompt)
         if not prompt_ids:
             raise invalid("Invalid value for 'prompt': it encodes to no tokens.", "prompt", "invalid_value")
@@ -131,6 +133,17 @@ def _is_json(content_type: str) -> bool:
 
 def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def _check_text_size(state: GatewayState, num_chars: int, param: str) -> None:
+    """Refuse, before tokenizing it, a text longer than the context window's tokens can
+    spell: tokenizing megabytes holds the event loop, and every stream, for seconds."""
+    limit = state.context_length * state.tokenizer.max_token_chars
+    if num_chars > limit:
+        raise invalid(
+            f"This model's maximum context length is {state.context_length} tokens. However, your {param} "
+            f"has {num_chars} characters, more than {state.context_length} tokens can hold. "
+            f"Please reduce the length of the {param}.", param, "context_length_exceeded")
 
 
 def _check_model(state: GatewayState, model: str) -> None:

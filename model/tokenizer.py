@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self._tok)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """No token spells more characters than this: the longest vocabulary entry (a
+        byte-level entry has one character per byte, so it bounds bytes too). A text of
+        more than N times this many characters therefore needs more than N tokens."""
+        return max(map(len, self._tok.get_vocab()))
 
     def encode(self, text: str) -> list[int]:
         """Token ids with the special tokens the checkpoint adds by default (e.g. BOS)."""

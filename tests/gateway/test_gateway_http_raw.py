@@ -132,3 +132,16 @@ async def test_a_declared_length_over_the_limit_is_refused_before_the_body(token
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)  # no more of the body was sent
         writer.close()
     assert head.startswith(b"HTTP/1.1 413 ")
+
+
+async def test_a_text_longer_than_the_context_can_spell_is_refused_untokenized(tokenizer, make_backend):
+    # CONTEXT tokens spell at most CONTEXT * max_token_chars characters.
+    from gateway_helpers import CONTEXT
+
+    n = CONTEXT * tokenizer.max_token_chars + 1
+    async with serve(make_backend(), tokenizer) as srv:
+        status, body = await post(srv.url + "/v1/completions", {"model": MODEL, "prompt": " " * n})
+        chat_status, chat = await post(srv.url + "/v1/chat/completions",
+                                       {"model": MODEL, "messages": [{"role": "user", "content": "x" * n}]})
+    assert (status, body["error"]["code"], body["error"]["param"]) == (400, "context_length_exceeded", "prompt")
+    assert (chat_status, chat["error"]["param"]) == (400, "messages") and f"{n} characters" in chat["error"]["message"]
