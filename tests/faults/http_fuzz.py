@@ -108,10 +108,18 @@ class MalformedRequests:
             else:
                 text = _dumps(body).replace(b'"Hi"', b'"H' + escape + b'"')
             return Malformed(f"surrogate in {spot}", path, text)
-        if what == 6:  # larger than the gateway takes
-            size = self.max_request_bytes + rng.randrange(1, 4096)
-            body["prompt" if not chat else "user"] = "x" * size
-            return Malformed("oversized", path, _dumps(body))
+        if what == 6:
+            if rng.random() < 0.5:  # larger than the gateway takes
+                body["prompt" if not chat else "user"] = "x" * (self.max_request_bytes + rng.randrange(1, 4096))
+                return Malformed("oversized", path, _dumps(body))
+            # Taken, but longer than the context window (the gateway must not spend
+            # seconds tokenizing it first)
+            text = "word " * ((self.max_request_bytes - 200) // 5)
+            if chat:
+                body["messages"] = [{"role": "user", "content": text}]
+            else:
+                body["prompt"] = text
+            return Malformed("long prompt", path, _dumps(body))
         if what == 7:
             ctype = rng.choice(["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=b",
                                 "application/xml", "text/html", "image/png", "application/octet-stream"])
