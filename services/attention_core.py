@@ -17,7 +17,9 @@ What must hold: a sequence is decoded only after its prompt KV arrived whole
 (STORE_KV up to the last layer); a decode step extends every sequence by its new
 tokens at layer 0 and writes them in every layer before the step's last frame.
 If a step dies midway the scheduler frees its sequences, so no half-written
-token is ever read by a later step.
+token is ever read by a later step. Every entry point first checks its message
+(services.attention_checks) and refuses, before any state changes, one that would
+break these rules or does not fit the model's shape.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ worker answers with an ERROR frame. The codes of ERROR frames:
                       ATTEND_KV without its ATTEND_Q, a STORE_KV layer out of turn
     unknown_sequence  the worker holds no KV for a sequence the message names
     kv_full           the worker's KV memory cannot hold the new tokens
-    internal          the worker failed (a bug); the message changed nothing it checked
+    internal          the worker failed on the message: a case the checks did not foresee (a bug)
 """
 
 from __future__ import annotations
