@@ -7,8 +7,8 @@ applies stop strings; the backend sees only token ids.
 Contract, per request id:
 - `await backend.generate(request)` admits the request and returns its event
   stream; admission failure raises `QueueFullError` (the gateway answers 429)
-  before any event. Other failures raise `BackendError`, at admission or from
-  the stream.
+  or `RequestRefusedError` (400) before any event. Other failures raise
+  `BackendError`, at admission or from the stream.
 - The stream yields `TokenEvent`s in order; the last one carries a
   `finish_reason` and the stream ends after it.
 - When the gateway stops reading before the last event (client disconnect,
@@ -41,6 +41,11 @@ class BackendError(Exception):
 
 class QueueFullError(BackendError):
     """The backend refused a request at admission because its queue is full."""
+
+
+class RequestRefusedError(BackendError):
+    """The backend refused a request at admission as it is (e.g. its prompt plus
+    max_tokens exceeds the KV memory of any worker): the client's error, a 400."""
 
 
 @runtime_checkable

@@ -18,7 +18,7 @@ import jinja2
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 
-from gateway.backend import BackendError, QueueFullError
+from gateway.backend import BackendError, QueueFullError, RequestRefusedError
 from gateway.generation import Generation
 from gateway.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -203,6 +203,8 @@ async def _generate(
                 state.in_flight.pop(rid, None)
     except QueueFullError:
         raise _queue_full() from None
+    except RequestRefusedError as exc:
+        raise invalid(f"The request cannot be served: {exc}.", code="request_refused") from None
     except BackendError as exc:
         raise _server_error(exc) from exc
 

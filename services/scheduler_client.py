@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from gateway.backend import BackendError, BackendStats, QueueFullError
+from gateway.backend import BackendError, BackendStats, QueueFullError, RequestRefusedError
 from gateway.protocol import GenerateRequest, TokenEvent
 from services.channels import open_channel
 from services.protos import lamina_pb2, lamina_pb2_grpc
@@ -141,4 +141,6 @@ class _Unavailable(Exception):
 def _error(exc: grpc.aio.AioRpcError) -> BackendError:
     if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
         return QueueFullError(exc.details() or "queue full")
+    if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:  # the scheduler refused it at admission
+        return RequestRefusedError(exc.details() or "refused")
     return BackendError(f"scheduler: {exc.details() or exc.code().name}")

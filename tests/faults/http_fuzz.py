@@ -68,6 +68,13 @@ class MalformedRequests:
             return {"model": self.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
         return {"model": self.model, "prompt": "Hi", "max_tokens": 2}
 
+    def fixed(self) -> list[Malformed]:
+        """Cases every run sends: max_tokens that fit the model's context but not the
+        KV memory of a test stack's worker (refused by the scheduler, not the gateway)."""
+        return [Malformed("max_tokens=8000", path, _dumps({**self.base(path == "/v1/chat/completions"),
+                                                           "max_tokens": 8000}))
+                for path in ("/v1/completions", "/v1/chat/completions")]
+
     def next(self) -> Malformed:
         rng = self.rng
         chat = rng.random() < 0.5
@@ -152,7 +159,8 @@ class MalformedRequests:
                            Malformed("PUT", path, _dumps(body), dict(_JSON), "PUT")])
 
     def _absurd(self, name: str) -> list:
-        return {"max_tokens": [0, 10**6, 10**18, 10**100], "max_completion_tokens": [0, 10**9],
+        # 8000: within the real model's context (8192), past a test stack's KV per worker
+        return {"max_tokens": [0, 8000, 10**6, 10**18, 10**100], "max_completion_tokens": [0, 8000, 10**9],
                 "temperature": [-1, 2.5, 1e308, 10**30], "top_p": [0, 1.5, -0.1], "top_k": [-2, 1 << 31, 10**40],
                 "n": [0, 2, 10**9, -1], "seed": [1 << 64, -(1 << 63) - 1, 10**50],
                 "stop": [["x"] * 17, [""], [1]], "stop_token_ids": [[-1], [1 << 40], [1.5], ["a"]],

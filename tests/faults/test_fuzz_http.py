@@ -47,7 +47,7 @@ async def _fuzz(url: str, model: str, max_request_bytes: int, count: int, beside
     clients, while `beside()` runs correct requests; returns the kinds sent."""
     port = int(url.rsplit(":", 1)[1])
     gen = MalformedRequests(random.Random(SEED), model, max_request_bytes)
-    cases = [gen.next() for _ in range(count)]
+    cases = gen.fixed() + [gen.next() for _ in range(count)]
     kinds: dict[str, int] = {}
     stop = asyncio.Event()
 

@@ -145,3 +145,17 @@ async def test_a_text_longer_than_the_context_can_spell_is_refused_untokenized(t
                                        {"model": MODEL, "messages": [{"role": "user", "content": "x" * n}]})
     assert (status, body["error"]["code"], body["error"]["param"]) == (400, "context_length_exceeded", "prompt")
     assert (chat_status, chat["error"]["param"]) == (400, "messages") and f"{n} characters" in chat["error"]["message"]
+
+
+async def test_a_request_the_backend_refuses_as_it_is_is_a_400(tokenizer, make_backend):
+    from gateway.backend import RequestRefusedError
+
+    backend = make_backend()
+
+    async def refuse(request):
+        raise RequestRefusedError("prompt plus max_tokens (9000 tokens) exceeds the KV capacity of a worker")
+
+    backend.generate = refuse
+    async with serve(backend, tokenizer) as srv:
+        status, body = await post(srv.url + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 400})
+    assert (status, body["error"]["code"]) == (400, "request_refused") and "KV capacity" in body["error"]["message"]
