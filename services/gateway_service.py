@@ -43,7 +43,8 @@ async def run_gateway(config: StackConfig, ready: asyncio.Event | None = None) -
         info = await store.get_service("scheduler", "scheduler-0")
         return info.endpoint if info is not None else None
 
-    backend = SchedulerBackend(scheduler.endpoint, config.cluster_token, resolve=scheduler_address)
+    backend = SchedulerBackend(scheduler.endpoint, config.cluster_token, resolve=scheduler_address,
+                               stall_s=config.deadlines.rpc_s)
     await backend.start()
     tokenizer, model_cfg = load_tokenizer(config.model)
     gw = config.gateway

@@ -108,7 +108,7 @@ class Stack:
                 sp = ServiceProcess(name, base + argv + common, service_id=service_id)
                 self._spawn(sp, log_mode="wb")
                 self.processes.append(sp)
-            self._wait_healthy(timeout_s)
+            self.wait_healthy(timeout_s)
             local_stacks.publish(self.config.gateway.port, cfg_path)  # `lamina status --port` finds it
             if self.supervise:
                 self._supervisor = threading.Thread(target=self._supervise, name="lamina-supervisor", daemon=True)
@@ -124,7 +124,9 @@ class Stack:
         sp.started_at = time.monotonic()
         logf.close()
 
-    def _wait_healthy(self, timeout_s: float) -> None:
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Return once the gateway answers /health; raise if a service process has exited
+        meanwhile (not restarted yet) or the time runs out."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             dead = self.dead_process()

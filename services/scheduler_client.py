@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -20,10 +21,17 @@ class SchedulerBackend:
     scheduler listens elsewhere, so when the scheduler is unreachable the backend asks
     again and moves to the new address. Requests that were running on a scheduler that
     died end with an error; a request refused as unavailable before it started is sent
-    once more, to the new address."""
+    once more, to the new address.
+
+    A scheduler that stops answering (hung, e.g. stopped) without closing its
+    connections is noticed by the Stats poll: after `stall_s` without an answer, every
+    request in flight ends with an error instead of waiting on it."""
 
     def __init__(self, address: str, token: str | None = None,
-                 resolve: Callable[[], Awaitable[str | None]] | None = None) -> None:
+                 resolve: Callable[[], Awaitable[str | None]] | None = None, stall_s: float | None = None) -> None:
+        self._stall_s = stall_s
+        self._answered_at = time.monotonic()
+        self._cut: dict[str, str] = {}  # request id -> why its call was cut
         self._token = token
         self._resolve = resolve
         self._address = address
@@ -64,11 +72,29 @@ class SchedulerBackend:
         # A periodic refresh for the gauges; stats() must not block.
         while True:
             try:
-                s = await self._stub.Stats(lamina_pb2.Empty(), timeout=5)
+                s = await self._stub.Stats(lamina_pb2.Empty(), timeout=min(5.0, self._stall_s or 5.0))
                 self._stats = BackendStats(s.num_waiting, s.num_running)
+                self._answered_at = time.monotonic()
             except grpc.aio.AioRpcError:
-                await self._follow()  # keep the last figures; the next poll retries
+                if not await self._follow():  # keep the last figures; the next poll retries
+                    self._cut_if_stalled()
             await asyncio.sleep(1.0)
+
+    def _cut_if_stalled(self) -> None:
+        silent = time.monotonic() - self._answered_at
+        if self._stall_s is None or silent <= self._stall_s:
+            return
+        for request_id, call in list(self._calls.items()):
+            self._cut[request_id] = f"the scheduler has not answered for {silent:.0f} s"
+            call.cancel()
+
+    def _cut_error(self, request_id: str) -> BackendError | None:
+        """The error of a call this backend cut, unless the caller itself is being cancelled."""
+        reason = self._cut.pop(request_id, None)
+        task = asyncio.current_task()
+        if reason is None or (task is not None and task.cancelling()):
+            return None
+        return BackendError(f"scheduler: {reason}")
 
     def stats(self) -> BackendStats:
         return self._stats
@@ -99,11 +125,14 @@ class SchedulerBackend:
             self._calls.pop(request.request_id, None)
             if exc.code() is grpc.StatusCode.UNAVAILABLE:
                 raise _Unavailable(exc) from exc
-            raise _error(exc) from exc
-        except BaseException:
+            raise (self._cut_error(request.request_id) or _error(exc)) from exc
+        except BaseException as exc:
             # Cancelled while queued (the client left): cancelling the stream aborts it.
             self._calls.pop(request.request_id, None)
             call.cancel()
+            cut = self._cut_error(request.request_id) if isinstance(exc, asyncio.CancelledError) else None
+            if cut is not None:
+                raise cut from None
             raise
         return self._events(request.request_id, call, first)
 
@@ -117,10 +146,16 @@ class SchedulerBackend:
                 try:
                     chunk = await call.read()
                 except grpc.aio.AioRpcError as exc:
-                    raise _error(exc) from exc
+                    raise (self._cut_error(request_id) or _error(exc)) from exc
+                except asyncio.CancelledError:
+                    cut = self._cut_error(request_id)
+                    if cut is None:
+                        raise
+                    raise cut from None
             raise BackendError("the scheduler ended the stream without a finish reason")
         finally:
             self._calls.pop(request_id, None)
+            self._cut.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         call = self._calls.pop(request_id, None)

@@ -13,72 +13,15 @@ import time
 
 import openai
 import pytest
-import torch
 from e2e_helpers import start_stack
+from fault_helpers import MAX_TOKENS, PROMPTS
+from fault_helpers import pid as _pid
+from fault_helpers import stream_all as _stream_all
 
 from kvstore.metadata import MetadataConfig, MetadataStore
 from services.config import DeadlinesSection
 
 pytestmark = pytest.mark.timeout(600)
-
-PROMPTS = ["What is the capital of France?", "Name two colours of the rainbow.", "Why is the sky blue?",
-           "Give me a word that rhymes with cat.", "What do bees make?", "How many legs does a spider have?",
-           "Say hello in Spanish.", "What is two plus two?"]
-MAX_TOKENS = 40
-
-
-@pytest.fixture(scope="module")
-def references(loaded_model, hf_reference) -> list[str]:
-    """transformers' greedy continuations of PROMPTS as chat, decoded."""
-    tok = loaded_model.tokenizer
-    out = []
-    for p in PROMPTS:
-        ids = tok.encode_chat([{"role": "user", "content": p}])
-        with torch.no_grad():
-            gen = hf_reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                        max_new_tokens=MAX_TOKENS, do_sample=False)
-        out.append(tok.decode(gen[0, len(ids):].tolist()))
-    return out
-
-
-def _pid(stack, name: str) -> int:
-    (sp,) = [sp for sp in stack.processes if sp.name == name]
-    return sp.proc.pid
-
-
-async def _stream_all(base_url: str, kill, after_chunks: int | None, errors: bool = False) -> list:
-    """Stream every prompt at once; call `kill()` once every stream has `after_chunks`
-    content chunks (None: right after sending). Returns each stream's text (with
-    `errors`, a stream that fails gives its exception instead)."""
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    model = (await client.models.list()).data[0].id
-    counts = [0] * len(PROMPTS)
-    ready = asyncio.Event()
-
-    async def one(i: int) -> str:
-        stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": PROMPTS[i]}], max_tokens=MAX_TOKENS, temperature=0,
-            stream=True)
-        text = []
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                text.append(chunk.choices[0].delta.content)
-                counts[i] += 1
-                if after_chunks is not None and min(counts) >= after_chunks:
-                    ready.set()
-        return "".join(text)
-
-    tasks = [asyncio.create_task(one(i)) for i in range(len(PROMPTS))]
-    if after_chunks is None:
-        await asyncio.sleep(0.2)
-    else:
-        await asyncio.wait_for(ready.wait(), 240)
-    kill()
-    try:
-        return await asyncio.gather(*tasks, return_exceptions=errors)
-    finally:
-        await client.close()
-
 
 # (process killed, when: content chunks every stream has first, None: during prefill, stack options)
 CASES = [
@@ -127,6 +70,25 @@ def test_a_hung_model_worker_is_replaced_by_another(references):
     try:
         texts = asyncio.run(_stream_all(stack.base_url, lambda: os.kill(pid, signal.SIGSTOP), 3))
         assert texts == references
+        os.kill(pid, signal.SIGCONT)
+        assert asyncio.run(_stream_all(stack.base_url, lambda: None, None)) == references
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        stack.stop()
+
+
+def test_a_hung_scheduler_ends_its_requests_within_the_deadline(references):
+    """SIGSTOP the scheduler: the gateway's Stats poll goes unanswered, and after
+    `deadlines.rpc_s` the requests waiting on it end with an error instead of hanging.
+    Once it resumes, the stack serves again."""
+    stack = start_stack(deadlines=DeadlinesSection(rpc_s=5.0))
+    pid = _pid(stack, "scheduler")
+    try:
+        start = time.monotonic()
+        outcomes = asyncio.run(_stream_all(stack.base_url, lambda: os.kill(pid, signal.SIGSTOP), 3, errors=True))
+        assert time.monotonic() - start < 60
+        assert all(isinstance(o, openai.APIError) or o == ref for o, ref in zip(outcomes, references)), outcomes
+        assert any("has not answered" in str(o) for o in outcomes), outcomes
         os.kill(pid, signal.SIGCONT)
         assert asyncio.run(_stream_all(stack.base_url, lambda: None, None)) == references
     finally:
