@@ -40,6 +40,7 @@
 #define PREAMBLE_SIZE 32
 #define DESC_SIZE 16
 #define MAX_NDIM 32
+#define MAX_HEADER_BYTES (1u << 20)  // transports/frame.py MAX_HEADER_BYTES
 #define MAX_BUFS 32
 #define MAX_DTYPES 32
 #define HEAD_STACK 2048  // preamble + header bytes built on the stack up to this size
@@ -225,7 +226,10 @@ static int encode_frame(Encoded *e, long kind, PyObject *user, PyObject *bufs, i
                   (unsigned long long)(header_len + payload_len), max_frame_bytes);
         return -1;
     }
-    if (header_len > 0xFFFFFFFFu) return 0;
+    if (header_len > MAX_HEADER_BYTES) {
+        frame_err("frame header of %llu bytes exceeds %u", (unsigned long long)header_len, MAX_HEADER_BYTES);
+        return -1;
+    }
     e->head_len = PREAMBLE_SIZE + header_len;
     e->payload_len = payload_len;
     e->head = e->head_len <= HEAD_STACK ? e->stack : PyMem_Malloc(e->head_len);
@@ -553,6 +557,10 @@ static PyObject *wire_parse(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (payload_len > max_bytes || hlen + payload_len > max_bytes) {
         frame_err("frame of %llu bytes exceeds max_frame_bytes=%llu",
                   (unsigned long long)(hlen + payload_len), max_bytes);
+        goto done;
+    }
+    if (hlen > MAX_HEADER_BYTES) {
+        frame_err("frame header of %llu bytes exceeds %u", (unsigned long long)hlen, MAX_HEADER_BYTES);
         goto done;
     }
     uint64_t total = PREAMBLE_SIZE + hlen + payload_len;

@@ -29,7 +29,9 @@ them; this module is the reference implementation of the format and the fallback
 the extension is not built, and both produce the same bytes.
 
 Every length is explicit and checked against ``TransportConfig.max_frame_bytes`` before
-anything is allocated; a frame that fails a check raises ``FrameError``.
+anything is allocated, and a header (descriptors and user header) may not exceed
+``MAX_HEADER_BYTES``, since a receiver allocates it before it can check it; a frame that
+fails a check raises ``FrameError``.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ MAGIC = b"LMNF"
 WIRE_VERSION = 2
 FLAG_PAYLOAD_CRC = 1
 MAX_NDIM = 32
+MAX_HEADER_BYTES = 1 << 20  # csrc/wire.c has the same bound: both codecs refuse the same frames
 PREAMBLE = struct.Struct("<4sBBHIIQII")
 PREAMBLE_SIZE = PREAMBLE.size  # 32
 _PREAMBLE_HEAD = struct.Struct("<4sBBHIIQI")  # everything the preamble crc covers
@@ -207,6 +210,8 @@ def encode(frame: Frame, *, checksum_payloads: bool, max_frame_bytes: int,
             payload_len += n
     parts.append(pack_user_header(frame.header, packer) if user is None else user)
     header = b"".join(parts)
+    if len(header) > MAX_HEADER_BYTES:
+        raise FrameError(f"frame header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
     if len(header) + payload_len > max_frame_bytes:
         raise FrameError(
             f"frame of {len(header) + payload_len} bytes exceeds max_frame_bytes={max_frame_bytes}"
@@ -242,6 +247,8 @@ def decode_preamble(data: bytes | memoryview, max_frame_bytes: int, offset: int 
         raise FrameError(
             f"frame of {header_len + payload_len} bytes exceeds max_frame_bytes={max_frame_bytes}"
         )
+    if header_len > MAX_HEADER_BYTES:
+        raise FrameError(f"frame header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
     # tuple.__new__ skips the named tuple's Python-level constructor (per-frame hot path).
     return _new_tuple(Preamble, (flags, kind, header_len, nbufs, payload_len, header_crc))
 

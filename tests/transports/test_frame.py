@@ -306,3 +306,27 @@ def test_native_codec_sizes_are_checked_against_the_limit():
     bad_magic = b"XXXX" + data[4:]
     with pytest.raises(FrameError, match="bad frame magic"):
         NATIVE.parse(bad_magic, 0, len(bad_magic), MAX, None)
+
+
+def _huge_header_preamble() -> bytes:
+    """Only the preamble of a frame that claims a 2 MiB header (checksums valid)."""
+    head = struct.pack("<4sBBHIIQI", b"LMNF", WIRE_VERSION, 0, 1, 2 << 20, 0, 0, 0)
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def test_a_header_over_the_bound_is_refused_before_it_is_read():
+    # A receiver allocates the header before it can check it: the preamble alone decides.
+    with pytest.raises(FrameError, match="frame header of 2097152 bytes exceeds"):
+        decode_preamble(_huge_header_preamble(), MAX)
+    with pytest.raises(FrameError, match="frame header of"):
+        encode(Frame(1, {"x": "a" * (2 << 20)}), checksum_payloads=False, max_frame_bytes=MAX)
+
+
+@native
+def test_native_codec_bounds_the_header_the_same_way():
+    data = _huge_header_preamble()
+    with pytest.raises(FrameError, match="frame header of 2097152 bytes exceeds"):
+        NATIVE.parse(data, 0, len(data), MAX, None)
+    ring = bytearray(4 << 20)
+    with pytest.raises(FrameError, match="frame header of"):
+        NATIVE.write_ring(ring, 0, len(ring), 1, pack_user_header({"x": "a" * (2 << 20)}), [], False, MAX)
