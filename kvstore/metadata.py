@@ -11,11 +11,17 @@ Key layout (NS = MetadataConfig.namespace, default "lamina"):
   NS:svcs:KIND              set     ids of services of that kind (members whose hash
                                     expired are pruned on read)
   NS:block:HASH             hash    prefix block: field NODE -> JSON {tier, bytes,
-                                    last_access}, one field per node caching it
+                                    last_access, parent, tokens}, one field per node
+                                    caching it (NODE: the prefill worker's service id)
   NS:blocks:NODE            set     block hashes cached on NODE
+  NS:stats:KIND:ID          string  JSON figures a service publishes about itself every
+                                    second (an attention worker's occupancy, a prefill
+                                    worker's prompt and cached tokens); expires after
+                                    service_ttl_s, so a dead service's figures go
   NS:req:RID:kv             hash    KV placement of a request: workers (JSON list),
                                     partition ("request" | "head"), slab_ranges (JSON
-                                    {worker: [[start, end], ...]})
+                                    {worker: [[start, end], ...]}), tokens (JSON
+                                    {worker: tokens of KV held there})
   NS:reqs                   set     request ids that have a placement
   NS:jrn:RID                hash    journal of a running request: prompt (JSON ids),
                                     params (base64 of its serialized sampling params),
@@ -29,8 +35,16 @@ Key layout (NS = MetadataConfig.namespace, default "lamina"):
 Event types: service_registered, service_deregistered, blocks_stored, blocks_removed,
 placement_set, placement_deleted, epoch_reset.
 
-Every multi-key update (including its event) is one MULTI/EXEC transaction, so readers
-never see a half-applied change. Connections retry on connection errors, so a restarted
+Every multi-key update (including its event) is one MULTI/EXEC transaction, or one Lua
+script where it depends on what is there (pruning an expired service, updating
+placements' token counts), so readers never see a half-applied change.
+
+Prefix blocks are owned by their node: only that node's publisher writes its entries
+(kvstore.block_publisher). They go when the node does: `list_services` finds a service
+whose hash expired (its lease lapsed without a heartbeat) and removes its id and its
+blocks in one script (so one that registered again meanwhile keeps both), a node that
+stops removes its own, and a node that starts (or finds Redis emptied) replaces its
+whole set with what its cache holds. Connections retry on connection errors, so a restarted
 Redis is reconnected on the next command; ServiceRegistration re-registers and calls
 its rebuild hook when it finds the epoch gone.
 """
@@ -102,7 +116,18 @@ class BlockRecord:
     block_hash: str
     tier: int  # 0 device, 1 host, 2 disk
     num_bytes: int
-    last_access: float
+    last_access: float  # wall clock (time.time()) of its latest insert or hit
+    parent_hash: str = ""  # the block before it in its prompts (block_hash.ROOT_HASH for a first block)
+    num_tokens: int = 0  # tokens it covers (the cache's block size)
+
+    def to_json(self) -> str:
+        return json.dumps({"tier": self.tier, "bytes": self.num_bytes, "last_access": self.last_access,
+                           "parent": self.parent_hash, "tokens": self.num_tokens})
+
+    @classmethod
+    def from_json(cls, block_hash: str, raw: str) -> "BlockRecord":
+        d = json.loads(raw)
+        return cls(block_hash, d["tier"], d["bytes"], d["last_access"], d.get("parent", ""), d.get("tokens", 0))
 
 
 @dataclass(frozen=True)
@@ -110,10 +135,36 @@ class KVPlacement:
     workers: tuple[str, ...]
     partition: str  # "request" (whole requests per worker) or "head" (heads split)
     slab_ranges: dict[str, list[tuple[int, int]]]  # worker -> [start, end) slot runs
+    tokens: dict[str, int] = field(default_factory=dict)  # worker -> tokens of KV held there
 
     def __post_init__(self) -> None:
         if self.partition not in ("request", "head"):
             raise ValueError(f"partition must be 'request' or 'head', got {self.partition!r}")
+
+
+# Writes the tokens field of each placement that still exists (atomic in Redis).
+_UPDATE_IF_PLACED = """
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 1 then redis.call('HSET', key, 'tokens', ARGV[i]) end
+end
+return 0
+"""
+
+
+# A service whose registration expired: drop its id from its kind's set and its blocks
+# from the block index, unless it registered again meanwhile. KEYS: its hash, its
+# kind's set, its block set; ARGV: its id, the block key prefix, the events channel.
+_FORGET_IF_EXPIRED = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('SREM', KEYS[2], ARGV[1])
+local hashes = redis.call('SMEMBERS', KEYS[3])
+if #hashes > 0 then
+  for _, h in ipairs(hashes) do redis.call('HDEL', ARGV[2] .. h, ARGV[1]) end
+  redis.call('DEL', KEYS[3])
+  redis.call('PUBLISH', ARGV[3], cjson.encode({type = 'blocks_removed', node = ARGV[1], blocks = hashes}))
+end
+return 1
+"""
 
 
 class MetadataStore:
@@ -160,6 +211,9 @@ class MetadataStore:
 
     def _req_key(self, request_id: str) -> str:
         return f"{self.ns}:req:{request_id}:kv"
+
+    def _stats_key(self, kind: str, service_id: str) -> str:
+        return f"{self.ns}:stats:{kind}:{service_id}"
 
     def _reqs_key(self) -> str:
         return f"{self.ns}:reqs"
@@ -221,8 +275,12 @@ class MetadataStore:
                 continue
             out.append(ServiceInfo(kind, service_id, row["endpoint"],
                                    float(row["started_at"]), json.loads(row["meta"])))
-        if dead:
-            await self.redis.srem(self._svcs_key(kind), *dead)
+        for service_id in dead:
+            # Its lease lapsed: it is gone, and so is what it cached (unless it registered
+            # again meanwhile: the script checks, atomically).
+            await self.redis.eval(_FORGET_IF_EXPIRED, 3, self._svc_key(kind, service_id), self._svcs_key(kind),
+                                  self._node_blocks_key(service_id), service_id, f"{self.ns}:block:",
+                                  self.events_channel)
         return out
 
     async def get_service(self, kind: str, service_id: str) -> ServiceInfo | None:
@@ -231,6 +289,17 @@ class MetadataStore:
         if not row:
             return None
         return ServiceInfo(kind, service_id, row["endpoint"], float(row["started_at"]), json.loads(row["meta"]))
+
+    # ---- figures a service publishes about itself ----
+
+    async def put_stats(self, kind: str, service_id: str, stats: dict) -> None:
+        """Replaces the service's figures; they expire after service_ttl_s."""
+        await self.redis.set(self._stats_key(kind, service_id), json.dumps(stats),
+                             px=int(self.config.service_ttl_s * 1000))
+
+    async def get_stats(self, kind: str, service_id: str) -> dict | None:
+        raw = await self.redis.get(self._stats_key(kind, service_id))
+        return None if raw is None else json.loads(raw)
 
     # ---- restarts of service processes (counted by their launcher) ----
 
@@ -248,30 +317,42 @@ class MetadataStore:
     # ---- prefix blocks ----
 
     async def put_blocks(self, node: str, records: Iterable[BlockRecord]) -> None:
-        records = list(records)
-        if not records:
-            return
-        async with self.redis.pipeline(transaction=True) as p:
-            for r in records:
-                p.hset(self._block_key(r.block_hash), node, json.dumps(
-                    {"tier": r.tier, "bytes": r.num_bytes, "last_access": r.last_access}))
-            p.sadd(self._node_blocks_key(node), *(r.block_hash for r in records))
-            p.publish(self.events_channel, self._event(
-                "blocks_stored", node=node,
-                blocks=[[r.block_hash, r.tier] for r in records]))
-            await p.execute()
+        await self.update_blocks(node, records, [])
 
     async def remove_blocks(self, node: str, block_hashes: Iterable[str]) -> None:
-        hashes = list(block_hashes)
-        if not hashes:
+        await self.update_blocks(node, [], block_hashes)
+
+    async def update_blocks(self, node: str, records: Iterable[BlockRecord], removed: Iterable[str]) -> None:
+        """One batch of a node's changes in one transaction: blocks stored or changed
+        (tier, bytes, last use) and blocks it no longer holds."""
+        records, removed = list(records), list(removed)
+        if not records and not removed:
             return
         async with self.redis.pipeline(transaction=True) as p:
-            for h in hashes:
-                p.hdel(self._block_key(h), node)
-            p.srem(self._node_blocks_key(node), *hashes)
-            p.publish(self.events_channel, self._event(
-                "blocks_removed", node=node, blocks=hashes))
+            self._queue_blocks(p, node, records, removed)
             await p.execute()
+
+    async def replace_node_blocks(self, node: str, records: Iterable[BlockRecord]) -> None:
+        """The node's whole set becomes `records` (a start, or a Redis found emptied)."""
+        records = list(records)
+        new = {r.block_hash for r in records}
+        old = await self.redis.smembers(self._node_blocks_key(node))
+        async with self.redis.pipeline(transaction=True) as p:
+            self._queue_blocks(p, node, records, sorted(old - new))
+            await p.execute()
+
+    def _queue_blocks(self, p, node: str, records: list[BlockRecord], removed: list[str]) -> None:
+        for h in removed:
+            p.hdel(self._block_key(h), node)
+        if removed:
+            p.srem(self._node_blocks_key(node), *removed)
+            p.publish(self.events_channel, self._event("blocks_removed", node=node, blocks=removed))
+        for r in records:
+            p.hset(self._block_key(r.block_hash), node, r.to_json())
+        if records:
+            p.sadd(self._node_blocks_key(node), *(r.block_hash for r in records))
+            p.publish(self.events_channel, self._event(
+                "blocks_stored", node=node, blocks=[[r.block_hash, r.tier] for r in records]))
 
     async def clear_node_blocks(self, node: str) -> None:
         """Forgets every block of a node (it restarted with an empty cache, or died)."""
@@ -280,14 +361,21 @@ class MetadataStore:
     async def get_block(self, block_hash: str) -> dict[str, BlockRecord]:
         """node -> record, for every node caching the block."""
         row = await self.redis.hgetall(self._block_key(block_hash))
-        out = {}
-        for node, raw in row.items():
-            d = json.loads(raw)
-            out[node] = BlockRecord(block_hash, d["tier"], d["bytes"], d["last_access"])
-        return out
+        return {node: BlockRecord.from_json(block_hash, raw) for node, raw in row.items()}
 
     async def blocks_on(self, node: str) -> set[str]:
         return set(await self.redis.smembers(self._node_blocks_key(node)))
+
+    async def node_blocks(self, node: str) -> list[BlockRecord]:
+        """Every block record of a node, sorted by hash."""
+        hashes = sorted(await self.redis.smembers(self._node_blocks_key(node)))
+        if not hashes:
+            return []
+        async with self.redis.pipeline(transaction=False) as p:
+            for h in hashes:
+                p.hget(self._block_key(h), node)
+            rows = await p.execute()
+        return [BlockRecord.from_json(h, raw) for h, raw in zip(hashes, rows) if raw is not None]
 
     # ---- request KV placement ----
 
@@ -299,7 +387,8 @@ class MetadataStore:
                 "workers": json.dumps(list(placement.workers)),
                 "partition": placement.partition,
                 "slab_ranges": json.dumps({w: [list(r) for r in rs]
-                                           for w, rs in placement.slab_ranges.items()})})
+                                           for w, rs in placement.slab_ranges.items()}),
+                "tokens": json.dumps(placement.tokens)})
             p.sadd(self._reqs_key(), request_id)
             p.publish(self.events_channel, self._event(
                 "placement_set", request=request_id, workers=list(placement.workers)))
@@ -310,7 +399,17 @@ class MetadataStore:
         if not row:
             return None
         ranges = {w: [tuple(r) for r in rs] for w, rs in json.loads(row["slab_ranges"]).items()}
-        return KVPlacement(tuple(json.loads(row["workers"])), row["partition"], ranges)
+        return KVPlacement(tuple(json.loads(row["workers"])), row["partition"], ranges,
+                           json.loads(row.get("tokens", "{}")))
+
+    async def update_placement_tokens(self, tokens: dict[str, dict[str, int]]) -> None:
+        """request id -> {worker: tokens held there}, for requests that still have a
+        placement (one script: a placement deleted meanwhile is not written again)."""
+        if not tokens:
+            return
+        ids = sorted(tokens)
+        await self.redis.eval(_UPDATE_IF_PLACED, len(ids), *(self._req_key(r) for r in ids),
+                              *(json.dumps(tokens[r]) for r in ids))
 
     async def delete_placement(self, request_id: str) -> None:
         async with self.redis.pipeline(transaction=True) as p:

@@ -27,6 +27,7 @@ asyncio services may call `acquire` through `asyncio.to_thread`.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -92,9 +93,23 @@ class _Entry:
     lock_count: int = 0
     loading: Future | None = None
     is_on_disk: bool = False  # a disk copy exists (also when `tier` is faster)
+    last_used_at: float = 0.0  # wall clock of its latest insert or hit (published; last_access orders)
 
 
-BlockEvent = tuple[str, str, Tier]  # ("stored" | "moved" | "dropped", block_hash, tier)
+@dataclass(frozen=True)
+class BlockInfo:
+    """One cached block as the metadata store records it."""
+
+    block_hash: str
+    parent_hash: str  # ROOT_HASH for a prompt's first block
+    num_tokens: int
+    tier: Tier  # the fastest tier holding it
+    num_bytes: int  # its payload in that tier
+    last_used_at: float  # time.time() of its latest insert or hit (or of the start that found it on disk)
+
+
+# ("stored" | "moved" | "used" | "dropped", block_hash, tier); "used": a hit on it
+BlockEvent = tuple[str, str, Tier]
 
 
 class PrefixHandle:
@@ -173,6 +188,19 @@ class PrefixCache:
         with self._lock:
             return sum(1 for e in self._entries.values() if tier is None or e.tier == tier)
 
+    def block_info(self, block_hash: str) -> BlockInfo | None:
+        """The block as it is now; None when it is not cached."""
+        with self._lock:
+            e = self._entries.get(block_hash)
+            if e is None:
+                return None
+            return BlockInfo(e.block_hash, self._index.parent_of(e.block_hash), self.config.block_size, e.tier,
+                             e.num_bytes, e.last_used_at)
+
+    def block_infos(self) -> list[BlockInfo]:
+        with self._lock:
+            return [self.block_info(h) for h in self._entries]
+
     def block_records(self) -> list[tuple[str, Tier, int, int]]:
         """(block_hash, tier, bytes, last_access) of every block, to publish metadata."""
         with self._lock:
@@ -192,12 +220,15 @@ class PrefixCache:
             if not match.is_hit:
                 return PrefixHandle(self, (), 0, None)
             now = self._tick()
+            wall = time.time()
             source_tiers = []
             for h in match.block_hashes:
                 e = self._entries[h]
                 e.lock_count += 1
                 e.last_access = now
+                e.last_used_at = wall
                 source_tiers.append(e.tier)
+                self._emit("used", h, e.tier)
         kept = len(match.block_hashes)
         for i, h in enumerate(match.block_hashes):
             if not self._promote(h):
@@ -233,6 +264,8 @@ class PrefixCache:
                 entry = self._entries.get(h)
                 if entry is not None:
                     entry.last_access = now
+                    entry.last_used_at = time.time()
+                    self._emit("used", h, entry.tier)
                     parent = h
                     continue
                 block = kv[:, :, i * bs:(i + 1) * bs].detach().clone()  # [L, 2, bs, H, D]
@@ -245,7 +278,7 @@ class PrefixCache:
                     break
                 self._index.insert(parent, block_tokens)
                 self._tiers[Tier.DEVICE].put(h, block)
-                self._entries[h] = _Entry(h, Tier.DEVICE, nbytes, now, now)
+                self._entries[h] = _Entry(h, Tier.DEVICE, nbytes, now, now, last_used_at=time.time())
                 self.stats.num_inserted += 1
                 self._emit("stored", h, Tier.DEVICE)
                 stored += 1
@@ -454,7 +487,7 @@ class PrefixCache:
                     self._index.insert(r.parent_hash, r.tokens)
                     now = self._tick()
                     self._entries[h] = _Entry(h, Tier.DISK, r.num_bytes, now, now,
-                                              is_on_disk=True)
+                                              is_on_disk=True, last_used_at=time.time())
                     del pending[h]
                     is_progress = True
         for h in pending:

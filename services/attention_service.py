@@ -3,7 +3,8 @@
 Data plane: a transport listener; each connection (a model or prefill worker)
 sends ATTEND (or ATTEND_Q then ATTEND_KV) and STORE_KV frames and gets RESULT, ACK
 or ERROR back, each echoing its request's tag (services.wire).
-Control plane: gRPC AttentionControl (Free, Stats) and health.
+Control plane: gRPC AttentionControl (Free, Stats) and health. Its occupancy is
+also written to the metadata store every second (`occupancy()`, NS:stats:attention:ID).
 """
 
 from __future__ import annotations
@@ -161,13 +162,20 @@ class AttentionService:
             held[tag] = exc  # answered (and counted) when K, V of the same tag arrive
         return None
 
+    def occupancy(self) -> dict:
+        """KV held here, as published to the metadata store."""
+        c = self.core
+        return {"used_tokens": c.slabs.num_used_tokens, "capacity_tokens": c.slabs.num_total_tokens,
+                "sequences": c.num_sequences, "used_bytes": c.used_bytes, "capacity_bytes": c.capacity_bytes}
+
     async def run(self) -> None:
         tcfg = self.config.transport_config()
         self._listener = await transports.listen(self.config.data_address(self.service_id), self._serve_connection, tcfg)
         try:
             await self.runtime.serve(
                 lambda s: lamina_pb2_grpc.add_AttentionControlServicer_to_server(_Control(self.core), s),
-                endpoint=self._listener.address, meta={"index": self.index, "kv_heads": self.core.num_kv_heads})
+                endpoint=self._listener.address, meta={"index": self.index, "kv_heads": self.core.num_kv_heads},
+                stats=self.occupancy)
         finally:
             await self._listener.close()
 

@@ -1,5 +1,10 @@
 """What `lamina status` shows: every service of a cluster as its metadata store and its
-own health check see it, the attention workers' KV occupancy and the scheduler's queue.
+own health check see it, the attention workers' KV occupancy, each prefill worker's
+prefix cache and the scheduler's queue.
+
+A prefill worker's blocks per tier are counted from its block records in the metadata
+store (kvstore.block_publisher writes them); its prompt and cached tokens are the
+figures it publishes there every second.
 
 Read-only: it lists registrations and asks each service over gRPC (or the gateway over
 HTTP); it changes nothing. Every question has the deadline `deadlines.health_s`, so a
@@ -48,17 +53,46 @@ class AttentionOccupancy:
     error: str | None = None  # why the numbers are missing
 
 
+TIERS = ("device", "host", "disk")  # BlockRecord.tier 0, 1, 2
+
+
+@dataclass(frozen=True)
+class PrefixCacheStatus:
+    name: str  # the prefill worker's service id
+    tiers: dict[str, dict[str, int]]  # tier -> {"blocks": n, "bytes": b}, from its block records
+    hit_tokens: int | None  # prompt tokens its cache served (not computed); None: no figures published
+    prompt_tokens: int | None  # prompt tokens it prefilled
+
+    @property
+    def hit_ratio(self) -> float | None:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
 @dataclass(frozen=True)
 class ClusterStatus:
     services: list[ServiceStatus]
     attention: list[AttentionOccupancy]
     running: int | None  # None: the scheduler did not answer
     waiting: int | None
+    prefix_cache: list[PrefixCacheStatus] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
+        # used_tokens and sequences: the names the prefix-cache issue asked for, beside the older keys.
         return {"services": [dataclasses.asdict(s) for s in self.services],
-                "attention": [dataclasses.asdict(a) for a in self.attention],
+                "attention": [{**dataclasses.asdict(a), "used_tokens": a.num_tokens, "sequences": a.num_sequences}
+                              for a in self.attention],
+                "prefix_cache": [dataclasses.asdict(p) for p in self.prefix_cache],
                 "requests": {"running": self.running, "waiting": self.waiting}}
+
+
+async def prefix_cache_status(store: MetadataStore, name: str) -> PrefixCacheStatus:
+    tiers = {t: {"blocks": 0, "bytes": 0} for t in TIERS}
+    for r in await store.node_blocks(name):
+        tier = tiers[TIERS[r.tier]]
+        tier["blocks"] += 1
+        tier["bytes"] += r.num_bytes
+    stats = await store.get_stats("prefill", name) or {}
+    return PrefixCacheStatus(name, tiers, stats.get("hit_tokens"), stats.get("prompt_tokens"))
 
 
 async def read_status(config: StackConfig) -> ClusterStatus:
@@ -66,6 +100,7 @@ async def read_status(config: StackConfig) -> ClusterStatus:
     async with MetadataStore(MetadataConfig(url=config.redis_url or "", namespace=config.namespace)) as store:
         infos = [info for kind in KINDS for info in await store.list_services(kind)]
         restarts = await store.restart_counts()
+        caches = [await prefix_cache_status(store, info.service_id) for info in infos if info.kind == "prefill"]
     deadline = config.deadlines.health_s
     token = config.cluster_token
     healthy = await asyncio.gather(*(_is_healthy(info, token, deadline) for info in infos))
@@ -83,7 +118,7 @@ async def read_status(config: StackConfig) -> ClusterStatus:
                                        for info in infos if info.kind == "attention"))
     schedulers = [info for info in infos if info.kind == "scheduler"]
     running, waiting = await _requests(schedulers[0], token, deadline) if schedulers else (None, None)
-    return ClusterStatus(services, list(attention), running, waiting)
+    return ClusterStatus(services, list(attention), running, waiting, caches)
 
 
 def _index(service_id: str, meta: dict) -> int | None:

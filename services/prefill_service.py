@@ -9,7 +9,9 @@ refusal (KV full on one worker) fails that request alone.
 
 The longest cached prefix of the prompt comes from the tiered prefix cache, so
 only the rest runs through the model (at least the last token, whose logits give
-the first output token); the prompt's full blocks are cached afterwards. Prompt
+the first output token); the prompt's full blocks are cached afterwards. The
+cache's blocks are published to the metadata store in batches by an owned
+BlockPublisher (kvstore.block_publisher), and withdrawn when the worker stops. Prompt
 attention runs here, over a local token-granular store that lives only for the
 request; the KV of layer i is on its way to the attention workers while layer
 i + 1 computes.
@@ -25,6 +27,7 @@ import prometheus_client
 import torch
 
 import transports
+from kvstore.block_publisher import BlockPublisher
 from kvstore.policies import MAX_DISTANCE
 from kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
 from lamina.engine.kv import KVStore
@@ -54,10 +57,14 @@ class PrefillService:
         self.m_cached = prometheus_client.Counter("lamina_prefill_cached_tokens", "prompt tokens served by the "
                                                   "prefix cache", registry=r)
         pc = config.prefill
+        self.publisher = BlockPublisher(self.runtime.store, self.runtime.service_id)
         self.cache = PrefixCache(PrefixCacheConfig(
             block_size=pc.cache_block_tokens, device_bytes=pc.cache_device_bytes, host_bytes=pc.cache_host_bytes,
             disk_bytes=pc.cache_disk_bytes, disk_dir=pc.cache_dir, eviction=pc.cache_eviction,
-        )) if pc.cache_device_bytes else None
+        ), on_event=self.publisher.on_event) if pc.cache_device_bytes else None
+        self.publisher.cache = self.cache
+        self.num_prompt_tokens = 0  # prompt tokens of the prompts prefilled
+        self.num_cached_tokens = 0  # of which the prefix cache served (not computed)
         self.m_batch = prometheus_client.Histogram(
             "lamina_prefill_batch_prompts", "prompts per prefill forward", buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=r)
@@ -141,6 +148,8 @@ class PrefillService:
             self.m_prompts.inc()
             self.m_tokens.inc(n - c)
             self.m_cached.inc(c)
+            self.num_prompt_tokens += n
+            self.num_cached_tokens += c
             results.append(lamina_pb2.PrefillResult(token_id=token, cached_tokens=c))
         self.m_batch.observe(len(reqs))
         self.m_seconds.observe(time.perf_counter() - start)
@@ -162,12 +171,21 @@ class PrefillService:
                 seq_kv.length = handle.num_tokens
             return handle.num_tokens
 
+    def stats(self) -> dict:
+        """Figures published to the metadata store every second (lamina status)."""
+        return {"prompt_tokens": self.num_prompt_tokens, "hit_tokens": self.num_cached_tokens}
+
     async def run(self) -> None:
         self.pool = await AttentionPool.from_registry(self.runtime.store, self.config, self.cfg)
         batcher = asyncio.create_task(self._batch_loop(), name="prefill-batches")
+        if self.cache is not None:
+            self.publisher.start()  # its first batch: everything the cache holds (its disk tier's blocks)
         try:
-            await self.runtime.serve(lambda s: lamina_pb2_grpc.add_PrefillServicer_to_server(_PrefillServicer(self), s))
+            await self.runtime.serve(lambda s: lamina_pb2_grpc.add_PrefillServicer_to_server(_PrefillServicer(self), s),
+                                     rebuild=self.publisher.rebuild, stats=self.stats,
+                                     drained=lambda: self.publisher.close(withdraw=self.cache is not None))
         finally:
+            await self.publisher.close()
             batcher.cancel()
             await asyncio.gather(batcher, return_exceptions=True)
             for _, fut in self._queue:

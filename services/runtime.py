@@ -2,8 +2,10 @@
 health protocol, Prometheus metrics, registration in the metadata store with a
 heartbeat, signal handling and a fixed shutdown order.
 
-Ownership: the runtime owns the gRPC server, the metrics HTTP server and the
-heartbeat task; `close()` stops them in the reverse order of start.
+Ownership: the runtime owns the gRPC server, the metrics HTTP server, the
+heartbeat task and the task publishing the service's figures (`stats`, every
+second, into the metadata store's NS:stats:KIND:ID); `close()` stops them in the
+reverse order of start.
 """
 
 from __future__ import annotations
@@ -14,17 +16,19 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.metadata import MetadataConfig, MetadataStore, RebuildHook, ServiceRegistration
+from kvstore.metadata import REDIS_ERRORS, MetadataConfig, MetadataStore, RebuildHook, ServiceRegistration
 from services.auth import server_interceptors
 from services.config import StackConfig
 
 log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 1.0  # how often a service's figures are written to the metadata store
 
 
 class ServiceRuntime:
@@ -42,6 +46,8 @@ class ServiceRuntime:
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self._metrics_server = None
         self._registration: ServiceRegistration | None = None
+        self._stats_task: asyncio.Task | None = None
+        self._drained: Callable[[], Awaitable[None]] | None = None
         self.stopping = asyncio.Event()
 
     async def start_grpc(self, add_servicers: Callable[[grpc.aio.Server], None]) -> str:
@@ -80,17 +86,33 @@ class ServiceRuntime:
                 await result
 
     async def serve(self, add_servicers: Callable[[grpc.aio.Server], None], endpoint: str | None = None,
-                    meta: dict | None = None, rebuild: RebuildHook | None = None) -> None:
+                    meta: dict | None = None, rebuild: RebuildHook | None = None,
+                    stats: Callable[[], dict] | None = None,
+                    drained: Callable[[], Awaitable[None]] | None = None) -> None:
         """Start gRPC and metrics, register (under `endpoint`, default the gRPC
         address), serve until SIGINT/SIGTERM, then drain. `rebuild` runs after a
-        re-registration that found the metadata store emptied (a restarted Redis)."""
+        re-registration that found the metadata store emptied (a restarted Redis);
+        `stats()` gives the figures published every STATS_INTERVAL_S; `drained` runs
+        at shutdown once the gRPC server has stopped, while the store is still open."""
         self.install_signal_handlers()
         await self.start_grpc(add_servicers)
         self.start_metrics()
         await self.register(endpoint or self.grpc_address or "", meta, rebuild)
+        if stats is not None:
+            self._stats_task = asyncio.create_task(self._publish_stats(stats), name=f"stats:{self.service_id}")
+        self._drained = drained
         log.info("%s serving on %s", self.service_id, self.grpc_address)
         await self.stopping.wait()
         await self.close()
+
+    async def _publish_stats(self, stats: Callable[[], dict]) -> None:
+        # A periodic timer, not a wait for a condition: the figures expire unless refreshed.
+        while True:
+            try:
+                await self.store.put_stats(self.kind, self.service_id, stats())
+            except REDIS_ERRORS as exc:
+                log.debug("%s: figures not published (%s)", self.service_id, exc)
+            await asyncio.sleep(STATS_INTERVAL_S)
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -101,6 +123,9 @@ class ServiceRuntime:
         """Drain: stop being found, refuse new calls, finish in-flight ones, then stop."""
         with contextlib.suppress(Exception):
             await self._set_serving(False)
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            await asyncio.gather(self._stats_task, return_exceptions=True)
         if self._registration is not None:
             try:
                 await asyncio.wait_for(self._registration.stop(), timeout=5.0)
@@ -108,6 +133,11 @@ class ServiceRuntime:
                 log.warning("%s: could not deregister (Redis unreachable); its entry expires by TTL", self.service_id)
         if self._server is not None:
             await self._server.stop(grace=2.0)
+        if self._drained is not None:
+            try:
+                await asyncio.wait_for(self._drained(), timeout=5.0)
+            except Exception:  # noqa: BLE001 - shutdown goes on
+                log.exception("%s: shutdown step failed", self.service_id)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         await self.store.close()

@@ -55,6 +55,8 @@ _POLICY_WINDOW = 32
 # A request whose KV had to be rebuilt this often is failing for a reason a rebuild
 # does not cure: it ends with an error.
 _MAX_RECOVERIES = 3
+# How often the tokens each placed request holds are written to its placement.
+_PLACEMENT_TOKENS_S = 0.5
 # gRPC codes of a peer that is gone, restarting or not answering: worth a rebuild.
 _PEER_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                   grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
@@ -588,6 +590,23 @@ class SchedulerService:
                     await self._finish(req, "abort")
             return
 
+    async def _publish_placement_tokens(self) -> None:
+        """Keep each placement's token counts current: every _PLACEMENT_TOKENS_S, one
+        write of every request whose KV is in place (decoding, or parked for a model
+        worker), when anything changed; not a Redis round trip per token."""
+        written: dict[str, dict[str, int]] = {}
+        while True:
+            await asyncio.sleep(_PLACEMENT_TOKENS_S)  # a periodic timer: the counts grow every step
+            held = {r.request_id: {f"attention-{w}": len(r.rebuild_ids) for w in r.workers}
+                    for r in [*self.decoding.values(), *self._parked] if r.workers}
+            if held == written:
+                continue
+            try:
+                await self.runtime.store.update_placement_tokens(held)
+                written = held
+            except REDIS_ERRORS as exc:
+                log.debug("placement tokens not written (%s)", exc)
+
     def _update_gauges(self) -> None:
         self.m_waiting.set(len(self.waiting))
         self.m_running.set(len(self.running))
@@ -619,7 +638,8 @@ class SchedulerService:
             m.open()
         self.journal.start()
         self._tasks = [asyncio.create_task(self._admit_loop(), name="admit"),
-                       asyncio.create_task(self._watch_model_workers(), name="model-watchdog")]
+                       asyncio.create_task(self._watch_model_workers(), name="model-watchdog"),
+                       asyncio.create_task(self._publish_placement_tokens(), name="placement-tokens")]
         try:
             await rt.serve(lambda s: lamina_pb2_grpc.add_SchedulerServicer_to_server(_SchedulerServicer(self), s),
                            rebuild=self._republish)

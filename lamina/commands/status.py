@@ -1,5 +1,6 @@
 """`lamina status`: every service of a running cluster, its health and restarts, the
-attention workers' KV occupancy and the requests running and waiting.
+attention workers' KV occupancy, each prefill worker's prefix cache (blocks and bytes
+per tier, hit ratio, tokens saved) and the requests running and waiting.
 
 The cluster is found through its metadata store: `--redis-url` / `REDIS_URL` (with
 `--config` and LAMINA_NAMESPACE for the namespace, LAMINA_CLUSTER_TOKEN for the token),
@@ -82,6 +83,13 @@ def _table(status) -> str:
             else:
                 rows.append((a.name, str(a.num_sequences), str(a.num_tokens), str(a.capacity_tokens),
                              f"{a.occupancy:.1%}", f"{a.fragmentation:.1%}"))
+        out += [_columns(rows), ""]
+    if status.prefix_cache:
+        rows = [("PREFIX CACHE", "DEVICE", "HOST", "DISK", "HIT RATIO", "TOKENS SAVED")]
+        for p in status.prefix_cache:
+            tiers = [f"{t['blocks']} blocks, {t['bytes'] / 2**20:.1f} MiB" for t in p.tiers.values()]
+            ratio = "-" if p.hit_ratio is None else f"{p.hit_ratio:.1%}"
+            rows.append((p.name, *tiers, ratio, _text(p.hit_tokens)))
         out += [_columns(rows), ""]
     if status.running is None:
         out.append("requests: unknown (the scheduler did not answer)")

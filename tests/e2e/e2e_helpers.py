@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from services.config import (AttentionSection, DeadlinesSection, GatewaySection, ModelWorkerSection, PipelineSection,
-                             StackConfig)
+                             PrefillSection, StackConfig)
 from services.launcher import Stack
 
 CHAT_PROMPTS = ["What is the capital of France?", "Name two colours of the rainbow."]
@@ -21,9 +21,10 @@ def free_port() -> int:
 
 def start_stack(transport: str = "tcp", partition: str = "request", workers: int = 2, micro_batches: int = 2,
                 q_early: bool = False, model_workers: int = 1, weights: str = StackConfig.weights,
-                deadlines: DeadlinesSection | None = None, supervise: bool = False, **kw) -> Stack:
+                deadlines: DeadlinesSection | None = None, supervise: bool = False,
+                prefill: PrefillSection | None = None, **kw) -> Stack:
     config = StackConfig(transport=transport, partition=partition, weights=weights,
-                         deadlines=deadlines or DeadlinesSection(),
+                         deadlines=deadlines or DeadlinesSection(), prefill=prefill or PrefillSection(),
                          gateway=GatewaySection(port=free_port(), **kw),
                          attention=AttentionSection(workers=workers, kv_capacity_bytes=256 << 20),
                          model_worker=ModelWorkerSection(workers=model_workers),

@@ -57,7 +57,7 @@ def pid_of(stack: Stack, name: str) -> int:
 
 def test_status_json_shape(stack):
     status = status_json(stack)
-    assert set(status) == {"services", "attention", "requests"}
+    assert set(status) == {"services", "attention", "prefix_cache", "requests"}
     assert {s["kind"] for s in status["services"]} == KINDS
     assert [s["name"] for s in status["services"]] == ["attention-0", "model-0", "prefill-0", "scheduler-0",
                                                        "gateway-0"]
@@ -70,6 +70,9 @@ def test_status_json_shape(stack):
     (occupancy,) = status["attention"]
     assert occupancy["name"] == "attention-0" and occupancy["error"] is None
     assert occupancy["num_sequences"] == 0 and occupancy["capacity_tokens"] > 0
+    assert (occupancy["sequences"], occupancy["used_tokens"]) == (0, 0)
+    (cache,) = status["prefix_cache"]
+    assert cache["name"] == "prefill-0" and set(cache["tiers"]) == {"device", "host", "disk"}
     assert status["requests"] == {"running": 0, "waiting": 0}
     # The table names the same services.
     table = lamina_status("--port", str(stack.config.gateway.port))
