@@ -156,3 +156,26 @@ async def test_stats_expire_with_the_service_ttl(store):
     await store.put_stats("attention", "attention-0", {"used_tokens": 5})
     assert await store.get_stats("attention", "attention-0") == {"used_tokens": 5}
     assert 0 < await store.redis.pttl(store._stats_key("attention", "attention-0")) <= 1000
+
+
+async def test_a_restarted_worker_publishes_what_its_disk_tier_kept(store, tmp_path):
+    def disk_cache(pub: BlockPublisher) -> PrefixCache:
+        cache = PrefixCache(PrefixCacheConfig(block_size=BS, device_bytes=BLOCK, disk_bytes=4 * BLOCK,
+                                              disk_dir=str(tmp_path / "kv")), on_event=pub.on_event)
+        pub.cache = cache
+        return cache
+
+    pub = BlockPublisher(store, "prefill-0", interval_s=0.01)
+    cache = disk_cache(pub)
+    pub.start()
+    cache.insert(prompt(1, 2), make_kv(2 * BS))  # one device block: the first goes to disk
+    await store_matches(store, "prefill-0", cache)
+    await pub.close()  # the process dies: its entries stay until a restart replaces them
+    pub = BlockPublisher(store, "prefill-0", interval_s=0.01)
+    restarted = disk_cache(pub)  # re-indexes the disk tier
+    pub.start()
+    await store_matches(store, "prefill-0", restarted)
+    records = await store.node_blocks("prefill-0")
+    assert [r.block_hash for r in records] == [block_hashes(prompt(1, 2), BS)[0]]
+    assert records[0].tier == Tier.DISK
+    await pub.close(withdraw=True)
