@@ -23,7 +23,12 @@ of model and attention compute, estimated as max(0, model compute + attention co
 - wall) / wall: time in which both computed, exact when neither side sat idle with work
 queued, a lower bound otherwise. The local engine reports its CPU ms per token too.
 
-Prints the machine, the workload and a table; the last line is one JSON object.
+The local engine and the stack hold the linears the same way (`--weights`, default
+as_file, the stack's default: the GGUF's packed blocks); `--weights float32,as_file`
+repeats everything per choice, side by side.
+
+Prints the machine, the workload and a table; the last line is one JSON object (one
+report per weights choice and context under "runs" when there are several).
 """
 
 from __future__ import annotations
@@ -192,14 +197,14 @@ async def _drive(url: str, model: str, prompts: list[list[int]], steps: int) -> 
 
 
 def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batches: int, q_early: bool,
-              model_workers: int, kv_bytes: int) -> dict:
+              model_workers: int, kv_bytes: int, weights: str) -> dict:
     import openai
 
     from services.config import (AttentionSection, ModelWorkerSection, PipelineSection, SchedulerSection,
                                  StackConfig)
     from services.launcher import Stack
 
-    config = StackConfig(transport=transport,
+    config = StackConfig(transport=transport, weights=weights,
                          scheduler=SchedulerSection(max_batch_size=len(prompts), max_queue=max(256, len(prompts))),
                          attention=AttentionSection(workers=2, kv_capacity_bytes=kv_bytes),
                          model_worker=ModelWorkerSection(workers=model_workers),
@@ -286,6 +291,9 @@ def main() -> None:
     ap.add_argument("--no-q-early", action="store_true", help="skip the Q-early run")
     ap.add_argument("--quick", action="store_true", help="B=32, C=256, S=16, one run each (a few minutes)")
     ap.add_argument("--full", action="store_true", help="C in 128, 512, 2048 and three runs each")
+    ap.add_argument("--weights", default="as_file",
+                    help="how the linears hold their weights, in the local engine and the stack alike; "
+                         "comma-separated to compare (e.g. float32,as_file); default as_file, the stack's default")
     args = ap.parse_args()
     if args.quick:
         args.batch, args.contexts, args.steps, args.repeats = 32, "256", 16, 1
@@ -296,17 +304,18 @@ def main() -> None:
 
     from model.loader import load_model
 
-    loaded = load_model()
-    cfg = loaded.config
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, {platform.python_implementation()} "
           f"{platform.python_version()}, torch {torch.__version__}")
     reports = []
-    for context in [int(c) for c in args.contexts.split(",")]:
+    runs = [(w, int(c)) for w in args.weights.split(",") for c in args.contexts.split(",")]
+    for weights, context in runs:
+        loaded = load_model(weights=weights)
+        cfg = loaded.config
         prompts = make_prompts(loaded.tokenizer, args.batch, context)
         workload = {"batch": args.batch, "context": context, "steps": args.steps, "transport": args.transport,
-                    "model_workers": args.model_workers, "repeats": args.repeats}
+                    "model_workers": args.model_workers, "repeats": args.repeats, "weights": weights}
         print(f"\nworkload: {args.batch} sequences x {context}-token contexts (shared but the last "
-              f"{DISTINCT_TAIL}), {args.steps} decode steps each, greedy, EOS ignored; stack over "
+              f"{DISTINCT_TAIL}), {args.steps} decode steps each, greedy, EOS ignored; weights {weights}; stack over "
               f"{args.transport}, {args.model_workers} model worker(s), 2 attention workers", flush=True)
         kv_bytes = (args.batch * (context + args.steps + 64) * cfg.kv_bytes_per_token()) // 2 + (256 << 20)
 
@@ -323,12 +332,12 @@ def main() -> None:
         stack = {}
         for mb in [int(m) for m in args.micro_batches.split(",")]:
             stack[f"mb{mb}"] = median_of(lambda: run_stack(prompts, args.steps, args.transport, mb, False,
-                                                           args.model_workers, kv_bytes))
+                                                           args.model_workers, kv_bytes, weights))
             print(f"  stack, {mb} micro-batch(es): {stack[f'mb{mb}']['tok_s']:.1f} tok/s", flush=True)
         q_on = None
         if not args.no_q_early:
             q_on = median_of(lambda: run_stack(prompts, args.steps, args.transport, 2, True, args.model_workers,
-                                               kv_bytes))
+                                               kv_bytes, weights))
             print(f"  stack, 2 micro-batches, Q early: {q_on['tok_s']:.1f} tok/s", flush=True)
         attn = attention_per_layer(cfg, args.batch, context, repeats=20)
 
