@@ -40,8 +40,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,6 +50,7 @@ from engine_throughput import cpu_model  # noqa: E402  (bench/ is not a package)
 from llama_cpp import LlamaServerUnavailable, ensure_llama_server, server_version  # noqa: E402
 
 from lamina.lifetime import child_argv, child_env  # noqa: E402
+from services.launcher import health_ok  # noqa: E402
 
 SLOT_MARGIN = 17  # tokens per llama-server slot beyond prompt and output (15 + 96 + 17 = 128)
 START_TIMEOUT_S = 600.0
@@ -121,12 +120,8 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"llama-server exited ({proc.returncode}); log {log}:\n{_tail(log)}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
+        if health_ok(url):
+            return
         time.sleep(0.2)  # no readiness event to wait on from outside the process
     raise TimeoutError(f"llama-server not healthy after {START_TIMEOUT_S:.0f} s; log {log}")
 

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import threading
 
+from kvstore.batches import write_batches
 from kvstore.metadata import REDIS_ERRORS, BlockRecord, MetadataStore
 from kvstore.prefix_cache import BlockEvent, BlockInfo, PrefixCache
 
@@ -76,7 +77,8 @@ class BlockPublisher:
             self._is_full = True
         if self._is_full or self._dirty:
             self._wake.set()
-        self._task = asyncio.create_task(self._run(), name=f"blocks:{self.node}")
+        self._task = asyncio.create_task(write_batches(self._wake, self.flush, self.interval_s, self.retry_s),
+                                         name=f"blocks:{self.node}")
 
     async def close(self, withdraw: bool = False) -> None:
         if self._task is not None:
@@ -89,15 +91,6 @@ class BlockPublisher:
                 await self.store.clear_node_blocks(self.node)
             except REDIS_ERRORS as exc:
                 log.warning("blocks of %s not withdrawn (metadata store unreachable: %s)", self.node, exc)
-
-    async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            await asyncio.sleep(self.interval_s)  # let a batch gather
-            self._wake.clear()
-            if not await self.flush():
-                await asyncio.sleep(self.retry_s)  # Redis is down: retry, not in a tight loop
-                self._wake.set()
 
     async def flush(self) -> bool:
         """Write what changed since the last batch; False (changes kept) if Redis failed."""

@@ -110,6 +110,11 @@ class ServiceInfo:
     started_at: float
     meta: dict = field(default_factory=dict)
 
+    @classmethod
+    def from_row(cls, kind: str, service_id: str, row: dict) -> "ServiceInfo":
+        """From the service's hash (NS:svc:KIND:ID)."""
+        return cls(kind, service_id, row["endpoint"], float(row["started_at"]), json.loads(row["meta"]))
+
 
 @dataclass(frozen=True)
 class BlockRecord:
@@ -273,8 +278,7 @@ class MetadataStore:
             if not row:
                 dead.append(service_id)
                 continue
-            out.append(ServiceInfo(kind, service_id, row["endpoint"],
-                                   float(row["started_at"]), json.loads(row["meta"])))
+            out.append(ServiceInfo.from_row(kind, service_id, row))
         for service_id in dead:
             # Its lease lapsed: it is gone, and so is what it cached (unless it registered
             # again meanwhile: the script checks, atomically).
@@ -288,7 +292,7 @@ class MetadataStore:
         row = await self.redis.hgetall(self._svc_key(kind, service_id))
         if not row:
             return None
-        return ServiceInfo(kind, service_id, row["endpoint"], float(row["started_at"]), json.loads(row["meta"]))
+        return ServiceInfo.from_row(kind, service_id, row)
 
     # ---- figures a service publishes about itself ----
 

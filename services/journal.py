@@ -18,6 +18,7 @@ import base64
 import logging
 from collections import defaultdict
 
+from kvstore.batches import write_batches
 from kvstore.metadata import REDIS_ERRORS, JournalEntry, MetadataStore
 from services.protos import lamina_pb2
 
@@ -38,7 +39,7 @@ class Journal:
         self.batches = 0  # transactions written
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="journal")
+        self._task = asyncio.create_task(write_batches(self._wake, self.flush, self._interval_s, 1.0), name="journal")
 
     async def close(self) -> None:
         if self._task is not None:
@@ -72,20 +73,11 @@ class Journal:
         self._wake.set()
 
     # -- writing ----------------------------------------------------------------------------
-    async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            await asyncio.sleep(self._interval_s)  # let a batch gather
-            self._wake.clear()
-            await self.flush()
-            if self._failing:
-                await asyncio.sleep(1.0)  # Redis is down: retry the batch, not in a tight loop
-                self._wake.set()
-
-    async def flush(self) -> None:
+    async def flush(self) -> bool:
+        """Write what changed since the last batch; False (changes kept) if Redis failed."""
         started, tokens, ended = self._started, dict(self._tokens), self._ended
         if not (started or tokens or ended):
-            return
+            return True
         self._started, self._tokens, self._ended = {}, defaultdict(list), set()
         try:
             await self._store.write_journal(started.values(), tokens, ended)
@@ -101,9 +93,10 @@ class Journal:
                 if rid not in self._ended:
                     self._tokens[rid][:0] = ids
             self._ended |= ended
-            return
+            return False
         if self._failing:
             log.info("journal: the metadata store is back; written")
         self._failing = False
         self.batches += 1
+        return True
 

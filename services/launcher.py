@@ -47,6 +47,15 @@ log = logging.getLogger(__name__)
 SUPERVISE_POLL_S = 0.5
 
 
+def health_ok(base_url: str, timeout_s: float = 2.0) -> bool:
+    """Whether the HTTP server at `base_url` answers GET /health with 200 now."""
+    try:
+        with urllib.request.urlopen(base_url + "/health", timeout=timeout_s) as r:
+            return r.status == 200
+    except OSError:  # refused, reset, timed out, or an HTTP error status (URLError, HTTPError)
+        return False
+
+
 @dataclasses.dataclass
 class ServiceProcess:
     name: str  # its log file's name (attention-0, prefill, ...)
@@ -133,12 +142,8 @@ class Stack:
             if dead is not None:
                 raise RuntimeError(f"service {dead.name} exited with code {dead.proc.returncode} during start;"
                                    f" its log:\n{self.log_tail(dead.name)}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
+            if health_ok(self.base_url):
+                return
             time.sleep(0.5)  # polling another process's HTTP port: there is no event to wait on
         raise TimeoutError(f"the stack did not become healthy in {timeout_s:.0f} s; logs in {self.log_dir}")
 

@@ -236,14 +236,16 @@ class SchedulerService:
         scheduler; with the metadata store unreachable the request still runs, and its
         placement is written again when the store is back (`_republish`)."""
         try:
-            await self.runtime.store.set_placement(req.request_id, KVPlacement(
-                workers=tuple(f"attention-{w}" for w in req.workers), partition=self.config.partition,
-                slab_ranges={}))
+            await self.runtime.store.set_placement(req.request_id, self._placement_of(req))
         except REDIS_ERRORS as exc:
             log.warning("placement of %s not recorded (metadata store unreachable: %s)", req.request_id, exc)
         return await self.prefill_stub.Prefill(lamina_pb2.PrefillRequest(
             seq_id=req.kv_id, token_ids=token_ids, params=req.params,
             placement=lamina_pb2.Placement(workers=req.workers)), timeout=self.config.deadlines.rpc_s)
+
+    def _placement_of(self, req: Request) -> KVPlacement:
+        return KVPlacement(workers=tuple(f"attention-{w}" for w in req.workers), partition=self.config.partition,
+                           slab_ranges={})
 
     async def _run_prefill(self, req: Request) -> None:
         try:
@@ -318,13 +320,8 @@ class SchedulerService:
             req = self.decoding.get(f.seq_id)
             if req is None:
                 continue
-            if req.status is Status.FINISHED:
-                await self._released(req)
-                continue
             # The model worker dropped it: no frame of it is in flight any more.
-            self.decoding.pop(req.kv_id)
-            self.model_streams[worker].released()
-            self._start_recovery(req, "decode", f"model worker {worker}: {f.code}: {f.message}")
+            await self._released(req, rebuild_why=f"model worker {worker}: {f.code}: {f.message}")
 
     async def _on_decode_lost(self, worker: int, error: str) -> None:
         stream = self.model_streams[worker]
@@ -335,20 +332,21 @@ class SchedulerService:
         for req in reqs:
             # The worker is gone or its stream is: a step of these may have written part
             # of a token's KV, so each is rebuilt whole.
-            self.decoding.pop(req.kv_id)
-            stream.released()
-            if req.status is Status.FINISHED:
-                await self._free_kv(req)
-            else:
-                self._start_recovery(req, "model", f"model worker {worker}: {error}")
+            await self._released(req, rebuild_why=f"model worker {worker}: {error}", stage="model")
         self._own(self._reopen_model_stream(worker), f"reopen-model-{worker}")
 
-    async def _released(self, req: Request) -> None:
-        """The model worker holds `req` no more: no frame of it is in flight, its KV can go."""
+    async def _released(self, req: Request, rebuild_why: str | None = None, stage: str = "decode") -> None:
+        """The model worker holds `req` no more: no frame of it is in flight, its KV can go.
+
+        With `rebuild_why` (its step failed, or its worker was lost), a request that has
+        not finished is rebuilt instead (which frees its KV first)."""
         if self.decoding.pop(req.kv_id, None) is None:
             return
         self.model_streams[req.model_worker].released()
-        await self._free_kv(req)
+        if rebuild_why is not None and req.status is not Status.FINISHED:
+            self._start_recovery(req, stage, rebuild_why)
+        else:
+            await self._free_kv(req)
 
     async def _accept_token(self, req: Request, token: int) -> None:
         req.output_ids.append(token)
@@ -380,9 +378,8 @@ class SchedulerService:
         self._update_gauges()
 
     async def _free_kv(self, req: Request) -> None:
+        self._release(req)
         workers, req.workers = req.workers, []
-        for w in workers:
-            self.reserved_tokens[w] -= req.max_total_tokens
         results = await asyncio.gather(*(self.attention_stubs[w].Free(
             lamina_pb2.FreeRequest(seq_ids=[req.kv_id]), timeout=self.config.deadlines.health_s)
             for w in workers), return_exceptions=True)
@@ -404,9 +401,7 @@ class SchedulerService:
         for req in list(self.by_id.values()):
             self.journal.restore(req.request_id, req.prompt_ids, req.params, req.output_ids)
             if req.workers:
-                await store.set_placement(req.request_id, KVPlacement(
-                    workers=tuple(f"attention-{w}" for w in req.workers), partition=self.config.partition,
-                    slab_ranges={}))
+                await store.set_placement(req.request_id, self._placement_of(req))
         log.info("republished %d request(s) to a restarted metadata store", len(self.by_id))
 
     async def _end_orphans(self) -> None:
@@ -488,15 +483,14 @@ class SchedulerService:
             self.reserved_tokens[w] += req.max_total_tokens
         first = not req.output_ids  # failed during its first prefill: that one samples the first token
         try:
-            result = await self._prefill_call(req, req.prompt_ids if first else req.rebuild_ids)
+            result = await self._prefill_call(req, req.rebuild_ids)
         except grpc.aio.AioRpcError as exc:
             await self._free_kv(req)
             if exc.code() not in _PEER_FAILURES and exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise
             await self._refresh_prefill()
             raise _NotYet(f"prefill: {exc.code().name}: {exc.details()}") from None
-        log.info("%s rebuilt on attention worker(s) %s (%d tokens)", req.request_id, workers,
-                 len(req.prompt_ids) if first else len(req.rebuild_ids))
+        log.info("%s rebuilt on attention worker(s) %s (%d tokens)", req.request_id, workers, len(req.rebuild_ids))
         if req.abort_requested:
             await self._finish(req, "abort")
             return
@@ -516,9 +510,7 @@ class SchedulerService:
                 w = int(info.service_id.rsplit("-", 1)[1])
                 if w < len(self.attention_stubs) and info.meta.get("grpc") != self._attention_grpc[w]:
                     self._attention_grpc[w] = info.meta["grpc"]
-                    channel = open_channel(info.meta["grpc"], self.config.cluster_token)
-                    self._channels.append(channel)
-                    self.attention_stubs[w] = lamina_pb2_grpc.AttentionControlStub(channel)
+                    self.attention_stubs[w] = lamina_pb2_grpc.AttentionControlStub(self._channel(info.meta["grpc"]))
         stats = await asyncio.gather(*(stub.Stats(lamina_pb2.Empty(), timeout=d.health_s)
                                        for stub in self.attention_stubs), return_exceptions=True)
         healthy = []
@@ -534,15 +526,19 @@ class SchedulerService:
             healthy.append(ok)
         return healthy
 
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        """A channel to a service of the stack, closed with the scheduler."""
+        channel = open_channel(address, self.config.cluster_token)
+        self._channels.append(channel)
+        return channel
+
     async def _refresh_prefill(self) -> None:
         """Reach the prefill service at its registered address (it may have restarted)."""
         with contextlib.suppress(Exception):
             info = await self.runtime.store.get_service("prefill", "prefill-0")
             if info is not None and info.endpoint != self._prefill_endpoint:
                 self._prefill_endpoint = info.endpoint
-                channel = open_channel(info.endpoint, self.config.cluster_token)
-                self._channels.append(channel)
-                self.prefill_stub = lamina_pb2_grpc.PrefillStub(channel)
+                self.prefill_stub = lamina_pb2_grpc.PrefillStub(self._channel(info.endpoint))
 
     async def _watch_model_workers(self) -> None:
         """A model worker that holds sequences and sends no step result for
@@ -620,15 +616,13 @@ class SchedulerService:
         models = await wait_for_services(store, "model", self.config.model_worker.workers)
         self._attention_grpc = [a.meta["grpc"] for a in attn]
         self._prefill_endpoint = prefill.endpoint
-        self._channels = [open_channel(a.meta["grpc"], self.config.cluster_token) for a in attn]
-        self._channels.append(open_channel(prefill.endpoint, self.config.cluster_token))
-        model_channels = [open_channel(m.endpoint, self.config.cluster_token) for m in models]
-        self._channels += model_channels
-        self.attention_stubs = [lamina_pb2_grpc.AttentionControlStub(c) for c in self._channels[: len(attn)]]
+        self._channels = []
+        self.attention_stubs = [lamina_pb2_grpc.AttentionControlStub(self._channel(a.meta["grpc"])) for a in attn]
+        self.prefill_stub = lamina_pb2_grpc.PrefillStub(self._channel(prefill.endpoint))
+        model_channels = [self._channel(m.endpoint) for m in models]
         for w, stub in enumerate(self.attention_stubs):
             self.capacity_tokens[w] = (await stub.Stats(lamina_pb2.Empty(),
                                                         timeout=self.config.deadlines.rpc_s)).capacity_tokens
-        self.prefill_stub = lamina_pb2_grpc.PrefillStub(self._channels[len(attn)])
         stop = self._stop_rule = lamina_pb2.StopRule(eos_token_ids=sorted(self.eos_ids),
                                                      max_model_len=self.max_model_len)
         self.model_streams = [ModelStream(i, lamina_pb2_grpc.ModelWorkerStub(c), stop, self._on_decode_result,

@@ -42,8 +42,8 @@ class Request:
 
     @property
     def rebuild_ids(self) -> list[int]:
-        """The tokens whose KV a decoding request holds: all but the newest output,
-        which is the input of its next step."""
+        """The tokens whose KV a request holds: all but the newest output, which is the
+        input of its next step (the prompt alone before the first output)."""
         return self.prompt_ids + self.output_ids[:-1]
 
     @property
