@@ -8,7 +8,7 @@ batched: changes gather in memory and one transaction per `interval_s` applies
 them, so decode never waits on a Redis round trip per token.
 
 Ownership: the Journal owns its flush task (`start()`, `close()` flushes what is
-left). A failed write (Redis down) keeps the batch and retries with the next one.
+left). A failed write (Redis down) keeps the batch and tries again a second later.
 """
 
 from __future__ import annotations
