@@ -7,11 +7,17 @@
  * `append_rows` (at the end) writes a step's new K or V rows into sequences' own
  * buffers, one call for the batch.
  *
+ * KV rows are float32, or 4-bit packed (model/kv_quant.py): per KV head, D/2 bytes of
+ * codes and then a float16 (min, scale) pair per group of `group` values. Packed rows
+ * are decoded block by block inside the loop below, for one KV head at a time, into
+ * a scratch of BLOCK rows: no sequence's history is ever decoded whole.
+ *
  * Layout (float32, contiguous):
  *   q    [T, Hq, D]     the new tokens' queries, sequences concatenated
  *   out  [T, Hq, D]
  *   lse  [T, Hq]        optional: log-sum-exp of the scaled scores (-inf: no key)
- *   keys of sequence b, row j: k_base[b] + row(j) * Hkv * D floats, where
+ *   keys of sequence b, row j: k_base[b] + row(j) * Hkv * D floats (Hkv packed rows
+ *   when group > 0), where
  *   row(j) = slots[kv_start[b] + j] when slots are given (a slab pool), else j
  *   (a sequence's own buffer); values alike from v_base[b]. Sequence b has
  *   L_b = kv_len[b] keys, or kv_start[b + 1] - kv_start[b] without kv_len (a
@@ -74,7 +80,46 @@ typedef struct {
     int64_t batch, hq, hkv, d;
     int causal;
     float scale;
+    int64_t group; /* 0: float32 rows; > 0: 4-bit packed rows, groups of this many values */
 } job_t;
+
+/* Bytes of one KV head's row in the pools. */
+static inline int64_t head_bytes(const job_t *job) {
+    return job->group ? job->d / 2 + 4 * (job->d / job->group) : job->d * (int64_t)sizeof(float);
+}
+
+/* A float16 (IEEE binary16) as a float: exact for every value. */
+INLINE float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    union { uint32_t u; float f; } r;
+    if (exp == 0) {
+        r.f = (float)mant * 0x1p-24f; /* zero and subnormals */
+    } else if (exp == 31) {
+        r.u = 0x7f800000u | (mant << 13);
+    } else {
+        r.u = ((exp + 112) << 23) | (mant << 13);
+    }
+    r.u |= sign;
+    return r.f;
+}
+
+/* One packed row of d values -> out[d]. (float)q * s is exact (4-bit times an 11-bit
+ * significand), so the sum rounds once, fused or not: the same floats as the torch
+ * decoding (model/kv_quant.py) under any contraction -ffast-math allows. */
+INLINE void decode_q4(const uint8_t *restrict row, int64_t d, int64_t group, float *restrict out) {
+    const uint8_t *params = row + d / 2;
+    for (int64_t gi = 0; gi < d / group; gi++) {
+        uint16_t mh, sh;
+        memcpy(&mh, params + 4 * gi, 2);
+        memcpy(&sh, params + 4 * gi + 2, 2);
+        const float m = half_to_float(mh), s = half_to_float(sh);
+        for (int64_t x = gi * group; x < (gi + 1) * group; x += 2) {
+            const uint8_t c = row[x / 2];
+            out[x] = (float)(c & 15) * s + m;
+            out[x + 1] = (float)(c >> 4) * s + m;
+        }
+    }
+}
 
 /* s[j] = scale * <q, k_j> for the block's first jn keys (k_j = krow[j] + off).
  * Four keys at a time: four independent accumulators hide the FMA latency. */
@@ -151,13 +196,13 @@ INLINE void prefetch_block(const job_t *job, int64_t b, int64_t j0, int64_t kh) 
         const int64_t len = job->kv_len ? job->kv_len[b] : job->kv_start[b + 1] - job->kv_start[b];
         if (j0 >= len) continue;
         const int64_t jn = len - j0 < BLOCK ? len - j0 : BLOCK;
-        const int64_t row_bytes = job->hkv * job->d * (int64_t)sizeof(float), head_bytes = job->d * (int64_t)sizeof(float);
-        const char *kb = (const char *)(intptr_t)job->k_base[b] + kh * head_bytes;
-        const char *vb = (const char *)(intptr_t)job->v_base[b] + kh * head_bytes;
+        const int64_t hb = head_bytes(job), row_bytes = job->hkv * hb;
+        const char *kb = (const char *)(intptr_t)job->k_base[b] + kh * hb;
+        const char *vb = (const char *)(intptr_t)job->v_base[b] + kh * hb;
         const int64_t *slots = job->slots ? job->slots + job->kv_start[b] : NULL;
         for (int64_t j = j0; j < j0 + jn; j++) {
             const int64_t at = (slots ? slots[j] : j) * row_bytes;
-            for (int64_t x = 0; x < head_bytes; x += 64) {
+            for (int64_t x = 0; x < hb; x += 64) {
                 __builtin_prefetch(kb + at + x);
                 __builtin_prefetch(vb + at + x);
             }
@@ -168,16 +213,19 @@ INLINE void prefetch_block(const job_t *job, int64_t b, int64_t j0, int64_t kh) 
 
 /* One sequence. Row r of the sequence's queries is query i = r / hq, head h = r % hq,
  * which reads KV head h / g. m, l: [n * hq] running maximum and sum; acc: [n * hq, d];
- * s: [BLOCK]. d is a constant in the specialized copies below, so loops unroll. */
-INLINE void one_sequence(const job_t *job, int64_t b, int64_t d, float *acc, float *m, float *l, float *s) {
+ * s: [BLOCK]; dq: [2, BLOCK, d], a block of one head's K and V decoded (packed rows
+ * only). d is a constant in the specialized copies below, so loops unroll. */
+INLINE void one_sequence(const job_t *job, int64_t b, int64_t d, float *acc, float *m, float *l, float *s,
+                         float *dq) {
     const int64_t hq = job->hq, hkv = job->hkv, g = hq / hkv;
     const int64_t n = job->q_start[b + 1] - job->q_start[b];
     const int64_t len = job->kv_len ? job->kv_len[b] : job->kv_start[b + 1] - job->kv_start[b];
     const int64_t rows = n * hq;
-    const float *kb = (const float *)(intptr_t)job->k_base[b];
-    const float *vb = (const float *)(intptr_t)job->v_base[b];
+    const char *kb = (const char *)(intptr_t)job->k_base[b];
+    const char *vb = (const char *)(intptr_t)job->v_base[b];
     const int64_t *slots = job->slots ? job->slots + job->kv_start[b] : NULL;
-    const int64_t row_stride = hkv * d;
+    const int64_t group = job->group, hb = group ? d / 2 + 4 * (d / group) : d * (int64_t)sizeof(float);
+    const int64_t row_stride = hkv * hb; /* bytes */
     const float *q = job->q + job->q_start[b] * hq * d; /* [n * hq, d] */
 
     for (int64_t r = 0; r < rows; r++) {
@@ -188,14 +236,25 @@ INLINE void one_sequence(const job_t *job, int64_t b, int64_t d, float *acc, flo
 
     for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {
         const int64_t jn = len - j0 < BLOCK ? len - j0 : BLOCK;
+        const char *kat[BLOCK], *vat[BLOCK]; /* each key's row in the pools */
         const float *krow[BLOCK], *vrow[BLOCK];
         for (int64_t j = 0; j < jn; j++) {
             const int64_t row = slots ? slots[j0 + j] : j0 + j;
-            krow[j] = kb + row * row_stride;
-            vrow[j] = vb + row * row_stride;
+            kat[j] = kb + row * row_stride;
+            vat[j] = vb + row * row_stride;
+            krow[j] = group ? dq + j * d : (const float *)kat[j];
+            vrow[j] = group ? dq + (BLOCK + j) * d : (const float *)vat[j];
         }
         for (int64_t kh = 0; kh < hkv; kh++) {
             prefetch_block(job, b, j0 + BLOCK, kh);
+            /* float rows are read at head kh's offset; packed ones are decoded to offset 0 */
+            const int64_t off = group ? 0 : kh * d;
+            if (group) {
+                for (int64_t j = 0; j < jn; j++) {
+                    decode_q4((const uint8_t *)kat[j] + kh * hb, d, group, dq + j * d);
+                    decode_q4((const uint8_t *)vat[j] + kh * hb, d, group, dq + (BLOCK + j) * d);
+                }
+            }
             for (int64_t i = 0; i < n; i++) {
                 /* keys this query sees in the block: all, or up to its own position */
                 int64_t seen = job->causal ? len - n + i + 1 - j0 : jn;
@@ -203,7 +262,7 @@ INLINE void one_sequence(const job_t *job, int64_t b, int64_t d, float *acc, flo
                 if (seen <= 0) continue;
                 for (int64_t gg = 0; gg < g; gg++) {
                     const int64_t r = i * hq + kh * g + gg;
-                    scores(q + r * d, krow, kh * d, seen, d, job->scale, s);
+                    scores(q + r * d, krow, off, seen, d, job->scale, s);
                     float bmax = s[0];
                     for (int64_t j = 1; j < seen; j++) bmax = s[j] > bmax ? s[j] : bmax;
                     const float mnew = bmax > m[r] ? bmax : m[r];
@@ -215,7 +274,7 @@ INLINE void one_sequence(const job_t *job, int64_t b, int64_t d, float *acc, flo
                     }
                     m[r] = mnew;
                     l[r] = l[r] * corr + sum;
-                    weighted_values(s, vrow, kh * d, seen, d, corr, acc + r * d);
+                    weighted_values(s, vrow, off, seen, d, corr, acc + r * d);
                 }
             }
         }
@@ -231,8 +290,8 @@ INLINE void one_sequence(const job_t *job, int64_t b, int64_t d, float *acc, flo
 
 /* Head sizes 64 and 128 get copies with d constant (unrolled, accumulators in registers). */
 #define SEQUENCES(name, attr, dim)                                                   \
-    attr static void name(const job_t *job, float *acc, float *m, float *l, float *s) { \
-        for (int64_t b = 0; b < job->batch; b++) one_sequence(job, b, dim, acc, m, l, s); \
+    attr static void name(const job_t *job, float *acc, float *m, float *l, float *s, float *dq) { \
+        for (int64_t b = 0; b < job->batch; b++) one_sequence(job, b, dim, acc, m, l, s, dq); \
     }
 SEQUENCES(sequences_d64, , 64)
 SEQUENCES(sequences_d128, , 128)
@@ -243,7 +302,7 @@ SEQUENCES(sequences_d128_avx2, AVX2, 128)
 SEQUENCES(sequences_any_avx2, AVX2, job->d)
 #endif
 
-typedef void (*sequences_fn)(const job_t *, float *, float *, float *, float *);
+typedef void (*sequences_fn)(const job_t *, float *, float *, float *, float *, float *);
 
 static sequences_fn pick(int64_t d) {
 #if X86
@@ -261,22 +320,24 @@ static int run(const job_t *job) {
         if (rows > max_rows) max_rows = rows;
     }
     if (max_rows == 0) return 0;
-    float *scratch = malloc(((size_t)max_rows * (job->d + 2) + BLOCK) * sizeof(float));
+    const size_t decoded = job->group ? (size_t)2 * BLOCK * job->d : 0;
+    float *scratch = malloc(((size_t)max_rows * (job->d + 2) + BLOCK + decoded) * sizeof(float));
     if (!scratch) return -1;
-    float *acc = scratch, *m = acc + max_rows * job->d, *l = m + max_rows, *s = l + max_rows;
-    pick(job->d)(job, acc, m, l, s);
+    float *acc = scratch, *m = acc + max_rows * job->d, *l = m + max_rows, *s = l + max_rows, *dq = s + BLOCK;
+    pick(job->d)(job, acc, m, l, s, dq);
     free(scratch);
     return 0;
 }
 
 static PyObject *attend(PyObject *self, PyObject *args) {
-    long long q, out, lse, k_base, v_base, slots, q_start, kv_start, kv_len, batch, hq, hkv, d;
+    long long q, out, lse, k_base, v_base, slots, q_start, kv_start, kv_len, batch, hq, hkv, d, group;
     int causal;
     float scale;
-    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLpf", &q, &out, &lse, &k_base, &v_base, &slots, &q_start, &kv_start,
-                          &kv_len, &batch, &hq, &hkv, &d, &causal, &scale))
+    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLpfL", &q, &out, &lse, &k_base, &v_base, &slots, &q_start, &kv_start,
+                          &kv_len, &batch, &hq, &hkv, &d, &causal, &scale, &group))
         return NULL;
-    if (batch < 0 || hq <= 0 || hkv <= 0 || d <= 0 || hq % hkv) {
+    if (batch < 0 || hq <= 0 || hkv <= 0 || d <= 0 || hq % hkv || group < 0 ||
+        (group && (group % 2 || d % group))) {
         PyErr_SetString(PyExc_ValueError, "bad attention dimensions");
         return NULL;
     }
@@ -284,7 +345,7 @@ static PyObject *attend(PyObject *self, PyObject *args) {
                  (const int64_t *)(intptr_t)k_base, (const int64_t *)(intptr_t)v_base,
                  (const int64_t *)(intptr_t)slots, (const int64_t *)(intptr_t)q_start,
                  (const int64_t *)(intptr_t)kv_start, (const int64_t *)(intptr_t)kv_len, batch, hq, hkv, d, causal,
-                 scale};
+                 scale, group};
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = run(&job);
@@ -316,7 +377,7 @@ static PyObject *append_rows(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"attend", attend, METH_VARARGS,
-     "attend(q, out, lse, k_base, v_base, slots, q_start, kv_start, kv_len, batch, hq, hkv, d, causal, scale): "
+     "attend(q, out, lse, k_base, v_base, slots, q_start, kv_start, kv_len, batch, hq, hkv, d, causal, scale, group): "
      "addresses of checked buffers; see model/kv_attention.py"},
     {"append_rows", append_rows, METH_VARARGS,
      "append_rows(src, base, at, src_start, batch, row): addresses of checked buffers; see model/kv_attention.py"},

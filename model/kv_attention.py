@@ -6,7 +6,11 @@ torch reference below runs instead, with the same results):
 
 - `slot_attention`: KV in a slab pool ([S, Hkv, D] per layer, kvstore.slab), each
   sequence's keys named by their slots (a `SlotBatch`, built once per step and used
-  for every layer): the attention workers' layout.
+  for every layer): the attention workers' layout. The pool's rows may be 4-bit
+  packed (`packed`: uint8 [S, Hkv, row_bytes], model.kv_quant): the kernel decodes
+  them a block of keys and one head at a time; the torch path decodes a sequence's
+  keys of the layer at once (the same floats, model.kv_quant) and attends as for
+  float rows.
 - `BufferBatch`: each sequence's KV in a buffer of its own ([num_layers, 2, capacity,
   Hkv, D]: the local engine's layout), addressed once per step; it also appends the new
   tokens' K and V to every buffer in one call per layer.
@@ -39,6 +43,7 @@ from itertools import accumulate
 import torch
 
 from model.attention import attention_with_lse
+from model.kv_quant import Q4Rows
 
 try:
     from model import _kv_attention as NATIVE
@@ -109,15 +114,26 @@ class SlotBatch:
         return cls(slots, tuple(len(s) for s in per_sequence), num_slots)
 
 
+def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, packed: Q4Rows | None) -> tuple[int, int, int]:
+    """(num_slots, Hkv, D) of pools of float32 rows [S, Hkv, D] or packed rows [S, Hkv, row_bytes]."""
+    dtype, width = (torch.float32, None) if packed is None else (torch.uint8, packed.row_bytes)
+    name = str(dtype).removeprefix("torch.")
+    if k_pool.dim() != 3 or k_pool.shape != v_pool.shape or any(
+            t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() for t in (k_pool, v_pool)) \
+            or width not in (None, k_pool.shape[2]):
+        raise ValueError(f"k_pool {k_pool.dtype} {tuple(k_pool.shape)} and v_pool {v_pool.dtype} "
+                         f"{tuple(v_pool.shape)} must be contiguous {name} [S, Hkv, {width or 'D'}] CPU tensors")
+    num_slots, hkv, d = k_pool.shape
+    return num_slots, hkv, d if packed is None else packed.head_dim
+
+
 def slot_attention(q: torch.Tensor, query_lens: Sequence[int], k_pool: torch.Tensor, v_pool: torch.Tensor,
                    batch: SlotBatch, kv_lens: Sequence[int] | None = None, *, causal: bool = True,
-                   need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """k_pool, v_pool: [S, Hkv, D], contiguous float32; `batch` names each sequence's
-    slots. With `kv_lens`, sequence b attends over its first kv_lens[b] slots only."""
-    if k_pool.dim() != 3 or k_pool.shape != v_pool.shape or not (_is_cpu_float32(k_pool) and _is_cpu_float32(v_pool)):
-        raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} must be contiguous "
-                         f"float32 [S, Hkv, D] CPU tensors")
-    num_slots, hkv, d = k_pool.shape
+                   need_lse: bool = True, packed: Q4Rows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """k_pool, v_pool: [S, Hkv, D] contiguous float32, or with `packed`, uint8
+    [S, Hkv, packed.row_bytes] of rows of D = packed.head_dim; `batch` names each
+    sequence's slots. With `kv_lens`, sequence b attends over its first kv_lens[b] slots only."""
+    num_slots, hkv, d = _check_pools(k_pool, v_pool, packed)
     _check_q(q, query_lens, hkv, d)
     if batch.num_slots > num_slots:
         raise ValueError(f"a slot batch for a pool of {batch.num_slots} does not fit a pool of {num_slots}")
@@ -129,6 +145,8 @@ def slot_attention(q: torch.Tensor, query_lens: Sequence[int], k_pool: torch.Ten
         starts = batch.starts
         keys = [k_pool[batch.slots[s : s + n]] for s, n in zip(starts, lens)]
         values = [v_pool[batch.slots[s : s + n]] for s, n in zip(starts, lens)]
+        if packed is not None:
+            keys, values = [packed.dequantize(k) for k in keys], [packed.dequantize(v) for v in values]
         return _reference(q, query_lens, keys, values, causal, need_lse)
     b = len(lens)
     q_start = _offsets(query_lens)
@@ -136,7 +154,7 @@ def slot_attention(q: torch.Tensor, query_lens: Sequence[int], k_pool: torch.Ten
     k_base, v_base = array("q", [k_pool.data_ptr()]) * b, array("q", [v_pool.data_ptr()]) * b
     NATIVE.attend(q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0, _addr(k_base),
                   _addr(v_base), batch.slots.data_ptr(), _addr(q_start), _addr(batch.starts), _addr(kv_len), b,
-                  q.shape[1], hkv, d, causal, d**-0.5)
+                  q.shape[1], hkv, d, causal, d**-0.5, 0 if packed is None else packed.group)
     return out, lse
 
 
@@ -163,7 +181,7 @@ def buffer_attention(q: torch.Tensor, query_lens: Sequence[int], keys: Sequence[
     q_start, kv_start = _offsets(query_lens), _offsets(kv_lens)
     NATIVE.attend(q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0, _addr(k_ptrs),
                   _addr(v_ptrs), 0, _addr(q_start), _addr(kv_start), 0, len(keys), q.shape[1], hkv, d, causal,
-                  d**-0.5)
+                  d**-0.5, 0)
     return out, lse
 
 
@@ -246,7 +264,7 @@ class BufferBatch:
             return _reference(q, self.query_lens, keys, values, causal, need_lse)
         NATIVE.attend(q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0,
                       self._layer(self._k_base, layer), self._layer(self._v_base, layer), 0, _addr(self._q_start), 0,
-                      _addr(self.kv_lens), len(self._buffers), q.shape[1], self.hkv, self.d, causal, self.d**-0.5)
+                      _addr(self.kv_lens), len(self._buffers), q.shape[1], self.hkv, self.d, causal, self.d**-0.5, 0)
         return out, lse
 
 

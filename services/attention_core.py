@@ -9,6 +9,13 @@ micro-batch reads are concatenated once per step and kept while its sequences'
 slots do not change. The service wraps it in a transport listener and a gRPC
 control server.
 
+With `kv_quant="q4"` the pools hold 4-bit packed rows (model.kv_quant: codes and a
+float16 min and scale per group of a token's head) instead of float32: every K and V
+that arrives (a step's new tokens, a prefill's STORE_KV) is quantized once as it is
+written, and the kernel decodes the rows block by block as it attends. Everything
+this worker answers is computed from the packed rows, the new tokens' own K and V
+included, so the plain and the Q-early paths see the same keys and values.
+
 Several micro-batches interleave their layers on one worker, each with its own
 sequences; nothing here tracks a step in progress except through the sequences
 themselves (their lengths and slot versions), so any interleaving is served.
@@ -34,6 +41,7 @@ from kvstore.slab import KVAllocationError, SlabAllocator, SlabConfig
 from model.attention import combine_partials
 from model.config import ModelConfig
 from model.kv_attention import SlotBatch, buffer_attention, slot_attention
+from model.kv_quant import KV_QUANT_CHOICES, Q4Rows
 from services.attention_checks import KVShape, PendingStore, check_attend, check_store
 from services.wire import RemoteError, StoreKV
 
@@ -52,16 +60,23 @@ class _StepSlots:
 
 
 class AttentionCore:
-    def __init__(self, cfg: ModelConfig, capacity_bytes: int, num_kv_heads: int, tokens_per_slab: int = 64) -> None:
+    def __init__(self, cfg: ModelConfig, capacity_bytes: int, num_kv_heads: int, tokens_per_slab: int = 64,
+                 kv_quant: str = "none") -> None:
+        if kv_quant not in KV_QUANT_CHOICES:
+            raise ValueError(f"attention.kv_quant must be one of {', '.join(KV_QUANT_CHOICES)}, got {kv_quant!r}")
         self.cfg = cfg
         self.num_kv_heads = num_kv_heads
+        self.packed = Q4Rows(cfg.head_dim) if kv_quant == "q4" else None
+        # Packed pools are [S, Hkv, row_bytes] uint8: the slab allocator's rows are then
+        # the packed bytes of a head, which is all it needs to know of the format.
+        row, dtype = (cfg.head_dim, torch.float32) if self.packed is None else (self.packed.row_bytes, torch.uint8)
         try:
-            self.slabs = SlabAllocator(SlabConfig(cfg.num_layers, num_kv_heads, cfg.head_dim, capacity_bytes,
-                                                  tokens_per_slab=tokens_per_slab))
+            self.slabs = SlabAllocator(SlabConfig(cfg.num_layers, num_kv_heads, row, capacity_bytes,
+                                                  tokens_per_slab=tokens_per_slab, dtype=dtype))
         except ValueError as exc:
             raise ValueError(f"attention.kv_capacity_bytes: {exc}") from exc
         self.shape = KVShape(cfg.num_layers, cfg.num_groups * num_kv_heads, num_kv_heads, cfg.head_dim,
-                             self.slabs.config.dtype)
+                             torch.float32)
         self._storing: dict[str, PendingStore] = {}  # prefilled sequences whose layers are arriving
         # Per micro-batch (its sequence ids, in row order): the slots its layers read.
         self._step_slots: dict[tuple[str, ...], _StepSlots] = {}
@@ -98,6 +113,13 @@ class AttentionCore:
         self._step_slots[ids] = entry
         return entry
 
+    def _rows(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [T, Hkv, D] as the pools hold them: as they are, or packed [T, Hkv, row_bytes]."""
+        if self.packed is None:
+            return k, v
+        kv = self.packed.quantize(torch.stack([k, v]))  # [2, T, Hkv, row_bytes]: one call for both
+        return kv[0], kv[1]
+
     def _append(self, layer: int, seqs: list[tuple[str, int]], k: torch.Tensor, v: torch.Tensor) -> _StepSlots:
         """Write the step's new K, V (extending the sequences at layer 0) in one indexed
         write per pool; the new slots are fresh (never shared), so no copy-on-write."""
@@ -108,7 +130,8 @@ class AttentionCore:
             for seq_id, n in seqs:
                 self.slabs.extend(seq_id, n)
         step = self._slots(seqs)
-        self.slabs.k_pools[layer][step.new] = k  # [T, Hkv, D] into the pool's rows
+        k, v = self._rows(k, v)
+        self.slabs.k_pools[layer][step.new] = k  # [T, Hkv, D] (or packed rows) into the pool's rows
         self.slabs.v_pools[layer][step.new] = v
         return step
 
@@ -122,7 +145,7 @@ class AttentionCore:
         self._check(layer, seqs, q, (k, v))
         step = self._append(layer, seqs, k, v)
         return slot_attention(q.contiguous(), [n for _, n in seqs], self.slabs.k_pools[layer],
-                              self.slabs.v_pools[layer], step.batch, need_lse=need_lse)
+                              self.slabs.v_pools[layer], step.batch, need_lse=need_lse, packed=self.packed)
 
     def attend_held(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +158,8 @@ class AttentionCore:
         # Layer 0 comes before the step extends the sequences: all they hold is old.
         held = step.batch.lens if layer == 0 else [m - n for m, (_, n) in zip(step.batch.lens, seqs)]
         out, lse = slot_attention(q.contiguous(), [n for _, n in seqs], self.slabs.k_pools[layer],
-                                  self.slabs.v_pools[layer], step.batch, held, causal=False, need_lse=True)
+                                  self.slabs.v_pools[layer], step.batch, held, causal=False, need_lse=True,
+                                  packed=self.packed)
         return out, lse
 
     def append_and_combine(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor, k: torch.Tensor,
@@ -143,7 +167,9 @@ class AttentionCore:
         """Q-early, second half: append K, V, attend the new tokens among themselves
         (causally) and combine with the held part by log-sum-exp. Returns out [T, Hq, D]."""
         self._check(layer, seqs, q, (k, v))
-        self._append(layer, seqs, k, v)
+        step = self._append(layer, seqs, k, v)
+        if self.packed is not None:  # the new tokens as the pools now hold them
+            k, v = (self.packed.dequantize(pool[layer][step.new]) for pool in (self.slabs.k_pools, self.slabs.v_pools))
         lens = [n for _, n in seqs]
         if all(n == 1 for n in lens):
             # One new token sees only itself: its output is its V, its lse its own score.
@@ -187,7 +213,7 @@ class AttentionCore:
             except KVAllocationError as exc:
                 pending.error = RemoteError("kv_full", str(exc))
         if pending.error is None:
-            self.slabs.write(seq_id, msg.layer, 0, msg.k, msg.v)
+            self.slabs.write(seq_id, msg.layer, 0, *self._rows(msg.k, msg.v))
         pending.next_layer += 1
         if msg.layer != msg.num_layers - 1:
             return False

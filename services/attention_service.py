@@ -70,7 +70,8 @@ class AttentionService:
         if config.partition == "head":
             start, end = head_range(index, config.attention.workers, model_cfg.num_kv_heads)
             heads = end - start
-        self.core = AttentionCore(model_cfg, config.attention.kv_capacity_bytes, heads)
+        self.core = AttentionCore(model_cfg, config.attention.kv_capacity_bytes, heads,
+                                  kv_quant=config.attention.kv_quant)
         self.runtime = ServiceRuntime("attention", self.service_id, config)
         r = self.runtime.registry
         self.m_frames = prometheus_client.Counter("lamina_attention_frames", "data-plane frames handled",

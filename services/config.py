@@ -21,7 +21,8 @@ clear message naming the setting.
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru}
     model_worker: {threads: 1, workers: 1}
     pipeline: {micro_batches: 2, min_micro_batch: 16, q_early: false}   # staggered micro-batches per model worker
-    attention: {workers: 2, threads: 1, kv_capacity_bytes: 1073741824}
+    attention: {workers: 2, threads: 1, kv_capacity_bytes: 1073741824,
+                kv_quant: none}    # none | q4: KV rows stored 4-bit group-wise (docs/model.md)
     data_plane: {busy_poll_us: null, checksum_payloads: false, shm_ring_bytes: 16777216,
                  ucx_progress_mode: blocking, ucx_tls: null}   # see docs/transports.md
     deadlines: {reply_s: 10, rpc_s: 30, step_s: 30, health_s: 2, recovery_s: 120}   # every wait on a peer (docs/reliability.md)
@@ -43,6 +44,7 @@ TRANSPORTS = ("tcp", "ucx", "shm")
 PARTITIONS = ("request", "head")
 POLICIES = ("fcfs", "fpf", "relaxed_fpf")
 WEIGHT_CHOICES = ("float32", "q8_0", "q4", "as_file")  # model.packing.WEIGHT_CHOICES (tested equal)
+KV_QUANT_CHOICES = ("none", "q4")  # model.kv_quant.KV_QUANT_CHOICES (tested equal)
 
 
 class ConfigError(ValueError):
@@ -102,6 +104,7 @@ class AttentionSection:
     workers: int = 2
     threads: int = 1
     kv_capacity_bytes: int = 1 << 30
+    kv_quant: str = "none"  # q4: the KV pools hold 4-bit group-wise rows (model.kv_quant)
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,8 @@ class StackConfig:
                self.weights)
         _check(self.transport in TRANSPORTS, "transport", f"must be one of {', '.join(TRANSPORTS)}", self.transport)
         _check(self.partition in PARTITIONS, "partition", f"must be one of {', '.join(PARTITIONS)}", self.partition)
+        _check(self.attention.kv_quant in KV_QUANT_CHOICES, "attention.kv_quant",
+               f"must be one of {', '.join(KV_QUANT_CHOICES)}", self.attention.kv_quant)
         _check(self.scheduler.policy in POLICIES, "scheduler.policy", f"must be one of {', '.join(POLICIES)}",
                self.scheduler.policy)
         _check(0 <= self.gateway.port < 65536, "gateway.port", "must be a TCP port", self.gateway.port)
@@ -245,6 +250,7 @@ ENV_OVERRIDES = {
     "LAMINA_BUSY_POLL_US": "data_plane.busy_poll_us",
     "LAMINA_MICRO_BATCHES": "pipeline.micro_batches",
     "LAMINA_Q_EARLY": "pipeline.q_early",
+    "LAMINA_KV_QUANT": "attention.kv_quant",
 }
 
 

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from services.config import ConfigError, StackConfig, load_config
+from services.config import KV_QUANT_CHOICES, ConfigError, StackConfig, load_config
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -29,6 +29,12 @@ def stack_config(args: argparse.Namespace, **extra: object) -> StackConfig | Non
     except ConfigError as exc:
         print(f"lamina: {exc}", file=sys.stderr)
         return None
+
+
+def add_kv_quant(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-quant", default=None, choices=KV_QUANT_CHOICES,
+                   help="how attention workers store KV: none (float32, the default) or q4 (4-bit group-wise; "
+                        "docs/model.md) (attention.kv_quant)")
 
 
 def add_gateway_exposure(p: argparse.ArgumentParser) -> None:
@@ -73,11 +79,11 @@ def add_indexed(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the section's threads)")
 
 
-def run_indexed_service(args: argparse.Namespace, module: str, section: str) -> int:
+def run_indexed_service(args: argparse.Namespace, module: str, section: str, **extra: object) -> int:
     """Like run_service, for `module.serve(config, threads, index)` with index < `section`.workers."""
     import importlib
 
-    config = stack_config(args)
+    config = stack_config(args, **extra)
     if config is None:
         return 2
     count = getattr(config, section).workers

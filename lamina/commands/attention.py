@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from lamina.commands._service_args import add_indexed, run_indexed_service
+from lamina.commands._service_args import add_indexed, add_kv_quant, run_indexed_service
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_indexed(p, "attention workers")
+    add_kv_quant(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_indexed_service(args, "services.attention_service", "attention")
+    return run_indexed_service(args, "services.attention_service", "attention",
+                               **{"attention.kv_quant": args.kv_quant})

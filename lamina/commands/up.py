@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 
-from lamina.commands._service_args import add_common, add_gateway_exposure, gateway_refused, stack_config
+from lamina.commands._service_args import add_common, add_gateway_exposure, add_kv_quant, gateway_refused, stack_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="send Q before K, V and combine partial attention (default off)")
     p.add_argument("--weights", default=None, choices=("float32", "q8_0", "q4", "as_file"),
                    help="how model and prefill workers hold the linears (default as_file; docs/model.md)")
+    add_kv_quant(p)
     add_gateway_exposure(p)
     p.add_argument("--supervise", action=argparse.BooleanOptionalAction, default=True,
                    help="restart a service process that exits, with backoff (default on; with --no-supervise "
@@ -31,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
     config = stack_config(args, **{"gateway.port": args.port, "attention.workers": args.attention_workers,
                                    "model_worker.workers": args.model_workers,
                                    "pipeline.micro_batches": args.micro_batches, "pipeline.q_early": args.q_early,
-                                   "weights": args.weights, "gateway.api_key": args.api_key,
+                                   "weights": args.weights, "attention.kv_quant": args.kv_quant,
+                                   "gateway.api_key": args.api_key,
                                    "gateway.insecure": args.insecure})
     if config is None or gateway_refused(config):
         return 2
