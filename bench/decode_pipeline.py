@@ -10,8 +10,9 @@ Compared, in one run:
 - the local engine in this process with 1 and with 2 torch threads;
 - the stack as `lamina up` starts it (embedded Redis, gateway, scheduler, prefill,
   model worker(s), attention workers, each its own process; tcp by default), over the
-  OpenAI API with streaming, with 1, 2 and 3 micro-batches, and Q-early on and off at
-  2 micro-batches;
+  OpenAI API with streaming, with 1, 2 and 3 micro-batches, Q-early on and off at
+  2 micro-batches, and the rotational form over M model workers with M + 1
+  micro-batches (`--rotational`, default M = 2);
 - attention alone, per layer, for the same batch and contexts: the attention
   worker's core (services.attention_core) against the local engine's attention.
 
@@ -197,7 +198,7 @@ async def _drive(url: str, model: str, prompts: list[list[int]], steps: int) -> 
 
 
 def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batches: int, q_early: bool,
-              model_workers: int, kv_bytes: int, weights: str) -> dict:
+              model_workers: int, kv_bytes: int, weights: str, mode: str = "fixed") -> dict:
     import openai
 
     from services.config import (AttentionSection, ModelWorkerSection, PipelineSection, SchedulerSection,
@@ -209,7 +210,8 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
                          attention=AttentionSection(workers=2, kv_capacity_bytes=kv_bytes),
                          model_worker=ModelWorkerSection(workers=model_workers),
                          # Exactly the micro-batches asked for, however small they get.
-                         pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1))
+                         pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1,
+                                                  mode=mode))
     import socket
 
     with socket.socket() as s:
@@ -279,6 +281,13 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
             "overlap": max(0.0, model_c + attn_c - 1.0), "cpu_ms_per_token": 1e3 * model_c * wall / tokens}
 
 
+def _row_name(key: str) -> str:
+    if key.startswith("rot"):
+        m = int(key[3:])
+        return f"stack, rotational, {m} mw x {m + 1} mb"
+    return f"stack, {key[2:]} micro-batch(es)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64, help="sequences (B)")
@@ -289,6 +298,9 @@ def main() -> None:
     ap.add_argument("--model-workers", type=int, default=1)
     ap.add_argument("--micro-batches", default="1,2,3", help="the stack's micro-batch counts to run")
     ap.add_argument("--no-q-early", action="store_true", help="skip the Q-early run")
+    ap.add_argument("--rotational", default="2",
+                    help="model-worker counts M to run the rotational pipeline with (M + 1 micro-batches), "
+                         "comma-separated; empty: none")
     ap.add_argument("--quick", action="store_true", help="B=32, C=256, S=16, one run each (a few minutes)")
     ap.add_argument("--full", action="store_true", help="C in 128, 512, 2048 and three runs each")
     ap.add_argument("--weights", default="as_file",
@@ -334,6 +346,10 @@ def main() -> None:
             stack[f"mb{mb}"] = median_of(lambda: run_stack(prompts, args.steps, args.transport, mb, False,
                                                            args.model_workers, kv_bytes, weights))
             print(f"  stack, {mb} micro-batch(es): {stack[f'mb{mb}']['tok_s']:.1f} tok/s", flush=True)
+        for m in [int(m) for m in args.rotational.split(",") if m]:
+            stack[f"rot{m}"] = median_of(lambda: run_stack(prompts, args.steps, args.transport, m + 1, False, m,
+                                                           kv_bytes, weights, mode="rotational"))
+            print(f"  stack, rotational over {m} model workers: {stack[f'rot{m}']['tok_s']:.1f} tok/s", flush=True)
         q_on = None
         if not args.no_q_early:
             q_on = median_of(lambda: run_stack(prompts, args.steps, args.transport, 2, True, args.model_workers,
@@ -345,7 +361,7 @@ def main() -> None:
               "time shares (compute/send/wait)")
         best_local = max(r["tok_s"] for r in local.values())
         for name, r in [("local engine, 1 thread", local["1"]), ("local engine, 2 threads", local["2"]),
-                        *((f"stack, {m[2:]} micro-batch(es)", stack[m]) for m in stack),
+                        *((_row_name(m), stack[m]) for m in stack),
                         *([("stack, 2 micro-batches, Q early", q_on)] if q_on else [])]:
             share = "  ".join(f"{sid} {v['compute']:.2f}/{v['send']:.2f}/{v['wait']:.2f}"
                               for sid, v in sorted(r.get("shares", {}).items()))

@@ -25,7 +25,7 @@ from services.placement import head_range
 from services.protos import lamina_pb2, lamina_pb2_grpc
 from services.runtime import ServiceRuntime
 from services.wire import (
-    Attend, Kind, RemoteError, StoreKV, Tag, ack_frame, error_frame, frame_tag, result_frame, short_repr,
+    Attend, Kind, RemoteError, StoreKV, Tag, ack_frame, error_frame, frame_tag, incoming, result_frame, short_repr,
 )
 
 log = logging.getLogger(__name__)
@@ -89,16 +89,7 @@ class AttentionService:
         # every reply echoes its request's tag, so the peer matches replies by id.
         # Q-early halves wait here between their ATTEND_Q and ATTEND_KV frames.
         held: dict[Tag, _HeldQ | RemoteError] = {}
-        while True:
-            try:
-                frame = await conn.recv()
-            except transports.PeerClosed:
-                return
-            except transports.TransportError as exc:
-                # A corrupted frame (or a failed socket): the transport closed this
-                # connection; the worker goes on serving the others.
-                log.warning("data connection from %s dropped: %s", conn.peer, exc)
-                return
+        async for frame in incoming(conn, "data"):
             t0 = time.thread_time()  # CPU time: the work done, however busy the host is
             reply = self._handle(frame, held)
             t1 = time.perf_counter()

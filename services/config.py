@@ -20,7 +20,8 @@ clear message naming the setting.
     prefill: {threads: 1, cache_block_tokens: 16, cache_device_bytes: 268435456,
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru}
     model_worker: {threads: 1, workers: 1}
-    pipeline: {micro_batches: 2, min_micro_batch: 16, q_early: false}   # staggered micro-batches per model worker
+    pipeline: {micro_batches: 2, min_micro_batch: 16, q_early: false,
+               mode: fixed}     # fixed: micro-batches per model worker; rotational: M + 1 over M workers
     attention: {workers: 2, threads: 1, kv_capacity_bytes: 1073741824,
                 kv_quant: none}    # none | q4: KV rows stored 4-bit group-wise (docs/model.md)
     data_plane: {busy_poll_us: null, checksum_payloads: false, shm_ring_bytes: 16777216,
@@ -45,6 +46,7 @@ PARTITIONS = ("request", "head")
 POLICIES = ("fcfs", "fpf", "relaxed_fpf")
 WEIGHT_CHOICES = ("float32", "q8_0", "q4", "as_file")  # model.packing.WEIGHT_CHOICES (tested equal)
 KV_QUANT_CHOICES = ("none", "q4")  # model.kv_quant.KV_QUANT_CHOICES (tested equal)
+PIPELINE_MODES = ("fixed", "rotational")
 
 
 class ConfigError(ValueError):
@@ -84,6 +86,10 @@ class PipelineSection:
     micro_batches: int = 2  # micro-batches in flight per model worker (1: no staggering)
     min_micro_batch: int = 16  # fewer micro-batches while they would hold fewer sequences than this
     q_early: bool = False  # send Q before K, V and combine partial attention by log-sum-exp
+    # fixed: each model worker steps its own sequences in `micro_batches` micro-batches.
+    # rotational: one model worker steps every sequence in M + 1 micro-batches (M model
+    # workers) and runs each slice on whichever of the M workers is free (services.rotation).
+    mode: str = "fixed"
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,8 @@ class StackConfig:
                self.weights)
         _check(self.transport in TRANSPORTS, "transport", f"must be one of {', '.join(TRANSPORTS)}", self.transport)
         _check(self.partition in PARTITIONS, "partition", f"must be one of {', '.join(PARTITIONS)}", self.partition)
+        _check(self.pipeline.mode in PIPELINE_MODES, "pipeline.mode", f"must be one of {', '.join(PIPELINE_MODES)}",
+               self.pipeline.mode)
         _check(self.attention.kv_quant in KV_QUANT_CHOICES, "attention.kv_quant",
                f"must be one of {', '.join(KV_QUANT_CHOICES)}", self.attention.kv_quant)
         _check(self.scheduler.policy in POLICIES, "scheduler.policy", f"must be one of {', '.join(POLICIES)}",
@@ -210,6 +218,17 @@ class StackConfig:
                                native_frames=dp.native_frames)
 
     @property
+    def rotational(self) -> bool:
+        return self.pipeline.mode == "rotational"
+
+    @property
+    def decode_micro_batches(self) -> int:
+        """Micro-batches a decoding model worker keeps: M + 1 when rotational (M model
+        workers, so that one micro-batch is at its attention while each worker computes
+        another's slice), else `pipeline.micro_batches`."""
+        return self.model_worker.workers + 1 if self.rotational else self.pipeline.micro_batches
+
+    @property
     def data_plane_processes(self) -> int:
         """Processes that exchange frames and compute between them: attention workers,
         model workers and the prefill worker (all on one host under `lamina up`)."""
@@ -251,6 +270,7 @@ ENV_OVERRIDES = {
     "LAMINA_MICRO_BATCHES": "pipeline.micro_batches",
     "LAMINA_Q_EARLY": "pipeline.q_early",
     "LAMINA_KV_QUANT": "attention.kv_quant",
+    "LAMINA_PIPELINE": "pipeline.mode",
 }
 
 

@@ -1,10 +1,14 @@
 """The model-slice service: holds the weights and the slices, runs decode steps.
 
 The scheduler opens one Decode stream to each model worker and sends batch changes
-on it; the worker's DecodeRunner steps its sequences in `pipeline.micro_batches`
-staggered micro-batches and streams every step's tokens back. A step runs slice 0,
-then for every layer sends Q, K, V to the attention workers holding the micro-batch's
-KV and runs the next slice on their output; after the last slice it samples.
+on it; the worker's DecodeRunner steps its sequences in staggered micro-batches
+(`StackConfig.decode_micro_batches`) and streams every step's tokens back. A step runs
+slice 0, then for every layer sends Q, K, V to the attention workers holding the
+micro-batch's KV and runs the next slice on their output; after the last slice it
+samples. Under `pipeline.mode: rotational` the scheduler sends every sequence to one
+worker, which runs each slice on whichever model worker is free (itself or a peer's
+slice service, services.slice_peers), and every worker serves slices to its peers
+(services.slice_server).
 
 The worker keeps each decoding sequence's latest token and position (sent whole
 when the sequence joins); its KV lives on the attention workers. When its stream
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 import prometheus_client
 import torch
@@ -23,13 +28,16 @@ import torch
 import transports
 from lamina.engine.step import StepBatch
 from model.llama import split_llama
-from model.loader import load_model
+from model.loader import LoadedModel, load_model
+from model.splitter import SliceOutput
 from services.attention_pool import AttentionPool, SeqRows
 from services.config import StackConfig
 from services.decode_runner import DecodeRunner
 from services.protos import lamina_pb2, lamina_pb2_grpc
 from services.runtime import ServiceRuntime
-from services.wire import decode_tag
+from services.slice_peers import SliceExecutors
+from services.slice_server import SliceServer
+from services.wire import decode_tag, slice_tag
 
 log = logging.getLogger(__name__)
 
@@ -37,34 +45,45 @@ log = logging.getLogger(__name__)
 class ModelSlices:
     """The split model and how one batch runs through it with remote attention."""
 
-    def __init__(self, model_path: str | None, weights: str = "float32") -> None:
-        self.loaded = load_model(model_path, weights=weights)
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
         self.cfg = self.loaded.config
         self.split = split_llama(self.loaded.model)
         self.compute_s = 0.0  # CPU time in the slices, every micro-batch together
 
-    async def forward(self, micro_batch: int, step: int, batch: StepBatch, seqs: list[SeqRows],
-                      pool: AttentionPool) -> torch.Tensor:
-        """Logits [B, V] of the batch; attention runs on the pool's workers.
+    @classmethod
+    def load(cls, model_path: str | None, weights: str = "float32") -> ModelSlices:
+        return cls(load_model(model_path, weights=weights))
 
-        Micro-batches interleave at the awaits, so grad mode is set per slice call,
-        never held across an await."""
-        inputs = batch.model_inputs()
-        route = pool.route(seqs)
-        slices = self.split.slices
+    def run_slice(self, j: int, inputs: dict, attn: torch.Tensor | None = None,
+                  context: Sequence[torch.Tensor] = ()) -> SliceOutput:
+        """Slice j here. Grad mode is set per call, never held across an await
+        (micro-batches interleave at the awaits)."""
         # CPU time of this thread, not wall time: on a shared host the figure stays the
         # work done, whoever else takes the core meanwhile.
         t0 = time.thread_time()
         with torch.inference_mode():
-            out = slices[0](inputs)
+            out = self.split.slices[j](inputs, attn, context)
         self.compute_s += time.thread_time() - t0
+        return out
+
+    async def forward(self, micro_batch: int, step: int, batch: StepBatch, seqs: list[SeqRows],
+                      pool: AttentionPool, executors: SliceExecutors | None = None) -> torch.Tensor:
+        """Logits [B, V] of the batch; attention runs on the pool's workers, and the
+        slices here or, rotational, on whichever model worker `executors` finds free."""
+        inputs = batch.model_inputs()
+        route = pool.route(seqs)
+
+        async def run(j: int, attn: torch.Tensor | None, context: Sequence[torch.Tensor]) -> SliceOutput:
+            if executors is None:
+                return self.run_slice(j, inputs, attn, context)
+            return await executors.run(slice_tag(micro_batch, step, j), j, inputs, attn, context)
+
+        out = await run(0, None, ())
         for i in range(self.split.num_attention):
             q, k, v = out.qkv
             attn = await pool.attend(decode_tag(micro_batch, step, i), i, route, q, k, v)
-            t0 = time.thread_time()
-            with torch.inference_mode():
-                out = slices[i + 1](inputs, attn, out.context)
-            self.compute_s += time.thread_time() - t0
+            out = await run(i + 1, attn, out.context)
         return out.output
 
 
@@ -81,7 +100,7 @@ class ModelService:
     def __init__(self, config: StackConfig, index: int = 0) -> None:
         self.config = config
         self.index = index
-        self.slices = ModelSlices(config.model, config.weights)
+        self.slices = ModelSlices.load(config.model, config.weights)
         self.runtime = ServiceRuntime("model", f"model-{index}", config)
         r = self.runtime.registry
         self.m_steps = prometheus_client.Counter("lamina_model_steps", "micro-batch decode steps run", registry=r)
@@ -93,17 +112,29 @@ class ModelService:
                                                    "CPU time computing the slices", registry=r)
         self.m_send = prometheus_client.Counter("lamina_model_send_seconds",
                                                 "time sending Q, K, V to attention workers", registry=r)
+        self.m_remote = prometheus_client.Counter("lamina_model_remote_slices",
+                                                  "slices this coordinator ran on peer model workers", registry=r)
+        self.m_served = prometheus_client.Counter("lamina_model_served_slices",
+                                                  "slices run here for a rotational coordinator", registry=r)
         self.pool: AttentionPool | None = None
+        self.executors: SliceExecutors | None = None  # rotational only
+        self.slice_server = SliceServer(self.slices.split.slices, self._serve_slice)
         self._runner: DecodeRunner | None = None
-        self._reported = (0.0, 0.0)  # compute and send seconds already counted
+        self._reported = (0.0, 0.0, 0)  # compute and send seconds, remote slices already counted
+
+    def _serve_slice(self, j, inputs, attn, context) -> SliceOutput:
+        self.m_served.inc()
+        return self.slices.run_slice(j, inputs, attn, context)
 
     def _on_step(self, num_seqs: int, wall_s: float) -> None:
         self.m_steps.inc()
         self.m_batch.observe(num_seqs)
         self.m_step_seconds.observe(wall_s)
+        remote = self.executors.remote_slices if self.executors is not None else 0
         self.m_compute.inc(self.slices.compute_s - self._reported[0])
         self.m_send.inc(self.pool.send_s - self._reported[1])
-        self._reported = (self.slices.compute_s, self.pool.send_s)
+        self.m_remote.inc(remote - self._reported[2])
+        self._reported = (self.slices.compute_s, self.pool.send_s, remote)
 
     async def decode(self, updates):
         """One Decode stream: apply the scheduler's updates, yield step results.
@@ -116,13 +147,14 @@ class ModelService:
         first = await anext(aiter(updates), None)
         if first is None:
             return
-        pipe = self.config.pipeline
+        if self.executors is not None:
+            await self.executors.refresh()  # peers started after this worker are found now
 
         async def forward(mb, step, batch, rows):
-            return await self.slices.forward(mb, step, batch, rows, self.pool)
+            return await self.slices.forward(mb, step, batch, rows, self.pool, self.executors)
 
-        runner = DecodeRunner(forward, pipe.micro_batches, first.stop, on_step=self._on_step,
-                              min_micro_batch=pipe.min_micro_batch)
+        runner = DecodeRunner(forward, self.config.decode_micro_batches, first.stop, on_step=self._on_step,
+                              min_micro_batch=self.config.pipeline.min_micro_batch)
         self._runner = runner
         runner.join(list(first.joins))
         runner.leave(list(first.leaves))
@@ -152,12 +184,35 @@ class ModelService:
             if self._runner is runner:
                 self._runner = None
 
+    async def _peer_slice_services(self) -> dict[int, str]:
+        """The other model workers' slice services, as registered."""
+        found = {}
+        for info in await self.runtime.store.list_services("model"):
+            index, address = info.meta.get("index"), info.meta.get("slices")
+            if isinstance(index, int) and index != self.index and isinstance(address, str):
+                found[index] = address
+        return found
+
     async def run(self) -> None:
         self.pool = await AttentionPool.from_registry(self.runtime.store, self.config, self.slices.cfg)
+        meta: dict = {"index": self.index}
+        listener = None
         try:
+            if self.config.rotational:
+                tcfg = self.config.transport_config()
+                listener = await transports.listen(self.config.data_address(self.runtime.service_id),
+                                                   self.slice_server.serve_connection, tcfg)
+                meta["slices"] = listener.address
+                self.executors = SliceExecutors(self.slices.split.slices, self.slices.run_slice,
+                                                self._peer_slice_services, tcfg, self.config.deadlines.reply_s,
+                                                self.config.model_worker.workers)
             await self.runtime.serve(lambda s: lamina_pb2_grpc.add_ModelWorkerServicer_to_server(_ModelServicer(self), s),
-                                     meta={"index": self.index})
+                                     meta=meta)
         finally:
+            if self.executors is not None:
+                await self.executors.close()
+            if listener is not None:
+                await listener.close()
             await self.pool.close()
 
 

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 class PrefillService:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
-        self.slices = ModelSlices(config.model, config.weights)
+        self.slices = ModelSlices.load(config.model, config.weights)
         self.cfg = self.slices.cfg
         self.runtime = ServiceRuntime("prefill", "prefill-0", config)
         r = self.runtime.registry

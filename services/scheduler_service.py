@@ -45,6 +45,7 @@ from services.placement import place_request
 from services.protos import lamina_pb2, lamina_pb2_grpc
 from services.runtime import ServiceRuntime, wait_for_services
 from services.micro_batches import join_target
+from services.rotation import coordinator
 from services.model_streams import ModelStream
 from services.scheduler_state import Request, Status, admission_order, can_admit, kv_id, stop_reason
 
@@ -280,7 +281,8 @@ class SchedulerService:
     # -- decoding ---------------------------------------------------------------------------
     def _join_decode(self, req: Request) -> None:
         """Hand a prefilled request to the least loaded live model worker's decode
-        stream; with none live, it waits (KV in place) for one to come back."""
+        stream (rotational: the coordinator's, services.rotation); with none live, it
+        waits (KV in place) for one to come back."""
         if req not in self.running:
             self.running.append(req)
         live = [i for i, m in enumerate(self.model_streams) if m.alive]
@@ -288,7 +290,8 @@ class SchedulerService:
             req.status = Status.RECOVERING
             self._parked.append(req)
             return
-        w = live[join_target([self.model_streams[i].num_sequences for i in live])]
+        loads = [self.model_streams[i].num_sequences for i in live]
+        w = live[coordinator(loads) if self.config.rotational else join_target(loads)]
         req.status = Status.RUNNING
         req.model_worker = w
         self.decoding[req.kv_id] = req

@@ -17,8 +17,13 @@ frames and replies interleave.
     STORE_KV  prefill -> attention header {tag, seq_id, layer, num_layers}; tensors [k, v]: [P, hkv, D]
     ACK       attention -> prefill header {tag}, after the last layer of a STORE_KV
     ERROR     attention -> sender header {tag, code, message}; that request failed, the link stays up
+    SLICE     model -> model      header {tag, slice}; tensors [the slice's graph inputs in its order,
+                                  attention output (all but slice 0), context...]: run one slice
+                                  for a rotational coordinator (services.slice_server)
+    SLICE_OUT model -> model      header {tag}; tensors [q, k, v, context...], or [logits] from the last slice
 
-A decode tag is [micro_batch, step, layer]; a store tag is [seq_id].
+A decode tag is [micro_batch, step, layer]; a store tag is [seq_id]; a slice tag is
+[micro_batch, step, slice].
 
 Decoding is strict: a header that is not a map, a field missing or of the wrong
 type, or a raw byte buffer where a tensor belongs raises RemoteError, which the
@@ -36,13 +41,18 @@ worker answers with an ERROR frame. The codes of ERROR frames:
 from __future__ import annotations
 
 import enum
+import logging
 import reprlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+import transports
 from transports import Frame
+
+log = logging.getLogger(__name__)
 
 WIRE_VERSION = 2
 
@@ -57,6 +67,8 @@ class Kind(enum.IntEnum):
     ERROR = 5
     ATTEND_Q = 6
     ATTEND_KV = 7
+    SLICE = 8
+    SLICE_OUT = 9
 
 
 class RemoteError(RuntimeError):
@@ -71,10 +83,29 @@ def decode_tag(micro_batch: int, step: int, layer: int) -> Tag:
     return (micro_batch, step, layer)
 
 
+def slice_tag(micro_batch: int, step: int, slice_index: int) -> Tag:
+    return (micro_batch, step, slice_index)
+
+
 _MAX_TAG_ITEMS = 8
 _REPR = reprlib.Repr()  # bounded reprs: a hostile value must not make a long reply
 _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict, _REPR.maxlevel = 60, 60, 6, 6, 2
 short_repr = _REPR.repr
+
+
+async def incoming(conn: transports.Connection, what: str) -> AsyncIterator[Frame]:
+    """A served connection's frames until the peer closes it. A corrupted frame or a
+    failed socket ends it too (the transport has closed the connection): logged, and
+    the service goes on serving its other connections."""
+    while True:
+        try:
+            frame = await conn.recv()
+        except transports.PeerClosed:
+            return
+        except transports.TransportError as exc:
+            log.warning("%s connection from %s dropped: %s", what, conn.peer, exc)
+            return
+        yield frame
 
 
 def frame_tag(f: Frame) -> Tag:
@@ -179,6 +210,29 @@ class StoreKV:
         h = _header(f)
         k, v = _tensors(f, Kind.STORE_KV, 2)
         return cls(_field(h, "seq_id", str), _field(h, "layer", int), _field(h, "num_layers", int), k, v)
+
+
+@dataclass(frozen=True)
+class RunSlice:
+    """One slice of a micro-batch's step, to run on another model worker."""
+
+    tag: Tag
+    slice: int
+    tensors: list[torch.Tensor]  # graph inputs (in the slice's order), attention output, context
+
+    def to_frame(self) -> Frame:
+        return Frame(kind=Kind.SLICE, header={"v": WIRE_VERSION, "tag": list(self.tag), "slice": self.slice},
+                     tensors=self.tensors)
+
+    @classmethod
+    def from_frame(cls, f: Frame) -> RunSlice:
+        h = _header(f)
+        tensors = _tensors(f, Kind.SLICE, len(f.tensors))
+        return cls(frame_tag(f), _field(h, "slice", int), tensors)
+
+
+def slice_out_frame(tag: Tag, tensors: list[torch.Tensor]) -> Frame:
+    return Frame(kind=Kind.SLICE_OUT, header={"v": WIRE_VERSION, "tag": list(tag)}, tensors=tensors)
 
 
 def result_frame(tag: Tag, out: torch.Tensor) -> Frame:

@@ -17,6 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-workers", type=int, default=None, help="number of model-slice workers (default 1)")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="staggered micro-batches per model worker (default 2; 1 turns staggering off)")
+    p.add_argument("--pipeline", default=None, choices=("fixed", "rotational"),
+                   help="fixed: each model worker keeps its micro-batches (default); rotational: M + 1 "
+                        "micro-batches move to whichever of the M model workers is free, slice by slice")
     p.add_argument("--q-early", action=argparse.BooleanOptionalAction, default=None,
                    help="send Q before K, V and combine partial attention (default off)")
     p.add_argument("--weights", default=None, choices=("float32", "q8_0", "q4", "as_file"),
@@ -32,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     config = stack_config(args, **{"gateway.port": args.port, "attention.workers": args.attention_workers,
                                    "model_worker.workers": args.model_workers,
                                    "pipeline.micro_batches": args.micro_batches, "pipeline.q_early": args.q_early,
+                                   "pipeline.mode": args.pipeline,
                                    "weights": args.weights, "attention.kv_quant": args.kv_quant,
                                    "gateway.api_key": args.api_key,
                                    "gateway.insecure": args.insecure})
@@ -44,8 +48,9 @@ def run(args: argparse.Namespace) -> int:
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
-    print(f"starting: {config.model_worker.workers} model worker(s) with {config.pipeline.micro_batches} "
-          f"micro-batch(es){' and Q sent early' if config.pipeline.q_early else ''}, "
+    mode = " in all, rotational" if config.rotational else ""
+    print(f"starting: {config.model_worker.workers} model worker(s) with {config.decode_micro_batches} "
+          f"micro-batch(es){mode}{' and Q sent early' if config.pipeline.q_early else ''}, "
           f"{config.attention.workers} attention workers, transport {config.transport}, "
           f"{config.partition}-level partitioning; logs in {stack.log_dir}", file=sys.stderr)
     try:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import urllib.request
 
 from services.config import (AttentionSection, DeadlinesSection, GatewaySection, ModelWorkerSection, PipelineSection,
                              PrefillSection, StackConfig)
@@ -22,14 +24,15 @@ def free_port() -> int:
 def start_stack(transport: str = "tcp", partition: str = "request", workers: int = 2, micro_batches: int = 2,
                 q_early: bool = False, model_workers: int = 1, weights: str = StackConfig.weights,
                 deadlines: DeadlinesSection | None = None, supervise: bool = False,
-                prefill: PrefillSection | None = None, **kw) -> Stack:
+                prefill: PrefillSection | None = None, pipeline_mode: str = "fixed", **kw) -> Stack:
     config = StackConfig(transport=transport, partition=partition, weights=weights,
                          deadlines=deadlines or DeadlinesSection(), prefill=prefill or PrefillSection(),
                          gateway=GatewaySection(port=free_port(), **kw),
                          attention=AttentionSection(workers=workers, kv_capacity_bytes=256 << 20),
                          model_worker=ModelWorkerSection(workers=model_workers),
                          # min_micro_batch 1: the few requests of a test still fill every micro-batch.
-                         pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1))
+                         pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1,
+                                                  mode=pipeline_mode))
     stack = Stack(config, supervise=supervise)
     stack.start(timeout_s=240)
     return stack
@@ -51,3 +54,24 @@ async def attention_stats(stack: Stack) -> list:
         async with open_channel(s.meta["grpc"], stack.config.cluster_token) as ch:
             stats.append(await lamina_pb2_grpc.AttentionControlStub(ch).Stats(lamina_pb2.Empty()))
     return stats
+
+
+def service_metric(stack: Stack, kind: str, service_id: str, name: str) -> float:
+    """One sample of a service's Prometheus metrics, read over HTTP."""
+    from kvstore.metadata import MetadataConfig, MetadataStore
+
+    async def metrics_port() -> int:
+        store = MetadataStore(MetadataConfig(url=stack.config.redis_url, namespace=stack.config.namespace))
+        try:
+            info = await store.get_service(kind, service_id)
+        finally:
+            await store.close()
+        assert info is not None, f"{kind} {service_id} is not registered"
+        return int(info.meta["metrics_port"])
+
+    port = asyncio.run(metrics_port())
+    with urllib.request.urlopen(f"http://{stack.config.host}:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"the metrics of {service_id} lack {name}")

@@ -10,7 +10,7 @@ import urllib.request
 import openai
 import pytest
 
-from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, attention_stats
+from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, attention_stats, service_metric
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -154,23 +154,7 @@ def test_health_and_metrics(stack):
 
 
 def _prefill_metric(stack, name: str) -> float:
-    """One sample of the prefill service's Prometheus metrics, read over HTTP."""
-    from kvstore.metadata import MetadataConfig, MetadataStore
-
-    async def metrics_port() -> int:
-        store = MetadataStore(MetadataConfig(url=stack.config.redis_url, namespace=stack.config.namespace))
-        try:
-            (prefill,) = await store.list_services("prefill")
-        finally:
-            await store.close()
-        return int(prefill.meta["metrics_port"])
-
-    port = asyncio.run(metrics_port())
-    with urllib.request.urlopen(f"http://{stack.config.host}:{port}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"prefill metrics lack {name}")
+    return service_metric(stack, "prefill", "prefill-0", name)
 
 
 def _prefill_cached_tokens(stack) -> float:

@@ -12,16 +12,17 @@ import asyncio
 import openai
 import pytest
 
-from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, attention_stats, start_stack
+from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, attention_stats, service_metric, start_stack
 
 pytestmark = pytest.mark.timeout(600)
 
 SEEDED = [("Once upon a time", 11), ("The best way to learn", 12), ("My favourite food is", 13)]
 SEEDED_TOKENS = 12
 
-# (model workers, micro-batches, Q-early, partition, weights): the GGUF's own packed
-# blocks compute with exactly the values transformers dequantizes, so greedy still matches.
-PIPELINES = [(2, 3, True, "request", "float32"), (2, 1, False, "head", "as_file")]
+# (model workers, micro-batches, Q-early, partition, weights, pipeline mode): the GGUF's
+# own packed blocks compute with exactly the values transformers dequantizes, so greedy
+# still matches. Rotational with 2 model workers steps 3 micro-batches (M + 1).
+PIPELINES = [(2, 3, True, "request", "float32", "fixed"), (2, 3, False, "head", "as_file", "rotational")]
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +42,12 @@ async def _occupancy(stack) -> list[int]:
     return [s.num_tokens for s in await attention_stats(stack)]
 
 
-@pytest.mark.parametrize(("model_workers", "micro_batches", "q_early", "partition", "weights"), PIPELINES,
-                         ids=[f"{m}mw-mb{b}{'-qearly' if q else ''}-{p}-{w}" for m, b, q, p, w in PIPELINES])
-def test_pipeline_outputs_equal_the_peers(model_workers, micro_batches, q_early, partition, weights,
+@pytest.mark.parametrize(("model_workers", "micro_batches", "q_early", "partition", "weights", "mode"), PIPELINES,
+                         ids=[f"{m}mw-{o}-mb{b}{'-qearly' if q else ''}-{p}-{w}" for m, b, q, p, w, o in PIPELINES])
+def test_pipeline_outputs_equal_the_peers(model_workers, micro_batches, q_early, partition, weights, mode,
                                           reference_outputs, seeded_reference):
     stack = start_stack(partition=partition, micro_batches=micro_batches, q_early=q_early,
-                        model_workers=model_workers, weights=weights)
+                        model_workers=model_workers, weights=weights, pipeline_mode=mode)
     try:
         async def scenario():
             client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
@@ -70,6 +71,8 @@ def test_pipeline_outputs_equal_the_peers(model_workers, micro_batches, q_early,
         for key, r in zip(keys, greedy):
             assert r.choices[0].model_extra["token_ids"] == reference_outputs[key]["token_ids"], key
         assert [r.choices[0].model_extra["token_ids"] for r in seeded] == seeded_reference
+        if mode == "rotational":  # the peer model worker ran slices for the coordinator
+            assert service_metric(stack, "model", "model-1", "lamina_model_served_slices_total") > 0
     finally:
         stack.stop()
 

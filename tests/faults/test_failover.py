@@ -28,11 +28,15 @@ CASES = [
     ("attention-0", 3, {"workers": 2, "partition": "request"}),
     ("attention-1", None, {"workers": 2, "partition": "request"}),
     ("model-0", 3, {"model_workers": 2}),
+    # Rotational: the peer running slices for the coordinator (model-0) dies; the
+    # coordinator runs them itself from then on.
+    ("model-1", 3, {"model_workers": 2, "pipeline_mode": "rotational"}),
 ]
 
 
 @pytest.mark.parametrize(("victim", "after_chunks", "options"), CASES,
-                         ids=[f"{v}-{'prefill' if a is None else 'decode'}" for v, a, _ in CASES])
+                         ids=[f"{v}-{'prefill' if a is None else 'decode'}{'-' + o['pipeline_mode'] if 'pipeline_mode' in o else ''}"
+                              for v, a, o in CASES])
 def test_streams_survive_a_killed_worker(victim, after_chunks, options, references):
     stack = start_stack(**options)
     try:

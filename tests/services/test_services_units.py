@@ -60,6 +60,15 @@ def test_weight_choices_are_the_loaders():
         load_config(env={"LAMINA_WEIGHTS": "fp8"})
 
 
+def test_the_rotational_pipeline_steps_one_more_micro_batch_than_model_workers():
+    rotational = load_config(env={"LAMINA_PIPELINE": "rotational"}, overrides={"model_worker.workers": 3})
+    assert (rotational.rotational, rotational.decode_micro_batches) == (True, 4)
+    fixed = load_config(env={}, overrides={"model_worker.workers": 3, "pipeline.micro_batches": 2})
+    assert (fixed.rotational, fixed.decode_micro_batches) == (False, 2)
+    with pytest.raises(ConfigError, match="pipeline.mode must be one of fixed, rotational"):
+        load_config(env={"LAMINA_PIPELINE": "round-robin"})
+
+
 def test_busy_polling_only_where_every_busy_process_has_a_core():
     assert default_budget_us(4, num_cores=2) == 0.0
     assert default_budget_us(4, num_cores=4) == 50.0
