@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prefill": ("lamina.commands.prefill", "a prefill worker"),
     "model": ("lamina.commands.model", "a model-slice worker"),
     "attention": ("lamina.commands.attention", "an attention worker"),
+    "plan": ("lamina.commands.plan", "rank deployments, quantization and threads for a workload (planner)"),
 }
 
 
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # prints the usage error and exits
         return 2
     name = argv[0]
-    if name not in ("generate", "status"):  # the commands that are not services
+    if name not in ("generate", "status", "plan"):  # the commands that are not services
         from lamina.lifetime import die_with_parent
 
         die_with_parent()  # a service started by a launcher ends with it

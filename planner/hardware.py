@@ -1,0 +1,147 @@
+"""The hardware catalogue: devices with memory, bandwidth, compute by dtype, interconnect
+and price, each figure with its source (planner/catalogue.yaml), and `this-machine` from a
+profile file in the same format when one is given.
+
+A `Device` holds effective figures in SI units (bytes, bytes/s, FLOP/s, seconds, USD/h);
+the efficiencies stay separate so that a report can show peak and achieved side by side.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+THIS_MACHINE = "this-machine"
+
+# Catalogue key -> whether every entry must have it.
+_FIGURES = {
+    "memory_gb": True, "memory_tb_s": True, "scaleup_gb_s": True, "network_gbit_s": True,
+    "network_latency_us": True, "scaleup_latency_us": True, "compute_efficiency": True,
+    "memory_efficiency": True, "usd_per_hour": True, "cores": False,
+}
+
+
+class CatalogueError(ValueError):
+    """A catalogue or profile entry that is missing a figure or a figure's source."""
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    description: str
+    memory_bytes: float
+    memory_bw: float  # bytes/s, peak
+    flops: Mapping[str, float]  # dtype ("bf16", "fp8", "fp32") -> FLOP/s, dense peak
+    scaleup_bw: float  # bytes/s one way, per device (NVLink, PCIe or UPI)
+    network_bw: float  # bytes/s one way, per device (the NIC that reaches other workers)
+    network_latency: float  # s, one way
+    scaleup_latency: float  # s, one small collective
+    compute_efficiency: float
+    memory_efficiency: float
+    usd_per_hour: float
+    cores: int | None = None  # CPU devices: physical cores, for the thread-count model
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.cores is not None
+
+    @property
+    def matmul_flops(self) -> float:
+        """Achievable FLOP/s of 16-bit matmuls (bf16 tensor cores, AMX)."""
+        return self.flops["bf16"] * self.compute_efficiency
+
+    @property
+    def vector_flops(self) -> float:
+        """Achievable FLOP/s of element-wise work ((de)quantization): the fp32 units."""
+        return self.flops.get("fp32", self.flops["bf16"]) * self.compute_efficiency
+
+    @property
+    def achieved_bw(self) -> float:
+        return self.memory_bw * self.memory_efficiency
+
+
+def _figure(entry: Mapping[str, Any], key: str, where: str) -> tuple[float, str]:
+    fig = entry.get(key)
+    if not isinstance(fig, Mapping) or "value" not in fig:
+        raise CatalogueError(f"{where}: {key} must be {{value, source}}")
+    source = fig.get("source")
+    if not isinstance(source, str) or not source.strip():
+        raise CatalogueError(f"{where}: {key} has no source")
+    value = float(fig["value"])
+    if value <= 0:
+        raise CatalogueError(f"{where}: {key} must be positive, got {value}")
+    return value, source
+
+
+def device_from_entry(name: str, entry: Mapping[str, Any]) -> Device:
+    """One catalogue (or profile) entry -> a Device; raises CatalogueError if a figure or its
+    source is missing."""
+    values: dict[str, float] = {}
+    sources: dict[str, str] = {}
+    for key, required in _FIGURES.items():
+        if key not in entry and not required:
+            continue
+        values[key], sources[key] = _figure(entry, key, name)
+    flops: dict[str, float] = {}
+    for dtype in (entry.get("tflops") or {}):
+        tflops, sources[f"tflops.{dtype}"] = _figure(entry["tflops"], dtype, f"{name}.tflops")
+        flops[dtype] = tflops * 1e12
+    if "bf16" not in flops:
+        raise CatalogueError(f"{name}: tflops.bf16 is required")
+    return Device(
+        name=name, description=str(entry.get("description", name)),
+        memory_bytes=values["memory_gb"] * 1e9, memory_bw=values["memory_tb_s"] * 1e12,
+        flops=flops, scaleup_bw=values["scaleup_gb_s"] * 1e9,
+        network_bw=values["network_gbit_s"] * 1e9 / 8,
+        network_latency=values["network_latency_us"] * 1e-6,
+        scaleup_latency=values["scaleup_latency_us"] * 1e-6,
+        compute_efficiency=values["compute_efficiency"], memory_efficiency=values["memory_efficiency"],
+        usd_per_hour=values["usd_per_hour"],
+        cores=int(values["cores"]) if "cores" in values else None, sources=sources,
+    )
+
+
+def load_catalogue(profile: Path | None = None) -> dict[str, Device]:
+    """Every catalogue device by name, plus `this-machine` from `profile` (a JSON file whose
+    "device" object is a catalogue entry) when it is given."""
+    text = resources.files("planner").joinpath("catalogue.yaml").read_text()
+    devices = {name: device_from_entry(name, entry) for name, entry in yaml.safe_load(text).items()}
+    if profile is not None:
+        entry = json.loads(Path(profile).read_text())["device"]
+        devices[THIS_MACHINE] = device_from_entry(THIS_MACHINE, entry)
+    return devices
+
+
+@dataclass(frozen=True)
+class HardwareOffer:
+    """What the user lets the planner use: device kinds, each with at most `count` devices
+    (None: as many as the workload and the budget call for)."""
+
+    limits: Mapping[str, int | None]
+
+    def allows(self, kind: str, count: int) -> bool:
+        limit = self.limits.get(kind)
+        return kind in self.limits and (limit is None or count <= limit)
+
+
+def parse_hardware(spec: str, catalogue: Mapping[str, Device]) -> HardwareOffer:
+    """`H100:8,H20:16` or `H100,H20` (names are matched case-insensitively)."""
+    by_lower = {name.lower(): name for name in catalogue}
+    limits: dict[str, int | None] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        kind, _, count = part.partition(":")
+        name = by_lower.get(kind.strip().lower())
+        if name is None:
+            raise ValueError(f"unknown hardware {kind!r} (catalogue: {', '.join(catalogue)})")
+        if count and (not count.strip().isdigit() or int(count) <= 0):
+            raise ValueError(f"bad count in {part!r}: expected a positive integer")
+        limits[name] = int(count) if count else None
+    if not limits:
+        raise ValueError("no hardware given")
+    return HardwareOffer(limits)

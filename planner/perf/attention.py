@@ -1,0 +1,28 @@
+"""Decode attention time: each request reads all of its KV once per layer, so the time is
+the KV bytes over the memory bandwidth (Lamina's central observation: attention's
+arithmetic intensity is about the GQA group size, whatever the batch), split evenly over
+the attention workers that hold the batch (by heads or by requests).
+
+KV quantized to 4 bits reads fewer bytes and adds dequantization work on the attention
+worker's vector units (LM-Offload's trade-off for where attention runs).
+"""
+
+from __future__ import annotations
+
+from planner.hardware import Device
+from planner.perf.quantization import FP16, Precision
+from planner.perf.roofline import Roofline, roofline
+from planner.shapes import ModelShape
+
+
+def attention_layer_time(shape: ModelShape, device: Device, batch: int, context: float,
+                         workers: int = 1, kv: Precision = FP16) -> Roofline:
+    """One layer's decode attention for `batch` requests of mean `context` tokens, on each of
+    `workers` devices holding an equal share."""
+    if batch < 0 or context < 0 or workers < 1:
+        raise ValueError("batch and context must be non-negative and workers positive")
+    kv_elements = batch * context * 2 * shape.kv_size / workers
+    # QK^T and PV: 2 FLOPs per multiply-add, head_dim per (query head, key) pair, twice.
+    flops = 4.0 * batch * context * shape.q_size / workers
+    return roofline(device, flops, kv_elements * kv.bytes_per_element,
+                    vector_flops=kv_elements * kv.dequant_ops_per_element)

@@ -1,0 +1,60 @@
+"""The staggered pipeline: decode step time with N micro-batches and M model workers
+sharing one attention pool (Lamina's execution pipelining, with its rotational form).
+
+Per layer each micro-batch needs, in order: its model slice on a model worker (t_m), the
+exchange with the attention pool (t_x), attention (t_a). Resources serve the N
+micro-batches concurrently, so a layer of all N micro-batches takes
+
+    period = max(t_m + t_x + t_a,      # one micro-batch's dependency chain
+                 N * t_m / M,          # the model workers, busy with every micro-batch
+                 N * t_a,              # the attention pool, likewise
+                 N * t_x_bytes)        # the link's bytes (latency overlaps)
+
+and a step (one token for every request of every micro-batch) takes L * period plus
+the LM head of each micro-batch on its model worker. With N = 1 nothing overlaps; with
+N = M + 1 (rotational) the attention pool is kept busy even if t_m > t_a. Colocated
+serving is the special case where model and attention share one device: their times add.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Per layer, one micro-batch."""
+
+    model_s: float
+    attention_s: float
+    transfer_s: float  # both directions, latency included
+    transfer_bytes_s: float  # the bandwidth part of transfer_s
+    head_s: float = 0.0  # once per step, per micro-batch
+
+
+@dataclass(frozen=True)
+class PipelineStep:
+    step_s: float
+    period_s: float
+    bottleneck: str  # "chain", "model", "attention" or "network"
+
+
+def pipeline_step(stages: StageTimes, num_layers: int, micro_batches: int, model_workers: int) -> PipelineStep:
+    if micro_batches < 1 or model_workers < 1 or num_layers < 1:
+        raise ValueError("layers, micro-batches and model workers must be positive")
+    n, m = micro_batches, model_workers
+    terms = {
+        "chain": stages.model_s + stages.transfer_s + stages.attention_s,
+        "model": n * stages.model_s / m,
+        "attention": n * stages.attention_s,
+        "network": n * stages.transfer_bytes_s,
+    }
+    bottleneck = max(terms, key=terms.__getitem__)
+    period = terms[bottleneck]
+    head = stages.head_s * max(1.0, n / m)
+    return PipelineStep(num_layers * period + head, period, bottleneck)
+
+
+def colocated_step(model_layer_s: float, attention_layer_s: float, head_s: float, num_layers: int) -> float:
+    """One device (group) runs everything in turn: no overlap."""
+    return num_layers * (model_layer_s + attention_layer_s) + head_s

@@ -1,0 +1,33 @@
+"""The planner's search: enumerate the layouts an offer of hardware can hold, estimate
+each on the workload, rank them. Pure: catalogue, shapes and statistics in, ranked
+estimates out."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from planner.estimate import Estimate, Targets, estimate
+from planner.hardware import Device, HardwareOffer
+from planner.layouts import Layout, enumerate_layouts
+from planner.rank import rank
+from planner.shapes import ModelShape
+from planner.workload import WorkloadStats
+
+
+def unit_limit(layout: Layout, offer: HardwareOffer) -> int | None:
+    """How many copies of `layout` the offer's counts allow (None: no count given)."""
+    limits = [offer.limits[kind] // n for kind, n in layout.device_counts().items()
+              if offer.limits.get(kind) is not None]
+    return min(limits) if limits else None
+
+
+def plan(shape: ModelShape, offer: HardwareOffer, catalogue: Mapping[str, Device], stats: WorkloadStats,
+         targets: Targets = Targets(), quantize: str = "any", disaggregate: bool = True,
+         decode_only: bool = False) -> list[Estimate]:
+    """Every layout that can run the workload, best first (see planner.rank)."""
+    estimates = []
+    for layout in enumerate_layouts(shape, offer, catalogue, quantize, disaggregate):
+        e = estimate(shape, layout, catalogue, stats, targets, unit_limit(layout, offer), decode_only)
+        if e is not None:
+            estimates.append(e)
+    return rank(estimates)

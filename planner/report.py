@@ -1,0 +1,54 @@
+"""The planner's output: a readable table and the `--json` form."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from planner.estimate import Estimate
+
+
+def to_dict(e: Estimate, simulated: dict[str, Any] | None = None) -> dict[str, Any]:
+    layout = e.layout
+    d: dict[str, Any] = {
+        "layout": layout.describe(),
+        "kind": "disaggregated" if layout.is_disaggregated else "colocated",
+        "model_device": layout.model_device,
+        "tensor_parallel": layout.tp,
+        "model_workers": layout.model_workers,
+        "attention_device": layout.attention_device,
+        "attention_workers": layout.attention_workers,
+        "micro_batches": layout.micro_batches,
+        "partition": layout.partition,
+        "weights": layout.weights.name,
+        "kv": layout.kv.name,
+        "threads": None if e.threads is None else {"inter_op": e.threads.inter_op, "intra_op": e.threads.intra_op},
+        "replicas": e.replicas,
+        "devices": {k: n * e.replicas for k, n in layout.device_counts().items()},
+        "batch": e.batch,
+        "throughput_tok_s": round(e.throughput_tok_s, 1),
+        "demand_tok_s": round(e.demand_tok_s, 1),
+        "tbt_ms": round(e.tbt_s * 1e3, 2),
+        "ttft_ms": round(e.ttft_s * 1e3, 1) if e.ttft_s != float("inf") else None,
+        "usd_per_hour": round(e.usd_per_hour, 2),
+        "usd_per_mtok": round(e.usd_per_mtok, 4),
+        "network_gbit_s": round(e.network_gbit_s, 2),
+        "bottleneck": e.bottleneck,
+        "meets_targets": e.feasible,
+        "shortfalls": list(e.shortfalls),
+    }
+    if simulated is not None:
+        d["simulated"] = simulated
+    return d
+
+
+def table(estimates: Iterable[Estimate]) -> str:
+    header = (f"{'#':>3} {'layout':58} {'rep':>3} {'batch':>5} {'tok/s':>8} {'TBT ms':>7} {'TTFT ms':>8} "
+              f"{'$/Mtok':>7} {'$/h':>7} {'Gb/s':>6}  bottleneck")
+    lines = [header, "-" * len(header)]
+    for i, e in enumerate(estimates, 1):
+        ttft = f"{e.ttft_s * 1e3:8.0f}" if e.ttft_s != float("inf") else f"{'inf':>8}"
+        miss = f"  [misses: {', '.join(e.shortfalls)}]" if e.shortfalls else ""
+        lines.append(f"{i:>3} {e.layout.describe():58} {e.replicas:>3} {e.batch:>5} {e.throughput_tok_s:>8.0f} "
+                     f"{e.tbt_s * 1e3:>7.1f} {ttft} {e.usd_per_mtok:>7.3f} {e.usd_per_hour:>7.2f} "
+                     f"{e.network_gbit_s:>6.1f}  {e.bottleneck}{miss}")
+    return "\n".join(lines)

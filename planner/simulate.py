@@ -1,0 +1,213 @@
+"""A discrete-event simulator that replays a workload through `replicas` copies of a
+layout, with the same performance models as the estimate.
+
+What it models: arrivals from the trace; join-shortest-queue dispatch to units; in each
+unit, continuous batching at step boundaries (FCFS admission while the KV of the running
+requests and the new prompt fits and the batch is below `max_batch`); prefill of the
+admitted prompts on the model workers before the step's decode (so a step that admits
+is longer, as in a real continuous-batching server); the decode step's time from the
+pipeline model (N micro-batches, M model workers, transfers) at the step's batch and mean
+context; KV growing one token per request per step, with the newest request preempted
+and recomputed (vLLM's policy) when it would overflow.
+
+What it does not: one unit's model and attention workers are one server whose step time
+is the pipeline model's, not separate processes; attention workers share the unit's KV
+capacity evenly. So its cost grows with units and steps, not workers: tens to hundreds
+of workers in a few units simulate in about a second.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+from planner.estimate import decode_step, kv_capacity_tokens
+from planner.hardware import Device
+from planner.layouts import Layout
+from planner.perf.prefill import prefill_time
+from planner.shapes import ModelShape
+from planner.workload import Request, Workload
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    p50: float
+    p90: float
+    p99: float
+    mean: float
+
+    def as_ms(self) -> dict[str, float]:
+        return {k: round(v * 1e3, 2) for k, v in (("p50", self.p50), ("p90", self.p90),
+                                                    ("p99", self.p99), ("mean", self.mean))}
+
+
+def weighted_percentiles(values: list[float], weights: list[float]) -> Percentiles:
+    if not values:
+        return Percentiles(math.nan, math.nan, math.nan, math.nan)
+    pairs = sorted(zip(values, weights))
+    total = sum(weights)
+    marks, out, acc = [0.5, 0.9, 0.99], [], 0.0
+    for v, w in pairs:
+        acc += w
+        while marks and acc >= marks[0] * total:
+            out.append(v)
+            marks.pop(0)
+    out += [pairs[-1][0]] * len(marks)
+    return Percentiles(out[0], out[1], out[2], sum(v * w for v, w in pairs) / total)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    completed: int
+    output_tokens: int
+    duration_s: float  # first arrival to last completion
+    throughput_tok_s: float
+    ttft: Percentiles
+    tbt: Percentiles  # step durations weighted by the requests in each step
+    mean_batch: float
+    preemptions: int
+
+    def to_dict(self) -> dict:
+        return {"completed": self.completed, "output_tokens": self.output_tokens,
+                "duration_s": round(self.duration_s, 2), "throughput_tok_s": round(self.throughput_tok_s, 1),
+                "ttft_ms": self.ttft.as_ms(), "tbt_ms": self.tbt.as_ms(),
+                "mean_batch": round(self.mean_batch, 1), "preemptions": self.preemptions}
+
+
+@dataclass
+class _Running:
+    req: Request
+    prompt: int  # tokens whose KV this request holds at admission (grows on recompute)
+    admitted_step: int
+    finish_step: int
+    generated_before: int  # output tokens produced before this admission
+
+
+class _Unit:
+    """One replica: the waiting queue, the running batch and its KV accounting."""
+
+    def __init__(self, capacity: int, max_batch: int) -> None:
+        self.capacity = capacity
+        self.max_batch = max_batch
+        self.waiting: deque[tuple[Request, int]] = deque()  # (request, output tokens already made)
+        self.running: dict[int, _Running] = {}  # insertion order = admission order
+        self.finishing: list[tuple[int, int]] = []  # heap of (finish_step, id)
+        self.step = 0
+        self.kv_base = 0  # sum over running of (prompt + 1 - admitted_step)
+        self.busy = False
+
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def kv_used(self) -> int:
+        return self.kv_base + len(self.running) * self.step
+
+
+class Simulator:
+    def __init__(self, shape: ModelShape, layout: Layout, catalogue: Mapping[str, Device], replicas: int,
+                 max_batch: int) -> None:
+        self.shape, self.layout, self.catalogue = shape, layout, catalogue
+        capacity = kv_capacity_tokens(shape, layout, catalogue)
+        self.units = [_Unit(capacity, max_batch) for _ in range(replicas)]
+        self._step_cache: dict[tuple[int, int], float] = {}
+        self._prefill_cache: dict[int, float] = {}
+
+    def step_s(self, batch: int, context: float) -> float:
+        key = (batch, int(context) // 16)  # contexts within 16 tokens share a step time
+        if key not in self._step_cache:
+            layout = replace(self.layout, micro_batches=min(self.layout.micro_batches, batch))
+            self._step_cache[key] = decode_step(self.shape, layout, self.catalogue, batch, context).step_s
+        return self._step_cache[key]
+
+    def prefill_s(self, prompt: int) -> float:
+        if prompt not in self._prefill_cache:
+            md = self.catalogue[self.layout.model_device]
+            self._prefill_cache[prompt] = prefill_time(self.shape, md, prompt, self.layout.tp, self.layout.weights)
+        return self._prefill_cache[prompt]
+
+    def run(self, workload: Workload) -> SimResult:
+        events: list[tuple[float, int, int, int]] = []  # (time, seq, kind, index)
+        arrive, step_end = 0, 1
+        for i, r in enumerate(workload.requests):
+            events.append((r.arrival_s, i, arrive, i))
+        heapq.heapify(events)
+        seq = len(events)
+        ttfts: list[float] = []
+        step_times: list[float] = []
+        step_batches: list[float] = []
+        stats = {"done": 0, "tokens": 0, "preempted": 0, "last": 0.0}
+        while events:
+            now, _, kind, idx = heapq.heappop(events)
+            if kind == arrive:
+                unit_id = min(range(len(self.units)), key=lambda u: self.units[u].load)
+                unit = self.units[unit_id]
+                unit.waiting.append((workload.requests[idx], 0))
+                if unit.busy:
+                    continue
+            else:
+                unit_id, unit = idx, self.units[idx]
+                unit.step += 1
+                self._finish(unit, now, stats)
+            duration = self._start_step(unit, now, ttfts, stats)
+            unit.busy = duration > 0
+            if unit.busy:
+                step_times.append(duration)
+                step_batches.append(len(unit.running))
+                seq += 1
+                heapq.heappush(events, (now + duration, seq, step_end, unit_id))
+        first = workload.requests[0].arrival_s
+        span = max(stats["last"] - first, 1e-9)
+        return SimResult(stats["done"], stats["tokens"], span, stats["tokens"] / span,
+                         weighted_percentiles(ttfts, [1.0] * len(ttfts)),
+                         weighted_percentiles(step_times, step_batches),
+                         sum(step_batches) / max(1, len(step_batches)), stats["preempted"])
+
+    def _finish(self, unit: _Unit, now: float, stats: dict) -> None:
+        while unit.finishing and unit.finishing[0][0] <= unit.step:
+            _, rid = heapq.heappop(unit.finishing)
+            run = unit.running.pop(rid, None)
+            if run is None:  # preempted earlier; its heap entry is stale
+                continue
+            unit.kv_base -= run.prompt + 1 - run.admitted_step
+            stats["done"] += 1
+            stats["tokens"] += run.req.output
+            stats["last"] = now
+
+    def _start_step(self, unit: _Unit, now: float, ttfts: list[float], stats: dict) -> float:
+        # Every running request adds one token of KV in the coming step: preempt the newest
+        # until that fits (it is recomputed from its prompt and the tokens it has made).
+        while unit.running and unit.kv_used() + len(unit.running) > unit.capacity:
+            rid, run = unit.running.popitem()
+            unit.kv_base -= run.prompt + 1 - run.admitted_step
+            made = run.generated_before + 1 + (unit.step - run.admitted_step)
+            unit.waiting.appendleft((run.req, made))
+            stats["preempted"] += 1
+        prefill = 0.0
+        while unit.waiting and len(unit.running) < unit.max_batch:
+            req, made = unit.waiting[0]
+            prompt = req.prompt + made
+            if unit.kv_used() + len(unit.running) + prompt + 2 > unit.capacity:
+                break
+            unit.waiting.popleft()
+            prefill += self.prefill_s(prompt)
+            rid = id(req)
+            remaining = req.output - made - 1  # the prefill makes one token
+            run = _Running(req, prompt, unit.step, unit.step + remaining, made)
+            unit.running[rid] = run
+            unit.kv_base += prompt + 1 - unit.step
+            heapq.heappush(unit.finishing, (run.finish_step, rid))
+            if made == 0:
+                ttfts.append(now + prefill / self.layout.model_workers - req.arrival_s)
+        if not unit.running:
+            return 0.0
+        context = unit.kv_used() / len(unit.running)
+        return prefill / self.layout.model_workers + self.step_s(len(unit.running), context)
+
+
+def simulate(shape: ModelShape, layout: Layout, catalogue: Mapping[str, Device], workload: Workload,
+             replicas: int, max_batch: int) -> SimResult:
+    return Simulator(shape, layout, catalogue, replicas, max_batch).run(workload)

@@ -1,0 +1,61 @@
+"""The discrete-event simulator: conservation, light-load latencies, KV capacity, scale."""
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from planner.estimate import decode_step
+from planner.layouts import Layout
+from planner.perf.prefill import prefill_time
+from planner.shapes import BUILTIN
+from planner.simulate import Simulator, simulate, weighted_percentiles
+from planner.workload import Request, Workload, synthetic
+
+SHAPE = BUILTIN["llama-2-7b"]
+
+
+def test_every_request_completes_with_its_tokens(catalogue):
+    w = synthetic(500, 50, rate=20.0, requests=300)
+    r = simulate(SHAPE, Layout("H100", 1), catalogue, w, replicas=2, max_batch=64)
+    assert r.completed == 300 and r.output_tokens == 300 * 50
+    assert r.preemptions == 0
+    assert r.duration_s >= w.requests[-1].arrival_s
+
+
+def test_one_request_alone_takes_prefill_then_its_steps(catalogue):
+    layout = Layout("H100", 1)
+    w = Workload("one", (Request(0.0, 1000, 11),))
+    r = simulate(SHAPE, layout, catalogue, w, replicas=1, max_batch=8)
+    prefill = prefill_time(SHAPE, catalogue["H100"], 1000)
+    assert r.ttft.p50 == pytest.approx(prefill)
+    # 10 decode steps after the first token, the first one behind the prefill.
+    steps = sum(decode_step(SHAPE, layout, catalogue, 1, 1001 + i).step_s for i in range(10))
+    assert r.duration_s == pytest.approx(prefill + steps, rel=0.02)
+
+
+def test_kv_capacity_bounds_the_batch_and_overflow_preempts(catalogue):
+    sim = Simulator(SHAPE, Layout("H100", 1), catalogue, replicas=1, max_batch=1000)
+    sim.units[0].capacity = 5000  # tokens: room for four 1000-token prompts, not their growth
+    w = Workload("burst", tuple(Request(0.0, 1000, 400) for _ in range(6)))
+    r = sim.run(w)
+    assert r.completed == 6 and r.output_tokens == 6 * 400
+    assert r.preemptions > 0
+    assert r.mean_batch <= 4
+
+
+def test_disaggregated_units_with_hundreds_of_workers_simulate_quickly(catalogue):
+    big = BUILTIN["llama-3-70b"]
+    layout = Layout("H100", 2, 4, "H20", 32, 5, "request")  # 8 H100 + 32 H20 per unit
+    w = synthetic(1155, 211, rate=60.0, requests=1500)
+    start = time.perf_counter()
+    r = simulate(big, layout, catalogue, w, replicas=8, max_batch=2000)  # 320 workers
+    assert time.perf_counter() - start < 5.0
+    assert r.completed == 1500
+    assert r.tbt.p50 <= r.tbt.p99
+
+
+def test_weighted_percentiles():
+    p = weighted_percentiles([1.0, 2.0, 3.0], [1.0, 1.0, 98.0])
+    assert (p.p50, p.p99) == (3.0, 3.0) and p.mean == pytest.approx((1 + 2 + 294) / 100)
+    assert weighted_percentiles([5.0, 1.0], [1.0, 1.0]).p50 == 1.0
