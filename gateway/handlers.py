@@ -55,7 +55,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     sampling = resolve_sampling(req.sampling, len(prompt_ids), state.context_length,
                                 state.config.default_max_tokens, "messages")
     return await _generate(request, state, "chat", prompt_ids, sampling, req.stream, req.include_usage, arrived,
-                           req.return_token_ids)
+                           req.return_token_ids, req.continuous_usage)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -75,7 +75,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, state.config.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
     sampling = resolve_sampling(req.sampling, len(prompt_ids), state.context_length, default, "prompt")
     return await _generate(request, state, "completion", prompt_ids, sampling, req.stream, req.include_usage,
-                           arrived, req.return_token_ids)
+                           arrived, req.return_token_ids, req.continuous_usage)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -184,6 +184,7 @@ async def _generate(
     include_usage: bool,
     arrived: float,
     return_token_ids: bool = False,
+    continuous_usage: bool = False,
 ) -> web.StreamResponse:
     _check_admission(state)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -197,7 +198,7 @@ async def _generate(
             state.in_flight[rid] = task
             try:
                 if stream:
-                    return await _stream(request, state, gen, head, kind, include_usage)
+                    return await _stream(request, state, gen, head, kind, include_usage, continuous_usage)
                 return await _collect(state, gen, head, kind, task, return_token_ids)
             finally:
                 state.in_flight.pop(rid, None)
@@ -221,16 +222,15 @@ async def _collect(state: GatewayState, gen: Generation, head: r.ResponseHead, k
             raise  # the client went away; Generation aborts the backend request
         task.uncancel()
         raise _shutting_down() from None
-    usage = r.Usage(gen.num_prompt_tokens, gen.num_completion_tokens)
     build = r.chat_completion if kind == "chat" else r.text_completion
-    body = build(head, gen.text, finish_reason, usage)
+    body = build(head, gen.text, finish_reason, _usage(gen))
     if return_token_ids:
         body["choices"][0]["token_ids"] = gen.token_ids
     return web.json_response(body, headers={"X-Request-Id": head.id})
 
 
 async def _stream(request: web.Request, state: GatewayState, gen: Generation, head: r.ResponseHead, kind: Kind,
-                  include_usage: bool) -> web.StreamResponse:
+                  include_usage: bool, continuous_usage: bool = False) -> web.StreamResponse:
     resp = web.StreamResponse(headers={
         "Content-Type": "text/event-stream",
         "Cache-Control": "no-cache",
@@ -241,13 +241,14 @@ async def _stream(request: web.Request, state: GatewayState, gen: Generation, he
     try:
         try:
             if kind == "chat":
-                await resp.write(r.sse(r.chat_chunk(head, {"role": "assistant", "content": ""}, None, include_usage)))
+                await resp.write(r.sse(r.chat_chunk(head, {"role": "assistant", "content": ""}, None, include_usage,
+                                                    _usage(gen) if continuous_usage else None)))
             async for delta in gen:
-                await resp.write(_delta_chunks(head, kind, delta.text, delta.finish_reason, include_usage))
+                await resp.write(_delta_chunks(head, kind, delta.text, delta.finish_reason, include_usage,
+                                               _usage(gen) if continuous_usage else None))
             if include_usage:
-                usage = r.Usage(gen.num_prompt_tokens, gen.num_completion_tokens)
                 build = r.chat_usage_chunk if kind == "chat" else r.text_usage_chunk
-                await resp.write(r.sse(build(head, usage)))
+                await resp.write(r.sse(build(head, _usage(gen))))
         except BackendError as exc:
             await resp.write(r.sse(_server_error(exc).body()))
         except asyncio.CancelledError:
@@ -266,13 +267,18 @@ async def _stream(request: web.Request, state: GatewayState, gen: Generation, he
     return resp
 
 
+def _usage(gen: Generation) -> r.Usage:
+    return r.Usage(gen.num_prompt_tokens, gen.num_completion_tokens)
+
+
 def _delta_chunks(head: r.ResponseHead, kind: Kind, text: str, finish_reason: str | None,
-                  include_usage: bool) -> bytes:
+                  include_usage: bool, usage: r.Usage | None = None) -> bytes:
+    """`usage`: the counts so far, sent in each chunk (continuous_usage_stats), else null."""
     if kind == "completion":
-        return r.sse(r.text_chunk(head, text, finish_reason, include_usage))
+        return r.sse(r.text_chunk(head, text, finish_reason, include_usage, usage))
     out = b""
     if text:
-        out += r.sse(r.chat_chunk(head, {"content": text}, None, include_usage))
+        out += r.sse(r.chat_chunk(head, {"content": text}, None, include_usage, usage))
     if finish_reason is not None:
-        out += r.sse(r.chat_chunk(head, {}, finish_reason, include_usage))
+        out += r.sse(r.chat_chunk(head, {}, finish_reason, include_usage, usage))
     return out

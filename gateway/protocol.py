@@ -113,6 +113,7 @@ class ChatRequest:
     include_usage: bool = False
     sampling: SamplingFields = field(default_factory=SamplingFields)
     return_token_ids: bool = False  # extension: the generated ids beside the text
+    continuous_usage: bool = False  # extension (vLLM): usage so far in every streamed chunk
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ class CompletionRequest:
     include_usage: bool = False
     sampling: SamplingFields = field(default_factory=SamplingFields)
     return_token_ids: bool = False  # extension: the generated ids beside the text
+    continuous_usage: bool = False  # extension (vLLM): usage so far in every streamed chunk
 
 
 # Fields that every OpenAI client may send, accepted only at their "off" value;
@@ -140,13 +142,27 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
     "suffix": ("",),
 }
+# vLLM's extensions that load generators and evaluation tools send: accepted at the value
+# that says what this server always does (special tokens are never shown, a stop string
+# never is either, no min-p, no beam search), refused (naming the field) otherwise.
+_EXTENSION_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+    "min_p": (0, 0.0),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "min_tokens": (0,),
+    "repetition_penalty": (1, 1.0),
+}
+_OFF_VALUES.update(_EXTENSION_OFF_VALUES)
 # Accepted and ignored: they do not change the output.
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 
 _COMMON = frozenset(
     {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed", "stop",
      "top_k", "stop_token_ids", "ignore_eos", "return_token_ids"}
-)
+) | frozenset(_EXTENSION_OFF_VALUES)
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _IGNORED | {
     "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "tools",
     "tool_choice", "response_format"}
@@ -190,12 +206,12 @@ def _is_number(value: Any) -> bool:
     return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
-def _get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+def _get_bool(body: dict[str, Any], name: str, default: bool, prefix: str = "") -> bool:
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _wrong_type(name, "a boolean", value)
+        raise _wrong_type(prefix + name, "a boolean", value)
     return value
 
 
@@ -260,23 +276,24 @@ def _parse_model(body: dict[str, Any]) -> str:
     return model
 
 
-def _parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
+def _parse_stream(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage). `continuous_usage_stats` (vLLM's extension,
+    sent by guidellm) counts only with `include_usage`, as in vLLM."""
     stream = _get_bool(body, "stream", False)
     options = body.get("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not isinstance(options, dict):
         raise _wrong_type("stream_options", "an object", options)
     if not stream:
         raise invalid("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
     for key in options:
-        if key != "include_usage":
+        if key not in ("include_usage", "continuous_usage_stats"):
             raise invalid(f"Unrecognized request argument supplied: stream_options.{key}",
                           f"stream_options.{key}", "unknown_parameter")
-    include = options.get("include_usage")
-    if include is not None and not isinstance(include, bool):
-        raise _wrong_type("stream_options.include_usage", "a boolean", include)
-    return stream, bool(include)
+    include = _get_bool(options, "include_usage", False, "stream_options.")
+    continuous = _get_bool(options, "continuous_usage_stats", False, "stream_options.")
+    return stream, include, include and continuous
 
 
 def _parse_stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -395,9 +412,10 @@ def parse_chat_request(body: Any) -> ChatRequest:
     _check_fields(body, _CHAT_FIELDS)
     model = _parse_model(body)
     messages = _parse_messages(body)
-    stream, include_usage = _parse_stream(body)
+    stream, include_usage, continuous_usage = _parse_stream(body)
     sampling = _parse_sampling(body, ("max_tokens", "max_completion_tokens"))
-    return ChatRequest(model, messages, stream, include_usage, sampling, _parse_return_token_ids(body, stream))
+    return ChatRequest(model, messages, stream, include_usage, sampling, _parse_return_token_ids(body, stream),
+                       continuous_usage)
 
 
 def _parse_prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
@@ -428,9 +446,10 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     _check_fields(body, _COMPLETION_FIELDS)
     model = _parse_model(body)
     prompt = _parse_prompt(body)
-    stream, include_usage = _parse_stream(body)
+    stream, include_usage, continuous_usage = _parse_stream(body)
     sampling = _parse_sampling(body, ("max_tokens",))
-    return CompletionRequest(model, prompt, stream, include_usage, sampling, _parse_return_token_ids(body, stream))
+    return CompletionRequest(model, prompt, stream, include_usage, sampling, _parse_return_token_ids(body, stream),
+                             continuous_usage)
 
 
 def check_token_ids(ids: tuple[int, ...], vocab_size: int, param: str = "prompt") -> None:

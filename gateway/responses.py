@@ -3,7 +3,8 @@
 Shapes follow OpenAI's API reference: chat objects are "chat.completion" /
 "chat.completion.chunk", completions objects are "text_completion" in both modes.
 When a stream includes usage, every chunk carries `"usage": null` and one last
-chunk with empty `choices` carries the counts, as OpenAI sends it.
+chunk with empty `choices` carries the counts, as OpenAI sends it; with vLLM's
+`continuous_usage_stats` every chunk carries the counts so far instead of null.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def chat_completion(head: ResponseHead, text: str, finish_reason: str, usage: Us
 
 
 def chat_chunk(head: ResponseHead, delta: dict[str, str], finish_reason: str | None,
-               include_usage: bool) -> dict[str, Any]:
+               include_usage: bool, usage: Usage | None = None) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": head.id,
         "object": "chat.completion.chunk",
@@ -67,7 +68,7 @@ def chat_chunk(head: ResponseHead, delta: dict[str, str], finish_reason: str | N
         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
     }
     if include_usage:
-        chunk["usage"] = None
+        chunk["usage"] = None if usage is None else usage.to_json()
     return chunk
 
 
@@ -93,7 +94,8 @@ def text_completion(head: ResponseHead, text: str, finish_reason: str, usage: Us
     }
 
 
-def text_chunk(head: ResponseHead, text: str, finish_reason: str | None, include_usage: bool) -> dict[str, Any]:
+def text_chunk(head: ResponseHead, text: str, finish_reason: str | None, include_usage: bool,
+               usage: Usage | None = None) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": head.id,
         "object": "text_completion",
@@ -102,7 +104,7 @@ def text_chunk(head: ResponseHead, text: str, finish_reason: str | None, include
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
     }
     if include_usage:
-        chunk["usage"] = None
+        chunk["usage"] = None if usage is None else usage.to_json()
     return chunk
 
 

@@ -66,6 +66,31 @@ async def test_chat_stream_with_usage(tokenizer, make_backend, script_ids):
         len(tokenizer.encode_chat(MESSAGES)), len(script_ids) + 1)
 
 
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+async def test_continuous_usage_stats_puts_the_counts_so_far_in_every_chunk(tokenizer, make_backend, script_ids,
+                                                                              kind):
+    backend = make_backend(chunk=3)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    async with serve(backend, tokenizer) as srv:
+        client = srv.client()
+        if kind == "chat":
+            stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
+                                                          stream_options=options)
+            num_prompt = len(tokenizer.encode_chat(MESSAGES))
+        else:
+            stream = await client.completions.create(model=MODEL, prompt="Paris", stream=True, max_tokens=100,
+                                                     stream_options=options)
+            num_prompt = len(tokenizer.encode("Paris"))
+        chunks = [c async for c in stream]
+        await client.close()
+    *content_chunks, usage_chunk = chunks
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == len(script_ids) + 1
+    counts = [c.usage.completion_tokens for c in content_chunks]
+    assert all(c.usage.prompt_tokens == num_prompt for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == len(script_ids) + 1
+    assert all(c.usage.total_tokens == num_prompt + c.usage.completion_tokens for c in chunks)
+
+
 async def test_chat_stream_without_usage_has_no_usage_chunk(tokenizer, make_backend):
     async with serve(make_backend(), tokenizer) as srv:
         client = srv.client()

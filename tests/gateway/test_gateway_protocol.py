@@ -63,6 +63,22 @@ def test_stop_list_is_deduplicated_in_order():
     assert parse_chat_request(chat(stop=["b", "a", "b"])).sampling.stop == ("b", "a")
 
 
+def test_continuous_usage_stats_counts_only_with_include_usage():
+    req = parse_chat_request(chat(stream=True, stream_options={"include_usage": True,
+                                                               "continuous_usage_stats": True}))
+    assert (req.include_usage, req.continuous_usage) == (True, True)
+    req = parse_completion_request({"model": "m", "prompt": "x", "stream": True,
+                                    "stream_options": {"continuous_usage_stats": True}})
+    assert (req.include_usage, req.continuous_usage) == (False, False)  # as vLLM: needs include_usage
+
+
+def test_vllm_extensions_are_accepted_at_what_the_server_does():
+    req = parse_chat_request(chat(skip_special_tokens=True, spaces_between_special_tokens=True,
+                                  include_stop_str_in_output=False, min_p=0, use_beam_search=False,
+                                  length_penalty=1.0))
+    assert req.sampling == SamplingFields()
+
+
 def test_top_k_minus_one_means_no_top_k():
     assert parse_chat_request(chat(top_k=-1)).sampling.top_k == 0
 
@@ -132,6 +148,17 @@ def test_top_k_minus_one_means_no_top_k():
     (chat(logprobs=True), "'logprobs' is not supported by this server; omit it or leave it at its default.",
      "logprobs", "unsupported_parameter"),
     (chat(prompt="x"), "Unrecognized request argument supplied: prompt", "prompt", "unknown_parameter"),
+    (chat(stream=True, stream_options={"continuous_usage_stats": "y"}),
+     "Invalid type for 'stream_options.continuous_usage_stats': expected a boolean, but got a string instead.",
+     "stream_options.continuous_usage_stats", "invalid_type"),
+    (chat(min_p=0.1), "'min_p' is not supported by this server; omit it or leave it at its default.", "min_p",
+     "unsupported_parameter"),
+    (chat(include_stop_str_in_output=True),
+     "'include_stop_str_in_output' is not supported by this server; omit it or leave it at its default.",
+     "include_stop_str_in_output", "unsupported_parameter"),
+    (chat(skip_special_tokens=False),
+     "'skip_special_tokens' is not supported by this server; omit it or leave it at its default.",
+     "skip_special_tokens", "unsupported_parameter"),
 ])
 def test_chat_request_errors(body, message, param, code):
     err = error_of(parse_chat_request, body)
