@@ -8,9 +8,12 @@
  * buffers, one call for the batch.
  *
  * KV rows are float32, or 4-bit packed (model/kv_quant.py): per KV head, D/2 bytes of
- * codes and then a float16 (min, scale) pair per group of `group` values. Packed rows
- * are decoded block by block inside the loop below, for one KV head at a time, into
- * a scratch of BLOCK rows: no sequence's history is ever decoded whole.
+ * codes (group by group; byte j of a group holds its value j in the low nibble and
+ * value j + group/2 in the high one) and then a float16 (min, scale) pair per group.
+ * Packed rows are decoded block by block inside the loop below, for one KV head at a
+ * time, into a scratch of BLOCK rows: no sequence's history is ever decoded whole.
+ * `quantize` (at the end) packs float rows, the same bytes as model/kv_quant.py's torch
+ * path.
  *
  * Layout (float32, contiguous):
  *   q    [T, Hq, D]     the new tokens' queries, sequences concatenated
@@ -103,20 +106,38 @@ INLINE float half_to_float(uint16_t h) {
     return r.f;
 }
 
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef int32_t i8x32 __attribute__((vector_size(32)));
+
+/* Eight codes -> m + q * s (widened to int32 first: a byte-to-float conversion would
+ * not vectorize). */
+INLINE void decode8(u8x8 codes, float m, float s, float *out) {
+    store8(out, __builtin_convertvector(__builtin_convertvector(codes, i8x32), v8) * s + m);
+}
+
 /* One packed row of d values -> out[d]. (float)q * s is exact (4-bit times an 11-bit
  * significand), so the sum rounds once, fused or not: the same floats as the torch
  * decoding (model/kv_quant.py) under any contraction -ffast-math allows. */
 INLINE void decode_q4(const uint8_t *restrict row, int64_t d, int64_t group, float *restrict out) {
     const uint8_t *params = row + d / 2;
+    const int64_t half = group / 2;
     for (int64_t gi = 0; gi < d / group; gi++) {
         uint16_t mh, sh;
         memcpy(&mh, params + 4 * gi, 2);
         memcpy(&sh, params + 4 * gi + 2, 2);
         const float m = half_to_float(mh), s = half_to_float(sh);
-        for (int64_t x = gi * group; x < (gi + 1) * group; x += 2) {
-            const uint8_t c = row[x / 2];
-            out[x] = (float)(c & 15) * s + m;
-            out[x + 1] = (float)(c >> 4) * s + m;
+        const uint8_t *c = row + gi * half;
+        float *o = out + gi * group;
+        int64_t j = 0;
+        for (; j + 8 <= half; j += 8) {
+            u8x8 b;
+            memcpy(&b, c + j, 8);
+            decode8(b & 15, m, s, o + j);
+            decode8(b >> 4, m, s, o + half + j);
+        }
+        for (; j < half; j++) {
+            o[j] = (float)(c[j] & 15) * s + m;
+            o[half + j] = (float)(c[j] >> 4) * s + m;
         }
     }
 }
@@ -375,12 +396,77 @@ static PyObject *append_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A float as float16 (IEEE binary16, round to nearest even), in integer operations only
+ * so that -ffast-math cannot change it: torch's conversion, bit for bit, for values of
+ * magnitude up to 65504 (the caller clamps). */
+static uint16_t float_to_half(float f) {
+    union { float f; uint32_t u; } in = {f};
+    const uint16_t sign = (uint16_t)((in.u >> 16) & 0x8000u);
+    const uint32_t u = in.u & 0x7fffffffu;
+    if (u >= 0x38800000u) /* normal: drop 13 bits, rounding to nearest even */
+        return sign | (uint16_t)((u + 0x0fffu + ((u >> 13) & 1u) - 0x38000000u) >> 13);
+    if (u < 0x33000000u) return sign; /* below half the smallest subnormal: zero */
+    const uint32_t e = u >> 23, mant = (u & 0x7fffffu) | 0x800000u, shift = 126 - e; /* 14..24 */
+    uint32_t h = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1u), halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (h & 1u))) h++;
+    return sign | (uint16_t)h;
+}
+
+static inline float clamp_f16(float x) { return x < -65504.0f ? -65504.0f : x > 65504.0f ? 65504.0f : x; }
+
+static inline uint8_t code_q4(float x, float m, float inv) {
+    const float q = rintf((clamp_f16(x) - m) * inv); /* to nearest even, like torch.round */
+    return q < 0.0f ? 0 : q > 15.0f ? 15 : (uint8_t)q;
+}
+
+/* One row of d floats -> its packed bytes (model/kv_quant.py gives the definition, in
+ * the same operations: a multiply by the reciprocal, never a division that -ffast-math
+ * could turn into one). */
+static void quantize_row(const float *restrict x, int64_t d, int64_t group, uint8_t *restrict out) {
+    const int64_t half = group / 2;
+    for (int64_t gi = 0; gi < d / group; gi++) {
+        const float *g = x + gi * group;
+        float lo = clamp_f16(g[0]), hi = lo;
+        for (int64_t j = 1; j < group; j++) {
+            const float v = clamp_f16(g[j]);
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+        }
+        const uint16_t mh = float_to_half(lo), sh = float_to_half((hi - lo) * (1.0f / 15.0f));
+        const float m = half_to_float(mh), s = half_to_float(sh), inv = s > 0.0f ? 1.0f / s : 1.0f;
+        uint8_t *c = out + gi * half;
+        for (int64_t j = 0; j < half; j++) c[j] = (uint8_t)(code_q4(g[j], m, inv) | code_q4(g[half + j], m, inv) << 4);
+        memcpy(out + d / 2 + 4 * gi, &mh, 2);
+        memcpy(out + d / 2 + 4 * gi + 2, &sh, 2);
+    }
+}
+
+/* rows float rows of d values (contiguous) -> rows packed rows (contiguous). */
+static PyObject *quantize(PyObject *self, PyObject *args) {
+    long long src, dst, rows, d, group;
+    if (!PyArg_ParseTuple(args, "LLLLL", &src, &dst, &rows, &d, &group)) return NULL;
+    if (rows < 0 || d <= 0 || group <= 0 || group % 2 || d % group) {
+        PyErr_SetString(PyExc_ValueError, "bad quantization dimensions");
+        return NULL;
+    }
+    const float *x = (const float *)(intptr_t)src;
+    uint8_t *out = (uint8_t *)(intptr_t)dst;
+    const int64_t row_bytes = d / 2 + 4 * (d / group);
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t r = 0; r < rows; r++) quantize_row(x + r * d, d, group, out + r * row_bytes);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"attend", attend, METH_VARARGS,
      "attend(q, out, lse, k_base, v_base, slots, q_start, kv_start, kv_len, batch, hq, hkv, d, causal, scale, group): "
      "addresses of checked buffers; see model/kv_attention.py"},
     {"append_rows", append_rows, METH_VARARGS,
      "append_rows(src, base, at, src_start, batch, row): addresses of checked buffers; see model/kv_attention.py"},
+    {"quantize", quantize, METH_VARARGS,
+     "quantize(src, dst, rows, d, group): addresses of checked buffers; see model/kv_quant.py"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import model.kv_attention as kv_attention
+import model.kv_quant as kv_quant
 from model.kv_attention import SlotBatch, slot_attention
 from model.kv_quant import KV_QUANT_CHOICES, Q4Rows
 
@@ -49,10 +50,32 @@ def test_packed_layout_sizes():
     params = packed[..., 32:].contiguous().view(torch.float16)  # [7, 3, 4]
     assert torch.equal(params[..., 0], x[..., :32].amin(-1).half())
     assert torch.equal(params[..., 2], x[..., 32:].amin(-1).half())
+    # byte j of a group: value j in the low nibble, value j + 16 in the high one
+    ramp = torch.cat([torch.arange(32.0), torch.zeros(32)])  # group 0: codes 0..15, 15 (min 0, scale ~31/15)
+    codes = Q4Rows(64).quantize(ramp)[:32]
+    assert torch.equal(codes[:16] & 15, torch.round(torch.arange(16.0) / params_scale(ramp[:32])).to(torch.uint8))
+    assert torch.equal(codes[:16] >> 4, torch.round(torch.arange(16.0, 32) / params_scale(ramp[:32])).to(
+        torch.uint8).clamp(max=15))
     with pytest.raises(ValueError, match="even head_dim"):
         Q4Rows(7)
     with pytest.raises(ValueError, match="uint8"):
         Q4Rows(64).dequantize(torch.zeros(3, 41, dtype=torch.uint8))
+
+
+def params_scale(group: torch.Tensor) -> float:
+    return float(((group.max() - group.min()) / 15).half())
+
+
+@needs_native
+@pytest.mark.parametrize("d", [64, 8, 48])
+def test_native_and_torch_quantization_give_the_same_bytes(monkeypatch, d):
+    # magnitudes from 1e-9 (float16 subnormal scales) to 1e5 (clamped), constant groups
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2000, 3, d, generator=g) * torch.logspace(-9, 5, 2000)[:, None, None]
+    x[0], x[1, 0, 0], x[2, :, 0] = 1.5, 1e6, -7e4
+    native = Q4Rows(d).quantize(x)
+    monkeypatch.setattr(kv_quant, "NATIVE", None)
+    assert torch.equal(native, Q4Rows(d).quantize(x))
 
 
 def test_kv_quant_choices_are_the_configs():
