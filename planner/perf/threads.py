@@ -4,8 +4,8 @@ once (inter-op parallelism), each with C // k threads (intra-op parallelism).
 An operator with single-thread compute time w and serial fraction s takes
 w * (s + (1 - s) / p) on p threads (Amdahl), but never less than its memory traffic at
 the bandwidth share it gets while k operators run (memory_s * k). Operators are placed
-longest first on the k lanes; the choice is the (k, p) with the smallest makespan,
-fewer threads on a tie (spinning threads cost the neighbours on a shared machine).
+longest first on the k lanes; the choice is the (k, p) with the smallest makespan, the
+smallest k on a tie (fewer operators in flight hold less memory at once).
 """
 
 from __future__ import annotations
