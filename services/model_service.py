@@ -123,18 +123,23 @@ class ModelService:
         self._reported = (0.0, 0.0, 0)  # compute and send seconds, remote slices already counted
 
     def _serve_slice(self, j, inputs, attn, context) -> SliceOutput:
+        out = self.slices.run_slice(j, inputs, attn, context)
         self.m_served.inc()
-        return self.slices.run_slice(j, inputs, attn, context)
+        self._count_work()
+        return out
 
     def _on_step(self, num_seqs: int, wall_s: float) -> None:
         self.m_steps.inc()
         self.m_batch.observe(num_seqs)
         self.m_step_seconds.observe(wall_s)
-        remote = self.executors.remote_slices if self.executors is not None else 0
-        self.m_compute.inc(self.slices.compute_s - self._reported[0])
-        self.m_send.inc(self.pool.send_s - self._reported[1])
-        self.m_remote.inc(remote - self._reported[2])
-        self._reported = (self.slices.compute_s, self.pool.send_s, remote)
+        self._count_work()
+
+    def _count_work(self) -> None:
+        """Add what the slices, the pool and the executors did since the last count to the counters."""
+        now = (self.slices.compute_s, self.pool.send_s, self.executors.remote_slices if self.executors else 0)
+        for counter, value, before in zip((self.m_compute, self.m_send, self.m_remote), now, self._reported):
+            counter.inc(value - before)
+        self._reported = now
 
     async def decode(self, updates):
         """One Decode stream: apply the scheduler's updates, yield step results.
