@@ -2,7 +2,8 @@
 what it saves, beside float32 KV.
 
 Prompts: the eight held-out prompts of tests/model/test_reference.py (four completions,
-four chats) and --long longer ones: natural text (this repository's docs/*.md) cut to
+four chats) and --long longer ones: natural text (this repository's docs/*.md as of
+commit TEXT_COMMIT, so that the prompts stay the same as the docs change) cut to
 prompt lengths drawn from the Azure conversation trace (../shared/traces/azure_conv_2023.csv,
 divided by --scale and capped at --max-prompt: two CPU cores).
 
@@ -16,7 +17,14 @@ layer's attention done by the core, in three runs of --new-tokens steps:
   q4 greedy        q4 KV on its own: tokens until the first divergence, identical continuations
 A continuation ends at the reference's first end-of-sequence token (or --new-tokens).
 
-Attention time per layer is the time of the core's attend calls (appending the new K, V,
+Where the error comes from: the longest prompt (its first --ablation-tokens tokens) runs
+its forward with dense attention over K and/or V passed through 4-bit rows, with groups
+of 16, 32 (the attention workers') and 64 values, every position's logits against the
+float forward; and K's largest magnitude beside the median over channels of each
+channel's largest.
+
+Attention time per layer is the CPU time of this thread (the kernel runs in it; other
+processes on a shared host do not count) in the core's attend calls (appending the new K, V,
 quantized under q4, and the attention) during the greedy runs, per step and layer, and
 separately for --batch sequences of --context tokens (synthetic KV). KV bytes per token
 count every layer's K and V of the model's KV heads.
@@ -31,6 +39,7 @@ import csv
 import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,10 +52,12 @@ sys.path.insert(0, str(REPO))
 
 from model.attention import attention_with_lse  # noqa: E402
 from model.kv_attention import NATIVE  # noqa: E402
+from model.kv_quant import Q4Rows  # noqa: E402
 from services.attention_core import AttentionCore  # noqa: E402
 from services.wire import StoreKV  # noqa: E402
 
 TRACE = REPO.parent / "shared" / "traces" / "azure_conv_2023.csv"
+TEXT_COMMIT = "3a41b2ad938b96bc1e52c6069fbd51a4b402206c"  # docs of the commit before quantized KV
 
 
 def held_out_prompts() -> tuple[list[str], list[str]]:
@@ -60,6 +71,15 @@ def held_out_prompts() -> tuple[list[str], list[str]]:
     return module.COMPLETION_PROMPTS, module.CHAT_PROMPTS
 
 
+def docs_text() -> list[str]:
+    """docs/*.md of this repository at TEXT_COMMIT."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], check=True, capture_output=True, text=True).stdout
+
+    names = git("ls-tree", "--name-only", TEXT_COMMIT, "docs/").split()
+    return [git("show", f"{TEXT_COMMIT}:{name}") for name in sorted(names) if name.endswith(".md")]
+
+
 def make_prompts(tok, long: int, scale: int, max_prompt: int, seed: int) -> tuple[list[list[int]], list[str]]:
     completions, chats = held_out_prompts()
     prompts = [tok.encode(p) for p in completions]
@@ -69,7 +89,7 @@ def make_prompts(tok, long: int, scale: int, max_prompt: int, seed: int) -> tupl
         with open(TRACE) as f:
             lengths = [int(r["ContextTokens"]) for r in csv.DictReader(f)]
         rng = random.Random(seed)
-        text = tok.encode("\n\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md"))))
+        text = tok.encode("\n\n".join(docs_text()))
         for i in range(long):
             n = min(max_prompt, max(16, rng.choice(lengths) // scale), len(text))
             start = rng.randrange(0, len(text) - n + 1)
@@ -104,9 +124,9 @@ class _Decode:
         self.core, self.seqs, self.seconds, self.calls = core, seqs, 0.0, 0
 
     def attend(self, layer_id, q, k, v):
-        t = time.perf_counter()
+        t = time.thread_time()
         out, _ = self.core.attend(layer_id, self.seqs, q.contiguous(), k.contiguous(), v.contiguous())
-        self.seconds += time.perf_counter() - t
+        self.seconds += time.thread_time() - t
         self.calls += 1
         return out
 
@@ -165,8 +185,48 @@ def end(tokens: list[int], eos: tuple[int, ...]) -> int:
     return len(tokens)
 
 
+ABLATIONS = [("K and V, groups of 32", True, True, 32), ("K only, groups of 32", True, False, 32),
+             ("V only, groups of 32", False, True, 32), ("K and V, groups of 16", True, True, 16),
+             ("K and V, groups of 64", True, True, 64)]
+
+
+class _RoundTrip:
+    """Dense causal attention over K and/or V passed through 4-bit rows; records K."""
+
+    def __init__(self, rows: Q4Rows | None, on_k: bool, on_v: bool) -> None:
+        self.rows, self.on_k, self.on_v, self.keys = rows, on_k, on_v, []
+
+    def attend(self, layer_id, q, k, v):
+        self.keys.append(k)
+        if self.rows is not None:
+            k = self.rows.dequantize(self.rows.quantize(k.contiguous())) if self.on_k else k
+            v = self.rows.dequantize(self.rows.quantize(v.contiguous())) if self.on_v else v
+        return attention_with_lse(q, k, v)[0]
+
+
+def ablation(loaded, ids: list[int]) -> dict:
+    t = torch.tensor(ids)
+    n = len(ids)
+
+    def forward(ctx):
+        with torch.no_grad():
+            return loaded.model(t, torch.arange(n), torch.arange(n), ctx)  # [n, V]
+
+    plain = _RoundTrip(None, False, False)
+    ref = forward(plain)
+    keys = torch.stack(plain.keys)  # [L, n, Hkv, D]
+    channel_max = keys.abs().amax(1)  # [L, Hkv, D]
+    out = {"tokens": n, "k_max": float(channel_max.max()), "k_channel_max_median": float(channel_max.median())}
+    for name, on_k, on_v, group in ABLATIONS:
+        logits = forward(_RoundTrip(Q4Rows(loaded.config.head_dim, group), on_k, on_v))
+        diff = (logits - ref).abs()
+        out[name] = {"max": float(diff.max()), "mean": float(diff.mean()),
+                     "top1": float((logits.argmax(-1) == ref.argmax(-1)).float().mean())}
+    return out
+
+
 def synthetic_attend(cfg, kv_quant: str, batch: int, context: int, repeats: int) -> float:
-    """Seconds per layer call of AttentionCore.attend for `batch` sequences of `context`
+    """CPU seconds per layer call of AttentionCore.attend for `batch` sequences of `context`
     tokens, one new token each (random K, V)."""
     torch.manual_seed(0)
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
@@ -179,10 +239,10 @@ def synthetic_attend(cfg, kv_quant: str, batch: int, context: int, repeats: int)
     times = []
     for _ in range(repeats):
         q, k, v = torch.randn(batch, cfg.num_heads, d), torch.randn(batch, hkv, d), torch.randn(batch, hkv, d)
-        t = time.perf_counter()
+        t = time.thread_time()
         for layer in range(cfg.num_layers):
             core.attend(layer, seqs, q, k, v)
-        times.append((time.perf_counter() - t) / cfg.num_layers)
+        times.append((time.thread_time() - t) / cfg.num_layers)
     return statistics.median(times)
 
 
@@ -194,6 +254,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=48, help="decode steps per run (default 48)")
     ap.add_argument("--batch", type=int, default=16, help="sequences of the synthetic attention timing")
     ap.add_argument("--context", type=int, default=1024, help="tokens per sequence of the synthetic timing")
+    ap.add_argument("--ablation-tokens", type=int, default=300, help="tokens of the ablation's prompt")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -233,13 +294,20 @@ def main() -> int:
     for name, plen, n, mx, mean, same, first in rows:
         print(f"{name:<12} {plen:>6} {n:>8} {mx:>12.4f} {mean:>13.5f} {same:>6}/{n:<3} "
               f"{(str(first) + ' tokens' + (' (all)' if first == n else '')):>24}")
+    abl = ablation(loaded, max(prompts, key=len)[: args.ablation_tokens])
+    print(f"\nwhere the error comes from ({abl['tokens']} tokens, dense attention, every position):")
+    for name, *_ in ABLATIONS:
+        a = abl[name]
+        print(f"  {name:<24} max |dlogit| {a['max']:8.4f}  mean {a['mean']:.5f}  top-1 same {a['top1']:.3f}")
+    print(f"  K: largest magnitude {abl['k_max']:.2f}; median over channels of a channel's largest "
+          f"{abl['k_channel_max_median']:.2f}")
     synth = {q: synthetic_attend(cfg, q, args.batch, args.context, 5) for q in ("none", "q4")}
     print()
     print(f"{'':<36} {'float32 KV':>12} {'q4 KV':>12}")
     print(f"{'KV bytes per token (all layers)':<36} {ref['bytes_per_token']:>12} {free['bytes_per_token']:>12}")
-    print(f"{'attend ms per layer, decode above':<36} {ref['attend_s_per_layer'] * 1e3:>12.3f} "
+    print(f"{'attend CPU ms per layer, decode above':<36} {ref['attend_s_per_layer'] * 1e3:>12.3f} "
           f"{free['attend_s_per_layer'] * 1e3:>12.3f}")
-    print(f"{f'attend ms per layer, {args.batch} x {args.context} tok':<36} {synth['none'] * 1e3:>12.3f} "
+    print(f"{f'attend CPU ms/layer, {args.batch} x {args.context} tok':<36} {synth['none'] * 1e3:>12.3f} "
           f"{synth['q4'] * 1e3:>12.3f}")
     greedy_same = identical == len(names)
     print(f"\nlogit error (q4 forced on the float32 tokens): max {max_err:.4f}, mean {sum_err / count:.5f}; "
@@ -259,6 +327,7 @@ def main() -> int:
                                        "q4": round(free["attend_s_per_layer"] * 1e3, 4)},
         "attend_ms_per_layer_synthetic": {"batch": args.batch, "context": args.context,
                                           "none": round(synth["none"] * 1e3, 4), "q4": round(synth["q4"] * 1e3, 4)},
+        "ablation": abl,
     }))
     return 0
 

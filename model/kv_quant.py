@@ -44,17 +44,21 @@ _INV_LEVELS = torch.tensor(1 / _LEVELS, dtype=torch.float32)  # the C code's 1.0
 
 @dataclass(frozen=True)
 class Q4Rows:
-    """The packed layout of rows of `head_dim` values."""
+    """The packed layout of rows of `head_dim` values, in groups of `group_size` (32, the
+    attention workers' choice; of the whole row where it does not divide head_dim)."""
 
     head_dim: int
+    group_size: int = _GROUP
 
     def __post_init__(self) -> None:
         if self.head_dim <= 0 or self.head_dim % 2:
             raise ValueError(f"4-bit KV rows need an even head_dim, got {self.head_dim}")
+        if self.group_size <= 0 or self.group_size % 2:
+            raise ValueError(f"4-bit KV groups must have an even size, got {self.group_size}")
 
     @property
     def group(self) -> int:
-        return _GROUP if self.head_dim % _GROUP == 0 else self.head_dim
+        return self.group_size if self.head_dim % self.group_size == 0 else self.head_dim
 
     @property
     def num_groups(self) -> int:
