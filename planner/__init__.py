@@ -2,6 +2,7 @@
 discrete-event simulator that predict which deployment (colocated or model-attention
 disaggregated), quantization and thread counts serve a workload fastest and cheapest.
 
-Everything here is pure Python over typed frozen dataclasses; nothing imports torch, so
-`lamina plan` starts fast and the tests run in seconds. See docs/planner.md.
+The models are pure Python over typed frozen dataclasses and import no torch, so
+`lamina plan` starts fast and the tests run in seconds; only `planner.profile` (what
+`lamina profile` runs) measures, with torch. See docs/planner.md.
 """

@@ -46,6 +46,11 @@ class Device:
     usd_per_hour: float
     cores: int | None = None  # CPU devices: physical cores, for the thread-count model
     sources: Mapping[str, str] = field(default_factory=dict)
+    # Measured by `lamina profile` (empty / None in the catalogue): seconds per weight of a
+    # decode matmul at each batch size with this machine's kernel, and the bytes/s of KV its
+    # attention kernel reads. Where present they replace the roofline's terms.
+    linear_s_per_param: Mapping[int, float] = field(default_factory=dict)
+    attention_bw: float | None = None
 
     @property
     def is_cpu(self) -> bool:
@@ -64,6 +69,25 @@ class Device:
     @property
     def achieved_bw(self) -> float:
         return self.memory_bw * self.memory_efficiency
+
+    def measured_linear_s(self, params: float, batch: int) -> float | None:
+        """Seconds for a decode matmul over `params` weights at `batch` from the measured
+        table: linear between measured batch sizes, proportional to the batch beyond the
+        largest (compute-bound there); None without a table."""
+        table = self.linear_s_per_param
+        if not table:
+            return None
+        sizes = sorted(table)
+        if batch <= sizes[0]:
+            return params * table[sizes[0]]
+        if batch >= sizes[-1]:
+            return params * table[sizes[-1]] * batch / sizes[-1]
+        hi = next(b for b in sizes if b >= batch)
+        lo = max(b for b in sizes if b <= batch)
+        if hi == lo:
+            return params * table[lo]
+        frac = (batch - lo) / (hi - lo)
+        return params * (table[lo] + frac * (table[hi] - table[lo]))
 
 
 def _figure(entry: Mapping[str, Any], key: str, where: str) -> tuple[float, str]:
@@ -94,6 +118,17 @@ def device_from_entry(name: str, entry: Mapping[str, Any]) -> Device:
         flops[dtype] = tflops * 1e12
     if "bf16" not in flops:
         raise CatalogueError(f"{name}: tflops.bf16 is required")
+    linear: dict[int, float] = {}
+    if "linear_s_per_param" in entry:
+        fig = entry["linear_s_per_param"]
+        if not isinstance(fig, Mapping) or not isinstance(fig.get("value"), Mapping) or not fig.get("source"):
+            raise CatalogueError(f"{name}: linear_s_per_param must be {{value: {{batch: seconds}}, source}}")
+        linear = {int(b): float(t) for b, t in fig["value"].items()}
+        sources["linear_s_per_param"] = fig["source"]
+    attention_bw = None
+    if "attention_tb_s" in entry:
+        tb_s, sources["attention_tb_s"] = _figure(entry, "attention_tb_s", name)
+        attention_bw = tb_s * 1e12
     return Device(
         name=name, description=str(entry.get("description", name)),
         memory_bytes=values["memory_gb"] * 1e9, memory_bw=values["memory_tb_s"] * 1e12,
@@ -104,6 +139,7 @@ def device_from_entry(name: str, entry: Mapping[str, Any]) -> Device:
         compute_efficiency=values["compute_efficiency"], memory_efficiency=values["memory_efficiency"],
         usd_per_hour=values["usd_per_hour"],
         cores=int(values["cores"]) if "cores" in values else None, sources=sources,
+        linear_s_per_param=linear, attention_bw=attention_bw,
     )
 
 

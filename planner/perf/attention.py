@@ -4,7 +4,9 @@ arithmetic intensity is about the GQA group size, whatever the batch), split eve
 the attention workers that hold the batch (by heads or by requests).
 
 KV quantized to 4 bits reads fewer bytes and adds dequantization work on the attention
-worker's vector units (LM-Offload's trade-off for where attention runs).
+worker's vector units (LM-Offload's trade-off for where attention runs). On a machine
+profiled by `lamina profile`, the measured KV bytes/s of its attention kernel replaces the
+memory bandwidth.
 """
 
 from __future__ import annotations
@@ -24,5 +26,8 @@ def attention_layer_time(shape: ModelShape, device: Device, batch: int, context:
     kv_elements = batch * context * 2 * shape.kv_size / workers
     # QK^T and PV: 2 FLOPs per multiply-add, head_dim per (query head, key) pair, twice.
     flops = 4.0 * batch * context * shape.q_size / workers
-    return roofline(device, flops, kv_elements * kv.bytes_per_element,
-                    vector_flops=kv_elements * kv.dequant_ops_per_element)
+    t = roofline(device, flops, kv_elements * kv.bytes_per_element,
+                 vector_flops=kv_elements * kv.dequant_ops_per_element)
+    if device.attention_bw is not None:  # a profiled machine: its attention kernel's rate
+        return Roofline(t.compute_s, kv_elements * kv.bytes_per_element / device.attention_bw)
+    return t

@@ -42,8 +42,9 @@ class Precision:
 
 
 FP16 = Precision("fp16", 16)
+FP32 = Precision("fp32", 32)  # the local CPU engine's weights and KV
 INT4 = Precision("int4", 4, group_size=64)
-PRECISIONS = {p.name: p for p in (FP16, INT4)}
+PRECISIONS = {p.name: p for p in (FP16, FP32, INT4)}
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ once per (micro-)batch and do 2 FLOPs per weight per token, so their time is
 max(2 * params * batch / compute, weight bytes / bandwidth) (roofline): flat in the batch
 until the batch reaches the device's FLOP-per-byte ratio, then linear. Tensor
 parallelism divides both terms by `tp` and adds two all-reduces of the activations per
-layer (Megatron-LM's layout).
+layer (Megatron-LM's layout). On a machine profiled by `lamina profile` the measured
+time of its own matmul kernel per weight and batch size replaces the roofline (measured
+with float32 weights, the local engine's form, and used as measured for any precision).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ def _matmul(device: Device, params: float, batch: int, tp: int, weights: Precisi
             activations_per_token: float) -> Roofline:
     per_device = params / tp
     bytes_moved = per_device * weights.bytes_per_element + batch * activations_per_token * ACTIVATION_BYTES / tp
+    measured = device.measured_linear_s(per_device, batch)
+    if measured is not None:  # a profiled machine: its own kernel's time, whatever the bound
+        return Roofline(measured, min(measured, bytes_moved / device.achieved_bw))
     return roofline(device, 2.0 * per_device * batch, bytes_moved,
                     vector_flops=per_device * weights.dequant_ops_per_element)
 

@@ -63,3 +63,24 @@ def test_parse_hardware(catalogue):
     for bad in ("TPU", "H100:0", "H100:x", ""):
         with pytest.raises(ValueError):
             parse_hardware(bad, catalogue)
+
+
+def _profiled_entry(raw):
+    entry = dict(raw["CPU"])
+    entry["linear_s_per_param"] = {"value": {"1": 1e-9, "8": 2e-9}, "source": "measured"}
+    entry["attention_tb_s"] = {"value": 0.002, "source": "measured"}
+    return entry
+
+
+def test_a_profile_measured_table_is_read_and_interpolated():
+    raw = yaml.safe_load(resources.files("planner").joinpath("catalogue.yaml").read_text())
+    dev = device_from_entry(THIS_MACHINE, _profiled_entry(raw))
+    assert dev.attention_bw == pytest.approx(2e9)
+    assert dev.measured_linear_s(1e6, 1) == pytest.approx(1e-3)
+    assert dev.measured_linear_s(1e6, 4.5) == pytest.approx(1.5e-3)  # halfway from 1 to 8
+    assert dev.measured_linear_s(1e6, 16) == pytest.approx(4e-3)  # beyond: proportional to the batch
+    assert device_from_entry("CPU", raw["CPU"]).measured_linear_s(1e6, 1) is None
+    bad = _profiled_entry(raw)
+    bad["linear_s_per_param"] = {"value": 1e-9, "source": "measured"}
+    with pytest.raises(CatalogueError, match="linear_s_per_param"):
+        device_from_entry(THIS_MACHINE, bad)

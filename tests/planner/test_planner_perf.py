@@ -170,3 +170,18 @@ def test_threads_compute_bound_ops_spread_over_cores():
     assert makespan(ops, 1, 4) == pytest.approx(4 * (0.2 + 0.8 / 4))
     single = choose_threads([CpuOp(1.0, 0.0, 0.0)], cores=4)
     assert (single.inter_op, single.intra_op) == (1, 4) and single.makespan_s == pytest.approx(0.25)
+
+
+def test_a_profiled_machine_uses_its_measured_kernels(catalogue):
+    cpu = catalogue["CPU"]
+    table = {1: 1e-9, 8: 2e-9, 64: 10e-9}
+    profiled = replace(cpu, linear_s_per_param=table, attention_bw=1e9)
+    sl = slice_time(SHAPE, profiled, 8)
+    assert sl.layer.seconds == pytest.approx(SHAPE.layer_matmul_params * 2e-9)
+    att = attention_layer_time(SHAPE, profiled, 4, 1000)
+    assert att.memory_s == pytest.approx(4 * 1000 * 2 * SHAPE.kv_size * 2 / 1e9)
+    prev = 0.0
+    for b in BATCHES:  # the measured model keeps the monotonicity too
+        t = slice_time(SHAPE, profiled, b).step_s(SHAPE.num_layers)
+        assert t >= prev
+        prev = t

@@ -1,0 +1,151 @@
+"""Measure this machine for the planner: what `lamina profile` runs.
+
+It reuses the benchmarks' code: the copy bandwidth of bench/engine_throughput.py, the
+decoder layer shapes of bench/packed_matmul.py, the TCP transport ping-pong of
+bench/transport_pingpong.py; so it runs from a source checkout (bench/ beside planner/).
+Measured: the engine's float32 matmul kernel at several batch sizes (each layer its own
+weights, so they are read from memory as in a decode step), decode attention over KV at several batch
+sizes and contexts with the engine's kernel (model.kv_attention), a large tensor copy, and
+the TCP transport's round trip and bandwidth. The result is a catalogue entry for
+`this-machine` (effective figures, so both efficiencies are 1) and the raw measurements.
+
+Torch is imported here only, never by the models.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _bench(name: str):
+    """A module of the repository's bench/ (not an installed package)."""
+    import importlib
+
+    if not (REPO / "bench").is_dir():
+        raise RuntimeError(f"lamina profile needs the source checkout's bench/ (not found beside {REPO / 'planner'})")
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    return importlib.import_module(f"bench.{name}")
+
+
+def _median_time(fn, repeats: int) -> float:
+    """Median CPU seconds of this process: on shared cores wall time counts the neighbours'
+    turns too, and with one thread CPU time is the compute (as bench/packed_matmul.py)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.process_time()
+        fn()
+        times.append(time.process_time() - t)
+    return statistics.median(times)
+
+
+def measure_linear(batches: tuple[int, ...], layers: int, repeats: int) -> dict[int, dict[str, float]]:
+    """Per batch size: seconds for `layers` decoder layers of SmolLM2-135M's projections
+    with the engine's own kernel over float32 panels (bench/packed_matmul.py's "native"
+    variant), each layer its own weights; the FLOP/s, weight bytes/s and seconds per weight
+    that implies."""
+    import torch
+
+    from model import quant
+
+    packed_matmul = _bench("packed_matmul")
+    shapes = packed_matmul.LAYER  # (outputs, inputs) of one decoder layer
+    gen = torch.Generator().manual_seed(0)
+    weights = [[quant.pack_float(torch.randn(o, i, generator=gen) * 0.05) for o, i in shapes] for _ in range(layers)]
+    run_native = packed_matmul._variants("f32", weights, 0)["native"][0]
+    params = layers * sum(o * i for o, i in shapes)
+    out: dict[int, dict[str, float]] = {}
+    for b in batches:
+        xs = {i: torch.randn(b, i, generator=gen) for _, i in shapes}
+        t = _median_time(lambda: run_native(xs), repeats)
+        out[b] = {"seconds": t, "flops": 2 * params * b / t, "weight_bytes_s": params * 4 / t,
+                  "s_per_param": t / params}
+    return out
+
+
+def measure_attention(cases: tuple[tuple[int, int], ...], repeats: int) -> dict[str, dict[str, float]]:
+    """Per (batch, context): one layer of decode attention over float32 KV (SmolLM2: 9 query
+    heads, 3 KV heads of 64) with the engine's kernel, and the KV bytes/s."""
+    import torch
+
+    from model.kv_attention import buffer_attention
+
+    heads, kv_heads, d = 9, 3, 64
+    out: dict[str, dict[str, float]] = {}
+    for batch, context in cases:
+        keys = [torch.randn(context, kv_heads, d) for _ in range(batch)]
+        values = [torch.randn(context, kv_heads, d) for _ in range(batch)]
+        q = torch.randn(batch, heads, d)
+        lens = [1] * batch
+        t = _median_time(lambda: buffer_attention(q, lens, keys, values, need_lse=False), repeats)
+        kv_bytes = 2 * batch * context * kv_heads * d * 4
+        out[f"{batch}x{context}"] = {"seconds": t, "kv_bytes_s": kv_bytes / t}
+    return out
+
+
+def measure_transport(quick: bool = True) -> dict[str, Any]:
+    """The TCP transport's round trip (64 B) and bandwidth (1 MiB) on loopback."""
+    res = _bench("transport_pingpong").bench_transport("tcp", [64, 1 << 20], quick)
+    return {"rtt_us_64B": res["rtt_us"]["64"], "gbit_s_1MiB": res["gbps"][str(1 << 20)]}
+
+
+def _memory_bytes() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return float(line.split()[1]) * 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+def profile(threads: int, usd_per_hour: float, quick: bool = False) -> dict[str, Any]:
+    """Measure and return {"device": catalogue entry, "measurements": raw figures}."""
+    import torch
+
+    torch.set_num_threads(threads)
+    repeats = 3 if quick else 7
+    copy_bw = _bench("engine_throughput").copy_bandwidth(64 << 20 if quick else 256 << 20, repeats)
+    linear = measure_linear((1, 2, 4, 8, 16, 32, 64), layers=8 if quick else 30, repeats=repeats)
+    attention = measure_attention(((1, 256), (16, 256), (16, 1024), (64, 512)), repeats)
+    transport = measure_transport(quick=True)
+    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    src = f"measured by lamina profile, {when}, {threads} torch threads"
+    # The memory figure the models use is what a decode step gets: the best of a plain
+    # copy and batch-1 linear layers (weights streamed once), which is the closer to it.
+    stream_bw = max(copy_bw, linear[1]["weight_bytes_s"])
+    flops = max(v["flops"] for v in linear.values())
+    rtt = transport["rtt_us_64B"]
+    attention_bw = statistics.median(v["kv_bytes_s"] for v in attention.values())
+    entry = {
+        "description": f"this machine ({os.cpu_count()} CPUs seen, {threads} threads measured)",
+        "memory_gb": {"value": round(_memory_bytes() / 1e9, 3), "source": "MemTotal in /proc/meminfo"},
+        "memory_tb_s": {"value": stream_bw / 1e12,
+                        "source": f"{src}: max of a tensor copy (read + write) and the batch-1 matmul kernel's weight stream"},
+        "tflops": {
+            "bf16": {"value": flops / 1e12,
+                     "source": f"{src}: best FLOP/s of the engine's float32 matmul kernel (it computes in float32 here)"},
+            "fp32": {"value": flops / 1e12, "source": f"{src}: best FLOP/s of the engine's float32 matmul kernel"},
+        },
+        "scaleup_gb_s": {"value": copy_bw / 2 / 1e9, "source": f"{src}: tensor copy, one way"},
+        "network_gbit_s": {"value": transport["gbit_s_1MiB"] / 2, "source": f"{src}: TCP transport 1 MiB ping-pong, one way"},
+        "network_latency_us": {"value": rtt / 2, "source": f"{src}: half the TCP transport's 64 B round trip"},
+        "scaleup_latency_us": {"value": 1.0, "assumption": True, "source": "assumption: one core synchronisation"},
+        "compute_efficiency": {"value": 1.0, "source": "measured figures are effective, not peak"},
+        "memory_efficiency": {"value": 1.0, "source": "measured figures are effective, not peak"},
+        "usd_per_hour": {"value": usd_per_hour, "assumption": True, "source": "given to lamina profile (--usd-per-hour)"},
+        "cores": {"value": threads, "source": "the torch threads the measurements ran with"},
+        "linear_s_per_param": {"value": {str(b): v["s_per_param"] for b, v in linear.items()},
+                               "source": f"{src}: the engine's float32 matmul kernel per weight, by batch size"},
+        "attention_tb_s": {"value": attention_bw / 1e12,
+                           "source": f"{src}: median KV bytes/s of the engine's attention kernel over (batch, context) cases"},
+    }
+    return {"device": entry, "measurements": {
+        "copy_bytes_s": copy_bw, "linear": {str(k): v for k, v in linear.items()},
+        "attention": attention, "transport": transport}}

@@ -1,0 +1,38 @@
+"""`lamina profile` on tiny sizes: the measurements it reuses from bench/ run, and what it
+writes is a catalogue entry `lamina plan` reads (the full profile takes seconds to a
+minute and is bench/planner_validation.py's first step)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from planner.hardware import THIS_MACHINE, device_from_entry  # noqa: E402
+from planner.profile import measure_attention, measure_linear  # noqa: E402
+
+
+def test_linear_and_attention_measurements_are_positive_and_ordered():
+    linear = measure_linear((1, 8), layers=1, repeats=1)
+    assert set(linear) == {1, 8}
+    assert all(v["seconds"] > 0 and v["s_per_param"] > 0 for v in linear.values())
+    assert linear[8]["flops"] > 0
+    attention = measure_attention(((2, 64),), repeats=1)
+    assert attention["2x64"]["kv_bytes_s"] > 0
+
+
+def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
+    import json
+
+    import planner.profile as prof
+    from lamina.cli import main
+
+    fake = {"rtt_us_64B": 100.0, "gbit_s_1MiB": 4.0}
+    monkeypatch.setattr(prof, "measure_transport", lambda quick=True: fake)  # no server process in a unit test
+    monkeypatch.setattr(prof, "measure_linear", lambda b, layers, repeats: measure_linear((1, 2), 1, 1))
+    monkeypatch.setattr(prof, "measure_attention", lambda cases, repeats: measure_attention(((1, 32),), 1))
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--quick", "--out", str(out)]) == 0
+    dev = device_from_entry(THIS_MACHINE, json.loads(out.read_text())["device"])
+    assert dev.network_latency == pytest.approx(50e-6) and dev.linear_s_per_param
+    assert main(["plan", "--model", "smollm2-135m", "--hardware", "this-machine", "--profile", str(out),
+                 "--prompt-tokens", "64", "--output-tokens", "16", "--rate", "0.5", "--json"]) == 0
+    assert "this-machine" in capsys.readouterr().out
