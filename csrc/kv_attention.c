@@ -415,9 +415,14 @@ static uint16_t float_to_half(float f) {
 
 static inline float clamp_f16(float x) { return x < -65504.0f ? -65504.0f : x > 65504.0f ? 65504.0f : x; }
 
+/* round((x - m) * inv) to nearest even, clamped to 0..15 (clamping first gives the same:
+ * the bounds are integers). Adding 2^23 rounds y to an integer in the sum's low bits;
+ * they are read as bits, so -ffast-math has no subtraction to cancel, and no libm call. */
 static inline uint8_t code_q4(float x, float m, float inv) {
-    const float q = rintf((clamp_f16(x) - m) * inv); /* to nearest even, like torch.round */
-    return q < 0.0f ? 0 : q > 15.0f ? 15 : (uint8_t)q;
+    float y = (clamp_f16(x) - m) * inv;
+    y = y < 0.0f ? 0.0f : y > 15.0f ? 15.0f : y;
+    union { float f; uint32_t u; } r = {y + 0x1p23f};
+    return (uint8_t)(r.u & 15u);
 }
 
 /* One row of d floats -> its packed bytes (model/kv_quant.py gives the definition, in

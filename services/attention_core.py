@@ -117,8 +117,7 @@ class AttentionCore:
         """K, V [T, Hkv, D] as the pools hold them: as they are, or packed [T, Hkv, row_bytes]."""
         if self.packed is None:
             return k, v
-        kv = self.packed.quantize(torch.stack([k, v]))  # [2, T, Hkv, row_bytes]: one call for both
-        return kv[0], kv[1]
+        return self.packed.quantize(k), self.packed.quantize(v)  # [T, Hkv, row_bytes] each
 
     def _append(self, layer: int, seqs: list[tuple[str, int]], k: torch.Tensor, v: torch.Tensor) -> _StepSlots:
         """Write the step's new K, V (extending the sequences at layer 0) in one indexed

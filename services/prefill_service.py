@@ -45,11 +45,12 @@ log = logging.getLogger(__name__)
 
 
 class PrefillService:
-    def __init__(self, config: StackConfig) -> None:
+    def __init__(self, config: StackConfig, index: int = 0) -> None:
         self.config = config
         self.slices = ModelSlices.load(config.model, config.weights)
         self.cfg = self.slices.cfg
-        self.runtime = ServiceRuntime("prefill", "prefill-0", config)
+        # prefill-I: its node in the metadata store's block records, and the scheduler's routing key.
+        self.runtime = ServiceRuntime("prefill", f"prefill-{index}", config)
         r = self.runtime.registry
         self.m_prompts = prometheus_client.Counter("lamina_prefill_requests", "prompts prefilled", registry=r)
         self.m_tokens = prometheus_client.Counter("lamina_prefill_tokens", "prompt tokens computed", registry=r)
@@ -60,7 +61,7 @@ class PrefillService:
         self.publisher = BlockPublisher(self.runtime.store, self.runtime.service_id)
         self.cache = PrefixCache(PrefixCacheConfig(
             block_size=pc.cache_block_tokens, device_bytes=pc.cache_device_bytes, host_bytes=pc.cache_host_bytes,
-            disk_bytes=pc.cache_disk_bytes, disk_dir=pc.cache_dir, eviction=pc.cache_eviction,
+            disk_bytes=pc.cache_disk_bytes, disk_dir=pc.worker_cache_dir(index), eviction=pc.cache_eviction,
         ), on_event=self.publisher.on_event) if pc.cache_device_bytes else None
         self.publisher.cache = self.cache
         self.num_prompt_tokens = 0  # prompt tokens of the prompts prefilled
@@ -224,7 +225,7 @@ class _PrefillServicer(lamina_pb2_grpc.PrefillServicer):
             await abort_for_remote_error(context, exc)
 
 
-def serve(config: StackConfig, threads: int | None = None) -> None:
+def serve(config: StackConfig, threads: int | None = None, index: int = 0) -> None:
     torch.set_num_threads(threads or config.prefill.threads)
     transports.install_uvloop()
-    asyncio.run(PrefillService(config).run())
+    asyncio.run(PrefillService(config, index).run())

@@ -2,8 +2,10 @@
 
 Admission is an owned task: it takes waiting requests in the order of the
 configured policy (FCFS, Fastest-Prefix-First or Relaxed-FPF over the prefill
-service's prefix cache), places them on attention workers, and has the prefill
-service run them (which yields the first token). A prefilled request then joins
+workers' prefix caches), places them on attention workers, and has a prefill worker
+run them (which yields the first token): the one services.prefill_routing picks, by
+the prefix of the prompt each holds (the metadata store's block records) against the
+tokens queued there (services.prefill_clients). A prefilled request then joins
 the decode stream of the least loaded model worker (services.model_streams),
 which steps it with the others in staggered micro-batches and streams its tokens
 back; the scheduler only sends joins and leaves. Prefill and decode run in
@@ -13,12 +15,12 @@ A request's KV is freed only once its model worker has released it (a stop rule,
 a leave, a failure), so no step in flight ever writes into freed KV.
 
 Failures (docs/reliability.md): when a decode step or a prefill fails because an
-attention worker, the prefill worker or a model worker died or stopped answering,
+attention worker, a prefill worker or a model worker died or stopped answering,
 the affected requests are not ended: their KV is freed where it can be, they are
 placed again on attention workers that answer a health probe (a restarted one
 included, found anew in the metadata store), and the prefill service recomputes
-their KV from the prompt and the tokens generated so far (its prefix cache serves
-the prompt); then they rejoin a live model worker's decode stream. Sampling is seeded
+their KV from the prompt and the tokens generated so far (a live prefill worker;
+its prefix cache serves the prompt); then they rejoin a live model worker's decode stream. Sampling is seeded
 per output index, so the stream goes on with the tokens it would have had. A request
 ends with an error only when no placement works within `deadlines.recovery_s`.
 """
@@ -42,6 +44,7 @@ from services.channels import open_channel
 from services.config import StackConfig
 from services.journal import Journal
 from services.placement import place_request
+from services.prefill_clients import PrefillClients
 from services.protos import lamina_pb2, lamina_pb2_grpc
 from services.runtime import ServiceRuntime, wait_for_services
 from services.micro_batches import join_target
@@ -104,7 +107,8 @@ class SchedulerService:
         # their requests were moved away).
         self._orphans: dict[int, set[str]] = {}
         self._attention_grpc: list[str] = []  # each attention worker's gRPC address in use
-        self._prefill_endpoint = ""
+        # One channel per prefill worker; each prompt goes to the one services.prefill_routing picks.
+        self.prefills = PrefillClients(config, self.runtime.store, self._channel)
         r = self.runtime.registry
         self.m_waiting = prometheus_client.Gauge("lamina_scheduler_waiting", "requests waiting", registry=r)
         self.m_running = prometheus_client.Gauge("lamina_scheduler_running", "requests decoding", registry=r)
@@ -196,17 +200,13 @@ class SchedulerService:
     async def _admission_order(self) -> list[Request]:
         """The first `_POLICY_WINDOW` waiting requests in the order to admit them: arrival
         order for FCFS; the prefix-aware policies order them by cached-prefix tier
-        distance (asked of the prefill service once per window)."""
+        distance (asked of the prefill workers once per window; a prompt's distance is
+        the nearest tier any of them holds its prefix in)."""
         window = list(self.waiting)[:_POLICY_WINDOW]
         if self.limits.policy == "fcfs":
             return window
-        try:
-            result = await self.prefill_stub.TierDistances(lamina_pb2.TierDistanceRequest(prompts=[
-                lamina_pb2.TierDistanceRequest.Prompt(token_ids=r.prompt_ids) for r in window]),
-                timeout=self.config.deadlines.rpc_s)
-            distances = list(result.distances)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("tier distances unavailable (%s); admitting in arrival order", exc.details())
+        distances = await self.prefills.tier_distances([r.prompt_ids for r in window])
+        if distances is None:
             return window
         return admission_order(window, distances, self.limits.policy, time.monotonic())
 
@@ -231,18 +231,23 @@ class SchedulerService:
             self._wake_admit.set()  # a prefill slot is free again
 
     async def _prefill_call(self, req: Request, token_ids: list[int]) -> lamina_pb2.PrefillResult:
-        """Record the placement and have the prefill service compute `token_ids`' KV on it.
+        """Record the placement and have a prefill worker (the one the routing picks)
+        compute `token_ids`' KV on it; _NotYet when no prefill worker is alive.
 
         The record is for observers (lamina status) and for cleaning up after a failed
         scheduler; with the metadata store unreachable the request still runs, and its
         placement is written again when the store is back (`_republish`)."""
+        route = await self.prefills.route(token_ids)
+        if route is None:
+            raise _NotYet("no prefill worker answers")
+        worker, cached_tokens = route
         try:
             await self.runtime.store.set_placement(req.request_id, self._placement_of(req))
         except REDIS_ERRORS as exc:
             log.warning("placement of %s not recorded (metadata store unreachable: %s)", req.request_id, exc)
-        return await self.prefill_stub.Prefill(lamina_pb2.PrefillRequest(
+        return await self.prefills.prefill(worker, lamina_pb2.PrefillRequest(
             seq_id=req.kv_id, token_ids=token_ids, params=req.params,
-            placement=lamina_pb2.Placement(workers=req.workers)), timeout=self.config.deadlines.rpc_s)
+            placement=lamina_pb2.Placement(workers=req.workers)), cached_tokens)
 
     def _placement_of(self, req: Request) -> KVPlacement:
         return KVPlacement(workers=tuple(f"attention-{w}" for w in req.workers), partition=self.config.partition,
@@ -251,6 +256,11 @@ class SchedulerService:
     async def _run_prefill(self, req: Request) -> None:
         try:
             result = await self._prefill_call(req, req.prompt_ids)
+        except _NotYet as exc:  # no prefill worker alive: wait for one as a rebuild does
+            self.num_prefilling -= 1
+            self.running.append(req)
+            self._start_recovery(req, "prefill", str(exc))
+            return
         except grpc.aio.AioRpcError as exc:
             self.num_prefilling -= 1
             if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and (self.running or self.num_prefilling):
@@ -487,11 +497,14 @@ class SchedulerService:
         first = not req.output_ids  # failed during its first prefill: that one samples the first token
         try:
             result = await self._prefill_call(req, req.rebuild_ids)
+        except _NotYet:
+            await self._free_kv(req)
+            raise
         except grpc.aio.AioRpcError as exc:
             await self._free_kv(req)
             if exc.code() not in _PEER_FAILURES and exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise
-            await self._refresh_prefill()
+            await self.prefills.refresh()
             raise _NotYet(f"prefill: {exc.code().name}: {exc.details()}") from None
         log.info("%s rebuilt on attention worker(s) %s (%d tokens)", req.request_id, workers, len(req.rebuild_ids))
         if req.abort_requested:
@@ -534,14 +547,6 @@ class SchedulerService:
         channel = open_channel(address, self.config.cluster_token)
         self._channels.append(channel)
         return channel
-
-    async def _refresh_prefill(self) -> None:
-        """Reach the prefill service at its registered address (it may have restarted)."""
-        with contextlib.suppress(Exception):
-            info = await self.runtime.store.get_service("prefill", "prefill-0")
-            if info is not None and info.endpoint != self._prefill_endpoint:
-                self._prefill_endpoint = info.endpoint
-                self.prefill_stub = lamina_pb2_grpc.PrefillStub(self._channel(info.endpoint))
 
     async def _watch_model_workers(self) -> None:
         """A model worker that holds sequences and sends no step result for
@@ -615,13 +620,12 @@ class SchedulerService:
         rt = self.runtime
         store = rt.store
         attn = await wait_for_services(store, "attention", self.config.attention.workers)
-        (prefill,) = await wait_for_services(store, "prefill", 1)
+        prefills = await wait_for_services(store, "prefill", self.config.prefill.workers)
         models = await wait_for_services(store, "model", self.config.model_worker.workers)
         self._attention_grpc = [a.meta["grpc"] for a in attn]
-        self._prefill_endpoint = prefill.endpoint
         self._channels = []
         self.attention_stubs = [lamina_pb2_grpc.AttentionControlStub(self._channel(a.meta["grpc"])) for a in attn]
-        self.prefill_stub = lamina_pb2_grpc.PrefillStub(self._channel(prefill.endpoint))
+        self.prefills.connect(prefills)
         model_channels = [self._channel(m.endpoint) for m in models]
         for w, stub in enumerate(self.attention_stubs):
             self.capacity_tokens[w] = (await stub.Stats(lamina_pb2.Empty(),
