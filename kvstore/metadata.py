@@ -57,7 +57,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -366,6 +366,17 @@ class MetadataStore:
         """node -> record, for every node caching the block."""
         row = await self.redis.hgetall(self._block_key(block_hash))
         return {node: BlockRecord.from_json(block_hash, raw) for node, raw in row.items()}
+
+    async def block_holders(self, block_hashes: Sequence[str]) -> list[set[str]]:
+        """The nodes caching each block, in order, in one round trip (the scheduler's
+        prefill routing asks this for a prompt's chained block hashes)."""
+        if not block_hashes:
+            return []
+        async with self.redis.pipeline(transaction=False) as p:
+            for h in block_hashes:
+                p.hkeys(self._block_key(h))
+            rows = await p.execute()
+        return [set(nodes) for nodes in rows]
 
     async def blocks_on(self, node: str) -> set[str]:
         return set(await self.redis.smembers(self._node_blocks_key(node)))

@@ -17,8 +17,12 @@ clear message naming the setting.
     gateway: {port: 8000, api_key: null, max_queue: 256, served_model_name: null,
               insecure: false}   # insecure: serve without api_key on a host other than loopback
     scheduler: {max_batch_size: 32, max_queue: 256, policy: fcfs}   # policy: fcfs | fpf | relaxed_fpf
-    prefill: {threads: 1, cache_block_tokens: 16, cache_device_bytes: 268435456,
-              cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru}
+    prefill: {workers: 1, threads: 1, cache_block_tokens: 16, cache_device_bytes: 268435456,
+              cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru,
+              routing: prefix, routing_load_weight: 1.0}
+                                # workers: prefill processes prefill-0..P-1, each with its own cache
+                                # (cache_dir/prefill-I when P > 1); routing: prefix (the worker holding
+                                # the longest prefix, against its queued tokens) | round_robin
     model_worker: {threads: 1, workers: 1}
     pipeline: {micro_batches: 2, min_micro_batch: 16, q_early: false,
                mode: fixed}     # fixed: micro-batches per model worker; rotational: M + 1 over M workers
@@ -47,6 +51,7 @@ POLICIES = ("fcfs", "fpf", "relaxed_fpf")
 WEIGHT_CHOICES = ("float32", "q8_0", "q4", "as_file")  # model.packing.WEIGHT_CHOICES (tested equal)
 KV_QUANT_CHOICES = ("none", "q4")  # model.kv_quant.KV_QUANT_CHOICES (tested equal)
 PIPELINE_MODES = ("fixed", "rotational")
+PREFILL_ROUTINGS = ("prefix", "round_robin")  # services.prefill_routing
 
 
 class ConfigError(ValueError):
@@ -94,6 +99,7 @@ class PipelineSection:
 
 @dataclass(frozen=True)
 class PrefillSection:
+    workers: int = 1  # prefill worker processes (prefill-0..P-1), each with its own prefix cache
     threads: int = 1
     cache_block_tokens: int = 16  # prefix-cache block size (tokens)
     cache_device_bytes: int = 256 << 20  # 0 disables the prefix cache
@@ -103,6 +109,18 @@ class PrefillSection:
     cache_eviction: str = "lru"  # lru | fifo | random
     max_batch_tokens: int = 2048  # prompts waiting together run as one forward up to this many tokens
     batch_window_ms: float = 5.0  # how long a batch waits for more prompts before its forward
+    # Which prefill worker gets a prompt (services.prefill_routing): prefix: the one whose
+    # cached prefix of it (looked up in the metadata store) minus routing_load_weight x its
+    # queued tokens is largest; round_robin: each in turn.
+    routing: str = "prefix"
+    routing_load_weight: float = 1.0
+
+    def worker_cache_dir(self, index: int) -> str | None:
+        """Prefill worker `index`'s disk tier: cache_dir itself with one worker, else a
+        directory of its own in it (a disk tier deletes files it did not index)."""
+        if self.cache_dir is None or self.workers == 1:
+            return self.cache_dir
+        return os.path.join(self.cache_dir, f"prefill-{index}")
 
 
 @dataclass(frozen=True)
@@ -168,12 +186,17 @@ class StackConfig:
                self.pipeline.mode)
         _check(self.attention.kv_quant in KV_QUANT_CHOICES, "attention.kv_quant",
                f"must be one of {', '.join(KV_QUANT_CHOICES)}", self.attention.kv_quant)
+        _check(self.prefill.routing in PREFILL_ROUTINGS, "prefill.routing",
+               f"must be one of {', '.join(PREFILL_ROUTINGS)}", self.prefill.routing)
+        _check(isinstance(self.prefill.routing_load_weight, (int, float)) and self.prefill.routing_load_weight >= 0,
+               "prefill.routing_load_weight", "must be a non-negative number", self.prefill.routing_load_weight)
         _check(self.scheduler.policy in POLICIES, "scheduler.policy", f"must be one of {', '.join(POLICIES)}",
                self.scheduler.policy)
         _check(0 <= self.gateway.port < 65536, "gateway.port", "must be a TCP port", self.gateway.port)
         for name, value in (("gateway.max_queue", self.gateway.max_queue),
                             ("scheduler.max_batch_size", self.scheduler.max_batch_size),
                             ("scheduler.max_queue", self.scheduler.max_queue),
+                            ("prefill.workers", self.prefill.workers),
                             ("prefill.threads", self.prefill.threads),
                             ("prefill.max_batch_tokens", self.prefill.max_batch_tokens),
                             ("model_worker.threads", self.model_worker.threads),
@@ -231,8 +254,8 @@ class StackConfig:
     @property
     def data_plane_processes(self) -> int:
         """Processes that exchange frames and compute between them: attention workers,
-        model workers and the prefill worker (all on one host under `lamina up`)."""
-        return self.attention.workers + self.model_worker.workers + 1
+        model workers and prefill workers (all on one host under `lamina up`)."""
+        return self.attention.workers + self.model_worker.workers + self.prefill.workers
 
     def data_address(self, service_id: str) -> str:
         """Where a service listens for data-plane frames (port 0: the system picks)."""
@@ -271,6 +294,8 @@ ENV_OVERRIDES = {
     "LAMINA_Q_EARLY": "pipeline.q_early",
     "LAMINA_KV_QUANT": "attention.kv_quant",
     "LAMINA_PIPELINE": "pipeline.mode",
+    "LAMINA_PREFILL_WORKERS": "prefill.workers",
+    "LAMINA_PREFILL_ROUTING": "prefill.routing",
 }
 
 

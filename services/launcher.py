@@ -58,7 +58,7 @@ def health_ok(base_url: str, timeout_s: float = 2.0) -> bool:
 
 @dataclasses.dataclass
 class ServiceProcess:
-    name: str  # its log file's name (attention-0, prefill, ...)
+    name: str  # its log file's name (attention-0, prefill-0, scheduler, ...)
     argv: list[str]
     proc: subprocess.Popen | None = None
     service_id: str = ""  # its id in the metadata store (attention-0, prefill-0, ...)
@@ -110,7 +110,9 @@ class Stack:
                  for i in range(self.config.attention.workers)]
         names += [(f"model-{i}", f"model-{i}", ["model", "--index", str(i)])
                   for i in range(self.config.model_worker.workers)]
-        names += [(name, f"{name}-0", [name]) for name in ("prefill", "scheduler", "gateway")]
+        names += [(f"prefill-{i}", f"prefill-{i}", ["prefill", "--index", str(i)])
+                  for i in range(self.config.prefill.workers)]
+        names += [(name, f"{name}-0", [name]) for name in ("scheduler", "gateway")]
         self._env = child_env({**os.environ, "PYTHONUNBUFFERED": "1"})  # the services end with this process
         try:
             for name, service_id, argv in names:

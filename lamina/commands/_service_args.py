@@ -73,7 +73,7 @@ def run_service(args: argparse.Namespace, module: str, **extra: object) -> int:
 
 
 def add_indexed(p: argparse.ArgumentParser, what: str) -> None:
-    """Flags of a service that runs as one of several (attention and model workers)."""
+    """Flags of a service that runs as one of several (attention, model and prefill workers)."""
     add_common(p)
     p.add_argument("--index", type=int, default=0, help=f"this worker's index among the {what}")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the section's threads)")

@@ -1,16 +1,15 @@
-"""`lamina prefill`: the prefill worker (prompt forward, KV hand-off to attention workers)."""
+"""`lamina prefill`: a prefill worker (prompt forward, KV hand-off to attention workers)."""
 
 from __future__ import annotations
 
 import argparse
 
-from lamina.commands._service_args import add_common, run_service
+from lamina.commands._service_args import add_indexed, run_indexed_service
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_common(p)
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    add_indexed(p, "prefill workers")
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_service(args, "services.prefill_service")
+    return run_indexed_service(args, "services.prefill_service", "prefill")

@@ -15,6 +15,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="HTTP port of the OpenAI API (default 8000)")
     p.add_argument("--attention-workers", type=int, default=None, help="number of attention workers (default 2)")
     p.add_argument("--model-workers", type=int, default=None, help="number of model-slice workers (default 1)")
+    p.add_argument("--prefill-workers", type=int, default=None,
+                   help="number of prefill workers, each with its own prefix cache (default 1)")
+    p.add_argument("--prefill-routing", default=None, choices=("prefix", "round_robin"),
+                   help="prefix: send each prompt to the prefill worker holding its longest prefix, weighed "
+                        "against its queue (default); round_robin: each worker in turn")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="staggered micro-batches per model worker (default 2; 1 turns staggering off)")
     p.add_argument("--pipeline", default=None, choices=("fixed", "rotational"),
@@ -34,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     config = stack_config(args, **{"gateway.port": args.port, "attention.workers": args.attention_workers,
                                    "model_worker.workers": args.model_workers,
+                                   "prefill.workers": args.prefill_workers, "prefill.routing": args.prefill_routing,
                                    "pipeline.micro_batches": args.micro_batches, "pipeline.q_early": args.q_early,
                                    "pipeline.mode": args.pipeline,
                                    "weights": args.weights, "attention.kv_quant": args.kv_quant,
@@ -51,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     mode = " in all, rotational" if config.rotational else ""
     print(f"starting: {config.model_worker.workers} model worker(s) with {config.decode_micro_batches} "
           f"micro-batch(es){mode}{' and Q sent early' if config.pipeline.q_early else ''}, "
-          f"{config.attention.workers} attention workers, transport {config.transport}, "
+          f"{config.attention.workers} attention workers, {config.prefill.workers} prefill worker(s), "
+          f"transport {config.transport}, "
           f"{config.partition}-level partitioning; logs in {stack.log_dir}", file=sys.stderr)
     try:
         stack.start()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import socket
 import urllib.request
 
@@ -24,9 +26,13 @@ def free_port() -> int:
 def start_stack(transport: str = "tcp", partition: str = "request", workers: int = 2, micro_batches: int = 2,
                 q_early: bool = False, model_workers: int = 1, weights: str = StackConfig.weights,
                 deadlines: DeadlinesSection | None = None, supervise: bool = False,
-                prefill: PrefillSection | None = None, pipeline_mode: str = "fixed", **kw) -> Stack:
+                prefill: PrefillSection | None = None, pipeline_mode: str = "fixed",
+                prefill_workers: int | None = None, **kw) -> Stack:
+    prefill = prefill or PrefillSection()
+    if prefill_workers is not None:
+        prefill = dataclasses.replace(prefill, workers=prefill_workers)
     config = StackConfig(transport=transport, partition=partition, weights=weights,
-                         deadlines=deadlines or DeadlinesSection(), prefill=prefill or PrefillSection(),
+                         deadlines=deadlines or DeadlinesSection(), prefill=prefill,
                          gateway=GatewaySection(port=free_port(), **kw),
                          attention=AttentionSection(workers=workers, kv_capacity_bytes=256 << 20),
                          model_worker=ModelWorkerSection(workers=model_workers),
@@ -75,3 +81,13 @@ def service_metric(stack: Stack, kind: str, service_id: str, name: str) -> float
             if line.startswith(name + " "):
                 return float(line.split()[1])
     raise AssertionError(f"the metrics of {service_id} lack {name}")
+
+
+def complete(stack: Stack, prompt: list[int], max_tokens: int) -> dict:
+    """One greedy /v1/completions call with a prompt of token ids; the response's JSON."""
+    with urllib.request.urlopen(stack.base_url + "/v1/models", timeout=30) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(stack.base_url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())

@@ -12,11 +12,10 @@ import json
 import subprocess
 import sys
 import threading
-import urllib.request
 
 import pytest
 import torch
-from e2e_helpers import attention_stats, start_stack
+from e2e_helpers import attention_stats, complete, start_stack
 
 from kvstore.metadata import MetadataConfig, MetadataStore
 from kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
@@ -27,15 +26,6 @@ pytestmark = pytest.mark.timeout(300)
 
 BLOCK_TOKENS = 16
 DEVICE_BLOCKS, HOST_BLOCKS = 4, 4
-
-
-def complete(stack, prompt: list[int], max_tokens: int) -> dict:
-    with urllib.request.urlopen(stack.base_url + "/v1/models", timeout=30) as r:
-        model = json.loads(r.read())["data"][0]["id"]
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
-    req = urllib.request.Request(stack.base_url + "/v1/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
 
 
 async def until(check, timeout_s: float = 15.0, every_s: float = 0.2):
@@ -148,7 +138,7 @@ async def _check(stack, cfg, section: PrefillSection) -> None:
         assert (a["used_tokens"], a["sequences"]) == (0, 0) and a["capacity_tokens"] > 0
 
     # A prefill worker that stops takes its blocks out of the store.
-    (prefill,) = [sp for sp in stack.processes if sp.name == "prefill"]
+    (prefill,) = [sp for sp in stack.processes if sp.name == "prefill-0"]
     prefill.proc.terminate()
     assert await asyncio.to_thread(prefill.proc.wait, 60) == 0
     await _assert_no_blocks(stack)

@@ -31,7 +31,7 @@ def head_stack():
     yield from _supervised(workers=2, partition="head")
 
 
-@pytest.mark.parametrize(("victim", "after_chunks"), [("attention-1", 3), ("model-0", 3), ("prefill", None)],
+@pytest.mark.parametrize(("victim", "after_chunks"), [("attention-1", 3), ("model-0", 3), ("prefill-0", None)],
                          ids=["attention-decode", "model-decode", "prefill-before"])
 def test_requests_wait_for_the_restarted_worker(head_stack, victim, after_chunks, references):
     old = pid(head_stack, victim)

@@ -101,19 +101,19 @@ async def _kill_and_await_registration(stack: Stack, name: str, service_id: str)
 
 
 def test_killed_service_is_restarted(stack):
-    old_pid = pid_of(stack, "prefill")
-    asyncio.run(_kill_and_await_registration(stack, "prefill", "prefill-0"))
-    assert pid_of(stack, "prefill") != old_pid and stack.given_up is None
+    old_pid = pid_of(stack, "prefill-0")
+    asyncio.run(_kill_and_await_registration(stack, "prefill-0", "prefill-0"))
+    assert pid_of(stack, "prefill-0") != old_pid and stack.given_up is None
     # Registration comes just before the health service says SERVING: ask again if needed.
     for _ in range(20):
         status = status_json(stack)
         if service(status, "prefill-0")["healthy"]:
             break
     entry = service(status, "prefill-0")
-    assert entry["healthy"] and entry["pid"] == pid_of(stack, "prefill") != old_pid
+    assert entry["healthy"] and entry["pid"] == pid_of(stack, "prefill-0") != old_pid
     assert entry["restarts"] == 1
     assert all(s["restarts"] == 0 for s in status["services"] if s["name"] != "prefill-0")
-    log_text = (stack.log_dir / "prefill.log").read_text(errors="replace")
+    log_text = (stack.log_dir / "prefill-0.log").read_text(errors="replace")
     first, _, after = log_text.partition("--- lamina: restart 1 of prefill ---")
     assert first and after  # the restarted process appended to the log of the first
 

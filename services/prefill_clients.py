@@ -1,0 +1,167 @@
+"""The scheduler's side of its prefill workers: one gRPC channel per worker, which of
+them answer, the prompt tokens each has been sent and not answered, and the routing of
+each prompt (the decision is services.prefill_routing's).
+
+A worker whose call fails as a lost peer does is marked down and gets no prompt until
+`refresh` finds it registered at a new address (it restarted) or answering a health
+probe at the old one. `route` refreshes by itself, at most every `_REFRESH_S`, while a
+worker is down, so a failed worker's prompts go to the live ones and a worker that
+comes back gets prompts again.
+
+Ownership: channels are opened by the `open_channel` the scheduler passes (it closes
+them with its others). One asyncio loop uses this object; nothing here locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.block_hash import block_hashes
+from kvstore.metadata import REDIS_ERRORS, MetadataStore, ServiceInfo
+from kvstore.policies import MAX_DISTANCE
+from services.config import StackConfig
+from services.prefill_routing import PrefillLoad, choose, matched_tokens
+from services.protos import lamina_pb2, lamina_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Codes of a call whose prefill worker may be gone: it is probed before it gets prompts again.
+_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+         grpc.StatusCode.UNKNOWN)
+# Fewest seconds between two refreshes that `route` starts while a worker is down.
+_REFRESH_S = 1.0
+
+
+@dataclass
+class _Worker:
+    name: str  # prefill-I
+    endpoint: str = ""
+    stub: lamina_pb2_grpc.PrefillStub | None = None
+    health: health_pb2_grpc.HealthStub | None = None
+    alive: bool = False
+    queued_tokens: int = 0
+    last_chosen: int = -1
+
+    def load(self) -> PrefillLoad:
+        return PrefillLoad(self.name, self.alive and self.stub is not None, self.queued_tokens, self.last_chosen)
+
+
+class PrefillClients:
+    def __init__(self, config: StackConfig, store: MetadataStore,
+                 open_channel: Callable[[str], grpc.aio.Channel]) -> None:
+        self.config = config
+        self.store = store
+        self._open_channel = open_channel
+        pc = config.prefill
+        self.workers = [_Worker(f"prefill-{i}") for i in range(pc.workers)]
+        self._num_decisions = 0
+        self._refreshed_at = 0.0
+
+    def connect(self, infos: list[ServiceInfo]) -> None:
+        """Open a channel to each registered worker (at start)."""
+        for info in infos:
+            self._connect(info)
+
+    def _connect(self, info: ServiceInfo) -> None:
+        w = self._by_name(info.service_id)
+        if w is None:
+            return  # an index past prefill.workers: not part of this stack's configuration
+        channel = self._open_channel(info.endpoint)
+        w.endpoint = info.endpoint
+        w.stub = lamina_pb2_grpc.PrefillStub(channel)
+        w.health = health_pb2_grpc.HealthStub(channel)
+        w.alive = True
+
+    def _by_name(self, name: str) -> _Worker | None:
+        return next((w for w in self.workers if w.name == name), None)
+
+    @property
+    def num_alive(self) -> int:
+        return sum(w.alive for w in self.workers)
+
+    async def refresh(self) -> None:
+        """Reach restarted workers at their registered address; probe the down ones."""
+        self._refreshed_at = time.monotonic()
+        with contextlib.suppress(*REDIS_ERRORS):
+            for info in await self.store.list_services("prefill"):
+                w = self._by_name(info.service_id)
+                if w is not None and info.endpoint != w.endpoint:
+                    log.info("%s found at %s", w.name, info.endpoint)
+                    self._connect(info)
+        down = [w for w in self.workers if not w.alive and w.health is not None]
+        answers = await asyncio.gather(*(w.health.Check(health_pb2.HealthCheckRequest(),
+                                                        timeout=self.config.deadlines.health_s) for w in down),
+                                       return_exceptions=True)
+        for w, answer in zip(down, answers):
+            if not isinstance(answer, BaseException) and answer.status == health_pb2.HealthCheckResponse.SERVING:
+                log.info("%s answers again", w.name)
+                w.alive = True
+
+    async def route(self, token_ids: list[int]) -> tuple[int, int] | None:
+        """(worker index, prompt tokens it is expected to hold) for a prompt; None when
+        no worker is alive (after a refresh)."""
+        if self.num_alive < len(self.workers) and time.monotonic() - self._refreshed_at >= _REFRESH_S:
+            await self.refresh()
+        matched = await self._matched(token_ids) if self.config.prefill.routing == "prefix" else {}
+        i = choose(self.config.prefill.routing, [w.load() for w in self.workers], matched,
+                   self.config.prefill.routing_load_weight)
+        if i is None:
+            return None
+        self._num_decisions += 1
+        self.workers[i].last_chosen = self._num_decisions
+        return i, matched.get(self.workers[i].name, 0)
+
+    async def _matched(self, token_ids: list[int]) -> dict[str, int]:
+        """Tokens of the prompt each worker holds (by the store; the last prompt token is
+        always computed, so its blocks are those of all tokens but the last)."""
+        if len(self.workers) == 1:
+            return {}  # one worker: nothing to choose
+        block_size = self.config.prefill.cache_block_tokens
+        try:
+            holders = await self.store.block_holders(block_hashes(token_ids[:-1], block_size))
+        except REDIS_ERRORS as exc:
+            log.debug("prefix lookup failed (%s); routing by load alone", exc)
+            return {}
+        return matched_tokens(holders, block_size)
+
+    async def prefill(self, worker: int, request: lamina_pb2.PrefillRequest,
+                      cached_tokens: int) -> lamina_pb2.PrefillResult:
+        """Have `worker` prefill `request`; its uncached tokens count as queued there until
+        it answers. A failure that looks like a lost worker marks it down."""
+        w = self.workers[worker]
+        queued = max(len(request.token_ids) - cached_tokens, 1)
+        w.queued_tokens += queued
+        try:
+            return await w.stub.Prefill(request, timeout=self.config.deadlines.rpc_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _LOST and w.alive:
+                log.warning("%s failed (%s: %s); routing around it until it answers", w.name, exc.code().name,
+                            exc.details())
+                w.alive = False
+            raise
+        finally:
+            w.queued_tokens -= queued
+
+    async def tier_distances(self, prompts: list[list[int]]) -> list[int] | None:
+        """Each prompt's tier distance at the worker that holds it nearest (prefix-aware
+        admission); None when no live worker answered."""
+        live = [w for w in self.workers if w.alive and w.stub is not None]
+        request = lamina_pb2.TierDistanceRequest(prompts=[lamina_pb2.TierDistanceRequest.Prompt(token_ids=p)
+                                                          for p in prompts])
+        answers = await asyncio.gather(*(w.stub.TierDistances(request, timeout=self.config.deadlines.rpc_s)
+                                         for w in live), return_exceptions=True)
+        found = [list(a.distances) for a in answers if not isinstance(a, BaseException)]
+        if not found:
+            errors = [a for a in answers if isinstance(a, grpc.aio.AioRpcError)]
+            log.warning("tier distances unavailable (%s); admitting in arrival order",
+                        errors[0].details() if errors else "no live prefill worker")
+            return None
+        return [min([d[i] for d in found], default=MAX_DISTANCE) for i in range(len(prompts))]

@@ -1,0 +1,191 @@
+"""Routing prompts over several prefill workers: the pure policy (services.prefill_routing)
+on hand-checked cases, and the scheduler's side (services.prefill_clients) against a real
+Redis holding blocks that real prefix caches published."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+import pytest
+import torch
+
+from kvstore.block_publisher import BlockPublisher
+from kvstore.metadata import MetadataConfig, MetadataStore
+from kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
+from kvstore.redis_server import EmbeddedRedis
+from services.config import PREFILL_ROUTINGS, PrefillSection, StackConfig
+from services.prefill_clients import PrefillClients
+from services.prefill_routing import ROUTINGS, PrefillLoad, choose, choose_by_prefix, choose_round_robin, matched_tokens
+
+BS = 4  # block size of these tests (tokens)
+
+
+def loads(*queued: int, alive: tuple[bool, ...] | None = None, last: tuple[int, ...] | None = None):
+    n = len(queued)
+    alive = alive or (True,) * n
+    last = last or (-1,) * n
+    return [PrefillLoad(f"prefill-{i}", alive[i], queued[i], last[i]) for i in range(n)]
+
+
+# -- the policy --------------------------------------------------------------------------------
+def test_routings_are_the_configs():
+    assert ROUTINGS == PREFILL_ROUTINGS
+
+
+def test_matched_tokens_count_only_an_unbroken_run_from_the_first_block():
+    holders = [{"a", "b"}, {"a", "b"}, {"a"}, {"a", "b"}, set(), {"a"}]
+    # a: blocks 0-3 (block 4 nobody has); b: blocks 0-1 (it lacks block 2, so its block 3 is of no use).
+    assert matched_tokens(holders, BS) == {"a": 16, "b": 8}
+    assert matched_tokens([{"b"}, {"a", "b"}], BS) == {"b": 8}  # a lacks the first block
+    assert matched_tokens([], BS) == {}
+
+
+def test_the_longest_prefix_wins():
+    assert choose_by_prefix(loads(0, 0, 0), {"prefill-1": 32, "prefill-2": 48}, 1.0) == 2
+    assert choose_by_prefix(loads(0, 0), {"prefill-0": 16, "prefill-1": 8}, 1.0) == 0
+
+
+def test_a_much_busier_worker_loses_to_an_idle_one():
+    # prefill-0 holds 64 tokens but has 1,000 queued: 64 - 1000 < 0 - 0.
+    assert choose_by_prefix(loads(1000, 0), {"prefill-0": 64}, 1.0) == 1
+    # A little queue does not outweigh a long prefix: 64 - 20 > 0.
+    assert choose_by_prefix(loads(20, 0), {"prefill-0": 64}, 1.0) == 0
+    # The weight scales the queue: 64 - 4 x 20 < 0.
+    assert choose_by_prefix(loads(20, 0), {"prefill-0": 64}, 4.0) == 1
+    # Weight 0: load does not count at all.
+    assert choose_by_prefix(loads(10**6, 0), {"prefill-0": 16}, 0.0) == 0
+
+
+def test_ties_go_to_the_least_loaded_then_the_least_recently_chosen():
+    # Equal scores (16 - 16 = 0 - 0) with weight 1: the one with less queued wins.
+    assert choose_by_prefix(loads(16, 0), {"prefill-0": 32, "prefill-1": 16}, 1.0) == 1
+    # Weight 0 and equal prefixes: the least loaded.
+    assert choose_by_prefix(loads(30, 10, 20), {}, 0.0) == 1
+    # Same prefix and load: the one chosen least recently, then the lowest index.
+    assert choose_by_prefix(loads(0, 0, 0, last=(5, 3, 7)), {}, 1.0) == 1
+    assert choose_by_prefix(loads(0, 0), {}, 1.0) == 0
+
+
+def test_a_dead_or_unregistered_worker_is_never_chosen():
+    # prefill-0 holds the whole prefix but is down; prefill-7 (not a worker of this stack) too.
+    assert choose_by_prefix(loads(0, 500, alive=(False, True)), {"prefill-0": 4096, "prefill-7": 4096}, 1.0) == 1
+    assert choose_by_prefix(loads(0, alive=(False,)), {"prefill-0": 64}, 1.0) is None
+    assert choose_round_robin(loads(0, 0, alive=(False, False))) is None
+    assert choose("prefix", [], {}, 1.0) is None
+
+
+def test_round_robin_takes_each_live_worker_in_turn():
+    assert choose_round_robin(loads(0, 0, 0, last=(3, 1, 2))) == 1
+    assert choose_round_robin(loads(0, 0, 0, last=(3, 1, 2), alive=(True, False, True))) == 2
+    assert choose("round_robin", loads(0, 0, last=(1, -1)), {"prefill-0": 64}, 1.0) == 1
+    with pytest.raises(ValueError, match="unknown prefill routing"):
+        choose("random", loads(0), {}, 1.0)
+
+
+# -- the scheduler's side, over a real Redis -------------------------------------------------
+@pytest.fixture(scope="module")
+def redis_url():
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+class _Stub:
+    """A PrefillStub whose Prefill answers after `release` is set, or fails with `code`."""
+
+    def __init__(self, code: grpc.StatusCode | None = None) -> None:
+        self.code = code
+        self.release = asyncio.Event()
+        self.calls = 0
+
+    async def Prefill(self, request, timeout):  # noqa: N802
+        self.calls += 1
+        await self.release.wait()
+        if self.code is not None:
+            raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
+        return "result"
+
+
+def _clients(store: MetadataStore, routing: str = "prefix") -> PrefillClients:
+    config = StackConfig(prefill=PrefillSection(workers=2, cache_block_tokens=BS, routing=routing))
+    clients = PrefillClients(config, store, open_channel=lambda address: None)
+    for w in clients.workers:
+        w.stub, w.alive, w.endpoint = _Stub(), True, "unused"
+    clients._refreshed_at = float("inf")  # no refresh: nothing is registered in this store
+    return clients
+
+
+async def _publish(store: MetadataStore, node: str, prompts: list[list[int]]) -> None:
+    """What a prefill worker does: cache the prompts and publish the cache's blocks."""
+    publisher = BlockPublisher(store, node, interval_s=0.0)
+    cache = PrefixCache(PrefixCacheConfig(block_size=BS, device_bytes=1 << 20), on_event=publisher.on_event)
+    publisher.cache = cache
+    for p in prompts:
+        cache.insert(p, torch.zeros(2, 2, len(p), 1, 2))
+    publisher.start()
+    await publisher.flush()
+    await publisher.close()
+
+
+async def test_prompts_go_to_the_worker_whose_cache_holds_their_prefix(redis_url):
+    store = MetadataStore(MetadataConfig(redis_url, f"t{uuid.uuid4().hex[:10]}"))
+    try:
+        shared = list(range(100, 100 + 3 * BS))
+        await _publish(store, "prefill-1", [shared + [7] * BS])
+        await _publish(store, "prefill-0", [shared[:BS] + [9] * BS])
+        clients = _clients(store)
+        # prefill-1 holds 3 blocks of it (the last prompt token is always computed), prefill-0 one.
+        assert await clients.route(shared + [1, 2]) == (1, 3 * BS)
+        # Nothing cached anywhere: the worker chosen least recently (prefill-0).
+        assert await clients.route([5] * (3 * BS)) == (0, 0)
+        # A prompt of exactly the cached blocks: the last token is recomputed, so 2 blocks match.
+        assert await clients.route(shared) == (1, 2 * BS)
+
+        # prefill-1 busy with 1,000 queued tokens: the idle prefill-0 gets the next one.
+        busy = clients.workers[1].stub
+        call = asyncio.create_task(clients.prefill(1, _request(1000 + 3 * BS), 3 * BS))
+        await asyncio.sleep(0)
+        assert clients.workers[1].queued_tokens == 1000
+        assert await clients.route(shared + [1, 2]) == (0, BS)
+        busy.release.set()
+        assert await call == "result" and clients.workers[1].queued_tokens == 0
+
+        # A worker whose call fails as a lost one does is routed around, its queue emptied.
+        clients.workers[1].stub = _Stub(grpc.StatusCode.UNAVAILABLE)
+        clients.workers[1].stub.release.set()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await clients.prefill(1, _request(20), 0)
+        assert not clients.workers[1].alive and clients.workers[1].queued_tokens == 0
+        assert await clients.route(shared + [1, 2]) == (0, BS)
+        clients.workers[0].alive = False
+        assert await clients.route(shared + [1, 2]) is None
+
+        # Round robin ignores the store.
+        rr = _clients(store, "round_robin")
+        assert [(await rr.route(shared + [1, 2]))[0] for _ in range(3)] == [0, 1, 0]
+    finally:
+        await store.close()
+
+
+def _request(num_tokens: int):
+    from services.protos import lamina_pb2
+
+    return lamina_pb2.PrefillRequest(seq_id="r", token_ids=[1] * num_tokens)
+
+
+def test_prefill_workers_configuration(tmp_path):
+    from services.config import ConfigError, load_config
+
+    cfg = load_config(env={"LAMINA_PREFILL_WORKERS": "3", "LAMINA_PREFILL_ROUTING": "round_robin"},
+                      overrides={"prefill.cache_disk_bytes": 1 << 20, "prefill.cache_dir": str(tmp_path)})
+    assert (cfg.prefill.workers, cfg.prefill.routing, cfg.data_plane_processes) == (3, "round_robin", 6)
+    assert cfg.prefill.worker_cache_dir(2) == str(tmp_path / "prefill-2")  # disk tiers apart
+    one = load_config(env={}, overrides={"prefill.cache_dir": str(tmp_path)})
+    assert one.prefill.worker_cache_dir(0) == str(tmp_path)  # one worker keeps the directory as it was
+    for env, message in (({"LAMINA_PREFILL_WORKERS": "0"}, "prefill.workers must be a positive integer"),
+                         ({"LAMINA_PREFILL_ROUTING": "random"}, "prefill.routing must be one of prefix, round_robin")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(env=env)
+    with pytest.raises(ConfigError, match="prefill.routing_load_weight must be a non-negative number"):
+        load_config(env={}, overrides={"prefill.routing_load_weight": -1})
