@@ -13,13 +13,13 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.backend import Backend, BackendError
 from gateway.journal import RequestJournal
 from gateway.metrics import GatewayMetrics
 from gateway.output import OutputProcessor
-from gateway.protocol import GenerateRequest
+from gateway.protocol import GenerateRequest, TokenLogprobs
 from model.tokenizer import Tokenizer
 
 
@@ -27,6 +27,9 @@ from model.tokenizer import Tokenizer
 class Delta:
     text: str
     finish_reason: str | None  # "stop" or "length" on the last delta
+    # The logprobs of the tokens that arrived since the last delta (their text may be
+    # held back behind a possible stop string); empty unless the request asked for them.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class Generation:
@@ -53,6 +56,7 @@ class Generation:
         self._start = time.monotonic() if arrived is None else arrived
         self._last_event: float | None = None
         self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprobs] = []  # every generated token's, when asked for
         self._backend_done = False  # the backend sent its last event: nothing to abort
 
     @property
@@ -108,6 +112,7 @@ class Generation:
         assert self._events is not None, "enter the Generation before iterating it"
         rid = self.request.request_id
         max_tokens = self.request.sampling.max_tokens
+        sent_logprobs = 0  # of self.logprobs, those already in a delta
         async for event in self._events:
             now = time.monotonic()
             ids = list(event.token_ids)
@@ -121,6 +126,7 @@ class Generation:
             if len(ids) >= room:
                 ids = ids[:room]
                 reason = reason or "length"
+            self.logprobs.extend(event.logprobs[:len(ids)])
             if ids:
                 self._journal.extend(rid, ids)
                 if self._last_event is None:
@@ -135,8 +141,9 @@ class Generation:
             if reason is not None:
                 self.finish_reason = reason
                 self._metrics.request_latency.observe(now - self._start)
-                yield Delta(text, reason)
+                yield Delta(text, reason, self.logprobs[sent_logprobs:])
                 return
             if text:
-                yield Delta(text, None)
+                yield Delta(text, None, self.logprobs[sent_logprobs:])
+                sent_logprobs = len(self.logprobs)
         raise BackendError("the backend's event stream ended without a finish reason")

@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jinja2
@@ -20,6 +21,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.backend import BackendError, QueueFullError, RequestRefusedError
 from gateway.generation import Generation
+from gateway.logprobs_json import CompletionLogprobs, chat_logprobs
 from gateway.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ApiError,
@@ -223,7 +225,7 @@ async def _collect(state: GatewayState, gen: Generation, head: r.ResponseHead, k
         task.uncancel()
         raise _shutting_down() from None
     build = r.chat_completion if kind == "chat" else r.text_completion
-    body = build(head, gen.text, finish_reason, _usage(gen))
+    body = build(head, gen.text, finish_reason, _usage(gen), _logprobs_json(state, gen, kind)(gen.logprobs))
     if return_token_ids:
         body["choices"][0]["token_ids"] = gen.token_ids
     return web.json_response(body, headers={"X-Request-Id": head.id})
@@ -238,6 +240,7 @@ async def _stream(request: web.Request, state: GatewayState, gen: Generation, he
         "X-Request-Id": head.id,
     })
     await resp.prepare(request)
+    logprobs = _logprobs_json(state, gen, kind)
     try:
         try:
             if kind == "chat":
@@ -245,7 +248,7 @@ async def _stream(request: web.Request, state: GatewayState, gen: Generation, he
                                                     _usage(gen) if continuous_usage else None)))
             async for delta in gen:
                 await resp.write(_delta_chunks(head, kind, delta.text, delta.finish_reason, include_usage,
-                                               _usage(gen) if continuous_usage else None))
+                                               _usage(gen) if continuous_usage else None, logprobs(delta.logprobs)))
             if include_usage:
                 build = r.chat_usage_chunk if kind == "chat" else r.text_usage_chunk
                 await resp.write(r.sse(build(head, _usage(gen))))
@@ -271,14 +274,29 @@ def _usage(gen: Generation) -> r.Usage:
     return r.Usage(gen.num_prompt_tokens, gen.num_completion_tokens)
 
 
+def _logprobs_json(state: GatewayState, gen: Generation, kind: Kind) -> Callable[[list], dict[str, Any] | None]:
+    """Token logprobs -> the response's JSON for them (None when the request did not ask)."""
+    if gen.request.sampling.logprobs is None:
+        return lambda entries: None
+
+    def token_text(token_id: int) -> str:
+        return state.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    if kind == "chat":
+        return lambda entries: chat_logprobs(entries, token_text)
+    return CompletionLogprobs(token_text).take
+
+
 def _delta_chunks(head: r.ResponseHead, kind: Kind, text: str, finish_reason: str | None,
-                  include_usage: bool, usage: r.Usage | None = None) -> bytes:
-    """`usage`: the counts so far, sent in each chunk (continuous_usage_stats), else null."""
+                  include_usage: bool, usage: r.Usage | None = None, logprobs: dict[str, Any] | None = None) -> bytes:
+    """`usage`: the counts so far, sent in each chunk (continuous_usage_stats), else null.
+    `logprobs`: those of the tokens since the last chunk, in the first chunk written."""
     if kind == "completion":
-        return r.sse(r.text_chunk(head, text, finish_reason, include_usage, usage))
+        return r.sse(r.text_chunk(head, text, finish_reason, include_usage, usage, logprobs))
     out = b""
     if text:
-        out += r.sse(r.chat_chunk(head, {"content": text}, None, include_usage, usage))
+        out += r.sse(r.chat_chunk(head, {"content": text}, None, include_usage, usage, logprobs))
+        logprobs = None
     if finish_reason is not None:
-        out += r.sse(r.chat_chunk(head, {}, finish_reason, include_usage, usage))
+        out += r.sse(r.chat_chunk(head, {}, finish_reason, include_usage, usage, logprobs))
     return out

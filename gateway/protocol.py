@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 # The sampling parameters are the engine's own type: one definition for every layer.
+from lamina.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from lamina.engine.sampling import SamplingParams  # noqa: F401 (re-exported)
 
 # Per request; bounds the cost of stop-string matching on every token.
@@ -49,10 +50,12 @@ class TokenEvent:
     A backend reports "stop" when it stopped on EOS or a stop token id (that token
     is included in `token_ids`), "length" when `max_tokens` was reached. Any other
     finish reason (e.g. "abort") means the backend gave up on the request.
+    `logprobs`: one per token id when the request asked for them (`sampling.logprobs`).
     """
 
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 # --- errors -----------------------------------------------------------------
@@ -103,6 +106,7 @@ class SamplingFields:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # alternatives per token; None: no logprobs
 
 
 @dataclass(frozen=True)
@@ -132,8 +136,6 @@ class CompletionRequest:
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
@@ -315,7 +317,22 @@ def _parse_stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(value))
 
 
-def _parse_sampling(body: dict[str, Any], max_tokens_fields: tuple[str, ...]) -> SamplingFields:
+def _parse_chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's `logprobs` (bool) and `top_logprobs` (alternatives, with logprobs only)."""
+    wanted = _get_bool(body, "logprobs", False)
+    top = _get_int(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if top and not wanted:
+        raise _bad_value("top_logprobs", "'logprobs' must be true when 'top_logprobs' is used.")
+    return (top or 0) if wanted else None
+
+
+def _parse_completion_logprobs(body: dict[str, Any]) -> int | None:
+    """Completions' `logprobs`: how many alternatives per token (0: the sampled token's alone)."""
+    return _get_int(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+
+
+def _parse_sampling(body: dict[str, Any], max_tokens_fields: tuple[str, ...],
+                    logprobs: int | None = None) -> SamplingFields:
     n = _get_int(body, "n")
     if n is not None and n != 1:
         raise _bad_value("n", f"only n=1 is supported, got {n}.")
@@ -346,6 +363,7 @@ def _parse_sampling(body: dict[str, Any], max_tokens_fields: tuple[str, ...]) ->
         stop=_parse_stop(body),
         stop_token_ids=tuple(stop_token_ids),
         ignore_eos=_get_bool(body, "ignore_eos", False),
+        logprobs=logprobs,
     )
 
 
@@ -413,7 +431,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     model = _parse_model(body)
     messages = _parse_messages(body)
     stream, include_usage, continuous_usage = _parse_stream(body)
-    sampling = _parse_sampling(body, ("max_tokens", "max_completion_tokens"))
+    sampling = _parse_sampling(body, ("max_tokens", "max_completion_tokens"), _parse_chat_logprobs(body))
     return ChatRequest(model, messages, stream, include_usage, sampling, _parse_return_token_ids(body, stream),
                        continuous_usage)
 
@@ -447,7 +465,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     model = _parse_model(body)
     prompt = _parse_prompt(body)
     stream, include_usage, continuous_usage = _parse_stream(body)
-    sampling = _parse_sampling(body, ("max_tokens",))
+    sampling = _parse_sampling(body, ("max_tokens",), _parse_completion_logprobs(body))
     return CompletionRequest(model, prompt, stream, include_usage, sampling, _parse_return_token_ids(body, stream),
                              continuous_usage)
 
@@ -499,4 +517,5 @@ def resolve_sampling(
         stop=fields.stop,
         stop_token_ids=fields.stop_token_ids,
         ignore_eos=fields.ignore_eos,
+        logprobs=fields.logprobs,
     )

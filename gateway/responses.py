@@ -42,7 +42,8 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def chat_completion(head: ResponseHead, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+def chat_completion(head: ResponseHead, text: str, finish_reason: str, usage: Usage,
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "id": head.id,
         "object": "chat.completion",
@@ -51,7 +52,7 @@ def chat_completion(head: ResponseHead, text: str, finish_reason: str, usage: Us
         "choices": [{
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }],
         "usage": usage.to_json(),
@@ -59,13 +60,14 @@ def chat_completion(head: ResponseHead, text: str, finish_reason: str, usage: Us
 
 
 def chat_chunk(head: ResponseHead, delta: dict[str, str], finish_reason: str | None,
-               include_usage: bool, usage: Usage | None = None) -> dict[str, Any]:
+               include_usage: bool, usage: Usage | None = None, logprobs: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": head.id,
         "object": "chat.completion.chunk",
         "created": head.created,
         "model": head.model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if include_usage:
         chunk["usage"] = None if usage is None else usage.to_json()
@@ -83,25 +85,26 @@ def chat_usage_chunk(head: ResponseHead, usage: Usage) -> dict[str, Any]:
     }
 
 
-def text_completion(head: ResponseHead, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+def text_completion(head: ResponseHead, text: str, finish_reason: str, usage: Usage,
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "id": head.id,
         "object": "text_completion",
         "created": head.created,
         "model": head.model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
         "usage": usage.to_json(),
     }
 
 
 def text_chunk(head: ResponseHead, text: str, finish_reason: str | None, include_usage: bool,
-               usage: Usage | None = None) -> dict[str, Any]:
+               usage: Usage | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": head.id,
         "object": "text_completion",
         "created": head.created,
         "model": head.model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if include_usage:
         chunk["usage"] = None if usage is None else usage.to_json()

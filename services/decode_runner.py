@@ -29,11 +29,13 @@ from dataclasses import dataclass
 import torch
 
 import transports
+from lamina.engine.logprobs import token_logprobs
 from lamina.engine.sampling import SamplingParams, sample
 from lamina.engine.step import StepBatch
 from services.attention_pool import SeqRows
 from services.micro_batches import join_target, num_active, rebalance
 from services.protos import lamina_pb2
+from services.sampling_wire import logprobs_to_proto, params_from_proto
 from services.scheduler_state import stop_reason
 from services.wire import RemoteError
 
@@ -41,12 +43,6 @@ log = logging.getLogger(__name__)
 
 # forward(micro_batch, step, batch, rows) -> logits [B, V]
 Forward = Callable[[int, int, StepBatch, list[SeqRows]], Awaitable[torch.Tensor]]
-
-
-def params_from_proto(p: lamina_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(max_tokens=max(1, p.max_tokens), temperature=p.temperature, top_p=p.top_p or 1.0,
-                          top_k=p.top_k, seed=p.seed, stop_token_ids=tuple(p.stop_token_ids),
-                          ignore_eos=p.ignore_eos)
 
 
 @dataclass
@@ -181,9 +177,10 @@ class DecodeRunner:
         logits = await self._forward(mb, step, batch, rows)
         tokens = sample(logits, [s.params for s in members], [s.proto_params.seed for s in members],
                         [s.output_index for s in members])
+        logprobs = token_logprobs(logits, tokens, [s.params.logprobs for s in members])
         out = lamina_pb2.DecodeResult(micro_batch=mb, step=step)
         done: set[str] = set()
-        for seq, tok in zip(members, tokens):
+        for seq, tok, lp in zip(members, tokens, logprobs):
             seq.token = tok
             seq.position += 1
             seq.output_index += 1
@@ -192,7 +189,8 @@ class DecodeRunner:
                                    self._max_model_len) is not None
             if finished:
                 done.add(seq.seq_id)
-            out.tokens.append(lamina_pb2.DecodeToken(seq_id=seq.seq_id, token_id=tok, finished=finished))
+            out.tokens.append(lamina_pb2.DecodeToken(seq_id=seq.seq_id, token_id=tok, finished=finished,
+                                                     logprobs=None if lp is None else logprobs_to_proto(lp)))
         if done:
             self._drop(mb, done)
         return out

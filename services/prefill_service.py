@@ -31,14 +31,15 @@ from kvstore.block_publisher import BlockPublisher
 from kvstore.policies import MAX_DISTANCE
 from kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
 from lamina.engine.kv import KVStore
+from lamina.engine.logprobs import token_logprobs
 from lamina.engine.sampling import sample
 from lamina.engine.step import LocalAttention, StepBatch
 from services.attention_pool import AttentionPool
 from services.config import StackConfig
-from services.decode_runner import params_from_proto
 from services.model_service import ModelSlices
 from services.protos import lamina_pb2, lamina_pb2_grpc
 from services.runtime import ServiceRuntime, abort_for_remote_error
+from services.sampling_wire import logprobs_to_proto, params_from_proto
 from services.wire import RemoteError
 
 log = logging.getLogger(__name__)
@@ -137,10 +138,11 @@ class PrefillService:
                 stored.append(None)
             except RemoteError as exc:
                 stored.append(exc)
-        tokens = sample(out.output, [params_from_proto(r.params) for r in reqs],
-                        [r.params.seed for r in reqs], [0] * len(reqs))
+        params = [params_from_proto(r.params) for r in reqs]
+        tokens = sample(out.output, params, [r.params.seed for r in reqs], [0] * len(reqs))
+        logprobs = token_logprobs(out.output, tokens, [p.logprobs for p in params])
         results: list[lamina_pb2.PrefillResult | RemoteError] = []
-        for prompt, skv, n, c, token, error in zip(prompts, seq_kvs, lens, cached, tokens, stored):
+        for prompt, skv, n, c, token, lp, error in zip(prompts, seq_kvs, lens, cached, tokens, logprobs, stored):
             if error is not None:
                 results.append(error)
                 continue
@@ -151,7 +153,8 @@ class PrefillService:
             self.m_cached.inc(c)
             self.num_prompt_tokens += n
             self.num_cached_tokens += c
-            results.append(lamina_pb2.PrefillResult(token_id=token, cached_tokens=c))
+            results.append(lamina_pb2.PrefillResult(token_id=token, cached_tokens=c,
+                                                    logprobs=None if lp is None else logprobs_to_proto(lp)))
         self.m_batch.observe(len(reqs))
         self.m_seconds.observe(time.perf_counter() - start)
         return results

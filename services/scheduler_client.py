@@ -12,6 +12,7 @@ from gateway.backend import BackendError, BackendStats, QueueFullError, RequestR
 from gateway.protocol import GenerateRequest, TokenEvent
 from services.channels import open_channel
 from services.protos import lamina_pb2, lamina_pb2_grpc
+from services.sampling_wire import logprobs_from_proto, params_to_proto
 
 
 class SchedulerBackend:
@@ -111,13 +112,9 @@ class SchedulerBackend:
             raise _error(exc.rpc) from exc.rpc
 
     async def _start(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        sp = request.sampling
-        params = lamina_pb2.SamplingParams(
-            max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-            seed=sp.seed or 0, stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos)
         call = self._stub.Generate(lamina_pb2.GenerateRequest(
-            request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
-            has_seed=sp.seed is not None))
+            request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
+            params=params_to_proto(request.sampling), has_seed=request.sampling.seed is not None))
         self._calls[request.request_id] = call
         try:
             first = await call.read()
@@ -140,7 +137,8 @@ class SchedulerBackend:
         try:
             chunk = first
             while chunk is not grpc.aio.EOF:
-                yield TokenEvent(list(chunk.token_ids), chunk.finish_reason or None)
+                yield TokenEvent(list(chunk.token_ids), chunk.finish_reason or None,
+                                 [logprobs_from_proto(t, lp) for t, lp in zip(chunk.token_ids, chunk.logprobs)])
                 if chunk.finish_reason:
                     return
                 try:

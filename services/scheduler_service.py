@@ -47,6 +47,7 @@ from services.placement import place_request
 from services.prefill_clients import PrefillClients
 from services.protos import lamina_pb2, lamina_pb2_grpc
 from services.runtime import ServiceRuntime, wait_for_services
+from services.sampling_wire import logprobs_of
 from services.micro_batches import join_target
 from services.rotation import coordinator
 from services.model_streams import ModelStream
@@ -280,7 +281,7 @@ class SchedulerService:
             await self._finish(req, "abort")
             return
         self.num_prefilling -= 1
-        await self._accept_token(req, result.token_id)
+        await self._accept_token(req, result.token_id, logprobs_of(result))
         if req.status is not Status.FINISHED:
             if req.abort_requested:
                 await self._finish(req, "abort")
@@ -318,7 +319,7 @@ class SchedulerService:
             if req is None:
                 continue
             if req.status is not Status.FINISHED:
-                await self._accept_token(req, t.token_id)
+                await self._accept_token(req, t.token_id, logprobs_of(t))
             if t.finished:
                 if req.status is not Status.FINISHED:
                     # Both sides end a sequence by stop_reason: this would be a bug, not a race.
@@ -361,12 +362,13 @@ class SchedulerService:
         else:
             await self._free_kv(req)
 
-    async def _accept_token(self, req: Request, token: int) -> None:
+    async def _accept_token(self, req: Request, token: int, logprobs: lamina_pb2.Logprobs | None = None) -> None:
         req.output_ids.append(token)
         self.journal.generated(req.request_id, token)
         reason = stop_reason(req.params, token, len(req.output_ids), req.num_tokens, self.eos_ids,
                              self.max_model_len)
-        req.events.put_nowait(lamina_pb2.TokenChunk(token_ids=[token], finish_reason=reason or ""))
+        req.events.put_nowait(lamina_pb2.TokenChunk(token_ids=[token], finish_reason=reason or "",
+                                                    logprobs=[logprobs] if logprobs is not None else []))
         if reason is not None:
             await self._finish(req, reason, notify=False)
 
@@ -511,7 +513,7 @@ class SchedulerService:
             await self._finish(req, "abort")
             return
         if first:
-            await self._accept_token(req, result.token_id)
+            await self._accept_token(req, result.token_id, logprobs_of(result))
             if req.status is Status.FINISHED:
                 return
         self._join_decode(req)

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lamina.engine.kv import KVStore
+from lamina.engine.logprobs import TokenLogprobs, token_logprobs
 from lamina.engine.sampling import SamplingParams, new_seed, sample
 from lamina.engine.scheduler import SchedulerLimits, schedule
 from lamina.engine.sequence import Sequence, SequenceStatus
@@ -39,6 +40,7 @@ class RequestOutput:
     prompt_tokens: int
     output_token_ids: list[int]  # all tokens so far
     text: str | None = None  # the detokenized output once finished, cut at a stop string
+    logprobs: tuple[TokenLogprobs, ...] = ()  # every output token's so far, when params.logprobs asks
 
 
 class Engine:
@@ -129,14 +131,17 @@ class Engine:
         self.sum_batch_size += len(plan.running)
         tokens = sample(logits, [s.params for s in plan.running], [s.seed for s in plan.running],
                         [len(s.output_ids) for s in plan.running])
+        logprobs = token_logprobs(logits, tokens, [s.params.logprobs for s in plan.running])
         outputs = []
-        for seq, tok, n in zip(plan.running, tokens, batch.query_lens):
+        for seq, tok, lp, n in zip(plan.running, tokens, logprobs, batch.query_lens):
             seq.num_cached += n
             seq.output_ids.append(tok)
             reason = self._stop_reason(seq, tok)
             if reason is not None:
                 self._by_id.pop(seq.seq_id, None)
                 self._finish(seq, reason)
+            if lp is not None:
+                seq.logprobs.append(lp)
             outputs.append(self._output(seq, [tok]))
         return outputs
 
@@ -171,7 +176,7 @@ class Engine:
     def _output(seq: Sequence, new: list[int]) -> RequestOutput:
         return RequestOutput(
             seq.seq_id, new, seq.finish_reason, len(seq.prompt_ids), list(seq.output_ids),
-            seq.text if seq.is_finished else None,
+            seq.text if seq.is_finished else None, tuple(seq.logprobs),
         )
 
     # -- convenience ----------------------------------------------------------------------

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lamina.engine.logprobs import MAX_TOP_LOGPROBS
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -14,6 +16,8 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters.
     A seed makes sampling reproducible per request, independent of batching.
+    logprobs: report each sampled token's log-probability and this many alternatives'
+    (None: none; see lamina.engine.logprobs).
     """
 
     max_tokens: int = 16
@@ -24,6 +28,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -34,6 +39,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:

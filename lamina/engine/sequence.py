@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from lamina.engine.logprobs import TokenLogprobs
 from lamina.engine.sampling import SamplingParams
 
 
@@ -28,6 +29,7 @@ class Sequence:
     num_cached: int = 0  # tokens whose KV is stored
     text: str = ""  # detokenized output: tracked for stop strings, set in full at the end
     stopped_by_string: bool = False
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, when params ask
 
     @property
     def num_tokens(self) -> int:

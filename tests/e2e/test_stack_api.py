@@ -175,3 +175,63 @@ def test_prefix_cache_hit_gives_the_same_tokens(stack):
     assert middle - before < after - middle
     assert second.choices[0].text == first.choices[0].text
     assert second.usage == first.usage
+
+
+def _reference_logprobs(hf, prompt: list[int], outputs: list[int]):
+    """transformers' log-softmax (float32) at each output position: [len(outputs), V]."""
+    import torch
+
+    ids = torch.tensor([prompt + outputs[:-1]])
+    with torch.no_grad():
+        logits = hf(ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[len(prompt) - 1:]
+
+
+def _assert_close_to(ref, token_ids: list[int], logprobs: list[float], tops: list[list[float]]) -> None:
+    assert len(logprobs) == len(token_ids) == len(tops)
+    for i, (t, lp, top) in enumerate(zip(token_ids, logprobs, tops)):
+        assert abs(lp - ref[i, t].item()) < 1e-4, (i, lp, ref[i, t].item())
+        want = ref[i].topk(len(top)).values.tolist()
+        assert max((abs(a - b) for a, b in zip(top, want)), default=0.0) < 1e-4
+
+
+def test_logprobs_equal_transformers(stack, reference_outputs, hf_reference):
+    client, model = _client(stack), _model(stack)
+    p = CHAT_PROMPTS[0]
+    ref = reference_outputs[("chat", p)]
+    ref_lp = _reference_logprobs(hf_reference, ref["prompt_ids"], ref["token_ids"])
+    messages = [{"role": "user", "content": p}]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    _assert_close_to(ref_lp, ref["token_ids"], [c.logprob for c in content],
+                     [[a.logprob for a in c.top_logprobs] for c in content])
+    # The first token's come from the prefill service, the rest from the model worker.
+    assert "".join(c.token for c in content).startswith(ref["text"])
+    streamed = [c for chunk in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=3,
+        stream=True) if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    # (equal to 1e-4, not bit for bit: the second prefill of the prompt starts from the prefix cache)
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) < 1e-4
+
+    p = COMPLETION_PROMPTS[0]
+    ref = reference_outputs[("completion", p)]
+    ref_lp = _reference_logprobs(hf_reference, ref["prompt_ids"], ref["token_ids"])
+    r = client.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    tops = [sorted(d.values(), reverse=True)[:2] for d in lp.top_logprobs]
+    _assert_close_to(ref_lp, ref["token_ids"], lp.token_logprobs, tops)
+
+
+def test_continuous_usage_stats_in_every_chunk(stack, reference_outputs):
+    client, model = _client(stack), _model(stack)
+    p = COMPLETION_PROMPTS[1]
+    ref = reference_outputs[("completion", p)]
+    chunks = list(client.completions.create(
+        model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None and c.usage.prompt_tokens == len(ref["prompt_ids"]) for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == len(ref["token_ids"]) and counts[0] >= 1
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref["text"]

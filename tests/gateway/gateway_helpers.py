@@ -18,7 +18,7 @@ from gateway.app import create_app, start_server
 from gateway.backend import BackendError, BackendStats, QueueFullError
 from gateway.config import GatewayConfig
 from gateway.journal import RequestJournal
-from gateway.protocol import GenerateRequest, TokenEvent
+from gateway.protocol import GenerateRequest, TokenEvent, TokenLogprobs
 from model.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
@@ -80,11 +80,11 @@ class ScriptedBackend:
                 piece = self.script[start:start + self.chunk]
                 room = request.sampling.max_tokens - produced
                 if len(piece) >= room and start + len(piece) < len(self.script):
-                    yield TokenEvent(piece[:room], "length")
+                    yield TokenEvent(piece[:room], "length", scripted_logprobs(piece[:room], request))
                     return
                 produced += len(piece)
                 is_last = start + self.chunk >= len(self.script)
-                yield TokenEvent(piece, "stop" if is_last else None)
+                yield TokenEvent(piece, "stop" if is_last else None, scripted_logprobs(piece, request))
         finally:
             self.num_running -= 1
 
@@ -95,6 +95,15 @@ class ScriptedBackend:
 
     def stats(self) -> BackendStats:
         return BackendStats(self.num_waiting, self.num_running)
+
+
+def scripted_logprobs(ids: list[int], request: GenerateRequest) -> list[TokenLogprobs]:
+    """Logprobs a test can predict: -0.25 for the token, then alternatives id+1, id+2, ...
+    at -1, -2, ..."""
+    k = request.sampling.logprobs
+    if k is None:
+        return []
+    return [TokenLogprobs(t, -0.25, tuple((t + j + 1, -1.0 - j) for j in range(k))) for t in ids]
 
 
 class Served:

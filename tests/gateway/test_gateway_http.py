@@ -91,6 +91,47 @@ async def test_continuous_usage_stats_puts_the_counts_so_far_in_every_chunk(toke
     assert all(c.usage.total_tokens == num_prompt + c.usage.completion_tokens for c in chunks)
 
 
+async def test_chat_logprobs_parse_into_the_clients_types(tokenizer, make_backend, script_ids):
+    async with serve(make_backend(chunk=3), tokenizer) as srv:
+        client = srv.client()
+        resp = await client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2)
+        stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True,
+                                                      top_logprobs=2, stream=True)
+        chunks = [c async for c in stream]
+        plain = await client.chat.completions.create(model=MODEL, messages=MESSAGES)
+        await client.close()
+    eos = tokenizer.eos_token_ids[0]
+    content = resp.choices[0].logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([t], skip_special_tokens=False)
+                                          for t in script_ids + [eos]]
+    assert all(c.logprob == -0.25 and c.bytes == list(c.token.encode()) for c in content)
+    assert [(a.token, a.logprob) for a in content[0].top_logprobs] == [
+        (tokenizer.decode([script_ids[0] + 1], skip_special_tokens=False), -1.0),
+        (tokenizer.decode([script_ids[0] + 2], skip_special_tokens=False), -2.0)]
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob, e.top_logprobs) for e in streamed] == [
+        (e.token, e.logprob, e.top_logprobs) for e in content]
+    assert plain.choices[0].logprobs is None
+
+
+async def test_completion_logprobs_in_the_legacy_shape(tokenizer, make_backend, script_ids):
+    async with serve(make_backend(chunk=2), tokenizer) as srv:
+        client = srv.client()
+        resp = await client.completions.create(model=MODEL, prompt="Paris", max_tokens=5, logprobs=1)
+        stream = await client.completions.create(model=MODEL, prompt="Paris", max_tokens=5, logprobs=1,
+                                                 stream=True)
+        chunks = [c async for c in stream]
+        await client.close()
+    lp = resp.choices[0].logprobs
+    texts = [tokenizer.decode([t], skip_special_tokens=False) for t in script_ids[:5]]
+    assert lp.tokens == texts and lp.token_logprobs == [-0.25] * 5
+    assert lp.text_offset == [sum(len(t) for t in texts[:i]) for i in range(5)]
+    assert lp.top_logprobs[0] == {texts[0]: -0.25, tokenizer.decode([script_ids[0] + 1]): -1.0}
+    pieces = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for p in pieces for t in p.tokens] == lp.tokens
+    assert [o for p in pieces for o in p.text_offset] == lp.text_offset
+
+
 async def test_chat_stream_without_usage_has_no_usage_chunk(tokenizer, make_backend):
     async with serve(make_backend(), tokenizer) as srv:
         client = srv.client()

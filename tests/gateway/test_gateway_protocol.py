@@ -79,6 +79,20 @@ def test_vllm_extensions_are_accepted_at_what_the_server_does():
     assert req.sampling == SamplingFields()
 
 
+def test_logprobs_fields():
+    assert parse_chat_request(chat()).sampling.logprobs is None
+    assert parse_chat_request(chat(logprobs=False, top_logprobs=0)).sampling.logprobs is None
+    assert parse_chat_request(chat(logprobs=True)).sampling.logprobs == 0
+    assert parse_chat_request(chat(logprobs=True, top_logprobs=4)).sampling.logprobs == 4
+    assert parse_completion_request({"model": "m", "prompt": "x", "logprobs": 3}).sampling.logprobs == 3
+    assert parse_completion_request({"model": "m", "prompt": "x", "logprobs": 0}).sampling.logprobs == 0
+    err = error_of(parse_completion_request, {"model": "m", "prompt": "x", "logprobs": True})
+    assert (err.param, err.code) == ("logprobs", "invalid_type")
+    sp = resolve_sampling(parse_chat_request(chat(logprobs=True, top_logprobs=2)).sampling, 3, 100, None,
+                          "messages")
+    assert sp.logprobs == 2
+
+
 def test_top_k_minus_one_means_no_top_k():
     assert parse_chat_request(chat(top_k=-1)).sampling.top_k == 0
 
@@ -145,8 +159,12 @@ def test_top_k_minus_one_means_no_top_k():
     (chat(presence_penalty=0.5),
      "'presence_penalty' is not supported by this server; omit it or leave it at its default.", "presence_penalty",
      "unsupported_parameter"),
-    (chat(logprobs=True), "'logprobs' is not supported by this server; omit it or leave it at its default.",
-     "logprobs", "unsupported_parameter"),
+    (chat(top_logprobs=2), "Invalid value for 'top_logprobs': 'logprobs' must be true when 'top_logprobs' is used.",
+     "top_logprobs", "invalid_value"),
+    (chat(logprobs=True, top_logprobs=21), "Invalid value for 'top_logprobs': must be at most 20, got 21.",
+     "top_logprobs", "invalid_value"),
+    (chat(logprobs=1), "Invalid type for 'logprobs': expected a boolean, but got an integer instead.",
+     "logprobs", "invalid_type"),
     (chat(prompt="x"), "Unrecognized request argument supplied: prompt", "prompt", "unknown_parameter"),
     (chat(stream=True, stream_options={"continuous_usage_stats": "y"}),
      "Invalid type for 'stream_options.continuous_usage_stats': expected a boolean, but got a string instead.",

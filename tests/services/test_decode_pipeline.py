@@ -224,3 +224,26 @@ def test_joins_rebalance_micro_batches_as_sequences_leave():
     fake = _run(main())
     last = {mb: ids for mb, _, ids in fake.steps}
     assert {len(last[0]), len(last[1])} == {2}  # 4 long sequences, 2 and 2 again
+
+
+def test_logprobs_are_sent_only_for_sequences_that_ask():
+    async def main():
+        fake = FakeSlices()
+        runner = DecodeRunner(fake.forward, 1, lamina_pb2.StopRule(max_model_len=1000))
+        asking = _seq("asks", 0, max_tokens=3)
+        asking.params.logprobs, asking.params.top_logprobs = True, 2
+        runner.join([asking, _seq("plain", 10, max_tokens=3)])
+        runner.start()
+        try:
+            return await _collect(runner, lambda rs: sum(t.finished for r in rs for t in r.tokens) == 2)
+        finally:
+            await runner.close()
+
+    tokens = [t for r in _run(main()) for t in r.tokens]
+    lsm = torch.log_softmax(torch.tensor([1.0] + [0.0] * (VOCAB - 1)), dim=-1)  # the fake's logits, shifted
+    for t in tokens:
+        if t.seq_id == "plain":
+            assert not t.HasField("logprobs")
+        else:
+            assert t.logprobs.logprob == pytest.approx(lsm[0].item())
+            assert [a.token_id for a in t.logprobs.top][0] == t.token_id and len(t.logprobs.top) == 2

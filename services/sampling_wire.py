@@ -1,0 +1,37 @@
+"""Sampling parameters and token log-probabilities: the engine's types <-> the control plane's
+messages. One place, so the gateway's client, the scheduler and every sampling service
+(prefill, model workers) read and write them alike."""
+
+from __future__ import annotations
+
+from lamina.engine.logprobs import TokenLogprobs
+from lamina.engine.sampling import SamplingParams
+from services.protos import lamina_pb2
+
+
+def params_to_proto(sp: SamplingParams) -> lamina_pb2.SamplingParams:
+    """The seed is 0 when the request has none (GenerateRequest.has_seed says which)."""
+    return lamina_pb2.SamplingParams(
+        max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+        seed=sp.seed or 0, stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+        logprobs=sp.logprobs is not None, top_logprobs=sp.logprobs or 0)
+
+
+def params_from_proto(p: lamina_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(max_tokens=max(1, p.max_tokens), temperature=p.temperature, top_p=p.top_p or 1.0,
+                          top_k=p.top_k, seed=p.seed, stop_token_ids=tuple(p.stop_token_ids),
+                          ignore_eos=p.ignore_eos, logprobs=p.top_logprobs if p.logprobs else None)
+
+
+def logprobs_to_proto(lp: TokenLogprobs) -> lamina_pb2.Logprobs:
+    return lamina_pb2.Logprobs(logprob=lp.logprob, top=[lamina_pb2.Logprobs.Top(token_id=t, logprob=v)
+                                                        for t, v in lp.top])
+
+
+def logprobs_from_proto(token_id: int, p: lamina_pb2.Logprobs) -> TokenLogprobs:
+    return TokenLogprobs(token_id, p.logprob, tuple((t.token_id, t.logprob) for t in p.top))
+
+
+def logprobs_of(msg: lamina_pb2.PrefillResult | lamina_pb2.DecodeToken) -> lamina_pb2.Logprobs | None:
+    """The token's log-probabilities, or None when its request did not ask for them."""
+    return msg.logprobs if msg.HasField("logprobs") else None

@@ -1,0 +1,27 @@
+"""Sampling parameters and logprobs survive the control plane's messages unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from lamina.engine.logprobs import TokenLogprobs
+from lamina.engine.sampling import SamplingParams
+from services.protos import lamina_pb2
+from services.sampling_wire import logprobs_from_proto, logprobs_of, logprobs_to_proto, params_from_proto, \
+    params_to_proto
+
+
+@pytest.mark.parametrize("sp", [
+    SamplingParams(max_tokens=9, temperature=0.5, top_p=0.75, top_k=4, seed=3, stop_token_ids=(7,), ignore_eos=True),
+    SamplingParams(max_tokens=2, temperature=0.0, seed=1, logprobs=0),
+    SamplingParams(max_tokens=2, seed=1, logprobs=20),
+])
+def test_params_round_trip(sp):
+    assert params_from_proto(params_to_proto(sp)) == sp
+
+
+def test_logprobs_round_trip_in_float32():
+    lp = TokenLogprobs(5, -0.5, ((5, -0.5), (9, -1.25)))
+    assert logprobs_from_proto(5, logprobs_to_proto(lp)) == lp
+    assert logprobs_of(lamina_pb2.DecodeToken(token_id=5)) is None
+    assert logprobs_of(lamina_pb2.PrefillResult(token_id=5, logprobs=logprobs_to_proto(lp))).logprob == -0.5
