@@ -6,7 +6,9 @@ sizes 1 to 32 and prompts of 32 to 512 tokens; each case is the median CPU time 
 --steps pure-decode steps after one prefill step (bench/engine_throughput.py's
 decode_step_cpu), with one torch thread, against planner.estimate.decode_step for a
 colocated layout on `this-machine` (float32) at the same batch and mean context. The
-profile is measured first in this process (planner/profile.py, --quick: fewer repeats).
+profile is measured first in this process (planner/profile.py, --quick: fewer repeats);
+its overhead terms are calibrated on the engine at other points (planner.profile.
+OVERHEAD_POINTS: 16-token prompts), so no case here is one it was fitted to.
 
 Not covered: the stack with 1 and 2 micro-batches and 1 and 2 attention workers (the
 planner's disaggregated predictions are not yet checked against measurement).

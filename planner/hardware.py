@@ -51,6 +51,11 @@ class Device:
     # attention kernel reads. Where present they replace the roofline's terms.
     linear_s_per_param: Mapping[int, float] = field(default_factory=dict)
     attention_bw: float | None = None
+    # Measured too: the rest of a decode layer on this machine's engine (norms, RoPE, the
+    # element-wise products, residuals, KV append, dispatch), per layer and micro-batch,
+    # plus per token. 0 in the catalogue: the GPU models leave it out.
+    layer_overhead_s: float = 0.0
+    token_overhead_s: float = 0.0
 
     @property
     def is_cpu(self) -> bool:
@@ -90,7 +95,7 @@ class Device:
         return params * (table[lo] + frac * (table[hi] - table[lo]))
 
 
-def _figure(entry: Mapping[str, Any], key: str, where: str) -> tuple[float, str]:
+def _figure(entry: Mapping[str, Any], key: str, where: str, minimum_exclusive: bool = True) -> tuple[float, str]:
     fig = entry.get(key)
     if not isinstance(fig, Mapping) or "value" not in fig:
         raise CatalogueError(f"{where}: {key} must be {{value, source}}")
@@ -98,8 +103,8 @@ def _figure(entry: Mapping[str, Any], key: str, where: str) -> tuple[float, str]
     if not isinstance(source, str) or not source.strip():
         raise CatalogueError(f"{where}: {key} has no source")
     value = float(fig["value"])
-    if value <= 0:
-        raise CatalogueError(f"{where}: {key} must be positive, got {value}")
+    if value < 0 or (minimum_exclusive and value == 0):
+        raise CatalogueError(f"{where}: {key} must be {'positive' if minimum_exclusive else 'non-negative'}, got {value}")
     return value, source
 
 
@@ -125,6 +130,11 @@ def device_from_entry(name: str, entry: Mapping[str, Any]) -> Device:
             raise CatalogueError(f"{name}: linear_s_per_param must be {{value: {{batch: seconds}}, source}}")
         linear = {int(b): float(t) for b, t in fig["value"].items()}
         sources["linear_s_per_param"] = fig["source"]
+    overheads = {}
+    for key in ("layer_overhead_us", "token_overhead_us"):
+        if key in entry:
+            us, sources[key] = _figure(entry, key, name, minimum_exclusive=False)
+            overheads[key] = us * 1e-6
     attention_bw = None
     if "attention_tb_s" in entry:
         tb_s, sources["attention_tb_s"] = _figure(entry, "attention_tb_s", name)
@@ -140,6 +150,8 @@ def device_from_entry(name: str, entry: Mapping[str, Any]) -> Device:
         usd_per_hour=values["usd_per_hour"],
         cores=int(values["cores"]) if "cores" in values else None, sources=sources,
         linear_s_per_param=linear, attention_bw=attention_bw,
+        layer_overhead_s=overheads.get("layer_overhead_us", 0.0),
+        token_overhead_s=overheads.get("token_overhead_us", 0.0),
     )
 
 

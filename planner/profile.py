@@ -6,8 +6,11 @@ bench/transport_pingpong.py; so it runs from a source checkout (bench/ beside pl
 Measured: the engine's float32 matmul kernel at several batch sizes (each layer its own
 weights, so they are read from memory as in a decode step), decode attention over KV at several batch
 sizes and contexts with the engine's kernel (model.kv_attention), a large tensor copy, and
-the TCP transport's round trip and bandwidth. The result is a catalogue entry for
-`this-machine` (effective figures, so both efficiencies are 1) and the raw measurements.
+the TCP transport's round trip and bandwidth; then the engine's own decode step at two
+batch sizes, whose gap to the models' prediction from those kernels is the overhead of
+everything else in a layer (a per-layer and a per-token term). The result is a
+catalogue entry for `this-machine` (effective figures, so both efficiencies are 1) and
+the raw measurements.
 
 Torch is imported here only, never by the models.
 """
@@ -98,6 +101,49 @@ def measure_transport(quick: bool = True) -> dict[str, Any]:
     return {"rtt_us_64B": res["rtt_us"]["64"], "gbit_s_1MiB": res["gbps"][str(1 << 20)]}
 
 
+# (batch, prompt) of the two engine steps that calibrate the overhead; the validation's
+# cases (bench/planner_validation.py) are other points.
+OVERHEAD_POINTS = ((1, 16), (16, 16))
+
+
+def measure_engine_overhead(entry: dict[str, Any], steps: int) -> dict[str, float]:
+    """The rest of a decode layer: the engine's pure-decode step (bench/engine_throughput.py's
+    decode_step_cpu, default model) at two batch sizes, less what the models predict from
+    the kernel measurements in `entry`; the two gaps give a per-layer and a per-token term."""
+    from dataclasses import fields
+
+    from model.loader import load_model
+    from planner.estimate import decode_step
+    from planner.hardware import THIS_MACHINE, device_from_entry
+    from planner.layouts import Layout
+    from planner.perf.quantization import FP32
+    from planner.shapes import ModelShape
+
+    loaded = load_model()
+    cfg = loaded.config
+    shape = ModelShape(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, name="engine")
+    catalogue = {THIS_MACHINE: device_from_entry(THIS_MACHINE, entry)}
+    layout = Layout(THIS_MACHINE, 1, weights=FP32, kv=FP32)
+    decode_step_cpu = _bench("engine_throughput").decode_step_cpu
+    gaps = []
+    for batch, prompt in OVERHEAD_POINTS:
+        measured = decode_step_cpu(loaded, batch, prompt, steps, seed=batch)
+        predicted = decode_step(shape, layout, catalogue, batch, prompt + 1 + steps / 2).step_s
+        gaps.append((batch, measured, predicted))
+    layer_s, token_s = overhead_terms(gaps, shape.num_layers)
+    return {"layer_s": layer_s, "token_s": token_s,
+            "points": [{"batch": b, "measured_s": m, "predicted_s": p} for b, m, p in gaps]}
+
+
+def overhead_terms(points: list[tuple[int, float, float]], num_layers: int) -> tuple[float, float]:
+    """From two (batch, measured s, predicted s) steps: the per-layer and per-token
+    overhead that make the prediction meet both (never negative)."""
+    (b0, m0, p0), (b1, m1, p1) = points
+    g0, g1 = (m0 - p0) / num_layers, (m1 - p1) / num_layers
+    per_token = max(0.0, (g1 - g0) / (b1 - b0))
+    return max(0.0, g0 - b0 * per_token), per_token
+
+
 def _memory_bytes() -> float:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
@@ -146,6 +192,11 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False) -> dict[str,
         "attention_tb_s": {"value": attention_bw / 1e12,
                            "source": f"{src}: median KV bytes/s of the engine's attention kernel over (batch, context) cases"},
     }
+    overhead = measure_engine_overhead(entry, steps=3 if quick else 8)
+    where = ", ".join(f"batch {b} x prompt {p}" for b, p in OVERHEAD_POINTS)
+    entry["layer_overhead_us"] = {"value": overhead["layer_s"] * 1e6,
+                                  "source": f"{src}: the engine's decode step at {where}, less the kernels' predicted time"}
+    entry["token_overhead_us"] = {"value": overhead["token_s"] * 1e6, "source": entry["layer_overhead_us"]["source"]}
     return {"device": entry, "measurements": {
         "copy_bytes_s": copy_bw, "linear": {str(k): v for k, v in linear.items()},
-        "attention": attention, "transport": transport}}
+        "attention": attention, "transport": transport, "overhead": overhead}}

@@ -8,7 +8,9 @@ until the batch reaches the device's FLOP-per-byte ratio, then linear. Tensor
 parallelism divides both terms by `tp` and adds two all-reduces of the activations per
 layer (Megatron-LM's layout). On a machine profiled by `lamina profile` the measured
 time of its own matmul kernel per weight and batch size replaces the roofline (measured
-with float32 weights, the local engine's form, and used as measured for any precision).
+with float32 weights, the local engine's form, and used as measured for any precision),
+and its measured per-layer and per-token overhead (the operators between the matmuls and
+dispatch) is added.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ class SliceTime:
     layer: Roofline  # the matmuls of one layer
     allreduce_s: float  # per layer, 0 without tensor parallelism
     head: Roofline  # the LM head, once per step
+    overhead_s: float = 0.0  # per layer: the measured rest of a layer (profiled machines only)
 
     def layer_s(self) -> float:
-        return self.layer.seconds + self.allreduce_s
+        return self.layer.seconds + self.allreduce_s + self.overhead_s
 
     def step_s(self, num_layers: int) -> float:
         return num_layers * self.layer_s() + self.head.seconds
@@ -62,4 +65,5 @@ def slice_time(shape: ModelShape, device: Device, batch: int, tp: int = 1,
     head = _matmul(device, shape.head_params, batch, tp, weights, h + shape.vocab_size)
     reduce_bytes = batch * h * ACTIVATION_BYTES
     allreduce = 2 * allreduce_time(reduce_bytes, tp, device.scaleup_bw, device.scaleup_latency)
-    return SliceTime(layer, allreduce, head)
+    overhead = device.layer_overhead_s + batch * device.token_overhead_s
+    return SliceTime(layer, allreduce, head, overhead)

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from planner.hardware import THIS_MACHINE, device_from_entry  # noqa: E402
-from planner.profile import measure_attention, measure_linear  # noqa: E402
+from planner.profile import measure_attention, measure_linear, overhead_terms  # noqa: E402
 
 
 def test_linear_and_attention_measurements_are_positive_and_ordered():
@@ -29,10 +29,22 @@ def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(prof, "measure_transport", lambda quick=True: fake)  # no server process in a unit test
     monkeypatch.setattr(prof, "measure_linear", lambda b, layers, repeats: measure_linear((1, 2), 1, 1))
     monkeypatch.setattr(prof, "measure_attention", lambda cases, repeats: measure_attention(((1, 32),), 1))
+    # Loading the engine's model takes seconds; the overhead's arithmetic is tested below.
+    monkeypatch.setattr(prof, "measure_engine_overhead", lambda entry, steps: {"layer_s": 1e-4, "token_s": 0.0})
     out = tmp_path / "profile.json"
     assert main(["profile", "--quick", "--out", str(out)]) == 0
     dev = device_from_entry(THIS_MACHINE, json.loads(out.read_text())["device"])
     assert dev.network_latency == pytest.approx(50e-6) and dev.linear_s_per_param
+    assert dev.layer_overhead_s == pytest.approx(1e-4) and dev.token_overhead_s == 0.0
     assert main(["plan", "--model", "smollm2-135m", "--hardware", "this-machine", "--profile", str(out),
                  "--prompt-tokens", "64", "--output-tokens", "16", "--rate", "0.5", "--json"]) == 0
     assert "this-machine" in capsys.readouterr().out
+
+
+def test_overhead_terms_meet_both_points():
+    # 10 layers; gaps of 1 ms per layer at batch 1 and 2.5 ms at batch 16.
+    layer, token = overhead_terms([(1, 0.030, 0.020), (16, 0.060, 0.035)], num_layers=10)
+    assert token == pytest.approx(0.0001)
+    assert layer == pytest.approx(0.0009)
+    assert layer + 16 * token == pytest.approx(0.0025)
+    assert overhead_terms([(1, 0.01, 0.02), (16, 0.01, 0.03)], 10) == (0.0, 0.0)  # never negative
