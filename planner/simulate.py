@@ -208,6 +208,17 @@ class Simulator:
         return prefill / self.layout.model_workers + self.step_s(len(unit.running), context)
 
 
+def simulated_shortfalls(result: SimResult, tbt_s: float | None, ttft_s: float | None) -> tuple[str, ...]:
+    """The targets the simulation misses at its 90th percentiles (the estimate's TBT is a
+    full-load step and its TTFT a mean, so the tail is what the simulation adds)."""
+    misses = []
+    if tbt_s is not None and result.tbt.p90 > tbt_s:
+        misses.append("tbt")
+    if ttft_s is not None and result.ttft.p90 > ttft_s:
+        misses.append("ttft")
+    return tuple(misses)
+
+
 def simulate(shape: ModelShape, layout: Layout, catalogue: Mapping[str, Device], workload: Workload,
              replicas: int, max_batch: int) -> SimResult:
     return Simulator(shape, layout, catalogue, replicas, max_batch).run(workload)

@@ -72,11 +72,13 @@ def run(args: argparse.Namespace) -> int:
     shown = ranked[: args.top]
     simulated: dict[int, dict] = {}
     if args.simulate:
-        from planner.simulate import simulate
+        from planner.simulate import simulate, simulated_shortfalls
 
         sample = workload.head(min(args.simulate_requests, len(workload.requests)))
         for i, e in enumerate(shown[: args.simulate_top]):
-            simulated[i] = simulate(shape, e.layout, catalogue, sample, e.replicas, e.batch).to_dict()
+            result = simulate(shape, e.layout, catalogue, sample, e.replicas, e.batch)
+            simulated[i] = {**result.to_dict(),
+                            "shortfalls_p90": list(simulated_shortfalls(result, targets.tbt_s, targets.ttft_s))}
     if args.json:
         print(json.dumps({
             "model": shape.name,
@@ -99,5 +101,6 @@ def run(args: argparse.Namespace) -> int:
     for i, sim in simulated.items():
         print(f"\nsimulated #{i + 1} ({sim['completed']} requests): {sim['throughput_tok_s']} tok/s, "
               f"TTFT ms {sim['ttft_ms']}, TBT ms {sim['tbt_ms']}, mean batch {sim['mean_batch']}, "
-              f"preemptions {sim['preemptions']}")
+              f"preemptions {sim['preemptions']}"
+              + (f"; misses at p90: {', '.join(sim['shortfalls_p90'])}" if sim["shortfalls_p90"] else ""))
     return 0

@@ -33,6 +33,7 @@ def test_plan_json_on_the_azure_trace(trace_path, capsys):
     assert [c["usd_per_mtok"] for c in configs if c["meets_targets"]] == sorted(
         c["usd_per_mtok"] for c in configs if c["meets_targets"])
     assert configs[0]["simulated"]["completed"] == 300
+    assert configs[0]["simulated"]["shortfalls_p90"] == []  # no targets given
 
 
 def test_plan_table_with_targets_and_counts(trace_path, capsys):

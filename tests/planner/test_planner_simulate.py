@@ -9,7 +9,7 @@ from planner.estimate import decode_step
 from planner.layouts import Layout
 from planner.perf.prefill import prefill_time
 from planner.shapes import BUILTIN
-from planner.simulate import Simulator, simulate, weighted_percentiles
+from planner.simulate import Simulator, simulate, simulated_shortfalls, weighted_percentiles
 from planner.workload import Request, Workload, synthetic
 
 SHAPE = BUILTIN["llama-2-7b"]
@@ -59,3 +59,11 @@ def test_weighted_percentiles():
     p = weighted_percentiles([1.0, 2.0, 3.0], [1.0, 1.0, 98.0])
     assert (p.p50, p.p99) == (3.0, 3.0) and p.mean == pytest.approx((1 + 2 + 294) / 100)
     assert weighted_percentiles([5.0, 1.0], [1.0, 1.0]).p50 == 1.0
+
+
+def test_simulated_shortfalls_read_the_90th_percentiles(catalogue):
+    w = synthetic(500, 50, rate=20.0, requests=100)
+    r = simulate(SHAPE, Layout("H100", 1), catalogue, w, replicas=1, max_batch=64)
+    assert simulated_shortfalls(r, None, None) == ()
+    assert simulated_shortfalls(r, r.tbt.p90 * 2, r.ttft.p90 * 2) == ()
+    assert simulated_shortfalls(r, r.tbt.p90 / 2, r.ttft.p90 / 2) == ("tbt", "ttft")
