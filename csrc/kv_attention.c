@@ -106,19 +106,25 @@ INLINE float half_to_float(uint16_t h) {
     return r.f;
 }
 
-typedef uint8_t u8x8 __attribute__((vector_size(8)));
 typedef int32_t i8x32 __attribute__((vector_size(32)));
 
-/* Eight codes -> m + q * s (widened to int32 first: a byte-to-float conversion would
- * not vectorize). */
-INLINE void decode8(u8x8 codes, float m, float s, float *out) {
-    store8(out, __builtin_convertvector(__builtin_convertvector(codes, i8x32), v8) * s + m);
+/* Eight code bytes at c -> their low nibbles' m + q * s at out, their high ones' at
+ * out_high. Each byte is shifted into a 32-bit lane of its own first: x86 has no byte
+ * shifts, and GCC scalarizes byte-to-float conversions. */
+INLINE void decode8(const uint8_t *c, float m, float s, float *out, float *out_high) {
+    uint32_t a, b;
+    memcpy(&a, c, 4);
+    memcpy(&b, c + 4, 4);
+    const i8x32 shifts = {0, 8, 16, 24, 0, 8, 16, 24};
+    const i8x32 w = ((i8x32){a, a, a, a, b, b, b, b} >> shifts) & 0xff;
+    store8(out, __builtin_convertvector(w & 15, v8) * s + m);
+    store8(out_high, __builtin_convertvector(w >> 4, v8) * s + m);
 }
 
 /* One packed row of d values -> out[d]. (float)q * s is exact (4-bit times an 11-bit
  * significand), so the sum rounds once, fused or not: the same floats as the torch
  * decoding (model/kv_quant.py) under any contraction -ffast-math allows. */
-INLINE void decode_q4(const uint8_t *restrict row, int64_t d, int64_t group, float *restrict out) {
+INLINE void decode_groups(const uint8_t *restrict row, int64_t d, int64_t group, float *restrict out) {
     const uint8_t *params = row + d / 2;
     const int64_t half = group / 2;
     for (int64_t gi = 0; gi < d / group; gi++) {
@@ -129,17 +135,21 @@ INLINE void decode_q4(const uint8_t *restrict row, int64_t d, int64_t group, flo
         const uint8_t *c = row + gi * half;
         float *o = out + gi * group;
         int64_t j = 0;
-        for (; j + 8 <= half; j += 8) {
-            u8x8 b;
-            memcpy(&b, c + j, 8);
-            decode8(b & 15, m, s, o + j);
-            decode8(b >> 4, m, s, o + half + j);
-        }
+        for (; j + 8 <= half; j += 8) decode8(c + j, m, s, o + j, o + half + j);
         for (; j < half; j++) {
             o[j] = (float)(c[j] & 15) * s + m;
             o[half + j] = (float)(c[j] >> 4) * s + m;
         }
     }
+}
+
+/* Groups of 32 (the attention workers' choice) get a copy with the size fixed, so the
+ * loops unroll into straight vector code. */
+INLINE void decode_q4(const uint8_t *restrict row, int64_t d, int64_t group, float *restrict out) {
+    if (group == 32)
+        decode_groups(row, d, 32, out);
+    else
+        decode_groups(row, d, group, out);
 }
 
 /* s[j] = scale * <q, k_j> for the block's first jn keys (k_j = krow[j] + off).

@@ -105,7 +105,7 @@ def test_the_kernel_decodes_packed_rows_to_the_same_floats():
 
 @needs_native
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("d", [64, 8])
+@pytest.mark.parametrize("d", [64, 8, 48])  # groups of 32, and of the whole row (scalar, vector)
 def test_native_and_torch_paths_agree_on_packed_pools(monkeypatch, causal, d):
     torch.manual_seed(0)
     k_pool, v_pool = _packed_pools(400, 3, d)
