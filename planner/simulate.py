@@ -19,6 +19,7 @@ of workers in a few units simulate in about a second.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, replace
@@ -49,6 +50,8 @@ def weighted_percentiles(values: list[float], weights: list[float]) -> Percentil
         return Percentiles(math.nan, math.nan, math.nan, math.nan)
     pairs = sorted(zip(values, weights))
     total = sum(weights)
+    if total <= 0:
+        return Percentiles(math.nan, math.nan, math.nan, math.nan)
     marks, out, acc = [0.5, 0.9, 0.99], [], 0.0
     for v, w in pairs:
         acc += w
@@ -69,6 +72,8 @@ class SimResult:
     tbt: Percentiles  # step durations weighted by the requests in each step
     mean_batch: float
     preemptions: int
+    admissions: int = 0  # prefills, first ones and recomputations after preemption
+    decode_tokens: int = 0  # tokens made by decode steps (each prefill makes one more)
 
     def to_dict(self) -> dict:
         return {"completed": self.completed, "output_tokens": self.output_tokens,
@@ -113,6 +118,7 @@ class Simulator:
         self.shape, self.layout, self.catalogue = shape, layout, catalogue
         capacity = kv_capacity_tokens(shape, layout, catalogue)
         self.units = [_Unit(capacity, max_batch) for _ in range(replicas)]
+        self._ids = itertools.count()  # one per admission: a recomputed request is a new entry
         self._step_cache: dict[tuple[int, int], float] = {}
         self._prefill_cache: dict[int, float] = {}
 
@@ -139,7 +145,7 @@ class Simulator:
         ttfts: list[float] = []
         step_times: list[float] = []
         step_batches: list[float] = []
-        stats = {"done": 0, "tokens": 0, "preempted": 0, "last": 0.0}
+        stats = {"done": 0, "tokens": 0, "preempted": 0, "last": 0.0, "admitted": 0}
         while events:
             now, _, kind, idx = heapq.heappop(events)
             if kind == arrive:
@@ -155,8 +161,9 @@ class Simulator:
             duration = self._start_step(unit, now, ttfts, stats)
             unit.busy = duration > 0
             if unit.busy:
-                step_times.append(duration)
-                step_batches.append(len(unit.running))
+                if unit.running:  # a step of prefill alone makes no token between tokens
+                    step_times.append(duration)
+                    step_batches.append(len(unit.running))
                 seq += 1
                 heapq.heappush(events, (now + duration, seq, step_end, unit_id))
         first = workload.requests[0].arrival_s
@@ -164,7 +171,8 @@ class Simulator:
         return SimResult(stats["done"], stats["tokens"], span, stats["tokens"] / span,
                          weighted_percentiles(ttfts, [1.0] * len(ttfts)),
                          weighted_percentiles(step_times, step_batches),
-                         sum(step_batches) / max(1, len(step_batches)), stats["preempted"])
+                         sum(step_batches) / max(1, len(step_batches)), stats["preempted"],
+                         stats["admitted"], int(sum(step_batches)))
 
     def _finish(self, unit: _Unit, now: float, stats: dict) -> None:
         while unit.finishing and unit.finishing[0][0] <= unit.step:
@@ -173,9 +181,13 @@ class Simulator:
             if run is None:  # preempted earlier; its heap entry is stale
                 continue
             unit.kv_base -= run.prompt + 1 - run.admitted_step
-            stats["done"] += 1
-            stats["tokens"] += run.req.output
-            stats["last"] = now
+            self._complete(run.req, now, stats)
+
+    @staticmethod
+    def _complete(req: Request, now: float, stats: dict) -> None:
+        stats["done"] += 1
+        stats["tokens"] += req.output
+        stats["last"] = now
 
     def _start_step(self, unit: _Unit, now: float, ttfts: list[float], stats: dict) -> float:
         # Every running request adds one token of KV in the coming step: preempt the newest
@@ -194,16 +206,20 @@ class Simulator:
                 break
             unit.waiting.popleft()
             prefill += self.prefill_s(prompt)
-            rid = id(req)
+            stats["admitted"] += 1
+            if made == 0:
+                ttfts.append(now + prefill / self.layout.model_workers - req.arrival_s)
             remaining = req.output - made - 1  # the prefill makes one token
+            if remaining <= 0:  # that token was the last: no decode step for it
+                self._complete(req, now + prefill / self.layout.model_workers, stats)
+                continue
+            rid = next(self._ids)
             run = _Running(req, prompt, unit.step, unit.step + remaining, made)
             unit.running[rid] = run
             unit.kv_base += prompt + 1 - unit.step
             heapq.heappush(unit.finishing, (run.finish_step, rid))
-            if made == 0:
-                ttfts.append(now + prefill / self.layout.model_workers - req.arrival_s)
         if not unit.running:
-            return 0.0
+            return prefill / self.layout.model_workers  # prefill alone (0 when idle)
         context = unit.kv_used() / len(unit.running)
         return prefill / self.layout.model_workers + self.step_s(len(unit.running), context)
 

@@ -19,7 +19,7 @@ def test_every_request_completes_with_its_tokens(catalogue):
     w = synthetic(500, 50, rate=20.0, requests=300)
     r = simulate(SHAPE, Layout("H100", 1), catalogue, w, replicas=2, max_batch=64)
     assert r.completed == 300 and r.output_tokens == 300 * 50
-    assert r.preemptions == 0
+    assert r.preemptions == 0 and r.decode_tokens + r.admissions == r.output_tokens
     assert r.duration_s >= w.requests[-1].arrival_s
 
 
@@ -40,8 +40,10 @@ def test_kv_capacity_bounds_the_batch_and_overflow_preempts(catalogue):
     w = Workload("burst", tuple(Request(0.0, 1000, 400) for _ in range(6)))
     r = sim.run(w)
     assert r.completed == 6 and r.output_tokens == 6 * 400
-    assert r.preemptions > 0
+    assert r.preemptions > 0 and r.admissions == 6 + r.preemptions
     assert r.mean_batch <= 4
+    # Every token is made once: by a prefill (one per admission) or by a decode step.
+    assert r.decode_tokens + r.admissions == r.output_tokens
 
 
 def test_disaggregated_units_with_hundreds_of_workers_simulate_quickly(catalogue):
@@ -53,6 +55,13 @@ def test_disaggregated_units_with_hundreds_of_workers_simulate_quickly(catalogue
     assert time.perf_counter() - start < 5.0
     assert r.completed == 1500
     assert r.tbt.p50 <= r.tbt.p99
+
+
+def test_one_token_requests_need_no_decode_step(catalogue):
+    w = Workload("ones", tuple(Request(0.01 * i, 100, 1) for i in range(20)))
+    r = simulate(SHAPE, Layout("H100", 1), catalogue, w, replicas=1, max_batch=8)
+    assert r.completed == 20 and r.decode_tokens == 0 and r.admissions == 20
+    assert r.ttft.p50 > 0
 
 
 def test_weighted_percentiles():
