@@ -186,7 +186,8 @@ def parse_hardware(spec: str, catalogue: Mapping[str, Device]) -> HardwareOffer:
         kind, _, count = part.partition(":")
         name = by_lower.get(kind.strip().lower())
         if name is None:
-            raise ValueError(f"unknown hardware {kind!r} (catalogue: {', '.join(catalogue)})")
+            hint = " (this-machine needs a profile: run `lamina profile`)" if kind.strip().lower() == THIS_MACHINE else ""
+            raise ValueError(f"unknown hardware {kind!r}{hint} (catalogue: {', '.join(catalogue)})")
         if count and (not count.strip().isdigit() or int(count) <= 0):
             raise ValueError(f"bad count in {part!r}: expected a positive integer")
         limits[name] = int(count) if count else None

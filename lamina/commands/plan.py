@@ -13,8 +13,9 @@ DEFAULT_PROFILE = Path.home() / ".cache" / "lamina" / "profile.json"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="built-in name (e.g. llama-3-70b) or a config.json / checkpoint dir")
-    p.add_argument("--hardware", required=True,
-                   help="catalogue kinds the planner may combine, optionally with counts: H100:8,H20:16 or H100,H20")
+    p.add_argument("--hardware", default=None,
+                   help="catalogue kinds the planner may combine, optionally with counts: H100:8,H20:16 or H100,H20 "
+                        "(default: every catalogue kind, for a --budget)")
     p.add_argument("--trace", default=None, help="a trace file (../shared/traces formats: Azure CSV, Kimi JSONL)")
     p.add_argument("--prompt-tokens", type=int, default=None, help="with --output-tokens and --rate, instead of --trace")
     p.add_argument("--output-tokens", type=int, default=None)
@@ -50,7 +51,7 @@ def _workload(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from model.errors import CheckpointError
     from planner.estimate import Targets
-    from planner.hardware import load_catalogue, parse_hardware
+    from planner.hardware import THIS_MACHINE, load_catalogue, parse_hardware
     from planner.plan import plan
     from planner.report import table, to_dict
     from planner.shapes import resolve_model
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         catalogue = load_catalogue(profile)
         shape = resolve_model(args.model)
-        offer = parse_hardware(args.hardware, catalogue)
+        offer = parse_hardware(args.hardware or ",".join(k for k in catalogue if k != THIS_MACHINE), catalogue)
         workload = _workload(args)
     except (OSError, ValueError, KeyError, CheckpointError) as exc:
         print(f"lamina plan: {exc}", file=sys.stderr)

@@ -63,6 +63,8 @@ def test_parse_hardware(catalogue):
     for bad in ("TPU", "H100:0", "H100:x", ""):
         with pytest.raises(ValueError):
             parse_hardware(bad, catalogue)
+    with pytest.raises(ValueError, match="lamina profile"):
+        parse_hardware("this-machine", catalogue)
 
 
 def _profiled_entry(raw):

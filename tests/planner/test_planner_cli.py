@@ -62,9 +62,18 @@ def test_plan_refuses_a_bad_config_json(tmp_path, capsys):
     assert "unsupported architecture" in capsys.readouterr().err
 
 
+def test_plan_with_a_budget_and_no_hardware_picks_from_the_catalogue(capsys):
+    rc = main(["plan", "--model", "llama-2-7b", "--budget", "5", "--prompt-tokens", "500", "--output-tokens", "100",
+               "--rate", "1", "--json", "--quantize", "none", "--colocated-only"])
+    assert rc == 0
+    configs = json.loads(capsys.readouterr().out)["configurations"]
+    assert {c["model_device"] for c in configs} <= {"H100", "H200", "H20", "A100", "L40S", "CPU"}
+    assert all(c["usd_per_hour"] <= 5 for c in configs)
+
+
 @pytest.mark.parametrize("argv", [
     ["--hardware", "TPU", "--prompt-tokens", "1", "--output-tokens", "1", "--rate", "1"],
-    ["--hardware", "H100"],
+    ["--hardware", "H100"],  # no workload
 ])
 def test_plan_refuses_bad_input(argv, capsys):
     assert main(["plan", "--model", "llama-2-7b", *argv]) == 2
