@@ -20,6 +20,7 @@ from planner.perf.attention import attention_layer_time
 from planner.perf.memory import kv_bytes_per_token, kv_token_capacity, usable_bytes, weight_bytes
 from planner.perf.pipeline import StageTimes, colocated_step, pipeline_step
 from planner.perf.prefill import prefill_time
+from planner.perf.quantization import Precision
 from planner.perf.roofline import Roofline
 from planner.perf.slices import slice_time
 from planner.perf.threads import CpuOp, ThreadChoice, choose_threads
@@ -70,15 +71,19 @@ class Estimate:
         return not self.shortfalls
 
 
-def _cpu_attention(shape: ModelShape, device: Device, batch: int, context: float, workers: int,
-                   layout: Layout, base: Roofline) -> tuple[float, ThreadChoice]:
-    """A CPU attention worker runs one operator per KV head it holds; LM-Offload's thread
-    model picks inter- vs intra-op threads and its efficiency stretches the roofline."""
+def cpu_attention_ops(shape: ModelShape, device: Device, batch: int, context: float, workers: int,
+                      kv: Precision) -> list[CpuOp]:
+    """One layer of a CPU attention worker's attention as operators, one per KV head it
+    holds, with single-thread compute time, for LM-Offload's thread model."""
     heads = max(1, shape.num_kv_heads // workers)
-    per_core = device.matmul_flops / device.cores
-    one = attention_layer_time(shape, device, batch, context, workers * heads, layout.kv)
-    op = CpuOp(compute_s=one.compute_s * device.matmul_flops / per_core, memory_s=one.memory_s)
-    choice = choose_threads([op] * heads, device.cores)
+    one = attention_layer_time(shape, device, batch, context, workers * heads, kv)
+    return [CpuOp(compute_s=one.compute_s * device.cores, memory_s=one.memory_s)] * heads
+
+
+def _cpu_attention(shape: ModelShape, device: Device, batch: int, context: float, workers: int,
+                   kv: Precision, base: Roofline) -> tuple[float, ThreadChoice]:
+    """The thread choice for a CPU attention worker; its efficiency stretches the roofline."""
+    choice = choose_threads(cpu_attention_ops(shape, device, batch, context, workers, kv), device.cores)
     return base.seconds / choice.efficiency, choice
 
 
@@ -91,7 +96,7 @@ def decode_step(shape: ModelShape, layout: Layout, catalogue: Mapping[str, Devic
         att = attention_layer_time(shape, md, batch, context, layout.tp, layout.kv)
         att_s, threads = att.seconds, None
         if md.is_cpu:
-            att_s, threads = _cpu_attention(shape, md, batch, context, layout.tp, layout, att)
+            att_s, threads = _cpu_attention(shape, md, batch, context, layout.tp, layout.kv, att)
         step = colocated_step(sl.layer_s(), att_s, sl.head.seconds, L)
         if sl.layer_s() >= att_s:
             neck = "model " + ("memory" if sl.layer.is_memory_bound else "compute")
@@ -105,7 +110,7 @@ def decode_step(shape: ModelShape, layout: Layout, catalogue: Mapping[str, Devic
     att = attention_layer_time(shape, ad, b, context, n_attn, layout.kv)
     att_s, threads = att.seconds, None
     if ad.is_cpu:
-        att_s, threads = _cpu_attention(shape, ad, b, context, n_attn, layout, att)
+        att_s, threads = _cpu_attention(shape, ad, b, context, n_attn, layout.kv, att)
     traffic = layer_traffic(shape, b)
     link = min(layout.tp * md.network_bw, n_attn * ad.network_bw)
     shared_link = min(m * layout.tp * md.network_bw, n_attn * ad.network_bw)

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Mapping
 
 from planner.hardware import Device, load_catalogue, parse_hardware
-from planner.perf.attention import attention_layer_time
-from planner.perf.quantization import INT4, quantization_verdict
-from planner.perf.threads import CpuOp, choose_threads
+from planner.estimate import cpu_attention_ops
+from planner.perf.quantization import FP16, INT4, quantization_verdict
+from planner.perf.threads import choose_threads
 from planner.plan import plan
 from planner.shapes import BUILTIN, ModelShape
 from planner.workload import WorkloadStats, load_trace
@@ -92,12 +92,10 @@ def break_even_flops_per_byte() -> float:
 
 def cpu_attention_threads(shape: ModelShape, catalogue: Mapping[str, Device], batch: int, context: int,
                           cores: int):
-    """LM-Offload's inter-/intra-op choice for one layer of CPU attention, one op per KV head."""
-    cpu = catalogue["CPU"]
-    one = attention_layer_time(shape, cpu, batch, context, workers=shape.num_kv_heads)
-    per_core = cpu.matmul_flops / cpu.cores
-    op = CpuOp(compute_s=one.compute_s * cpu.matmul_flops / per_core, memory_s=one.memory_s)
-    return choose_threads([op] * shape.num_kv_heads, cores)
+    """LM-Offload's inter-/intra-op choice for one layer of CPU attention, one op per KV head,
+    on `cores` of the CPU node's cores (its whole memory bandwidth)."""
+    ops = cpu_attention_ops(shape, catalogue["CPU"], batch, context, workers=1, kv=FP16)
+    return choose_threads(ops, cores)
 
 
 TRACE_FILES = {"Azure-Conv": "azure_conv_2023.csv", "Azure-Code": "azure_code_2023.csv",
