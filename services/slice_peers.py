@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -58,7 +59,7 @@ class SliceExecutors:
         self._busy: set[int] = set()
         self._last_used: dict[int, int] = {}
         self._claims = 0
-        self._freed = asyncio.Condition()
+        self._waiters: deque[asyncio.Future] = deque()  # claims waiting for a free executor, in order
         self._refresh_task: asyncio.Task | None = None
         self._refreshed_at = -float("inf")
         self._unreachable: set[str] = set()
@@ -95,8 +96,7 @@ class SliceExecutors:
                 await self._drop(index, "registered anew")
             self._peers[index] = _Peer(address, conn)
             log.info("rotational pipeline: peer model worker %d at %s", index, address)
-        async with self._freed:
-            self._freed.notify_all()
+        self._wake_one()  # a new peer is a free executor
 
     def _maybe_refresh(self) -> None:
         if (self._refresh_task is None or self._refresh_task.done()) \
@@ -122,18 +122,31 @@ class SliceExecutors:
         return [e for e in (LOCAL, *self._peers) if e not in self._busy]
 
     async def _claim(self) -> int:
-        async with self._freed:
-            await self._freed.wait_for(lambda: bool(self._free()))
-            ex = pick_executor(self._free(), self._last_used)
-            self._busy.add(ex)
-            self._claims += 1
-            self._last_used[ex] = self._claims
-            return ex
+        while not self._free():
+            wake = asyncio.get_running_loop().create_future()
+            self._waiters.append(wake)
+            try:
+                await wake
+            finally:
+                if wake in self._waiters:
+                    self._waiters.remove(wake)
+        ex = pick_executor(self._free(), self._last_used)
+        self._busy.add(ex)
+        self._claims += 1
+        self._last_used[ex] = self._claims
+        return ex
 
-    async def _release(self, ex: int) -> None:
-        async with self._freed:
-            self._busy.discard(ex)
-            self._freed.notify()
+    def _release(self, ex: int) -> None:
+        # Synchronous, so that a cancelled slice can never leave its executor claimed.
+        self._busy.discard(ex)
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            wake = self._waiters.popleft()
+            if not wake.done():
+                wake.set_result(None)
+                return
 
     # -- running ----------------------------------------------------------------------------
     async def run(self, tag: Tag, j: int, inputs: dict, attn: torch.Tensor | None,
@@ -151,9 +164,14 @@ class SliceExecutors:
                 except (OSError, asyncio.TimeoutError, transports.TransportError, RemoteError) as exc:
                     self.fallbacks += 1
                     await self._drop(ex, f"{type(exc).__name__}: {exc}")
+                except asyncio.CancelledError:
+                    # Its reply may still come: a link that carries it would hand it to
+                    # the next slice. A new link is made on the next refresh.
+                    await self._drop(ex, "a slice on it was cancelled")
+                    raise
             return self._run_local(j, inputs, attn, context)
         finally:
-            await self._release(ex)
+            self._release(ex)
 
     async def _run_remote(self, ex: int, tag: Tag, j: int, inputs: dict, attn: torch.Tensor | None,
                           context: Sequence[torch.Tensor]) -> SliceOutput:
