@@ -56,18 +56,19 @@ def ideal_hit_tokens(prompts: list[list[int]], block: int) -> int:
 async def _send_all(base_url: str, prompts: list[list[int]], concurrency: int) -> list[float]:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    model = (await client.models.list()).data[0].id
     gate = asyncio.Semaphore(concurrency)
     ttft: list[float] = []
+    # Closed here, in its own event loop: each routing's run has a loop of its own.
+    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
+        model = (await client.models.list()).data[0].id
 
-    async def one(ids: list[int]) -> None:
-        async with gate:
-            sent = time.perf_counter()
-            await client.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0)
-            ttft.append(time.perf_counter() - sent)
+        async def one(ids: list[int]) -> None:
+            async with gate:
+                sent = time.perf_counter()
+                await client.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0)
+                ttft.append(time.perf_counter() - sent)
 
-    await asyncio.gather(*(one(p) for p in prompts))
+        await asyncio.gather(*(one(p) for p in prompts))
     return ttft
 
 
