@@ -19,6 +19,7 @@ import torch
 
 import transports
 from model.loader import load_config
+from services.addresses import with_host
 from services.attention_core import AttentionCore
 from services.config import StackConfig
 from services.placement import head_range
@@ -166,7 +167,8 @@ class AttentionService:
         try:
             await self.runtime.serve(
                 lambda s: lamina_pb2_grpc.add_AttentionControlServicer_to_server(_Control(self.core), s),
-                endpoint=self._listener.address, meta={"index": self.index, "kv_heads": self.core.num_kv_heads},
+                endpoint=with_host(self._listener.address, self.config.advertised_host),
+                meta={"index": self.index, "kv_heads": self.core.num_kv_heads},
                 stats=self.occupancy)
         finally:
             await self._listener.close()

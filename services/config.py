@@ -13,7 +13,12 @@ clear message naming the setting.
     cluster_token: null         # shared secret every gRPC call and data-plane connection between services
                                 # must present; null: lamina up generates one, a service started alone
                                 # accepts everyone (and logs a warning). docs/security.md
-    host: 127.0.0.1             # interface every service binds
+    host: 127.0.0.1             # interface every service binds (0.0.0.0: all, as in a container); LAMINA_HOST
+    advertise_host: null        # address registered for peers; null: host, or for 0.0.0.0 / :: the
+                                # address of this machine's hostname (services/addresses.py); LAMINA_ADVERTISE_HOST
+    ports: {grpc: 0, metrics: 0}   # this service's gRPC and Prometheus ports (0: the system picks), fixed
+                                # for health probes and scraping; one service per host only (lamina up
+                                # refuses non-zero); LAMINA_GRPC_PORT, LAMINA_METRICS_PORT
     gateway: {port: 8000, api_key: null, max_queue: 256, served_model_name: null,
               insecure: false}   # insecure: serve without api_key on a host other than loopback
     scheduler: {max_batch_size: 32, max_queue: 256, policy: fcfs}   # policy: fcfs | fpf | relaxed_fpf
@@ -44,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from services.addresses import WILDCARD_HOSTS, advertised_host
 
 TRANSPORTS = ("tcp", "ucx", "shm")
 PARTITIONS = ("request", "head")
@@ -146,6 +153,15 @@ class DataPlaneSection:
 
 
 @dataclass(frozen=True)
+class PortsSection:
+    """Ports of one service process; 0: ephemeral. Fixed ports are for one service per
+    host or container (health probes and Prometheus need to know where to look)."""
+
+    grpc: int = 0
+    metrics: int = 0
+
+
+@dataclass(frozen=True)
 class DeadlinesSection:
     """How long any wait on a peer may last before the waiter gives up (seconds)."""
 
@@ -168,6 +184,8 @@ class StackConfig:
     # prove it (services/auth.py, transports/handshake.py). None: not authenticated.
     cluster_token: str | None = None
     host: str = "127.0.0.1"
+    advertise_host: str | None = None  # what peers are given instead of host (services/addresses.py)
+    ports: PortsSection = field(default_factory=PortsSection)
     gateway: GatewaySection = field(default_factory=GatewaySection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     prefill: PrefillSection = field(default_factory=PrefillSection)
@@ -193,6 +211,12 @@ class StackConfig:
         _check(self.scheduler.policy in POLICIES, "scheduler.policy", f"must be one of {', '.join(POLICIES)}",
                self.scheduler.policy)
         _check(0 <= self.gateway.port < 65536, "gateway.port", "must be a TCP port", self.gateway.port)
+        for name, value in (("ports.grpc", self.ports.grpc), ("ports.metrics", self.ports.metrics)):
+            _check(isinstance(value, int) and 0 <= value < 65536, name, "must be a TCP port (0: any)", value)
+        _check(isinstance(self.host, str), "host", "must be a host name or address", self.host)
+        _check(self.advertise_host is None or (isinstance(self.advertise_host, str)
+                                               and self.advertise_host not in WILDCARD_HOSTS),
+               "advertise_host", "must be an address peers can reach, not a wildcard", self.advertise_host)
         for name, value in (("gateway.max_queue", self.gateway.max_queue),
                             ("scheduler.max_batch_size", self.scheduler.max_batch_size),
                             ("scheduler.max_queue", self.scheduler.max_queue),
@@ -241,6 +265,11 @@ class StackConfig:
                                native_frames=dp.native_frames)
 
     @property
+    def advertised_host(self) -> str:
+        """The host registered for this service's endpoints (services/addresses.py)."""
+        return advertised_host(self.host, self.advertise_host)
+
+    @property
     def rotational(self) -> bool:
         return self.pipeline.mode == "rotational"
 
@@ -275,7 +304,7 @@ def _check(ok: bool, name: str, rule: str, value: Any) -> None:
 _SECTIONS = {
     "gateway": GatewaySection, "scheduler": SchedulerSection, "prefill": PrefillSection,
     "model_worker": ModelWorkerSection, "pipeline": PipelineSection, "attention": AttentionSection,
-    "data_plane": DataPlaneSection, "deadlines": DeadlinesSection,
+    "data_plane": DataPlaneSection, "deadlines": DeadlinesSection, "ports": PortsSection,
 }
 
 # Environment variables and the settings they override.
@@ -296,6 +325,10 @@ ENV_OVERRIDES = {
     "LAMINA_PIPELINE": "pipeline.mode",
     "LAMINA_PREFILL_WORKERS": "prefill.workers",
     "LAMINA_PREFILL_ROUTING": "prefill.routing",
+    "LAMINA_HOST": "host",
+    "LAMINA_ADVERTISE_HOST": "advertise_host",
+    "LAMINA_GRPC_PORT": "ports.grpc",
+    "LAMINA_METRICS_PORT": "ports.metrics",
 }
 
 

@@ -12,6 +12,7 @@ from gateway.app import create_app, start_server
 from gateway.config import GatewayConfig
 from kvstore.metadata import MetadataConfig, MetadataStore, ServiceRegistration
 from model.loader import load_tokenizer, resolve_checkpoint
+from services.addresses import host_port
 from services.config import ConfigError, StackConfig
 from services.runtime import wait_for_services
 from services.scheduler_client import SchedulerBackend
@@ -53,7 +54,7 @@ async def run_gateway(config: StackConfig, ready: asyncio.Event | None = None) -
     # Handler cancellation: a client that disconnects while its request is queued or
     # prefilling is noticed at once, not at the next token.
     runner, port = await start_server(app, config.host, gw.port)
-    endpoint = f"http://{config.host}:{port}"
+    endpoint = f"http://{host_port(config.advertised_host, port)}"
     registration = ServiceRegistration(store, "gateway", "gateway-0", endpoint,
                                        {"port": port, "pid": os.getpid(), "host": socket.gethostname()})
     await registration.start()

@@ -30,6 +30,7 @@ from lamina.engine.step import StepBatch
 from model.llama import split_llama
 from model.loader import LoadedModel, load_model
 from model.splitter import SliceOutput
+from services.addresses import with_host
 from services.attention_pool import AttentionPool, SeqRows
 from services.config import StackConfig
 from services.decode_runner import DecodeRunner
@@ -207,7 +208,7 @@ class ModelService:
                 tcfg = self.config.transport_config()
                 listener = await transports.listen(self.config.data_address(self.runtime.service_id),
                                                    self.slice_server.serve_connection, tcfg)
-                meta["slices"] = listener.address
+                meta["slices"] = with_host(listener.address, self.config.advertised_host)
                 self.executors = SliceExecutors(self.slices.split.slices, self.slices.run_slice,
                                                 self._peer_slice_services, tcfg, self.config.deadlines.reply_s,
                                                 self.config.model_worker.workers)

@@ -23,6 +23,7 @@ import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.metadata import REDIS_ERRORS, MetadataConfig, MetadataStore, RebuildHook, ServiceRegistration
+from services.addresses import host_port
 from services.auth import server_interceptors
 from services.config import StackConfig
 
@@ -56,14 +57,16 @@ class ServiceRuntime:
                                  options=[("grpc.so_reuseport", 0)])
         add_servicers(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        port = server.add_insecure_port(f"{self.config.host}:0")
+        # Bound on `host` (a wildcard in a container), registered under the address peers reach.
+        port = server.add_insecure_port(host_port(self.config.host, self.config.ports.grpc))
         await server.start()
         self._server = server
-        self.grpc_address = f"{self.config.host}:{port}"
+        self.grpc_address = host_port(self.config.advertised_host, port)
         return self.grpc_address
 
     def start_metrics(self) -> int:
-        server, _thread = prometheus_client.start_http_server(0, addr=self.config.host, registry=self.registry)
+        server, _thread = prometheus_client.start_http_server(self.config.ports.metrics, addr=self.config.host,
+                                                              registry=self.registry)
         self._metrics_server = server
         self.metrics_port = server.server_port
         return self.metrics_port

@@ -47,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
                                    "gateway.insecure": args.insecure})
     if config is None or gateway_refused(config):
         return 2
+    if config.ports.grpc or config.ports.metrics:  # every service of this stack shares the host
+        print("lamina up: ports.grpc and ports.metrics must be 0 (one service per host only; "
+              "LAMINA_GRPC_PORT / LAMINA_METRICS_PORT set?)", file=sys.stderr)
+        return 2
     from services.launcher import Stack
     from services.supervision import describe_exit
 
