@@ -10,8 +10,12 @@ profile is measured first in this process (planner/profile.py, --quick: fewer re
 its overhead terms are calibrated on the engine at other points (planner.profile.
 OVERHEAD_POINTS: 16-token prompts), so no case here is one it was fitted to.
 
-Not covered: the stack with 1 and 2 micro-batches and 1 and 2 attention workers (the
-planner's disaggregated predictions are not yet checked against measurement).
+--stack adds the stack as `lamina up` starts it (bench/decode_pipeline.py's run_stack:
+one model worker, 2 attention workers, TCP, float32 weights) at 1 and 2 micro-batches,
+decode tokens/s against the planner's disaggregated layout on `this-machine`. On these
+2 cores the model worker takes one and the 2 attention workers share the other, so the
+prediction gives the attention pool one device's figures (n = 1). Not covered: 1
+attention worker (run_stack always starts 2).
 
 Prints the table and, last, one JSON line: {"cases", "median_abs_rel_error",
 "max_abs_rel_error", ...}.
@@ -40,10 +44,31 @@ from planner.shapes import BUILTIN  # noqa: E402
 CASES = ((1, 32), (1, 512), (4, 128), (4, 512), (8, 64), (8, 256), (16, 128), (32, 64))
 
 
+def stack_cases(loaded, shape, catalogue, steps: int, batch: int = 32, context: int = 256) -> list[dict]:
+    from bench.decode_pipeline import make_prompts, run_stack
+
+    prompts = make_prompts(loaded.tokenizer, batch, context)
+    kv_bytes = (batch * (context + steps + 64) * loaded.config.kv_bytes_per_token()) // 2 + (256 << 20)
+    rows = []
+    for micro in (1, 2):
+        measured = run_stack(prompts, steps, "tcp", micro, False, 1, kv_bytes, "float32")["tok_s"]
+        layout = Layout(THIS_MACHINE, 1, 1, THIS_MACHINE, 1, micro, "head", FP32, FP32)
+        step = decode_step(shape, layout, catalogue, batch, context + steps / 2)
+        predicted = batch / step.step_s
+        err = (predicted - measured) / measured
+        rows.append({"stack_micro_batches": micro, "batch": batch, "prompt": context,
+                     "measured_tok_s": round(measured, 1), "predicted_tok_s": round(predicted, 1),
+                     "rel_error": round(err, 3), "bottleneck": step.bottleneck})
+        print(f"stack, {micro} micro-batch(es), batch {batch}, context {context}: measured {measured:.1f} tok/s, "
+              f"predicted {predicted:.1f} tok/s, {err:+.1%}  {step.bottleneck}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps per case (within 10 minutes)")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per case (default 12, 5 with --quick)")
+    ap.add_argument("--stack", action="store_true", help="also the stack at 1 and 2 micro-batches")
     args = ap.parse_args()
     steps = args.steps or (5 if args.quick else 12)
 
@@ -70,6 +95,8 @@ def main() -> None:
                      "bottleneck": predicted.bottleneck})
         print(f"{batch:>5} {prompt:>6} {measured * 1e3:>12.2f} {predicted.step_s * 1e3:>13.2f} {err:>+10.1%}  "
               f"{predicted.bottleneck}")
+    if args.stack:
+        rows += stack_cases(loaded, shape, catalogue, steps=16)
     errors = [abs(r["rel_error"]) for r in rows]
     d = prof["device"]
     print(f"profile: memory {d['memory_tb_s']['value'] * 1e3:.2f} GB/s, matmul {d['tflops']['fp32']['value'] * 1e3:.2f} "
