@@ -111,3 +111,17 @@ def test_prefill_heavy_workloads_are_a_dead_zone_for_disaggregation(catalogue):
     st = stats(prompt=8000, output=400, rate=5.0)
     ranked = plan(BUILTIN["llama-3-70b"], parse_hardware("H100,H20", catalogue), catalogue, st, quantize="none")
     assert _best_per_dollar(ranked, True) > _best_per_dollar(ranked, False)
+
+
+def test_disaggregated_step_never_slows_with_more_network_or_attention_workers(catalogue):
+    big = BUILTIN["llama-3-70b"]
+    fast_net = dict(catalogue)
+    fast_net["H20"] = replace(catalogue["H20"], network_bw=catalogue["H20"].network_bw * 4)
+    fast_net["H100"] = replace(catalogue["H100"], network_bw=catalogue["H100"].network_bw * 4)
+    for n_micro in (1, 2, 3):
+        base = Layout("H100", 2, 2, "H20", 4, n_micro, "head")
+        for batch in (8, 64, 512):
+            t = decode_step(big, base, catalogue, batch, 2000).step_s
+            assert decode_step(big, base, fast_net, batch, 2000).step_s <= t
+            more = replace(base, attention_workers=8)
+            assert decode_step(big, more, catalogue, batch, 2000).step_s <= t * (1 + 1e-9)
