@@ -50,7 +50,7 @@ class Generation:
         stop_ids = set(request.sampling.stop_token_ids)
         if not request.sampling.ignore_eos:
             stop_ids.update(tokenizer.eos_token_ids)
-        self._output = OutputProcessor(tokenizer, request.sampling.stop, stop_ids)
+        self._output = OutputProcessor(tokenizer, request.sampling.stop, stop_ids, request.sampling.min_tokens)
         self._events: AsyncIterator | None = None
         self._deltas_iter: AsyncGenerator[Delta, None] | None = None
         self._start = time.monotonic() if arrived is None else arrived

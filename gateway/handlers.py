@@ -26,6 +26,7 @@ from gateway.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ApiError,
     GenerateRequest,
+    SamplingFields,
     SamplingParams,
     check_token_ids,
     invalid,
@@ -53,7 +54,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         prompt_ids = state.tokenizer.encode_chat(list(req.messages))
     except (jinja2.TemplateError, ValueError) as exc:
         raise invalid(f"The messages could not be rendered with the model's chat template: {exc}", "messages")
-    check_token_ids(req.sampling.stop_token_ids, state.vocab_size, "stop_token_ids")
+    _check_sampling_ids(state, req.sampling)
     sampling = resolve_sampling(req.sampling, len(prompt_ids), state.context_length,
                                 state.config.default_max_tokens, "messages")
     return await _generate(request, state, "chat", prompt_ids, sampling, req.stream, req.include_usage, arrived,
@@ -73,7 +74,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     else:
         check_token_ids(req.prompt, state.vocab_size)
         prompt_ids = list(req.prompt)
-    check_token_ids(req.sampling.stop_token_ids, state.vocab_size, "stop_token_ids")
+    _check_sampling_ids(state, req.sampling)
     default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, state.config.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
     sampling = resolve_sampling(req.sampling, len(prompt_ids), state.context_length, default, "prompt")
     return await _generate(request, state, "completion", prompt_ids, sampling, req.stream, req.include_usage,
@@ -146,6 +147,11 @@ def _check_text_size(state: GatewayState, num_chars: int, param: str) -> None:
             f"This model's maximum context length is {state.context_length} tokens. However, your {param} "
             f"has {num_chars} characters, more than {state.context_length} tokens can hold. "
             f"Please reduce the length of the {param}.", param, "context_length_exceeded")
+
+
+def _check_sampling_ids(state: GatewayState, sampling: SamplingFields) -> None:
+    check_token_ids(sampling.stop_token_ids, state.vocab_size, "stop_token_ids")
+    check_token_ids(tuple(t for t, _ in sampling.logit_bias), state.vocab_size, "logit_bias")
 
 
 def _check_model(state: GatewayState, model: str) -> None:

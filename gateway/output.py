@@ -26,10 +26,15 @@ class StopStringMatcher:
         self._pending = ""  # text after `released` that may begin a stop string
         self.stopped = False
 
-    def feed(self, delta: str) -> str:
-        """Add text; return the part that is now safe to release."""
+    def feed(self, delta: str, match: bool = True) -> str:
+        """Add text; return the part that is now safe to release. With `match` False (a
+        request's first min_tokens tokens) the text is released unsearched, as vLLM does."""
         if self.stopped or not delta:
             return ""
+        if not match:
+            out, self._pending = self._pending + delta, ""
+            self.released += out
+            return out
         if not self._stop:
             self.released += delta
             return delta
@@ -66,7 +71,10 @@ class StopStringMatcher:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], stop_token_ids: Iterable[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], stop_token_ids: Iterable[int],
+                 min_tokens: int = 0) -> None:
+        """`min_tokens`: stop strings count only in the text of later tokens (vLLM's rule)."""
+        self._min_tokens = min_tokens
         self._detok = tokenizer.detokenizer()
         self._matcher = StopStringMatcher(stop)
         self._stop_token_ids = frozenset(stop_token_ids)
@@ -87,15 +95,16 @@ class OutputProcessor:
 
     def add(self, token_ids: Sequence[int], finish_reason: str | None) -> str:
         """Take a backend event's tokens; return the text delta to send (maybe empty)."""
+        first = len(self.token_ids)  # how many tokens came before these
         self.token_ids.extend(token_ids)
         ids = token_ids
         if finish_reason == "stop" and ids and ids[-1] in self._stop_token_ids:
             ids = ids[:-1]
         out = []
-        for t in ids:
+        for i, t in enumerate(ids):
             if self._matcher.stopped:
                 break
-            out.append(self._matcher.feed(self._detok.add(t)))
+            out.append(self._matcher.feed(self._detok.add(t), match=first + i + 1 > self._min_tokens))
         if finish_reason is not None and not self._matcher.stopped:
             out.append(self._matcher.flush())
         return "".join(out)

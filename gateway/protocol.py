@@ -21,6 +21,8 @@ from lamina.engine.sampling import SamplingParams  # noqa: F401 (re-exported)
 
 # Per request; bounds the cost of stop-string matching on every token.
 MAX_STOP_STRINGS = 16
+# Per request; bounds the work logit_bias adds to every sampled token.
+MAX_LOGIT_BIAS = 1024
 # Larger top_k values keep every token, as 0 does; the bound keeps them in the wire's 32 bits.
 MAX_TOP_K = (1 << 31) - 1
 # Returned when the backend has no explicit `max_tokens` from a completions request (OpenAI's default).
@@ -107,6 +109,11 @@ class SamplingFields:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # alternatives per token; None: no logprobs
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # extension (vLLM)
+    min_tokens: int = 0  # extension (vLLM)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), in id order
 
 
 @dataclass(frozen=True)
@@ -134,9 +141,6 @@ class CompletionRequest:
 # Fields that every OpenAI client may send, accepted only at their "off" value;
 # anything else is refused rather than silently ignored.
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
     "response_format": ({"type": "text"},),
@@ -154,8 +158,6 @@ _EXTENSION_OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "min_p": (0, 0.0),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
-    "min_tokens": (0,),
-    "repetition_penalty": (1, 1.0),
 }
 _OFF_VALUES.update(_EXTENSION_OFF_VALUES)
 # Accepted and ignored: they do not change the output.
@@ -163,7 +165,8 @@ _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_too
 
 _COMMON = frozenset(
     {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed", "stop",
-     "top_k", "stop_token_ids", "ignore_eos", "return_token_ids"}
+     "top_k", "stop_token_ids", "ignore_eos", "return_token_ids", "presence_penalty", "frequency_penalty",
+     "logit_bias", "repetition_penalty", "min_tokens"}
 ) | frozenset(_EXTENSION_OFF_VALUES)
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _IGNORED | {
     "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "tools",
@@ -331,6 +334,29 @@ def _parse_completion_logprobs(body: dict[str, Any]) -> int | None:
     return _get_int(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
 
 
+def _parse_logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: {"token id": bias in [-100, 100]}; ids are checked against
+    the vocabulary by the handler (check_token_ids)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise _wrong_type("logit_bias", "an object", value)
+    if len(value) > MAX_LOGIT_BIAS:
+        raise _bad_value("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens may be biased, got {len(value)}.")
+    out = {}
+    for key, bias in value.items():
+        param = f"logit_bias.{key}"
+        if not (key.isascii() and key.isdigit()):
+            raise _bad_value("logit_bias", f"keys are token ids written as decimal strings, got {key!r}.")
+        if not _is_number(bias):
+            raise _wrong_type(param, "a number", bias)
+        if not -100 <= bias <= 100:
+            raise _bad_value(param, f"must be in [-100, 100], got {bias}.")
+        out[int(key)] = float(bias)
+    return tuple(sorted(out.items()))
+
+
 def _parse_sampling(body: dict[str, Any], max_tokens_fields: tuple[str, ...],
                     logprobs: int | None = None) -> SamplingFields:
     n = _get_int(body, "n")
@@ -364,6 +390,11 @@ def _parse_sampling(body: dict[str, Any], max_tokens_fields: tuple[str, ...],
         stop_token_ids=tuple(stop_token_ids),
         ignore_eos=_get_bool(body, "ignore_eos", False),
         logprobs=logprobs,
+        presence_penalty=_get_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_get_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_get_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        min_tokens=_get_int(body, "min_tokens", minimum=0) or 0,
+        logit_bias=_parse_logit_bias(body),
     )
 
 
@@ -508,6 +539,8 @@ def resolve_sampling(
             fields.max_tokens_param, "context_length_exceeded")
     else:
         max_tokens = fields.max_tokens
+    if fields.min_tokens > max_tokens:
+        raise _bad_value("min_tokens", f"must be at most max_tokens ({max_tokens}), got {fields.min_tokens}.")
     return SamplingParams(
         temperature=fields.temperature,
         top_p=fields.top_p,
@@ -518,4 +551,9 @@ def resolve_sampling(
         stop_token_ids=fields.stop_token_ids,
         ignore_eos=fields.ignore_eos,
         logprobs=fields.logprobs,
+        presence_penalty=fields.presence_penalty,
+        frequency_penalty=fields.frequency_penalty,
+        repetition_penalty=fields.repetition_penalty,
+        min_tokens=fields.min_tokens,
+        logit_bias=fields.logit_bias,
     )

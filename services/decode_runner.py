@@ -23,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 
 import torch
 
 import transports
 from lamina.engine.logprobs import token_logprobs
+from lamina.engine.penalties import PenaltyState, needs_state
 from lamina.engine.sampling import SamplingParams, sample
 from lamina.engine.step import StepBatch
 from services.attention_pool import SeqRows
@@ -56,11 +57,15 @@ class DecodeSeq:
     workers: tuple[int, ...]
     micro_batch: int
     leaving: bool = False
+    penalties: PenaltyState | None = None  # when its params change logits: built whole at join
 
     @classmethod
-    def from_proto(cls, s: lamina_pb2.StepSequence, micro_batch: int) -> DecodeSeq:
-        return cls(s.seq_id, s.token_id, s.position, s.output_index, s.params, params_from_proto(s.params),
-                   tuple(s.placement.workers), micro_batch)
+    def from_proto(cls, s: lamina_pb2.StepSequence, micro_batch: int, eos_ids: Collection[int] = ()) -> DecodeSeq:
+        params = params_from_proto(s.params)
+        penalties = (PenaltyState.build(params, s.prompt_token_ids, s.output_token_ids, eos_ids)
+                     if needs_state(params) else None)
+        return cls(s.seq_id, s.token_id, s.position, s.output_index, s.params, params,
+                   tuple(s.placement.workers), micro_batch, penalties=penalties)
 
 
 class DecodeRunner:
@@ -85,7 +90,7 @@ class DecodeRunner:
                 log.warning("sequence %s joined twice; the second join is ignored", s.seq_id)
                 continue
             mb = join_target([len(m) for m in self._members], self._active(len(self._seqs) + 1))
-            seq = DecodeSeq.from_proto(s, mb)
+            seq = DecodeSeq.from_proto(s, mb, self._stop_eos)
             self._seqs[s.seq_id] = seq
             self._members[mb].append(seq)
             self._wake[mb].set()
@@ -176,12 +181,14 @@ class DecodeRunner:
         rows = [SeqRows(s.seq_id, 1, s.workers) for s in members]
         logits = await self._forward(mb, step, batch, rows)
         tokens = sample(logits, [s.params for s in members], [s.proto_params.seed for s in members],
-                        [s.output_index for s in members])
+                        [s.output_index for s in members], [s.penalties for s in members])
         logprobs = token_logprobs(logits, tokens, [s.params.logprobs for s in members])
         out = lamina_pb2.DecodeResult(micro_batch=mb, step=step)
         done: set[str] = set()
         for seq, tok, lp in zip(members, tokens, logprobs):
             seq.token = tok
+            if seq.penalties is not None:
+                seq.penalties.append(tok)
             seq.position += 1
             seq.output_index += 1
             # output_index now counts this sequence's outputs; position + 1 its tokens.

@@ -32,6 +32,7 @@ from kvstore.policies import MAX_DISTANCE
 from kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
 from lamina.engine.kv import KVStore
 from lamina.engine.logprobs import token_logprobs
+from lamina.engine.penalties import PenaltyState, needs_state
 from lamina.engine.sampling import sample
 from lamina.engine.step import LocalAttention, StepBatch
 from services.attention_pool import AttentionPool
@@ -139,7 +140,12 @@ class PrefillService:
             except RemoteError as exc:
                 stored.append(exc)
         params = [params_from_proto(r.params) for r in reqs]
-        tokens = sample(out.output, params, [r.params.seed for r in reqs], [0] * len(reqs))
+        # The first token: only the prompt counts for its penalties (a rebuild's prefill
+        # samples too, but its token is used only when the request had no output yet).
+        eos = self.slices.loaded.tokenizer.eos_token_ids
+        states = [PenaltyState.build(p, prompt, (), eos) if needs_state(p) else None
+                  for p, prompt in zip(params, prompts)]
+        tokens = sample(out.output, params, [r.params.seed for r in reqs], [0] * len(reqs), states)
         logprobs = token_logprobs(out.output, tokens, [p.logprobs for p in params])
         results: list[lamina_pb2.PrefillResult | RemoteError] = []
         for prompt, skv, n, c, token, lp, error in zip(prompts, seq_kvs, lens, cached, tokens, logprobs, stored):

@@ -47,7 +47,7 @@ from services.placement import place_request
 from services.prefill_clients import PrefillClients
 from services.protos import lamina_pb2, lamina_pb2_grpc
 from services.runtime import ServiceRuntime, wait_for_services
-from services.sampling_wire import logprobs_of
+from services.sampling_wire import join_history, logprobs_of
 from services.micro_batches import join_target
 from services.rotation import coordinator
 from services.model_streams import ModelStream
@@ -308,7 +308,8 @@ class SchedulerService:
         self.decoding[req.kv_id] = req
         self.model_streams[w].join([lamina_pb2.StepSequence(
             seq_id=req.kv_id, token_id=req.output_ids[-1], position=req.num_tokens - 1, params=req.params,
-            output_index=len(req.output_ids), placement=lamina_pb2.Placement(workers=req.workers))])
+            output_index=len(req.output_ids), placement=lamina_pb2.Placement(workers=req.workers),
+            **join_history(req.params, req.prompt_ids, req.output_ids))])
 
     async def _on_decode_result(self, worker: int, result: lamina_pb2.DecodeResult) -> None:
         if result.tokens:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from lamina.engine.kv import KVStore
 from lamina.engine.logprobs import TokenLogprobs, token_logprobs
+from lamina.engine.penalties import PenaltyState, needs_state
 from lamina.engine.sampling import SamplingParams, new_seed, sample
 from lamina.engine.scheduler import SchedulerLimits, schedule
 from lamina.engine.sequence import Sequence, SequenceStatus
@@ -73,6 +74,8 @@ class Engine:
             raise ValueError(f"duplicate request id {seq_id!r}")
         seed = params.seed if params.seed is not None else new_seed()
         seq = Sequence(seq_id, list(prompt_ids), params, seed)
+        if needs_state(params):
+            seq.penalties = PenaltyState.build(params, prompt_ids, (), self.eos_token_ids)
         self._waiting.append(seq)
         self._by_id[seq_id] = seq
         return seq_id
@@ -130,12 +133,14 @@ class Engine:
         self.num_steps += 1
         self.sum_batch_size += len(plan.running)
         tokens = sample(logits, [s.params for s in plan.running], [s.seed for s in plan.running],
-                        [len(s.output_ids) for s in plan.running])
+                        [len(s.output_ids) for s in plan.running], [s.penalties for s in plan.running])
         logprobs = token_logprobs(logits, tokens, [s.params.logprobs for s in plan.running])
         outputs = []
         for seq, tok, lp, n in zip(plan.running, tokens, logprobs, batch.query_lens):
             seq.num_cached += n
             seq.output_ids.append(tok)
+            if seq.penalties is not None:
+                seq.penalties.append(tok)
             reason = self._stop_reason(seq, tok)
             if reason is not None:
                 self._by_id.pop(seq.seq_id, None)
@@ -149,10 +154,12 @@ class Engine:
         p = seq.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
             return "stop"
-        if p.stop:
+        if p.stop and len(seq.output_ids) > p.min_tokens:
             seq.text = self.tokenizer.decode(seq.output_ids)
+            # As vLLM (and the gateway): the first min_tokens tokens' text holds no stop string.
+            start = len(self.tokenizer.decode(seq.output_ids[:p.min_tokens])) if p.min_tokens else 0
             for s in p.stop:
-                cut = seq.text.find(s)
+                cut = seq.text.find(s, start)
                 if cut != -1:
                     seq.text = seq.text[:cut]
                     seq.stopped_by_string = True

@@ -1,4 +1,4 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeds."""
+"""Sampling parameters and the sampler: penalties and biases, greedy, temperature, top-k, top-p, seeds."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from lamina.engine.logprobs import MAX_TOP_LOGPROBS
+from lamina.engine.penalties import PenaltyState, apply_penalties
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,8 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters.
     A seed makes sampling reproducible per request, independent of batching.
     logprobs: report each sampled token's log-probability and this many alternatives'
-    (None: none; see lamina.engine.logprobs).
+    (None: none; see lamina.engine.logprobs). The penalties, logit_bias and min_tokens
+    are lamina.engine.penalties'; their defaults change nothing.
     """
 
     max_tokens: int = 16
@@ -29,6 +31,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -41,6 +48,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
 
     @property
     def is_greedy(self) -> bool:
@@ -62,11 +76,18 @@ def _generator(seed: int, index: int) -> torch.Generator:
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
-           indices: Sequence[int]) -> list[int]:
-    """logits: [B, V] float32, one row per request; seeds and output indices per row.
+           indices: Sequence[int], states: Sequence[PenaltyState | None] | None = None) -> list[int]:
+    """logits: [B, V] float32, one row per request; seeds and output indices per row;
+    `states`: per row, its PenaltyState when its params change logits (None otherwise).
+    `logits` itself is left as it is (logprobs are taken from it).
 
     Returns B token ids.
     """
+    if states is not None and any(s is not None for s in states):
+        logits = logits.clone()
+        for row, (p, state, index) in enumerate(zip(params, states, indices)):
+            if state is not None:
+                apply_penalties(logits[row], p, state, index)
     greedy = logits.argmax(dim=-1).tolist()
     out: list[int] = []
     for row, (p, seed, index) in enumerate(zip(params, seeds, indices)):

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from lamina.engine.logprobs import TokenLogprobs
+from lamina.engine.penalties import PenaltyState
 from lamina.engine.sampling import SamplingParams
 
 
@@ -30,6 +31,7 @@ class Sequence:
     text: str = ""  # detokenized output: tracked for stop strings, set in full at the end
     stopped_by_string: bool = False
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, when params ask
+    penalties: PenaltyState | None = None  # when its params change logits (lamina.engine.penalties)
 
     @property
     def num_tokens(self) -> int:

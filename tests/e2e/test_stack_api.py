@@ -235,3 +235,43 @@ def test_continuous_usage_stats_in_every_chunk(stack, reference_outputs):
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == len(ref["token_ids"]) and counts[0] >= 1
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref["text"]
+
+
+def test_penalties_and_biases_equal_the_local_engine(stack, reference_outputs, loaded_model):
+    """Each request's tokens equal the local engine's with the same parameters (greedy), and
+    differ from the unpenalized ones: the prefill worker samples the first token with the
+    prompt alone, the model worker the rest with the history sent when the sequence joined."""
+    from lamina.engine import Engine, SamplingParams
+
+    client, model = _client(stack), _model(stack)
+    engine = Engine(loaded_model)
+    tok = loaded_model.tokenizer
+    chat_ref = reference_outputs[("chat", CHAT_PROMPTS[1])]
+    completion_ref = reference_outputs[("completion", COMPLETION_PROMPTS[0])]
+    banned = chat_ref["token_ids"][0]  # the unpenalized first token, biased away
+    cases = [
+        ("chat", chat_ref, {"frequency_penalty": 1.5, "presence_penalty": 0.5, "logit_bias": {str(banned): -100},
+                            "min_tokens": MAX_TOKENS}),
+        ("completion", completion_ref, {"repetition_penalty": 1.5}),
+        ("completion", completion_ref, {"presence_penalty": 1.0, "frequency_penalty": 1.0}),
+    ]
+    for kind, ref, fields in cases:
+        extra = {"return_token_ids": True, **{k: v for k, v in fields.items()
+                                              if k in ("repetition_penalty", "min_tokens")}}
+        openai_fields = {k: v for k, v in fields.items() if k not in extra}
+        if kind == "chat":
+            r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": CHAT_PROMPTS[1]}],
+                                               max_tokens=MAX_TOKENS, temperature=0, extra_body=extra,
+                                               **openai_fields)
+        else:
+            r = client.completions.create(model=model, prompt=COMPLETION_PROMPTS[0], max_tokens=MAX_TOKENS,
+                                          temperature=0, extra_body=extra, **openai_fields)
+        got = r.choices[0].model_extra["token_ids"]
+        bias = tuple(sorted((int(t), float(b)) for t, b in fields.get("logit_bias", {}).items()))
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logit_bias=bias,
+                                **{k: v for k, v in fields.items() if k != "logit_bias"})
+        (local,) = engine.generate([ref["prompt_ids"]], params)
+        assert got == local.output_token_ids, (kind, fields, tok.decode(got), tok.decode(local.output_token_ids))
+        assert got != ref["token_ids"]
+        if "min_tokens" in fields:
+            assert len(got) == MAX_TOKENS and banned not in got

@@ -70,6 +70,13 @@ def test_output_processor_applies_stop_strings_across_tokens(tokenizer):
     assert out.stopped and text == out.text == "The answer is "
 
 
+def test_stop_strings_count_only_after_min_tokens(tokenizer):
+    ids = tokenizer.encode("a b a b c")
+    out = OutputProcessor(tokenizer, ["a"], set(), min_tokens=2)
+    text = "".join(out.add([t], None) for t in ids)
+    assert out.stopped and text == "a b "  # the first 'a' (token 1 of 2) does not count
+
+
 def test_journal_keeps_prompt_and_generated_ids_until_the_end():
     j = RequestJournal()
     j.begin("r1", [1, 2])

@@ -93,6 +93,19 @@ def test_logprobs_fields():
     assert sp.logprobs == 2
 
 
+def test_penalties_and_biases():
+    f = parse_chat_request(chat(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_tokens=3,
+                                logit_bias={"17": -100, "3": 2.5})).sampling
+    assert (f.presence_penalty, f.frequency_penalty, f.repetition_penalty, f.min_tokens, f.logit_bias) == (
+        0.5, -1.0, 1.2, 3, ((3, 2.5), (17, -100.0)))
+    sp = resolve_sampling(f, 3, 100, None, "messages")
+    assert (sp.presence_penalty, sp.min_tokens, sp.logit_bias) == (0.5, 3, ((3, 2.5), (17, -100.0)))
+    err = error_of(lambda b: resolve_sampling(parse_chat_request(b).sampling, 3, 100, None, "messages"),
+                   chat(min_tokens=8, max_tokens=5))
+    assert (err.param, err.message) == ("min_tokens", "Invalid value for 'min_tokens': must be at most max_tokens "
+                                                      "(5), got 8.")
+
+
 def test_top_k_minus_one_means_no_top_k():
     assert parse_chat_request(chat(top_k=-1)).sampling.top_k == 0
 
@@ -156,9 +169,20 @@ def test_top_k_minus_one_means_no_top_k():
      "Invalid type for 'stop_token_ids[1]': expected an integer, but got a string instead.", "stop_token_ids[1]",
      "invalid_type"),
     (chat(frobnicate=1), "Unrecognized request argument supplied: frobnicate", "frobnicate", "unknown_parameter"),
-    (chat(presence_penalty=0.5),
-     "'presence_penalty' is not supported by this server; omit it or leave it at its default.", "presence_penalty",
-     "unsupported_parameter"),
+    (chat(presence_penalty=2.5), "Invalid value for 'presence_penalty': must be in [-2, 2], got 2.5.",
+     "presence_penalty", "invalid_value"),
+    (chat(repetition_penalty=0), "Invalid value for 'repetition_penalty': must be in (0, 2], got 0.",
+     "repetition_penalty", "invalid_value"),
+    (chat(min_tokens=-1), "Invalid value for 'min_tokens': must be at least 0, got -1.", "min_tokens",
+     "invalid_value"),
+    (chat(logit_bias=[1]), "Invalid type for 'logit_bias': expected an object, but got an array instead.",
+     "logit_bias", "invalid_type"),
+    (chat(logit_bias={"x": 1}), "Invalid value for 'logit_bias': keys are token ids written as decimal strings, "
+     "got 'x'.", "logit_bias", "invalid_value"),
+    (chat(logit_bias={"5": 101}), "Invalid value for 'logit_bias.5': must be in [-100, 100], got 101.",
+     "logit_bias.5", "invalid_value"),
+    (chat(logit_bias={"5": "1"}), "Invalid type for 'logit_bias.5': expected a number, but got a string instead.",
+     "logit_bias.5", "invalid_type"),
     (chat(top_logprobs=2), "Invalid value for 'top_logprobs': 'logprobs' must be true when 'top_logprobs' is used.",
      "top_logprobs", "invalid_value"),
     (chat(logprobs=True, top_logprobs=21), "Invalid value for 'top_logprobs': must be at most 20, got 21.",

@@ -247,3 +247,23 @@ def test_logprobs_are_sent_only_for_sequences_that_ask():
         else:
             assert t.logprobs.logprob == pytest.approx(lsm[0].item())
             assert [a.token_id for a in t.logprobs.top][0] == t.token_id and len(t.logprobs.top) == 2
+
+
+def test_penalties_use_the_history_sent_at_join():
+    """A sequence that joins with its outputs so far (as after a rebuild elsewhere) is
+    penalized for them: the fake's next token (position + 1) already appeared."""
+    async def main(history):
+        fake = FakeSlices()
+        runner = DecodeRunner(fake.forward, 1, lamina_pb2.StopRule(max_model_len=1000))
+        seq = _seq("s", 10, max_tokens=2)
+        seq.params.frequency_penalty = 2.0
+        seq.output_token_ids.extend(history)
+        runner.join([seq])
+        runner.start()
+        try:
+            return _tokens(await _collect(runner, lambda rs: any(t.finished for r in rs for t in r.tokens)))["s"]
+        finally:
+            await runner.close()
+
+    assert _run(main([10])) == [11]  # 11 has not appeared: the fake's choice
+    assert _run(main([11])) == [0]  # 11 has: 1 - 2 < 0, and token 0 is the first of the rest

@@ -7,14 +7,16 @@ import pytest
 from lamina.engine.logprobs import TokenLogprobs
 from lamina.engine.sampling import SamplingParams
 from services.protos import lamina_pb2
-from services.sampling_wire import logprobs_from_proto, logprobs_of, logprobs_to_proto, params_from_proto, \
-    params_to_proto
+from services.sampling_wire import join_history, logprobs_from_proto, logprobs_of, logprobs_to_proto, \
+    params_from_proto, params_to_proto
 
 
 @pytest.mark.parametrize("sp", [
     SamplingParams(max_tokens=9, temperature=0.5, top_p=0.75, top_k=4, seed=3, stop_token_ids=(7,), ignore_eos=True),
     SamplingParams(max_tokens=2, temperature=0.0, seed=1, logprobs=0),
     SamplingParams(max_tokens=2, seed=1, logprobs=20),
+    SamplingParams(max_tokens=4, seed=2, presence_penalty=0.5, frequency_penalty=-1.25, repetition_penalty=1.5,
+                   min_tokens=2, logit_bias=((3, 2.5), (17, -100.0))),
 ])
 def test_params_round_trip(sp):
     assert params_from_proto(params_to_proto(sp)) == sp
@@ -25,3 +27,12 @@ def test_logprobs_round_trip_in_float32():
     assert logprobs_from_proto(5, logprobs_to_proto(lp)) == lp
     assert logprobs_of(lamina_pb2.DecodeToken(token_id=5)) is None
     assert logprobs_of(lamina_pb2.PrefillResult(token_id=5, logprobs=logprobs_to_proto(lp))).logprob == -0.5
+
+
+def test_join_history_only_when_penalties_need_it():
+    plain = params_to_proto(SamplingParams(max_tokens=4))
+    assert join_history(plain, [1, 2], [3]) == {}
+    freq = params_to_proto(SamplingParams(max_tokens=4, frequency_penalty=1.0))
+    assert join_history(freq, [1, 2], [3, 4]) == {"output_token_ids": [3, 4]}
+    rep = params_to_proto(SamplingParams(max_tokens=4, repetition_penalty=1.5))
+    assert join_history(rep, [1, 2], [3]) == {"output_token_ids": [3], "prompt_token_ids": [1, 2]}
