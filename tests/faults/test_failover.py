@@ -31,6 +31,9 @@ CASES = [
     # Rotational: the peer running slices for the coordinator (model-0) dies; the
     # coordinator runs them itself from then on.
     ("model-1", 3, {"model_workers": 2, "pipeline_mode": "rotational"}),
+    # Two prefill workers, one killed as the prompts arrive: its prefills fail, and they
+    # and every later prompt go to the other one (it is never restarted here).
+    ("prefill-0", None, {"prefill_workers": 2}),
 ]
 
 
