@@ -37,6 +37,24 @@ from model import quant
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (outputs, inputs) of one decoder layer
 
 
+def make_layers(fmt: str, num_layers: int, gen: torch.Generator) -> list[list[quant.PackedWeight]]:
+    """`num_layers` decoder layers of LAYER's matrices in `fmt` (f32, q8_0, q4_0, q4_1), each
+    layer its own random weights (so that a step reads them from memory, not from cache)."""
+    layers = []
+    for _ in range(num_layers):
+        ws = [torch.randn(n, k, generator=gen) * 0.05 for n, k in LAYER]
+        if fmt == "f32":
+            layers.append([quant.pack_float(w) for w in ws])
+        elif fmt == "q4_0":  # no float quantizer of ours for q4_0: gguf's
+            import gguf
+
+            layers.append([quant.pack_gguf("q4_0", gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0),
+                                           *w.shape) for w in ws])
+        else:
+            layers.append([quant.quantize(w, fmt) for w in ws])
+    return layers
+
+
 def _int4pack(pw: quant.PackedWeight, bf16: bool):
     """tinygemm's form of a q4_0 / q4_1 weight: int4 pack and [K/32, N, 2] scales and zeros."""
     q, d, m = quant.unpack_quantized(pw)
@@ -47,10 +65,15 @@ def _int4pack(pw: quant.PackedWeight, bf16: bool):
     return packed, sz.bfloat16() if bf16 else sz
 
 
+def native_run(layers: list[list[quant.PackedWeight]]):
+    """The native kernel over every layer's weights: x maps an input width to its [m, K] rows."""
+    return lambda x: [quant.packed_matmul(x[pw.k], pw) for layer in layers for pw in layer]
+
+
 def _variants(fmt: str, layers: list[list[quant.PackedWeight]], slow_layers: int) -> dict:
     floats = [[quant.dequantize(pw) for pw in layer] for layer in layers]
     out = {  # name -> (run, factor that scales its time to the whole decoder)
-        "native": (lambda x: [quant.packed_matmul(x[pw.k], pw) for layer in layers for pw in layer], 1.0),
+        "native": (native_run(layers), 1.0),
         "torch_f32": (lambda x: [F.linear(x[w.shape[1]], w) for layer in floats for w in layer], 1.0),
     }
     if fmt in ("q4_0", "q4_1"):
@@ -84,18 +107,7 @@ def main() -> None:
           f"{torch.get_num_threads()} thread(s); AVX2 kernel: {quant.NATIVE.has_avx2()}; "
           f"{args.layers} layers of {LAYER} (outputs, inputs)")
     for fmt in args.formats.split(","):
-        layers = []
-        for _ in range(args.layers):
-            ws = [torch.randn(n, k, generator=gen) * 0.05 for n, k in LAYER]
-            if fmt == "f32":
-                layers.append([quant.pack_float(w) for w in ws])
-            elif fmt == "q4_0":  # no float quantizer of ours for q4_0: gguf's
-                import gguf
-
-                layers.append([quant.pack_gguf("q4_0", gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0),
-                                               *w.shape) for w in ws])
-            else:
-                layers.append([quant.quantize(w, fmt) for w in ws])
+        layers = make_layers(fmt, args.layers, gen)
         nbytes = sum(pw.nbytes for layer in layers for pw in layer)
         variants = _variants(fmt, layers, args.slow_layers)
         for m in (int(b) for b in args.batches.split(",")):

@@ -65,10 +65,28 @@ class Estimate:
     network_gbit_s: float  # through one model worker's NICs (0 colocated)
     threads: ThreadChoice | None = None
     shortfalls: tuple[str, ...] = field(default=())  # targets not met
+    # Where each quantized part's cost came from: "measured" (this machine's profiled
+    # kernel) or "dequant model" (bytes and dequantization FLOPs); empty when nothing is.
+    quant_sources: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def feasible(self) -> bool:
         return not self.shortfalls
+
+
+def quant_sources(layout: Layout, catalogue: Mapping[str, Device]) -> dict[str, str]:
+    """For each quantized part of `layout` ("weights", "kv"), whether its time is the
+    device's measured kernel or the generic dequantization model (what slices and
+    attention use, by the same conditions)."""
+    out = {}
+    if layout.weights.is_quantized:
+        md = catalogue[layout.model_device]
+        measured = layout.weights.weight_kernel in md.packed_linear_s_per_param
+        out["weights"] = "measured" if measured else "dequant model"
+    if layout.kv.is_quantized:
+        ad = catalogue[layout.attention_device or layout.model_device]
+        out["kv"] = "measured" if ad.attention_q4_s_per_element is not None else "dequant model"
+    return out
 
 
 def cpu_attention_ops(shape: ModelShape, device: Device, batch: int, context: float, workers: int,
@@ -211,4 +229,4 @@ def estimate(shape: ModelShape, layout: Layout, catalogue: Mapping[str, Device],
     neck = step.bottleneck + "; " + batch_limit
     return Estimate(layout, replicas, step.batch, unit_tok_s, throughput, demand, step.step_s, ttft, prefill,
                     replicas * unit_usd, unit_usd / (unit_tok_s * 3600) * 1e6, neck, network, step.threads,
-                    tuple(shortfalls))
+                    tuple(shortfalls), quant_sources(layout, catalogue))

@@ -56,6 +56,13 @@ class Device:
     # plus per token. 0 in the catalogue: the GPU models leave it out.
     layer_overhead_s: float = 0.0
     token_overhead_s: float = 0.0
+    # Measured too, for quantized choices: seconds per weight of the packed-weight kernel by
+    # format ("q8_0", "q4_0", "q4_1") and batch size; seconds per KV element of attention
+    # over q4 KV, and of quantizing a new K or V row. Where present they replace the
+    # generic dequantization-FLOP model (planner.perf.quantization).
+    packed_linear_s_per_param: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+    attention_q4_s_per_element: float | None = None
+    kv_q4_quantize_s_per_element: float | None = None
 
     @property
     def is_cpu(self) -> bool:
@@ -75,11 +82,12 @@ class Device:
     def achieved_bw(self) -> float:
         return self.memory_bw * self.memory_efficiency
 
-    def measured_linear_s(self, params: float, batch: int) -> float | None:
+    def measured_linear_s(self, params: float, batch: int, packed: str | None = None) -> float | None:
         """Seconds for a decode matmul over `params` weights at `batch` from the measured
-        table: linear between measured batch sizes, proportional to the batch beyond the
-        largest (compute-bound there); None without a table."""
-        table = self.linear_s_per_param
+        table (float32, or the packed format `packed`): linear between measured batch sizes,
+        proportional to the batch beyond the largest (compute-bound there); None without a
+        table."""
+        table = self.linear_s_per_param if packed is None else self.packed_linear_s_per_param.get(packed)
         if not table:
             return None
         sizes = sorted(table)
@@ -135,6 +143,20 @@ def device_from_entry(name: str, entry: Mapping[str, Any]) -> Device:
         if key in entry:
             us, sources[key] = _figure(entry, key, name, minimum_exclusive=False)
             overheads[key] = us * 1e-6
+    packed: dict[str, dict[int, float]] = {}
+    if "packed_linear_s_per_param" in entry:
+        fig = entry["packed_linear_s_per_param"]
+        if not isinstance(fig, Mapping) or not isinstance(fig.get("value"), Mapping) or not fig.get("source") \
+                or not all(isinstance(t, Mapping) for t in fig["value"].values()):
+            raise CatalogueError(f"{name}: packed_linear_s_per_param must be "
+                                 f"{{value: {{format: {{batch: seconds}}}}, source}}")
+        packed = {fmt: {int(b): float(t) for b, t in table.items()} for fmt, table in fig["value"].items()}
+        sources["packed_linear_s_per_param"] = fig["source"]
+    per_element = {}
+    for key in ("attention_q4_ns_per_element", "kv_q4_quantize_ns_per_element"):
+        if key in entry:
+            ns, sources[key] = _figure(entry, key, name)
+            per_element[key] = ns * 1e-9
     attention_bw = None
     if "attention_tb_s" in entry:
         tb_s, sources["attention_tb_s"] = _figure(entry, "attention_tb_s", name)
@@ -152,6 +174,9 @@ def device_from_entry(name: str, entry: Mapping[str, Any]) -> Device:
         linear_s_per_param=linear, attention_bw=attention_bw,
         layer_overhead_s=overheads.get("layer_overhead_us", 0.0),
         token_overhead_s=overheads.get("token_overhead_us", 0.0),
+        packed_linear_s_per_param=packed,
+        attention_q4_s_per_element=per_element.get("attention_q4_ns_per_element"),
+        kv_q4_quantize_s_per_element=per_element.get("kv_q4_quantize_ns_per_element"),
     )
 
 

@@ -3,10 +3,11 @@
 It reuses the benchmarks' code: the copy bandwidth of bench/engine_throughput.py, the
 decoder layer shapes of bench/packed_matmul.py, the TCP transport ping-pong of
 bench/transport_pingpong.py; so it runs from a source checkout (bench/ beside planner/).
-Measured: the engine's float32 matmul kernel at several batch sizes (each layer its own
-weights, so they are read from memory as in a decode step), decode attention over KV at several batch
-sizes and contexts with the engine's kernel (model.kv_attention), a large tensor copy, and
-the TCP transport's round trip and bandwidth; then the engine's own decode step at two
+Measured: the engine's matmul kernel over float32 and packed Q8_0, Q4_0 and Q4_1 weights at
+several batch sizes (each layer its own weights, so they are read from memory as in a
+decode step), decode attention over float32 and q4 KV at several batch sizes and contexts
+with the engine's kernel (model.kv_attention), the q4 quantization of new KV rows, a
+large tensor copy, and the TCP transport's round trip and bandwidth; then the engine's own decode step at two
 batch sizes, whose gap to the models' prediction from those kernels is the overhead of
 everything else in a layer (a per-layer and a per-token term). The result is a
 catalogue entry for `this-machine` (effective figures, so both efficiencies are 1) and
@@ -51,38 +52,50 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_linear(batches: tuple[int, ...], layers: int, repeats: int) -> dict[int, dict[str, float]]:
-    """Per batch size: seconds for `layers` decoder layers of SmolLM2-135M's projections
-    with the engine's own kernel over float32 panels (bench/packed_matmul.py's "native"
-    variant), each layer its own weights; the FLOP/s, weight bytes/s and seconds per weight
-    that implies."""
-    import torch
+# The packed weight formats of model.quant that `model.weights` chooses from (q8_0; q4 is
+# Q4_1; as_file is the GGUF's own Q4_0, Q4_1 or Q8_0 blocks), measured beside float32.
+PACKED_FORMATS = ("q8_0", "q4_0", "q4_1")
 
-    from model import quant
+
+def measure_linear(batches: tuple[int, ...], layers: int, repeats: int,
+                   fmt: str = "f32") -> dict[int, dict[str, float]]:
+    """Per batch size: seconds for `layers` decoder layers of SmolLM2-135M's projections
+    with the engine's own kernel over weights packed as `fmt` (bench/packed_matmul.py's
+    "native" variant), each layer its own weights; the FLOP/s, weight bytes/s and seconds
+    per weight that implies."""
+    import torch
 
     packed_matmul = _bench("packed_matmul")
     shapes = packed_matmul.LAYER  # (outputs, inputs) of one decoder layer
     gen = torch.Generator().manual_seed(0)
-    weights = [[quant.pack_float(torch.randn(o, i, generator=gen) * 0.05) for o, i in shapes] for _ in range(layers)]
-    run_native = packed_matmul._variants("f32", weights, 0)["native"][0]
+    weights = packed_matmul.make_layers(fmt, layers, gen)
+    run_native = packed_matmul.native_run(weights)
     params = layers * sum(o * i for o, i in shapes)
+    nbytes = sum(pw.nbytes for layer in weights for pw in layer)
     out: dict[int, dict[str, float]] = {}
     for b in batches:
         xs = {i: torch.randn(b, i, generator=gen) for _, i in shapes}
         t = _median_time(lambda: run_native(xs), repeats)
-        out[b] = {"seconds": t, "flops": 2 * params * b / t, "weight_bytes_s": params * 4 / t,
+        out[b] = {"seconds": t, "flops": 2 * params * b / t, "weight_bytes_s": nbytes / t,
                   "s_per_param": t / params}
     return out
 
 
+# SmolLM2-135M's attention: 9 query heads, 3 KV heads of 64.
+_HEADS, _KV_HEADS, _HEAD_DIM = 9, 3, 64
+
+
 def measure_attention(cases: tuple[tuple[int, int], ...], repeats: int) -> dict[str, dict[str, float]]:
-    """Per (batch, context): one layer of decode attention over float32 KV (SmolLM2: 9 query
-    heads, 3 KV heads of 64) with the engine's kernel, and the KV bytes/s."""
+    """Per (batch, context): one layer of decode attention with the engine's kernel over
+    float32 KV (the local engine's buffers) and over q4 KV (an attention worker's packed
+    slab pool, model.kv_quant), the float32 KV bytes/s and both times per KV element."""
     import torch
 
-    from model.kv_attention import buffer_attention
+    from model.kv_attention import SlotBatch, buffer_attention, slot_attention
+    from model.kv_quant import Q4Rows
 
-    heads, kv_heads, d = 9, 3, 64
+    heads, kv_heads, d = _HEADS, _KV_HEADS, _HEAD_DIM
+    rows = Q4Rows(d)
     out: dict[str, dict[str, float]] = {}
     for batch, context in cases:
         keys = [torch.randn(context, kv_heads, d) for _ in range(batch)]
@@ -90,9 +103,26 @@ def measure_attention(cases: tuple[tuple[int, int], ...], repeats: int) -> dict[
         q = torch.randn(batch, heads, d)
         lens = [1] * batch
         t = _median_time(lambda: buffer_attention(q, lens, keys, values, need_lse=False), repeats)
-        kv_bytes = 2 * batch * context * kv_heads * d * 4
-        out[f"{batch}x{context}"] = {"seconds": t, "kv_bytes_s": kv_bytes / t}
+        k_pool, v_pool = rows.quantize(torch.cat(keys)), rows.quantize(torch.cat(values))  # [S, Hkv, row_bytes]
+        slots = SlotBatch.build([range(i * context, (i + 1) * context) for i in range(batch)], batch * context)
+        t_q4 = _median_time(lambda: slot_attention(q, lens, k_pool, v_pool, slots, need_lse=False, packed=rows),
+                            repeats)
+        elements = 2 * batch * context * kv_heads * d
+        out[f"{batch}x{context}"] = {"seconds": t, "kv_bytes_s": elements * 4 / t, "s_per_element": t / elements,
+                                     "q4_seconds": t_q4, "q4_s_per_element": t_q4 / elements}
     return out
+
+
+def measure_kv_quantize(tokens: int, repeats: int) -> float:
+    """Seconds per KV element to quantize new rows to q4 (an attention worker does it once
+    per new token, layer and KV head, for K and V): `tokens` tokens' K of one layer at a time."""
+    import torch
+
+    from model.kv_quant import Q4Rows
+
+    rows = Q4Rows(_HEAD_DIM)
+    x = torch.randn(tokens, _KV_HEADS, _HEAD_DIM)
+    return _median_time(lambda: rows.quantize(x), repeats) / x.numel()
 
 
 def measure_transport(quick: bool = True) -> dict[str, Any]:
@@ -158,8 +188,12 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False) -> dict[str,
     torch.set_num_threads(threads)
     repeats = 3 if quick else 7
     copy_bw = _bench("engine_throughput").copy_bandwidth(64 << 20 if quick else 256 << 20, repeats)
-    linear = measure_linear((1, 2, 4, 8, 16, 32, 64), layers=8 if quick else 30, repeats=repeats)
+    batches = (1, 2, 4, 8, 16, 32, 64)
+    layers = 8 if quick else 30
+    linear = measure_linear(batches, layers, repeats)
+    packed = {fmt: measure_linear(batches, layers, repeats, fmt) for fmt in PACKED_FORMATS}
     attention = measure_attention(((1, 256), (16, 256), (16, 1024), (64, 512)), repeats)
+    kv_quantize = measure_kv_quantize(64, repeats * 10)
     transport = measure_transport(quick=True)
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     src = f"measured by lamina profile, {when}, {threads} torch threads"
@@ -191,6 +225,14 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False) -> dict[str,
                                "source": f"{src}: the engine's float32 matmul kernel per weight, by batch size"},
         "attention_tb_s": {"value": attention_bw / 1e12,
                            "source": f"{src}: median KV bytes/s of the engine's attention kernel over (batch, context) cases"},
+        "packed_linear_s_per_param": {
+            "value": {fmt: {str(b): v["s_per_param"] for b, v in table.items()} for fmt, table in packed.items()},
+            "source": f"{src}: the engine's packed-weight matmul kernel per weight, by format and batch size"},
+        "attention_q4_ns_per_element": {
+            "value": statistics.median(v["q4_s_per_element"] for v in attention.values()) * 1e9,
+            "source": f"{src}: median time per KV element of the engine's attention kernel over q4 KV, same cases"},
+        "kv_q4_quantize_ns_per_element": {
+            "value": kv_quantize * 1e9, "source": f"{src}: model.kv_quant's quantization of new K or V rows"},
     }
     overhead = measure_engine_overhead(entry, steps=3 if quick else 8)
     where = ", ".join(f"batch {b} x prompt {p}" for b, p in OVERHEAD_POINTS)
@@ -199,4 +241,6 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False) -> dict[str,
     entry["token_overhead_us"] = {"value": overhead["token_s"] * 1e6, "source": entry["layer_overhead_us"]["source"]}
     return {"device": entry, "measurements": {
         "copy_bytes_s": copy_bw, "linear": {str(k): v for k, v in linear.items()},
+        "packed_linear": {fmt: {str(k): v for k, v in table.items()} for fmt, table in packed.items()},
+        "kv_q4_quantize_s_per_element": kv_quantize,
         "attention": attention, "transport": transport, "overhead": overhead}}

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from planner.estimate import Estimate
+from planner.hardware import Device
+from planner.perf.quantization import device_verdicts
 
 
 def to_dict(e: Estimate, simulated: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -21,6 +23,7 @@ def to_dict(e: Estimate, simulated: dict[str, Any] | None = None) -> dict[str, A
         "partition": layout.partition,
         "weights": layout.weights.name,
         "kv": layout.kv.name,
+        "quant_source": dict(e.quant_sources),
         "threads": None if e.threads is None else {"inter_op": e.threads.inter_op, "intra_op": e.threads.intra_op},
         "replicas": e.replicas,
         "devices": {k: n * e.replicas for k, n in layout.device_counts().items()},
@@ -48,7 +51,21 @@ def table(estimates: Iterable[Estimate]) -> str:
     for i, e in enumerate(estimates, 1):
         ttft = f"{e.ttft_s * 1e3:8.0f}" if e.ttft_s != float("inf") else f"{'inf':>8}"
         miss = f"  [misses: {', '.join(e.shortfalls)}]" if e.shortfalls else ""
+        if any(v == "measured" for v in e.quant_sources.values()):
+            miss += "  [4-bit costs measured]"
         lines.append(f"{i:>3} {e.layout.describe():58} {e.replicas:>3} {e.batch:>5} {e.throughput_tok_s:>8.0f} "
                      f"{e.tbt_s * 1e3:>7.1f} {ttft} {e.usd_per_mtok:>7.3f} {e.usd_per_hour:>7.2f} "
                      f"{e.network_gbit_s:>6.1f}  {e.bottleneck}{miss}")
     return "\n".join(lines)
+
+
+def verdicts(device: Device) -> dict[str, Any]:
+    """Whether 4-bit weights and KV pay on `device` (per 1e9 elements) and from what."""
+    return {part: {"quantize": v.worth_it, "saved_s": round(v.saved_s, 4), "cost_s": round(v.cost_s, 4),
+                   "source": source} for part, (v, source) in device_verdicts(device).items()}
+
+
+def verdict_lines(name: str, device: Device) -> str:
+    return "\n".join(f"4-bit {part} on {name}: {'yes' if v['quantize'] else 'no'} (per 1e9 elements saves "
+                     f"{v['saved_s']:.4f} s, costs {v['cost_s']:.4f} s; {v['source']})"
+                     for part, v in verdicts(device).items())

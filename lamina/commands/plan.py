@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.estimate import Targets
     from planner.hardware import THIS_MACHINE, load_catalogue, parse_hardware
     from planner.plan import plan
-    from planner.report import table, to_dict
+    from planner.report import table, to_dict, verdict_lines, verdicts
     from planner.shapes import resolve_model
 
     profile = args.profile or (DEFAULT_PROFILE if DEFAULT_PROFILE.is_file() else None)
@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
                          "demand_tok_s": round(stats.output_tok_s, 1)},
             "considered": len(ranked),
             "configurations": [to_dict(e, simulated.get(i)) for i, e in enumerate(shown)],
+            **({"this_machine_quantization": verdicts(catalogue[THIS_MACHINE])} if THIS_MACHINE in offer.limits else {}),
         }, indent=2))
         return 0 if ranked else 1
     print(f"model {shape.name} ({shape.num_params / 1e9:.2f}B parameters); workload {workload.name}: "
@@ -99,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(ranked)} configurations considered; tok/s is the capacity of all replicas, "
           f"TBT the step at that load, $/Mtok per output token at full load\n")
     print(table(shown))
+    if THIS_MACHINE in offer.limits:
+        print("\n" + verdict_lines(THIS_MACHINE, catalogue[THIS_MACHINE]))
     for i, sim in simulated.items():
         print(f"\nsimulated #{i + 1} ({sim['completed']} requests): {sim['throughput_tok_s']} tok/s, "
               f"TTFT ms {sim['ttft_ms']}, TBT ms {sim['tbt_ms']}, mean batch {sim['mean_batch']}, "

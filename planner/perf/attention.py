@@ -6,7 +6,9 @@ the attention workers that hold the batch (by heads or by requests).
 KV quantized to 4 bits reads fewer bytes and adds dequantization work on the attention
 worker's vector units (LM-Offload's trade-off for where attention runs). On a machine
 profiled by `lamina profile`, the measured KV bytes/s of its attention kernel replaces the
-memory bandwidth.
+memory bandwidth for unquantized KV, and for 4-bit KV its measured time per element over
+q4 KV (plus quantizing the new rows) replaces the bytes-and-dequantization model; a
+profile without the q4 figures leaves 4-bit KV to that model.
 """
 
 from __future__ import annotations
@@ -26,8 +28,14 @@ def attention_layer_time(shape: ModelShape, device: Device, batch: int, context:
     kv_elements = batch * context * 2 * shape.kv_size / workers
     # QK^T and PV: 2 FLOPs per multiply-add, head_dim per (query head, key) pair, twice.
     flops = 4.0 * batch * context * shape.q_size / workers
+    if kv.is_quantized and device.attention_q4_s_per_element is not None:
+        # A profiled machine's kernel over q4 KV: reading and decoding included, plus
+        # quantizing each request's new K and V rows once.
+        new_elements = batch * 2 * shape.kv_size / workers
+        quantize = new_elements * (device.kv_q4_quantize_s_per_element or 0.0)
+        return Roofline(flops / device.matmul_flops, kv_elements * device.attention_q4_s_per_element + quantize)
     t = roofline(device, flops, kv_elements * kv.bytes_per_element,
                  vector_flops=kv_elements * kv.dequant_ops_per_element)
-    if device.attention_bw is not None:  # a profiled machine: its attention kernel's rate
+    if device.attention_bw is not None and not kv.is_quantized:  # a profiled machine: its kernel's rate
         return Roofline(t.compute_s, kv_elements * kv.bytes_per_element / device.attention_bw)
     return t

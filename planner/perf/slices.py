@@ -7,10 +7,11 @@ max(2 * params * batch / compute, weight bytes / bandwidth) (roofline): flat in 
 until the batch reaches the device's FLOP-per-byte ratio, then linear. Tensor
 parallelism divides both terms by `tp` and adds two all-reduces of the activations per
 layer (Megatron-LM's layout). On a machine profiled by `lamina profile` the measured
-time of its own matmul kernel per weight and batch size replaces the roofline (measured
-with float32 weights, the local engine's form, and used as measured for any precision),
-and its measured per-layer and per-token overhead (the operators between the matmuls and
-dispatch) is added.
+time of its own matmul kernel per weight and batch size replaces the roofline: the float32
+kernel's for unquantized weights (used as measured for fp16 too), the packed kernel's
+(`Precision.weight_kernel`) for 4-bit ones where the profile has it, the roofline with the
+dequantization FLOPs where it does not; its measured per-layer and per-token overhead (the
+operators between the matmuls and dispatch) is added.
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ def _matmul(device: Device, params: float, batch: int, tp: int, weights: Precisi
             activations_per_token: float) -> Roofline:
     per_device = params / tp
     bytes_moved = per_device * weights.bytes_per_element + batch * activations_per_token * ACTIVATION_BYTES / tp
-    measured = device.measured_linear_s(per_device, batch)
-    if measured is not None:  # a profiled machine: its own kernel's time, whatever the bound
+    # A profiled machine: its own kernel's time, whatever the bound; quantized weights only
+    # from their packed kernel's measurement (else the dequantization model below).
+    measured = device.measured_linear_s(per_device, batch, weights.weight_kernel) \
+        if not weights.is_quantized or weights.weight_kernel else None
+    if measured is not None:
         return Roofline(measured, min(measured, bytes_moved / device.achieved_bw))
     return roofline(device, 2.0 * per_device * batch, bytes_moved,
                     vector_flops=per_device * weights.dequant_ops_per_element)

@@ -16,7 +16,9 @@ def test_linear_and_attention_measurements_are_positive_and_ordered():
     assert all(v["seconds"] > 0 and v["s_per_param"] > 0 for v in linear.values())
     assert linear[8]["flops"] > 0
     attention = measure_attention(((2, 64),), repeats=1)
-    assert attention["2x64"]["kv_bytes_s"] > 0
+    assert attention["2x64"]["kv_bytes_s"] > 0 and attention["2x64"]["q4_s_per_element"] > 0
+    q4 = measure_linear((1,), layers=1, repeats=1, fmt="q4_1")
+    assert q4[1]["weight_bytes_s"] < linear[1]["weight_bytes_s"] * 10  # packed bytes, not float32's
 
 
 def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
@@ -27,7 +29,8 @@ def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
 
     fake = {"rtt_us_64B": 100.0, "gbit_s_1MiB": 4.0}
     monkeypatch.setattr(prof, "measure_transport", lambda quick=True: fake)  # no server process in a unit test
-    monkeypatch.setattr(prof, "measure_linear", lambda b, layers, repeats: measure_linear((1, 2), 1, 1))
+    monkeypatch.setattr(prof, "measure_linear",
+                        lambda b, layers, repeats, fmt="f32": measure_linear((1, 2), 1, 1, fmt))
     monkeypatch.setattr(prof, "measure_attention", lambda cases, repeats: measure_attention(((1, 32),), 1))
     # Loading the engine's model takes seconds; the overhead's arithmetic is tested below.
     monkeypatch.setattr(prof, "measure_engine_overhead", lambda entry, steps: {"layer_s": 1e-4, "token_s": 0.0})
@@ -36,6 +39,8 @@ def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
     dev = device_from_entry(THIS_MACHINE, json.loads(out.read_text())["device"])
     assert dev.network_latency == pytest.approx(50e-6) and dev.linear_s_per_param
     assert dev.layer_overhead_s == pytest.approx(1e-4) and dev.token_overhead_s == 0.0
+    assert set(dev.packed_linear_s_per_param) == {"q8_0", "q4_0", "q4_1"}
+    assert dev.attention_q4_s_per_element > 0 and dev.kv_q4_quantize_s_per_element > 0
     assert main(["plan", "--model", "smollm2-135m", "--hardware", "this-machine", "--profile", str(out),
                  "--prompt-tokens", "64", "--output-tokens", "16", "--rate", "0.5", "--json"]) == 0
     assert "this-machine" in capsys.readouterr().out
