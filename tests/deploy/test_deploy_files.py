@@ -171,6 +171,8 @@ def test_kubernetes_args_are_accepted_by_the_cli(tmp_path):
             assert container["ports"][0]["containerPort"] == config.gateway.port
         else:
             assert all(p["grpc"]["port"] == config.ports.grpc for p in probes)
+            # Ready once registered: the runtime sets its kind's health status (services/runtime.py).
+            assert [p["grpc"].get("service", "") for p in probes] == [kind, kind, ""]
     _check_workers(config, indexes, "deploy/k8s")
 
 

@@ -82,6 +82,10 @@ def test_runtime_binds_all_interfaces_on_fixed_ports_and_advertises_a_reachable_
         try:
             ok, status = await asyncio.to_thread(grpc_serving, address, "", 3.0)
             assert (ok, status) == (True, "SERVING")
+            # Readiness probes name the kind: it answers SERVING only once the service is registered.
+            assert not (await asyncio.to_thread(grpc_serving, address, "attention", 3.0))[0]
+            await runtime._set_serving(True)
+            assert await asyncio.to_thread(grpc_serving, address, "attention", 3.0) == (True, "SERVING")
             assert (await asyncio.to_thread(http_ok, f"http://127.0.0.1:{metrics_port}/metrics", 3.0))[0]
         finally:
             await runtime._server.stop(None)
