@@ -57,6 +57,7 @@ class Generation:
         self._last_event: float | None = None
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprobs] = []  # every generated token's, when asked for
+        self.prompt_logprobs: list[TokenLogprobs] = []  # prompt tokens 1.., when asked for (echo)
         self._backend_done = False  # the backend sent its last event: nothing to abort
 
     @property
@@ -127,6 +128,7 @@ class Generation:
                 ids = ids[:room]
                 reason = reason or "length"
             self.logprobs.extend(event.logprobs[:len(ids)])
+            self.prompt_logprobs.extend(event.prompt_logprobs)
             if ids:
                 self._journal.extend(rid, ids)
                 if self._last_event is None:

@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -77,8 +78,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     _check_sampling_ids(state, req.sampling)
     default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, state.config.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
     sampling = resolve_sampling(req.sampling, len(prompt_ids), state.context_length, default, "prompt")
+    echo = None
+    if req.echo:
+        text = req.prompt if isinstance(req.prompt, str) else state.tokenizer.decode(prompt_ids)
+        echo = Echo(text, req.prompt_only)
     return await _generate(request, state, "completion", prompt_ids, sampling, req.stream, req.include_usage,
-                           arrived, req.return_token_ids, req.continuous_usage)
+                           arrived, req.return_token_ids, req.continuous_usage, echo)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -193,10 +198,12 @@ async def _generate(
     arrived: float,
     return_token_ids: bool = False,
     continuous_usage: bool = False,
+    echo: Echo | None = None,
 ) -> web.StreamResponse:
     _check_admission(state)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    gen_request = GenerateRequest(rid, tuple(prompt_ids), sampling, time.time())
+    gen_request = GenerateRequest(rid, tuple(prompt_ids), sampling, time.time(),
+                                  prompt_logprobs=echo is not None and sampling.logprobs is not None)
     head = r.ResponseHead(rid, int(time.time()), state.model_name)
     task = asyncio.current_task()
     assert task is not None
@@ -207,7 +214,7 @@ async def _generate(
             try:
                 if stream:
                     return await _stream(request, state, gen, head, kind, include_usage, continuous_usage)
-                return await _collect(state, gen, head, kind, task, return_token_ids)
+                return await _collect(state, gen, head, kind, task, return_token_ids, echo)
             finally:
                 state.in_flight.pop(rid, None)
     except QueueFullError:
@@ -219,7 +226,7 @@ async def _generate(
 
 
 async def _collect(state: GatewayState, gen: Generation, head: r.ResponseHead, kind: Kind,
-                   task: asyncio.Task, return_token_ids: bool = False) -> web.Response:
+                   task: asyncio.Task, return_token_ids: bool = False, echo: Echo | None = None) -> web.Response:
     finish_reason = "stop"
     try:
         async for delta in gen:
@@ -230,6 +237,8 @@ async def _collect(state: GatewayState, gen: Generation, head: r.ResponseHead, k
             raise  # the client went away; Generation aborts the backend request
         task.uncancel()
         raise _shutting_down() from None
+    if echo is not None:
+        return web.json_response(_echoed(state, gen, head, echo, finish_reason), headers={"X-Request-Id": head.id})
     build = r.chat_completion if kind == "chat" else r.text_completion
     body = build(head, gen.text, finish_reason, _usage(gen), _logprobs_json(state, gen, kind)(gen.logprobs))
     if return_token_ids:
@@ -278,6 +287,30 @@ async def _stream(request: web.Request, state: GatewayState, gen: Generation, he
 
 def _usage(gen: Generation) -> r.Usage:
     return r.Usage(gen.num_prompt_tokens, gen.num_completion_tokens)
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completions request's `echo`: its prompt's text, and whether to return it alone
+    (max_tokens 0: the one token the backend generated is dropped, and not counted)."""
+
+    text: str
+    prompt_only: bool
+
+
+def _echoed(state: GatewayState, gen: Generation, head: r.ResponseHead, echo: Echo,
+            finish_reason: str) -> dict[str, Any]:
+    """A completion whose text (and logprobs) start with the prompt's."""
+    logprobs = None
+    if gen.request.sampling.logprobs is not None:
+        pieces = CompletionLogprobs(lambda t: state.tokenizer.decode([t], skip_special_tokens=False))
+        logprobs = pieces.take_prompt(gen.request.prompt_token_ids, gen.prompt_logprobs)
+        if not echo.prompt_only:
+            generated = pieces.take(gen.logprobs)
+            logprobs = {key: value + generated[key] for key, value in logprobs.items()}
+    if echo.prompt_only:
+        return r.text_completion(head, echo.text, "length", r.Usage(gen.num_prompt_tokens, 0), logprobs)
+    return r.text_completion(head, echo.text + gen.text, finish_reason, _usage(gen), logprobs)
 
 
 def _logprobs_json(state: GatewayState, gen: Generation, kind: Kind) -> Callable[[list], dict[str, Any] | None]:

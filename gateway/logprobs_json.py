@@ -42,10 +42,19 @@ class CompletionLogprobs:
         self._token_text = token_text
         self.offset = offset
 
+    def take_prompt(self, prompt_ids: Sequence[int], entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        """An echoed prompt's: its first token has no context to score it, so its
+        logprob and alternatives are null (as OpenAI sends them); `entries` score the rest."""
+        text = self._token_text(prompt_ids[0])
+        first = {"tokens": [text], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [self.offset]}
+        self.offset += len(text)
+        rest = self.take(entries)
+        return {key: first[key] + rest[key] for key in first}
+
     def take(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
         tokens: list[str] = []
-        token_logprobs: list[float] = []
-        top: list[dict[str, float]] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
         offsets: list[int] = []
         for e in entries:
             text = self._token_text(e.token_id)

@@ -43,6 +43,7 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     arrival_time: float
+    prompt_logprobs: bool = False  # the prompt's tokens' logprobs too (echo), sampling.logprobs alternatives
 
 
 @dataclass
@@ -58,6 +59,8 @@ class TokenEvent:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # With the first token, when GenerateRequest.prompt_logprobs: prompt tokens 1.. in order.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 # --- errors -----------------------------------------------------------------
@@ -136,6 +139,8 @@ class CompletionRequest:
     sampling: SamplingFields = field(default_factory=SamplingFields)
     return_token_ids: bool = False  # extension: the generated ids beside the text
     continuous_usage: bool = False  # extension (vLLM): usage so far in every streamed chunk
+    echo: bool = False  # the prompt before the completion (and its tokens' logprobs, with logprobs)
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt alone, nothing generated
 
 
 # Fields that every OpenAI client may send, accepted only at their "off" value;
@@ -145,7 +150,6 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none", "auto"),
     "response_format": ({"type": "text"},),
     "best_of": (1,),
-    "echo": (False,),
     "suffix": ("",),
 }
 # vLLM's extensions that load generators and evaluation tools send: accepted at the value
@@ -496,9 +500,17 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     model = _parse_model(body)
     prompt = _parse_prompt(body)
     stream, include_usage, continuous_usage = _parse_stream(body)
+    echo = _get_bool(body, "echo", False)
+    if echo and stream:
+        raise _bad_value("echo", "the prompt is echoed only when 'stream' is false.")
+    # With echo, max_tokens 0 asks for the prompt alone (log-likelihood scoring); the
+    # backend still runs one step, whose token is not returned.
+    prompt_only = echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
+    if prompt_only:
+        body = {**body, "max_tokens": 1}
     sampling = _parse_sampling(body, ("max_tokens",), _parse_completion_logprobs(body))
     return CompletionRequest(model, prompt, stream, include_usage, sampling, _parse_return_token_ids(body, stream),
-                             continuous_usage)
+                             continuous_usage, echo, prompt_only)
 
 
 def check_token_ids(ids: tuple[int, ...], vocab_size: int, param: str = "prompt") -> None:

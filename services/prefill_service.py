@@ -38,6 +38,7 @@ from lamina.engine.step import LocalAttention, StepBatch
 from services.attention_pool import AttentionPool
 from services.config import StackConfig
 from services.model_service import ModelSlices
+from services.prompt_logprobs import logit_rows
 from services.protos import lamina_pb2, lamina_pb2_grpc
 from services.runtime import ServiceRuntime, abort_for_remote_error
 from services.sampling_wire import logprobs_to_proto, params_from_proto
@@ -117,10 +118,13 @@ class PrefillService:
         lens = [len(p) for p in prompts]
         kv = KVStore(self.cfg, capacity_bytes=sum(n + 64 for n in lens) * self.cfg.kv_bytes_per_token())
         seq_kvs = [kv.reserve(s, n) for s, n in zip(seq_ids, lens)]
-        cached = [self._install_prefix(p, skv) for p, skv in zip(prompts, seq_kvs)]
+        # A prompt that wants its own tokens' logprobs is computed whole: no cached prefix.
+        cached = [0 if r.prompt_logprobs else self._install_prefix(p, skv) for r, p, skv in zip(reqs, prompts, seq_kvs)]
         batch = StepBatch.build(seq_ids, [p[c:] for p, c in zip(prompts, cached)], cached)
         local = LocalAttention(kv, batch)
         inputs = batch.model_inputs()
+        rows, last_rows, prompt_rows = logit_rows(batch.query_lens, [r.prompt_logprobs for r in reqs])
+        inputs["logits_index"] = rows
         split = self.slices.split
         with torch.inference_mode():
             out = split.slices[0](inputs)
@@ -145,10 +149,12 @@ class PrefillService:
         eos = self.slices.loaded.tokenizer.eos_token_ids
         states = [PenaltyState.build(p, prompt, (), eos) if needs_state(p) else None
                   for p, prompt in zip(params, prompts)]
-        tokens = sample(out.output, params, [r.params.seed for r in reqs], [0] * len(reqs), states)
-        logprobs = token_logprobs(out.output, tokens, [p.logprobs for p in params])
+        logits = out.output[last_rows]  # [B, V]
+        tokens = sample(logits, params, [r.params.seed for r in reqs], [0] * len(reqs), states)
+        logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
         results: list[lamina_pb2.PrefillResult | RemoteError] = []
-        for prompt, skv, n, c, token, lp, error in zip(prompts, seq_kvs, lens, cached, tokens, logprobs, stored):
+        for prompt, skv, n, c, token, lp, error, p, scoring in zip(prompts, seq_kvs, lens, cached, tokens, logprobs,
+                                                                  stored, params, prompt_rows):
             if error is not None:
                 results.append(error)
                 continue
@@ -159,8 +165,10 @@ class PrefillService:
             self.m_cached.inc(c)
             self.num_prompt_tokens += n
             self.num_cached_tokens += c
+            scored = token_logprobs(out.output[scoring], prompt[1:], [p.logprobs or 0] * len(scoring))
             results.append(lamina_pb2.PrefillResult(token_id=token, cached_tokens=c,
-                                                    logprobs=None if lp is None else logprobs_to_proto(lp)))
+                                                    logprobs=None if lp is None else logprobs_to_proto(lp),
+                                                    prompt_logprobs=[logprobs_to_proto(e) for e in scored]))
         self.m_batch.observe(len(reqs))
         self.m_seconds.observe(time.perf_counter() - start)
         return results

@@ -114,7 +114,8 @@ class SchedulerBackend:
     async def _start(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         call = self._stub.Generate(lamina_pb2.GenerateRequest(
             request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-            params=params_to_proto(request.sampling), has_seed=request.sampling.seed is not None))
+            params=params_to_proto(request.sampling), has_seed=request.sampling.seed is not None,
+            prompt_logprobs=request.prompt_logprobs))
         self._calls[request.request_id] = call
         try:
             first = await call.read()
@@ -131,14 +132,15 @@ class SchedulerBackend:
             if cut is not None:
                 raise cut from None
             raise
-        return self._events(request.request_id, call, first)
+        return self._events(request.request_id, call, first, request.prompt_token_ids)
 
-    async def _events(self, request_id: str, call, first) -> AsyncIterator[TokenEvent]:
+    async def _events(self, request_id: str, call, first, prompt_ids: tuple[int, ...]) -> AsyncIterator[TokenEvent]:
         try:
             chunk = first
             while chunk is not grpc.aio.EOF:
                 yield TokenEvent(list(chunk.token_ids), chunk.finish_reason or None,
-                                 [logprobs_from_proto(t, lp) for t, lp in zip(chunk.token_ids, chunk.logprobs)])
+                                 [logprobs_from_proto(t, lp) for t, lp in zip(chunk.token_ids, chunk.logprobs)],
+                                 [logprobs_from_proto(t, lp) for t, lp in zip(prompt_ids[1:], chunk.prompt_logprobs)])
                 if chunk.finish_reason:
                     return
                 try:

@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import grpc
 import prometheus_client
@@ -139,7 +140,7 @@ class SchedulerService:
         if not request.has_seed:
             params.seed = int(torch.randint(0, 2**62, (1,)).item())
         req = Request(request.request_id, list(request.prompt_token_ids), params, asyncio.Queue(),
-                      max_model_len=self.max_model_len)
+                      max_model_len=self.max_model_len, prompt_logprobs=request.prompt_logprobs)
         self.waiting.append(req)
         self.by_id[req.request_id] = req
         self.journal.started(req.request_id, req.prompt_ids, params)
@@ -248,7 +249,8 @@ class SchedulerService:
             log.warning("placement of %s not recorded (metadata store unreachable: %s)", req.request_id, exc)
         return await self.prefills.prefill(worker, lamina_pb2.PrefillRequest(
             seq_id=req.kv_id, token_ids=token_ids, params=req.params,
-            placement=lamina_pb2.Placement(workers=req.workers)), cached_tokens)
+            placement=lamina_pb2.Placement(workers=req.workers),
+            prompt_logprobs=req.prompt_logprobs and not req.output_ids), cached_tokens)
 
     def _placement_of(self, req: Request) -> KVPlacement:
         return KVPlacement(workers=tuple(f"attention-{w}" for w in req.workers), partition=self.config.partition,
@@ -281,7 +283,7 @@ class SchedulerService:
             await self._finish(req, "abort")
             return
         self.num_prefilling -= 1
-        await self._accept_token(req, result.token_id, logprobs_of(result))
+        await self._accept_token(req, result.token_id, logprobs_of(result), result.prompt_logprobs)
         if req.status is not Status.FINISHED:
             if req.abort_requested:
                 await self._finish(req, "abort")
@@ -363,13 +365,15 @@ class SchedulerService:
         else:
             await self._free_kv(req)
 
-    async def _accept_token(self, req: Request, token: int, logprobs: lamina_pb2.Logprobs | None = None) -> None:
+    async def _accept_token(self, req: Request, token: int, logprobs: lamina_pb2.Logprobs | None = None,
+                            prompt_logprobs: Sequence[lamina_pb2.Logprobs] = ()) -> None:
         req.output_ids.append(token)
         self.journal.generated(req.request_id, token)
         reason = stop_reason(req.params, token, len(req.output_ids), req.num_tokens, self.eos_ids,
                              self.max_model_len)
         req.events.put_nowait(lamina_pb2.TokenChunk(token_ids=[token], finish_reason=reason or "",
-                                                    logprobs=[logprobs] if logprobs is not None else []))
+                                                    logprobs=[logprobs] if logprobs is not None else [],
+                                                    prompt_logprobs=prompt_logprobs))
         if reason is not None:
             await self._finish(req, reason, notify=False)
 
@@ -514,7 +518,7 @@ class SchedulerService:
             await self._finish(req, "abort")
             return
         if first:
-            await self._accept_token(req, result.token_id, logprobs_of(result))
+            await self._accept_token(req, result.token_id, logprobs_of(result), result.prompt_logprobs)
             if req.status is Status.FINISHED:
                 return
         self._join_decode(req)

@@ -34,6 +34,7 @@ class Request:
     abort_requested: bool = False
     max_model_len: int = 1 << 30
     recoveries: int = 0  # times its KV was rebuilt after a failure
+    prompt_logprobs: bool = False  # its first prefill also scores the prompt's tokens (echo)
 
     @property
     def kv_id(self) -> str:

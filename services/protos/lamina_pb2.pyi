@@ -65,26 +65,30 @@ class Logprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Logprobs.Top, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "has_seed")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "has_seed", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     has_seed: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., has_seed: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., has_seed: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "logprobs")
+    __slots__ = ("token_ids", "finish_reason", "logprobs", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -113,26 +117,30 @@ class Placement(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "params", "placement")
+    __slots__ = ("seq_id", "token_ids", "params", "placement", "prompt_logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     placement: Placement
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: bool
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("token_id", "cached_tokens", "logprobs")
+    __slots__ = ("token_id", "cached_tokens", "logprobs", "prompt_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     cached_tokens: int
     logprobs: Logprobs
-    def __init__(self, token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
+    def __init__(self, token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ...) -> None: ...
 
 class TierDistanceRequest(_message.Message):
     __slots__ = ("prompts",)

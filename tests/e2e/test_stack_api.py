@@ -275,3 +275,26 @@ def test_penalties_and_biases_equal_the_local_engine(stack, reference_outputs, l
         assert got != ref["token_ids"]
         if "min_tokens" in fields:
             assert len(got) == MAX_TOKENS and banned not in got
+
+
+def test_echo_scores_the_prompt_as_transformers(stack, reference_outputs, hf_reference):
+    """Log-likelihood scoring (lm-eval's loglikelihood): echo, logprobs, max_tokens 0."""
+    client, model = _client(stack), _model(stack)
+    p = COMPLETION_PROMPTS[1]
+    ref = reference_outputs[("completion", p)]
+    prompt = ref["prompt_ids"]
+    ref_lp = _reference_logprobs(hf_reference, prompt, ref["token_ids"])  # rows from the prompt's last token
+    full = _reference_logprobs(hf_reference, prompt[:1], prompt[1:] + [0])  # rows scoring prompt tokens 1..
+    r = client.completions.create(model=model, prompt=p, max_tokens=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == p and r.usage.completion_tokens == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    tops = [sorted(d.values(), reverse=True)[:2] for d in lp.top_logprobs[1:]]
+    _assert_close_to(full, prompt[1:], lp.token_logprobs[1:], tops)
+    # With a completion: the prompt's, then the generated tokens'.
+    r = client.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0, echo=True,
+                                  logprobs=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == p + ref["text"]
+    assert len(lp.tokens) == len(prompt) + len(ref["token_ids"])
+    _assert_close_to(ref_lp, ref["token_ids"], lp.token_logprobs[len(prompt):], [[]] * len(ref["token_ids"]))

@@ -79,12 +79,14 @@ class ScriptedBackend:
                         await asyncio.Event().wait()  # until cancelled
                 piece = self.script[start:start + self.chunk]
                 room = request.sampling.max_tokens - produced
+                prompt = (scripted_logprobs(list(request.prompt_token_ids[1:]), request)
+                          if request.prompt_logprobs and start == 0 else [])
                 if len(piece) >= room and start + len(piece) < len(self.script):
-                    yield TokenEvent(piece[:room], "length", scripted_logprobs(piece[:room], request))
+                    yield TokenEvent(piece[:room], "length", scripted_logprobs(piece[:room], request), prompt)
                     return
                 produced += len(piece)
                 is_last = start + self.chunk >= len(self.script)
-                yield TokenEvent(piece, "stop" if is_last else None, scripted_logprobs(piece, request))
+                yield TokenEvent(piece, "stop" if is_last else None, scripted_logprobs(piece, request), prompt)
         finally:
             self.num_running -= 1
 

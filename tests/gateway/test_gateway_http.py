@@ -132,6 +132,27 @@ async def test_completion_logprobs_in_the_legacy_shape(tokenizer, make_backend, 
     assert [o for p in pieces for o in p.text_offset] == lp.text_offset
 
 
+async def test_echo_with_logprobs_scores_the_prompt(tokenizer, make_backend, script_ids):
+    prompt = [tokenizer.encode("Paris")[0], 5, 9]
+    async with serve(make_backend(), tokenizer) as srv:
+        client = srv.client()
+        only = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+        both = await client.completions.create(model=MODEL, prompt="Paris", max_tokens=2, echo=True, logprobs=0)
+        plain = await client.completions.create(model=MODEL, prompt="Paris", max_tokens=2, echo=True)
+        await client.close()
+    texts = [tokenizer.decode([t], skip_special_tokens=False) for t in prompt]
+    assert only.choices[0].text == tokenizer.decode(prompt) and only.choices[0].finish_reason == "length"
+    assert (only.usage.prompt_tokens, only.usage.completion_tokens) == (3, 0)
+    lp = only.choices[0].logprobs
+    assert lp.tokens == texts and lp.token_logprobs == [None, -0.25, -0.25]
+    assert lp.top_logprobs[0] is None
+    assert lp.top_logprobs[1] == {texts[1]: -0.25, tokenizer.decode([6], skip_special_tokens=False): -1.0}
+    assert lp.text_offset == [0, len(texts[0]), len(texts[0]) + len(texts[1])]
+    assert both.choices[0].text == "Paris" + tokenizer.decode(script_ids[:2])
+    assert len(both.choices[0].logprobs.tokens) == len(tokenizer.encode("Paris")) + 2
+    assert plain.choices[0].text == both.choices[0].text and plain.choices[0].logprobs is None
+
+
 async def test_chat_stream_without_usage_has_no_usage_chunk(tokenizer, make_backend):
     async with serve(make_backend(), tokenizer) as srv:
         client = srv.client()

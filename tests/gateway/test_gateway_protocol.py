@@ -106,6 +106,18 @@ def test_penalties_and_biases():
                                                       "(5), got 8.")
 
 
+def test_echo_and_max_tokens_zero():
+    req = parse_completion_request({"model": "m", "prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 1})
+    assert (req.echo, req.prompt_only, req.sampling.max_tokens) == (True, True, 1)
+    req = parse_completion_request({"model": "m", "prompt": "x", "echo": True, "max_tokens": 3})
+    assert (req.echo, req.prompt_only, req.sampling.max_tokens) == (True, False, 3)
+    err = error_of(parse_completion_request, {"model": "m", "prompt": "x", "max_tokens": 0})
+    assert (err.param, err.code) == ("max_tokens", "invalid_value")
+    err = error_of(parse_completion_request, {"model": "m", "prompt": "x", "echo": True, "stream": True})
+    assert (err.param, err.message) == ("echo", "Invalid value for 'echo': the prompt is echoed only when "
+                                                "'stream' is false.")
+
+
 def test_top_k_minus_one_means_no_top_k():
     assert parse_chat_request(chat(top_k=-1)).sampling.top_k == 0
 
@@ -228,8 +240,8 @@ def test_completion_prompt_forms():
      "Invalid type for 'prompt': expected a string or an array of token ids, but got an array instead.", "prompt"),
     ({"model": "m", "prompt": 5},
      "Invalid type for 'prompt': expected a string or an array of token ids, but got an integer instead.", "prompt"),
-    ({"model": "m", "prompt": "x", "echo": True},
-     "'echo' is not supported by this server; omit it or leave it at its default.", "echo"),
+    ({"model": "m", "prompt": "x", "suffix": "y"},
+     "'suffix' is not supported by this server; omit it or leave it at its default.", "suffix"),
     ({"model": "m", "prompt": "x", "max_completion_tokens": 3},
      "Unrecognized request argument supplied: max_completion_tokens", "max_completion_tokens"),
 ])
