@@ -165,7 +165,9 @@ class PrefillService:
             self.m_cached.inc(c)
             self.num_prompt_tokens += n
             self.num_cached_tokens += c
-            scored = token_logprobs(out.output[scoring], prompt[1:], [p.logprobs or 0] * len(scoring))
+            # Only an echo request scores its prompt (its rows are then every position).
+            scored = (token_logprobs(out.output[scoring], prompt[1:], [p.logprobs or 0] * len(scoring))
+                      if scoring else [])
             results.append(lamina_pb2.PrefillResult(token_id=token, cached_tokens=c,
                                                     logprobs=None if lp is None else logprobs_to_proto(lp),
                                                     prompt_logprobs=[logprobs_to_proto(e) for e in scored]))
