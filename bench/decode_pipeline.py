@@ -198,7 +198,7 @@ async def _drive(url: str, model: str, prompts: list[list[int]], steps: int) -> 
 
 
 def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batches: int, q_early: bool,
-              model_workers: int, kv_bytes: int, weights: str, mode: str = "fixed") -> dict:
+              model_workers: int, kv_bytes: int, weights: str, mode: str = "fixed", attention_workers: int = 2) -> dict:
     import openai
 
     from services.config import (AttentionSection, ModelWorkerSection, PipelineSection, SchedulerSection,
@@ -207,7 +207,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
 
     config = StackConfig(transport=transport, weights=weights,
                          scheduler=SchedulerSection(max_batch_size=len(prompts), max_queue=max(256, len(prompts))),
-                         attention=AttentionSection(workers=2, kv_capacity_bytes=kv_bytes),
+                         attention=AttentionSection(workers=attention_workers, kv_capacity_bytes=kv_bytes),
                          model_worker=ModelWorkerSection(workers=model_workers),
                          # Exactly the micro-batches asked for, however small they get.
                          pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1,

@@ -11,11 +11,11 @@ its overhead terms are calibrated on the engine at other points (planner.profile
 OVERHEAD_POINTS: 16-token prompts), so no case here is one it was fitted to.
 
 --stack adds the stack as `lamina up` starts it (bench/decode_pipeline.py's run_stack:
-one model worker, 2 attention workers, TCP, float32 weights) at 1 and 2 micro-batches,
-decode tokens/s against the planner's disaggregated layout on `this-machine`. On these
-2 cores the model worker takes one and the 2 attention workers share the other, so the
-prediction gives the attention pool one device's figures (n = 1). Not covered: 1
-attention worker (run_stack always starts 2).
+one model worker, TCP, float32 weights) with 1 and 2 attention workers at 1 and 2
+micro-batches, decode tokens/s against the planner's disaggregated layout on
+`this-machine` with `shared_host` (every service on this host's cores: the profile's
+per-slice, per-frame and per-exchange overheads, calibrated on a smaller stack run, and
+the host's CPU work over its cores).
 
 Prints the table and, last, one JSON line: {"cases", "median_abs_rel_error",
 "max_abs_rel_error", ...}.
@@ -50,17 +50,23 @@ def stack_cases(loaded, shape, catalogue, steps: int, batch: int = 32, context: 
     prompts = make_prompts(loaded.tokenizer, batch, context)
     kv_bytes = (batch * (context + steps + 64) * loaded.config.kv_bytes_per_token()) // 2 + (256 << 20)
     rows = []
-    for micro in (1, 2):
-        measured = run_stack(prompts, steps, "tcp", micro, False, 1, kv_bytes, "float32")["tok_s"]
-        layout = Layout(THIS_MACHINE, 1, 1, THIS_MACHINE, 1, micro, "head", FP32, FP32)
-        step = decode_step(shape, layout, catalogue, batch, context + steps / 2)
-        predicted = batch / step.step_s
-        err = (predicted - measured) / measured
-        rows.append({"stack_micro_batches": micro, "batch": batch, "prompt": context,
-                     "measured_tok_s": round(measured, 1), "predicted_tok_s": round(predicted, 1),
-                     "rel_error": round(err, 3), "bottleneck": step.bottleneck})
-        print(f"stack, {micro} micro-batch(es), batch {batch}, context {context}: measured {measured:.1f} tok/s, "
-              f"predicted {predicted:.1f} tok/s, {err:+.1%}  {step.bottleneck}", flush=True)
+    for attention_workers in (1, 2):
+        for micro in (1, 2):
+            measured = run_stack(prompts, steps, "tcp", micro, False, 1, kv_bytes, "float32",
+                                 attention_workers=attention_workers)["tok_s"]
+            # Every service on this host: the layout shares its cores (planner.perf.pipeline).
+            layout = Layout(THIS_MACHINE, 1, 1, THIS_MACHINE, attention_workers, micro, "head", FP32, FP32,
+                            shared_host=True)
+            step = decode_step(shape, layout, catalogue, batch, context + steps / 2)
+            predicted = batch / step.step_s
+            err = (predicted - measured) / measured
+            rows.append({"stack_micro_batches": micro, "attention_workers": attention_workers, "batch": batch,
+                         "prompt": context, "measured_tok_s": round(measured, 1),
+                         "predicted_tok_s": round(predicted, 1), "rel_error": round(err, 3),
+                         "bottleneck": step.bottleneck})
+            print(f"stack, {micro} micro-batch(es), {attention_workers} attention worker(s), batch {batch}, "
+                  f"context {context}: measured {measured:.1f} tok/s, predicted {predicted:.1f} tok/s, {err:+.1%}  "
+                  f"{step.bottleneck}", flush=True)
     return rows
 
 
@@ -68,7 +74,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps per case (within 10 minutes)")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per case (default 12, 5 with --quick)")
-    ap.add_argument("--stack", action="store_true", help="also the stack at 1 and 2 micro-batches")
+    ap.add_argument("--stack", action="store_true",
+                    help="also the stack at 1 and 2 micro-batches with 1 and 2 attention workers")
+    ap.add_argument("--save-profile", type=Path, default=None, help="write the measured profile here (JSON)")
     args = ap.parse_args()
     steps = args.steps or (5 if args.quick else 12)
 
@@ -76,7 +84,9 @@ def main() -> None:
 
     from model.loader import load_model
 
-    prof = profile(threads=1, usd_per_hour=0.1, quick=args.quick)
+    prof = profile(threads=1, usd_per_hour=0.1, quick=args.quick, stack=args.stack)
+    if args.save_profile:
+        args.save_profile.write_text(json.dumps(prof, indent=2) + "\n")
     catalogue = dict(load_catalogue())
     catalogue[THIS_MACHINE] = device_from_entry(THIS_MACHINE, prof["device"])
     torch.set_num_threads(1)
@@ -102,6 +112,10 @@ def main() -> None:
     print(f"profile: memory {d['memory_tb_s']['value'] * 1e3:.2f} GB/s, matmul {d['tflops']['fp32']['value'] * 1e3:.2f} "
           f"GFLOP/s, attention {d['attention_tb_s']['value'] * 1e3:.2f} GB/s of KV (1 thread); "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    if "slice_overhead_us" in d:
+        print(f"stack overheads per layer: slice {d['slice_overhead_us']['value']:.0f} us, frame "
+              f"{d['frame_overhead_us']['value']:.0f} us, exchange {d['exchange_overhead_us']['value']:.0f} us "
+              f"(TCP round trip {2 * d['network_latency_us']['value']:.0f} us)")
     print(json.dumps({"cases": len(rows), "median_abs_rel_error": round(statistics.median(errors), 3),
                       "max_abs_rel_error": round(max(errors), 3), "rows": rows,
                       "load_avg_1min": round(os.getloadavg()[0], 2),

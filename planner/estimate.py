@@ -133,11 +133,17 @@ def decode_step(shape: ModelShape, layout: Layout, catalogue: Mapping[str, Devic
     link = min(layout.tp * md.network_bw, n_attn * ad.network_bw)
     shared_link = min(m * layout.tp * md.network_bw, n_attn * ad.network_bw)
     latency = max(md.network_latency, ad.network_latency)
-    stages = StageTimes(model_s=sl.layer_s(), attention_s=att_s,
-                        transfer_s=layer_transfer_s(traffic, link, latency),
-                        transfer_bytes_s=traffic.total / shared_link, head_s=sl.head.seconds)
+    # The services' own costs (profiled machines only; 0 in the catalogue): per slice on the
+    # model worker, per frame on each attention worker, per exchange beyond the ping-pong.
+    model_s = sl.layer_s() + md.slice_overhead_s
+    attention_s = att_s + ad.frame_overhead_s
+    exchange_s = layer_transfer_s(traffic, link, latency) + md.exchange_overhead_s
+    host_cpu = model_s + n_attn * attention_s + md.exchange_overhead_s
+    stages = StageTimes(model_s=model_s, attention_s=attention_s, transfer_s=exchange_s,
+                        transfer_bytes_s=traffic.total / shared_link, head_s=sl.head.seconds,
+                        host_cpu_s=host_cpu, host_cores=(md.host_cores or md.cores or 1) if layout.shared_host else 0)
     p = pipeline_step(stages, L, n_micro, m)
-    neck = {"chain": "latency chain", "network": "network",
+    neck = {"chain": "latency chain", "network": "network", "host cpu": "host CPU",
             "model": "model " + ("memory" if sl.layer.is_memory_bound else "compute"),
             "attention": "attention " + ("memory" if att.is_memory_bound else "compute")}[p.bottleneck]
     return Step(batch, p.step_s, neck, threads)

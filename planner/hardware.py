@@ -63,6 +63,15 @@ class Device:
     packed_linear_s_per_param: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
     attention_q4_s_per_element: float | None = None
     kv_q4_quantize_s_per_element: float | None = None
+    # Measured on a running stack (`lamina profile`, all services on this host), per layer
+    # and micro-batch: the model worker's CPU per slice beyond its kernels, an attention
+    # worker's CPU per frame beyond its kernel, and the exchange's time beyond the
+    # transport's ping-pong (frame encoding, event loops); and the cores the host's
+    # services share. 0 / None in the catalogue.
+    slice_overhead_s: float = 0.0
+    frame_overhead_s: float = 0.0
+    exchange_overhead_s: float = 0.0
+    host_cores: int | None = None
 
     @property
     def is_cpu(self) -> bool:
@@ -139,7 +148,8 @@ def device_from_entry(name: str, entry: Mapping[str, Any]) -> Device:
         linear = {int(b): float(t) for b, t in fig["value"].items()}
         sources["linear_s_per_param"] = fig["source"]
     overheads = {}
-    for key in ("layer_overhead_us", "token_overhead_us"):
+    for key in ("layer_overhead_us", "token_overhead_us", "slice_overhead_us", "frame_overhead_us",
+                "exchange_overhead_us"):
         if key in entry:
             us, sources[key] = _figure(entry, key, name, minimum_exclusive=False)
             overheads[key] = us * 1e-6
@@ -177,6 +187,10 @@ def device_from_entry(name: str, entry: Mapping[str, Any]) -> Device:
         packed_linear_s_per_param=packed,
         attention_q4_s_per_element=per_element.get("attention_q4_ns_per_element"),
         kv_q4_quantize_s_per_element=per_element.get("kv_q4_quantize_ns_per_element"),
+        slice_overhead_s=overheads.get("slice_overhead_us", 0.0),
+        frame_overhead_s=overheads.get("frame_overhead_us", 0.0),
+        exchange_overhead_s=overheads.get("exchange_overhead_us", 0.0),
+        host_cores=int(_figure(entry, "host_cores", name)[0]) if "host_cores" in entry else None,
     )
 
 

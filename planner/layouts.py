@@ -40,6 +40,9 @@ class Layout:
     partition: str | None = None  # "head" or "request" (disaggregated only)
     weights: Precision = FP16
     kv: Precision = FP16
+    # Every service on one host, sharing its cores (`lamina up` on one machine, as the
+    # validation runs it); never a planner candidate, whose workers are devices of their own.
+    shared_host: bool = False
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.model_workers < 1 or self.micro_batches < 1:

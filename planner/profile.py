@@ -23,8 +23,13 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from planner.hardware import Device
+    from planner.shapes import ModelShape
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -174,6 +179,74 @@ def overhead_terms(points: list[tuple[int, float, float]], num_layers: int) -> t
     return max(0.0, g0 - b0 * per_token), per_token
 
 
+# (batch, context, steps) of the stack run that calibrates the services' overheads: one
+# model worker, one attention worker, one micro-batch; the validation's stack cases
+# (bench/planner_validation.py: batch 32, context 256) are other points.
+STACK_POINT = (8, 64, 12)
+
+
+def measure_stack_overhead(entry: dict[str, Any]) -> dict[str, Any]:
+    """The services' own costs: a small decode through the stack as `lamina up` starts it
+    (bench/decode_pipeline.py's run_stack, TCP, float32 weights), whose model and attention
+    workers' compute CPU and wall step time, less what the models predict from the kernel
+    measurements in `entry`, give the per-slice, per-frame and per-exchange terms."""
+    from dataclasses import fields
+
+    from model.loader import load_model
+    from planner.hardware import THIS_MACHINE, device_from_entry
+    from planner.shapes import ModelShape
+
+    batch, context, steps = STACK_POINT
+    loaded = load_model(weights="float32")
+    cfg = loaded.config
+    shape = ModelShape(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, name="engine")
+    pipeline = _bench("decode_pipeline")
+    prompts = pipeline.make_prompts(loaded.tokenizer, batch, context)
+    kv_bytes = batch * (context + steps + 64) * cfg.kv_bytes_per_token() + (64 << 20)
+    run = pipeline.run_stack(prompts, steps, "tcp", 1, False, 1, kv_bytes, "float32", attention_workers=1)
+    steps_timed = run["tokens"] / batch
+    model_cpu = sum(v["compute"] for k, v in run["shares"].items() if k.startswith("model")) * run["seconds"]
+    attention_cpu = sum(v["compute"] for k, v in run["shares"].items() if k.startswith("attention")) * run["seconds"]
+    measured = StackRun(batch, context + steps / 2, run["seconds"] / steps_timed, model_cpu / steps_timed,
+                        attention_cpu / steps_timed)
+    terms = stack_overhead_terms(shape, device_from_entry(THIS_MACHINE, entry), measured)
+    return {**terms, "run": {"batch": batch, "context": context, "steps": steps, "tok_s": run["tok_s"],
+                             "step_s": measured.step_s, "model_cpu_s": measured.model_cpu_s,
+                             "attention_cpu_s": measured.attention_cpu_s}}
+
+
+@dataclass(frozen=True)
+class StackRun:
+    """Per decode step of a stack with one model worker, one attention worker and one
+    micro-batch: wall seconds, and the compute CPU seconds of each worker."""
+
+    batch: int
+    context: float
+    step_s: float
+    model_cpu_s: float
+    attention_cpu_s: float
+
+
+def stack_overhead_terms(shape: ModelShape, device: Device, run: StackRun) -> dict[str, float]:
+    """Per layer: the model worker's CPU beyond the slices' predicted time, the attention
+    worker's beyond its kernel's, and the rest of the wall step beyond both and the
+    transport's round trip for the frames' bytes (never negative)."""
+    from planner.perf.attention import attention_layer_time
+    from planner.perf.quantization import FP32
+    from planner.perf.slices import slice_time
+    from planner.perf.transfer import layer_traffic, layer_transfer_s
+
+    L = shape.num_layers
+    sl = slice_time(shape, device, run.batch, 1, FP32)
+    att = attention_layer_time(shape, device, run.batch, run.context, 1, FP32).seconds
+    slice_s = max(0.0, (run.model_cpu_s - sl.step_s(L)) / L)
+    frame_s = max(0.0, run.attention_cpu_s / L - att)
+    transfer = layer_transfer_s(layer_traffic(shape, run.batch), device.network_bw, device.network_latency)
+    chain = sl.layer_s() + slice_s + att + frame_s + transfer
+    exchange_s = max(0.0, (run.step_s - sl.head.seconds) / L - chain)
+    return {"slice_s": slice_s, "frame_s": frame_s, "exchange_s": exchange_s}
+
+
 def _memory_bytes() -> float:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
@@ -181,7 +254,7 @@ def _memory_bytes() -> float:
     raise RuntimeError("no MemTotal in /proc/meminfo")
 
 
-def profile(threads: int, usd_per_hour: float, quick: bool = False) -> dict[str, Any]:
+def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool = True) -> dict[str, Any]:
     """Measure and return {"device": catalogue entry, "measurements": raw figures}."""
     import torch
 
@@ -239,8 +312,18 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False) -> dict[str,
     entry["layer_overhead_us"] = {"value": overhead["layer_s"] * 1e6,
                                   "source": f"{src}: the engine's decode step at {where}, less the kernels' predicted time"}
     entry["token_overhead_us"] = {"value": overhead["token_s"] * 1e6, "source": entry["layer_overhead_us"]["source"]}
+    cores = len(os.sched_getaffinity(0))
+    entry["host_cores"] = {"value": cores, "source": "the CPUs this process may run on (sched_getaffinity)"}
+    services = None
+    if stack:  # last: it starts the stack's processes
+        services = measure_stack_overhead(entry)
+        b, c, n = STACK_POINT
+        where = (f"{src}: the stack (1 model worker, 1 attention worker, 1 micro-batch, TCP) decoding {b} x {c} "
+                 f"tokens for {n} steps, less the kernels' predicted time")
+        for key in ("slice", "frame", "exchange"):
+            entry[f"{key}_overhead_us"] = {"value": services[f"{key}_s"] * 1e6, "source": where}
     return {"device": entry, "measurements": {
-        "copy_bytes_s": copy_bw, "linear": {str(k): v for k, v in linear.items()},
+        "copy_bytes_s": copy_bw, "services": services, "linear": {str(k): v for k, v in linear.items()},
         "packed_linear": {fmt: {str(k): v for k, v in table.items()} for fmt, table in packed.items()},
         "kv_q4_quantize_s_per_element": kv_quantize,
         "attention": attention, "transport": transport, "overhead": overhead}}

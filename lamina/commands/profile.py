@@ -1,5 +1,5 @@
 """`lamina profile`: measure this machine for the planner (linear layers, attention, a
-large copy, the TCP transport) and write the profile that `lamina plan` reads as the
+large copy, the TCP transport, a small decode through the stack) and write the profile that `lamina plan` reads as the
 catalogue's `this-machine` (docs/planner.md)."""
 
 from __future__ import annotations
@@ -18,13 +18,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads to measure with (default 1)")
     p.add_argument("--usd-per-hour", type=float, default=0.1, help="this machine's price, an assumption (default 0.1)")
     p.add_argument("--quick", action="store_true", help="fewer repeats and layers (seconds instead of a minute)")
+    p.add_argument("--no-stack", action="store_true",
+                   help="skip the stack run that measures the services' overheads (it starts every service)")
 
 
 def run(args: argparse.Namespace) -> int:
     from planner.hardware import device_from_entry
     from planner.profile import profile
 
-    result = profile(args.threads, args.usd_per_hour, args.quick)
+    result = profile(args.threads, args.usd_per_hour, args.quick, stack=not args.no_stack)
     device_from_entry("this-machine", result["device"])  # refuse to write what plan could not read
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

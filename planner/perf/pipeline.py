@@ -8,7 +8,8 @@ micro-batches concurrently, so a layer of all N micro-batches takes
     period = max(t_m + t_x + t_a,      # one micro-batch's dependency chain
                  N * t_m / M,          # the model workers, busy with every micro-batch
                  N * t_a,              # the attention pool, likewise
-                 N * t_x_bytes)        # the link's bytes (latency overlaps)
+                 N * t_x_bytes,        # the link's bytes (latency overlaps)
+                 N * w / C)            # services sharing C cores of one host: all their work w
 
 and a step (one token for every request of every micro-batch) takes L * period plus
 the LM head of each micro-batch on its model worker. With N = 1 nothing overlaps; with
@@ -30,13 +31,17 @@ class StageTimes:
     transfer_s: float  # both directions, latency included
     transfer_bytes_s: float  # the bandwidth part of transfer_s
     head_s: float = 0.0  # once per step, per micro-batch
+    # Every service on one host's cores (`lamina up` on one machine): the CPU work of all
+    # processes for one micro-batch and layer, and the cores they share (0: separate devices).
+    host_cpu_s: float = 0.0
+    host_cores: int = 0
 
 
 @dataclass(frozen=True)
 class PipelineStep:
     step_s: float
     period_s: float
-    bottleneck: str  # "chain", "model", "attention" or "network"
+    bottleneck: str  # "chain", "model", "attention", "network" or "host cpu"
 
 
 def pipeline_step(stages: StageTimes, num_layers: int, micro_batches: int, model_workers: int) -> PipelineStep:
@@ -49,6 +54,8 @@ def pipeline_step(stages: StageTimes, num_layers: int, micro_batches: int, model
         "attention": n * stages.attention_s,
         "network": n * stages.transfer_bytes_s,
     }
+    if stages.host_cores:
+        terms["host cpu"] = n * stages.host_cpu_s / stages.host_cores
     bottleneck = max(terms, key=terms.__getitem__)
     period = terms[bottleneck]
     head = stages.head_s * max(1.0, n / m)

@@ -121,6 +121,16 @@ def test_rotational_pipeline_hides_a_slow_model_slice():
     assert pipeline_step(faster, 10, 3, 2).step_s <= rot.step_s
 
 
+def test_services_sharing_a_host_are_bound_by_its_cores():
+    shared = replace(STAGES, host_cpu_s=2.2, host_cores=2)  # all processes' work per micro-batch and layer
+    assert pipeline_step(shared, 10, 1, 1).bottleneck == "chain"  # 1.1 of 1.7 on 2 cores: the chain waits
+    p = pipeline_step(shared, 10, 2, 1)
+    assert p.period_s == pytest.approx(2.2) and p.bottleneck == "host cpu"
+    one_core = pipeline_step(replace(shared, host_cores=1), 10, 2, 1)
+    assert one_core.period_s == pytest.approx(4.4)  # no better than one micro-batch after the other
+    assert pipeline_step(STAGES, 10, 2, 1).step_s <= p.step_s  # separate devices: no such term
+
+
 def test_colocated_adds_model_and_attention():
     assert colocated_step(1.0, 0.5, 0.3, 10) == pytest.approx(15.3)
 

@@ -34,12 +34,17 @@ def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(prof, "measure_attention", lambda cases, repeats: measure_attention(((1, 32),), 1))
     # Loading the engine's model takes seconds; the overhead's arithmetic is tested below.
     monkeypatch.setattr(prof, "measure_engine_overhead", lambda entry, steps: {"layer_s": 1e-4, "token_s": 0.0})
+    # The stack run starts every service; its arithmetic is tested below.
+    monkeypatch.setattr(prof, "measure_stack_overhead",
+                        lambda entry: {"slice_s": 2e-4, "frame_s": 3e-4, "exchange_s": 5e-4})
     out = tmp_path / "profile.json"
     assert main(["profile", "--quick", "--out", str(out)]) == 0
     dev = device_from_entry(THIS_MACHINE, json.loads(out.read_text())["device"])
     assert dev.network_latency == pytest.approx(50e-6) and dev.linear_s_per_param
     assert dev.layer_overhead_s == pytest.approx(1e-4) and dev.token_overhead_s == 0.0
     assert set(dev.packed_linear_s_per_param) == {"q8_0", "q4_0", "q4_1"}
+    assert (dev.slice_overhead_s, dev.frame_overhead_s, dev.exchange_overhead_s) == pytest.approx((2e-4, 3e-4, 5e-4))
+    assert dev.host_cores >= 1
     assert dev.attention_q4_s_per_element > 0 and dev.kv_q4_quantize_s_per_element > 0
     assert main(["plan", "--model", "smollm2-135m", "--hardware", "this-machine", "--profile", str(out),
                  "--prompt-tokens", "64", "--output-tokens", "16", "--rate", "0.5", "--json"]) == 0
@@ -53,3 +58,28 @@ def test_overhead_terms_meet_both_points():
     assert layer == pytest.approx(0.0009)
     assert layer + 16 * token == pytest.approx(0.0025)
     assert overhead_terms([(1, 0.01, 0.02), (16, 0.01, 0.03)], 10) == (0.0, 0.0)  # never negative
+
+
+def test_stack_overhead_terms_close_the_gap_to_the_run():
+    from planner.estimate import decode_step
+    from planner.layouts import Layout
+    from planner.perf.quantization import FP32
+    from planner.profile import StackRun, stack_overhead_terms
+    from planner.shapes import BUILTIN
+    from tests.planner.test_planner_quant_costs import _entry
+
+    shape = BUILTIN["smollm2-135m"]
+    entry = _entry(False)
+    dev = device_from_entry(THIS_MACHINE, entry)
+    run = StackRun(batch=8, context=70, step_s=0.5, model_cpu_s=0.2, attention_cpu_s=0.05)
+    terms = stack_overhead_terms(shape, dev, run)
+    assert min(terms.values()) > 0
+    for key in ("slice", "frame", "exchange"):
+        entry[f"{key}_overhead_us"] = {"value": terms[f"{key}_s"] * 1e6, "source": "test"}
+    calibrated = {THIS_MACHINE: device_from_entry(THIS_MACHINE, entry)}
+    layout = Layout(THIS_MACHINE, 1, 1, THIS_MACHINE, 1, 1, "head", FP32, FP32, shared_host=True)
+    # One micro-batch on an idle host: the calibrated chain is the run's step.
+    assert decode_step(shape, layout, calibrated, 8, 70).step_s == pytest.approx(0.5)
+    # A faster run than the kernels allow: no negative overhead.
+    assert stack_overhead_terms(shape, dev, StackRun(8, 70, 1e-4, 1e-4, 1e-5)) == \
+        {"slice_s": 0.0, "frame_s": 0.0, "exchange_s": 0.0}
