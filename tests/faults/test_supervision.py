@@ -114,7 +114,7 @@ def test_killed_service_is_restarted(stack):
     assert entry["restarts"] == 1
     assert all(s["restarts"] == 0 for s in status["services"] if s["name"] != "prefill-0")
     log_text = (stack.log_dir / "prefill-0.log").read_text(errors="replace")
-    first, _, after = log_text.partition("--- lamina: restart 1 of prefill ---")
+    first, _, after = log_text.partition("--- lamina: restart 1 of prefill-0 ---")
     assert first and after  # the restarted process appended to the log of the first
 
     client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=240)
