@@ -34,7 +34,8 @@ setup(
             "model._qmatmul",
             sources=["csrc/qmatmul.c"],
             # No contraction: decoded weights must round like the reference's d * q + m.
-            extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off"],
+            extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-pthread"],
+            extra_link_args=["-pthread"],
             optional=True,
         ),
         Extension(

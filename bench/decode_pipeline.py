@@ -73,12 +73,11 @@ def make_prompts(tokenizer, batch: int, context: int) -> list[list[int]]:
 
 # -- local engine ------------------------------------------------------------------------------
 def run_local(loaded, prompts: list[list[int]], steps: int, threads: int) -> dict:
-    import torch
-
     from lamina.engine import Engine, EngineConfig, SamplingParams
     from lamina.engine.scheduler import SchedulerLimits
+    from model.threads import set_compute_threads
 
-    torch.set_num_threads(threads)
+    set_compute_threads(threads)  # the products on `threads` threads, torch's ops on one
     kv_bytes = len(prompts) * (len(prompts[0]) + steps + 64) * loaded.config.kv_bytes_per_token()
     engine = Engine(loaded, EngineConfig(kv_capacity_bytes=kv_bytes,
                                          limits=SchedulerLimits(max_batch_size=len(prompts))))
@@ -315,6 +314,7 @@ def main() -> None:
     import torch
 
     from model.loader import load_model
+    from model.threads import set_compute_threads
 
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, {platform.python_implementation()} "
           f"{platform.python_version()}, torch {torch.__version__}")
@@ -340,7 +340,7 @@ def main() -> None:
         for threads in (1, 2):
             local[str(threads)] = median_of(lambda: run_local(loaded, prompts, args.steps, threads))
             print(f"  local engine, {threads} thread(s): {local[str(threads)]['tok_s']:.1f} tok/s", flush=True)
-        torch.set_num_threads(1)
+        set_compute_threads(1)
         stack = {}
         for mb in [int(m) for m in args.micro_batches.split(",")]:
             stack[f"mb{mb}"] = median_of(lambda: run_stack(prompts, args.steps, args.transport, mb, False,

@@ -215,6 +215,9 @@ def main() -> None:
                     help="torch intra-op threads for both sides (default 1: this machine is shared)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from model.quant import set_kernel_threads
+
+    set_kernel_threads(args.threads)  # the engine's products too
 
     from model.loader import load_model
     from model.packing import check_weights

@@ -115,12 +115,11 @@ async def replay(url: str, model: str, workload, prompts) -> dict:
 
 def run_local(workload, prompts, threads: int) -> dict:
     """The same requests at the same arrival times through the local engine in this process."""
-    import torch
-
     from lamina.engine import Engine, SamplingParams
     from model.loader import load_model
+    from model.threads import set_compute_threads
 
-    torch.set_num_threads(threads)
+    set_compute_threads(threads)  # the products on `threads` threads, torch's ops on one
     engine = Engine(load_model())
     pending = list(zip(workload, prompts))
     arrival: dict[str, float] = {}

@@ -27,10 +27,23 @@
  * more than MR rows a quantized panel is decoded once per chunk into a float buffer
  * (L2) that every register block reads; with MR rows or fewer each group of 32 k is
  * decoded into a tile in L1 just before its products.
+ *
+ * Threads: a call with threads > 1 splits the panels (the outputs) into contiguous
+ * ranges, one per thread: the caller computes the first, workers of a pool kept by this
+ * module the others. Every output is computed by one thread in the same order as
+ * without threads, so the result does not depend on the thread count. Workers spin for
+ * SPIN_NS after a range (a decode step calls this hundreds of times, microseconds
+ * apart) and then sleep on a condition variable; a call too small to pay for the
+ * hand-off (under MIN_MACS_PER_THREAD multiply-adds a thread), or made while another
+ * thread's call holds the pool, runs on the caller alone.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -120,9 +133,9 @@ static void decode_group_scalar(const job_t *j, int64_t p, int64_t g, float *out
     }
 }
 
-static void run_scalar(const job_t *j, float *buf) {
-    const int64_t K = j->k, P = (j->n + NR - 1) / NR;
-    for (int64_t p = 0; p < P; p++) {
+static void run_scalar(const job_t *j, float *buf, int64_t p0, int64_t p1) {
+    const int64_t K = j->k;
+    for (int64_t p = p0; p < p1; p++) {
         const float *w;
         if (j->fmt == FMT_F32) {
             w = (const float *)j->w + p * K * NR;
@@ -293,13 +306,13 @@ TARGET_AVX2 static void rows_dispatch(int R, const job_t *j, int64_t r0, int64_t
     }
 }
 
-TARGET_AVX2 static void run_avx2(const job_t *j, float *buf, float *tile) {
-    const int64_t K = j->k, P = (j->n + NR - 1) / NR, G = groups(j);
+TARGET_AVX2 static void run_avx2(const job_t *j, float *buf, float *tile, int64_t p0, int64_t p1) {
+    const int64_t K = j->k, G = groups(j);
     int64_t chunk = CHUNK_FLOATS / K / MR * MR;
     if (chunk < MR) chunk = MR;
     for (int64_t c0 = 0; c0 < j->m; c0 += chunk) {
         const int64_t rows = j->m - c0 < chunk ? j->m - c0 : chunk;
-        for (int64_t p = 0; p < P; p++) {
+        for (int64_t p = p0; p < p1; p++) {
             const float *wf = NULL;
             if (j->fmt == FMT_F32) {
                 wf = (const float *)j->w + p * K * NR;
@@ -328,13 +341,14 @@ static int use_avx2(void) {
 }
 #endif
 
-/* ---------------------------------------------------------------- entry points */
+/* ---------------------------------------------------------------- one thread's share */
 
 /* Scratch of the calling thread, kept between calls (a decode step makes hundreds). */
 static __thread float *scratch;
 static __thread size_t scratch_floats;
 
-static int run(const job_t *j, int force_scalar) {
+/* Panels [p0, p1) of the job on this thread. */
+static int run_range(const job_t *j, int force_scalar, int64_t p0, int64_t p1) {
     /* tile: one decoded group; buf: a decoded panel (quantized formats). 64-byte aligned. */
     const size_t need = GS * NR + (j->fmt == FMT_F32 ? 0 : (size_t)(j->k * NR));
     if (need > scratch_floats) {
@@ -347,23 +361,172 @@ static int run(const job_t *j, int force_scalar) {
     float *tile = scratch, *buf = scratch + GS * NR;
 #if HAVE_X86
     if (!force_scalar && use_avx2())
-        run_avx2(j, buf, tile);
+        run_avx2(j, buf, tile, p0, p1);
     else
-        run_scalar(j, buf);
+        run_scalar(j, buf, p0, p1);
 #else
     (void)force_scalar;
-    run_scalar(j, buf);
+    run_scalar(j, buf, p0, p1);
 #endif
     return 0;
 }
 
+/* ---------------------------------------------------------------- the worker pool */
+
+#define MAX_THREADS 64
+#define SPIN_NS 100000LL            /* how long an idle worker spins before it sleeps */
+#define MIN_MACS_PER_THREAD 131072  /* below this a thread's share is not worth handing off */
+
+static struct {
+    pthread_mutex_t dispatch; /* held by the one caller using the workers */
+    pthread_mutex_t mu;       /* with cv: sleeping workers */
+    pthread_cond_t cv;
+    int started;              /* workers running: indices 1 .. started */
+    atomic_ulong generation;  /* bumped for every job handed out */
+    atomic_int sleepers;
+    atomic_int pending;       /* workers that have not finished the current job */
+    atomic_int failed;
+    /* the current job, written before generation is bumped */
+    const job_t *job;
+    int force_scalar;
+    int parts;
+    int64_t panels;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static inline int64_t part_start(int64_t panels, int parts, int i) { return panels * i / parts; }
+
+static long long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if HAVE_X86
+    __builtin_ia32_pause();
+#endif
+}
+
+typedef struct {
+    int index;
+    unsigned long seen; /* the generation when it was started: the next one is its first job */
+} worker_arg_t;
+
+static void *worker_main(void *arg) {
+    const worker_arg_t start = *(const worker_arg_t *)arg;
+    free(arg);
+    const int index = start.index;
+    unsigned long seen = start.seen;
+    for (;;) {
+        /* wait for a new job: spin a while, then sleep */
+        unsigned long gen = atomic_load(&pool.generation);
+        if (gen == seen) {
+            const long long until = now_ns() + SPIN_NS;
+            int spins = 0;
+            while ((gen = atomic_load(&pool.generation)) == seen) {
+                cpu_relax();
+                if (++spins % 64 == 0 && now_ns() > until) break;
+            }
+            if (gen == seen) {
+                pthread_mutex_lock(&pool.mu);
+                atomic_fetch_add(&pool.sleepers, 1);
+                while ((gen = atomic_load(&pool.generation)) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+                atomic_fetch_sub(&pool.sleepers, 1);
+                pthread_mutex_unlock(&pool.mu);
+            }
+        }
+        seen = gen;
+        if (index < pool.parts) {
+            const int64_t p0 = part_start(pool.panels, pool.parts, index);
+            const int64_t p1 = part_start(pool.panels, pool.parts, index + 1);
+            if (run_range(pool.job, pool.force_scalar, p0, p1)) atomic_store(&pool.failed, 1);
+            atomic_fetch_sub(&pool.pending, 1);
+        }
+    }
+    return NULL;
+}
+
+/* A forked child has none of its parent's workers: start afresh. */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.dispatch, NULL);
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.cv, NULL);
+    pool.started = 0;
+    atomic_store(&pool.sleepers, 0);
+    atomic_store(&pool.pending, 0);
+}
+
+/* Workers 1 .. want - 1 running (the caller is part 0); returns how many parts can run. */
+static int pool_grow(int want) {
+    static int atfork_done = 0;
+    if (!atfork_done) {
+        pthread_atfork(NULL, NULL, pool_after_fork);
+        atfork_done = 1;
+    }
+    while (pool.started < want - 1) {
+        worker_arg_t *arg = malloc(sizeof *arg);
+        if (!arg) break;
+        arg->index = pool.started + 1;
+        arg->seen = atomic_load(&pool.generation); /* stable: only this dispatcher bumps it */
+        pthread_t tid;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int rc = pthread_create(&tid, &attr, worker_main, arg);
+        pthread_attr_destroy(&attr);
+        if (rc) {
+            free(arg);
+            break;
+        }
+        pool.started++;
+    }
+    return pool.started + 1;
+}
+
+static int run(const job_t *j, int force_scalar, int threads) {
+    const int64_t panels = (j->n + NR - 1) / NR;
+    int64_t parts = threads < MAX_THREADS ? threads : MAX_THREADS;
+    const int64_t by_work = j->m * j->k * j->n / MIN_MACS_PER_THREAD;
+    if (parts > by_work) parts = by_work;
+    if (parts > panels) parts = panels;
+    if (parts <= 1 || pthread_mutex_trylock(&pool.dispatch) != 0) return run_range(j, force_scalar, 0, panels);
+    parts = pool_grow((int)parts);
+    int rc = 0;
+    if (parts <= 1) {
+        rc = run_range(j, force_scalar, 0, panels);
+    } else {
+        pool.job = j;
+        pool.force_scalar = force_scalar;
+        pool.parts = (int)parts;
+        pool.panels = panels;
+        atomic_store(&pool.failed, 0);
+        atomic_store(&pool.pending, (int)parts - 1);
+        atomic_fetch_add(&pool.generation, 1); /* publishes the job (sequentially consistent) */
+        if (atomic_load(&pool.sleepers) > 0) {
+            pthread_mutex_lock(&pool.mu);
+            pthread_cond_broadcast(&pool.cv);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        rc = run_range(j, force_scalar, 0, part_start(panels, (int)parts, 1));
+        int spins = 0;
+        while (atomic_load(&pool.pending) > 0)
+            if (++spins % 1024 == 0) sched_yield(); else cpu_relax();
+        if (atomic_load(&pool.failed)) rc = -1;
+    }
+    pthread_mutex_unlock(&pool.dispatch);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- entry points */
+
 static PyObject *matmul(PyObject *self, PyObject *args) {
-    int fmt, force_scalar = 0;
+    int fmt, force_scalar = 0, threads = 1;
     long long x, y, m, k, n, w, d, mn, bias;
-    if (!PyArg_ParseTuple(args, "LLLiLLLLLL|p", &x, &y, &m, &fmt, &k, &n, &w, &d, &mn, &bias, &force_scalar))
+    if (!PyArg_ParseTuple(args, "LLLiLLLLLL|pi", &x, &y, &m, &fmt, &k, &n, &w, &d, &mn, &bias, &force_scalar,
+                          &threads))
         return NULL;
     if (fmt < FMT_F32 || fmt > FMT_Q4_1 || m < 0 || k <= 0 || n <= 0 || (fmt != FMT_F32 && k % GS) ||
-        (fmt != FMT_F32 && !d) || (fmt == FMT_Q4_1 && !mn)) {
+        (fmt != FMT_F32 && !d) || (fmt == FMT_Q4_1 && !mn) || threads < 1) {
         PyErr_SetString(PyExc_ValueError, "bad packed matmul arguments");
         return NULL;
     }
@@ -372,7 +535,7 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
     int rc = 0;
     if (m > 0) {
         Py_BEGIN_ALLOW_THREADS
-        rc = run(&job, force_scalar);
+        rc = run(&job, force_scalar, threads);
         Py_END_ALLOW_THREADS
     }
     if (rc) return PyErr_NoMemory();
@@ -389,7 +552,7 @@ static PyObject *has_avx2(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"matmul", matmul, METH_VARARGS,
-     "matmul(x, y, m, fmt, k, n, w, d, mn, bias[, force_scalar]): addresses of checked buffers; "
+     "matmul(x, y, m, fmt, k, n, w, d, mn, bias[, force_scalar[, threads]]): addresses of checked buffers; "
      "see model/quant.py"},
     {"has_avx2", has_avx2, METH_NOARGS, "whether the AVX2/FMA/F16C kernels run on this CPU"},
     {NULL, NULL, 0, NULL},

@@ -43,6 +43,22 @@ PANEL = 16  # outputs per panel
 GROUP = 32  # inputs per quantization group
 FORMATS = ("f32", "q8_0", "q4_0", "q4_1")
 _FORMAT_CODE = {name: i for i, name in enumerate(FORMATS)}  # the kernel's numbering
+
+# Threads the native products split their outputs over: process-wide, like torch's own
+# intra-op setting; set through model.threads.set_compute_threads.
+_kernel_threads = 1
+
+
+def set_kernel_threads(n: int) -> None:
+    """The native products use n threads (the calling one and n - 1 workers of the kernel)."""
+    global _kernel_threads
+    if n < 1:
+        raise ValueError(f"threads must be at least 1, got {n}")
+    _kernel_threads = n
+
+
+def kernel_threads() -> int:
+    return _kernel_threads
 _BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # one GGUF block of 32 values
 
 
@@ -281,7 +297,7 @@ def _run_native(x: torch.Tensor, args: tuple[int, ...]) -> torch.Tensor:
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     y = x2.new_empty((x2.shape[0], n))  # [M, N] float32
-    NATIVE.matmul(x2.data_ptr(), y.data_ptr(), x2.shape[0], *args)
+    NATIVE.matmul(x2.data_ptr(), y.data_ptr(), x2.shape[0], *args, False, _kernel_threads)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 

@@ -258,7 +258,10 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
     """Measure and return {"device": catalogue entry, "measurements": raw figures}."""
     import torch
 
+    from model.quant import set_kernel_threads
+
     torch.set_num_threads(threads)
+    set_kernel_threads(threads)
     repeats = 3 if quick else 7
     copy_bw = _bench("engine_throughput").copy_bandwidth(64 << 20 if quick else 256 << 20, repeats)
     batches = (1, 2, 4, 8, 16, 32, 64)

@@ -21,14 +21,14 @@ clear message naming the setting.
                                 # refuses non-zero); LAMINA_GRPC_PORT, LAMINA_METRICS_PORT
     gateway: {port: 8000, api_key: null, max_queue: 256, served_model_name: null,
               insecure: false}   # insecure: serve without api_key on a host other than loopback
-    scheduler: {max_batch_size: 32, max_queue: 256, policy: fcfs}   # policy: fcfs | fpf | relaxed_fpf
+    scheduler: {max_batch_size: 64, max_queue: 256, policy: fcfs}   # policy: fcfs | fpf | relaxed_fpf
     prefill: {workers: 1, threads: 1, cache_block_tokens: 16, cache_device_bytes: 268435456,
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru,
               routing: prefix, routing_load_weight: 1.0}
                                 # workers: prefill processes prefill-0..P-1, each with its own cache
                                 # (cache_dir/prefill-I when P > 1); routing: prefix (the worker holding
                                 # the longest prefix, against its queued tokens) | round_robin
-    model_worker: {threads: 1, workers: 1}
+    model_worker: {threads: 1, workers: 1}   # threads: the packed products' and torch's (LAMINA_MODEL_THREADS)
     pipeline: {micro_batches: 2, min_micro_batch: 16, q_early: false,
                mode: fixed}     # fixed: micro-batches per model worker; rotational: M + 1 over M workers
     attention: {workers: 2, threads: 1, kv_capacity_bytes: 1073741824,
@@ -77,7 +77,7 @@ class GatewaySection:
 
 @dataclass(frozen=True)
 class SchedulerSection:
-    max_batch_size: int = 32
+    max_batch_size: int = 64
     max_queue: int = 256
     policy: str = "fcfs"
 
@@ -324,6 +324,7 @@ ENV_OVERRIDES = {
     "LAMINA_KV_QUANT": "attention.kv_quant",
     "LAMINA_PIPELINE": "pipeline.mode",
     "LAMINA_PREFILL_WORKERS": "prefill.workers",
+    "LAMINA_MODEL_THREADS": "model_worker.threads",
     "LAMINA_PREFILL_ROUTING": "prefill.routing",
     "LAMINA_HOST": "host",
     "LAMINA_ADVERTISE_HOST": "advertise_host",

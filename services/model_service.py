@@ -30,6 +30,7 @@ from lamina.engine.step import StepBatch
 from model.llama import split_llama
 from model.loader import LoadedModel, load_model
 from model.splitter import SliceOutput
+from model.threads import set_compute_threads
 from services.addresses import with_host
 from services.attention_pool import AttentionPool, SeqRows
 from services.config import StackConfig
@@ -223,6 +224,6 @@ class ModelService:
 
 
 def serve(config: StackConfig, threads: int | None = None, index: int = 0) -> None:
-    torch.set_num_threads(threads or config.model_worker.threads)
+    set_compute_threads(threads or config.model_worker.threads)
     transports.install_uvloop()
     asyncio.run(ModelService(config, index).run())

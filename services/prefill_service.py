@@ -35,6 +35,7 @@ from lamina.engine.logprobs import token_logprobs
 from lamina.engine.penalties import PenaltyState, needs_state
 from lamina.engine.sampling import sample
 from lamina.engine.step import LocalAttention, StepBatch
+from model.threads import set_compute_threads
 from services.attention_pool import AttentionPool
 from services.config import StackConfig
 from services.model_service import ModelSlices
@@ -245,6 +246,6 @@ class _PrefillServicer(lamina_pb2_grpc.PrefillServicer):
 
 
 def serve(config: StackConfig, threads: int | None = None, index: int = 0) -> None:
-    torch.set_num_threads(threads or config.prefill.threads)
+    set_compute_threads(threads or config.prefill.threads)
     transports.install_uvloop()
     asyncio.run(PrefillService(config, index).run())

@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads of the packed products (torch's own ops then run on one; default: torch's "
+                        "threads, one per core, for everything)")
     p.add_argument("--json", action="store_true", help='print {"text", "token_ids"} as the last line')
 
 
@@ -39,6 +42,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"lamina generate: {exc}", file=sys.stderr)
         return 2
+    if args.threads is not None:
+        if args.threads < 1:
+            print("lamina generate: --threads must be at least 1", file=sys.stderr)
+            return 2
+        from model.threads import set_compute_threads
+
+        set_compute_threads(args.threads)
     try:
         loaded = load_model(args.model, weights=args.weights)
     except CheckpointError as exc:

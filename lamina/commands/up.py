@@ -15,6 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="HTTP port of the OpenAI API (default 8000)")
     p.add_argument("--attention-workers", type=int, default=None, help="number of attention workers (default 2)")
     p.add_argument("--model-workers", type=int, default=None, help="number of model-slice workers (default 1)")
+    p.add_argument("--model-threads", type=int, default=None,
+                   help="threads of each model worker's products and torch ops (default 1; docs/services.md)")
     p.add_argument("--prefill-workers", type=int, default=None,
                    help="number of prefill workers, each with its own prefix cache (default 1)")
     p.add_argument("--prefill-routing", default=None, choices=("prefix", "round_robin"),
@@ -39,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     config = stack_config(args, **{"gateway.port": args.port, "attention.workers": args.attention_workers,
                                    "model_worker.workers": args.model_workers,
+                                   "model_worker.threads": args.model_threads,
                                    "prefill.workers": args.prefill_workers, "prefill.routing": args.prefill_routing,
                                    "pipeline.micro_batches": args.micro_batches, "pipeline.q_early": args.q_early,
                                    "pipeline.mode": args.pipeline,

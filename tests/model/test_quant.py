@@ -29,12 +29,12 @@ def _weight(fmt: str, n: int, k: int, seed: int = 0) -> PackedWeight:
     return pack_gguf(fmt, raw, n, k)
 
 
-def _run(x: torch.Tensor, pw: PackedWeight, bias=None, scalar: bool = False) -> torch.Tensor:
+def _run(x: torch.Tensor, pw: PackedWeight, bias=None, scalar: bool = False, threads: int = 1) -> torch.Tensor:
     y = torch.empty(x.shape[0], pw.n)
     args = (quant._FORMAT_CODE[pw.fmt], pw.k, pw.n, pw.values.data_ptr(),
             0 if pw.scale is None else pw.scale.data_ptr(), 0 if pw.minimum is None else pw.minimum.data_ptr(),
             0 if bias is None else bias.data_ptr())
-    quant.NATIVE.matmul(x.data_ptr(), y.data_ptr(), x.shape[0], *args, scalar)
+    quant.NATIVE.matmul(x.data_ptr(), y.data_ptr(), x.shape[0], *args, scalar, threads)
     return y
 
 
@@ -123,6 +123,63 @@ def test_kernel_matches_dequantize_then_matmul(fmt, m):
     scale = x.abs().double() @ w.abs().double().t() + bias.abs().double()
     for y in (packed_matmul(x, pw, bias), _run(x, pw, bias, scalar=True)):
         assert ((y.double() - exact).abs() <= scale * 2**-20).all()
+
+
+@native
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scalar", [False, True], ids=["avx2", "portable"])
+def test_threads_split_the_outputs_without_changing_a_bit(fmt, scalar):
+    """Each output is computed by one thread in the one-thread order, so any thread count
+    gives the same bits: uneven splits (33 panels over 2, 3 and 7 threads), more threads
+    than panels, calls too small to split, and the pool reused call after call."""
+    if not scalar and not quant.NATIVE.has_avx2():
+        pytest.skip("this CPU has no AVX2/FMA/F16C")
+    pw = _weight(fmt, 520, 256)  # 33 panels, the last one padded
+    bias = torch.randn(520)
+    for m in (1, 7, 40):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+        one = _run(x, pw, bias, scalar=scalar)
+        for threads in (2, 3, 7, 64):
+            assert torch.equal(_run(x, pw, bias, scalar=scalar, threads=threads), one), (m, threads)
+    small = _weight(fmt, 16, 32)  # one panel: nothing to split
+    x = torch.randn(2, 32)
+    assert torch.equal(_run(x, small, threads=4), _run(x, small))
+    with pytest.raises(ValueError):
+        _run(x, small, threads=0)
+
+
+@native
+def test_compute_threads_reach_the_kernel_and_survive_a_fork():
+    """set_compute_threads gives the products their threads and torch one; a forked child
+    has none of the parent's workers and starts its own."""
+    import multiprocessing as mp
+
+    from model.threads import compute_threads, set_compute_threads
+
+    pw = _weight("q4_1", 1024, 512)
+    x = torch.randn(24, 512)
+    before = torch.get_num_threads()
+    try:
+        one = packed_matmul(x, pw)
+        set_compute_threads(2)
+        assert (compute_threads(), torch.get_num_threads()) == (2, 1)
+        assert torch.equal(packed_matmul(x, pw), one)  # starts the parent's workers
+        ctx = mp.get_context("fork")
+        with ctx.Pool(1) as child:
+            got = child.apply_async(_fork_product, (x, pw)).get(timeout=60)
+        assert torch.equal(got, one)
+        with pytest.raises(ValueError, match="at least 1"):
+            set_compute_threads(0)
+    finally:
+        set_compute_threads(1)
+        torch.set_num_threads(before)
+
+
+def _fork_product(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    from model.threads import compute_threads
+
+    assert compute_threads() == 2  # inherited: the setting, not the workers
+    return packed_matmul(x, pw)
 
 
 @native

@@ -60,6 +60,13 @@ def test_weight_choices_are_the_loaders():
         load_config(env={"LAMINA_WEIGHTS": "fp8"})
 
 
+def test_model_worker_threads_from_environment_and_flags():
+    assert load_config(env={"LAMINA_MODEL_THREADS": "2"}).model_worker.threads == 2
+    assert load_config(env={}, overrides={"model_worker.threads": 3}).model_worker.threads == 3
+    with pytest.raises(ConfigError, match="model_worker.threads"):
+        load_config(env={"LAMINA_MODEL_THREADS": "0"})
+
+
 def test_the_rotational_pipeline_steps_one_more_micro_batch_than_model_workers():
     rotational = load_config(env={"LAMINA_PIPELINE": "rotational"}, overrides={"model_worker.workers": 3})
     assert (rotational.rotational, rotational.decode_micro_batches) == (True, 4)
