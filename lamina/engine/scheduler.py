@@ -15,7 +15,7 @@ from lamina.engine.sequence import Sequence
 
 @dataclass(frozen=True)
 class SchedulerLimits:
-    max_batch_size: int = 32  # sequences in one step
+    max_batch_size: int = 64  # sequences in one step
     max_step_tokens: int = 2048  # new tokens in one step (prompt tokens count in full)
 
     def __post_init__(self) -> None:
