@@ -5,7 +5,8 @@ Compared, in one run, each in turn:
   slot per request (`-np N`, `-c N x 128` so every slot holds prompt and output), over
   its OpenAI API; found or built by `bench/llama_cpp.py` (a build takes about 8 minutes on
   2 cores and is cached outside the checkout);
-- `lamina up` with its defaults (each `--weights` choice in turn), over the OpenAI API;
+- `lamina up` with its defaults (each `--weights` choice in turn, and each
+  `--up-model-threads` value: the model worker's threads), over the OpenAI API;
 - Lamina's local engine in this process (`Engine` with its defaults) with 1 and 2 torch
   threads, for each `--weights` choice.
 
@@ -23,7 +24,7 @@ the way out, also on Ctrl-C, SIGTERM or an error, and ends with this process if 
 killed outright (`lamina.lifetime`).
 
     python bench/cpu_anchor.py [--requests 48 --prompt-tokens 15 --output-tokens 96
-                                --llama-threads 2 --weights as_file,float32]
+                                --llama-threads 2 --weights as_file,float32 --up-model-threads default,2]
 """
 
 from __future__ import annotations
@@ -152,11 +153,13 @@ def run_llama_server(binary: Path, gguf: Path, prompts, output_tokens: int, thre
         _stop(proc)
 
 
-def run_lamina_up(weights: str, prompts, output_tokens: int, log_dir: Path) -> dict:
+def run_lamina_up(weights: str, prompts, output_tokens: int, log_dir: Path, model_threads: int | None = None) -> dict:
     port = free_port()
     argv = [sys.executable, "-m", "lamina.cli", "up", "--port", str(port), "--weights", weights]
-    log = log_dir / f"lamina-up-{weights}.log"
-    print(f"  lamina up --port {port} --weights {weights}", flush=True)
+    if model_threads is not None:
+        argv += ["--model-threads", str(model_threads)]
+    log = log_dir / f"lamina-up-{weights}-{model_threads}.log"
+    print(f"  {' '.join(argv[3:])}", flush=True)
     proc = None
     try:
         with open(log, "w") as err:
@@ -188,10 +191,9 @@ def run_lamina_up(weights: str, prompts, output_tokens: int, log_dir: Path) -> d
 
 
 def run_engine(weights: str, prompts, output_tokens: int, threads_list: list[int]) -> dict[int, dict]:
-    import torch
-
     from lamina.engine import Engine, SamplingParams
     from model.loader import load_model
+    from model.threads import set_compute_threads
 
     loaded = load_model(weights=weights)
     engine = Engine(loaded)
@@ -199,7 +201,7 @@ def run_engine(weights: str, prompts, output_tokens: int, threads_list: list[int
     results = {}
     try:
         for threads in threads_list:
-            torch.set_num_threads(threads)
+            set_compute_threads(threads)  # the products on `threads` threads, torch's ops on one
             engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
             start = time.perf_counter()
             outs = engine.generate(prompts, params)
@@ -212,7 +214,7 @@ def run_engine(weights: str, prompts, output_tokens: int, threads_list: list[int
             print(f"  local engine, {weights}, {threads} thread(s): {results[threads]['tok_s']:.1f} tok/s",
                   flush=True)
     finally:
-        torch.set_num_threads(1)
+        set_compute_threads(1)
     return results
 
 
@@ -233,10 +235,13 @@ def main() -> None:
     ap.add_argument("--weights", default="as_file",
                     help="Lamina weights to run, comma-separated, side by side (as_file,float32,q8_0,q4)")
     ap.add_argument("--engine-threads", default="1,2", help="torch threads of the local engine, comma-separated")
+    ap.add_argument("--up-model-threads", default="default",
+                    help="lamina up --model-threads values to run, comma-separated ('default': none given)")
     ap.add_argument("--skip-llama", action="store_true", help="run only the Lamina rows")
     args = ap.parse_args()
     weights_list = [w.strip() for w in args.weights.split(",") if w.strip()]
     engine_threads = [int(t) for t in args.engine_threads.split(",")]
+    up_threads = [None if t.strip() == "default" else int(t) for t in args.up_model_threads.split(",")]
     _raise_on_sigterm()
 
     from model.loader import load_tokenizer, resolve_checkpoint
@@ -273,9 +278,11 @@ def main() -> None:
                              f"{args.requests} slots", **r})
                 print(f"  llama-server: {r['tok_s']:.1f} tok/s", flush=True)
             for w in weights_list:
-                r = run_lamina_up(w, prompts, args.output_tokens, log_dir)
-                rows.append({"system": "lamina_up", "weights": w, "name": f"lamina up, weights {w}", **r})
-                print(f"  lamina up, {w}: {r['tok_s']:.1f} tok/s", flush=True)
+                for t in up_threads:
+                    r = run_lamina_up(w, prompts, args.output_tokens, log_dir, t)
+                    name = f"lamina up, weights {w}" + (f", --model-threads {t}" if t is not None else "")
+                    rows.append({"system": "lamina_up", "weights": w, "model_threads": t, "name": name, **r})
+                    print(f"  {name}: {r['tok_s']:.1f} tok/s", flush=True)
             for w in weights_list:
                 for threads, r in run_engine(w, prompts, args.output_tokens, engine_threads).items():
                     rows.append({"system": "local_engine", "weights": w, "threads": threads,
@@ -293,7 +300,10 @@ def main() -> None:
         print(f"{r['name']:44s} {r['tok_s']:8.1f} {r['seconds']:8.1f}  {ratio}  {r['prompt_tokens']}")
 
     first = weights_list[0] if weights_list else None
+    # The target is lamina up as a user starts it: its defaults (or the first --up-model-threads).
     up = next((r["tok_s"] for r in rows if r["system"] == "lamina_up" and r["weights"] == first), None)
+    up_by_threads = {str(r["model_threads"] or "default"): r["tok_s"] for r in rows
+                     if r["system"] == "lamina_up" and r["weights"] == first}
     local = {r["threads"]: r["tok_s"] for r in rows if r["system"] == "local_engine" and r["weights"] == first}
     best_local = max(local.values()) if local else None
     targets = {}
@@ -306,7 +316,8 @@ def main() -> None:
             print(f"target {name} ({first}): {'met' if ok else 'MISSED'}")
     print(json.dumps({
         "llama_cpp_tok_s": llama, "lamina_up_tok_s": up, "local_engine_tok_s": best_local,
-        "local_engine_tok_s_by_threads": local, "weights": first,
+        "local_engine_tok_s_by_threads": local, "lamina_up_tok_s_by_model_threads": up_by_threads,
+        "weights": first,
         "lamina_up_vs_llama_cpp": up / llama if llama and up else None,
         "local_engine_vs_llama_cpp": best_local / llama if llama and best_local else None,
         "targets": targets, "llama_cpp_unavailable": llama_why, "llama_server_version": llama_version,
