@@ -12,7 +12,8 @@ Compared, in one run:
   model worker(s), attention workers, each its own process; tcp by default), over the
   OpenAI API with streaming, with 1, 2 and 3 micro-batches, Q-early on and off at
   2 micro-batches, and the rotational form over M model workers with M + 1
-  micro-batches (`--rotational`, default M = 2);
+  micro-batches (`--rotational`, default M = 2), and with `--model-threads 1,T` the
+  model worker's products on T threads at 1 and 2 micro-batches;
 - attention alone, per layer, for the same batch and contexts: the attention
   worker's core (services.attention_core) against the local engine's attention.
 
@@ -197,7 +198,8 @@ async def _drive(url: str, model: str, prompts: list[list[int]], steps: int) -> 
 
 
 def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batches: int, q_early: bool,
-              model_workers: int, kv_bytes: int, weights: str, mode: str = "fixed", attention_workers: int = 2) -> dict:
+              model_workers: int, kv_bytes: int, weights: str, mode: str = "fixed", attention_workers: int = 2,
+              model_threads: int = 1) -> dict:
     import openai
 
     from services.config import (AttentionSection, ModelWorkerSection, PipelineSection, SchedulerSection,
@@ -207,7 +209,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
     config = StackConfig(transport=transport, weights=weights,
                          scheduler=SchedulerSection(max_batch_size=len(prompts), max_queue=max(256, len(prompts))),
                          attention=AttentionSection(workers=attention_workers, kv_capacity_bytes=kv_bytes),
-                         model_worker=ModelWorkerSection(workers=model_workers),
+                         model_worker=ModelWorkerSection(workers=model_workers, threads=model_threads),
                          # Exactly the micro-batches asked for, however small they get.
                          pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1,
                                                   mode=mode))
@@ -284,7 +286,8 @@ def _row_name(key: str) -> str:
     if key.startswith("rot"):
         m = int(key[3:])
         return f"stack, rotational, {m} mw x {m + 1} mb"
-    return f"stack, {key[2:]} micro-batch(es)"
+    mb, _, threads = key[2:].partition("-t")
+    return f"stack, {mb} micro-batch(es)" + (f", model worker {threads} threads" if threads else "")
 
 
 def main() -> None:
@@ -296,6 +299,9 @@ def main() -> None:
     ap.add_argument("--transport", default="tcp")
     ap.add_argument("--model-workers", type=int, default=1)
     ap.add_argument("--micro-batches", default="1,2,3", help="the stack's micro-batch counts to run")
+    ap.add_argument("--model-threads", default="1",
+                    help="the model worker's thread counts, comma-separated: each beyond 1 adds runs at 1 and 2 "
+                         "micro-batches (rows mb1-tT, mb2-tT)")
     ap.add_argument("--no-q-early", action="store_true", help="skip the Q-early run")
     ap.add_argument("--rotational", default="2",
                     help="model-worker counts M to run the rotational pipeline with (M + 1 micro-batches), "
@@ -346,6 +352,12 @@ def main() -> None:
             stack[f"mb{mb}"] = median_of(lambda: run_stack(prompts, args.steps, args.transport, mb, False,
                                                            args.model_workers, kv_bytes, weights))
             print(f"  stack, {mb} micro-batch(es): {stack[f'mb{mb}']['tok_s']:.1f} tok/s", flush=True)
+        for t in [int(t) for t in args.model_threads.split(",") if int(t) > 1]:
+            for mb in (1, 2):
+                key = f"mb{mb}-t{t}"
+                stack[key] = median_of(lambda: run_stack(prompts, args.steps, args.transport, mb, False,
+                                                         args.model_workers, kv_bytes, weights, model_threads=t))
+                print(f"  {_row_name(key)}: {stack[key]['tok_s']:.1f} tok/s", flush=True)
         for m in [int(m) for m in args.rotational.split(",") if m]:
             stack[f"rot{m}"] = median_of(lambda: run_stack(prompts, args.steps, args.transport, m + 1, False, m,
                                                            kv_bytes, weights, mode="rotational"))
