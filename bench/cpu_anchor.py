@@ -159,7 +159,7 @@ def run_lamina_up(weights: str, prompts, output_tokens: int, log_dir: Path, mode
     if model_threads is not None:
         argv += ["--model-threads", str(model_threads)]
     log = log_dir / f"lamina-up-{weights}-{model_threads}.log"
-    print(f"  {' '.join(argv[3:])}", flush=True)
+    print(f"  lamina {' '.join(argv[3:])}", flush=True)
     proc = None
     try:
         with open(log, "w") as err:
