@@ -275,7 +275,9 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
             f"lamina_{kind}_compute_seconds_total", 0)
         send = after[sid].get(f"lamina_{kind}_send_seconds_total", 0) - before[sid].get(
             f"lamina_{kind}_send_seconds_total", 0)
-        shares[sid] = {"compute": comp / wall, "send": send / wall, "wait": max(0.0, 1 - (comp + send) / wall)}
+        cpu = after[sid].get("process_cpu_seconds_total", 0) - before[sid].get("process_cpu_seconds_total", 0)
+        shares[sid] = {"compute": comp / wall, "send": send / wall, "wait": max(0.0, 1 - (comp + send) / wall),
+                       "cpu": cpu / wall}  # cpu: the whole process (event loop, frames, sampling included)
     model_c = sum(v["compute"] for k, v in shares.items() if k.startswith("model"))
     attn_c = sum(v["compute"] for k, v in shares.items() if k.startswith("attention"))
     return {"tok_s": tokens / wall, "tokens": tokens, "seconds": wall, "shares": shares,

@@ -188,7 +188,7 @@ STACK_POINT = (8, 64, 12)
 def measure_stack_overhead(entry: dict[str, Any]) -> dict[str, Any]:
     """The services' own costs: a small decode through the stack as `lamina up` starts it
     (bench/decode_pipeline.py's run_stack, TCP, float32 weights), whose model and attention
-    workers' compute CPU and wall step time, less what the models predict from the kernel
+    workers' process CPU and wall step time, less what the models predict from the kernel
     measurements in `entry`, give the per-slice, per-frame and per-exchange terms."""
     from dataclasses import fields
 
@@ -205,8 +205,10 @@ def measure_stack_overhead(entry: dict[str, Any]) -> dict[str, Any]:
     kv_bytes = batch * (context + steps + 64) * cfg.kv_bytes_per_token() + (64 << 20)
     run = pipeline.run_stack(prompts, steps, "tcp", 1, False, 1, kv_bytes, "float32", attention_workers=1)
     steps_timed = run["tokens"] / batch
-    model_cpu = sum(v["compute"] for k, v in run["shares"].items() if k.startswith("model")) * run["seconds"]
-    attention_cpu = sum(v["compute"] for k, v in run["shares"].items() if k.startswith("attention")) * run["seconds"]
+    # The processes' whole CPU (process_cpu_seconds_total): the model worker's sends, event
+    # loop and sampling occupy its core as its slices do, and likewise an attention worker's.
+    model_cpu = sum(v["cpu"] for k, v in run["shares"].items() if k.startswith("model")) * run["seconds"]
+    attention_cpu = sum(v["cpu"] for k, v in run["shares"].items() if k.startswith("attention")) * run["seconds"]
     measured = StackRun(batch, context + steps / 2, run["seconds"] / steps_timed, model_cpu / steps_timed,
                         attention_cpu / steps_timed)
     terms = stack_overhead_terms(shape, device_from_entry(THIS_MACHINE, entry), measured)
@@ -218,7 +220,7 @@ def measure_stack_overhead(entry: dict[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class StackRun:
     """Per decode step of a stack with one model worker, one attention worker and one
-    micro-batch: wall seconds, and the compute CPU seconds of each worker."""
+    micro-batch: wall seconds, and the CPU seconds of each worker's process."""
 
     batch: int
     context: float

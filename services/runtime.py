@@ -41,6 +41,9 @@ class ServiceRuntime:
         self.config = config
         self.store = MetadataStore(MetadataConfig(url=config.redis_url, namespace=config.namespace))
         self.registry = prometheus_client.CollectorRegistry()
+        # process_cpu_seconds_total, resident memory, open descriptors: the whole process's
+        # cost beside each service's own counters (Linux only; elsewhere it exports nothing).
+        prometheus_client.ProcessCollector(registry=self.registry)
         self.grpc_address: str | None = None
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
