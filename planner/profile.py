@@ -1,13 +1,13 @@
 """Measure this machine for the planner: what `lamina profile` runs.
 
 It reuses the benchmarks' code: the copy bandwidth of bench/engine_throughput.py, the
-decoder layer shapes of bench/packed_matmul.py, the TCP transport ping-pong of
+decoder layer shapes of bench/packed_matmul.py, the transport ping-pong of
 bench/transport_pingpong.py; so it runs from a source checkout (bench/ beside planner/).
 Measured: the engine's matmul kernel over float32 and packed Q8_0, Q4_0 and Q4_1 weights at
 several batch sizes (each layer its own weights, so they are read from memory as in a
 decode step), decode attention over float32 and q4 KV at several batch sizes and contexts
 with the engine's kernel (model.kv_attention), the q4 quantization of new KV rows, a
-large tensor copy, and the TCP transport's round trip and bandwidth; then the engine's own decode step at two
+large tensor copy, and every transport's round trip and bandwidth (TCP's feed the models); then the engine's own decode step at two
 batch sizes, whose gap to the models' prediction from those kernels is the overhead of
 everything else in a layer (a per-layer and a per-token term). The result is a
 catalogue entry for `this-machine` (effective figures, so both efficiencies are 1) and
@@ -130,10 +130,24 @@ def measure_kv_quantize(tokens: int, repeats: int) -> float:
     return _median_time(lambda: rows.quantize(x), repeats) / x.numel()
 
 
-def measure_transport(quick: bool = True) -> dict[str, Any]:
-    """The TCP transport's round trip (64 B) and bandwidth (1 MiB) on loopback."""
-    res = _bench("transport_pingpong").bench_transport("tcp", [64, 1 << 20], quick)
+TRANSPORTS = ("tcp", "shm", "ucx", "rdma", "fhbn")
+
+
+def measure_transport(quick: bool = True, scheme: str = "tcp") -> dict[str, Any]:
+    """One transport's round trip (64 B) and bandwidth (1 MiB) on loopback."""
+    res = _bench("transport_pingpong").bench_transport(scheme, [64, 1 << 20], quick)
     return {"rtt_us_64B": res["rtt_us"]["64"], "gbit_s_1MiB": res["gbps"][str(1 << 20)]}
+
+
+def measure_transports(quick: bool = True) -> dict[str, dict[str, Any]]:
+    """Every transport's figures where this machine runs it, else {"unavailable": why}."""
+    import transports
+
+    out: dict[str, dict[str, Any]] = {}
+    for scheme in TRANSPORTS:
+        why = transports.availability(scheme)
+        out[scheme] = {"unavailable": why} if why is not None else measure_transport(quick, scheme)
+    return out
 
 
 # (batch, prompt) of the two engine steps that calibrate the overhead; the validation's
@@ -272,7 +286,8 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
     packed = {fmt: measure_linear(batches, layers, repeats, fmt) for fmt in PACKED_FORMATS}
     attention = measure_attention(((1, 256), (16, 256), (16, 1024), (64, 512)), repeats)
     kv_quantize = measure_kv_quantize(64, repeats * 10)
-    transport = measure_transport(quick=True)
+    by_transport = measure_transports(quick=True)
+    transport = by_transport["tcp"]  # the default transport: the network figures the models use
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     src = f"measured by lamina profile, {when}, {threads} torch threads"
     # The memory figure the models use is what a decode step gets: the best of a plain
@@ -331,4 +346,4 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
         "copy_bytes_s": copy_bw, "services": services, "linear": {str(k): v for k, v in linear.items()},
         "packed_linear": {fmt: {str(k): v for k, v in table.items()} for fmt, table in packed.items()},
         "kv_q4_quantize_s_per_element": kv_quantize,
-        "attention": attention, "transport": transport, "overhead": overhead}}
+        "attention": attention, "transport": transport, "transports": by_transport, "overhead": overhead}}

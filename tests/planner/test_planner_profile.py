@@ -28,7 +28,13 @@ def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
     from lamina.cli import main
 
     fake = {"rtt_us_64B": 100.0, "gbit_s_1MiB": 4.0}
-    monkeypatch.setattr(prof, "measure_transport", lambda quick=True: fake)  # no server process in a unit test
+    measured = []
+
+    def fake_transport(quick=True, scheme="tcp"):  # no server process in a unit test
+        measured.append(scheme)
+        return fake
+
+    monkeypatch.setattr(prof, "measure_transport", fake_transport)
     monkeypatch.setattr(prof, "measure_linear",
                         lambda b, layers, repeats, fmt="f32": measure_linear((1, 2), 1, 1, fmt))
     monkeypatch.setattr(prof, "measure_attention", lambda cases, repeats: measure_attention(((1, 32),), 1))
@@ -39,7 +45,16 @@ def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
                         lambda entry: {"slice_s": 2e-4, "frame_s": 3e-4, "exchange_s": 5e-4})
     out = tmp_path / "profile.json"
     assert main(["profile", "--quick", "--out", str(out)]) == 0
-    dev = device_from_entry(THIS_MACHINE, json.loads(out.read_text())["device"])
+    written = json.loads(out.read_text())
+    dev = device_from_entry(THIS_MACHINE, written["device"])
+    # Every transport this machine runs is measured; the others say why not.
+    import transports
+
+    runnable = [s for s in prof.TRANSPORTS if transports.availability(s) is None]
+    assert measured == runnable and "tcp" in runnable
+    for scheme in prof.TRANSPORTS:
+        figures = written["measurements"]["transports"][scheme]
+        assert figures == fake if scheme in runnable else figures["unavailable"]
     assert dev.network_latency == pytest.approx(50e-6) and dev.linear_s_per_param
     assert dev.layer_overhead_s == pytest.approx(1e-4) and dev.token_overhead_s == 0.0
     assert set(dev.packed_linear_s_per_param) == {"q8_0", "q4_0", "q4_1"}
