@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -24,8 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--threads", type=int, default=None,
-                   help="threads of the packed products (torch's own ops then run on one; default: torch's "
-                        "threads, one per core, for everything)")
+                   help="threads of the packed products; torch's own ops run on one (default: the cores "
+                        "this process may run on)")
     p.add_argument("--json", action="store_true", help='print {"text", "token_ids"} as the last line')
 
 
@@ -42,13 +43,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"lamina generate: {exc}", file=sys.stderr)
         return 2
-    if args.threads is not None:
-        if args.threads < 1:
-            print("lamina generate: --threads must be at least 1", file=sys.stderr)
-            return 2
-        from model.threads import set_compute_threads
+    threads = args.threads if args.threads is not None else len(os.sched_getaffinity(0))
+    if threads < 1:
+        print("lamina generate: --threads must be at least 1", file=sys.stderr)
+        return 2
+    from model.threads import set_compute_threads
 
-        set_compute_threads(args.threads)
+    set_compute_threads(threads)
     try:
         loaded = load_model(args.model, weights=args.weights)
     except CheckpointError as exc:

@@ -301,3 +301,24 @@ def test_logits_with_file_weights_match_transformers(as_file_model, hf_reference
     with torch.no_grad():
         ref = hf_reference(ids[None]).logits[0]
     torch.testing.assert_close(_our_logits(as_file_model, ids), ref, rtol=0, atol=2e-4)
+
+
+def test_lamina_generate_threads_give_the_same_tokens(loaded_model, capsys):
+    """`lamina generate --threads N` runs the products on N threads and prints the same
+    greedy tokens whatever N; a count below one is refused."""
+    import json
+
+    from lamina.cli import main
+    from model.threads import set_compute_threads
+
+    argv = ["generate", "--prompt", "The capital of France is", "--max-tokens", "6", "--json"]
+    try:
+        outs = []
+        for threads in ("1", "2"):
+            assert main([*argv, "--threads", threads]) == 0
+            outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"])
+        assert outs[0] == outs[1] and len(outs[0]) == 6
+        assert main([*argv, "--threads", "0"]) == 2
+        assert "--threads must be at least 1" in capsys.readouterr().err
+    finally:
+        set_compute_threads(1)
