@@ -1,9 +1,9 @@
 """The request journal: each live request's prompt and the tokens generated so far.
 
-A lost attention worker's KV is rebuilt by replaying prompt + generated ids, so the
-front end keeps them for every request in flight. The gateway writes the journal
-(`begin` at admission, `extend` on each token event, `end` when the request is
-over for any reason); a backend reads it with `get` / `request_ids`.
+The gateway writes it (`begin` at admission, `extend` on each token event, `end` when
+the request is over for any reason) for a backend that wants prompt and generated ids
+(`get` / `request_ids`). The stack's scheduler does not read it: it rebuilds a lost
+attention worker's KV from its own records and its journal in Redis (services/journal.py).
 
 Ownership: one journal per app, created by whoever builds the app (and handed to
 the backend that needs it). It is touched only from the event loop's thread, so

@@ -24,17 +24,18 @@ clear message naming the setting.
     scheduler: {max_batch_size: 64, max_queue: 256, policy: fcfs}   # policy: fcfs | fpf | relaxed_fpf
     prefill: {workers: 1, threads: 1, cache_block_tokens: 16, cache_device_bytes: 268435456,
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru,
-              routing: prefix, routing_load_weight: 1.0}
+              routing: prefix, routing_load_weight: 1.0, max_batch_tokens: 2048, batch_window_ms: 5.0}
                                 # workers: prefill processes prefill-0..P-1, each with its own cache
                                 # (cache_dir/prefill-I when P > 1); routing: prefix (the worker holding
                                 # the longest prefix, against its queued tokens) | round_robin
-    model_worker: {threads: 1, workers: 1}   # threads: the packed products' and torch's (LAMINA_MODEL_THREADS)
+    model_worker: {threads: 1, workers: 1}   # threads: the packed products' (torch's ops run on one);
+                                # LAMINA_MODEL_THREADS
     pipeline: {micro_batches: 2, min_micro_batch: 16, q_early: false,
                mode: fixed}     # fixed: micro-batches per model worker; rotational: M + 1 over M workers
     attention: {workers: 2, threads: 1, kv_capacity_bytes: 1073741824,
                 kv_quant: none}    # none | q4: KV rows stored 4-bit group-wise (docs/model.md)
     data_plane: {busy_poll_us: null, checksum_payloads: false, shm_ring_bytes: 16777216,
-                 ucx_progress_mode: blocking, ucx_tls: null}   # see docs/transports.md
+                 ucx_progress_mode: blocking, ucx_tls: null, native_frames: true}   # see docs/transports.md
     deadlines: {reply_s: 10, rpc_s: 30, step_s: 30, health_s: 2, recovery_s: 120}   # every wait on a peer (docs/reliability.md)
 """
 

@@ -16,7 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-workers", type=int, default=None, help="number of attention workers (default 2)")
     p.add_argument("--model-workers", type=int, default=None, help="number of model-slice workers (default 1)")
     p.add_argument("--model-threads", type=int, default=None,
-                   help="threads of each model worker's products and torch ops (default 1; docs/services.md)")
+                   help="threads of each model worker's packed products; torch's ops run on one (default 1; "
+                        "docs/model.md, Threads)")
     p.add_argument("--prefill-workers", type=int, default=None,
                    help="number of prefill workers, each with its own prefix cache (default 1)")
     p.add_argument("--prefill-routing", default=None, choices=("prefix", "round_robin"),
