@@ -382,14 +382,16 @@ static struct {
     pthread_mutex_t mu;       /* with cv: sleeping workers */
     pthread_cond_t cv;
     int started;              /* workers running: indices 1 .. started */
-    atomic_ulong generation;  /* bumped for every job handed out */
+    /* (generation << 8) | parts: one word, so that a worker learns whether it takes part
+     * in a job together with the job's generation (a worker that sat one job out must not
+     * read the next job's part count as the old one's: it would run its range twice) */
+    atomic_ulong ticket;
     atomic_int sleepers;
     atomic_int pending;       /* workers that have not finished the current job */
     atomic_int failed;
-    /* the current job, written before generation is bumped */
+    /* the current job, written before the ticket is published, read only by its parts */
     const job_t *job;
     int force_scalar;
-    int parts;
     int64_t panels;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
@@ -409,7 +411,7 @@ static inline void cpu_relax(void) {
 
 typedef struct {
     int index;
-    unsigned long seen; /* the generation when it was started: the next one is its first job */
+    unsigned long seen; /* the ticket when it was started: the next one is its first job */
 } worker_arg_t;
 
 static void *worker_main(void *arg) {
@@ -419,26 +421,27 @@ static void *worker_main(void *arg) {
     unsigned long seen = start.seen;
     for (;;) {
         /* wait for a new job: spin a while, then sleep */
-        unsigned long gen = atomic_load(&pool.generation);
-        if (gen == seen) {
+        unsigned long ticket = atomic_load(&pool.ticket);
+        if (ticket == seen) {
             const long long until = now_ns() + SPIN_NS;
             int spins = 0;
-            while ((gen = atomic_load(&pool.generation)) == seen) {
+            while ((ticket = atomic_load(&pool.ticket)) == seen) {
                 cpu_relax();
                 if (++spins % 64 == 0 && now_ns() > until) break;
             }
-            if (gen == seen) {
+            if (ticket == seen) {
                 pthread_mutex_lock(&pool.mu);
                 atomic_fetch_add(&pool.sleepers, 1);
-                while ((gen = atomic_load(&pool.generation)) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+                while ((ticket = atomic_load(&pool.ticket)) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
                 atomic_fetch_sub(&pool.sleepers, 1);
                 pthread_mutex_unlock(&pool.mu);
             }
         }
-        seen = gen;
-        if (index < pool.parts) {
-            const int64_t p0 = part_start(pool.panels, pool.parts, index);
-            const int64_t p1 = part_start(pool.panels, pool.parts, index + 1);
+        seen = ticket;
+        const int parts = (int)(ticket & 0xff);
+        if (index < parts) { /* the dispatcher waits for this part: the job's fields stay put */
+            const int64_t p0 = part_start(pool.panels, parts, index);
+            const int64_t p1 = part_start(pool.panels, parts, index + 1);
             if (run_range(pool.job, pool.force_scalar, p0, p1)) atomic_store(&pool.failed, 1);
             atomic_fetch_sub(&pool.pending, 1);
         }
@@ -467,7 +470,7 @@ static int pool_grow(int want) {
         worker_arg_t *arg = malloc(sizeof *arg);
         if (!arg) break;
         arg->index = pool.started + 1;
-        arg->seen = atomic_load(&pool.generation); /* stable: only this dispatcher bumps it */
+        arg->seen = atomic_load(&pool.ticket); /* stable: only this dispatcher publishes */
         pthread_t tid;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
@@ -497,11 +500,12 @@ static int run(const job_t *j, int force_scalar, int threads) {
     } else {
         pool.job = j;
         pool.force_scalar = force_scalar;
-        pool.parts = (int)parts;
         pool.panels = panels;
         atomic_store(&pool.failed, 0);
         atomic_store(&pool.pending, (int)parts - 1);
-        atomic_fetch_add(&pool.generation, 1); /* publishes the job (sequentially consistent) */
+        /* publishes the job (sequentially consistent: its fields are visible to the parts) */
+        const unsigned long generation = (atomic_load(&pool.ticket) >> 8) + 1;
+        atomic_store(&pool.ticket, (generation << 8) | (unsigned long)parts);
         if (atomic_load(&pool.sleepers) > 0) {
             pthread_mutex_lock(&pool.mu);
             pthread_cond_broadcast(&pool.cv);
