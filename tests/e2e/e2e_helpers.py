@@ -83,11 +83,13 @@ def service_metric(stack: Stack, kind: str, service_id: str, name: str) -> float
     raise AssertionError(f"the metrics of {service_id} lack {name}")
 
 
-def complete(stack: Stack, prompt: list[int], max_tokens: int) -> dict:
-    """One greedy /v1/completions call with a prompt of token ids; the response's JSON."""
+def complete(stack: Stack, prompt: list[int], max_tokens: int, **extra) -> dict:
+    """One greedy /v1/completions call with a prompt of token ids (and `extra` fields in its
+    body); the response's JSON."""
     with urllib.request.urlopen(stack.base_url + "/v1/models", timeout=30) as r:
         model = json.loads(r.read())["data"][0]["id"]
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       **extra}).encode()
     req = urllib.request.Request(stack.base_url + "/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())

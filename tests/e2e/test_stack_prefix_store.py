@@ -81,9 +81,12 @@ async def _check(stack, cfg, section: PrefillSection) -> None:
             assert set(await store.get_block(h)) == {"prefill-0"}
 
         # A longer request: its placement names its worker and grows; it is gone at the end.
+        # 96 tokens whatever the model says (placements are written every 0.5 s: a decode
+        # that ends at an early EOS, or within one period, would never be seen growing).
         prompt = [6000 + i for i in range(40)]
         done = threading.Event()
-        thread = threading.Thread(target=lambda: (complete(stack, prompt, max_tokens=16), done.set()))
+        thread = threading.Thread(target=lambda: (complete(stack, prompt, max_tokens=96, ignore_eos=True),
+                                                  done.set()))
         thread.start()
 
         async def growing_placement():
