@@ -7,8 +7,8 @@ Compared, in one run, each in turn:
   2 cores and is cached outside the checkout);
 - `lamina up` with its defaults (each `--weights` choice in turn, and each
   `--up-model-threads` value: the model worker's threads), over the OpenAI API;
-- Lamina's local engine in this process (`Engine` with its defaults) with 1 and 2 torch
-  threads, for each `--weights` choice.
+- Lamina's local engine in this process (`Engine` with its defaults) with 1 and 2 compute
+  threads (the packed products' threads; torch's ops on one), for each `--weights` choice.
 
 Workload: N concurrent completions (48), each a distinct prompt of P token ids (15) and
 exactly T output tokens (96: `ignore_eos`, checked in every reply), greedy. The servers
@@ -234,7 +234,7 @@ def main() -> None:
     ap.add_argument("--llama-threads", type=int, default=2, help="llama-server --threads")
     ap.add_argument("--weights", default="as_file",
                     help="Lamina weights to run, comma-separated, side by side (as_file,float32,q8_0,q4)")
-    ap.add_argument("--engine-threads", default="1,2", help="torch threads of the local engine, comma-separated")
+    ap.add_argument("--engine-threads", default="1,2", help="compute threads of the local engine (model.threads.set_compute_threads), comma-separated")
     ap.add_argument("--up-model-threads", default="default",
                     help="lamina up --model-threads values to run, comma-separated ('default': none given)")
     ap.add_argument("--skip-llama", action="store_true", help="run only the Lamina rows")

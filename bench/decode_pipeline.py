@@ -7,7 +7,8 @@ every prompt in full. Prefill is not what this compares: decode throughput is
 measured from the moment every sequence has its first token.
 
 Compared, in one run:
-- the local engine in this process with 1 and with 2 torch threads;
+- the local engine in this process with 1 and with 2 compute threads (the packed
+  products' threads; torch's ops on one);
 - the stack as `lamina up` starts it (embedded Redis, gateway, scheduler, prefill,
   model worker(s), attention workers, each its own process; tcp by default), over the
   OpenAI API with streaming, with 1, 2 and 3 micro-batches, Q-early on and off at

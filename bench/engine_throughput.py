@@ -212,7 +212,8 @@ def main() -> None:
                     help="also time pure-decode steps at these batch sizes (40-token prompts), each weights "
                          "choice in turn; empty to skip")
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads for both sides (default 1: this machine is shared)")
+                    help="torch intra-op threads for both sides, and the engine's packed products' threads (default 1: this "
+                         "machine is shared)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from model.quant import set_kernel_threads
