@@ -30,6 +30,8 @@ class Delta:
     # The logprobs of the tokens that arrived since the last delta (their text may be
     # held back behind a possible stop string); empty unless the request asked for them.
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # The ids of the tokens that arrived since the last delta (the same tokens as `logprobs`'s).
+    token_ids: list[int] = field(default_factory=list)
 
 
 class Generation:
@@ -114,6 +116,7 @@ class Generation:
         rid = self.request.request_id
         max_tokens = self.request.sampling.max_tokens
         sent_logprobs = 0  # of self.logprobs, those already in a delta
+        sent_ids = 0  # of the generated ids, those already in a delta
         async for event in self._events:
             now = time.monotonic()
             ids = list(event.token_ids)
@@ -143,9 +146,10 @@ class Generation:
             if reason is not None:
                 self.finish_reason = reason
                 self._metrics.request_latency.observe(now - self._start)
-                yield Delta(text, reason, self.logprobs[sent_logprobs:])
+                yield Delta(text, reason, self.logprobs[sent_logprobs:], self._output.token_ids[sent_ids:])
                 return
             if text:
-                yield Delta(text, None, self.logprobs[sent_logprobs:])
+                yield Delta(text, None, self.logprobs[sent_logprobs:], self._output.token_ids[sent_ids:])
                 sent_logprobs = len(self.logprobs)
+                sent_ids = self._output.num_tokens
         raise BackendError("the backend's event stream ended without a finish reason")

@@ -213,7 +213,8 @@ async def _generate(
             state.in_flight[rid] = task
             try:
                 if stream:
-                    return await _stream(request, state, gen, head, kind, include_usage, continuous_usage)
+                    return await _stream(request, state, gen, head, kind, include_usage, continuous_usage,
+                                         return_token_ids)
                 return await _collect(state, gen, head, kind, task, return_token_ids, echo)
             finally:
                 state.in_flight.pop(rid, None)
@@ -247,7 +248,8 @@ async def _collect(state: GatewayState, gen: Generation, head: r.ResponseHead, k
 
 
 async def _stream(request: web.Request, state: GatewayState, gen: Generation, head: r.ResponseHead, kind: Kind,
-                  include_usage: bool, continuous_usage: bool = False) -> web.StreamResponse:
+                  include_usage: bool, continuous_usage: bool = False,
+                  return_token_ids: bool = False) -> web.StreamResponse:
     resp = web.StreamResponse(headers={
         "Content-Type": "text/event-stream",
         "Cache-Control": "no-cache",
@@ -263,7 +265,8 @@ async def _stream(request: web.Request, state: GatewayState, gen: Generation, he
                                                     _usage(gen) if continuous_usage else None)))
             async for delta in gen:
                 await resp.write(_delta_chunks(head, kind, delta.text, delta.finish_reason, include_usage,
-                                               _usage(gen) if continuous_usage else None, logprobs(delta.logprobs)))
+                                               _usage(gen) if continuous_usage else None, logprobs(delta.logprobs),
+                                               delta.token_ids if return_token_ids else None))
             if include_usage:
                 build = r.chat_usage_chunk if kind == "chat" else r.text_usage_chunk
                 await resp.write(r.sse(build(head, _usage(gen))))
@@ -327,15 +330,25 @@ def _logprobs_json(state: GatewayState, gen: Generation, kind: Kind) -> Callable
 
 
 def _delta_chunks(head: r.ResponseHead, kind: Kind, text: str, finish_reason: str | None,
-                  include_usage: bool, usage: r.Usage | None = None, logprobs: dict[str, Any] | None = None) -> bytes:
+                  include_usage: bool, usage: r.Usage | None = None, logprobs: dict[str, Any] | None = None,
+                  token_ids: list[int] | None = None) -> bytes:
     """`usage`: the counts so far, sent in each chunk (continuous_usage_stats), else null.
-    `logprobs`: those of the tokens since the last chunk, in the first chunk written."""
+    `logprobs`, `token_ids` (None: not asked for): those of the tokens since the last chunk,
+    in the first chunk written."""
     if kind == "completion":
-        return r.sse(r.text_chunk(head, text, finish_reason, include_usage, usage, logprobs))
+        return r.sse(_with_ids(r.text_chunk(head, text, finish_reason, include_usage, usage, logprobs), token_ids))
     out = b""
     if text:
-        out += r.sse(r.chat_chunk(head, {"content": text}, None, include_usage, usage, logprobs))
+        out += r.sse(_with_ids(r.chat_chunk(head, {"content": text}, None, include_usage, usage, logprobs),
+                               token_ids))
         logprobs = None
+        token_ids = None if token_ids is None else []
     if finish_reason is not None:
-        out += r.sse(r.chat_chunk(head, {}, finish_reason, include_usage, usage, logprobs))
+        out += r.sse(_with_ids(r.chat_chunk(head, {}, finish_reason, include_usage, usage, logprobs), token_ids))
     return out
+
+
+def _with_ids(chunk: dict[str, Any], token_ids: list[int] | None) -> dict[str, Any]:
+    if token_ids is not None:
+        chunk["choices"][0]["token_ids"] = token_ids
+    return chunk

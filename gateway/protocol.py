@@ -452,13 +452,6 @@ def _parse_messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
-def _parse_return_token_ids(body: dict[str, Any], stream: bool) -> bool:
-    wanted = _get_bool(body, "return_token_ids", False)
-    if wanted and stream:
-        raise _bad_value("return_token_ids", "token ids are returned only when 'stream' is false.")
-    return wanted
-
-
 def parse_chat_request(body: Any) -> ChatRequest:
     """Validate a decoded `/v1/chat/completions` JSON body."""
     body = _require_object(body)
@@ -467,7 +460,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
     messages = _parse_messages(body)
     stream, include_usage, continuous_usage = _parse_stream(body)
     sampling = _parse_sampling(body, ("max_tokens", "max_completion_tokens"), _parse_chat_logprobs(body))
-    return ChatRequest(model, messages, stream, include_usage, sampling, _parse_return_token_ids(body, stream),
+    return ChatRequest(model, messages, stream, include_usage, sampling,
+                       _get_bool(body, "return_token_ids", False),
                        continuous_usage)
 
 
@@ -509,7 +503,8 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     if prompt_only:
         body = {**body, "max_tokens": 1}
     sampling = _parse_sampling(body, ("max_tokens",), _parse_completion_logprobs(body))
-    return CompletionRequest(model, prompt, stream, include_usage, sampling, _parse_return_token_ids(body, stream),
+    return CompletionRequest(model, prompt, stream, include_usage, sampling,
+                             _get_bool(body, "return_token_ids", False),
                              continuous_usage, echo, prompt_only)
 
 

@@ -423,12 +423,20 @@ async def test_return_token_ids_extension(tokenizer, make_backend, script_ids):
         resp = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=100,
                                                extra_body={"return_token_ids": True})
         plain = await client.chat.completions.create(model=MODEL, messages=MESSAGES)
-        with pytest.raises(openai.BadRequestError) as err:
-            await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
-                                                 extra_body={"return_token_ids": True})
+        # Streamed, each chunk carries the ids of the tokens it brings (the EOS in the last).
+        chat_chunks = [c async for c in await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, stream=True, extra_body={"return_token_ids": True})]
+        text_chunks = [c async for c in await client.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=100, stream=True, extra_body={"return_token_ids": True})]
+        plain_chunks = [c async for c in await client.completions.create(model=MODEL, prompt="Hi", stream=True)]
         await client.close()
     ids = resp.choices[0].model_extra["token_ids"]
     assert ids[:-1] == list(script_ids) and ids[-1] in tokenizer.eos_token_ids  # the EOS id included
     assert len(ids) == resp.usage.completion_tokens
     assert "token_ids" not in (plain.choices[0].model_extra or {})
-    assert err.value.body["param"] == "return_token_ids"
+    for chunks in (chat_chunks[1:], text_chunks):  # the chat's first chunk is the role's
+        assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == ids
+        assert all(c.choices[0].model_extra["token_ids"] for c in chunks if getattr(c.choices[0], "text", None)
+                   or getattr(getattr(c.choices[0], "delta", None), "content", None))
+    assert "token_ids" not in (chat_chunks[0].choices[0].model_extra or {})
+    assert all("token_ids" not in (c.choices[0].model_extra or {}) for c in plain_chunks)
