@@ -65,36 +65,42 @@ class Logprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Logprobs.Top, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "has_seed", "prompt_logprobs")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "has_seed", "prompt_logprobs", "n")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     HAS_SEED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     has_seed: bool
     prompt_logprobs: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., has_seed: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    n: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., has_seed: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ..., n: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "logprobs", "prompt_logprobs")
+    __slots__ = ("token_ids", "finish_reason", "logprobs", "prompt_logprobs", "index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ...) -> None: ...
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "choice")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    choice: int
+    def __init__(self, request_id: _Optional[str] = ..., choice: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
     __slots__ = ("num_waiting", "num_running", "num_steps", "mean_batch_size", "max_queue")
@@ -117,30 +123,36 @@ class Placement(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "params", "placement", "prompt_logprobs")
+    __slots__ = ("seq_id", "token_ids", "params", "placement", "prompt_logprobs", "choice_seeds")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_SEEDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     placement: Placement
     prompt_logprobs: bool
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    choice_seeds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., choice_seeds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("token_id", "cached_tokens", "logprobs", "prompt_logprobs")
+    __slots__ = ("token_id", "cached_tokens", "logprobs", "prompt_logprobs", "choice_token_ids", "choice_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     cached_tokens: int
     logprobs: Logprobs
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
-    def __init__(self, token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ...) -> None: ...
+    choice_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    choice_logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
+    def __init__(self, token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., choice_token_ids: _Optional[_Iterable[int]] = ..., choice_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ...) -> None: ...
 
 class TierDistanceRequest(_message.Message):
     __slots__ = ("prompts",)
@@ -239,8 +251,18 @@ class FreeRequest(_message.Message):
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class ForkRequest(_message.Message):
+    __slots__ = ("source", "seq_ids", "num_tokens")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: int
+    def __init__(self, source: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
 class AttentionStats(_message.Message):
-    __slots__ = ("num_sequences", "num_tokens", "used_bytes", "capacity_bytes", "occupancy", "fragmentation", "capacity_tokens")
+    __slots__ = ("num_sequences", "num_tokens", "used_bytes", "capacity_bytes", "occupancy", "fragmentation", "capacity_tokens", "num_sequence_tokens")
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +270,7 @@ class AttentionStats(_message.Message):
     OCCUPANCY_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_sequences: int
     num_tokens: int
     used_bytes: int
@@ -255,4 +278,5 @@ class AttentionStats(_message.Message):
     occupancy: float
     fragmentation: float
     capacity_tokens: int
-    def __init__(self, num_sequences: _Optional[int] = ..., num_tokens: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., occupancy: _Optional[float] = ..., fragmentation: _Optional[float] = ..., capacity_tokens: _Optional[int] = ...) -> None: ...
+    num_sequence_tokens: int
+    def __init__(self, num_sequences: _Optional[int] = ..., num_tokens: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., occupancy: _Optional[float] = ..., fragmentation: _Optional[float] = ..., capacity_tokens: _Optional[int] = ..., num_sequence_tokens: _Optional[int] = ...) -> None: ...

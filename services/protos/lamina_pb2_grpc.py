@@ -389,6 +389,11 @@ class AttentionControlStub:
                 request_serializer=services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
                 response_deserializer=services_dot_protos_dot_lamina__pb2.AttentionStats.FromString,
                 _registered_method=True)
+        self.Fork = channel.unary_unary(
+                '/lamina.v1.AttentionControl/Fork',
+                request_serializer=services_dot_protos_dot_lamina__pb2.ForkRequest.SerializeToString,
+                response_deserializer=services_dot_protos_dot_lamina__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class AttentionControlServicer:
@@ -406,6 +411,12 @@ class AttentionControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fork(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -418,6 +429,11 @@ def add_AttentionControlServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=services_dot_protos_dot_lamina__pb2.Empty.FromString,
                     response_serializer=services_dot_protos_dot_lamina__pb2.AttentionStats.SerializeToString,
+            ),
+            'Fork': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fork,
+                    request_deserializer=services_dot_protos_dot_lamina__pb2.ForkRequest.FromString,
+                    response_serializer=services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -474,6 +490,33 @@ class AttentionControl:
             '/lamina.v1.AttentionControl/Stats',
             services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
             services_dot_protos_dot_lamina__pb2.AttentionStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lamina.v1.AttentionControl/Fork',
+            services_dot_protos_dot_lamina__pb2.ForkRequest.SerializeToString,
+            services_dot_protos_dot_lamina__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
