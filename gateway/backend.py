@@ -10,12 +10,16 @@ Contract, per request id:
   or `RequestRefusedError` (400) before any event. Other failures raise
   `BackendError`, at admission or from the stream.
 - The stream yields `TokenEvent`s in order; the last one carries a
-  `finish_reason` and the stream ends after it.
+  `finish_reason` and the stream ends after it. A request of `n` > 1 choices
+  interleaves every choice's events, each naming its choice (`index`); each choice
+  ends with its own finish reason, and the stream ends after the last of them.
 - When the gateway stops reading before the last event (client disconnect,
   stop string, shutdown) it awaits `abort(request_id)` and then closes the
   stream (`aclose()` when it has one). `abort` must be idempotent and a no-op
   for unknown or finished requests; after it returns, the backend holds no
-  resources for the request.
+  resources for the request. `abort(request_id, index)` ends that choice alone (a
+  stop string ended it), with a last event for it whose finish reason the gateway
+  ignores.
 - `stats()` is called from the event loop (at admission and on each metrics
   scrape) and must not block.
 """
@@ -54,8 +58,8 @@ class Backend(Protocol):
         """Admit `request` and return its events (see the module docstring)."""
         ...
 
-    async def abort(self, request_id: str) -> None:
-        """Stop `request_id` and free what it holds; idempotent."""
+    async def abort(self, request_id: str, index: int | None = None) -> None:
+        """Stop `request_id` (or only its choice `index`) and free what it holds; idempotent."""
         ...
 
     def stats(self) -> BackendStats:

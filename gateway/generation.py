@@ -6,6 +6,11 @@ text deltas, and leaving always ends it. If the gateway stops reading before the
 backend's last event (stop string, client disconnect, cancellation, shutdown),
 leaving awaits `backend.abort` and then closes the event stream, so the backend
 frees the request before the handler returns.
+
+A request of n > 1 choices has one `ChoiceOutput` per choice (its own text, stop
+strings, logprobs and finish reason), fed by the events naming it; a choice ended by a
+stop string is aborted alone (`backend.abort(request_id, index)`) while the others go
+on, and iteration ends when every choice has.
 """
 
 from __future__ import annotations
@@ -26,12 +31,45 @@ from model.tokenizer import Tokenizer
 @dataclass(frozen=True)
 class Delta:
     text: str
-    finish_reason: str | None  # "stop" or "length" on the last delta
+    finish_reason: str | None  # "stop" or "length" on the choice's last delta
     # The logprobs of the tokens that arrived since the last delta (their text may be
     # held back behind a possible stop string); empty unless the request asked for them.
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # The ids of the tokens that arrived since the last delta (the same tokens as `logprobs`'s).
     token_ids: list[int] = field(default_factory=list)
+    index: int = 0  # the choice it belongs to
+
+
+class ChoiceOutput:
+    """One choice's output: text (stop strings applied), ids, logprobs, finish reason."""
+
+    def __init__(self, index: int, output: OutputProcessor) -> None:
+        self.index = index
+        self.output = output
+        self.logprobs: list[TokenLogprobs] = []  # every generated token's, when asked for
+        self.finish_reason: str | None = None  # set when the client has its last delta
+        self.backend_done = False  # the backend sent its last event for this choice
+        self._sent_logprobs = 0  # of self.logprobs, those already in a delta
+        self._sent_ids = 0  # of the generated ids, those already in a delta
+
+    @property
+    def text(self) -> str:
+        return self.output.text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self.output.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.output.num_tokens
+
+    def delta(self, text: str, finish_reason: str | None) -> Delta:
+        """The delta of `text` and the tokens (ids, logprobs) that came since the last one."""
+        out = Delta(text, finish_reason, self.logprobs[self._sent_logprobs:],
+                    self.output.token_ids[self._sent_ids:], self.index)
+        self._sent_logprobs, self._sent_ids = len(self.logprobs), self.output.num_tokens
+        return out
 
 
 class Generation:
@@ -52,15 +90,14 @@ class Generation:
         stop_ids = set(request.sampling.stop_token_ids)
         if not request.sampling.ignore_eos:
             stop_ids.update(tokenizer.eos_token_ids)
-        self._output = OutputProcessor(tokenizer, request.sampling.stop, stop_ids, request.sampling.min_tokens)
+        self.choices = [ChoiceOutput(i, OutputProcessor(tokenizer, request.sampling.stop, stop_ids,
+                                                        request.sampling.min_tokens))
+                        for i in range(request.n)]
         self._events: AsyncIterator | None = None
         self._deltas_iter: AsyncGenerator[Delta, None] | None = None
         self._start = time.monotonic() if arrived is None else arrived
         self._last_event: float | None = None
-        self.finish_reason: str | None = None
-        self.logprobs: list[TokenLogprobs] = []  # every generated token's, when asked for
         self.prompt_logprobs: list[TokenLogprobs] = []  # prompt tokens 1.., when asked for (echo)
-        self._backend_done = False  # the backend sent its last event: nothing to abort
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -68,24 +105,39 @@ class Generation:
 
     @property
     def num_completion_tokens(self) -> int:
-        return self._output.num_tokens
+        """Every choice's tokens."""
+        return sum(c.num_tokens for c in self.choices)
 
+    # The first choice's output (the only one unless the request asked for n > 1).
     @property
     def text(self) -> str:
-        return self._output.text
+        return self.choices[0].text
 
     @property
     def token_ids(self) -> list[int]:
-        return list(self._output.token_ids)
+        return self.choices[0].token_ids
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs]:
+        return self.choices[0].logprobs
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
+
+    def _journal_id(self, index: int) -> str:
+        """Each choice's journal entry: the request's id, with /i when it has several."""
+        rid = self.request.request_id
+        return rid if self.request.n == 1 else f"{rid}/{index}"
 
     async def __aenter__(self) -> Generation:
-        rid = self.request.request_id
         # Journal first: the backend may need the entry as soon as it has admitted the request.
-        self._journal.begin(rid, self.request.prompt_token_ids)
+        for c in self.choices:
+            self._journal.begin(self._journal_id(c.index), self.request.prompt_token_ids)
         try:
             self._events = await self._backend.generate(self.request)
         except BaseException:
-            self._journal.end(rid)
+            self._end_journal()
             raise
         self._metrics.prompt_tokens.inc(self.num_prompt_tokens)
         self._metrics.requests_in_flight.inc()
@@ -95,7 +147,7 @@ class Generation:
         try:
             if self._deltas_iter is not None:
                 await self._deltas_iter.aclose()
-            if not self._backend_done:
+            if not all(c.backend_done for c in self.choices):
                 await self._backend.abort(self.request.request_id)
             aclose = getattr(self._events, "aclose", None)
             if aclose is not None:
@@ -103,8 +155,12 @@ class Generation:
                 if inspect.isawaitable(result):
                     await result
         finally:
-            self._journal.end(self.request.request_id)
+            self._end_journal()
             self._metrics.requests_in_flight.dec()
+
+    def _end_journal(self) -> None:
+        for c in self.choices:
+            self._journal.end(self._journal_id(c.index))
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         if self._deltas_iter is None:
@@ -113,43 +169,47 @@ class Generation:
 
     async def _deltas(self) -> AsyncGenerator[Delta, None]:
         assert self._events is not None, "enter the Generation before iterating it"
-        rid = self.request.request_id
         max_tokens = self.request.sampling.max_tokens
-        sent_logprobs = 0  # of self.logprobs, those already in a delta
-        sent_ids = 0  # of the generated ids, those already in a delta
         async for event in self._events:
             now = time.monotonic()
+            if not 0 <= event.index < len(self.choices):
+                raise BackendError(f"the backend sent tokens of choice {event.index} of {len(self.choices)}")
+            choice = self.choices[event.index]
             ids = list(event.token_ids)
             reason = event.finish_reason
             if reason is not None:
-                self._backend_done = True
-                if reason not in ("stop", "length"):
+                choice.backend_done = True
+                if choice.finish_reason is None and reason not in ("stop", "length"):
                     raise BackendError(f"the backend ended the request ({reason})")
+            if choice.finish_reason is not None:
+                continue  # a choice this side ended (stop string): what its abort overtook
             # The backend enforces max_tokens; this guards the client against one that does not.
-            room = max_tokens - self._output.num_tokens
+            room = max_tokens - choice.num_tokens
             if len(ids) >= room:
                 ids = ids[:room]
                 reason = reason or "length"
-            self.logprobs.extend(event.logprobs[:len(ids)])
+            choice.logprobs.extend(event.logprobs[:len(ids)])
             self.prompt_logprobs.extend(event.prompt_logprobs)
             if ids:
-                self._journal.extend(rid, ids)
+                self._journal.extend(self._journal_id(choice.index), ids)
                 if self._last_event is None:
                     self._metrics.time_to_first_token.observe(now - self._start)
                     self._metrics.observe_tokens(len(ids), None)
                 else:
                     self._metrics.observe_tokens(len(ids), now - self._last_event)
                 self._last_event = now
-            text = self._output.add(ids, reason)
-            if self._output.stopped:
+            text = choice.output.add(ids, reason)
+            if choice.output.stopped:
                 reason = "stop"
             if reason is not None:
-                self.finish_reason = reason
-                self._metrics.request_latency.observe(now - self._start)
-                yield Delta(text, reason, self.logprobs[sent_logprobs:], self._output.token_ids[sent_ids:])
-                return
-            if text:
-                yield Delta(text, None, self.logprobs[sent_logprobs:], self._output.token_ids[sent_ids:])
-                sent_logprobs = len(self.logprobs)
-                sent_ids = self._output.num_tokens
+                choice.finish_reason = reason
+                if all(c.finish_reason is not None for c in self.choices):
+                    self._metrics.request_latency.observe(now - self._start)
+                    yield choice.delta(text, reason)
+                    return
+                if not choice.backend_done:  # ended here (stop string, max_tokens): the others go on
+                    await self._backend.abort(self.request.request_id, choice.index)
+                yield choice.delta(text, reason)
+            elif text:
+                yield choice.delta(text, None)
         raise BackendError("the backend's event stream ended without a finish reason")

@@ -21,7 +21,7 @@ from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.backend import BackendError, QueueFullError, RequestRefusedError
-from gateway.generation import Generation
+from gateway.generation import ChoiceOutput, Generation
 from gateway.logprobs_json import CompletionLogprobs, chat_logprobs
 from gateway.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -59,7 +59,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     sampling = resolve_sampling(req.sampling, len(prompt_ids), state.context_length,
                                 state.config.default_max_tokens, "messages")
     return await _generate(request, state, "chat", prompt_ids, sampling, req.stream, req.include_usage, arrived,
-                           req.return_token_ids, req.continuous_usage)
+                           req.return_token_ids, req.continuous_usage, n=req.n)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -83,7 +83,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         text = req.prompt if isinstance(req.prompt, str) else state.tokenizer.decode(prompt_ids)
         echo = Echo(text, req.prompt_only)
     return await _generate(request, state, "completion", prompt_ids, sampling, req.stream, req.include_usage,
-                           arrived, req.return_token_ids, req.continuous_usage, echo)
+                           arrived, req.return_token_ids, req.continuous_usage, echo, req.n)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -199,11 +199,12 @@ async def _generate(
     return_token_ids: bool = False,
     continuous_usage: bool = False,
     echo: Echo | None = None,
+    n: int = 1,
 ) -> web.StreamResponse:
     _check_admission(state)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     gen_request = GenerateRequest(rid, tuple(prompt_ids), sampling, time.time(),
-                                  prompt_logprobs=echo is not None and sampling.logprobs is not None)
+                                  prompt_logprobs=echo is not None and sampling.logprobs is not None, n=n)
     head = r.ResponseHead(rid, int(time.time()), state.model_name)
     task = asyncio.current_task()
     assert task is not None
@@ -228,23 +229,33 @@ async def _generate(
 
 async def _collect(state: GatewayState, gen: Generation, head: r.ResponseHead, kind: Kind,
                    task: asyncio.Task, return_token_ids: bool = False, echo: Echo | None = None) -> web.Response:
-    finish_reason = "stop"
     try:
-        async for delta in gen:
-            if delta.finish_reason is not None:
-                finish_reason = delta.finish_reason
+        async for _ in gen:
+            pass
     except asyncio.CancelledError:
         if not state.is_draining:
             raise  # the client went away; Generation aborts the backend request
         task.uncancel()
         raise _shutting_down() from None
-    if echo is not None:
-        return web.json_response(_echoed(state, gen, head, echo, finish_reason), headers={"X-Request-Id": head.id})
-    build = r.chat_completion if kind == "chat" else r.text_completion
-    body = build(head, gen.text, finish_reason, _usage(gen), _logprobs_json(state, gen, kind)(gen.logprobs))
-    if return_token_ids:
-        body["choices"][0]["token_ids"] = gen.token_ids
+    bodies = [_choice_body(state, gen, head, kind, c, return_token_ids, echo) for c in gen.choices]
+    body = bodies[0]
+    body["choices"] = [b["choices"][0] for b in bodies]
     return web.json_response(body, headers={"X-Request-Id": head.id})
+
+
+def _choice_body(state: GatewayState, gen: Generation, head: r.ResponseHead, kind: Kind, choice: ChoiceOutput,
+                 return_token_ids: bool, echo: Echo | None) -> dict[str, Any]:
+    """The response as if `choice` were its only one (its index set); `_collect` joins them."""
+    if echo is not None:
+        body = _echoed(state, gen, head, echo, choice)
+    else:
+        build = r.chat_completion if kind == "chat" else r.text_completion
+        body = build(head, choice.text, choice.finish_reason or "stop", _usage(gen),
+                     _logprobs_json(state, gen, kind)(choice.logprobs))
+        if return_token_ids:
+            body["choices"][0]["token_ids"] = choice.token_ids
+    body["choices"][0]["index"] = choice.index
+    return body
 
 
 async def _stream(request: web.Request, state: GatewayState, gen: Generation, head: r.ResponseHead, kind: Kind,
@@ -257,16 +268,19 @@ async def _stream(request: web.Request, state: GatewayState, gen: Generation, he
         "X-Request-Id": head.id,
     })
     await resp.prepare(request)
-    logprobs = _logprobs_json(state, gen, kind)
+    logprobs = [_logprobs_json(state, gen, kind) for _ in gen.choices]  # each choice's text offsets
     try:
         try:
             if kind == "chat":
-                await resp.write(r.sse(r.chat_chunk(head, {"role": "assistant", "content": ""}, None, include_usage,
-                                                    _usage(gen) if continuous_usage else None)))
+                for c in gen.choices:
+                    await resp.write(r.sse(_at(r.chat_chunk(head, {"role": "assistant", "content": ""}, None,
+                                                            include_usage, _usage(gen) if continuous_usage else None),
+                                               c.index)))
             async for delta in gen:
                 await resp.write(_delta_chunks(head, kind, delta.text, delta.finish_reason, include_usage,
-                                               _usage(gen) if continuous_usage else None, logprobs(delta.logprobs),
-                                               delta.token_ids if return_token_ids else None))
+                                               _usage(gen) if continuous_usage else None,
+                                               logprobs[delta.index](delta.logprobs),
+                                               delta.token_ids if return_token_ids else None, delta.index))
             if include_usage:
                 build = r.chat_usage_chunk if kind == "chat" else r.text_usage_chunk
                 await resp.write(r.sse(build(head, _usage(gen))))
@@ -302,18 +316,18 @@ class Echo:
 
 
 def _echoed(state: GatewayState, gen: Generation, head: r.ResponseHead, echo: Echo,
-            finish_reason: str) -> dict[str, Any]:
-    """A completion whose text (and logprobs) start with the prompt's."""
+            choice: ChoiceOutput) -> dict[str, Any]:
+    """A completion (of one choice) whose text (and logprobs) start with the prompt's."""
     logprobs = None
     if gen.request.sampling.logprobs is not None:
         pieces = CompletionLogprobs(lambda t: state.tokenizer.decode([t], skip_special_tokens=False))
         logprobs = pieces.take_prompt(gen.request.prompt_token_ids, gen.prompt_logprobs)
         if not echo.prompt_only:
-            generated = pieces.take(gen.logprobs)
+            generated = pieces.take(choice.logprobs)
             logprobs = {key: value + generated[key] for key, value in logprobs.items()}
     if echo.prompt_only:
         return r.text_completion(head, echo.text, "length", r.Usage(gen.num_prompt_tokens, 0), logprobs)
-    return r.text_completion(head, echo.text + gen.text, finish_reason, _usage(gen), logprobs)
+    return r.text_completion(head, echo.text + choice.text, choice.finish_reason or "stop", _usage(gen), logprobs)
 
 
 def _logprobs_json(state: GatewayState, gen: Generation, kind: Kind) -> Callable[[list], dict[str, Any] | None]:
@@ -331,21 +345,29 @@ def _logprobs_json(state: GatewayState, gen: Generation, kind: Kind) -> Callable
 
 def _delta_chunks(head: r.ResponseHead, kind: Kind, text: str, finish_reason: str | None,
                   include_usage: bool, usage: r.Usage | None = None, logprobs: dict[str, Any] | None = None,
-                  token_ids: list[int] | None = None) -> bytes:
+                  token_ids: list[int] | None = None, index: int = 0) -> bytes:
     """`usage`: the counts so far, sent in each chunk (continuous_usage_stats), else null.
     `logprobs`, `token_ids` (None: not asked for): those of the tokens since the last chunk,
-    in the first chunk written."""
+    in the first chunk written. `index`: the choice they belong to."""
     if kind == "completion":
-        return r.sse(_with_ids(r.text_chunk(head, text, finish_reason, include_usage, usage, logprobs), token_ids))
+        return r.sse(_at(_with_ids(r.text_chunk(head, text, finish_reason, include_usage, usage, logprobs),
+                                   token_ids), index))
     out = b""
     if text:
-        out += r.sse(_with_ids(r.chat_chunk(head, {"content": text}, None, include_usage, usage, logprobs),
-                               token_ids))
+        out += r.sse(_at(_with_ids(r.chat_chunk(head, {"content": text}, None, include_usage, usage, logprobs),
+                                   token_ids), index))
         logprobs = None
         token_ids = None if token_ids is None else []
     if finish_reason is not None:
-        out += r.sse(_with_ids(r.chat_chunk(head, {}, finish_reason, include_usage, usage, logprobs), token_ids))
+        out += r.sse(_at(_with_ids(r.chat_chunk(head, {}, finish_reason, include_usage, usage, logprobs),
+                                   token_ids), index))
     return out
+
+
+def _at(chunk: dict[str, Any], index: int) -> dict[str, Any]:
+    """The chunk as choice `index`'s (the builders write a chunk of choice 0)."""
+    chunk["choices"][0]["index"] = index
+    return chunk
 
 
 def _with_ids(chunk: dict[str, Any], token_ids: list[int] | None) -> dict[str, Any]:

@@ -25,6 +25,8 @@ MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024
 # Larger top_k values keep every token, as 0 does; the bound keeps them in the wire's 32 bits.
 MAX_TOP_K = (1 << 31) - 1
+# Choices per request (`n`): each is a sequence of the decode batch.
+MAX_CHOICES = 16
 # Returned when the backend has no explicit `max_tokens` from a completions request (OpenAI's default).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -44,6 +46,7 @@ class GenerateRequest:
     sampling: SamplingParams
     arrival_time: float
     prompt_logprobs: bool = False  # the prompt's tokens' logprobs too (echo), sampling.logprobs alternatives
+    n: int = 1  # choices, sampled independently from the prompt (the backend derives each one's seed)
 
 
 @dataclass
@@ -61,6 +64,7 @@ class TokenEvent:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # With the first token, when GenerateRequest.prompt_logprobs: prompt tokens 1.. in order.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    index: int = 0  # the choice (of GenerateRequest.n) these tokens and this finish reason belong to
 
 
 # --- errors -----------------------------------------------------------------
@@ -128,6 +132,7 @@ class ChatRequest:
     sampling: SamplingFields = field(default_factory=SamplingFields)
     return_token_ids: bool = False  # extension: the generated ids beside the text
     continuous_usage: bool = False  # extension (vLLM): usage so far in every streamed chunk
+    n: int = 1  # choices
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,7 @@ class CompletionRequest:
     continuous_usage: bool = False  # extension (vLLM): usage so far in every streamed chunk
     echo: bool = False  # the prompt before the completion (and its tokens' logprobs, with logprobs)
     prompt_only: bool = False  # echo with max_tokens 0: the prompt alone, nothing generated
+    n: int = 1  # choices
 
 
 # Fields that every OpenAI client may send, accepted only at their "off" value;
@@ -363,9 +369,6 @@ def _parse_logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
 
 def _parse_sampling(body: dict[str, Any], max_tokens_fields: tuple[str, ...],
                     logprobs: int | None = None) -> SamplingFields:
-    n = _get_int(body, "n")
-    if n is not None and n != 1:
-        raise _bad_value("n", f"only n=1 is supported, got {n}.")
     # The later field in `max_tokens_fields` wins (max_completion_tokens replaces max_tokens).
     max_tokens, max_tokens_param = None, "max_tokens"
     for name in max_tokens_fields:
@@ -400,6 +403,10 @@ def _parse_sampling(body: dict[str, Any], max_tokens_fields: tuple[str, ...],
         min_tokens=_get_int(body, "min_tokens", minimum=0) or 0,
         logit_bias=_parse_logit_bias(body),
     )
+
+
+def _parse_n(body: dict[str, Any]) -> int:
+    return _get_int(body, "n", minimum=1, maximum=MAX_CHOICES) or 1
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -462,7 +469,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     sampling = _parse_sampling(body, ("max_tokens", "max_completion_tokens"), _parse_chat_logprobs(body))
     return ChatRequest(model, messages, stream, include_usage, sampling,
                        _get_bool(body, "return_token_ids", False),
-                       continuous_usage)
+                       continuous_usage, _parse_n(body))
 
 
 def _parse_prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
@@ -505,7 +512,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     sampling = _parse_sampling(body, ("max_tokens",), _parse_completion_logprobs(body))
     return CompletionRequest(model, prompt, stream, include_usage, sampling,
                              _get_bool(body, "return_token_ids", False),
-                             continuous_usage, echo, prompt_only)
+                             continuous_usage, echo, prompt_only, _parse_n(body))
 
 
 def check_token_ids(ids: tuple[int, ...], vocab_size: int, param: str = "prompt") -> None:

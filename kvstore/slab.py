@@ -15,7 +15,10 @@ range stays contiguous).
 
 Sharing: `fork` gives a new request the first n tokens of another by reference (the
 reference count of each slot counts the requests using it). Writing a position whose
-slot is shared first copies it to a fresh slot (copy-on-write) in every layer.
+slot is shared first copies it to a fresh slot (copy-on-write) in every layer. Sharing is
+per token, so a fork shares every slot of the prefix, those of a partly filled last slab
+included, and copies nothing until a shared position is written: the choices of an n > 1
+request share their prompt this way, each appending its own tokens to fresh slots.
 
 Slot lists: each request's slots are kept as an int64 array, so the slots of a batch of
 requests concatenate into one index tensor without a Python loop over tokens
@@ -117,6 +120,12 @@ class SlabAllocator:
     @property
     def num_requests(self) -> int:
         return len(self._seqs)
+
+    @property
+    def num_sequence_tokens(self) -> int:
+        """Every request's tokens, a shared slot counted once per request using it: with
+        forks, more than `num_used_tokens` (each slot counted once)."""
+        return sum(map(len, self._seqs.values()))
 
     @property
     def occupancy(self) -> float:

@@ -43,7 +43,7 @@ from model.config import ModelConfig
 from model.kv_attention import SlotBatch, buffer_attention, slot_attention
 from model.kv_quant import KV_QUANT_CHOICES, Q4Rows
 from services.attention_checks import KVShape, PendingStore, check_attend, check_store
-from services.wire import RemoteError, StoreKV
+from services.wire import RemoteError, StoreKV, short_repr
 
 _STEP_SLOTS_KEPT = 8  # micro-batches in flight on one worker, with room to spare
 # Prompts whose layers may be arriving at once: a prefill worker sends a batch's few at a
@@ -232,6 +232,23 @@ class AttentionCore:
             del self._storing[msg.seq_id]
         elif msg.layer == pending.next_layer:
             pending.next_layer += 1
+
+    def fork(self, source: str, seq_ids: list[str], num_tokens: int) -> None:
+        """New sequences sharing the first `num_tokens` tokens of `source` by reference
+        (the slab allocator's fork: nothing is copied; each appends its own tokens to
+        fresh slots). Refused, before any change, unless `source` is held whole with that
+        many tokens and every new id is distinct and unused."""
+        if not self.slabs.has_request(source) or source in self._storing:
+            raise RemoteError("unknown_sequence", f"no KV for sequence {short_repr(source)}")
+        if not 1 <= num_tokens <= self.slabs.num_tokens(source):
+            raise RemoteError("bad_request", f"cannot share {num_tokens} tokens of {short_repr(source)}, which "
+                                             f"holds {self.slabs.num_tokens(source)}")
+        taken = [s for s in seq_ids if self.slabs.has_request(s) or s in self._storing]
+        if taken or len(set(seq_ids)) != len(seq_ids) or source in seq_ids:
+            raise RemoteError("bad_request", f"fork of {short_repr(source)} into sequences that exist or repeat: "
+                                             f"{short_repr(seq_ids)}")
+        for s in seq_ids:
+            self.slabs.fork(source, s, num_tokens)
 
     def free(self, seq_ids: list[str]) -> None:
         """Forget sequences: their KV, and a store of theirs in progress (whose later

@@ -3,7 +3,7 @@
 Data plane: a transport listener; each connection (a model or prefill worker)
 sends ATTEND (or ATTEND_Q then ATTEND_KV) and STORE_KV frames and gets RESULT, ACK
 or ERROR back, each echoing its request's tag (services.wire).
-Control plane: gRPC AttentionControl (Free, Stats) and health. Its occupancy is
+Control plane: gRPC AttentionControl (Free, Stats, Fork) and health. Its occupancy is
 also written to the metadata store every second (`occupancy()`, NS:stats:attention:ID).
 """
 
@@ -24,7 +24,7 @@ from services.attention_core import AttentionCore
 from services.config import StackConfig
 from services.placement import head_range
 from services.protos import lamina_pb2, lamina_pb2_grpc
-from services.runtime import ServiceRuntime
+from services.runtime import ServiceRuntime, abort_for_remote_error
 from services.wire import (
     Attend, Kind, RemoteError, StoreKV, Tag, ack_frame, error_frame, frame_tag, incoming, result_frame, short_repr,
 )
@@ -58,7 +58,15 @@ class _Control(lamina_pb2_grpc.AttentionControlServicer):
         return lamina_pb2.AttentionStats(num_sequences=c.num_sequences, num_tokens=c.slabs.num_used_tokens,
                                          used_bytes=c.used_bytes, capacity_bytes=c.capacity_bytes,
                                          occupancy=c.slabs.occupancy, fragmentation=c.slabs.fragmentation,
-                                         capacity_tokens=c.slabs.num_total_tokens)
+                                         capacity_tokens=c.slabs.num_total_tokens,
+                                         num_sequence_tokens=c.slabs.num_sequence_tokens)
+
+    async def Fork(self, request, context):  # noqa: N802
+        try:
+            self.core.fork(request.source, list(request.seq_ids), request.num_tokens)
+        except RemoteError as exc:  # e.g. the source is unknown: this worker restarted since its prefill
+            await abort_for_remote_error(context, exc)
+        return lamina_pb2.Empty()
 
 
 class AttentionService:

@@ -153,9 +153,10 @@ class PrefillService:
         logits = out.output[last_rows]  # [B, V]
         tokens = sample(logits, params, [r.params.seed for r in reqs], [0] * len(reqs), states)
         logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
+        choices = _choice_tokens(logits, reqs, params, states)
         results: list[lamina_pb2.PrefillResult | RemoteError] = []
-        for prompt, skv, n, c, token, lp, error, p, scoring in zip(prompts, seq_kvs, lens, cached, tokens, logprobs,
-                                                                  stored, params, prompt_rows):
+        for prompt, skv, n, c, token, lp, error, p, scoring, (choice_ids, choice_lps) in zip(
+                prompts, seq_kvs, lens, cached, tokens, logprobs, stored, params, prompt_rows, choices):
             if error is not None:
                 results.append(error)
                 continue
@@ -171,7 +172,10 @@ class PrefillService:
                       if scoring else [])
             results.append(lamina_pb2.PrefillResult(token_id=token, cached_tokens=c,
                                                     logprobs=None if lp is None else logprobs_to_proto(lp),
-                                                    prompt_logprobs=[logprobs_to_proto(e) for e in scored]))
+                                                    prompt_logprobs=[logprobs_to_proto(e) for e in scored],
+                                                    choice_token_ids=choice_ids,
+                                                    choice_logprobs=[logprobs_to_proto(e) for e in choice_lps
+                                                                     if e is not None]))
         self.m_batch.observe(len(reqs))
         self.m_seconds.observe(time.perf_counter() - start)
         return results
@@ -212,6 +216,27 @@ class PrefillService:
             for _, fut in self._queue:
                 fut.cancel()
             await self.pool.close()
+
+
+def _choice_tokens(logits: torch.Tensor, reqs: list[lamina_pb2.PrefillRequest], params: list,
+                   states: list) -> list[tuple[list[int], list]]:
+    """Per request, the first tokens of its other choices (n > 1) and their logprobs:
+    rows of the same logits [B, V], each sampled with its own seed (`choice_seeds`), so
+    the choices are independent and each is reproducible from its seed alone."""
+    rows = [j for j, r in enumerate(reqs) for _ in r.choice_seeds]
+    if not rows:
+        return [([], [])] * len(reqs)
+    picked = logits[rows]  # [C, V]: one row per choice
+    row_params = [params[j] for j in rows]
+    tokens = sample(picked, row_params, [seed for r in reqs for seed in r.choice_seeds], [0] * len(rows),
+                    [states[j] for j in rows])
+    logprobs = token_logprobs(picked, tokens, [p.logprobs for p in row_params])
+    out, start = [], 0
+    for r in reqs:
+        end = start + len(r.choice_seeds)
+        out.append((tokens[start:end], logprobs[start:end]))
+        start = end
+    return out
 
 
 def take_batch(queue: list, max_tokens: int) -> list:

@@ -115,7 +115,7 @@ class SchedulerBackend:
         call = self._stub.Generate(lamina_pb2.GenerateRequest(
             request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
             params=params_to_proto(request.sampling), has_seed=request.sampling.seed is not None,
-            prompt_logprobs=request.prompt_logprobs))
+            prompt_logprobs=request.prompt_logprobs, n=request.n))
         self._calls[request.request_id] = call
         try:
             first = await call.read()
@@ -132,16 +132,19 @@ class SchedulerBackend:
             if cut is not None:
                 raise cut from None
             raise
-        return self._events(request.request_id, call, first, request.prompt_token_ids)
+        return self._events(request.request_id, call, first, request.prompt_token_ids, request.n)
 
-    async def _events(self, request_id: str, call, first, prompt_ids: tuple[int, ...]) -> AsyncIterator[TokenEvent]:
+    async def _events(self, request_id: str, call, first, prompt_ids: tuple[int, ...],
+                      n: int) -> AsyncIterator[TokenEvent]:
+        remaining = n  # choices that have not finished
         try:
             chunk = first
             while chunk is not grpc.aio.EOF:
                 yield TokenEvent(list(chunk.token_ids), chunk.finish_reason or None,
                                  [logprobs_from_proto(t, lp) for t, lp in zip(chunk.token_ids, chunk.logprobs)],
-                                 [logprobs_from_proto(t, lp) for t, lp in zip(prompt_ids[1:], chunk.prompt_logprobs)])
-                if chunk.finish_reason:
+                                 [logprobs_from_proto(t, lp) for t, lp in zip(prompt_ids[1:], chunk.prompt_logprobs)],
+                                 chunk.index)
+                if chunk.finish_reason and not (remaining := remaining - 1):
                     return
                 try:
                     chunk = await call.read()
@@ -157,12 +160,13 @@ class SchedulerBackend:
             self._calls.pop(request_id, None)
             self._cut.pop(request_id, None)
 
-    async def abort(self, request_id: str) -> None:
-        call = self._calls.pop(request_id, None)
-        if call is not None:
-            call.cancel()  # the scheduler frees the request when its stream is cancelled
+    async def abort(self, request_id: str, index: int | None = None) -> None:
+        if index is None:
+            call = self._calls.pop(request_id, None)
+            if call is not None:
+                call.cancel()  # the scheduler frees the request when its stream is cancelled
         try:
-            await self._stub.Abort(lamina_pb2.AbortRequest(request_id=request_id), timeout=10)
+            await self._stub.Abort(lamina_pb2.AbortRequest(request_id=request_id, choice=index), timeout=10)
         except grpc.aio.AioRpcError:
             pass  # the scheduler is gone or already freed the request: nothing left to abort
 

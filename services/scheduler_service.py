@@ -14,6 +14,12 @@ different processes at the same time.
 A request's KV is freed only once its model worker has released it (a stop rule,
 a leave, a failure), so no step in flight ever writes into freed KV.
 
+A request of n > 1 choices (services.choices) is admitted, placed and prefilled once,
+with room reserved for all its choices; after the prefill its attention workers fork
+the prompt's KV for choices 1..n-1, which then decode as requests of their own (ids
+`<id>/<i>`, each journaled and rebuilt alone after a failure) whose chunks share the
+request's stream.
+
 Failures (docs/reliability.md): when a decode step or a prefill fails because an
 attention worker, a prefill worker or a model worker died or stopped answering,
 the affected requests are not ended: their KV is freed where it can be, they are
@@ -42,6 +48,7 @@ import torch
 from kvstore.metadata import REDIS_ERRORS, KVPlacement
 from model.loader import load_tokenizer
 from services.channels import open_channel
+from services.choices import choice_id, choice_seed, reserve_tokens
 from services.config import StackConfig
 from services.journal import Journal
 from services.placement import place_request
@@ -91,6 +98,8 @@ class SchedulerService:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
+        # Requests of n > 1 choices: their id -> the choices started so far (services.choices).
+        self.groups: dict[str, list[Request]] = {}
         # Tokens reserved on each attention worker: prompt + max_tokens of every placed
         # request, so a request admitted now can always finish without running out of KV.
         self.reserved_tokens = [0] * config.attention.workers
@@ -121,26 +130,35 @@ class SchedulerService:
 
     # -- requests ---------------------------------------------------------------------------
     def submit(self, request: lamina_pb2.GenerateRequest) -> Request:
-        if request.request_id in self.by_id:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
+        """Queue a request; returns its first choice (whose events carry every choice's)."""
+        rid, n = request.request_id, max(1, request.n)
+        if rid in self.by_id or rid in self.groups:
+            raise ValueError(f"duplicate request id {rid!r}")
         if not request.prompt_token_ids:
             raise ValueError("the prompt is empty")
         if len(request.prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(request.prompt_token_ids)} tokens; "
                              f"the model's context length is {self.max_model_len}")
+        if n > self.limits.max_batch_size:
+            raise ValueError(f"n={n} choices exceed the decode batch ({self.limits.max_batch_size} sequences)")
         most = max(self.capacity_tokens) if self.capacity_tokens else 0
-        need = min(len(request.prompt_token_ids) + request.params.max_tokens, self.max_model_len)
+        num_prompt = len(request.prompt_token_ids)
+        need = reserve_tokens(num_prompt, min(num_prompt + request.params.max_tokens, self.max_model_len), n - 1)
         if need > most:
-            raise ValueError(f"prompt plus max_tokens ({need} tokens) exceeds the KV capacity of an attention "
-                             f"worker ({most} tokens)")
+            what = "prompt plus max_tokens" if n == 1 else f"prompt plus {n} choices of max_tokens"
+            raise ValueError(f"{what} ({need} tokens) exceeds the KV capacity of an attention worker "
+                             f"({most} tokens)")
         if len(self.waiting) >= self.limits.max_queue:
             raise OverflowError(f"queue full ({self.limits.max_queue} requests waiting)")
         params = lamina_pb2.SamplingParams()
         params.CopyFrom(request.params)
         if not request.has_seed:
             params.seed = int(torch.randint(0, 2**62, (1,)).item())
-        req = Request(request.request_id, list(request.prompt_token_ids), params, asyncio.Queue(),
-                      max_model_len=self.max_model_len, prompt_logprobs=request.prompt_logprobs)
+        req = Request(choice_id(rid, 0, n), list(request.prompt_token_ids), params, asyncio.Queue(),
+                      max_model_len=self.max_model_len, prompt_logprobs=request.prompt_logprobs,
+                      group_id=rid if n > 1 else "", choice_seeds=[choice_seed(params.seed, i) for i in range(1, n)])
+        if n > 1:
+            self.groups[rid] = [req]
         self.waiting.append(req)
         self.by_id[req.request_id] = req
         self.journal.started(req.request_id, req.prompt_ids, params)
@@ -148,10 +166,20 @@ class SchedulerService:
         self._update_gauges()
         return req
 
-    async def abort(self, request_id: str) -> None:
-        req = self.by_id.get(request_id)
-        if req is None:
+    async def abort(self, request_id: str, choice: int | None = None) -> None:
+        """End a request (every choice, or only `choice` of an n > 1 one); ids that are
+        unknown or finished are ignored."""
+        members = self.groups.get(request_id)
+        if members is None:
+            req = self.by_id.get(request_id)
+            if req is not None and choice in (None, 0):
+                await self._abort_one(req)
             return
+        for req in list(members):
+            if choice is None or req.index == choice:
+                await self._abort_one(req)
+
+    async def _abort_one(self, req: Request) -> None:
         if req.status is Status.WAITING:
             self.waiting.remove(req)
             await self._finish(req, "abort")
@@ -175,7 +203,7 @@ class SchedulerService:
                 # forward each time, and prompts could not gather for a shared forward.
                 admitted = 0
                 for req in await self._admission_order():
-                    if not self._room_for_one():
+                    if not self._room_for(req):
                         break
                     if req not in self.waiting:
                         continue  # aborted while the order was computed
@@ -190,11 +218,14 @@ class SchedulerService:
     def _room_for_one(self) -> bool:
         return can_admit(len(self.running), self.num_prefilling, self.limits.max_batch_size)
 
+    def _room_for(self, req: Request) -> bool:
+        return can_admit(len(self.running), self.num_prefilling, self.limits.max_batch_size, req.num_slots)
+
     def _start_prefill(self, req: Request) -> None:
         # Prefills run concurrently (the prefill service batches those that wait
         # together); counted as prefilling from here, so admission sees them.
         req.status = Status.PREFILLING
-        self.num_prefilling += 1
+        self.num_prefilling += req.num_slots
         task = asyncio.create_task(self._prefill(req), name=f"prefill-{req.request_id}")
         self._prefills.add(task)
         task.add_done_callback(self._prefills.discard)
@@ -212,13 +243,16 @@ class SchedulerService:
             return window
         return admission_order(window, distances, self.limits.policy, time.monotonic())
 
-    def _place(self, req: Request) -> bool:
-        workers = place_request(self.config.partition, self.reserved_tokens, self.capacity_tokens, req.max_total_tokens)
+    def _place(self, req: Request, capacity: Sequence[int] | None = None) -> bool:
+        """Reserve room for the request's KV (its choices' included) on workers with
+        room (of `capacity`, default every worker's); False when none has it now."""
+        need = req.reserve_tokens
+        workers = place_request(self.config.partition, self.reserved_tokens, capacity or self.capacity_tokens, need)
         if workers is None:
             return False
-        req.workers = workers
+        req.workers, req.reserved = workers, need
         for w in workers:
-            self.reserved_tokens[w] += req.max_total_tokens
+            self.reserved_tokens[w] += need
         return True
 
     async def _prefill(self, req: Request) -> None:
@@ -227,7 +261,7 @@ class SchedulerService:
         except Exception:  # e.g. the metadata store failed: this request ends, the others go on
             log.exception("prefill of %s failed", req.request_id)
             if req.status is Status.PREFILLING:
-                self.num_prefilling -= 1
+                self.num_prefilling -= req.num_slots
                 await self._finish(req, "abort")
         finally:
             self._wake_admit.set()  # a prefill slot is free again
@@ -243,14 +277,18 @@ class SchedulerService:
         if route is None:
             raise _NotYet("no prefill worker answers")
         worker, cached_tokens = route
+        await self._record_placement(req)
+        return await self.prefills.prefill(worker, lamina_pb2.PrefillRequest(
+            seq_id=req.kv_id, token_ids=token_ids, params=req.params,
+            placement=lamina_pb2.Placement(workers=req.workers),
+            prompt_logprobs=req.prompt_logprobs and not req.output_ids,
+            choice_seeds=[] if req.forked else req.choice_seeds), cached_tokens)
+
+    async def _record_placement(self, req: Request) -> None:
         try:
             await self.runtime.store.set_placement(req.request_id, self._placement_of(req))
         except REDIS_ERRORS as exc:
             log.warning("placement of %s not recorded (metadata store unreachable: %s)", req.request_id, exc)
-        return await self.prefills.prefill(worker, lamina_pb2.PrefillRequest(
-            seq_id=req.kv_id, token_ids=token_ids, params=req.params,
-            placement=lamina_pb2.Placement(workers=req.workers),
-            prompt_logprobs=req.prompt_logprobs and not req.output_ids), cached_tokens)
 
     def _placement_of(self, req: Request) -> KVPlacement:
         return KVPlacement(workers=tuple(f"attention-{w}" for w in req.workers), partition=self.config.partition,
@@ -260,12 +298,12 @@ class SchedulerService:
         try:
             result = await self._prefill_call(req, req.prompt_ids)
         except _NotYet as exc:  # no prefill worker alive: wait for one as a rebuild does
-            self.num_prefilling -= 1
+            self.num_prefilling -= req.num_slots
             self.running.append(req)
             self._start_recovery(req, "prefill", str(exc))
             return
         except grpc.aio.AioRpcError as exc:
-            self.num_prefilling -= 1
+            self.num_prefilling -= req.num_slots
             if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and (self.running or self.num_prefilling):
                 # KV memory is full after all: retry once running (or other prefilling)
                 # requests have freed some.
@@ -282,7 +320,9 @@ class SchedulerService:
             log.warning("prefill of %s failed: %s", req.request_id, exc.details())
             await self._finish(req, "abort")
             return
-        self.num_prefilling -= 1
+        self.num_prefilling -= req.num_slots
+        if not await self._start_choices(req, result):
+            return
         await self._accept_token(req, result.token_id, logprobs_of(result), result.prompt_logprobs)
         if req.status is not Status.FINISHED:
             if req.abort_requested:
@@ -290,6 +330,52 @@ class SchedulerService:
             else:
                 self._join_decode(req)
         self._update_gauges()
+
+    async def _start_choices(self, req: Request, result: lamina_pb2.PrefillResult) -> bool:
+        """Start the other choices of an n > 1 request from its prompt's KV, just
+        prefilled (services.choices): its attention workers fork that KV for them, then
+        each takes its first token from `result` and joins decode. False when the fork
+        failed: `req` is then rebuilt (its choices start after that prefill) or ended."""
+        if req.forked or not req.choice_seeds or req.abort_requested:
+            return True
+        n = 1 + len(req.choice_seeds)
+        choices = [Request(choice_id(req.group_id, i, n), req.prompt_ids, _with_seed(req.params, seed), req.events,
+                           max_model_len=self.max_model_len, workers=list(req.workers), status=Status.PREFILLING,
+                           index=i, group_id=req.group_id)
+                   for i, seed in enumerate(req.choice_seeds, 1)]
+        seq_ids = [c.kv_id for c in choices]
+        fork = lamina_pb2.ForkRequest(source=req.kv_id, seq_ids=seq_ids, num_tokens=len(req.prompt_ids))
+        try:
+            await asyncio.gather(*(self.attention_stubs[w].Fork(fork, timeout=self.config.deadlines.rpc_s)
+                                   for w in req.workers))
+        except grpc.aio.AioRpcError as exc:
+            await self._free_seqs(req.workers, seq_ids)  # those forked on the workers that answered
+            if exc.code() in _PEER_FAILURES:  # e.g. the worker restarted and lost the prompt
+                self.running.append(req)
+                self._start_recovery(req, "fork", f"{exc.code().name}: {exc.details()}")
+            else:
+                log.warning("fork of %s failed: %s", req.request_id, exc.details())
+                await self._finish(req, "abort")
+            return False
+        if req.abort_requested or req.status is Status.FINISHED:  # aborted meanwhile
+            await self._free_seqs(req.workers, seq_ids)
+            return True
+        req.forked = True
+        logprobs = list(result.choice_logprobs) or [None] * len(choices)
+        for c, token, lp in zip(choices, result.choice_token_ids, logprobs):
+            c.reserved = c.max_total_tokens - len(c.prompt_ids)  # its own tokens: the prompt's are choice 0's
+            req.reserved -= c.reserved
+            self.by_id[c.request_id] = c
+            self.groups[req.group_id].append(c)
+            self.journal.started(c.request_id, c.prompt_ids, c.params)
+            await self._record_placement(c)
+            await self._accept_token(c, token, lp)
+            if c.status is not Status.FINISHED:
+                if c.abort_requested or req.abort_requested:  # the request was aborted meanwhile
+                    await self._finish(c, "abort")
+                else:
+                    self._join_decode(c)
+        return True
 
     # -- decoding ---------------------------------------------------------------------------
     def _join_decode(self, req: Request) -> None:
@@ -373,7 +459,7 @@ class SchedulerService:
                              self.max_model_len)
         req.events.put_nowait(lamina_pb2.TokenChunk(token_ids=[token], finish_reason=reason or "",
                                                     logprobs=[logprobs] if logprobs is not None else [],
-                                                    prompt_logprobs=prompt_logprobs))
+                                                    prompt_logprobs=prompt_logprobs, index=req.index))
         if reason is not None:
             await self._finish(req, reason, notify=False)
 
@@ -387,7 +473,13 @@ class SchedulerService:
         if req in self.running:
             self.running.remove(req)
         if notify:
-            req.events.put_nowait(lamina_pb2.TokenChunk(finish_reason=reason))
+            req.events.put_nowait(lamina_pb2.TokenChunk(finish_reason=reason, index=req.index))
+        if not req.forked:  # choices never started end with it
+            for i in range(1, 1 + len(req.choice_seeds)):
+                req.events.put_nowait(lamina_pb2.TokenChunk(finish_reason="abort", index=i))
+        members = self.groups.get(req.group_id)
+        if members and all(m.status is Status.FINISHED for m in members):  # (choice 0 forks before it can finish)
+            del self.groups[req.group_id]
         self.m_finished.labels(reason).inc()
         if req.kv_id in self.decoding:
             # A step of it may be in flight: its KV is freed once the model worker lets go.
@@ -400,19 +492,23 @@ class SchedulerService:
     async def _free_kv(self, req: Request) -> None:
         self._release(req)
         workers, req.workers = req.workers, []
-        results = await asyncio.gather(*(self.attention_stubs[w].Free(
-            lamina_pb2.FreeRequest(seq_ids=[req.kv_id]), timeout=self.config.deadlines.health_s)
-            for w in workers), return_exceptions=True)
-        for w, r in zip(workers, results):
-            if isinstance(r, BaseException):  # freed once the worker answers again (_probe_attention)
-                self._orphans.setdefault(w, set()).add(req.kv_id)
+        await self._free_seqs(workers, [req.kv_id])
         with contextlib.suppress(Exception):
             await self.runtime.store.delete_placement(req.request_id)
         self._wake_admit.set()
 
+    async def _free_seqs(self, workers: Sequence[int], seq_ids: list[str]) -> None:
+        results = await asyncio.gather(*(self.attention_stubs[w].Free(
+            lamina_pb2.FreeRequest(seq_ids=seq_ids), timeout=self.config.deadlines.health_s)
+            for w in workers), return_exceptions=True)
+        for w, r in zip(workers, results):
+            if isinstance(r, BaseException):  # freed once the worker answers again (_probe_attention)
+                self._orphans.setdefault(w, set()).update(seq_ids)
+
     def _release(self, req: Request) -> None:
         for w in req.workers:
-            self.reserved_tokens[w] -= req.max_total_tokens
+            self.reserved_tokens[w] -= req.reserved
+        req.reserved = 0
 
     # -- recovery ---------------------------------------------------------------------------
     async def _republish(self, store) -> None:
@@ -494,13 +590,10 @@ class SchedulerService:
         """One attempt: place on healthy workers, recompute the KV, rejoin decode."""
         healthy = await self._probe_attention()
         capacity = [c if ok else 0 for c, ok in zip(self.capacity_tokens, healthy)]
-        workers = place_request(self.config.partition, self.reserved_tokens, capacity, req.max_total_tokens)
-        if workers is None:
+        if not self._place(req, capacity):
             down = [w for w, ok in enumerate(healthy) if not ok]
             raise _NotYet(f"attention worker(s) {down} down and no other with room")
-        req.workers = workers
-        for w in workers:
-            self.reserved_tokens[w] += req.max_total_tokens
+        workers = req.workers
         first = not req.output_ids  # failed during its first prefill: that one samples the first token
         try:
             result = await self._prefill_call(req, req.rebuild_ids)
@@ -518,6 +611,8 @@ class SchedulerService:
             await self._finish(req, "abort")
             return
         if first:
+            if not await self._start_choices(req, result):
+                return
             await self._accept_token(req, result.token_id, logprobs_of(result), result.prompt_logprobs)
             if req.status is Status.FINISHED:
                 return
@@ -647,7 +742,8 @@ class SchedulerService:
         self.journal.start()
         self._tasks = [asyncio.create_task(self._admit_loop(), name="admit"),
                        asyncio.create_task(self._watch_model_workers(), name="model-watchdog"),
-                       asyncio.create_task(self._publish_placement_tokens(), name="placement-tokens")]
+                       asyncio.create_task(self._publish_placement_tokens(), name="placement-tokens"),
+                       asyncio.create_task(self.prefills.watch(), name="prefill-watch")]
         try:
             await rt.serve(lambda s: lamina_pb2_grpc.add_SchedulerServicer_to_server(_SchedulerServicer(self), s),
                            rebuild=self._republish)
@@ -674,21 +770,22 @@ class _SchedulerServicer(lamina_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        finished = False
+        remaining = max(1, request.n)  # choices that have not finished
         try:
-            while not finished:
+            while remaining:
                 chunk = await req.events.get()
                 if isinstance(chunk, RequestFailed):
-                    finished = True
+                    remaining = 0
+                    await self.s.abort(request.request_id)  # its other choices, if any
                     await context.abort(grpc.StatusCode.UNAVAILABLE, chunk.message)
-                finished = bool(chunk.finish_reason)
+                remaining -= bool(chunk.finish_reason)
                 yield chunk
         finally:
-            if not finished:  # the client went away: free everything the request holds
-                await self.s.abort(req.request_id)
+            if remaining:  # the client went away: free everything the request holds
+                await self.s.abort(request.request_id)
 
     async def Abort(self, request, context):  # noqa: N802
-        await self.s.abort(request.request_id)
+        await self.s.abort(request.request_id, request.choice if request.HasField("choice") else None)
         return lamina_pb2.Empty()
 
     async def Stats(self, request, context):  # noqa: N802
@@ -696,6 +793,13 @@ class _SchedulerServicer(lamina_pb2_grpc.SchedulerServicer):
         return lamina_pb2.SchedulerStats(
             num_waiting=len(s.waiting), num_running=len(s.running) + s.num_prefilling, num_steps=s.num_steps,
             mean_batch_size=s.sum_batch / s.num_steps if s.num_steps else 0.0, max_queue=s.limits.max_queue)
+
+
+def _with_seed(params: lamina_pb2.SamplingParams, seed: int) -> lamina_pb2.SamplingParams:
+    out = lamina_pb2.SamplingParams()
+    out.CopyFrom(params)
+    out.seed = seed
+    return out
 
 
 def serve(config: StackConfig) -> None:

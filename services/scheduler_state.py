@@ -9,6 +9,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.policies import SCHEDULING_POLICIES, QueuedRequest
+from services.choices import reserve_tokens
 from services.protos import lamina_pb2
 
 
@@ -35,6 +36,14 @@ class Request:
     max_model_len: int = 1 << 30
     recoveries: int = 0  # times its KV was rebuilt after a failure
     prompt_logprobs: bool = False  # its first prefill also scores the prompt's tokens (echo)
+    # Choices (services.choices): which one this is, and its request's id when it has several.
+    index: int = 0
+    group_id: str = ""
+    # Choice 0 of an n > 1 request: the seeds of choices 1..n-1, forked from its prompt once
+    # its first prefill is done (`forked`).
+    choice_seeds: list[int] = field(default_factory=list)
+    forked: bool = False
+    reserved: int = 0  # KV tokens reserved for it on each of its workers
 
     @property
     def kv_id(self) -> str:
@@ -55,6 +64,17 @@ class Request:
     def max_total_tokens(self) -> int:
         """The most tokens this request's KV can grow to."""
         return min(len(self.prompt_ids) + self.params.max_tokens, self.max_model_len)
+
+    @property
+    def reserve_tokens(self) -> int:
+        """KV tokens to reserve when it is placed: its own, and the choices still to fork's."""
+        return reserve_tokens(len(self.prompt_ids), self.max_total_tokens,
+                              0 if self.forked else len(self.choice_seeds))
+
+    @property
+    def num_slots(self) -> int:
+        """Decode batch slots its prefill leads to: one per choice."""
+        return 1 + len(self.choice_seeds)
 
 
 def kv_id(request_id: str, recoveries: int) -> str:
@@ -82,6 +102,6 @@ def admission_order(waiting: Sequence[Request], distances: Sequence[int], policy
     return [by_id[q.request_id] for q in SCHEDULING_POLICIES[policy](queued, now)]
 
 
-def can_admit(num_running: int, num_prefilling: int, max_batch_size: int) -> bool:
-    """Admit another request only while it would fit in a decode batch."""
-    return num_running + num_prefilling < max_batch_size
+def can_admit(num_running: int, num_prefilling: int, max_batch_size: int, num_new: int = 1) -> bool:
+    """Admit a request of `num_new` sequences (its choices) only while they would fit in a decode batch."""
+    return num_running + num_prefilling + num_new <= max_batch_size

@@ -132,7 +132,7 @@ def test_bad_input_is_answered_clearly_while_others_continue(stack, reference_ou
             (json.dumps({"model": model, "messages": "hello"}).encode(), 400),  # wrong type
             (json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404),
             (json.dumps({"model": model, "messages": [{"role": "user", "content": "word " * 9000}]}).encode(), 400),
-            (json.dumps({"model": model, "n": 2, "messages": [{"role": "user", "content": "hi"}]}).encode(), 400),
+            (json.dumps({"model": model, "n": 17, "messages": [{"role": "user", "content": "hi"}]}).encode(), 400),
         ]
         for body, status in cases:
             code, payload = await loop.run_in_executor(None, _post, stack, "/v1/chat/completions", body)
@@ -298,3 +298,83 @@ def test_echo_scores_the_prompt_as_transformers(stack, reference_outputs, hf_ref
     assert r.choices[0].text == p + ref["text"]
     assert len(lp.tokens) == len(prompt) + len(ref["token_ids"])
     _assert_close_to(ref_lp, ref["token_ids"], lp.token_logprobs[len(prompt):], [[]] * len(ref["token_ids"]))
+
+
+def test_n_greedy_choices_each_equal_transformers_from_one_prefill(stack, reference_outputs):
+    """n = 3 at temperature 0: three identical greedy choices, each transformers' tokens,
+    from one prefill of the prompt (its other choices fork its KV)."""
+    client, model = _client(stack), _model(stack)
+    p = CHAT_PROMPTS[1]
+    ref = reference_outputs[("chat", p)]
+    prompts = _prefill_metric(stack, "lamina_prefill_requests_total")
+    computed = _prefill_metric(stack, "lamina_prefill_tokens_total")
+    cached = _prefill_cached_tokens(stack)
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}], n=3,
+                                       max_tokens=MAX_TOKENS, temperature=0, extra_body={"return_token_ids": True})
+    assert _prefill_metric(stack, "lamina_prefill_requests_total") - prompts == 1
+    prefilled = (_prefill_metric(stack, "lamina_prefill_tokens_total") - computed
+                 + _prefill_cached_tokens(stack) - cached)
+    assert prefilled == len(ref["prompt_ids"])  # the prompt once, not three times
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        assert c.model_extra["token_ids"] == ref["token_ids"] and c.message.content == ref["text"]
+    assert r.usage.prompt_tokens == len(ref["prompt_ids"])
+    assert r.usage.completion_tokens == 3 * len(ref["token_ids"])
+    # Streamed, the choices' chunks reassemble into the same texts.
+    texts = ["", ""]
+    for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}], n=2,
+                                                max_tokens=MAX_TOKENS, temperature=0, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [ref["text"]] * 2
+
+
+def test_n_seeded_choices_differ_and_repeat(stack):
+    client, model = _client(stack), _model(stack)
+
+    def run(n: int, stream: bool = False) -> list[str]:
+        kw = dict(model=model, prompt=COMPLETION_PROMPTS[0], n=n, max_tokens=12, temperature=1.0, seed=1234)
+        if not stream:
+            return [c.text for c in client.completions.create(**kw).choices]
+        texts = [""] * n
+        for chunk in client.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                texts[c.index] += c.text
+        return texts
+
+    first = run(3)
+    assert len(set(first)) == 3  # sampled independently
+    assert run(3) == first  # and reproducibly: each choice's seed comes from the request's
+    assert run(3, stream=True) == first
+    assert run(1) == first[:1]  # choice 0 samples with the request's own seed
+
+
+def test_n_choices_share_the_prompt_kv_and_a_disconnect_frees_them_all(stack, loaded_model):
+    """While three choices decode, their attention worker holds the prompt once: its
+    sequences' tokens exceed the slots in use by two prompts' worth exactly."""
+    model = _model(stack)
+    prompt = loaded_model.tokenizer.encode("Count slowly: " + "one, two, three, four, " * 8)
+
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+        stream = await client.completions.create(model=model, prompt=prompt, n=3, max_tokens=400, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        seen = set()
+        async for chunk in stream:
+            seen.update(c.index for c in chunk.choices)
+            if len(seen) == 3:
+                break
+        stats = await attention_stats(stack)
+        assert sum(s.num_sequences for s in stats) == 3
+        held = sum(s.num_tokens for s in stats)
+        assert sum(s.num_sequence_tokens for s in stats) - held == 2 * len(prompt)
+        assert held < 2 * len(prompt)  # the prompt and a few tokens of each choice
+        await stream.close()  # the client goes away: every choice ends and frees its KV
+        for _ in range(100):
+            if sum(await _attention_occupancy(stack)) == 0:
+                assert sum(s.num_tokens for s in await attention_stats(stack)) == 0
+                return
+            await asyncio.sleep(0.1)  # polling another process's state over gRPC
+        raise AssertionError(f"KV not freed: {await _attention_occupancy(stack)}")
+
+    asyncio.run(scenario())

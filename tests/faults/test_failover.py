@@ -179,3 +179,56 @@ def test_redis_restarted_mid_run(references):
         assert again == references
     finally:
         stack.stop()
+
+
+def test_n_choices_survive_a_killed_attention_worker():
+    """Three seeded choices forked from one prompt: their attention worker is killed
+    mid-decode, each choice is rebuilt on the other one from its own tokens, and every
+    choice ends as it does without the failure; nothing is left placed or journaled."""
+    from e2e_helpers import attention_stats, service_metric
+
+    stack = start_stack(workers=2, partition="request")
+    try:
+        async def sample(kill=None) -> list[list[int]]:
+            client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+            model = (await client.models.list()).data[0].id
+            ids: list[list[int]] = [[], [], []]
+            try:
+                stream = await client.completions.create(
+                    model=model, prompt=PROMPTS[2], n=3, max_tokens=MAX_TOKENS, temperature=0.8, seed=7,
+                    stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+                async for chunk in stream:
+                    for c in chunk.choices:
+                        ids[c.index] += c.model_extra["token_ids"]
+                    if kill is not None and min(map(len, ids)) >= 3:
+                        await kill()
+                        kill = None
+            finally:
+                await client.close()
+            return ids
+
+        clean = asyncio.run(sample())
+        assert len({tuple(i) for i in clean}) == 3 and all(len(i) == MAX_TOKENS for i in clean)
+
+        async def kill_holder() -> None:
+            (holder,) = [w for w, s in enumerate(await attention_stats(stack)) if s.num_sequences]
+            os.kill(_pid(stack, f"attention-{holder}"), signal.SIGKILL)
+
+        assert asyncio.run(sample(kill_holder)) == clean
+        assert service_metric(stack, "scheduler", "scheduler-0", 'lamina_scheduler_rebuilds_total{stage="decode"}') == 3
+
+        async def left() -> tuple[set, list]:
+            store = MetadataStore(MetadataConfig(url=stack.config.redis_url, namespace=stack.config.namespace))
+            try:
+                for _ in range(60):  # journal batches and placement deletions land
+                    placed, journal = await store.placed_requests(), await store.read_journal()
+                    if not placed and not journal:
+                        break
+                    await asyncio.sleep(0.5)
+                return placed, journal
+            finally:
+                await store.close()
+
+        assert asyncio.run(left()) == (set(), [])
+    finally:
+        stack.stop()

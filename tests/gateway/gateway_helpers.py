@@ -35,6 +35,10 @@ class ScriptedBackend:
     `fail_after`: raise BackendError after that many tokens. `queue_full`: refuse
     admission. `abort` records the id after an await, so a test can tell that the
     gateway awaited it and did not just create the coroutine.
+
+    A request of n > 1 choices: choice i replays the script from its token i on, the
+    choices' events interleaved one by one; aborting one choice is recorded in
+    `aborted_choices` and its events go on (the gateway must ignore them).
     """
 
     def __init__(self, tokens: list[int], eos: int, *, chunk: int = 1, stall_after: int | None = None,
@@ -48,6 +52,7 @@ class ScriptedBackend:
         self.num_running = 0
         self.requests: list[GenerateRequest] = []
         self.aborted: list[str] = []
+        self.aborted_choices: list[tuple[str, int]] = []
         self.abort_done = asyncio.Event()
         self.stalled = asyncio.Event()
         self.release: asyncio.Queue[int | None] = asyncio.Queue()
@@ -65,33 +70,51 @@ class ScriptedBackend:
 
     async def _events(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         try:
-            produced = 0
-            for start in range(0, len(self.script), self.chunk):
-                if self.journal is not None:
-                    entry = self.journal.get(request.request_id)
-                    self.journal_seen.append(entry.generated_token_ids if entry else ())
-                if self.fail_after is not None and produced >= self.fail_after:
-                    raise BackendError("scripted failure")
-                if self.stall_after is not None and produced >= self.stall_after:
-                    self.stalled.set()
-                    permit = await self.release.get()
-                    if permit is None:
-                        await asyncio.Event().wait()  # until cancelled
-                piece = self.script[start:start + self.chunk]
-                room = request.sampling.max_tokens - produced
-                prompt = (scripted_logprobs(list(request.prompt_token_ids[1:]), request)
-                          if request.prompt_logprobs and start == 0 else [])
-                if len(piece) >= room and start + len(piece) < len(self.script):
-                    yield TokenEvent(piece[:room], "length", scripted_logprobs(piece[:room], request), prompt)
-                    return
-                produced += len(piece)
-                is_last = start + self.chunk >= len(self.script)
-                yield TokenEvent(piece, "stop" if is_last else None, scripted_logprobs(piece, request), prompt)
+            if request.n == 1:
+                async for event in self._choice_events(request, self.script, 0):
+                    yield event
+                return
+            streams = [self._choice_events(request, self.script[i:], i) for i in range(request.n)]
+            while streams:
+                for stream in list(streams):
+                    try:
+                        yield await anext(stream)
+                    except StopAsyncIteration:
+                        streams.remove(stream)
         finally:
             self.num_running -= 1
 
-    async def abort(self, request_id: str) -> None:
+    async def _choice_events(self, request: GenerateRequest, script: list[int], index: int
+                             ) -> AsyncIterator[TokenEvent]:
+        journal_id = request.request_id if request.n == 1 else f"{request.request_id}/{index}"
+        produced = 0
+        for start in range(0, len(script), self.chunk):
+            if self.journal is not None:
+                entry = self.journal.get(journal_id)
+                self.journal_seen.append(entry.generated_token_ids if entry else ())
+            if self.fail_after is not None and produced >= self.fail_after:
+                raise BackendError("scripted failure")
+            if self.stall_after is not None and produced >= self.stall_after:
+                self.stalled.set()
+                permit = await self.release.get()
+                if permit is None:
+                    await asyncio.Event().wait()  # until cancelled
+            piece = script[start:start + self.chunk]
+            room = request.sampling.max_tokens - produced
+            prompt = (scripted_logprobs(list(request.prompt_token_ids[1:]), request)
+                      if request.prompt_logprobs and start == 0 and index == 0 else [])
+            if len(piece) >= room and start + len(piece) < len(script):
+                yield TokenEvent(piece[:room], "length", scripted_logprobs(piece[:room], request), prompt, index)
+                return
+            produced += len(piece)
+            is_last = start + self.chunk >= len(script)
+            yield TokenEvent(piece, "stop" if is_last else None, scripted_logprobs(piece, request), prompt, index)
+
+    async def abort(self, request_id: str, index: int | None = None) -> None:
         await asyncio.sleep(0)
+        if index is not None:
+            self.aborted_choices.append((request_id, index))
+            return
         self.aborted.append(request_id)
         self.abort_done.set()
 

@@ -240,7 +240,8 @@ async def test_journal_holds_generated_tokens_while_running(tokenizer, make_back
 
 
 @pytest.mark.parametrize("kwargs, param, fragment", [
-    ({"n": 2}, "n", "only n=1 is supported"),
+    ({"n": 17}, "n", "must be at most 16, got 17"),
+    ({"n": 0}, "n", "must be at least 1, got 0"),
     ({"max_tokens": "5"}, "max_tokens", "expected an integer, but got a string"),
     ({"temperature": [1]}, "temperature", "expected a number, but got an array"),
     ({"stop": 3}, "stop", "expected a string or an array of strings"),

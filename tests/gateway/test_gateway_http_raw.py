@@ -88,7 +88,7 @@ async def test_metrics(tokenizer, make_backend):
     backend = make_backend(num_waiting=2)
     async with serve(backend, tokenizer) as srv:
         ok, _ = await post(srv.url + "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4})
-        bad, _ = await post(srv.url + "/v1/completions", {"model": MODEL, "prompt": "x", "n": 3})
+        bad, _ = await post(srv.url + "/v1/completions", {"model": MODEL, "prompt": "x", "n": 17})
         status, ctype, text = await get(srv.url + "/metrics")
     assert (ok, bad, status) == (200, 400, 200) and ctype.startswith("text/plain")
     lines = set(text.splitlines())

@@ -159,7 +159,7 @@ def test_top_k_minus_one_means_no_top_k():
     (chat(top_k=-5), "Invalid value for 'top_k': must be at least -1, got -5.", "top_k", "invalid_value"),
     (chat(seed="1"), "Invalid type for 'seed': expected an integer, but got a string instead.", "seed",
      "invalid_type"),
-    (chat(n=2), "Invalid value for 'n': only n=1 is supported, got 2.", "n", "invalid_value"),
+    (chat(n=17), "Invalid value for 'n': must be at most 16, got 17.", "n", "invalid_value"),
     (chat(stream="yes"), "Invalid type for 'stream': expected a boolean, but got a string instead.", "stream",
      "invalid_type"),
     (chat(stream_options={"include_usage": True}),

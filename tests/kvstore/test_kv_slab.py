@@ -154,3 +154,24 @@ def test_slot_version_changes_exactly_when_the_slots_do():
     a.free("c")
     a.allocate("c", 4)  # the same id and length again: a new version all the same
     assert a.slot_version("c") not in stamps
+
+
+def test_choices_share_a_prompt_across_a_partly_filled_slab():
+    """n = 3 choices of a 6-token prompt (one full slab of 4, two tokens of the next):
+    every prompt slot is shared, none copied; each choice appends to fresh slots."""
+    a = make(num_slabs=4)
+    assert a.allocate("r/0", 6) == [0, 1, 2, 3, 4, 5]
+    for child in ("r/1", "r/2"):
+        assert a.fork("r/0", child, 6) == [0, 1, 2, 3, 4, 5]
+    assert [a.refcount(s) for s in range(7)] == [3] * 6 + [0]
+    assert a.num_used_tokens == 6 and a.num_sequence_tokens == 18
+    # Decode: each choice's next token gets its own slot, the shared slab's tail first.
+    assert [a.extend(r)[0] for r in ("r/0", "r/1", "r/2")] == [6, 7, 8]
+    assert a.slots("r/1") == [0, 1, 2, 3, 4, 5, 7]
+    assert a.num_used_tokens == 9 and a.num_sequence_tokens == 21
+    a.prepare_write("r/2", 6, 1)  # its own slot: nothing to copy
+    assert a.slots("r/2")[6] == 8 and a.num_used_tokens == 9
+    # Choices end in any order; the prompt goes back with the last of them.
+    assert a.free("r/0") == 1 and [a.refcount(s) for s in range(6)] == [2] * 6
+    assert a.free("r/2") == 1
+    assert a.free("r/1") == 7 and a.num_used_tokens == 0 and a.num_sequence_tokens == 0
