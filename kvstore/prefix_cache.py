@@ -8,8 +8,9 @@ and indexed by a trie (prefix_index.py). Every block is in exactly one tier:
 - disk:   memory-mapped files in `disk_dir`, optionally 4-bit quantized; found again
           after a restart.
 
-Swapping down goes one tier at a time (device -> host -> disk -> dropped); swapping up
-goes straight to device. A block's `tier` is the fastest tier holding it; the disk keeps
+Swapping down goes one tier at a time (device -> host -> disk -> dropped), skipping a
+tier where no room can be made (everything there locked); swapping up goes straight to
+device. A block's `tier` is the fastest tier holding it; the disk keeps
 its copy when a block is promoted (so what was on disk survives a restart, and swapping
 that block down again writes nothing) until disk space is needed. Rules that must hold:
 - a block with lock_count > 0 (held by a PrefixHandle) or a transfer in flight is never
@@ -249,6 +250,38 @@ class PrefixCache:
         kv = torch.cat(blocks, dim=2)[:, :, :num_tokens]  # [L, 2, num_tokens, H, D]
         return PrefixHandle(self, hashes, num_tokens, kv)
 
+    def read(self, tokens: Sequence[int]) -> tuple[int, torch.Tensor | None]:
+        """(n, kv): the longest cached prefix of `tokens` and its KV ([L, 2, n, H, D], full
+        precision), read from whichever tier holds each block, moving nothing: a peer
+        worker's fetch, which must not push this worker's own hot blocks down. The
+        blocks are locked while they are read; it counts as no hit here."""
+        with self._lock:
+            match = self._index.match(tokens)
+            if not match.is_hit:
+                return 0, None
+            for h in match.block_hashes:
+                self._entries[h].lock_count += 1
+        try:
+            blocks = [self._read_block(h) for h in match.block_hashes]
+        finally:
+            self._unlock(match.block_hashes)
+        kv = torch.cat(blocks, dim=2)[:, :, :match.num_tokens]  # [L, 2, n, H, D]
+        return match.num_tokens, kv
+
+    def _read_block(self, block_hash: str) -> torch.Tensor:
+        """A locked block's KV, from its tier (a promotion in flight finishes first)."""
+        with self._lock:
+            entry = self._entries[block_hash]
+            loading = entry.loading
+        if loading is not None:
+            loading.result()
+        with self._lock:
+            tier = entry.tier
+            payload = None if tier == Tier.DISK else self._tiers[tier].get(block_hash)
+        if tier == Tier.DISK:
+            payload = self._tiers[Tier.DISK].read(block_hash)  # outside the lock, as a promotion reads
+        return self._to_full(payload)
+
     def insert(self, tokens: Sequence[int], kv: torch.Tensor) -> int:
         """Caches the full blocks of a prompt's KV; kv: [L, 2, T, H, D] with T >= the
         tokens covered. Returns the number of blocks newly stored."""
@@ -398,7 +431,7 @@ class PrefixCache:
                 self._tiers[Tier.DISK].remove(victim)  # only a copy: the block stays
                 self._entries[victim].is_on_disk = False
                 continue
-            if lower is None or not self._demote(victim, tier, lower):
+            if lower is None or not self._demote_below(victim, tier, lower):
                 if not self._index.is_leaf(victim):
                     return False
                 self._drop(victim)
@@ -424,6 +457,17 @@ class PrefixCache:
             return None
         return self._policy([BlockStats(e.block_hash, e.inserted_at, e.last_access,
                                         e.num_bytes) for e in candidates])
+
+    def _demote_below(self, block_hash: str, tier: Tier, lower: Tier) -> bool:
+        """Moves one block down to `lower` or, when no room can be made there (every
+        block there locked, e.g. by the acquire that is making this room), to a tier
+        further down."""
+        below: Tier | None = lower
+        while below is not None:
+            if self._demote(block_hash, tier, below):
+                return True
+            below = self._lower(below)
+        return False
 
     def _demote(self, block_hash: str, tier: Tier, lower: Tier) -> bool:
         """Moves one block one tier down (after making room there)."""

@@ -1,6 +1,7 @@
 """What `lamina status` shows: every service of a cluster as its metadata store and its
 own health check see it, the attention workers' KV occupancy, each prefill worker's
-prefix cache and the scheduler's queue.
+prefix cache and the scheduler's queue and decode steps. The gateway's dashboard
+(`/dashboard`) shows the same object.
 
 A prefill worker's blocks per tier are counted from its block records in the metadata
 store (kvstore.block_publisher writes them); its prompt and cached tokens are the
@@ -62,6 +63,8 @@ class PrefixCacheStatus:
     tiers: dict[str, dict[str, int]]  # tier -> {"blocks": n, "bytes": b}, from its block records
     hit_tokens: int | None  # prompt tokens its cache served (not computed); None: no figures published
     prompt_tokens: int | None  # prompt tokens it prefilled
+    # Prompt tokens whose KV it fetched from peer prefill workers (not computed, not in hit_tokens).
+    fetched_tokens: int | None = None
 
     @property
     def hit_ratio(self) -> float | None:
@@ -75,6 +78,10 @@ class ClusterStatus:
     running: int | None  # None: the scheduler did not answer
     waiting: int | None
     prefix_cache: list[PrefixCacheStatus] = dataclasses.field(default_factory=list)
+    # The scheduler's decode steps (one per micro-batch step a model worker reports) and
+    # their mean batch (tokens per step) since it started; None: it did not answer.
+    decode_steps: int | None = None
+    mean_decode_batch: float | None = None
 
     def to_dict(self) -> dict:
         # used_tokens and sequences: the names the prefix-cache issue asked for, beside the older keys.
@@ -82,7 +89,8 @@ class ClusterStatus:
                 "attention": [{**dataclasses.asdict(a), "used_tokens": a.num_tokens, "sequences": a.num_sequences}
                               for a in self.attention],
                 "prefix_cache": [dataclasses.asdict(p) for p in self.prefix_cache],
-                "requests": {"running": self.running, "waiting": self.waiting}}
+                "requests": {"running": self.running, "waiting": self.waiting},
+                "decode": {"steps": self.decode_steps, "mean_batch_size": self.mean_decode_batch}}
 
 
 async def prefix_cache_status(store: MetadataStore, name: str) -> PrefixCacheStatus:
@@ -92,7 +100,8 @@ async def prefix_cache_status(store: MetadataStore, name: str) -> PrefixCacheSta
         tier["blocks"] += 1
         tier["bytes"] += r.num_bytes
     stats = await store.get_stats("prefill", name) or {}
-    return PrefixCacheStatus(name, tiers, stats.get("hit_tokens"), stats.get("prompt_tokens"))
+    return PrefixCacheStatus(name, tiers, stats.get("hit_tokens"), stats.get("prompt_tokens"),
+                             stats.get("fetched_tokens"))
 
 
 async def read_status(config: StackConfig) -> ClusterStatus:
@@ -117,8 +126,11 @@ async def read_status(config: StackConfig) -> ClusterStatus:
     attention = await asyncio.gather(*(_attention_occupancy(info, token, deadline)
                                        for info in infos if info.kind == "attention"))
     schedulers = [info for info in infos if info.kind == "scheduler"]
-    running, waiting = await _requests(schedulers[0], token, deadline) if schedulers else (None, None)
-    return ClusterStatus(services, list(attention), running, waiting, caches)
+    s = await _scheduler_stats(schedulers[0], token, deadline) if schedulers else None
+    if s is None:
+        return ClusterStatus(services, list(attention), None, None, caches)
+    return ClusterStatus(services, list(attention), s.num_running, s.num_waiting, caches, s.num_steps,
+                         s.mean_batch_size)
 
 
 def _index(service_id: str, meta: dict) -> int | None:
@@ -164,10 +176,10 @@ async def _attention_occupancy(info: ServiceInfo, token: str | None, deadline_s:
                               s.capacity_bytes, s.occupancy, s.fragmentation)
 
 
-async def _requests(scheduler: ServiceInfo, token: str | None, deadline_s: float) -> tuple[int | None, int | None]:
+async def _scheduler_stats(scheduler: ServiceInfo, token: str | None,
+                           deadline_s: float) -> lamina_pb2.SchedulerStats | None:
     async with open_channel(scheduler.meta.get("grpc") or scheduler.endpoint, token) as channel:
         try:
-            s = await lamina_pb2_grpc.SchedulerStub(channel).Stats(lamina_pb2.Empty(), timeout=deadline_s)
+            return await lamina_pb2_grpc.SchedulerStub(channel).Stats(lamina_pb2.Empty(), timeout=deadline_s)
         except grpc.aio.AioRpcError:
-            return None, None
-    return s.num_running, s.num_waiting
+            return None

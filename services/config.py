@@ -24,16 +24,22 @@ clear message naming the setting.
     scheduler: {max_batch_size: 64, max_queue: 256, policy: fcfs}   # policy: fcfs | fpf | relaxed_fpf
     prefill: {workers: 1, threads: 1, cache_block_tokens: 16, cache_device_bytes: 268435456,
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru,
-              routing: prefix, routing_load_weight: 1.0, max_batch_tokens: 2048, batch_window_ms: 5.0}
+              routing: prefix, routing_load_weight: 1.0, max_batch_tokens: 2048, batch_window_ms: 5.0,
+              cache_quantize_4bit: false, cache_quant_group_size: 64, peer_fetch: auto,
+              peer_fetch_prior_gbps: 1.0}
                                 # workers: prefill processes prefill-0..P-1, each with its own cache
                                 # (cache_dir/prefill-I when P > 1); routing: prefix (the worker holding
-                                # the longest prefix, against its queued tokens) | round_robin
+                                # the longest prefix, against its queued tokens) | round_robin;
+                                # cache_quantize_4bit: host and disk tiers hold 4-bit blocks;
+                                # peer_fetch: auto (pull a peer's longer prefix when the measured
+                                # transfer beats recomputing it) | always | off (docs/kvstore.md)
     model_worker: {threads: 1, workers: 1}   # threads: the packed products' (torch's ops run on one);
                                 # LAMINA_MODEL_THREADS
     pipeline: {micro_batches: 2, min_micro_batch: 16, q_early: false,
                mode: fixed}     # fixed: micro-batches per model worker; rotational: M + 1 over M workers
     attention: {workers: 2, threads: 1, kv_capacity_bytes: 1073741824,
-                kv_quant: none}    # none | q4: KV rows stored 4-bit group-wise (docs/model.md)
+                kv_quant: none}    # none | q4: KV rows stored 4-bit group-wise (docs/model.md);
+                                # workers: LAMINA_ATTENTION_WORKERS
     data_plane: {busy_poll_us: null, checksum_payloads: false, shm_ring_bytes: 16777216,
                  ucx_progress_mode: blocking, ucx_tls: null, native_frames: true}   # see docs/transports.md
     deadlines: {reply_s: 10, rpc_s: 30, step_s: 30, health_s: 2, recovery_s: 120}   # every wait on a peer (docs/reliability.md)
@@ -60,6 +66,7 @@ WEIGHT_CHOICES = ("float32", "q8_0", "q4", "as_file")  # model.packing.WEIGHT_CH
 KV_QUANT_CHOICES = ("none", "q4")  # model.kv_quant.KV_QUANT_CHOICES (tested equal)
 PIPELINE_MODES = ("fixed", "rotational")
 PREFILL_ROUTINGS = ("prefix", "round_robin")  # services.prefill_routing
+PEER_FETCH_MODES = ("auto", "always", "off")  # services.prefix_fetch_policy (tested equal)
 
 
 class ConfigError(ValueError):
@@ -122,6 +129,15 @@ class PrefillSection:
     # queued tokens is largest; round_robin: each in turn.
     routing: str = "prefix"
     routing_load_weight: float = 1.0
+    # Host and disk tiers hold group-wise 4-bit blocks (kvstore.quant); device stays full precision.
+    cache_quantize_4bit: bool = False
+    cache_quant_group_size: int = 64
+    # A prompt's worker pulls the longer prefix another worker caches over the data plane
+    # (services.prefix_peers) instead of recomputing it: auto when the transfer is expected
+    # to be faster (services.prefix_fetch_policy), always, or off.
+    peer_fetch: str = "auto"
+    # The bandwidth assumed for a fetch until fetches have been measured (GB/s).
+    peer_fetch_prior_gbps: float = 1.0
 
     def worker_cache_dir(self, index: int) -> str | None:
         """Prefill worker `index`'s disk tier: cache_dir itself with one worker, else a
@@ -243,6 +259,15 @@ class StackConfig:
             value = getattr(self.deadlines, f.name)
             _check(isinstance(value, (int, float)) and value > 0, f"deadlines.{f.name}", "must be a positive number "
                    "of seconds", value)
+        _check(self.prefill.peer_fetch in PEER_FETCH_MODES, "prefill.peer_fetch",
+               f"must be one of {', '.join(PEER_FETCH_MODES)}", self.prefill.peer_fetch)
+        _check(isinstance(self.prefill.peer_fetch_prior_gbps, (int, float)) and self.prefill.peer_fetch_prior_gbps > 0,
+               "prefill.peer_fetch_prior_gbps", "must be a positive number", self.prefill.peer_fetch_prior_gbps)
+        _check(isinstance(self.prefill.cache_quantize_4bit, bool), "prefill.cache_quantize_4bit", "must be true or false",
+               self.prefill.cache_quantize_4bit)
+        _check(isinstance(self.prefill.cache_quant_group_size, int) and self.prefill.cache_quant_group_size > 0
+               and self.prefill.cache_quant_group_size % 2 == 0, "prefill.cache_quant_group_size",
+               "must be a positive even integer", self.prefill.cache_quant_group_size)
         _check(self.prefill.cache_eviction in ("lru", "fifo", "random"), "prefill.cache_eviction",
                "must be lru, fifo or random", self.prefill.cache_eviction)
         _check(not self.prefill.cache_disk_bytes or bool(self.prefill.cache_dir), "prefill.cache_dir",
@@ -325,8 +350,10 @@ ENV_OVERRIDES = {
     "LAMINA_KV_QUANT": "attention.kv_quant",
     "LAMINA_PIPELINE": "pipeline.mode",
     "LAMINA_PREFILL_WORKERS": "prefill.workers",
+    "LAMINA_ATTENTION_WORKERS": "attention.workers",
     "LAMINA_MODEL_THREADS": "model_worker.threads",
     "LAMINA_PREFILL_ROUTING": "prefill.routing",
+    "LAMINA_PEER_FETCH": "prefill.peer_fetch",
     "LAMINA_HOST": "host",
     "LAMINA_ADVERTISE_HOST": "advertise_host",
     "LAMINA_GRPC_PORT": "ports.grpc",

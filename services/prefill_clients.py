@@ -8,6 +8,13 @@ probe at the old one. `route` refreshes by itself, at most every `_REFRESH_S`, w
 worker is down, so a failed worker's prompts go to the live ones and a worker that
 comes back gets prompts again.
 
+`watch` (a task the scheduler owns) refreshes every half service TTL: listing the
+prefill services removes a dead worker's registration and its block records from the
+metadata store once its lease has expired (kvstore.metadata.list_services), and each
+refresh reads the workers' published figures (forward rate, fetch bandwidth), by which
+`route` decides whether the chosen worker fetches a peer's longer prefix
+(services.prefix_fetch_policy) rather than computing it.
+
 Ownership: channels are opened by the `open_channel` the scheduler passes (it closes
 them with its others). One asyncio loop uses this object; nothing here locks.
 """
@@ -29,6 +36,7 @@ from kvstore.metadata import REDIS_ERRORS, MetadataStore, ServiceInfo
 from kvstore.policies import MAX_DISTANCE
 from services.config import StackConfig
 from services.prefill_routing import PrefillLoad, choose, matched_tokens
+from services.prefix_fetch_policy import FetchPlan, plan_fetch
 from services.protos import lamina_pb2, lamina_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,8 @@ class _Worker:
     alive: bool = False
     queued_tokens: int = 0
     last_chosen: int = -1
+    data_address: str = ""  # where peers fetch prefix KV from it ("" without a prefix cache)
+    figures: dict | None = None  # its published stats (services.prefill_service.stats)
 
     def load(self) -> PrefillLoad:
         return PrefillLoad(self.name, self.alive and self.stub is not None, self.queued_tokens, self.last_chosen)
@@ -76,6 +86,7 @@ class PrefillClients:
             return  # an index past prefill.workers: not part of this stack's configuration
         channel = self._open_channel(info.endpoint)
         w.endpoint = info.endpoint
+        w.data_address = str(info.meta.get("data", ""))
         w.stub = lamina_pb2_grpc.PrefillStub(channel)
         w.health = health_pb2_grpc.HealthStub(channel)
         w.alive = True
@@ -96,6 +107,8 @@ class PrefillClients:
                 if w is not None and info.endpoint != w.endpoint:
                     log.info("%s found at %s", w.name, info.endpoint)
                     self._connect(info)
+            for w in self.workers:
+                w.figures = await self.store.get_stats("prefill", w.name)
         down = [w for w in self.workers if not w.alive and w.health is not None]
         answers = await asyncio.gather(*(w.health.Check(health_pb2.HealthCheckRequest(),
                                                         timeout=self.config.deadlines.health_s) for w in down),
@@ -105,19 +118,49 @@ class PrefillClients:
                 log.info("%s answers again", w.name)
                 w.alive = True
 
-    async def route(self, token_ids: list[int]) -> tuple[int, int] | None:
-        """(worker index, prompt tokens it is expected to hold) for a prompt; None when
-        no worker is alive (after a refresh)."""
+    async def watch(self) -> None:
+        """Refresh every half service TTL, for as long as the scheduler runs."""
+        interval = max(self.store.config.service_ttl_s / 2, 0.5)
+        while True:  # a periodic timer: leases expire on Redis's clock, nothing here signals it
+            await asyncio.sleep(interval)
+            try:
+                await self.refresh()
+            except Exception as exc:  # noqa: BLE001 - the next round tries again
+                log.warning("refreshing the prefill workers failed: %s", exc)
+
+    async def route(self, token_ids: list[int]) -> tuple[int, int, FetchPlan | None] | None:
+        """(worker index, prompt tokens it is expected to hold, the peer prefix it should
+        fetch or None) for a prompt; None when no worker is alive (after a refresh)."""
         if self.num_alive < len(self.workers) and time.monotonic() - self._refreshed_at >= _REFRESH_S:
             await self.refresh()
-        matched = await self._matched(token_ids) if self.config.prefill.routing == "prefix" else {}
-        i = choose(self.config.prefill.routing, [w.load() for w in self.workers], matched,
-                   self.config.prefill.routing_load_weight)
+        pc = self.config.prefill
+        wants_matches = pc.routing == "prefix" or pc.peer_fetch != "off"
+        matched = await self._matched(token_ids) if wants_matches else {}
+        i = choose(pc.routing, [w.load() for w in self.workers], matched if pc.routing == "prefix" else {},
+                   pc.routing_load_weight)
         if i is None:
             return None
         self._num_decisions += 1
-        self.workers[i].last_chosen = self._num_decisions
-        return i, matched.get(self.workers[i].name, 0)
+        w = self.workers[i]
+        w.last_chosen = self._num_decisions
+        plan = self._plan_fetch(w, matched)
+        return i, plan.tokens if plan is not None else matched.get(w.name, 0), plan
+
+    def _plan_fetch(self, chosen: _Worker, matched: dict[str, int]) -> FetchPlan | None:
+        pc = self.config.prefill
+        if pc.peer_fetch == "off" or not matched:
+            return None
+        mine = chosen.figures or {}
+        per_token = next((f["kv_bytes_per_token"] for f in (mine, *(w.figures or {} for w in self.workers))
+                          if f.get("kv_bytes_per_token")), 0)
+        return plan_fetch(pc.peer_fetch, chosen.name, matched,
+                          {w.name for w in self.workers if w.alive and w.data_address},
+                          per_token, mine.get("fetch_bytes_per_s") or pc.peer_fetch_prior_gbps * 1e9,
+                          mine.get("compute_tokens_per_s"))
+
+    def peer_prefix(self, plan: FetchPlan) -> lamina_pb2.PeerPrefix:
+        w = self._by_name(plan.peer)
+        return lamina_pb2.PeerPrefix(node=plan.peer, address=w.data_address if w else "", tokens=plan.tokens)
 
     async def _matched(self, token_ids: list[int]) -> dict[str, int]:
         """Tokens of the prompt each worker holds (by the store; the last prompt token is

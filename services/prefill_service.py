@@ -11,7 +11,11 @@ The longest cached prefix of the prompt comes from the tiered prefix cache, so
 only the rest runs through the model (at least the last token, whose logits give
 the first output token); the prompt's full blocks are cached afterwards. The
 cache's blocks are published to the metadata store in batches by an owned
-BlockPublisher (kvstore.block_publisher), and withdrawn when the worker stops. Prompt
+BlockPublisher (kvstore.block_publisher), and withdrawn when the worker stops. When
+the scheduler names a peer that caches a longer prefix (PrefillRequest.peer), the
+tokens past this worker's own prefix are fetched from that peer over the data plane
+(services.prefix_peers) instead of computed; this worker's data-plane listener
+answers its peers' fetches the same way. Prompt
 attention runs here, over a local token-granular store that lives only for the
 request; the KV of layer i is on its way to the attention workers while layer
 i + 1 computes.
@@ -36,9 +40,11 @@ from lamina.engine.penalties import PenaltyState, needs_state
 from lamina.engine.sampling import sample
 from lamina.engine.step import LocalAttention, StepBatch
 from model.threads import set_compute_threads
+from services.addresses import with_host
 from services.attention_pool import AttentionPool
-from services.config import StackConfig
+from services.config import PrefillSection, StackConfig
 from services.model_service import ModelSlices
+from services.prefix_peers import PrefixFetcher, PrefixServer
 from services.prompt_logprobs import logit_rows
 from services.protos import lamina_pb2, lamina_pb2_grpc
 from services.runtime import ServiceRuntime, abort_for_remote_error
@@ -63,13 +69,18 @@ class PrefillService:
                                                   "prefix cache", registry=r)
         pc = config.prefill
         self.publisher = BlockPublisher(self.runtime.store, self.runtime.service_id)
-        self.cache = PrefixCache(PrefixCacheConfig(
-            block_size=pc.cache_block_tokens, device_bytes=pc.cache_device_bytes, host_bytes=pc.cache_host_bytes,
-            disk_bytes=pc.cache_disk_bytes, disk_dir=pc.worker_cache_dir(index), eviction=pc.cache_eviction,
-        ), on_event=self.publisher.on_event) if pc.cache_device_bytes else None
+        self.cache = PrefixCache(cache_config(pc, index), on_event=self.publisher.on_event) \
+            if pc.cache_device_bytes else None
         self.publisher.cache = self.cache
+        self.peer_server = PrefixServer(self.cache) if self.cache is not None else None
+        self.fetcher = PrefixFetcher(config.transport_config(), self.cfg, config.deadlines.reply_s)
+        self._listener: transports.Listener | None = None
+        self.m_fetched = prometheus_client.Counter("lamina_prefill_fetched_tokens", "prompt tokens whose KV was "
+                                                   "fetched from a peer prefill worker", registry=r)
+        self.compute_tokens_per_s: float | None = None  # running figure of this worker's forwards
         self.num_prompt_tokens = 0  # prompt tokens of the prompts prefilled
         self.num_cached_tokens = 0  # of which the prefix cache served (not computed)
+        self.num_fetched_tokens = 0  # of which fetched from peers (not computed)
         self.m_batch = prometheus_client.Histogram(
             "lamina_prefill_batch_prompts", "prompts per prefill forward", buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=r)
@@ -121,6 +132,12 @@ class PrefillService:
         seq_kvs = [kv.reserve(s, n) for s, n in zip(seq_ids, lens)]
         # A prompt that wants its own tokens' logprobs is computed whole: no cached prefix.
         cached = [0 if r.prompt_logprobs else self._install_prefix(p, skv) for r, p, skv in zip(reqs, prompts, seq_kvs)]
+        fetched = [0] * len(reqs)
+        for j, r in enumerate(reqs):
+            if r.HasField("peer") and not r.prompt_logprobs and min(r.peer.tokens, lens[j] - 1) > cached[j]:
+                got = await self._fetch_prefix(r.peer, prompts[j], seq_kvs[j], cached[j])
+                fetched[j], cached[j] = got - cached[j], got
+        computing = time.perf_counter()
         batch = StepBatch.build(seq_ids, [p[c:] for p, c in zip(prompts, cached)], cached)
         local = LocalAttention(kv, batch)
         inputs = batch.model_inputs()
@@ -136,6 +153,7 @@ class PrefillService:
                     await self.pool.store_layer(s, w, i, skv.buf[i, 0, :n], skv.buf[i, 1, :n])
                 out = split.slices[i + 1](inputs, attn, out.context)
         local.commit()
+        self._measure_compute(sum(lens) - sum(cached), time.perf_counter() - computing)
         # One acknowledgement per sequence and worker, matched by sequence id.
         stored: list[RemoteError | None] = []
         for s in seq_ids:
@@ -150,13 +168,14 @@ class PrefillService:
         eos = self.slices.loaded.tokenizer.eos_token_ids
         states = [PenaltyState.build(p, prompt, (), eos) if needs_state(p) else None
                   for p, prompt in zip(params, prompts)]
+        grammars = [self.slices.grammars.state(p.grammar) if p.grammar is not None else None for p in params]
         logits = out.output[last_rows]  # [B, V]
-        tokens = sample(logits, params, [r.params.seed for r in reqs], [0] * len(reqs), states)
+        tokens = sample(logits, params, [r.params.seed for r in reqs], [0] * len(reqs), states, grammars)
         logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
         choices = _choice_tokens(logits, reqs, params, states)
         results: list[lamina_pb2.PrefillResult | RemoteError] = []
-        for prompt, skv, n, c, token, lp, error, p, scoring, (choice_ids, choice_lps) in zip(
-                prompts, seq_kvs, lens, cached, tokens, logprobs, stored, params, prompt_rows, choices):
+        for prompt, skv, n, c, f, token, lp, error, p, scoring, (choice_ids, choice_lps) in zip(
+                prompts, seq_kvs, lens, cached, fetched, tokens, logprobs, stored, params, prompt_rows, choices):
             if error is not None:
                 results.append(error)
                 continue
@@ -164,13 +183,15 @@ class PrefillService:
                 self.cache.insert(prompt, skv.buf[:, :, :n])
             self.m_prompts.inc()
             self.m_tokens.inc(n - c)
-            self.m_cached.inc(c)
+            self.m_cached.inc(c - f)
+            self.m_fetched.inc(f)
             self.num_prompt_tokens += n
-            self.num_cached_tokens += c
+            self.num_cached_tokens += c - f
+            self.num_fetched_tokens += f
             # Only an echo request scores its prompt (its rows are then every position).
             scored = (token_logprobs(out.output[scoring], prompt[1:], [p.logprobs or 0] * len(scoring))
                       if scoring else [])
-            results.append(lamina_pb2.PrefillResult(token_id=token, cached_tokens=c,
+            results.append(lamina_pb2.PrefillResult(token_id=token, cached_tokens=c, fetched_tokens=f,
                                                     logprobs=None if lp is None else logprobs_to_proto(lp),
                                                     prompt_logprobs=[logprobs_to_proto(e) for e in scored],
                                                     choice_token_ids=choice_ids,
@@ -196,18 +217,49 @@ class PrefillService:
                 seq_kv.length = handle.num_tokens
             return handle.num_tokens
 
+    async def _fetch_prefix(self, peer: lamina_pb2.PeerPrefix, token_ids: list[int], seq_kv, have: int) -> int:
+        """Fetch the KV of token_ids[have:peer.tokens] from the peer into the sequence's
+        KV (after the `have` tokens already there); returns the tokens now held. The
+        last prompt token is always computed, as for a cached prefix."""
+        want = min(peer.tokens, len(token_ids) - 1)
+        num_tokens, kv = await self.fetcher.fetch(peer.address, token_ids[:want], have)
+        if kv is None:
+            return have
+        seq_kv.buf[:, :, have:num_tokens] = kv  # [L, 2, num_tokens - have, Hkv, D]
+        seq_kv.length = num_tokens
+        return num_tokens
+
+    def _measure_compute(self, tokens: int, seconds: float) -> None:
+        """Keep a running figure of this worker's forward rate (tokens per second), by which
+        the scheduler weighs fetching a prefix against computing it."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self.compute_tokens_per_s
+        self.compute_tokens_per_s = rate if old is None else 0.7 * old + 0.3 * rate
+
     def stats(self) -> dict:
-        """Figures published to the metadata store every second (lamina status)."""
-        return {"prompt_tokens": self.num_prompt_tokens, "hit_tokens": self.num_cached_tokens}
+        """Figures published to the metadata store every second (lamina status, and the
+        scheduler's choice between fetching a peer's prefix and computing it)."""
+        return {"prompt_tokens": self.num_prompt_tokens, "hit_tokens": self.num_cached_tokens,
+                "fetched_tokens": self.num_fetched_tokens,
+                "served_tokens": self.peer_server.num_served_tokens if self.peer_server else 0,
+                "compute_tokens_per_s": self.compute_tokens_per_s, "fetch_bytes_per_s": self.fetcher.bytes_per_s,
+                "kv_bytes_per_token": self.cfg.kv_bytes_per_token()}
 
     async def run(self) -> None:
         self.pool = await AttentionPool.from_registry(self.runtime.store, self.config, self.cfg)
+        meta = {}
+        if self.peer_server is not None:  # peers fetch prefix KV from here
+            self._listener = await transports.listen(self.config.data_address(self.runtime.service_id),
+                                                     self.peer_server.serve, self.config.transport_config())
+            meta["data"] = with_host(self._listener.address, self.config.advertised_host)
         batcher = asyncio.create_task(self._batch_loop(), name="prefill-batches")
         if self.cache is not None:
             self.publisher.start()  # its first batch: everything the cache holds (its disk tier's blocks)
         try:
             await self.runtime.serve(lambda s: lamina_pb2_grpc.add_PrefillServicer_to_server(_PrefillServicer(self), s),
-                                     rebuild=self.publisher.rebuild, stats=self.stats,
+                                     meta=meta, rebuild=self.publisher.rebuild, stats=self.stats,
                                      drained=lambda: self.publisher.close(withdraw=self.cache is not None))
         finally:
             await self.publisher.close()
@@ -215,6 +267,9 @@ class PrefillService:
             await asyncio.gather(batcher, return_exceptions=True)
             for _, fut in self._queue:
                 fut.cancel()
+            await self.fetcher.close()
+            if self._listener is not None:
+                await self._listener.close()
             await self.pool.close()
 
 
@@ -237,6 +292,14 @@ def _choice_tokens(logits: torch.Tensor, reqs: list[lamina_pb2.PrefillRequest], 
         out.append((tokens[start:end], logprobs[start:end]))
         start = end
     return out
+
+
+def cache_config(pc: PrefillSection, index: int) -> PrefixCacheConfig:
+    """Prefill worker `index`'s prefix cache, as the configuration's prefill section sets it."""
+    return PrefixCacheConfig(block_size=pc.cache_block_tokens, device_bytes=pc.cache_device_bytes,
+                             host_bytes=pc.cache_host_bytes, disk_bytes=pc.cache_disk_bytes,
+                             disk_dir=pc.worker_cache_dir(index), eviction=pc.cache_eviction,
+                             quantize_4bit=pc.cache_quantize_4bit, quant_group_size=pc.cache_quant_group_size)
 
 
 def take_batch(queue: list, max_tokens: int) -> list:

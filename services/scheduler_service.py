@@ -276,13 +276,14 @@ class SchedulerService:
         route = await self.prefills.route(token_ids)
         if route is None:
             raise _NotYet("no prefill worker answers")
-        worker, cached_tokens = route
+        worker, cached_tokens, fetch = route
         await self._record_placement(req)
         return await self.prefills.prefill(worker, lamina_pb2.PrefillRequest(
             seq_id=req.kv_id, token_ids=token_ids, params=req.params,
             placement=lamina_pb2.Placement(workers=req.workers),
             prompt_logprobs=req.prompt_logprobs and not req.output_ids,
-            choice_seeds=[] if req.forked else req.choice_seeds), cached_tokens)
+            choice_seeds=[] if req.forked else req.choice_seeds,
+            peer=self.prefills.peer_prefix(fetch) if fetch is not None else None), cached_tokens)
 
     async def _record_placement(self, req: Request) -> None:
         try:

@@ -21,9 +21,13 @@ frames and replies interleave.
                                   attention output (all but slice 0), context...]: run one slice
                                   for a rotational coordinator (services.slice_server)
     SLICE_OUT model -> model      header {tag}; tensors [q, k, v, context...], or [logits] from the last slice
+    FETCH_PREFIX prefill -> prefill header {tag, tokens: [ids], start}: the KV of the longest prefix
+                                  of `tokens` the peer's cache holds, from token `start` on
+    PREFIX_KV prefill -> prefill  header {tag, num_tokens}; tensors [kv: [L, 2, num_tokens - start,
+                                  hkv, D]], or none when the peer holds no more than `start` tokens
 
 A decode tag is [micro_batch, step, layer]; a store tag is [seq_id]; a slice tag is
-[micro_batch, step, slice].
+[micro_batch, step, slice]; a fetch tag is [fetch number].
 
 Decoding is strict: a header that is not a map, a field missing or of the wrong
 type, or a raw byte buffer where a tensor belongs raises RemoteError, which the
@@ -69,6 +73,8 @@ class Kind(enum.IntEnum):
     ATTEND_KV = 7
     SLICE = 8
     SLICE_OUT = 9
+    FETCH_PREFIX = 10
+    PREFIX_KV = 11
 
 
 class RemoteError(RuntimeError):
@@ -229,6 +235,52 @@ class RunSlice:
         h = _header(f)
         tensors = _tensors(f, Kind.SLICE, len(f.tensors))
         return cls(frame_tag(f), _field(h, "slice", int), tensors)
+
+
+@dataclass(frozen=True)
+class FetchPrefix:
+    """A request for the KV of a prompt's prefix that another prefill worker caches."""
+
+    tag: Tag
+    tokens: list[int]  # the prefix asked for (the peer answers its longest cached part)
+    start: int  # tokens the asker holds already: only the KV after them is sent
+
+    def to_frame(self) -> Frame:
+        return Frame(kind=Kind.FETCH_PREFIX, header={"v": WIRE_VERSION, "tag": list(self.tag),
+                                                     "tokens": self.tokens, "start": self.start}, tensors=[])
+
+    @classmethod
+    def from_frame(cls, f: Frame) -> FetchPrefix:
+        h = _header(f)
+        tokens = _field(h, "tokens", list)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+            raise RemoteError("bad_request", f"header field 'tokens' must be token ids, got {short_repr(tokens)}")
+        start = _field(h, "start", int)
+        if not 0 <= start <= len(tokens):
+            raise RemoteError("bad_request", f"start {start} is outside the {len(tokens)} tokens asked for")
+        return cls(frame_tag(f), tokens, start)
+
+
+@dataclass(frozen=True)
+class PrefixKV:
+    """A peer's answer to FETCH_PREFIX: it holds the first `num_tokens` tokens' KV."""
+
+    tag: Tag
+    num_tokens: int
+    kv: torch.Tensor | None  # [L, 2, num_tokens - start, hkv, D]; None when num_tokens <= start
+
+    def to_frame(self) -> Frame:
+        return Frame(kind=Kind.PREFIX_KV, header={"v": WIRE_VERSION, "tag": list(self.tag),
+                                                  "num_tokens": self.num_tokens},
+                     tensors=[] if self.kv is None else [self.kv])
+
+    @classmethod
+    def from_frame(cls, f: Frame) -> PrefixKV:
+        h = _header(f)
+        tensors = _tensors(f, Kind.PREFIX_KV, len(f.tensors))
+        if len(tensors) > 1:
+            raise RemoteError("bad_request", f"PREFIX_KV carries at most 1 tensor, got {len(tensors)}")
+        return cls(frame_tag(f), _field(h, "num_tokens", int), tensors[0] if tensors else None)
 
 
 def slice_out_frame(tag: Tag, tensors: list[torch.Tensor]) -> Frame:

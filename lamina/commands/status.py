@@ -85,11 +85,11 @@ def _table(status) -> str:
                              f"{a.occupancy:.1%}", f"{a.fragmentation:.1%}"))
         out += [_columns(rows), ""]
     if status.prefix_cache:
-        rows = [("PREFIX CACHE", "DEVICE", "HOST", "DISK", "HIT RATIO", "TOKENS SAVED")]
+        rows = [("PREFIX CACHE", "DEVICE", "HOST", "DISK", "HIT RATIO", "TOKENS SAVED", "FETCHED FROM PEERS")]
         for p in status.prefix_cache:
             tiers = [f"{t['blocks']} blocks, {t['bytes'] / 2**20:.1f} MiB" for t in p.tiers.values()]
             ratio = "-" if p.hit_ratio is None else f"{p.hit_ratio:.1%}"
-            rows.append((p.name, *tiers, ratio, _text(p.hit_tokens)))
+            rows.append((p.name, *tiers, ratio, _text(p.hit_tokens), _text(p.fetched_tokens)))
         out += [_columns(rows), ""]
     if status.running is None:
         out.append("requests: unknown (the scheduler did not answer)")

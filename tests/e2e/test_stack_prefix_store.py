@@ -136,7 +136,7 @@ async def _check(stack, cfg, section: PrefillSection) -> None:
         tiers[i.tier.name.lower()]["blocks"] += 1
         tiers[i.tier.name.lower()]["bytes"] += i.num_bytes
     assert cache == {"name": "prefill-0", "tiers": tiers, "hit_tokens": figures["hit_tokens"],
-                     "prompt_tokens": prompt_tokens}
+                     "prompt_tokens": prompt_tokens, "fetched_tokens": 0}
     for a in status["attention"]:
         assert (a["used_tokens"], a["sequences"]) == (0, 0) and a["capacity_tokens"] > 0
 

@@ -199,3 +199,40 @@ def test_events_report_changes(tmp_path):
     assert events == [("stored", ha, Tier.DEVICE), ("dropped", ha, Tier.DEVICE),
                       ("stored", hb, Tier.DEVICE)]
     assert [r[:3] for r in c.block_records()] == [(hb, Tier.DEVICE, BLOCK)]
+
+
+def test_promotion_passes_a_host_tier_full_of_the_blocks_being_promoted(tmp_path):
+    """Device full of another prompt's blocks, host holding exactly the two blocks being
+    acquired (locked while they come up): the device's victims go past host to disk, and
+    the hit is whole (it used to come back empty)."""
+    c = cache(tmp_path, device=4, host=2, disk=16)
+    a, b = prompt(1, 2), prompt(2, 4)
+    kv_a = make_kv(len(a))
+    c.insert(a, kv_a)
+    c.insert(b, make_kv(len(b), seed=1))  # a's blocks go down to host
+    assert tiers(c, a) == [Tier.HOST, Tier.HOST] and tiers(c, b) == [Tier.DEVICE] * 4
+    with c.acquire(a + [9]) as h:
+        assert h.num_tokens == len(a) and torch.equal(h.kv, kv_a)
+    assert tiers(c, a) == [Tier.DEVICE, Tier.DEVICE]
+    # b's first block went past the full host to disk; once a's blocks left host, the next went there.
+    assert tiers(c, b) == [Tier.DISK, Tier.HOST, Tier.DEVICE, Tier.DEVICE]
+
+
+def test_read_takes_blocks_from_their_tiers_and_moves_none(tmp_path):
+    # Host room for one 4-bit block (about a sixth of a full one), so the third goes to disk.
+    c = PrefixCache(PrefixCacheConfig(block_size=BS, device_bytes=BLOCK, host_bytes=BLOCK // 5, disk_bytes=32 * BLOCK,
+                                      disk_dir=str(tmp_path / "kv"), quantize_4bit=True))
+    p = prompt(1, 3)
+    kv = make_kv(len(p))
+    c.insert(p, kv)
+    where = tiers(c, p)
+    assert set(where) == {Tier.DEVICE, Tier.HOST, Tier.DISK}
+    n, got = c.read(p + [5])
+    assert n == len(p) and got.shape == kv.shape
+    assert tiers(c, p) == where and c.stats.num_hit_tokens == 0
+    # Device is exact; host and disk hold 4-bit blocks, read back dequantized.
+    device_block = where.index(Tier.DEVICE)
+    sl = slice(device_block * BS, (device_block + 1) * BS)
+    assert torch.equal(got[:, :, sl], kv[:, :, sl])
+    assert torch.allclose(got, kv, atol=0.5)  # 4-bit steps of randn groups: (max - min) / 15
+    assert c.read([7] * BS) == (0, None)

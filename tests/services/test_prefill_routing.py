@@ -17,6 +17,7 @@ from kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
 from kvstore.redis_server import EmbeddedRedis
 from services.config import PREFILL_ROUTINGS, PrefillSection, StackConfig
 from services.prefill_clients import PrefillClients
+from services.protos import lamina_pb2
 from services.prefill_routing import ROUTINGS, PrefillLoad, choose, choose_by_prefix, choose_round_robin, matched_tokens
 
 BS = 4  # block size of these tests (tokens)
@@ -107,11 +108,12 @@ class _Stub:
         return "result"
 
 
-def _clients(store: MetadataStore, routing: str = "prefix") -> PrefillClients:
-    config = StackConfig(prefill=PrefillSection(workers=2, cache_block_tokens=BS, routing=routing))
+def _clients(store: MetadataStore, routing: str = "prefix", peer_fetch: str = "auto") -> PrefillClients:
+    config = StackConfig(prefill=PrefillSection(workers=2, cache_block_tokens=BS, routing=routing,
+                                                peer_fetch=peer_fetch))
     clients = PrefillClients(config, store, open_channel=lambda address: None)
     for w in clients.workers:
-        w.stub, w.alive, w.endpoint = _Stub(), True, "unused"
+        w.stub, w.alive, w.endpoint, w.data_address = _Stub(), True, "unused", f"tcp://127.0.0.1:{7000 + len(w.name)}"
     clients._refreshed_at = float("inf")  # no refresh: nothing is registered in this store
     return clients
 
@@ -136,18 +138,18 @@ async def test_prompts_go_to_the_worker_whose_cache_holds_their_prefix(redis_url
         await _publish(store, "prefill-0", [shared[:BS] + [9] * BS])
         clients = _clients(store)
         # prefill-1 holds 3 blocks of it (the last prompt token is always computed), prefill-0 one.
-        assert await clients.route(shared + [1, 2]) == (1, 3 * BS)
+        assert await clients.route(shared + [1, 2]) == (1, 3 * BS, None)
         # Nothing cached anywhere: the worker chosen least recently (prefill-0).
-        assert await clients.route([5] * (3 * BS)) == (0, 0)
+        assert await clients.route([5] * (3 * BS)) == (0, 0, None)
         # A prompt of exactly the cached blocks: the last token is recomputed, so 2 blocks match.
-        assert await clients.route(shared) == (1, 2 * BS)
+        assert await clients.route(shared) == (1, 2 * BS, None)
 
         # prefill-1 busy with 1,000 queued tokens: the idle prefill-0 gets the next one.
         busy = clients.workers[1].stub
         call = asyncio.create_task(clients.prefill(1, _request(1000 + 3 * BS), 3 * BS))
         await asyncio.sleep(0)
         assert clients.workers[1].queued_tokens == 1000
-        assert await clients.route(shared + [1, 2]) == (0, BS)
+        assert await clients.route(shared + [1, 2]) == (0, BS, None)
         busy.release.set()
         assert await call == "result" and clients.workers[1].queued_tokens == 0
 
@@ -157,7 +159,7 @@ async def test_prompts_go_to_the_worker_whose_cache_holds_their_prefix(redis_url
         with pytest.raises(grpc.aio.AioRpcError):
             await clients.prefill(1, _request(20), 0)
         assert not clients.workers[1].alive and clients.workers[1].queued_tokens == 0
-        assert await clients.route(shared + [1, 2]) == (0, BS)
+        assert await clients.route(shared + [1, 2]) == (0, BS, None)
         clients.workers[0].alive = False
         assert await clients.route(shared + [1, 2]) is None
 
@@ -189,3 +191,68 @@ def test_prefill_workers_configuration(tmp_path):
             load_config(env=env)
     with pytest.raises(ConfigError, match="prefill.routing_load_weight must be a non-negative number"):
         load_config(env={}, overrides={"prefill.routing_load_weight": -1})
+
+
+async def test_a_prompt_routed_away_from_its_prefix_fetches_it_when_that_is_faster(redis_url):
+    """Round robin sends the prompt to prefill-0, which holds one block of it; prefill-1
+    holds three. By prefill-0's published figures the fetch is planned exactly when the
+    transfer beats computing the two blocks between."""
+    store = MetadataStore(MetadataConfig(redis_url, f"t{uuid.uuid4().hex[:10]}"))
+    try:
+        shared = list(range(100, 100 + 3 * BS))
+        await _publish(store, "prefill-1", [shared + [7] * BS])
+        await _publish(store, "prefill-0", [shared[:BS] + [9] * BS])
+        prompt = shared + [1, 2]
+        clients = _clients(store, "round_robin")
+        # No figures yet (no forward has run): auto computes.
+        assert await clients.route(prompt) == (0, BS, None)
+        # 1,000 tokens/s and 1 MB per token at 1 GB/s: 1 ms per token either way, plus the
+        # fetch's fixed cost: computing wins; at 10 GB/s fetching wins.
+        for bandwidth, fetches in ((1e9, False), (1e10, True)):
+            clients.workers[0].figures = {"compute_tokens_per_s": 1000.0, "fetch_bytes_per_s": bandwidth,
+                                          "kv_bytes_per_token": 1_000_000}
+            clients.workers[0].last_chosen = clients.workers[1].last_chosen = -1
+            worker, expected, plan = await clients.route(prompt)
+            assert worker == 0
+            if fetches:
+                assert (plan.peer, plan.tokens, expected) == ("prefill-1", 3 * BS, 3 * BS)
+                assert clients.peer_prefix(plan) == lamina_pb2.PeerPrefix(
+                    node="prefill-1", address=clients.workers[1].data_address, tokens=3 * BS)
+            else:
+                assert (plan, expected) == (None, BS)
+        # A peer that is down is never asked.
+        clients.workers[1].alive = False
+        clients.workers[0].last_chosen = -1
+        assert (await clients.route(prompt))[2] is None
+        # always: whatever the figures; off: never.
+        always, off = _clients(store, "round_robin", "always"), _clients(store, "round_robin", "off")
+        assert (await always.route(prompt))[2].tokens == 3 * BS
+        assert (await off.route(prompt))[2] is None
+    finally:
+        await store.close()
+
+
+def test_prefix_cache_tiers_and_quantization_from_the_configuration(tmp_path):
+    """The stack's configuration turns on the host and disk tiers and their 4-bit blocks;
+    the prefill worker's cache is built from it, and a block moved to host is 4-bit."""
+    from kvstore.quant import QuantizedTensor
+    from kvstore.tiers import Tier
+    from services.config import ConfigError, load_config
+    from services.prefill_service import cache_config
+
+    cfg = load_config(env={"LAMINA_PEER_FETCH": "off"}, overrides={
+        "prefill.cache_quantize_4bit": True, "prefill.cache_quant_group_size": 32, "prefill.cache_disk_bytes": 1 << 20,
+        "prefill.cache_dir": str(tmp_path), "prefill.cache_device_bytes": 2 * 2 * BS * 2 * 4,
+        "prefill.cache_block_tokens": BS})
+    assert cfg.prefill.peer_fetch == "off"
+    cc = cache_config(cfg.prefill, 0)
+    assert (cc.quantize_4bit, cc.quant_group_size, cc.disk_bytes, cc.disk_dir) == (True, 32, 1 << 20, str(tmp_path))
+    cache = PrefixCache(cc)
+    cache.insert(list(range(2 * BS)), torch.randn(2, 2, 2 * BS, 1, 2))  # 2 blocks: one fits on device
+    (host,) = [i for i in cache.block_infos() if i.tier == Tier.HOST]
+    assert isinstance(cache._tiers[Tier.HOST].get(host.block_hash), QuantizedTensor)
+    for overrides, message in (({"prefill.cache_quant_group_size": 3}, "must be a positive even integer"),
+                               ({"prefill.peer_fetch": "maybe"}, "must be one of auto, always, off"),
+                               ({"prefill.peer_fetch_prior_gbps": 0}, "must be a positive number")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(env={}, overrides=overrides)
