@@ -40,6 +40,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self._tok)
 
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer itself (llguidance builds its own view from it)."""
+        return self._tok
+
     @functools.cached_property
     def max_token_chars(self) -> int:
         """No token spells more characters than this: the longest vocabulary entry (a

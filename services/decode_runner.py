@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 import transports
+from lamina.engine.grammar import Grammars, GrammarState
 from lamina.engine.logprobs import token_logprobs
 from lamina.engine.penalties import PenaltyState, needs_state
 from lamina.engine.sampling import SamplingParams, sample
@@ -58,20 +59,29 @@ class DecodeSeq:
     micro_batch: int
     leaving: bool = False
     penalties: PenaltyState | None = None  # when its params change logits: built whole at join
+    grammar: GrammarState | None = None  # when its params have a grammar: built at join from its outputs
 
     @classmethod
-    def from_proto(cls, s: lamina_pb2.StepSequence, micro_batch: int, eos_ids: Collection[int] = ()) -> DecodeSeq:
+    def from_proto(cls, s: lamina_pb2.StepSequence, micro_batch: int, eos_ids: Collection[int] = (),
+                   grammars: Grammars | None = None) -> DecodeSeq:
         params = params_from_proto(s.params)
         penalties = (PenaltyState.build(params, s.prompt_token_ids, s.output_token_ids, eos_ids)
                      if needs_state(params) else None)
+        grammar = None
+        if params.grammar is not None:
+            if grammars is None:
+                raise ValueError(f"sequence {s.seq_id} has a grammar and this runner has no grammar compiler")
+            grammar = grammars.state(params.grammar, s.output_token_ids)
         return cls(s.seq_id, s.token_id, s.position, s.output_index, s.params, params,
-                   tuple(s.placement.workers), micro_batch, penalties=penalties)
+                   tuple(s.placement.workers), micro_batch, penalties=penalties, grammar=grammar)
 
 
 class DecodeRunner:
     def __init__(self, forward: Forward, num_micro_batches: int, stop: lamina_pb2.StopRule,
-                 on_step: Callable[[int, float], None] | None = None, min_micro_batch: int = 1) -> None:
+                 on_step: Callable[[int, float], None] | None = None, min_micro_batch: int = 1,
+                 grammars: Grammars | None = None) -> None:
         self._forward = forward
+        self._grammars = grammars
         self._stop_eos = set(stop.eos_token_ids)
         self._max_model_len = stop.max_model_len or (1 << 30)
         self._on_step = on_step
@@ -90,7 +100,7 @@ class DecodeRunner:
                 log.warning("sequence %s joined twice; the second join is ignored", s.seq_id)
                 continue
             mb = join_target([len(m) for m in self._members], self._active(len(self._seqs) + 1))
-            seq = DecodeSeq.from_proto(s, mb, self._stop_eos)
+            seq = DecodeSeq.from_proto(s, mb, self._stop_eos, self._grammars)
             self._seqs[s.seq_id] = seq
             self._members[mb].append(seq)
             self._wake[mb].set()
@@ -181,7 +191,8 @@ class DecodeRunner:
         rows = [SeqRows(s.seq_id, 1, s.workers) for s in members]
         logits = await self._forward(mb, step, batch, rows)
         tokens = sample(logits, [s.params for s in members], [s.proto_params.seed for s in members],
-                        [s.output_index for s in members], [s.penalties for s in members])
+                        [s.output_index for s in members], [s.penalties for s in members],
+                        [s.grammar for s in members])
         logprobs = token_logprobs(logits, tokens, [s.params.logprobs for s in members])
         out = lamina_pb2.DecodeResult(micro_batch=mb, step=step)
         done: set[str] = set()
@@ -189,6 +200,8 @@ class DecodeRunner:
             seq.token = tok
             if seq.penalties is not None:
                 seq.penalties.append(tok)
+            if seq.grammar is not None:
+                seq.grammar.append(tok)
             seq.position += 1
             seq.output_index += 1
             # output_index now counts this sequence's outputs; position + 1 its tokens.

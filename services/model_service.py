@@ -26,6 +26,7 @@ import prometheus_client
 import torch
 
 import transports
+from lamina.engine.grammar import Grammars
 from lamina.engine.step import StepBatch
 from model.llama import split_llama
 from model.loader import LoadedModel, load_model
@@ -51,6 +52,7 @@ class ModelSlices:
         self.loaded = loaded
         self.cfg = self.loaded.config
         self.split = split_llama(self.loaded.model)
+        self.grammars = Grammars(self.loaded.tokenizer)  # for the sequences that sample here with one
         self.compute_s = 0.0  # CPU time in the slices, every micro-batch together
 
     @classmethod
@@ -161,7 +163,7 @@ class ModelService:
             return await self.slices.forward(mb, step, batch, rows, self.pool, self.executors)
 
         runner = DecodeRunner(forward, self.config.decode_micro_batches, first.stop, on_step=self._on_step,
-                              min_micro_batch=self.config.pipeline.min_micro_batch)
+                              min_micro_batch=self.config.pipeline.min_micro_batch, grammars=self.slices.grammars)
         self._runner = runner
         runner.join(list(first.joins))
         runner.leave(list(first.leaves))

@@ -172,7 +172,7 @@ class PrefillService:
         logits = out.output[last_rows]  # [B, V]
         tokens = sample(logits, params, [r.params.seed for r in reqs], [0] * len(reqs), states, grammars)
         logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
-        choices = _choice_tokens(logits, reqs, params, states)
+        choices = _choice_tokens(logits, reqs, params, states, grammars)
         results: list[lamina_pb2.PrefillResult | RemoteError] = []
         for prompt, skv, n, c, f, token, lp, error, p, scoring, (choice_ids, choice_lps) in zip(
                 prompts, seq_kvs, lens, cached, fetched, tokens, logprobs, stored, params, prompt_rows, choices):
@@ -274,17 +274,19 @@ class PrefillService:
 
 
 def _choice_tokens(logits: torch.Tensor, reqs: list[lamina_pb2.PrefillRequest], params: list,
-                   states: list) -> list[tuple[list[int], list]]:
+                   states: list, grammars: list) -> list[tuple[list[int], list]]:
     """Per request, the first tokens of its other choices (n > 1) and their logprobs:
     rows of the same logits [B, V], each sampled with its own seed (`choice_seeds`), so
-    the choices are independent and each is reproducible from its seed alone."""
+    the choices are independent and each is reproducible from its seed alone. A choice's
+    first token follows its request's grammar (one state serves every row: masking reads
+    it and changes nothing)."""
     rows = [j for j, r in enumerate(reqs) for _ in r.choice_seeds]
     if not rows:
         return [([], [])] * len(reqs)
     picked = logits[rows]  # [C, V]: one row per choice
     row_params = [params[j] for j in rows]
     tokens = sample(picked, row_params, [seed for r in reqs for seed in r.choice_seeds], [0] * len(rows),
-                    [states[j] for j in rows])
+                    [states[j] for j in rows], [grammars[j] for j in rows])
     logprobs = token_logprobs(picked, tokens, [p.logprobs for p in row_params])
     out, start = [], 0
     for r in reqs:

@@ -19,7 +19,8 @@ def params_to_proto(sp: SamplingParams) -> lamina_pb2.SamplingParams:
         seed=sp.seed or 0, stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
         logprobs=sp.logprobs is not None, top_logprobs=sp.logprobs or 0,
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
-        repetition_penalty=sp.repetition_penalty, min_tokens=sp.min_tokens, logit_bias=dict(sp.logit_bias))
+        repetition_penalty=sp.repetition_penalty, min_tokens=sp.min_tokens, logit_bias=dict(sp.logit_bias),
+        grammar=sp.grammar or "")
 
 
 def params_from_proto(p: lamina_pb2.SamplingParams) -> SamplingParams:
@@ -29,7 +30,7 @@ def params_from_proto(p: lamina_pb2.SamplingParams) -> SamplingParams:
                           presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                           repetition_penalty=p.repetition_penalty or 1.0,
                           min_tokens=min(p.min_tokens, max(1, p.max_tokens)),
-                          logit_bias=tuple(sorted(p.logit_bias.items())))
+                          logit_bias=tuple(sorted(p.logit_bias.items())), grammar=p.grammar or None)
 
 
 def logprobs_to_proto(lp: TokenLogprobs) -> lamina_pb2.Logprobs:
@@ -48,11 +49,12 @@ def logprobs_of(msg: lamina_pb2.PrefillResult | lamina_pb2.DecodeToken) -> lamin
 
 def join_history(params: lamina_pb2.SamplingParams, prompt_ids: Sequence[int],
                  output_ids: Sequence[int]) -> dict[str, list[int]]:
-    """The StepSequence fields a joining sequence's penalties need (none for most): its
-    model worker rebuilds the sequence's PenaltyState from them, so a sequence that moves
-    (a rebuild, another worker) samples as it would have where it was."""
+    """The StepSequence fields a joining sequence's penalties and grammar need (none for
+    most): its model worker rebuilds the sequence's PenaltyState and GrammarState from
+    them, so a sequence that moves (a rebuild, another worker) samples as it would have
+    where it was."""
     sp = params_from_proto(params)
-    if not needs_state(sp):
+    if not needs_state(sp) and sp.grammar is None:
         return {}
     fields = {"output_token_ids": list(output_ids)}
     if needs_prompt(sp):

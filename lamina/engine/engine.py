@@ -11,6 +11,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from lamina.engine.grammar import Grammars
 from lamina.engine.kv import KVStore
 from lamina.engine.logprobs import TokenLogprobs, token_logprobs
 from lamina.engine.penalties import PenaltyState, needs_state
@@ -54,6 +55,7 @@ class Engine:
         self.kv = KVStore(loaded.config, self.config.kv_capacity_bytes)
         self.max_model_len = self.config.max_model_len or loaded.config.max_position_embeddings
         self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
+        self.grammars = Grammars(loaded.tokenizer)
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
@@ -76,6 +78,8 @@ class Engine:
         seq = Sequence(seq_id, list(prompt_ids), params, seed)
         if needs_state(params):
             seq.penalties = PenaltyState.build(params, prompt_ids, (), self.eos_token_ids)
+        if params.grammar is not None:
+            seq.grammar = self.grammars.state(params.grammar)
         self._waiting.append(seq)
         self._by_id[seq_id] = seq
         return seq_id
@@ -133,7 +137,8 @@ class Engine:
         self.num_steps += 1
         self.sum_batch_size += len(plan.running)
         tokens = sample(logits, [s.params for s in plan.running], [s.seed for s in plan.running],
-                        [len(s.output_ids) for s in plan.running], [s.penalties for s in plan.running])
+                        [len(s.output_ids) for s in plan.running], [s.penalties for s in plan.running],
+                        [s.grammar for s in plan.running])
         logprobs = token_logprobs(logits, tokens, [s.params.logprobs for s in plan.running])
         outputs = []
         for seq, tok, lp, n in zip(plan.running, tokens, logprobs, batch.query_lens):
@@ -141,6 +146,8 @@ class Engine:
             seq.output_ids.append(tok)
             if seq.penalties is not None:
                 seq.penalties.append(tok)
+            if seq.grammar is not None:
+                seq.grammar.append(tok)
             reason = self._stop_reason(seq, tok)
             if reason is not None:
                 self._by_id.pop(seq.seq_id, None)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lamina.engine.grammar import GrammarState, apply_grammars
 from lamina.engine.logprobs import MAX_TOP_LOGPROBS
 from lamina.engine.penalties import PenaltyState, apply_penalties
 
@@ -19,7 +20,10 @@ class SamplingParams:
     A seed makes sampling reproducible per request, independent of batching.
     logprobs: report each sampled token's log-probability and this many alternatives'
     (None: none; see lamina.engine.logprobs). The penalties, logit_bias and min_tokens
-    are lamina.engine.penalties'; their defaults change nothing.
+    are lamina.engine.penalties'; their defaults change nothing. grammar: an llguidance
+    grammar (serialized) that every output token must follow (lamina.engine.grammar);
+    EOS then ends the output only where the grammar accepts, so ignore_eos and
+    min_tokens, which hold EOS back, cannot be combined with it.
     """
 
     max_tokens: int = 16
@@ -36,6 +40,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -55,6 +60,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.grammar is not None and (self.ignore_eos or self.min_tokens):
+            raise ValueError("a grammar cannot be combined with ignore_eos or min_tokens")
 
     @property
     def is_greedy(self) -> bool:
@@ -76,18 +83,26 @@ def _generator(seed: int, index: int) -> torch.Generator:
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
-           indices: Sequence[int], states: Sequence[PenaltyState | None] | None = None) -> list[int]:
+           indices: Sequence[int], states: Sequence[PenaltyState | None] | None = None,
+           grammars: Sequence[GrammarState | None] | None = None) -> list[int]:
     """logits: [B, V] float32, one row per request; seeds and output indices per row;
-    `states`: per row, its PenaltyState when its params change logits (None otherwise).
+    `states`: per row, its PenaltyState when its params change logits (None otherwise);
+    `grammars`: per row, its GrammarState when its params have a grammar (None otherwise):
+    its mask applies after the penalties, so no bias brings back a token it forbids.
     `logits` itself is left as it is (logprobs are taken from it).
 
     Returns B token ids.
     """
-    if states is not None and any(s is not None for s in states):
+    penalized = states is not None and any(s is not None for s in states)
+    constrained = grammars is not None and any(g is not None for g in grammars)
+    if penalized or constrained:
         logits = logits.clone()
+    if penalized:
         for row, (p, state, index) in enumerate(zip(params, states, indices)):
             if state is not None:
                 apply_penalties(logits[row], p, state, index)
+    if constrained:
+        apply_grammars(logits, grammars)
     greedy = logits.argmax(dim=-1).tolist()
     out: list[int] = []
     for row, (p, seed, index) in enumerate(zip(params, seeds, indices)):

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from lamina.engine.grammar import GrammarState
 from lamina.engine.logprobs import TokenLogprobs
 from lamina.engine.penalties import PenaltyState
 from lamina.engine.sampling import SamplingParams
@@ -32,6 +33,7 @@ class Sequence:
     stopped_by_string: bool = False
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, when params ask
     penalties: PenaltyState | None = None  # when its params change logits (lamina.engine.penalties)
+    grammar: GrammarState | None = None  # when its params have a grammar (lamina.engine.grammar)
 
     @property
     def num_tokens(self) -> int:

@@ -17,6 +17,7 @@ from services.sampling_wire import join_history, logprobs_from_proto, logprobs_o
     SamplingParams(max_tokens=2, seed=1, logprobs=20),
     SamplingParams(max_tokens=4, seed=2, presence_penalty=0.5, frequency_penalty=-1.25, repetition_penalty=1.5,
                    min_tokens=2, logit_bias=((3, 2.5), (17, -100.0))),
+    SamplingParams(max_tokens=4, seed=2, grammar='{"grammars": [{"json_schema": {"type": "object"}}]}'),
 ])
 def test_params_round_trip(sp):
     assert params_from_proto(params_to_proto(sp)) == sp
@@ -36,3 +37,29 @@ def test_join_history_only_when_penalties_need_it():
     assert join_history(freq, [1, 2], [3, 4]) == {"output_token_ids": [3, 4]}
     rep = params_to_proto(SamplingParams(max_tokens=4, repetition_penalty=1.5))
     assert join_history(rep, [1, 2], [3]) == {"output_token_ids": [3], "prompt_token_ids": [1, 2]}
+    constrained = params_to_proto(SamplingParams(max_tokens=4, grammar='{"grammars": []}'))
+    assert join_history(constrained, [1, 2], [3, 4]) == {"output_token_ids": [3, 4]}
+
+
+def test_a_joining_sequence_rebuilds_its_grammar_state_from_its_outputs():
+    """A constrained sequence that joins a model worker (moved, or rebuilt after a
+    failure) masks its next token as the worker that sampled its outputs would have."""
+    from llguidance import LLMatcher
+
+    from lamina.engine.grammar import Grammars
+    from model.loader import load_tokenizer
+    from services.decode_runner import DecodeSeq
+
+    tok = load_tokenizer()[0]
+    grammars = Grammars(tok)
+    grammar = LLMatcher.grammar_from_json_schema({"type": "object", "properties": {"n": {"type": "integer"}}})
+    outputs = tok.hf_tokenizer('{"n": 1', add_special_tokens=False)["input_ids"]
+    proto = params_to_proto(SamplingParams(max_tokens=8, grammar=grammar))
+    step = lamina_pb2.StepSequence(seq_id="s", token_id=outputs[-1], position=9, params=proto,
+                                   output_index=len(outputs), **join_history(proto, [1], outputs))
+    joined = DecodeSeq.from_proto(step, 0, tok.eos_token_ids, grammars)
+    stepped = grammars.state(grammar)
+    for t in outputs:
+        stepped.append(t)
+    assert (joined.grammar.allowed(tok.vocab_size) == stepped.allowed(tok.vocab_size)).all()
+    assert not joined.grammar.allowed(tok.vocab_size)[tok.eos_token_ids[0]]  # the object is still open
