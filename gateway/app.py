@@ -19,9 +19,10 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from gateway import handlers
+from gateway import handlers, pages
 from gateway.backend import Backend
 from gateway.config import GatewayConfig
+from gateway.dashboard import ClusterReader, ClusterView
 from gateway.journal import RequestJournal
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ApiError
@@ -42,13 +43,15 @@ def create_app(
     *,
     journal: RequestJournal | None = None,
     vocab_size: int | None = None,
+    cluster_status: ClusterReader | None = None,
 ) -> web.Application:
-    """Build the OpenAI-compatible app in front of `backend`.
+    """Build the OpenAI-compatible app in front of `backend`, with its web pages.
 
     `context_length`: prompt plus generated tokens the model can hold.
     `journal`: pass the one the backend reads, when it reads one (default: a new one,
     at `app[JOURNAL_KEY]`). `vocab_size`: the model's, to check prompt token ids
-    (default: the tokenizer's).
+    (default: the tokenizer's). `cluster_status`: returns the cluster's state for the
+    dashboard (`lamina status --json`'s object; default: none, and the page says so).
     """
     if context_length < 2:
         raise ValueError(f"context_length must be >= 2, got {context_length}")
@@ -64,6 +67,7 @@ def create_app(
         context_length=context_length,
         vocab_size=tokenizer.vocab_size if vocab_size is None else vocab_size,
         created=int(time.time()),
+        cluster=ClusterView(cluster_status),
     )
     app = web.Application(
         middlewares=[_metrics_middleware, _error_middleware, _auth_middleware],
@@ -77,6 +81,7 @@ def create_app(
     app.router.add_get("/v1/models/{model}", handlers.get_model)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
+    pages.add_routes(app)
     app.on_shutdown.append(_drain)
     return app
 
@@ -136,7 +141,8 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.app[STATE_KEY].config.api_key
-    if key is not None and request.path.startswith("/v1/"):
+    # The dashboard's figures name the cluster's hosts and endpoints: as closed as the API.
+    if key is not None and (request.path.startswith("/v1/") or request.path == pages.STATUS_PATH):
         given = request.headers.get("Authorization", "")
         if not given:
             raise ApiError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.",

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from gateway.backend import Backend
 from gateway.config import GatewayConfig
+from gateway.dashboard import ClusterView
 from gateway.journal import RequestJournal
 from gateway.metrics import GatewayMetrics
 from model.tokenizer import Tokenizer
@@ -32,6 +33,7 @@ class GatewayState:
     context_length: int
     vocab_size: int
     created: int  # unix time the app was built, shown as the model's `created`
+    cluster: ClusterView = field(default_factory=lambda: ClusterView(None))  # what /dashboard shows of the cluster
     in_flight: dict[str, asyncio.Task] = field(default_factory=dict)
     is_draining: bool = False  # set when shutdown starts; new requests get 503
 

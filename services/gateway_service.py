@@ -13,6 +13,7 @@ from gateway.config import GatewayConfig
 from kvstore.metadata import MetadataConfig, MetadataStore, ServiceRegistration
 from model.loader import load_tokenizer, resolve_checkpoint
 from services.addresses import host_port
+from services.cluster_status import read_status
 from services.config import ConfigError, StackConfig
 from services.runtime import wait_for_services
 from services.scheduler_client import SchedulerBackend
@@ -49,8 +50,11 @@ async def run_gateway(config: StackConfig, ready: asyncio.Event | None = None) -
     await backend.start()
     tokenizer, model_cfg = load_tokenizer(config.model)
     gw = config.gateway
+    async def cluster_status() -> dict:  # what /dashboard shows: the same as `lamina status --json`
+        return (await read_status(config)).to_dict()
+
     app = create_app(gcfg, backend, tokenizer, model_display_name(config), model_cfg.max_position_embeddings,
-                     vocab_size=model_cfg.vocab_size)
+                     vocab_size=model_cfg.vocab_size, cluster_status=cluster_status)
     # Handler cancellation: a client that disconnects while its request is queued or
     # prefilling is noticed at once, not at the next token.
     runner, port = await start_server(app, config.host, gw.port)

@@ -57,7 +57,7 @@ def pid_of(stack: Stack, name: str) -> int:
 
 def test_status_json_shape(stack):
     status = status_json(stack)
-    assert set(status) == {"services", "attention", "prefix_cache", "requests"}
+    assert set(status) == {"services", "attention", "prefix_cache", "requests", "decode"}
     assert {s["kind"] for s in status["services"]} == KINDS
     assert [s["name"] for s in status["services"]] == ["attention-0", "model-0", "prefill-0", "scheduler-0",
                                                        "gateway-0"]
@@ -74,6 +74,7 @@ def test_status_json_shape(stack):
     (cache,) = status["prefix_cache"]
     assert cache["name"] == "prefill-0" and set(cache["tiers"]) == {"device", "host", "disk"}
     assert status["requests"] == {"running": 0, "waiting": 0}
+    assert set(status["decode"]) == {"steps", "mean_batch_size"} and status["decode"]["steps"] >= 0
     # The table names the same services.
     table = lamina_status("--port", str(stack.config.gateway.port))
     assert table.returncode == 0, table.stderr
