@@ -25,27 +25,35 @@ from gateway.journal import RequestJournal
 from gateway.metrics import GatewayMetrics
 from gateway.output import OutputProcessor
 from gateway.protocol import GenerateRequest, TokenLogprobs
+from gateway.tool_calls import ToolCall, ToolCallSplitter
 from model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class Delta:
     text: str
-    finish_reason: str | None  # "stop" or "length" on the choice's last delta
+    finish_reason: str | None  # "stop", "length" or "tool_calls" on the choice's last delta
     # The logprobs of the tokens that arrived since the last delta (their text may be
     # held back behind a possible stop string); empty unless the request asked for them.
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # The ids of the tokens that arrived since the last delta (the same tokens as `logprobs`'s).
     token_ids: list[int] = field(default_factory=list)
     index: int = 0  # the choice it belongs to
+    # With the choice's last delta, when its output was tool calls (finish_reason "tool_calls").
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 class ChoiceOutput:
-    """One choice's output: text (stop strings applied), ids, logprobs, finish reason."""
+    """One choice's output: text (stop strings applied), ids, logprobs, finish reason.
 
-    def __init__(self, index: int, output: OutputProcessor) -> None:
+    With `tools` (a request whose output may hold tool calls) the text goes through the
+    splitter: `text` is the content alone, and `tool_calls` the calls, set at the end."""
+
+    def __init__(self, index: int, output: OutputProcessor, tools: ToolCallSplitter | None = None) -> None:
         self.index = index
         self.output = output
+        self._tools = tools
+        self.tool_calls: list[ToolCall] = []
         self.logprobs: list[TokenLogprobs] = []  # every generated token's, when asked for
         self.finish_reason: str | None = None  # set when the client has its last delta
         self.backend_done = False  # the backend sent its last event for this choice
@@ -54,7 +62,7 @@ class ChoiceOutput:
 
     @property
     def text(self) -> str:
-        return self.output.text
+        return self.output.text if self._tools is None else self._tools.content
 
     @property
     def token_ids(self) -> list[int]:
@@ -66,8 +74,19 @@ class ChoiceOutput:
 
     def delta(self, text: str, finish_reason: str | None) -> Delta:
         """The delta of `text` and the tokens (ids, logprobs) that came since the last one."""
+        calls: list[ToolCall] = []
+        if self._tools is not None:
+            text = self._tools.feed(text)
+            if finish_reason is not None:
+                rest, calls = self._tools.finish()
+                text += rest
+                self.tool_calls = calls
+                if calls and finish_reason == "stop":
+                    finish_reason = self.finish_reason = "tool_calls"
+            elif not text:  # held back: its tokens come with the next delta
+                return Delta("", None, index=self.index)
         out = Delta(text, finish_reason, self.logprobs[self._sent_logprobs:],
-                    self.output.token_ids[self._sent_ids:], self.index)
+                    self.output.token_ids[self._sent_ids:], self.index, calls)
         self._sent_logprobs, self._sent_ids = len(self.logprobs), self.output.num_tokens
         return out
 
@@ -90,8 +109,10 @@ class Generation:
         stop_ids = set(request.sampling.stop_token_ids)
         if not request.sampling.ignore_eos:
             stop_ids.update(tokenizer.eos_token_ids)
+        tool_use = request.tool_use
         self.choices = [ChoiceOutput(i, OutputProcessor(tokenizer, request.sampling.stop, stop_ids,
-                                                        request.sampling.min_tokens))
+                                                        request.sampling.min_tokens),
+                                     None if tool_use is None else ToolCallSplitter(tool_use.may_answer_in_text))
                         for i in range(request.n)]
         self._events: AsyncIterator | None = None
         self._deltas_iter: AsyncGenerator[Delta, None] | None = None

@@ -37,6 +37,7 @@ from gateway.protocol import (
 )
 from gateway import responses as r
 from gateway.state import STATE_KEY, GatewayState
+from gateway.structured import ToolUse
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     sampling = resolve_sampling(req.sampling, len(prompt_ids), state.context_length,
                                 state.config.default_max_tokens, "messages")
     return await _generate(request, state, "chat", prompt_ids, sampling, req.stream, req.include_usage, arrived,
-                           req.return_token_ids, req.continuous_usage, n=req.n)
+                           req.return_token_ids, req.continuous_usage, n=req.n, tool_use=req.tool_use)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -200,11 +201,13 @@ async def _generate(
     continuous_usage: bool = False,
     echo: Echo | None = None,
     n: int = 1,
+    tool_use: ToolUse | None = None,
 ) -> web.StreamResponse:
     _check_admission(state)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     gen_request = GenerateRequest(rid, tuple(prompt_ids), sampling, time.time(),
-                                  prompt_logprobs=echo is not None and sampling.logprobs is not None, n=n)
+                                  prompt_logprobs=echo is not None and sampling.logprobs is not None, n=n,
+                                  tool_use=tool_use)
     head = r.ResponseHead(rid, int(time.time()), state.model_name)
     task = asyncio.current_task()
     assert task is not None
@@ -254,6 +257,8 @@ def _choice_body(state: GatewayState, gen: Generation, head: r.ResponseHead, kin
                      _logprobs_json(state, gen, kind)(choice.logprobs))
         if return_token_ids:
             body["choices"][0]["token_ids"] = choice.token_ids
+        if choice.tool_calls:
+            r.add_tool_calls(body["choices"][0], choice.tool_calls)
     body["choices"][0]["index"] = choice.index
     return body
 
@@ -277,6 +282,9 @@ async def _stream(request: web.Request, state: GatewayState, gen: Generation, he
                                                             include_usage, _usage(gen) if continuous_usage else None),
                                                c.index)))
             async for delta in gen:
+                for i, call in enumerate(delta.tool_calls):  # before the chunk that finishes the choice
+                    await resp.write(r.sse(_at(r.chat_chunk(head, r.tool_call_delta(i, call), None, include_usage,
+                                                            _usage(gen) if continuous_usage else None), delta.index)))
                 await resp.write(_delta_chunks(head, kind, delta.text, delta.finish_reason, include_usage,
                                                _usage(gen) if continuous_usage else None,
                                                logprobs[delta.index](delta.logprobs),

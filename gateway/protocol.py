@@ -11,6 +11,7 @@ fields of OpenAI's error body (`message`, `type`, `param`, `code`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -18,6 +19,8 @@ from typing import Any, Literal
 # The sampling parameters are the engine's own type: one definition for every layer.
 from lamina.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from lamina.engine.sampling import SamplingParams  # noqa: F401 (re-exported)
+from gateway.structured import FieldError, StructuredOutput, ToolUse, parse_history_calls, parse_structured
+from gateway.tool_calls import history_content, with_tools
 
 # Per request; bounds the cost of stop-string matching on every token.
 MAX_STOP_STRINGS = 16
@@ -45,6 +48,7 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     arrival_time: float
+    tool_use: ToolUse | None = None  # its output may hold tool calls (gateway/tool_calls.py parses them)
     prompt_logprobs: bool = False  # the prompt's tokens' logprobs too (echo), sampling.logprobs alternatives
     n: int = 1  # choices, sampled independently from the prompt (the backend derives each one's seed)
 
@@ -121,6 +125,7 @@ class SamplingFields:
     repetition_penalty: float = 1.0  # extension (vLLM)
     min_tokens: int = 0  # extension (vLLM)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), in id order
+    grammar: str | None = None  # response_format's or the tools' (gateway/structured.py)
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,7 @@ class ChatRequest:
     return_token_ids: bool = False  # extension: the generated ids beside the text
     continuous_usage: bool = False  # extension (vLLM): usage so far in every streamed chunk
     n: int = 1  # choices
+    tool_use: ToolUse | None = None  # (`messages` then open with the tools' system prompt)
 
 
 @dataclass(frozen=True)
@@ -152,9 +158,6 @@ class CompletionRequest:
 # Fields that every OpenAI client may send, accepted only at their "off" value;
 # anything else is refused rather than silently ignored.
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
-    "response_format": ({"type": "text"},),
     "best_of": (1,),
     "suffix": ("",),
 }
@@ -171,7 +174,7 @@ _EXTENSION_OFF_VALUES: dict[str, tuple[Any, ...]] = {
 }
 _OFF_VALUES.update(_EXTENSION_OFF_VALUES)
 # Accepted and ignored: they do not change the output.
-_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 
 _COMMON = frozenset(
     {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed", "stop",
@@ -180,7 +183,7 @@ _COMMON = frozenset(
 ) | frozenset(_EXTENSION_OFF_VALUES)
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _IGNORED | {
     "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "tools",
-    "tool_choice", "response_format"}
+    "tool_choice", "response_format", "parallel_tool_calls"}
 _COMPLETION_FIELDS = _COMMON | {"prompt"} | _IGNORED | {
     "presence_penalty", "frequency_penalty", "logprobs", "logit_bias", "best_of", "echo", "suffix"}
 
@@ -455,8 +458,29 @@ def _parse_messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
         if "content" not in msg and role != "assistant":
             raise invalid(f"Missing required parameter: 'messages[{i}].content'.", f"messages[{i}].content",
                           "missing_required_parameter")
-        out.append({"role": role, "content": _parse_content(msg.get("content"), f"messages[{i}].content", role)})
+        content = _parse_content(msg.get("content"), f"messages[{i}].content", role)
+        calls = _field_errors(parse_history_calls, msg.get("tool_calls") if role == "assistant" else None,
+                              f"messages[{i}].tool_calls")
+        out.append(history_content(role, content, calls))
     return tuple(out)
+
+
+def _field_errors(parse: Any, *args: Any) -> Any:
+    """`parse(*args)`, its FieldError a 400."""
+    try:
+        return parse(*args)
+    except FieldError as exc:
+        raise invalid(exc.message, exc.param, exc.code) from None
+
+
+def _parse_structured(body: dict[str, Any], sampling: SamplingFields) -> StructuredOutput:
+    structured: StructuredOutput = _field_errors(parse_structured, body)
+    if structured.grammar is not None:
+        # The grammar decides where EOS may come; these would hold it back.
+        for name, value in (("ignore_eos", sampling.ignore_eos), ("min_tokens", sampling.min_tokens)):
+            if value:
+                raise _bad_value(name, "it cannot be combined with 'response_format' or 'tools'.")
+    return structured
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
@@ -467,9 +491,13 @@ def parse_chat_request(body: Any) -> ChatRequest:
     messages = _parse_messages(body)
     stream, include_usage, continuous_usage = _parse_stream(body)
     sampling = _parse_sampling(body, ("max_tokens", "max_completion_tokens"), _parse_chat_logprobs(body))
+    structured = _parse_structured(body, sampling)
+    if structured.tool_use is not None:
+        messages = with_tools(messages, structured.tool_use.system_prompt)
+    sampling = dataclasses.replace(sampling, grammar=structured.grammar)
     return ChatRequest(model, messages, stream, include_usage, sampling,
                        _get_bool(body, "return_token_ids", False),
-                       continuous_usage, _parse_n(body))
+                       continuous_usage, _parse_n(body), structured.tool_use)
 
 
 def _parse_prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
@@ -570,4 +598,5 @@ def resolve_sampling(
         repetition_penalty=fields.repetition_penalty,
         min_tokens=fields.min_tokens,
         logit_bias=fields.logit_bias,
+        grammar=fields.grammar,
     )

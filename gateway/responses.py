@@ -10,8 +10,11 @@ chunk with empty `choices` carries the counts, as OpenAI sends it; with vLLM's
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from gateway.tool_calls import ToolCall
 
 DONE = b"data: [DONE]\n\n"
 
@@ -72,6 +75,19 @@ def chat_chunk(head: ResponseHead, delta: dict[str, str], finish_reason: str | N
     if include_usage:
         chunk["usage"] = None if usage is None else usage.to_json()
     return chunk
+
+
+def add_tool_calls(choice: dict[str, Any], calls: Sequence[ToolCall]) -> None:
+    """A chat choice whose output held tool calls: its message's `tool_calls`, and
+    `content` null when there is no text besides them (as OpenAI sends it)."""
+    message = choice["message"]
+    message["content"] = message["content"] or None
+    message["tool_calls"] = [c.to_json() for c in calls]
+
+
+def tool_call_delta(index: int, call: ToolCall) -> dict[str, Any]:
+    """A streamed chunk's delta that brings one whole tool call (`index`: its position)."""
+    return {"tool_calls": [call.to_json(index)]}
 
 
 def chat_usage_chunk(head: ResponseHead, usage: Usage) -> dict[str, Any]:

@@ -6,8 +6,10 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
+from typing import Literal
 
 import openai
+import pydantic
 import pytest
 
 from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, attention_stats, service_metric
@@ -378,3 +380,79 @@ def test_n_choices_share_the_prompt_kv_and_a_disconnect_frees_them_all(stack, lo
         raise AssertionError(f"KV not freed: {await _attention_occupancy(stack)}")
 
     asyncio.run(scenario())
+
+
+# --- structured output and tools: constrained decoding (gateway/structured.py) -------------
+
+
+class _City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    country: str = pydantic.Field(max_length=20)
+
+
+class GetWeather(pydantic.BaseModel):
+    """The weather in a city."""
+
+    city: str = pydantic.Field(max_length=20)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_structured_output_with_the_clients_typed_parsing(stack, loaded_model):
+    """A pydantic response_format parses; JSON mode's greedy tokens equal the local
+    engine's under the same grammar (equal to transformers with the same masks:
+    tests/model/test_grammar.py); a seeded sampled request repeats; a bad schema is a 400."""
+    from gateway.protocol import parse_chat_request, resolve_sampling
+    from lamina.engine import Engine
+
+    client, model = _client(stack), _model(stack)
+    r = client.chat.completions.parse(model=model, messages=[{"role": "user", "content": "Tell me about Paris."}],
+                                      response_format=_City, temperature=0, max_tokens=60)
+    assert r.choices[0].finish_reason == "stop" and isinstance(r.choices[0].message.parsed, _City)
+
+    body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+            "response_format": {"type": "json_object"}, "temperature": 0, "max_tokens": 40}
+    r = client.chat.completions.create(**body, extra_body={"return_token_ids": True})
+    assert isinstance(json.loads(r.choices[0].message.content), dict) and r.choices[0].finish_reason == "stop"
+    req = parse_chat_request(body)
+    prompt = loaded_model.tokenizer.encode_chat(list(req.messages))
+    (local,) = Engine(loaded_model).generate([prompt], resolve_sampling(req.sampling, len(prompt), 8192, None, "m"))
+    assert r.choices[0].model_extra["token_ids"] == local.output_token_ids
+
+    sampled = [client.chat.completions.parse(
+        model=model, messages=[{"role": "user", "content": "Name a city."}], response_format=_City, temperature=1.0,
+        seed=seed, max_tokens=60).choices[0].message for seed in (11, 11, 12)]
+    assert sampled[0].content == sampled[1].content and sampled[0].parsed is not None
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=body["messages"], response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}})
+    assert err.value.body["param"] == "response_format"
+
+
+def test_tool_calls_with_the_clients_typed_parsing(stack):
+    """tool_choice required and named return tool calls whose arguments validate against the
+    schema (the client parses them into the pydantic type); streamed, the call arrives in a
+    tool_calls delta; tool_choice none answers in text."""
+    client, model = _client(stack), _model(stack)
+    tools = [openai.pydantic_function_tool(GetWeather), openai.pydantic_function_tool(_City)]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "GetWeather"}}):
+        r = client.chat.completions.parse(model=model, messages=messages, tools=tools, tool_choice=choice,
+                                          temperature=0, max_tokens=60)
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and message.content is None, message
+        call = message.tool_calls[0]
+        assert call.id.startswith("call_") and call.type == "function"
+        parsed = call.function.parsed_arguments
+        assert isinstance(parsed, (GetWeather, _City)) and json.loads(call.function.arguments) == parsed.model_dump()
+        if isinstance(choice, dict):
+            assert [c.function.name for c in message.tool_calls] == ["GetWeather"]
+    streamed = [d for chunk in client.chat.completions.create(
+        model=model, messages=messages, tools=tools, tool_choice="required", temperature=0, max_tokens=60,
+        stream=True) for d in chunk.choices]
+    calls = [t for d in streamed for t in (d.delta.tool_calls or [])]
+    assert calls and calls[0].function.name == message.tool_calls[0].function.name
+    assert json.loads(calls[0].function.arguments) == json.loads(message.tool_calls[0].function.arguments)
+    assert streamed[-1].finish_reason == "tool_calls"
+    r = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice="none",
+                                       temperature=0, max_tokens=8)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
