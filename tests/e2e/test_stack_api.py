@@ -456,3 +456,83 @@ def test_tool_calls_with_the_clients_typed_parsing(stack):
     r = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice="none",
                                        temperature=0, max_tokens=8)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+
+
+# --- lm-eval: log-likelihood scoring through the API (its local-completions model) ---------
+
+LM_EVAL_TASK = "lamina_tiny_mc"
+LM_EVAL_DOCS = [  # (question, choices, index of the right one): a few the model gets wrong
+    ("The capital of France is", ["Paris", "London", "Berlin", "Madrid"], 0),
+    ("Water freezes at a temperature of zero degrees", ["Celsius", "Kelvin", "miles", "volts"], 0),
+    ("The opposite of hot is", ["cold", "blue", "loud", "seven"], 0),
+    ("The chemical symbol for gold is", ["Au", "Ag", "Gd", "Go"], 0),
+    ("The square root of 144 is", ["12", "14", "72", "144"], 0),
+    ("Bees make", ["honey", "bricks", "engines", "clouds"], 0),
+    ("The year the Berlin Wall fell was", ["1989", "1961", "1991", "1979"], 0),
+    ("The number of bones in an adult human body is", ["206", "212", "198", "300"], 0),
+    ("def add(a, b):\n    return a", ["+ b", "* b", "- b", "/ b"], 0),
+    ("The author of 'Pride and Prejudice' is", ["Jane Austen", "Charles Dickens", "Mark Twain", "Emily Bronte"], 0),
+]
+
+
+def _write_lm_eval_task(tmp_path) -> None:
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n"
+                            for q, c, a in LM_EVAL_DOCS))
+    (tmp_path / f"{LM_EVAL_TASK}.yaml").write_text(f"""task: {LM_EVAL_TASK}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+  cache_dir: {tmp_path / "datasets"}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+""")
+
+
+def _lm_eval(model: str, model_args: str, tasks) -> tuple[dict[int, list[float]], float]:
+    """Each document's log-likelihood of each choice, and the accuracy."""
+    import lm_eval
+
+    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[LM_EVAL_TASK], num_fewshot=0,
+                                  batch_size=1, task_manager=tasks, log_samples=True)
+    scores = {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in out["samples"][LM_EVAL_TASK]}
+    return scores, out["results"][LM_EVAL_TASK]["acc,none"]
+
+
+@pytest.mark.slow
+def test_lm_eval_log_likelihoods_through_the_api_equal_its_hf_model(stack, loaded_model, tmp_path, monkeypatch):
+    """lm-eval's `local-completions` model through /v1/completions scores a small
+    multiple-choice task as its own `hf` model does on the same checkpoint. The task is
+    built here from local data (no hub is reachable): a JSONL file and a task YAML that
+    loads it with the `json` dataset builder. Both models tokenize with the checkpoint's
+    own tokenizer (the Hugging Face directory the GGUF is converted into), so they score
+    the same token ids: each choice's log-likelihood must agree to 1e-3, and so must the
+    accuracy."""
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[dev]')")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    _write_lm_eval_task(tmp_path)
+    from lm_eval.tasks import TaskManager
+
+    tasks = TaskManager(include_path=str(tmp_path), include_defaults=False)  # ours alone: lm-eval's own take long
+    checkpoint = loaded_model.weights_dir  # the Hugging Face directory of the stack's checkpoint
+    served = _model(stack)
+    api, api_acc = _lm_eval(
+        "local-completions",
+        f"model={served},base_url={stack.base_url}/v1/completions,tokenizer_backend=huggingface,"
+        f"tokenizer={checkpoint},tokenized_requests=True,num_concurrent=1,max_retries=1", tasks)
+    hf, hf_acc = _lm_eval("hf", f"pretrained={checkpoint},dtype=float32,device=cpu", tasks)
+    assert sorted(api) == sorted(hf) == list(range(len(LM_EVAL_DOCS)))
+    for doc in hf:
+        assert len(api[doc]) == len(hf[doc]) == 4
+        gap = max(abs(a - b) for a, b in zip(api[doc], hf[doc]))
+        assert gap < 1e-3, (doc, api[doc], hf[doc])
+    assert api_acc == hf_acc
+    assert 0 < hf_acc < 1  # some right, some wrong: equal accuracies then say the rankings agree
+    assert all(ll < 0 for lls in hf.values() for ll in lls)  # real scores, not zeros
