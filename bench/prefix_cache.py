@@ -14,9 +14,10 @@ hit ratios depend on block counts, not payload sizes. Block tokens are derived f
 trace's hash ids, so equal ids give equal tokens. No model runs in part 2: "prefill
 tokens saved" counts the prompt tokens a hit let prefill skip.
 
-Cluster mode (--cluster, bench/prefix_cache_cluster.py): the Kimi trace through `lamina
-up`'s stack with two prefill workers, routed by prefix and then round robin; prefill
-tokens computed, hit ratio, TTFT p50/p99 of each, and their ratio. It runs alone (parts 1
+Cluster mode (--cluster, bench/prefix_cache_cluster.py): the Kimi trace's conversations
+through `lamina up`'s stack with two prefill workers, routed by prefix, round robin, round
+robin with no prefix cache, and round robin fetching prefixes from the peer; prefill
+tokens computed, hit ratio, TTFT p50/p99 of each, and their ratios. It runs alone (parts 1
 and 2 are skipped) and stops every process it started on exit, Ctrl-C or SIGTERM.
 
 The last line printed is one JSON object with every number.
@@ -166,9 +167,13 @@ def main() -> None:
     ap.add_argument("--trace-requests", type=int, default=300)
     ap.add_argument("--skip-model", action="store_true", help="trace replay only")
     ap.add_argument("--cluster", action="store_true",
-                    help="only the cluster comparison: 2 prefill workers, prefix routing against round robin")
-    ap.add_argument("--cluster-requests", type=int, default=48)
-    ap.add_argument("--cluster-offset", type=int, default=0, help="first trace request of the cluster run")
+                    help="only the cluster comparison: 2 prefill workers, prefix routing against round robin, "
+                         "no prefix cache, and round robin with peer fetching")
+    ap.add_argument("--cluster-requests", type=int, default=96, help="about this many requests")
+    ap.add_argument("--cluster-sample", choices=("conversations", "window"), default="conversations",
+                    help="whole conversations of the trace, or a window of consecutive requests")
+    ap.add_argument("--cluster-min-turns", type=int, default=4, help="conversations with at least this many requests")
+    ap.add_argument("--cluster-offset", type=int, default=0, help="first trace request of a window")
     ap.add_argument("--cluster-scale", type=int, default=32, help="divide every trace length by this")
     ap.add_argument("--cluster-max-prompt", type=int, default=1024)
     ap.add_argument("--cluster-concurrency", type=int, default=4)
@@ -189,7 +194,8 @@ def main() -> None:
         print(f"machine: {cpu_model()}, {os.cpu_count()} cores, {platform.python_implementation()} "
               f"{platform.python_version()}, torch {torch.__version__}, load average {load[0]:.1f}")
         out["cluster"] = run_cluster(args.cluster_requests, args.cluster_offset, args.cluster_scale,
-                                     args.cluster_max_prompt, args.cluster_concurrency)
+                                     args.cluster_max_prompt, args.cluster_concurrency,
+                                     sample=args.cluster_sample, min_turns=args.cluster_min_turns)
         out["machine"] = {"cpu": cpu_model(), "cores": os.cpu_count(), "load_before": load,
                           "load_after": os.getloadavg()}
         print(json.dumps(out))

@@ -1,15 +1,27 @@
 """The cluster part of bench/prefix_cache.py: the Kimi conversation trace through a
-stack with two prefill workers, routed by prefix (services.prefill_routing) and then
-round robin, one stack after the other with the same requests.
+stack with two prefill workers, one stack after the other with the same requests:
 
-Workload: requests `offset` .. `offset + n - 1` of the trace, every length divided by
+    aware        routed by prefix (services.prefill_routing)
+    round_robin  each worker in turn
+    none         round robin with no prefix cache (every prompt token computed)
+    round_robin_fetch  round robin, the chosen worker fetching a longer prefix from its
+                 peer (prefill.peer_fetch always; services.prefix_peers)
+
+The first three run with peer fetching off, so each is what its routing alone gives.
+
+Workload (`sample`): `conversations` (default) takes the trace's conversations (its
+requests grouped by their second block id: the first, hash id 0, begins every request)
+with at least `min_turns` requests, in the order they begin, until about `n` requests,
+and replays their requests in trace order; `window` takes requests `offset` ..
+`offset + n - 1` as they come (a conversation's later turns come about 1,000 requests
+apart in the trace, so a short window holds almost none). Every length is divided by
 `scale` (32: the trace's 512-token blocks become 16-token blocks, the prefix cache's
-default block size), prompts capped at `max_prompt` tokens, token ids derived from the
-trace's hash ids (equal ids give equal tokens, so a shared prefix is a shared prefix
-here too), one output token each, sent in trace order with `concurrency` in flight.
-What is measured: prompt tokens the prefill workers computed and served from their
-caches (their own figures in the metadata store, NS:stats), and time to first token
-(the one-token request's latency at the client, queueing included).
+default block size), prompts are capped at `max_prompt` tokens, token ids are derived
+from the trace's hash ids (equal ids give equal tokens, so a shared prefix is a shared
+prefix here too); one output token each, `concurrency` in flight.
+What is measured: prompt tokens the prefill workers computed, served from their caches
+and fetched from peers (their own figures in the metadata store, NS:stats), and time to
+first token (the one-token request's latency at the client, queueing included).
 """
 
 from __future__ import annotations
@@ -22,21 +34,43 @@ from pathlib import Path
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
 
 
-def load_prompts(n: int, offset: int, scale: int, max_prompt: int) -> list[list[int]]:
-    block = 512 // scale
-    prompts = []
+def _trace() -> list[dict]:
     with open(TRACES / "kimi_conversation_trace.jsonl") as f:
-        for i, line in enumerate(f):
-            if i < offset:
-                continue
-            r = json.loads(line)
-            toks: list[int] = []
-            for h in r["hash_ids"]:
-                toks.extend((h * 1_000_003 + j * 7_919) % 49_000 + 100 for j in range(block))
-            prompts.append(toks[:min(max_prompt, max(1, r["input_length"] // scale))])
-            if len(prompts) == n:
+        return [json.loads(line) for line in f]
+
+
+def _tokens(r: dict, scale: int, max_prompt: int) -> list[int]:
+    block = 512 // scale
+    toks: list[int] = []
+    for h in r["hash_ids"]:
+        toks.extend((h * 1_000_003 + j * 7_919) % 49_000 + 100 for j in range(block))
+    return toks[:min(max_prompt, max(1, r["input_length"] // scale))]
+
+
+def select(trace: list[dict], sample: str, n: int, offset: int, min_turns: int, max_blocks: int) -> list[int]:
+    """Indices of the trace requests to replay, in trace order."""
+    if sample == "window":
+        return list(range(offset, min(offset + n, len(trace))))
+    if sample != "conversations":
+        raise ValueError(f"unknown sample {sample!r}: conversations or window")
+    groups: dict[int, list[int]] = {}
+    for i, r in enumerate(trace):
+        if len(r["hash_ids"]) >= 2:
+            groups.setdefault(r["hash_ids"][1], []).append(i)
+    chosen: list[int] = []
+    for members in groups.values():  # in the order the conversations begin
+        if len(members) >= min_turns and all(len(trace[i]["hash_ids"]) <= max_blocks for i in members):
+            chosen += members
+            if len(chosen) >= n:
                 break
-    return prompts
+    return sorted(chosen)
+
+
+def load_prompts(n: int, offset: int, scale: int, max_prompt: int, sample: str = "window",
+                 min_turns: int = 4) -> list[list[int]]:
+    trace = _trace()
+    indices = select(trace, sample, n, offset, min_turns, max_blocks=max_prompt * scale // 512)
+    return [_tokens(trace[i], scale, max_prompt) for i in indices]
 
 
 def ideal_hit_tokens(prompts: list[list[int]], block: int) -> int:
@@ -81,6 +115,8 @@ async def _prefill_figures(config, expected_prompt_tokens: int, timeout_s: float
         while True:
             names = [f"prefill-{i}" for i in range(config.prefill.workers)]
             figures = {n: await store.get_stats("prefill", n) or {"prompt_tokens": 0, "hit_tokens": 0} for n in names}
+            for f in figures.values():
+                f.setdefault("fetched_tokens", 0)
             if sum(f["prompt_tokens"] for f in figures.values()) >= expected_prompt_tokens:
                 return figures
             if time.monotonic() > deadline:
@@ -88,14 +124,23 @@ async def _prefill_figures(config, expected_prompt_tokens: int, timeout_s: float
             await asyncio.sleep(0.5)  # the workers publish every second: nothing to wait on here
 
 
-def run_routing(routing: str, prompts: list[list[int]], concurrency: int, workers: int) -> dict:
-    """One stack with `workers` prefill workers and `routing`; the replay's figures."""
+# arm -> (routing, prefix cache on, peer fetch)
+ARMS = {"aware": ("prefix", True, "off"), "round_robin": ("round_robin", True, "off"),
+        "none": ("round_robin", False, "off"), "round_robin_fetch": ("round_robin", True, "always")}
+
+
+def run_arm(arm: str, prompts: list[list[int]], concurrency: int, workers: int) -> dict:
+    """One stack with `workers` prefill workers set up as `arm`; the replay's figures."""
     from serving import summary
 
     from services.config import AttentionSection, GatewaySection, PrefillSection, StackConfig
     from services.launcher import Stack
 
-    config = StackConfig(prefill=PrefillSection(workers=workers, routing=routing),
+    routing, cached, fetch = ARMS[arm]
+    section = PrefillSection(workers=workers, routing=routing, peer_fetch=fetch)
+    if not cached:
+        section = PrefillSection(workers=workers, routing=routing, peer_fetch=fetch, cache_device_bytes=0)
+    config = StackConfig(prefill=section,
                          attention=AttentionSection(workers=1, kv_capacity_bytes=512 << 20),
                          gateway=GatewaySection(port=_free_port()))
     stack = Stack(config)
@@ -109,12 +154,13 @@ def run_routing(routing: str, prompts: list[list[int]], concurrency: int, worker
         stack.stop()
     prompt_tokens = sum(f["prompt_tokens"] for f in figures.values())
     hit_tokens = sum(f["hit_tokens"] for f in figures.values())
+    fetched = sum(f["fetched_tokens"] for f in figures.values())
     t = summary(ttft)
-    return {"hit_ratio": hit_tokens / prompt_tokens, "computed_tokens": prompt_tokens - hit_tokens,
-            "hit_tokens": hit_tokens, "prompt_tokens": prompt_tokens, "ttft_p50_s": t["p50"],
-            "ttft_p99_s": t["p99"], "seconds": seconds,
-            "per_worker": {n: {"prompt_tokens": f["prompt_tokens"], "hit_tokens": f["hit_tokens"]}
-                           for n, f in figures.items()}}
+    return {"hit_ratio": hit_tokens / prompt_tokens, "computed_tokens": prompt_tokens - hit_tokens - fetched,
+            "hit_tokens": hit_tokens, "fetched_tokens": fetched, "prompt_tokens": prompt_tokens,
+            "ttft_p50_s": t["p50"], "ttft_p99_s": t["p99"], "seconds": seconds,
+            "per_worker": {n: {"prompt_tokens": f["prompt_tokens"], "hit_tokens": f["hit_tokens"],
+                               "fetched_tokens": f["fetched_tokens"]} for n, f in figures.items()}}
 
 
 def _free_port() -> int:
@@ -125,29 +171,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_cluster(n: int, offset: int, scale: int, max_prompt: int, concurrency: int, workers: int = 2) -> dict:
-    """Prints the workload and each routing's results; returns them with their ratio."""
-    prompts = load_prompts(n, offset, scale, max_prompt)
+def run_cluster(n: int, offset: int, scale: int, max_prompt: int, concurrency: int, workers: int = 2,
+                sample: str = "conversations", min_turns: int = 4) -> dict:
+    """Prints the workload and each arm's results; returns them with their ratios."""
+    prompts = load_prompts(n, offset, scale, max_prompt, sample, min_turns)
     block = 512 // scale
     total = sum(len(p) for p in prompts)
     ideal = ideal_hit_tokens(prompts, block)
-    print(f"\n== cluster: Kimi trace requests {offset}..{offset + len(prompts) - 1}, lengths / {scale} "
+    what = (f"conversations with at least {min_turns} requests" if sample == "conversations"
+            else f"requests {offset}..{offset + len(prompts) - 1}")
+    print(f"\n== cluster: Kimi trace, {len(prompts)} requests ({what}), lengths / {scale} "
           f"(at most {max_prompt} tokens; {total} prompt tokens, mean {total / len(prompts):.0f}), "
           f"1 output token, {concurrency} in flight; {workers} prefill workers, 1 attention worker, "
           f"1 model worker; ideal (one unbounded cache) hit ratio {ideal / total:.4f}", flush=True)
     results = {}
-    for routing in ("prefix", "round_robin"):
-        r = run_routing(routing, prompts, concurrency, workers)
-        results[routing] = r
-        print(f"  {routing:11s} computed {r['computed_tokens']:6d} of {r['prompt_tokens']} prompt tokens, hit ratio "
-              f"{r['hit_ratio']:.4f}, TTFT p50 {r['ttft_p50_s']:.2f} s p99 {r['ttft_p99_s']:.2f} s, "
-              f"{r['seconds']:.1f} s; per worker {r['per_worker']}", flush=True)
-    aware, rr = results["prefix"], results["round_robin"]
+    for arm in ARMS:
+        r = run_arm(arm, prompts, concurrency, workers)
+        results[arm] = r
+        print(f"  {arm:17s} computed {r['computed_tokens']:6d} of {r['prompt_tokens']} prompt tokens, hit ratio "
+              f"{r['hit_ratio']:.4f}, fetched {r['fetched_tokens']}, TTFT p50 {r['ttft_p50_s']:.2f} s "
+              f"p99 {r['ttft_p99_s']:.2f} s, {r['seconds']:.1f} s; per worker {r['per_worker']}", flush=True)
+    aware, rr, none = results["aware"], results["round_robin"], results["none"]
     ratio = {"computed_tokens": aware["computed_tokens"] / rr["computed_tokens"],
-             "ttft_p50": aware["ttft_p50_s"] / rr["ttft_p50_s"]}
-    print(f"  prefix / round robin: computed tokens {ratio['computed_tokens']:.3f}x, "
-          f"TTFT p50 {ratio['ttft_p50']:.3f}x")
-    return {"workload": {"trace": "kimi_conversation_trace", "offset": offset, "requests": len(prompts),
-                         "scale": scale, "max_prompt": max_prompt, "prompt_tokens": total,
-                         "concurrency": concurrency, "prefill_workers": workers, "ideal_hit_ratio": ideal / total},
-            "aware": aware, "round_robin": rr, "ratio": ratio}
+             "ttft_p50": aware["ttft_p50_s"] / rr["ttft_p50_s"],
+             "computed_tokens_vs_none": aware["computed_tokens"] / none["computed_tokens"]}
+    print(f"  aware / round robin: computed tokens {ratio['computed_tokens']:.3f}x (target <= 0.6x), "
+          f"TTFT p50 {ratio['ttft_p50']:.3f}x (target < 1); aware / none: computed tokens "
+          f"{ratio['computed_tokens_vs_none']:.3f}x")
+    return {"workload": {"trace": "kimi_conversation_trace", "sample": sample, "min_turns": min_turns,
+                         "offset": offset, "requests": len(prompts), "scale": scale, "max_prompt": max_prompt,
+                         "prompt_tokens": total, "concurrency": concurrency, "prefill_workers": workers,
+                         "ideal_hit_ratio": ideal / total},
+            **results, "ratio": ratio,
+            "targets_met": {"computed_0_6x": ratio["computed_tokens"] <= 0.6, "ttft_p50_lower": ratio["ttft_p50"] < 1}}

@@ -197,6 +197,14 @@ class Stack:
             self._supervisor_idle.set()
             self._supervisor_release.wait()
 
+    def restart(self, name: str) -> None:
+        """Start service process `name` (e.g. prefill-0) again after it ended or was killed,
+        as the supervisor would; the new process is stopped with the others."""
+        (sp,) = [p for p in self.processes if p.name == name]
+        if sp.proc is not None and sp.proc.poll() is None:
+            raise RuntimeError(f"{name} is still running (pid {sp.proc.pid})")
+        self._restart(sp)
+
     def _restart(self, sp: ServiceProcess) -> None:
         with open(self.log_dir / f"{sp.name}.log", "ab") as logf:
             logf.write(f"--- lamina: restart {len(sp.runs)} of {sp.name} ---\n".encode())

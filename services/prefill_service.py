@@ -74,7 +74,6 @@ class PrefillService:
         self.publisher.cache = self.cache
         self.peer_server = PrefixServer(self.cache) if self.cache is not None else None
         self.fetcher = PrefixFetcher(config.transport_config(), self.cfg, config.deadlines.reply_s)
-        self._listener: transports.Listener | None = None
         self.m_fetched = prometheus_client.Counter("lamina_prefill_fetched_tokens", "prompt tokens whose KV was "
                                                    "fetched from a peer prefill worker", registry=r)
         self.compute_tokens_per_s: float | None = None  # running figure of this worker's forwards
@@ -133,10 +132,12 @@ class PrefillService:
         # A prompt that wants its own tokens' logprobs is computed whole: no cached prefix.
         cached = [0 if r.prompt_logprobs else self._install_prefix(p, skv) for r, p, skv in zip(reqs, prompts, seq_kvs)]
         fetched = [0] * len(reqs)
-        for j, r in enumerate(reqs):
-            if r.HasField("peer") and not r.prompt_logprobs and min(r.peer.tokens, lens[j] - 1) > cached[j]:
-                got = await self._fetch_prefix(r.peer, prompts[j], seq_kvs[j], cached[j])
-                fetched[j], cached[j] = got - cached[j], got
+        asks = [j for j, r in enumerate(reqs)
+                if r.HasField("peer") and not r.prompt_logprobs and min(r.peer.tokens, lens[j] - 1) > cached[j]]
+        got = await asyncio.gather(*(self._fetch_prefix(reqs[j].peer, prompts[j], seq_kvs[j], cached[j])
+                                     for j in asks))  # concurrent: each peer's link serves one at a time
+        for j, n in zip(asks, got):
+            fetched[j], cached[j] = n - cached[j], n
         computing = time.perf_counter()
         batch = StepBatch.build(seq_ids, [p[c:] for p, c in zip(prompts, cached)], cached)
         local = LocalAttention(kv, batch)
@@ -251,9 +252,9 @@ class PrefillService:
         self.pool = await AttentionPool.from_registry(self.runtime.store, self.config, self.cfg)
         meta = {}
         if self.peer_server is not None:  # peers fetch prefix KV from here
-            self._listener = await transports.listen(self.config.data_address(self.runtime.service_id),
-                                                     self.peer_server.serve, self.config.transport_config())
-            meta["data"] = with_host(self._listener.address, self.config.advertised_host)
+            address = await self.peer_server.start(self.config.data_address(self.runtime.service_id),
+                                                   self.config.transport_config())
+            meta["data"] = with_host(address, self.config.advertised_host)
         batcher = asyncio.create_task(self._batch_loop(), name="prefill-batches")
         if self.cache is not None:
             self.publisher.start()  # its first batch: everything the cache holds (its disk tier's blocks)
@@ -268,8 +269,8 @@ class PrefillService:
             for _, fut in self._queue:
                 fut.cancel()
             await self.fetcher.close()
-            if self._listener is not None:
-                await self._listener.close()
+            if self.peer_server is not None:
+                await self.peer_server.stop()
             await self.pool.close()
 
 

@@ -3,8 +3,10 @@
 `PrefixServer` answers FETCH_PREFIX frames on a prefill worker's data-plane listener
 with the KV of the longest prefix of the asked tokens that its prefix cache holds, read
 from whichever tier holds each block (device, host or disk; 4-bit blocks dequantized)
-without moving any (kvstore.prefix_cache.read, in a thread: the cache is thread-safe
-and a disk read must not hold the event loop).
+without moving any (kvstore.prefix_cache.read; the cache is thread-safe). It runs its
+own event loop on a thread of its own (`start` / `stop`): the worker's own loop is held
+by each prefill forward, and a peer waiting for prefix KV must not wait for that
+forward too (torch and the socket calls release the GIL, so both proceed).
 
 `PrefixFetcher` is the asking side. It keeps one connection per peer address, opened
 on first use; one fetch at a time per connection, so a reply is matched by its tag
@@ -12,14 +14,15 @@ alone. A fetch that fails, is refused, is late (`timeout_s`) or answers KV of th
 shape closes that connection and gives nothing: the asker computes those tokens
 itself. A fetch only saves time; no request depends on one.
 
-Ownership: the fetcher owns its connections (`close()`); the server owns nothing but
-counters, the listener that calls it belongs to the prefill service.
+Ownership: the fetcher owns its connections (`close()`); the server owns its thread,
+event loop and listener (`stop()` closes the listener and joins the thread).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 import torch
@@ -41,6 +44,43 @@ class PrefixServer:
     def __init__(self, cache: PrefixCache) -> None:
         self.cache = cache
         self.num_served_tokens = 0  # prefix tokens sent to peers
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+
+    async def start(self, address: str, tcfg: transports.TransportConfig) -> str:
+        """Listen at `address` on the server's own thread; returns the bound address."""
+        started: asyncio.Future = asyncio.get_running_loop().create_future()
+        caller = asyncio.get_running_loop()
+
+        def report(result: str | BaseException) -> None:
+            if not started.done():
+                (started.set_exception if isinstance(result, BaseException) else started.set_result)(result)
+
+        async def main() -> None:
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+            try:
+                listener = await transports.listen(address, self.serve, tcfg)
+            except BaseException as exc:  # noqa: BLE001 - reported to the caller
+                caller.call_soon_threadsafe(report, exc)
+                return
+            caller.call_soon_threadsafe(report, listener.address)
+            try:
+                await self._stop.wait()
+            finally:
+                await listener.close()
+
+        self._thread = threading.Thread(target=asyncio.run, args=(main(),), name="prefix-server", daemon=True)
+        self._thread.start()
+        return await started
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
 
     async def serve(self, conn: transports.Connection) -> None:
         """Answer one peer's fetches until it closes the connection."""
@@ -62,7 +102,7 @@ class PrefixServer:
                 raise RemoteError("protocol", f"a prefill worker's data plane answers FETCH_PREFIX only, "
                                               f"got frame kind {short_repr(frame.kind)}")
             msg = FetchPrefix.from_frame(frame)
-            num_tokens, kv = await asyncio.to_thread(self._read, msg)
+            num_tokens, kv = self._read(msg)  # this loop's thread serves fetches alone: reading here is fine
         except RemoteError as exc:
             return error_frame(tag, exc.code, str(exc))
         except Exception as exc:  # noqa: BLE001 - a failure here must not end the peer's link

@@ -14,7 +14,8 @@ Round robin sends the prompts to prefill-0, prefill-1, prefill-0, ... in order:
 
 Then prefill-1 is killed (SIGKILL: it withdraws nothing) and its block records leave the
 metadata store once its lease has expired, with nobody listing services but the
-scheduler's own watch.
+scheduler's own watch; and prefill-0 is killed and started again: its records are then
+exactly what its disk tier kept, on disk.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ import pytest
 import torch
 from e2e_helpers import complete, service_metric, start_stack
 
-from kvstore.block_hash import block_hashes
+from kvstore.block_hash import ROOT_HASH, block_hashes
 from kvstore.metadata import MetadataConfig, MetadataStore
 from model.loader import load_config
 from services.config import PrefillSection
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 BLOCK_TOKENS = 16
 DEVICE_BLOCKS, HOST_BLOCKS, DISK_BLOCKS = 4, 2, 64
@@ -121,6 +122,36 @@ async def _check(stack, prompts, references, s_ids, u0_head) -> None:
             return not await store.node_blocks("prefill-1")
 
         await _until(records_gone, timeout_s=3 * store.config.service_ttl_s)
+
+        # A restarted worker publishes what its disk tier kept: every block it had on disk.
+        before = {r.block_hash: r for r in await store.node_blocks("prefill-0")}
+        (victim,) = [sp for sp in stack.processes if sp.name == "prefill-0"]
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        await asyncio.to_thread(victim.proc.wait, 30)
+        await asyncio.to_thread(stack.restart, "prefill-0")
+
+        async def republished():
+            records = await store.node_blocks("prefill-0")
+            service = await store.get_service("prefill", "prefill-0")
+            return records if service is not None and service.meta.get("pid") == victim.proc.pid and records else None
+
+        after = await _until(republished, timeout_s=120)
+        assert after and {r.tier for r in after} == {2}
+        # Back: blocks that were on disk (and those promoted from it, whose disk copy stays)
+        # whose every ancestor is back too (a block without its parent is of no use and is
+        # deleted when the disk tier is indexed again).
+        back = {r.block_hash for r in after}
+        assert back <= set(before) and all(r.parent_hash == ROOT_HASH or r.parent_hash in back for r in after)
+        on_disk = {h for h, r in before.items() if r.tier == 2}
+
+        def chain_on_disk(h: str) -> bool:
+            while h != ROOT_HASH:
+                if h not in on_disk:
+                    return False
+                h = before[h].parent_hash
+            return True
+
+        assert {h for h in on_disk if chain_on_disk(h)} <= back
 
 
 async def _all_below_device(tiers_coro):

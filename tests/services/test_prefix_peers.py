@@ -5,6 +5,7 @@ PrefixFetcher over a real TCP connection, reading a real prefix cache's tiers.""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -88,23 +89,36 @@ async def test_a_peer_serves_its_prefix_from_every_tier(tmp_path):
 
     server = PrefixServer(cache)
     tcfg = transports.TransportConfig()
-    listener = await transports.listen("tcp://127.0.0.1:0", server.serve, tcfg)
+    address = await server.start("tcp://127.0.0.1:0", tcfg)  # on a thread and event loop of its own
     fetcher = PrefixFetcher(tcfg, _cfg(), timeout_s=10)
     try:
-        n, got = await fetcher.fetch(listener.address, tokens + [1, 2], BS)
+        n, got = await fetcher.fetch(address, tokens + [1, 2], BS)
         assert n == len(tokens) and torch.equal(got, kv[:, :, BS:])
         assert fetcher.num_fetched_tokens == 2 * BS and fetcher.bytes_per_s > 0
         assert server.num_served_tokens == 2 * BS
         # Read where they lie: serving a peer moved none of this cache's blocks.
         assert {i.block_hash: i.tier for i in cache.block_infos()} == before
-        assert await fetcher.fetch(listener.address, [7] * (2 * BS), 0) == (0, None)
+        assert await fetcher.fetch(address, [7] * (2 * BS), 0) == (0, None)
+        # The server answers while the loop that started it is held (as a forward holds a
+        # prefill worker's loop): a fetch from another thread completes meanwhile.
+        done = []
+
+        async def fetch_once() -> None:
+            other_fetcher = PrefixFetcher(tcfg, _cfg(), timeout_s=10)
+            done.append((await other_fetcher.fetch(address, tokens, 0))[0])
+            await other_fetcher.close()
+
+        other = threading.Thread(target=asyncio.run, args=(fetch_once(),))
+        other.start()
+        other.join(timeout=20)  # blocks this loop
+        assert done == [len(tokens)]
         # A peer that answers with an error (a start past the tokens) costs only that fetch.
         frame = FetchPrefix((1,), [1], 2).to_frame()
         reply = await server._answer(frame)
         assert reply.kind == Kind.ERROR and reply.header["code"] == "bad_request"
     finally:
-        await listener.close()
-    assert await fetcher.fetch(listener.address, tokens, 0) == (0, None)
+        await server.stop()
+    assert await fetcher.fetch(address, tokens, 0) == (0, None)
     assert fetcher.num_failed == 1
     await fetcher.close()
 
