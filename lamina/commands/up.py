@@ -1,4 +1,5 @@
-"""`lamina up`: the whole stack (embedded Redis and every service) from one command."""
+"""`lamina up`: the whole stack (embedded Redis and every service) from one command, as
+child processes of this one, or, with `--ray ADDRESS`, as actors on a Ray cluster's nodes."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--supervise", action=argparse.BooleanOptionalAction, default=True,
                    help="restart a service process that exits, with backoff (default on; with --no-supervise "
                         "any exit stops the stack)")
+    p.add_argument("--ray", metavar="ADDRESS", default=None,
+                   help="run every service (and the embedded Redis) as a Ray actor on the cluster at ADDRESS (its "
+                        "head's host:port, or auto), each kind on the nodes that declare its custom resource; needs "
+                        "the ray extra (docs/deploy.md, Ray)")
+    p.add_argument("--ray-resource", metavar="KIND=NAME", action="append", default=[],
+                   help="the custom Ray resource each actor of KIND asks one unit of (repeatable; an empty NAME: "
+                        "none, any node). Defaults: model=model_worker, prefill=prefill_worker, "
+                        "attention=attention_worker; redis, scheduler and gateway ask none")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,7 +67,17 @@ def run(args: argparse.Namespace) -> int:
     from services.launcher import Stack
     from services.supervision import describe_exit
 
-    stack = Stack(config, supervise=args.supervise)
+    if args.ray_resource and not args.ray:
+        print("lamina up: --ray-resource needs --ray", file=sys.stderr)
+        return 2
+    if args.ray:
+        stack = _ray_stack(args, config)
+        if stack is None:
+            return 2
+        where = f"as actors of the Ray cluster at {args.ray}, each service's log on its node"
+    else:
+        stack = Stack(config, supervise=args.supervise)
+        where = f"logs in {stack.log_dir}"
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
@@ -67,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
           f"micro-batch(es){mode}{' and Q sent early' if config.pipeline.q_early else ''}, "
           f"{config.attention.workers} attention workers, {config.prefill.workers} prefill worker(s), "
           f"transport {config.transport}, "
-          f"{config.partition}-level partitioning; logs in {stack.log_dir}", file=sys.stderr)
+          f"{config.partition}-level partitioning; {where}", file=sys.stderr)
     try:
         stack.start()
     except (RuntimeError, TimeoutError) as exc:
@@ -92,3 +111,22 @@ def run(args: argparse.Namespace) -> int:
         print("stopping...", file=sys.stderr)
         stack.stop()
     return 0
+
+
+def _ray_stack(args: argparse.Namespace, config):
+    """The RayStack of `--ray`, or None after printing why there is none."""
+    import importlib.util
+
+    from services.ray_placement import parse_placement
+
+    try:
+        placement = parse_placement(args.ray_resource)
+    except ValueError as exc:
+        print(f"lamina up: {exc}", file=sys.stderr)
+        return None
+    if importlib.util.find_spec("ray") is None:
+        print("lamina up: --ray needs the ray package (pip install -e '.[ray]')", file=sys.stderr)
+        return None
+    from services.ray_stack import RayStack
+
+    return RayStack(config, args.ray, placement, supervise=args.supervise)
