@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,7 +82,8 @@ class RayCluster:
                 pass
 
     def stop(self, grace_s: float = 60.0) -> list[str]:
-        """Stop every node and return the processes of the cluster still alive (none)."""
+        """Stop every node, remove the cluster's directory and return the processes of the
+        cluster still alive (none)."""
         self.snapshot()
         for node in reversed(self._nodes):  # the head last: the others drain through it
             if node.poll() is None:
@@ -103,6 +105,7 @@ class RayCluster:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
         return left
 
 

@@ -14,6 +14,7 @@ import os
 import queue
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -192,6 +193,7 @@ def test_lamina_up_ray_places_each_kind_by_its_resource(ray_cluster, reference_o
             assert time.monotonic() < deadline, f"the new prefill-0 did not register: {s}"
             time.sleep(1)  # polling the registry: there is no event to wait on
         assert s["restarts"] == 1
+        shutil.rmtree(Path(actors["prefill-0"]["log_path"]).parent)  # what the killed actor left on its node
         ray_cluster.snapshot()
         _chat_equals_transformers(base_url, key, reference_outputs)
 
