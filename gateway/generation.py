@@ -110,8 +110,9 @@ class Generation:
         if not request.sampling.ignore_eos:
             stop_ids.update(tokenizer.eos_token_ids)
         tool_use = request.tool_use
-        self.choices = [ChoiceOutput(i, OutputProcessor(tokenizer, request.sampling.stop, stop_ids,
-                                                        request.sampling.min_tokens),
+        sp = request.sampling
+        self.choices = [ChoiceOutput(i, OutputProcessor(tokenizer, sp.stop, stop_ids, sp.min_tokens,
+                                                        sp.include_stop_str_in_output, sp.skip_special_tokens),
                                      None if tool_use is None else ToolCallSplitter(tool_use.may_answer_in_text))
                         for i in range(request.n)]
         self._events: AsyncIterator | None = None

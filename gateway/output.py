@@ -5,9 +5,14 @@ a delta that might be the start of a stop string is held back until the next
 tokens show whether it is one. When a stop string appears, the text is cut just
 before it and `stopped` is set; the caller then aborts the backend request.
 
-Special tokens (EOS) never reach the text: the detokenizer skips them, and the
-token that made the backend stop ("stop" on EOS or a stop token id) is not
-detokenized at all, so a stop token id that is an ordinary token is not shown.
+By default (vLLM's defaults) special tokens (EOS) never reach the text: the
+detokenizer skips them, and the token that made the backend stop ("stop" on EOS
+or a stop token id) is not detokenized at all, so a stop token id that is an
+ordinary token is not shown. vLLM's two output options change that:
+`skip_special_tokens=False` shows special tokens' text, and
+`include_stop_str=True` (`include_stop_str_in_output`) keeps the stop string at
+the end of the text and detokenizes the stop token (shown if it is an ordinary
+token, or a special one with `skip_special_tokens=False`).
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from model.tokenizer import Tokenizer
 class StopStringMatcher:
     """Finds the first stop string in a growing text; pure string logic, no tokens."""
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include_stop: bool = False) -> None:
+        """`include_stop`: the text ends with the stop string found, instead of just before it."""
         self._stop = tuple(stop)
+        self._include_stop = include_stop
         self.released = ""  # text certainly free of stop strings
         self._pending = ""  # text after `released` that may begin a stop string
         self.stopped = False
@@ -41,9 +48,10 @@ class StopStringMatcher:
         full = self._pending + delta
         # No stop string can start inside `released`: a suffix of it that was a
         # stop-string prefix would have been held in `_pending` instead.
-        hits = [i for i in (full.find(s) for s in self._stop) if i != -1]
+        hits = [(i, len(s)) for i, s in ((full.find(s), s) for s in self._stop) if i != -1]
         if hits:
-            out = full[: min(hits)]
+            at, length = min(hits, key=lambda hit: hit[0])  # the earliest; at a tie, the first listed
+            out = full[: at + length if self._include_stop else at]
             self.stopped = True
             self._pending = ""
         else:
@@ -72,12 +80,14 @@ class StopStringMatcher:
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], stop_token_ids: Iterable[int],
-                 min_tokens: int = 0) -> None:
-        """`min_tokens`: stop strings count only in the text of later tokens (vLLM's rule)."""
+                 min_tokens: int = 0, include_stop_str: bool = False, skip_special_tokens: bool = True) -> None:
+        """`min_tokens`: stop strings count only in the text of later tokens (vLLM's rule).
+        `include_stop_str`, `skip_special_tokens`: vLLM's output options (module docstring)."""
         self._min_tokens = min_tokens
-        self._detok = tokenizer.detokenizer()
-        self._matcher = StopStringMatcher(stop)
-        self._stop_token_ids = frozenset(stop_token_ids)
+        self._detok = tokenizer.detokenizer(skip_special_tokens)
+        self._matcher = StopStringMatcher(stop, include_stop_str)
+        # With include_stop_str the stop token is detokenized like any other.
+        self._stop_token_ids = frozenset() if include_stop_str else frozenset(stop_token_ids)
         self.token_ids: list[int] = []  # every generated id, the final EOS or stop id included
 
     @property

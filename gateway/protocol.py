@@ -126,6 +126,8 @@ class SamplingFields:
     min_tokens: int = 0  # extension (vLLM)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), in id order
     grammar: str | None = None  # response_format's or the tools' (gateway/structured.py)
+    skip_special_tokens: bool = True  # extension (vLLM)
+    include_stop_str_in_output: bool = False  # extension (vLLM)
 
 
 @dataclass(frozen=True)
@@ -162,12 +164,10 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
 }
 # vLLM's extensions that load generators and evaluation tools send: accepted at the value
-# that says what this server always does (special tokens are never shown, a stop string
-# never is either, no min-p, no beam search), refused (naming the field) otherwise.
+# that says what this server always does (the tokenizer's own spacing of special tokens,
+# no min-p, no beam search), refused (naming the field) otherwise.
 _EXTENSION_OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
-    "include_stop_str_in_output": (False,),
     "min_p": (0, 0.0),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
@@ -179,7 +179,7 @@ _IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 _COMMON = frozenset(
     {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed", "stop",
      "top_k", "stop_token_ids", "ignore_eos", "return_token_ids", "presence_penalty", "frequency_penalty",
-     "logit_bias", "repetition_penalty", "min_tokens"}
+     "logit_bias", "repetition_penalty", "min_tokens", "skip_special_tokens", "include_stop_str_in_output"}
 ) | frozenset(_EXTENSION_OFF_VALUES)
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _IGNORED | {
     "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "tools",
@@ -405,6 +405,8 @@ def _parse_sampling(body: dict[str, Any], max_tokens_fields: tuple[str, ...],
         repetition_penalty=_get_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
         min_tokens=_get_int(body, "min_tokens", minimum=0) or 0,
         logit_bias=_parse_logit_bias(body),
+        skip_special_tokens=_get_bool(body, "skip_special_tokens", True),
+        include_stop_str_in_output=_get_bool(body, "include_stop_str_in_output", False),
     )
 
 
@@ -599,4 +601,6 @@ def resolve_sampling(
         min_tokens=fields.min_tokens,
         logit_bias=fields.logit_bias,
         grammar=fields.grammar,
+        skip_special_tokens=fields.skip_special_tokens,
+        include_stop_str_in_output=fields.include_stop_str_in_output,
     )

@@ -73,8 +73,8 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         return self._tok.convert_ids_to_tokens(int(token_id))
 
-    def detokenizer(self) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self)
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -88,16 +88,17 @@ class IncrementalDetokenizer:
 
     _WINDOW = 6
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip_special = skip_special_tokens  # False: special tokens' text (e.g. EOS) is shown
         self.ids: list[int] = []
         self._prefix_offset = 0  # start of the context window
         self._read_offset = 0  # ids before this are already emitted
 
     def add(self, token_id: int) -> str:
         self.ids.append(int(token_id))
-        prefix = self._tok.decode(self.ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self.ids[self._prefix_offset :])
+        prefix = self._tok.decode(self.ids[self._prefix_offset : self._read_offset], self._skip_special)
+        full = self._tok.decode(self.ids[self._prefix_offset :], self._skip_special)
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""
         delta = full[len(prefix) :]

@@ -24,6 +24,9 @@ class SamplingParams:
     grammar (serialized) that every output token must follow (lamina.engine.grammar);
     EOS then ends the output only where the grammar accepts, so ignore_eos and
     min_tokens, which hold EOS back, cannot be combined with it.
+    skip_special_tokens and include_stop_str_in_output (vLLM's) say only how the
+    gateway turns the output ids into text (gateway/output.py); the engine's own
+    `text` and the control plane's messages do not carry them.
     """
 
     max_tokens: int = 16
@@ -41,6 +44,8 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
     grammar: str | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -279,6 +279,42 @@ def test_penalties_and_biases_equal_the_local_engine(stack, reference_outputs, l
             assert len(got) == MAX_TOKENS and banned not in got
 
 
+def test_the_vllm_extensions_load_generators_send(stack, reference_outputs, loaded_model):
+    """guidellm's streamed request (ignore_eos, stop null, usage in every chunk) gets exactly
+    max_tokens tokens, greedy as transformers up to and past EOS; stop_token_ids,
+    include_stop_str_in_output and skip_special_tokens do what vLLM documents."""
+    client, model, tok = _client(stack), _model(stack), loaded_model.tokenizer
+    p = CHAT_PROMPTS[0]
+    messages = [{"role": "user", "content": p}]
+    ids = reference_outputs[("chat", p)]["token_ids"]
+    assert ids[-1] in tok.eos_token_ids and len(ids) < MAX_TOKENS and ids[3] not in ids[:3]  # ends early
+    # As guidellm 0.8.1 sends a chat request, with the special tokens' text shown.
+    chunks = list(client.chat.completions.create(
+        model=model, messages=messages, temperature=0, stream=True, max_completion_tokens=MAX_TOKENS, stop=None,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True, "skip_special_tokens": False}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == MAX_TOKENS
+    got = [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids") or []]
+    assert len(got) == MAX_TOKENS and got[:len(ids)] == ids
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == tok.decode(got, skip_special_tokens=False) and "<|im_end|>" in text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    # stop_token_ids: the output ends at the id, its text without it unless include_stop_str_in_output.
+    for include, shown in ((False, 3), (True, 4)):
+        r = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=MAX_TOKENS,
+                                           extra_body={"stop_token_ids": [ids[3]], "return_token_ids": True,
+                                                       "include_stop_str_in_output": include})
+        assert r.choices[0].model_extra["token_ids"] == ids[:4] and r.choices[0].finish_reason == "stop"
+        assert r.choices[0].message.content == tok.decode(ids[:shown])
+    # A stop string kept at the end of the text.
+    answer = tok.decode(ids)
+    r = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=MAX_TOKENS,
+                                       stop=["Paris"], extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].message.content == answer[:answer.index("Paris") + len("Paris")]
+    assert r.choices[0].finish_reason == "stop"
+
+
 def test_echo_scores_the_prompt_as_transformers(stack, reference_outputs, hf_reference):
     """Log-likelihood scoring (lm-eval's loglikelihood): echo, logprobs, max_tokens 0."""
     client, model = _client(stack), _model(stack)

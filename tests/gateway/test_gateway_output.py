@@ -48,6 +48,13 @@ def test_earliest_of_several_stop_strings_wins():
     assert m.feed("hello world") == "hel"
 
 
+def test_include_stop_keeps_the_stop_string_found_first():
+    m = StopStringMatcher(["world", "lo w"], include_stop=True)
+    assert m.feed("hello world!") == "hello w" and m.stopped
+    m = StopStringMatcher(["</end>"], include_stop=True)
+    assert feed_all(m, ["a <", "/en", "d> tail"]) == ["a ", "", "</end>"] and m.released == "a </end>"
+
+
 def test_output_processor_streams_text_and_hides_eos(tokenizer):
     ids = tokenizer.encode("Paris, café au lait.")
     eos = tokenizer.eos_token_ids[0]
@@ -68,6 +75,31 @@ def test_output_processor_applies_stop_strings_across_tokens(tokenizer):
     out = OutputProcessor(tokenizer, ["42"], set())
     text = "".join(out.add([t], None) for t in ids)
     assert out.stopped and text == out.text == "The answer is "
+
+
+def test_include_stop_str_in_output_shows_the_stop_string_and_an_ordinary_stop_token(tokenizer):
+    ids = tokenizer.encode("The answer is 42. Done.")
+    out = OutputProcessor(tokenizer, ["42"], set(), include_stop_str=True)
+    assert "".join(out.add([t], None) for t in ids) == "The answer is 42" and out.stopped
+    ids = tokenizer.encode("one two three")
+    out = OutputProcessor(tokenizer, [], {ids[-1]}, include_stop_str=True)
+    assert out.add(ids, "stop") == "one two three"
+    eos = tokenizer.eos_token_ids[0]
+    out = OutputProcessor(tokenizer, [], {eos}, include_stop_str=True)
+    assert out.add(ids + [eos], "stop") == "one two three"  # EOS is special: skipped
+
+
+def test_skip_special_tokens_false_shows_special_tokens_but_not_the_final_eos(tokenizer):
+    ids = tokenizer.encode("one two")
+    eos, start = tokenizer.eos_token_ids[0], tokenizer.hf_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    out = OutputProcessor(tokenizer, [], {eos}, skip_special_tokens=False)
+    # An EOS in the middle (ignore_eos) and another special token are shown; the EOS that
+    # stopped the output is not (vLLM's rule), unless include_stop_str_in_output.
+    assert out.add(ids + [eos, start] + ids + [eos], "stop") == "one two<|im_end|><|im_start|>one two"
+    out = OutputProcessor(tokenizer, [], {eos}, include_stop_str=True, skip_special_tokens=False)
+    assert out.add(ids + [eos], "stop") == "one two<|im_end|>"
+    out = OutputProcessor(tokenizer, [], {eos})
+    assert out.add(ids + [eos, start] + ids + [eos], "stop") == "one twoone two"
 
 
 def test_stop_strings_count_only_after_min_tokens(tokenizer):

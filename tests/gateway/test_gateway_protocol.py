@@ -79,6 +79,15 @@ def test_vllm_extensions_are_accepted_at_what_the_server_does():
     assert req.sampling == SamplingFields()
 
 
+@pytest.mark.parametrize("parse, body", [(parse_chat_request, chat()),
+                                         (parse_completion_request, {"model": "m", "prompt": "x"})])
+def test_vllm_output_options_reach_the_sampling_params(parse, body):
+    fields = parse({**body, "skip_special_tokens": False, "include_stop_str_in_output": True}).sampling
+    assert (fields.skip_special_tokens, fields.include_stop_str_in_output) == (False, True)
+    sp = resolve_sampling(fields, 3, 100, None, "prompt")
+    assert (sp.skip_special_tokens, sp.include_stop_str_in_output) == (False, True)
+
+
 def test_logprobs_fields():
     assert parse_chat_request(chat()).sampling.logprobs is None
     assert parse_chat_request(chat(logprobs=False, top_logprobs=0)).sampling.logprobs is None
@@ -207,12 +216,15 @@ def test_top_k_minus_one_means_no_top_k():
      "stream_options.continuous_usage_stats", "invalid_type"),
     (chat(min_p=0.1), "'min_p' is not supported by this server; omit it or leave it at its default.", "min_p",
      "unsupported_parameter"),
-    (chat(include_stop_str_in_output=True),
-     "'include_stop_str_in_output' is not supported by this server; omit it or leave it at its default.",
-     "include_stop_str_in_output", "unsupported_parameter"),
-    (chat(skip_special_tokens=False),
-     "'skip_special_tokens' is not supported by this server; omit it or leave it at its default.",
-     "skip_special_tokens", "unsupported_parameter"),
+    (chat(spaces_between_special_tokens=False),
+     "'spaces_between_special_tokens' is not supported by this server; omit it or leave it at its default.",
+     "spaces_between_special_tokens", "unsupported_parameter"),
+    (chat(include_stop_str_in_output="yes"),
+     "Invalid type for 'include_stop_str_in_output': expected a boolean, but got a string instead.",
+     "include_stop_str_in_output", "invalid_type"),
+    (chat(skip_special_tokens=0),
+     "Invalid type for 'skip_special_tokens': expected a boolean, but got an integer instead.",
+     "skip_special_tokens", "invalid_type"),
 ])
 def test_chat_request_errors(body, message, param, code):
     err = error_of(parse_chat_request, body)
