@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -41,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,12 +155,24 @@ def run_llama_server(binary: Path, gguf: Path, prompts, output_tokens: int, thre
         _stop(proc)
 
 
-def run_lamina_up(weights: str, prompts, output_tokens: int, log_dir: Path, model_threads: int | None = None) -> dict:
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM ignored while a stop runs (main thread only), so that a second
+    one cannot cut the stop short and leave a process running."""
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def lamina_up(options: list[str], log: Path) -> Iterator[str]:
+    """`lamina up OPTIONS` on a free port: yields its base URL once it serves, and stops it
+    (and with it every service it started) on the way out."""
     port = free_port()
-    argv = [sys.executable, "-m", "lamina.cli", "up", "--port", str(port), "--weights", weights]
-    if model_threads is not None:
-        argv += ["--model-threads", str(model_threads)]
-    log = log_dir / f"lamina-up-{weights}-{model_threads}.log"
+    argv = [sys.executable, "-m", "lamina.cli", "up", "--port", str(port), *options]
     print(f"  lamina {' '.join(argv[3:])}", flush=True)
     proc = None
     try:
@@ -185,9 +199,18 @@ def run_lamina_up(weights: str, prompts, output_tokens: int, log_dir: Path, mode
                 raise RuntimeError(f"lamina up exited ({proc.wait()}); log {log}:\n{_tail(log)}")
             if "is serving the OpenAI API" in line:
                 break
-        return asyncio.run(_drive(f"http://127.0.0.1:{port}", prompts, output_tokens))
+        yield f"http://127.0.0.1:{port}"
     finally:
-        _stop(proc, timeout_s=60.0)
+        with signals_held():
+            _stop(proc, timeout_s=60.0)
+
+
+def run_lamina_up(weights: str, prompts, output_tokens: int, log_dir: Path, model_threads: int | None = None) -> dict:
+    options = ["--weights", weights]
+    if model_threads is not None:
+        options += ["--model-threads", str(model_threads)]
+    with lamina_up(options, log_dir / f"lamina-up-{weights}-{model_threads}.log") as url:
+        return asyncio.run(_drive(url, prompts, output_tokens))
 
 
 def run_engine(weights: str, prompts, output_tokens: int, threads_list: list[int]) -> dict[int, dict]:
@@ -218,7 +241,7 @@ def run_engine(weights: str, prompts, output_tokens: int, threads_list: list[int
     return results
 
 
-def _raise_on_sigterm() -> None:
+def raise_on_sigterm() -> None:
     """SIGTERM unwinds like Ctrl-C, so every `finally` stops what it started."""
     def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -242,7 +265,7 @@ def main() -> None:
     weights_list = [w.strip() for w in args.weights.split(",") if w.strip()]
     engine_threads = [int(t) for t in args.engine_threads.split(",")]
     up_threads = [None if t.strip() == "default" else int(t) for t in args.up_model_threads.split(",")]
-    _raise_on_sigterm()
+    raise_on_sigterm()
 
     from model.loader import load_tokenizer, resolve_checkpoint
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
 import json
 import os
@@ -78,34 +79,40 @@ def summary(values: list[float]) -> dict:
             "p99": pct(values, 0.99)}
 
 
-async def replay(url: str, model: str, workload, prompts) -> dict:
+async def replay(url: str, model: str, workload, prompts, concurrency: int | None = None) -> dict:
+    """Stream every request at its arrival time; with `concurrency`, at most that many at
+    once (a request that arrives while they are all busy waits, and its timings start
+    when it is sent). TTFT: from just before the request is sent to its first chunk with
+    text; TBT: between successive chunks with text, one sample per gap."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
     ttft: list[float] = []
     tbt: list[float] = []
     tokens = 0
+    slots = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
     start = time.perf_counter()
 
     async def one(arrival, ids, out_len):
         nonlocal tokens
         await asyncio.sleep(max(0.0, arrival - (time.perf_counter() - start)))
-        sent = time.perf_counter()
-        last = None
-        stream = await client.completions.create(model=model, prompt=ids, max_tokens=out_len, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True},
-                                                 stream_options={"include_usage": True})
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.usage is not None:
-                tokens += chunk.usage.completion_tokens
-            if not chunk.choices:
-                continue
-            if last is None:
-                ttft.append(now - sent)
-            else:
-                tbt.append(now - last)
-            last = now
+        async with slots:
+            sent = time.perf_counter()
+            last = None
+            stream = await client.completions.create(model=model, prompt=ids, max_tokens=out_len, temperature=0,
+                                                     stream=True, extra_body={"ignore_eos": True},
+                                                     stream_options={"include_usage": True})
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.usage is not None:
+                    tokens += chunk.usage.completion_tokens
+                if not chunk.choices:
+                    continue
+                if last is None:
+                    ttft.append(now - sent)
+                else:
+                    tbt.append(now - last)
+                last = now
 
     await asyncio.gather(*(one(a, ids, o) for (a, _, o), ids in zip(workload, prompts)))
     elapsed = time.perf_counter() - start
