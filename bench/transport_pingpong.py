@@ -5,7 +5,8 @@ Compared in the same run with three references: a raw blocking-socket ping-pong
 (``memcpy``, bandwidth of one copy of the payload).
 
 Method: the client sends a payload of S bytes, the server echoes it, both sides receive
-into preallocated buffers. ``rtt_us`` is the median round trip; ``gbps`` is
+into preallocated buffers, taken from the heap in every process (glibc's mmap threshold
+fixed above the largest size: see _heap_buffers). ``rtt_us`` is the median round trip; ``gbps`` is
 2 * S * 8 / median round trip (bytes moved both ways), in Gbit/s. The whole set
 (transports and references) is measured ``--repeat`` times in turn, so that a noisy
 phase of a shared machine hits every contender alike, and the median of the runs' medians
@@ -88,6 +89,28 @@ def _combine(runs: list[dict]) -> dict:
     return out
 
 
+def _heap_buffers() -> None:
+    """Every process here takes large buffers from the heap. glibc maps each allocation
+    above its mmap threshold (128 KiB at first) on its own, and raises the threshold only
+    when such a mapping is freed: so in a fresh process the first contender's 16 MiB
+    buffers were mappings of their own and the later contenders' heap memory, and copies
+    into the mappings were slower here (16 MiB TCP round trip 16 ms first in a process, 13
+    ms after; raw socket 12 ms against 7.7 ms with both on the heap). Fixing the thresholds
+    gives every contender the same kind of memory whatever ran before it."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    libc = ctypes.CDLL(name)
+    if not hasattr(libc, "mallopt"):  # not glibc
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 512 << 20)  # the largest size measured is 64 MiB
+    libc.mallopt(m_trim_threshold, 1 << 30)  # and freed buffers stay for the next contender
+
+
 def _one_thread(torch) -> None:
     """Every process here moves bytes on one core: idle OpenMP workers left spinning
     after a parallel op (filling a 64 MiB payload) would take the CPU the peer needs."""
@@ -103,6 +126,7 @@ def _result(rtts: dict[int, float]) -> dict:
 
 # ---------------------------------------------------------------- our transports
 def _serve_transport(address: str, ready: mp.Queue, native: bool) -> None:
+    _heap_buffers()
     import torch
     _one_thread(torch)
     import transports
@@ -197,6 +221,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 
 def _serve_raw(ready: mp.Queue) -> None:
+    _heap_buffers()
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(16)
@@ -247,6 +272,7 @@ def bench_raw_socket(sizes: list[int], quick: bool) -> dict:
 
 # ---------------------------------------------------------------- gloo
 def _gloo_rank(rank: int, port: int, sizes: list[int], quick: bool, results) -> None:
+    _heap_buffers()
     import torch
     _one_thread(torch)
     import torch.distributed as dist
@@ -408,6 +434,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs of the whole set, in turn")
     parser.add_argument("--no-references", action="store_true")
     args = parser.parse_args()
+    _heap_buffers()
     sizes = [int(s) for s in args.sizes.split(",")]
     runs: dict[str, list[dict]] = {}
     cfg = _config()
