@@ -7,7 +7,7 @@ NATIVE := $(VENV)/.native
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run test test-faults install native bench clean csrc protos
+.PHONY: run test test-faults test-containers install native bench clean csrc protos
 
 $(STAMP): pyproject.toml constraints.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,12 +34,18 @@ run: $(NATIVE)
 	$(BIN)/lamina up --port $(PORT)
 
 test: $(NATIVE)
-	$(BIN)/python -m pytest -q -rs -m "not faults" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs -m "not faults and not containers" $(PYTEST_ARGS)
 
 # Fault injection (tests/faults: killed, stopped and restarted processes, fuzzed
 # input); slower, so apart from `make test`. CI runs both.
 test-faults: $(NATIVE)
 	$(BIN)/python -m pytest -q -rs -m faults tests/faults $(PYTEST_ARGS)
+
+# deploy/compose/ built and run under podman (tests/deploy/test_compose_podman.py): needs
+# root, podman, podman-compose and debootstrap (.ci/run installs them), else it skips
+# and says which is missing. Minutes (image builds), so apart from `make test`; CI runs it.
+test-containers: $(NATIVE)
+	$(BIN)/python -m pytest -q -rs -m containers tests/deploy $(PYTEST_ARGS)
 
 # FHBN's CUDA library (needs nvcc: the dev extra installs it from PyPI; no GPU needed).
 csrc: $(STAMP)

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,18 +95,28 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         raise CheckpointError(gguf_path, f"not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
     cfg = gguf_file.read_config(gguf_path, reader)
     state = gguf_file.read_state_dict(gguf_path, cfg, reader)
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # A name of its own, not the pid's: processes of containers that share the cache
+    # volume are all pid 1.
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would keep the cache from other users
     # Tied embeddings are stored once, as Hugging Face does.
     state.pop("lm_head.weight", None) if cfg.tie_word_embeddings else None
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
     gguf_file.save_tokenizer(gguf_path, tmp)
     (tmp / _CACHE_MARKER).write_text(json.dumps({"source": str(gguf_path), "version": _CACHE_VERSION}))
-    # The rename makes a half-written cache impossible to pick up.
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    # The rename makes a half-written cache impossible to pick up. It fails when the
+    # directory is there already: another process's conversion, finished meanwhile (the
+    # same files: it is kept, since others may be reading it), or a dead one's leftovers.
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:
+        if (out_dir / _CACHE_MARKER).is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
 
 
 def read_hf_config(directory: Path) -> ModelConfig:
@@ -256,7 +267,9 @@ def _write_packed(path: Path, packed: dict[str, PackedWeight]) -> None:
     tensors = {f"{name}:{part}": t for name, pw in packed.items() for part, t in pw.tensors().items()}
     shapes = {name: [pw.fmt, pw.n, pw.k] for name, pw in packed.items()}
     path.parent.mkdir(exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")  # not the pid: see convert_gguf
+    os.close(fd)
+    os.chmod(tmp, 0o644)  # as a file save_file creates, not mkstemp's 0600
     save_file(tensors, str(tmp), metadata={"layout": str(PACKED_LAYOUT_VERSION), "weights": json.dumps(shapes)})
     os.replace(tmp, path)  # whole or absent, whoever else writes it at the same time
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 
 from services.config import KV_QUANT_CHOICES, ConfigError, StackConfig, load_config
 
@@ -72,10 +73,22 @@ def run_service(args: argparse.Namespace, module: str, **extra: object) -> int:
     return 0
 
 
+def index_arg(value: str) -> int | str:
+    """--index: a number, or `auto` (claimed in the metadata store: services/index_claims.py)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number or auto (got {value!r})") from None
+
+
 def add_indexed(p: argparse.ArgumentParser, what: str) -> None:
     """Flags of a service that runs as one of several (attention, model and prefill workers)."""
     add_common(p)
-    p.add_argument("--index", type=int, default=0, help=f"this worker's index among the {what}")
+    p.add_argument("--index", type=index_arg, default=0,
+                   help=f"this worker's index among the {what}, or auto: the lowest one no running worker "
+                        "holds (for replicas of one container definition)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the section's threads)")
 
 
@@ -87,8 +100,30 @@ def run_indexed_service(args: argparse.Namespace, module: str, section: str, **e
     if config is None:
         return 2
     count = getattr(config, section).workers
+    serve = importlib.import_module(module).serve
+    if args.index == "auto":
+        return _serve_with_claimed_index(config, section, count, lambda index: serve(config, args.threads, index))
     if not 0 <= args.index < count:
         print(f"lamina: --index must be below {section}.workers ({count})", file=sys.stderr)
         return 2
-    importlib.import_module(module).serve(config, args.threads, args.index)
+    serve(config, args.threads, args.index)
+    return 0
+
+
+def _serve_with_claimed_index(config: StackConfig, section: str, count: int, serve: Callable[[int], None]) -> int:
+    from services.index_claims import IndexClaim
+
+    if not config.redis_url:
+        print("lamina: --index auto claims its index in Redis: set redis_url or REDIS_URL", file=sys.stderr)
+        return 2
+    claim = IndexClaim(config.redis_url, config.namespace, section, count)
+    try:
+        index = claim.acquire()
+    except TimeoutError as exc:
+        print(f"lamina: {exc}", file=sys.stderr)
+        return 2
+    try:
+        serve(index)
+    finally:
+        claim.release()
     return 0

@@ -81,7 +81,7 @@ def _check_workers(config: StackConfig, indexes: dict[str, list[int]], where: st
 def test_compose_commands_are_accepted_by_the_cli():
     compose = _compose()
     services = _lamina_services(compose)
-    assert {"scheduler", "gateway", "prefill-0", "model-0", "attention-0"} <= set(services)
+    assert {"scheduler", "gateway", "prefill-0", "model-0", "attention"} <= set(services)
     config = None
     indexes: dict[str, list[int]] = {}
     for name, service in services.items():
@@ -91,7 +91,13 @@ def test_compose_commands_are_accepted_by_the_cli():
         env = {k: _interpolate(v) for k, v in service["environment"].items() if not k.endswith("_FILE")}
         config = load_config(COMPOSE_DIR / "stack.yaml", env=env)
         assert config.host == "0.0.0.0" and config.redis_url == "redis://redis:6379/0"
-        if service["command"][0] in WORKER_SECTIONS:
+        assert service["healthcheck"]["test"] == "lamina health"  # as the image's HEALTHCHECK
+        if service["command"][0] in WORKER_SECTIONS and args.index == "auto":
+            # Replicas claim indexes 0..replicas-1; the same variable sets the count the stack waits for.
+            replicas = int(_interpolate(service["deploy"]["replicas"]))
+            indexes.setdefault(service["command"][0], []).extend(range(replicas))
+            assert service["deploy"]["replicas"] == service["environment"]["LAMINA_ATTENTION_WORKERS"]
+        elif service["command"][0] in WORKER_SECTIONS:
             indexes.setdefault(service["command"][0], []).append(args.index)
             assert name == f"{service['command'][0]}-{args.index}"
         if service["command"][0] == "gateway":
@@ -105,7 +111,10 @@ def test_compose_commands_are_accepted_by_the_cli():
 def test_prometheus_scrapes_every_compose_service():
     services = _lamina_services(_compose())
     prometheus = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
-    targets = {t for job in prometheus["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    targets = {t for job in prometheus["scrape_configs"] for sc in job.get("static_configs", []) for t in sc["targets"]}
+    # Replicated services are found by their name's addresses, one target per replica.
+    targets |= {f"{name}:{sd['port']}" for job in prometheus["scrape_configs"] for sd in job.get("dns_sd_configs", [])
+                for name in sd["names"]}
     config = load_config(COMPOSE_DIR / "stack.yaml", env={})
     expected = {f"{name}:{config.gateway.port if s['command'][0] == 'gateway' else config.ports.metrics}"
                 for name, s in services.items()}

@@ -7,26 +7,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 # e2e_helpers (start_stack, the prompts, attention_stats) and the e2e fixtures' helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 
-from fault_helpers import MAX_TOKENS, PROMPTS  # noqa: E402 (after the path it needs)
+from fault_helpers import greedy_references  # noqa: E402 (after the path it needs)
 
 
 @pytest.fixture(scope="session")
 def references(loaded_model, hf_reference) -> list[str]:
     """transformers' greedy continuations of PROMPTS as chat, decoded."""
-    tok = loaded_model.tokenizer
-    out = []
-    for p in PROMPTS:
-        ids = tok.encode_chat([{"role": "user", "content": p}])
-        with torch.no_grad():
-            gen = hf_reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                        max_new_tokens=MAX_TOKENS, do_sample=False)
-        out.append(tok.decode(gen[0, len(ids):].tolist()))
-    return out
+    return greedy_references(loaded_model, hf_reference)
 
 
 def pytest_collection_modifyitems(config, items):

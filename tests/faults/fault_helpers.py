@@ -12,16 +12,32 @@ PROMPTS = ["What is the capital of France?", "Name two colours of the rainbow.",
 MAX_TOKENS = 40
 
 
+def greedy_references(loaded_model, hf_reference) -> list[str]:
+    """transformers' greedy continuations of PROMPTS as chat, decoded."""
+    import torch
+
+    tok = loaded_model.tokenizer
+    out = []
+    for p in PROMPTS:
+        ids = tok.encode_chat([{"role": "user", "content": p}])
+        with torch.no_grad():
+            gen = hf_reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                        max_new_tokens=MAX_TOKENS, do_sample=False)
+        out.append(tok.decode(gen[0, len(ids):].tolist()))
+    return out
+
+
 def pid(stack, name: str) -> int:
     (sp,) = [sp for sp in stack.processes if sp.name == name]
     return sp.proc.pid
 
 
-async def stream_all(base_url: str, kill, after_chunks: int | None, errors: bool = False) -> list:
+async def stream_all(base_url: str, kill, after_chunks: int | None, errors: bool = False,
+                     api_key: str = "unused") -> list:
     """Stream every prompt at once; call `kill()` once every stream has `after_chunks`
     content chunks (None: right after sending). Returns each stream's text (with
     `errors`, a stream that fails gives its exception instead)."""
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=300)
     model = (await client.models.list()).data[0].id
     counts = [0] * len(PROMPTS)
     ready = asyncio.Event()

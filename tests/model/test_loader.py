@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as QT
 from model import gguf_file
 from model.attention import attention_with_lse
 from model.errors import CheckpointError
-from model.loader import load_model
+from model.loader import convert_gguf, load_model
 from model.quant import QuantLinear, float_weight
 
 # -- the tiny GGUF checkpoint -------------------------------------------------------------
@@ -442,6 +442,20 @@ def test_half_written_cache_is_redone(tiny_gguf, cache_dir):
     assert marker.is_file()
     for (name, a), (_, b) in zip(first.model.state_dict().items(), again.model.state_dict().items()):
         assert torch.equal(a, b), name
+    assert load_model(path).was_cached
+
+
+def test_a_conversion_finished_meanwhile_by_another_process_is_kept(tiny_gguf, cache_dir):
+    """Processes that start together (containers sharing the cache volume, all pid 1) may
+    each convert; the one that finishes later leaves the first one's cache in place, which
+    others may be reading, and no temporary directory behind."""
+    path, _ = tiny_gguf
+    first = load_model(path)
+    config = first.weights_dir / "config.json"
+    inode = config.stat().st_ino
+    convert_gguf(path, first.weights_dir)  # a second process's conversion of the same file
+    assert config.stat().st_ino == inode
+    assert [p.name for p in first.weights_dir.parent.iterdir()] == [first.weights_dir.name]
     assert load_model(path).was_cached
 
 
