@@ -277,10 +277,15 @@ class PrefixCache:
             loading.result()
         with self._lock:
             tier = entry.tier
-            payload = None if tier == Tier.DISK else self._tiers[tier].get(block_hash)
+        return self._to_full(self._payload(block_hash, tier))
+
+    def _payload(self, block_hash: str, tier: Tier) -> Payload:
+        """A locked block's payload as `tier` holds it; a disk read happens outside the
+        lock (the block is locked, so it stays)."""
         if tier == Tier.DISK:
-            payload = self._tiers[Tier.DISK].read(block_hash)  # outside the lock, as a promotion reads
-        return self._to_full(payload)
+            return self._tiers[Tier.DISK].read(block_hash)
+        with self._lock:
+            return self._tiers[tier].get(block_hash)
 
     def insert(self, tokens: Sequence[int], kv: torch.Tensor) -> int:
         """Caches the full blocks of a prompt's KV; kv: [L, 2, T, H, D] with T >= the
@@ -377,12 +382,7 @@ class PrefixCache:
             return self._promote(block_hash, may_evict_protected)
         is_done = False
         try:
-            if source == Tier.DISK:
-                payload = self._tiers[Tier.DISK].read(block_hash)  # outside the lock
-            else:
-                with self._lock:
-                    payload = self._tiers[Tier.HOST].get(block_hash)
-            block = self._to_full(payload)
+            block = self._to_full(self._payload(block_hash, source))
             with self._lock:
                 nbytes = payload_nbytes(block)
                 if self._make_room(Tier.DEVICE, nbytes, may_evict_protected):

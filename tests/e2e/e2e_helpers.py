@@ -93,3 +93,13 @@ def complete(stack: Stack, prompt: list[int], max_tokens: int, **extra) -> dict:
     req = urllib.request.Request(stack.base_url + "/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
+
+
+async def until(check, timeout_s: float = 15.0, every_s: float = 0.2):
+    """Polls `check()` (an async function) until it returns something true; returns it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not (result := await check()):
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(every_s)  # polls another process's state: nothing here to wait on
+    return result

@@ -26,7 +26,7 @@ import signal
 
 import pytest
 import torch
-from e2e_helpers import complete, service_metric, start_stack
+from e2e_helpers import complete, service_metric, start_stack, until
 
 from kvstore.block_hash import ROOT_HASH, block_hashes
 from kvstore.metadata import MetadataConfig, MetadataStore
@@ -95,7 +95,7 @@ async def _check(stack, prompts, references, s_ids, u0_head) -> None:
         for i in range(3):
             await run(i)
         # Prompt 3 filled prefill-0's device tier: S's blocks went down to host and disk.
-        down = await _until(lambda: _all_below_device(tiers_on("prefill-0", s_blocks)))
+        down = await until(lambda: _all_below_device(tiers_on("prefill-0", s_blocks)))
         assert 2 in down, f"S's blocks at prefill-0 by tier: {down}"
         assert await tiers_on("prefill-1", s_blocks) == [None] * 3
 
@@ -121,7 +121,7 @@ async def _check(stack, prompts, references, s_ids, u0_head) -> None:
         async def records_gone():
             return not await store.node_blocks("prefill-1")
 
-        await _until(records_gone, timeout_s=3 * store.config.service_ttl_s)
+        await until(records_gone, timeout_s=3 * store.config.service_ttl_s)
 
         # A restarted worker publishes what its disk tier kept: every block it had on disk.
         before = {r.block_hash: r for r in await store.node_blocks("prefill-0")}
@@ -137,7 +137,7 @@ async def _check(stack, prompts, references, s_ids, u0_head) -> None:
             fresh = service is not None and service.meta.get("pid") == victim.proc.pid
             return records if fresh and records and all(r.tier == 2 for r in records) else None
 
-        after = await _until(republished, timeout_s=120)
+        after = await until(republished, timeout_s=120)
         # Back: blocks that were on disk (and those promoted from it, whose disk copy stays)
         # whose every ancestor is back too (a block without its parent is of no use and is
         # deleted when the disk tier is indexed again).
@@ -158,12 +158,3 @@ async def _check(stack, prompts, references, s_ids, u0_head) -> None:
 async def _all_below_device(tiers_coro):
     tiers = await tiers_coro
     return tiers if all(t in (1, 2) for t in tiers) else None
-
-
-async def _until(check, timeout_s: float = 15.0):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not (result := await check()):
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.2)  # polls other processes' state: nothing here to wait on
-    return result

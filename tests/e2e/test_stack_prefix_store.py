@@ -15,7 +15,7 @@ import threading
 
 import pytest
 import torch
-from e2e_helpers import attention_stats, complete, start_stack
+from e2e_helpers import attention_stats, complete, start_stack, until
 
 from kvstore.metadata import MetadataConfig, MetadataStore
 from kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
@@ -26,16 +26,6 @@ pytestmark = pytest.mark.timeout(300)
 
 BLOCK_TOKENS = 16
 DEVICE_BLOCKS, HOST_BLOCKS = 4, 4
-
-
-async def until(check, timeout_s: float = 15.0, every_s: float = 0.2):
-    """Polls `check()` (an async function) until it returns something true; returns it."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not (result := await check()):
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(every_s)  # polls another process's state: nothing here to wait on
-    return result
 
 
 def test_blocks_and_placements_in_the_store():

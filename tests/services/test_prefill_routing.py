@@ -112,8 +112,8 @@ def _clients(store: MetadataStore, routing: str = "prefix", peer_fetch: str = "a
     config = StackConfig(prefill=PrefillSection(workers=2, cache_block_tokens=BS, routing=routing,
                                                 peer_fetch=peer_fetch))
     clients = PrefillClients(config, store, open_channel=lambda address: None)
-    for w in clients.workers:
-        w.stub, w.alive, w.endpoint, w.data_address = _Stub(), True, "unused", f"tcp://127.0.0.1:{7000 + len(w.name)}"
+    for i, w in enumerate(clients.workers):
+        w.stub, w.alive, w.endpoint, w.data_address = _Stub(), True, "unused", f"tcp://127.0.0.1:{7000 + i}"
     clients._refreshed_at = float("inf")  # no refresh: nothing is registered in this store
     return clients
 
