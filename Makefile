@@ -7,7 +7,7 @@ NATIVE := $(VENV)/.native
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run test test-faults test-containers install native bench clean csrc protos
+.PHONY: run test test-faults test-containers test-packaging install native bench clean csrc protos
 
 $(STAMP): pyproject.toml constraints.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,7 +34,7 @@ run: $(NATIVE)
 	$(BIN)/lamina up --port $(PORT)
 
 test: $(NATIVE)
-	$(BIN)/python -m pytest -q -rs -m "not faults and not containers" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs -m "not faults and not containers and not packaging" $(PYTEST_ARGS)
 
 # Fault injection (tests/faults: killed, stopped and restarted processes, fuzzed
 # input); slower, so apart from `make test`. CI runs both.
@@ -47,13 +47,19 @@ test-faults: $(NATIVE)
 test-containers: $(NATIVE)
 	$(BIN)/python -m pytest -q -rs -m containers tests/deploy $(PYTEST_ARGS)
 
+# `python -m build` (sdist, then the wheel from it), the wheel installed with its
+# dependencies into a fresh virtual environment outside the checkout, `lamina up` from
+# there answering a chat request (tests/deploy/test_packaging.py). Minutes; CI runs it.
+test-packaging: $(NATIVE)
+	$(BIN)/python -m pytest -q -rs -m packaging tests/deploy/test_packaging.py $(PYTEST_ARGS)
+
 # FHBN's CUDA library (needs nvcc: the dev extra installs it from PyPI; no GPU needed).
 csrc: $(STAMP)
-	$(BIN)/python -m transports.fhbn build build
+	$(BIN)/python -m lamina.transports.fhbn build build
 
-# Regenerate the gRPC code after editing services/protos/lamina.proto (the output is committed).
+# Regenerate the gRPC code after editing services/protos/lamina.proto (compiled as lamina/services/protos/lamina.proto: its Python module is lamina.services.protos) (the output is committed).
 protos: $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. services/protos/lamina.proto
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. lamina/services/protos/lamina.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info transports/_wire*.so model/_kv_attention*.so model/_qmatmul*.so model/_slice_ops*.so

@@ -53,7 +53,7 @@ from engine_throughput import cpu_model  # noqa: E402  (bench/ is not a package)
 from llama_cpp import LlamaServerUnavailable, ensure_llama_server, server_version  # noqa: E402
 
 from lamina.lifetime import child_argv, child_env  # noqa: E402
-from services.launcher import health_ok  # noqa: E402
+from lamina.services.launcher import health_ok  # noqa: E402
 
 SLOT_MARGIN = 17  # tokens per llama-server slot beyond prompt and output (15 + 96 + 17 = 128)
 START_TIMEOUT_S = 600.0
@@ -215,8 +215,8 @@ def run_lamina_up(weights: str, prompts, output_tokens: int, log_dir: Path, mode
 
 def run_engine(weights: str, prompts, output_tokens: int, threads_list: list[int]) -> dict[int, dict]:
     from lamina.engine import Engine, SamplingParams
-    from model.loader import load_model
-    from model.threads import set_compute_threads
+    from lamina.model.loader import load_model
+    from lamina.model.threads import set_compute_threads
 
     loaded = load_model(weights=weights)
     engine = Engine(loaded)
@@ -267,7 +267,7 @@ def main() -> None:
     up_threads = [None if t.strip() == "default" else int(t) for t in args.up_model_threads.split(",")]
     raise_on_sigterm()
 
-    from model.loader import load_tokenizer, resolve_checkpoint
+    from lamina.model.loader import load_tokenizer, resolve_checkpoint
 
     gguf = resolve_checkpoint(None)[0]
     tokenizer, _ = load_tokenizer(gguf)

@@ -77,7 +77,7 @@ def make_prompts(tokenizer, batch: int, context: int) -> list[list[int]]:
 def run_local(loaded, prompts: list[list[int]], steps: int, threads: int) -> dict:
     from lamina.engine import Engine, EngineConfig, SamplingParams
     from lamina.engine.scheduler import SchedulerLimits
-    from model.threads import set_compute_threads
+    from lamina.model.threads import set_compute_threads
 
     set_compute_threads(threads)  # the products on `threads` threads, torch's ops on one
     kv_bytes = len(prompts) * (len(prompts[0]) + steps + 64) * loaded.config.kv_bytes_per_token()
@@ -105,8 +105,8 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int) -> dict:
 
     from lamina.engine.kv import KVStore
     from lamina.engine.step import LocalAttention, StepBatch
-    from services.attention_core import AttentionCore
-    from services.wire import StoreKV
+    from lamina.services.attention_core import AttentionCore
+    from lamina.services.wire import StoreKV
 
     torch.manual_seed(0)
     hkv, hq, d = cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
@@ -163,7 +163,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 async def _metric_ports(redis_url: str, namespace: str) -> dict[str, int]:
-    from kvstore.metadata import MetadataConfig, MetadataStore
+    from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 
     store = MetadataStore(MetadataConfig(url=redis_url, namespace=namespace))
     try:
@@ -203,9 +203,9 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
               model_threads: int = 1) -> dict:
     import openai
 
-    from services.config import (AttentionSection, ModelWorkerSection, PipelineSection, SchedulerSection,
+    from lamina.services.config import (AttentionSection, ModelWorkerSection, PipelineSection, SchedulerSection,
                                  StackConfig)
-    from services.launcher import Stack
+    from lamina.services.launcher import Stack
 
     config = StackConfig(transport=transport, weights=weights,
                          scheduler=SchedulerSection(max_batch_size=len(prompts), max_queue=max(256, len(prompts))),
@@ -221,7 +221,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
         port = s.getsockname()[1]
     from dataclasses import replace
 
-    from services.config import GatewaySection
+    from lamina.services.config import GatewaySection
 
     config = replace(config, gateway=GatewaySection(port=port))
     stack = Stack(config)
@@ -322,8 +322,8 @@ def main() -> None:
 
     import torch
 
-    from model.loader import load_model
-    from model.threads import set_compute_threads
+    from lamina.model.loader import load_model
+    from lamina.model.threads import set_compute_threads
 
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, {platform.python_implementation()} "
           f"{platform.python_version()}, torch {torch.__version__}")

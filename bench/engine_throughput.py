@@ -87,8 +87,8 @@ def weight_bytes_read(model: torch.nn.Module) -> int:
     """Bytes of weights a decode step reads: every linear's weight (packed or not) and the
     norms, each tensor once; an embedding gathers one row per token and is left out unless
     it is the LM head's table (then the head counts it)."""
-    from model.llama import RMSNorm
-    from model.quant import QuantLinear
+    from lamina.model.llama import RMSNorm
+    from lamina.model.quant import QuantLinear
 
     seen: dict[int, int] = {}
     for m in model.modules():
@@ -216,12 +216,12 @@ def main() -> None:
                          "machine is shared)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from model.quant import set_kernel_threads
+    from lamina.model.quant import set_kernel_threads
 
     set_kernel_threads(args.threads)  # the engine's products too
 
-    from model.loader import load_model
-    from model.packing import check_weights
+    from lamina.model.loader import load_model
+    from lamina.model.packing import check_weights
 
     choices = [check_weights(w.strip()) for w in args.weights.split(",") if w.strip()]
     work = load_workload(args.requests, args.seed, args.scale, args.max_prompt, args.max_output)

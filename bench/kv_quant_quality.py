@@ -50,11 +50,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from model.attention import attention_with_lse  # noqa: E402
-from model.kv_attention import NATIVE  # noqa: E402
-from model.kv_quant import Q4Rows  # noqa: E402
-from services.attention_core import AttentionCore  # noqa: E402
-from services.wire import StoreKV  # noqa: E402
+from lamina.model.attention import attention_with_lse  # noqa: E402
+from lamina.model.kv_attention import NATIVE  # noqa: E402
+from lamina.model.kv_quant import Q4Rows  # noqa: E402
+from lamina.services.attention_core import AttentionCore  # noqa: E402
+from lamina.services.wire import StoreKV  # noqa: E402
 
 TRACE = REPO.parent / "shared" / "traces" / "azure_conv_2023.csv"
 TEXT_COMMIT = "3a41b2ad938b96bc1e52c6069fbd51a4b402206c"  # docs of the commit before quantized KV
@@ -260,7 +260,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from model.loader import load_model
+    from lamina.model.loader import load_model
 
     loaded = load_model()
     tok, cfg = loaded.tokenizer, loaded.config

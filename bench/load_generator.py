@@ -293,7 +293,7 @@ def main() -> None:
     if version != TESTED_GUIDELLM:
         print(f"note: guidellm {version}; this script reads the command line and report of {TESTED_GUIDELLM}")
 
-    from model.loader import load_tokenizer, resolve_checkpoint
+    from lamina.model.loader import load_tokenizer, resolve_checkpoint
 
     gguf, hf_dir, _ = resolve_checkpoint(None)
     tokenizer, _ = load_tokenizer(gguf)

@@ -32,7 +32,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from model import quant
+from lamina.model import quant
 
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (outputs, inputs) of one decoder layer
 

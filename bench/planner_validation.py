@@ -33,12 +33,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_throughput import decode_step_cpu  # noqa: E402
-from planner.estimate import decode_step  # noqa: E402
-from planner.hardware import THIS_MACHINE, device_from_entry, load_catalogue  # noqa: E402
-from planner.layouts import Layout  # noqa: E402
-from planner.perf.quantization import FP32  # noqa: E402
-from planner.profile import profile  # noqa: E402
-from planner.shapes import BUILTIN  # noqa: E402
+from lamina.planner.estimate import decode_step  # noqa: E402
+from lamina.planner.hardware import THIS_MACHINE, device_from_entry, load_catalogue  # noqa: E402
+from lamina.planner.layouts import Layout  # noqa: E402
+from lamina.planner.perf.quantization import FP32  # noqa: E402
+from lamina.planner.profile import profile  # noqa: E402
+from lamina.planner.shapes import BUILTIN  # noqa: E402
 
 # Batch x prompt stays within one prefill step of the engine, so the timed steps are pure decode.
 CASES = ((1, 32), (1, 512), (4, 128), (4, 512), (8, 64), (8, 256), (16, 128), (32, 64))
@@ -82,7 +82,7 @@ def main() -> None:
 
     import torch
 
-    from model.loader import load_model
+    from lamina.model.loader import load_model
 
     prof = profile(threads=1, usd_per_hour=0.1, quick=args.quick, stack=args.stack)
     if args.save_profile:

@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-from kvstore.block_hash import ROOT_HASH
-from kvstore.prefetch import Prefetcher
-from kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
-from kvstore.prefix_index import PrefixIndex
-from kvstore.tiers import Tier
+from lamina.kvstore.block_hash import ROOT_HASH
+from lamina.kvstore.prefetch import Prefetcher
+from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
+from lamina.kvstore.prefix_index import PrefixIndex
+from lamina.kvstore.tiers import Tier
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
 SCALE = 16
@@ -48,8 +48,8 @@ TRACE_BLOCK = 512 // SCALE
 # ---------------- part 1: TTFT with the real model ----------------
 
 def ttft_by_tier(prompt_tokens: int, prefix_tokens: int, block: int, repeats: int) -> dict:
-    from kvstore.prefill import prefill
-    from model.loader import load_model
+    from lamina.kvstore.prefill import prefill
+    from lamina.model.loader import load_model
 
     loaded = load_model()
     model, cfg = loaded.model, loaded.config

@@ -75,7 +75,7 @@ def load_prompts(n: int, offset: int, scale: int, max_prompt: int, sample: str =
 
 def ideal_hit_tokens(prompts: list[list[int]], block: int) -> int:
     """Prompt tokens one unbounded cache would serve (whole blocks; the last token computed)."""
-    from kvstore.block_hash import block_hashes
+    from lamina.kvstore.block_hash import block_hashes
 
     seen: set[str] = set()
     hit = 0
@@ -108,7 +108,7 @@ async def _send_all(base_url: str, prompts: list[list[int]], concurrency: int) -
 
 async def _prefill_figures(config, expected_prompt_tokens: int, timeout_s: float = 30.0) -> dict[str, dict]:
     """Each prefill worker's published figures, once they account for every prompt."""
-    from kvstore.metadata import MetadataConfig, MetadataStore
+    from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 
     async with MetadataStore(MetadataConfig(url=config.redis_url, namespace=config.namespace)) as store:
         deadline = time.monotonic() + timeout_s
@@ -133,8 +133,8 @@ def run_arm(arm: str, prompts: list[list[int]], concurrency: int, workers: int) 
     """One stack with `workers` prefill workers set up as `arm`; the replay's figures."""
     from serving import summary
 
-    from services.config import AttentionSection, GatewaySection, PrefillSection, StackConfig
-    from services.launcher import Stack
+    from lamina.services.config import AttentionSection, GatewaySection, PrefillSection, StackConfig
+    from lamina.services.launcher import Stack
 
     routing, cached, fetch = ARMS[arm]
     section = PrefillSection(workers=workers, routing=routing, peer_fetch=fetch)

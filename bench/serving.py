@@ -123,8 +123,8 @@ async def replay(url: str, model: str, workload, prompts, concurrency: int | Non
 def run_local(workload, prompts, threads: int) -> dict:
     """The same requests at the same arrival times through the local engine in this process."""
     from lamina.engine import Engine, SamplingParams
-    from model.loader import load_model
-    from model.threads import set_compute_threads
+    from lamina.model.loader import load_model
+    from lamina.model.threads import set_compute_threads
 
     set_compute_threads(threads)  # the products on `threads` threads, torch's ops on one
     engine = Engine(load_model())
@@ -159,9 +159,9 @@ def run_local(workload, prompts, threads: int) -> dict:
 
 
 async def scheduler_stats(redis_url: str, namespace: str, token: str | None = None) -> dict:
-    from kvstore.metadata import MetadataConfig, MetadataStore
-    from services.channels import open_channel
-    from services.protos import lamina_pb2, lamina_pb2_grpc
+    from lamina.kvstore.metadata import MetadataConfig, MetadataStore
+    from lamina.services.channels import open_channel
+    from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 
     store = MetadataStore(MetadataConfig(url=redis_url, namespace=namespace))
     try:
@@ -192,7 +192,7 @@ def main() -> None:
     if args.decode_heavy:
         args.num_requests, args.time_scale, args.min_output, args.max_output = 32, 1000.0, 32, 96
 
-    from model.loader import load_tokenizer
+    from lamina.model.loader import load_tokenizer
 
     tokenizer, _ = load_tokenizer()
     workload = load_trace(args.num_requests, args.offset, args.scale, args.time_scale, args.max_prompt,
@@ -209,8 +209,8 @@ def main() -> None:
     url = args.url
     stats: dict = {}
     if url is None:
-        from services.config import PipelineSection, StackConfig
-        from services.launcher import Stack
+        from lamina.services.config import PipelineSection, StackConfig
+        from lamina.services.launcher import Stack
 
         config = StackConfig(transport=args.transport)
         if args.micro_batches:

@@ -306,7 +306,7 @@ def proc_figures(pid: int, redis_port: int, ports: dict[str, tuple[int, int]]) -
 async def snapshot(config) -> Snapshot:
     import redis.asyncio as aioredis
 
-    from services.cluster_status import read_status
+    from lamina.services.cluster_status import read_status
 
     status = await read_status(config)
     snap = Snapshot(kv_tokens=[a.num_tokens if a.num_tokens is not None else -1 for a in status.attention],
@@ -447,8 +447,8 @@ def report(result: dict) -> None:
 
 
 def find_config(base_url: str, config_path: str | None):
-    from services import local_stacks
-    from services.config import load_config
+    from lamina.services import local_stacks
+    from lamina.services.config import load_config
 
     path = config_path or local_stacks.find(urlparse(base_url).port or 80)
     if path is None:
@@ -485,9 +485,9 @@ def main() -> int:
         if args.base_url:
             base_url, config = args.base_url.rstrip("/"), find_config(args.base_url, args.config)
         else:
-            from kvstore.redis_server import free_tcp_port
-            from services.config import GatewaySection, PrefillSection, StackConfig
-            from services.launcher import Stack
+            from lamina.kvstore.redis_server import free_tcp_port
+            from lamina.services.config import GatewaySection, PrefillSection, StackConfig
+            from lamina.services.launcher import Stack
 
             # A small prefix cache, full after the warm-up: the default one (256 + 512 MiB)
             # would grow the prefill worker's RSS by design for the whole run.

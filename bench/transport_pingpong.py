@@ -129,7 +129,7 @@ def _serve_transport(address: str, ready: mp.Queue, native: bool) -> None:
     _heap_buffers()
     import torch
     _one_thread(torch)
-    import transports
+    from lamina import transports
 
     async def main() -> None:
         done = asyncio.Event()
@@ -158,7 +158,7 @@ def _serve_transport(address: str, ready: mp.Queue, native: bool) -> None:
 
 
 def _config(native: bool = True):
-    from transports import TransportConfig
+    from lamina.transports import TransportConfig
     return TransportConfig(max_frame_bytes=(1 << 30), native_frames=native)
 
 
@@ -166,8 +166,8 @@ def bench_transport(name: str, sizes: list[int], quick: bool) -> dict:
     """``name``: a scheme, or ``<scheme>+py`` for that transport with the Python codec."""
     import torch
     _one_thread(torch)
-    import transports
-    from transports import Frame
+    from lamina import transports
+    from lamina.transports import Frame
 
     scheme, _, codec = name.partition("+")
     native = codec != "py"
@@ -424,7 +424,7 @@ def report_targets(runs: dict[str, list[dict]], results: dict) -> list[dict]:
 
 
 def main() -> None:
-    import transports
+    from lamina import transports
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--transports", default="tcp,tcp+py,ucx,shm,rdma,fhbn",
                         help="comma-separated transports to measure (unavailable ones are "
@@ -445,7 +445,7 @@ def main() -> None:
     print(f"workload: echo ping-pong between two processes, sizes {sizes}, "
           f"{args.repeat} runs in turn; busy_poll_us={cfg.busy_poll_budget_us}{derived}, "
           f"ucx_progress_mode={cfg.ucx_progress_mode}", flush=True)
-    from transports.frame import NATIVE
+    from lamina.transports.frame import NATIVE
     print(f"frame codec: {'native (transports/_wire)' if NATIVE else 'Python (native codec not built)'}"
           "; <scheme>+py rows use the Python codec", flush=True)
     schemes = []

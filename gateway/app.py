@@ -19,15 +19,15 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from gateway import handlers, pages
-from gateway.backend import Backend
-from gateway.config import GatewayConfig
-from gateway.dashboard import ClusterReader, ClusterView
-from gateway.journal import RequestJournal
-from gateway.metrics import GatewayMetrics
-from gateway.protocol import ApiError
-from gateway.state import JOURNAL_KEY, STATE_KEY, GatewayState
-from model.tokenizer import Tokenizer
+from lamina.gateway import handlers, pages
+from lamina.gateway.backend import Backend
+from lamina.gateway.config import GatewayConfig
+from lamina.gateway.dashboard import ClusterReader, ClusterView
+from lamina.gateway.journal import RequestJournal
+from lamina.gateway.metrics import GatewayMetrics
+from lamina.gateway.protocol import ApiError
+from lamina.gateway.state import JOURNAL_KEY, STATE_KEY, GatewayState
+from lamina.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from gateway.protocol import GenerateRequest, TokenEvent
+from lamina.gateway.protocol import GenerateRequest, TokenEvent
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,13 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
-from gateway.backend import Backend, BackendError
-from gateway.journal import RequestJournal
-from gateway.metrics import GatewayMetrics
-from gateway.output import OutputProcessor
-from gateway.protocol import GenerateRequest, TokenLogprobs
-from gateway.tool_calls import ToolCall, ToolCallSplitter
-from model.tokenizer import Tokenizer
+from lamina.gateway.backend import Backend, BackendError
+from lamina.gateway.journal import RequestJournal
+from lamina.gateway.metrics import GatewayMetrics
+from lamina.gateway.output import OutputProcessor
+from lamina.gateway.protocol import GenerateRequest, TokenLogprobs
+from lamina.gateway.tool_calls import ToolCall, ToolCallSplitter
+from lamina.model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ import jinja2
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 
-from gateway.backend import BackendError, QueueFullError, RequestRefusedError
-from gateway.generation import ChoiceOutput, Generation
-from gateway.logprobs_json import CompletionLogprobs, chat_logprobs
-from gateway.protocol import (
+from lamina.gateway.backend import BackendError, QueueFullError, RequestRefusedError
+from lamina.gateway.generation import ChoiceOutput, Generation
+from lamina.gateway.logprobs_json import CompletionLogprobs, chat_logprobs
+from lamina.gateway.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ApiError,
     GenerateRequest,
@@ -35,9 +35,9 @@ from gateway.protocol import (
     parse_completion_request,
     resolve_sampling,
 )
-from gateway import responses as r
-from gateway.state import STATE_KEY, GatewayState
-from gateway.structured import ToolUse
+from lamina.gateway import responses as r
+from lamina.gateway.state import STATE_KEY, GatewayState
+from lamina.gateway.structured import ToolUse
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gateway.protocol import TokenLogprobs
+from lamina.gateway.protocol import TokenLogprobs
 
 # JSON has no -Infinity; OpenAI and vLLM send this floor instead.
 MIN_LOGPROB = -9999.0

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from model.tokenizer import Tokenizer
+from lamina.model.tokenizer import Tokenizer
 
 
 class StopStringMatcher:

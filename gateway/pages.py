@@ -15,8 +15,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway.dashboard import gateway_figures, snapshot
-from gateway.state import STATE_KEY
+from lamina.gateway.dashboard import gateway_figures, snapshot
+from lamina.gateway.state import STATE_KEY
 
 STATIC_DIR = Path(__file__).with_name("static")
 STATUS_PATH = "/dashboard/status"

@@ -19,8 +19,8 @@ from typing import Any, Literal
 # The sampling parameters are the engine's own type: one definition for every layer.
 from lamina.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from lamina.engine.sampling import SamplingParams  # noqa: F401 (re-exported)
-from gateway.structured import FieldError, StructuredOutput, ToolUse, parse_history_calls, parse_structured
-from gateway.tool_calls import history_content, with_tools
+from lamina.gateway.structured import FieldError, StructuredOutput, ToolUse, parse_history_calls, parse_structured
+from lamina.gateway.tool_calls import history_content, with_tools
 
 # Per request; bounds the cost of stop-string matching on every token.
 MAX_STOP_STRINGS = 16

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.tool_calls import ToolCall
+from lamina.gateway.tool_calls import ToolCall
 
 DONE = b"data: [DONE]\n\n"
 

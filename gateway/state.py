@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from gateway.backend import Backend
-from gateway.config import GatewayConfig
-from gateway.dashboard import ClusterView
-from gateway.journal import RequestJournal
-from gateway.metrics import GatewayMetrics
-from model.tokenizer import Tokenizer
+from lamina.gateway.backend import Backend
+from lamina.gateway.config import GatewayConfig
+from lamina.gateway.dashboard import ClusterView
+from lamina.gateway.journal import RequestJournal
+from lamina.gateway.metrics import GatewayMetrics
+from lamina.model.tokenizer import Tokenizer
 
 
 @dataclass

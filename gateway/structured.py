@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from llguidance import LLMatcher
 
-from gateway.tool_calls import CALL_SEPARATOR, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, tools_system_prompt
+from lamina.gateway.tool_calls import CALL_SEPARATOR, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, tools_system_prompt
 
 # OpenAI's bounds: at most 128 tools, names of letters, digits, '_' and '-', up to 64 long.
 MAX_TOOLS = 128

@@ -23,9 +23,9 @@ import asyncio
 import logging
 import threading
 
-from kvstore.batches import write_batches
-from kvstore.metadata import REDIS_ERRORS, BlockRecord, MetadataStore
-from kvstore.prefix_cache import BlockEvent, BlockInfo, PrefixCache
+from lamina.kvstore.batches import write_batches
+from lamina.kvstore.metadata import REDIS_ERRORS, BlockRecord, MetadataStore
+from lamina.kvstore.prefix_cache import BlockEvent, BlockInfo, PrefixCache
 
 log = logging.getLogger(__name__)
 

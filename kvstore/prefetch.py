@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.prefix_cache import PrefixCache
-from kvstore.tiers import Tier
+from lamina.kvstore.prefix_cache import PrefixCache
+from lamina.kvstore.tiers import Tier
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model.attention import attention_with_lse
-from model.llama import LlamaForCausalLM
+from lamina.model.attention import attention_with_lse
+from lamina.model.llama import LlamaForCausalLM
 
 
 class _SequenceContext:

@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 
-from kvstore.block_hash import ROOT_HASH, chain_hash
-from kvstore.eviction import EVICTION_POLICIES, BlockStats, make_policy
-from kvstore.prefix_index import PrefixIndex, PrefixMatch
-from kvstore.quant import QuantizedTensor, dequantize_4bit, quantize_4bit
-from kvstore.tiers import DiskTier, MemoryTier, Payload, Tier, payload_nbytes
+from lamina.kvstore.block_hash import ROOT_HASH, chain_hash
+from lamina.kvstore.eviction import EVICTION_POLICIES, BlockStats, make_policy
+from lamina.kvstore.prefix_index import PrefixIndex, PrefixMatch
+from lamina.kvstore.quant import QuantizedTensor, dequantize_4bit, quantize_4bit
+from lamina.kvstore.tiers import DiskTier, MemoryTier, Payload, Tier, payload_nbytes
 
 
 @dataclass(frozen=True)

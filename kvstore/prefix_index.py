@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstore.block_hash import ROOT_HASH, chain_hash
+from lamina.kvstore.block_hash import ROOT_HASH, chain_hash
 
 
 @dataclass(frozen=True)

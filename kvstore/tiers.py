@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstore.quant import QuantizedTensor
+from lamina.kvstore.quant import QuantizedTensor
 
 Payload = torch.Tensor | QuantizedTensor
 

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model.errors import CheckpointError
+from lamina.model.errors import CheckpointError
 
 # Hugging Face `model_type` values whose checkpoints have the LLaMA layout
 # (RMSNorm, RoPE, GQA, SwiGLU). Qwen2 adds a bias on the Q, K and V projections.

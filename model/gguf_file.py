@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from model.config import ModelConfig, RopeScaling
-from model.errors import CheckpointError
-from model.quant import PackedWeight, pack_gguf
+from lamina.model.config import ModelConfig, RopeScaling
+from lamina.model.errors import CheckpointError
+from lamina.model.quant import PackedWeight, pack_gguf
 
 # Quantization types we dequantize (the `gguf` package implements them in numpy).
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")

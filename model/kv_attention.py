@@ -42,11 +42,11 @@ from itertools import accumulate
 
 import torch
 
-from model.attention import attention_with_lse
-from model.kv_quant import Q4Rows
+from lamina.model.attention import attention_with_lse
+from lamina.model.kv_quant import Q4Rows
 
 try:
-    from model import _kv_attention as NATIVE
+    from lamina.model import _kv_attention as NATIVE
 except ImportError:  # not built (no C compiler at install): the torch reference runs
     NATIVE = None
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 try:
-    from model import _kv_attention as NATIVE
+    from lamina.model import _kv_attention as NATIVE
 except ImportError:  # not built: torch quantizes, to the same bytes
     NATIVE = None
 

@@ -22,14 +22,14 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention import AttentionContext
-from model.config import ModelConfig
-from model.quant import QuantEmbedding, QuantLinear
-from model.rope import apply_rope, inverse_frequencies, rope_cos_sin
-from model.splitter import SplitModel
+from lamina.model.attention import AttentionContext
+from lamina.model.config import ModelConfig
+from lamina.model.quant import QuantEmbedding, QuantLinear
+from lamina.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from lamina.model.splitter import SplitModel
 
 try:
-    from model import _slice_ops as _SLICE_OPS
+    from lamina.model import _slice_ops as _SLICE_OPS
 except ImportError:  # not built (no C compiler at install): torch's rms_norm runs
     _SLICE_OPS = None
 
@@ -209,8 +209,8 @@ def is_packed_module(module: nn.Module) -> bool:
 
 def split_llama(model: LlamaForCausalLM, example_tokens: int = 8) -> SplitModel:
     """Split at every layer's attention. Slices take input_ids, positions, logits_index."""
-    from model.splitter import split_model
-    from model.attention import attention_with_lse
+    from lamina.model.splitter import split_model
+    from lamina.model.attention import attention_with_lse
 
     class _Dense:
         def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from model.config import ModelConfig
-from model.errors import CheckpointError
-from model.llama import LlamaForCausalLM, checkpoint_names
-from model.quant import PACKED_LAYOUT_VERSION, PackedWeight
-from model.tokenizer import Tokenizer
+from lamina.model.config import ModelConfig
+from lamina.model.errors import CheckpointError
+from lamina.model.llama import LlamaForCausalLM, checkpoint_names
+from lamina.model.quant import PACKED_LAYOUT_VERSION, PackedWeight
+from lamina.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     import gguf
     from safetensors.torch import save_file
 
-    from model import gguf_file
+    from lamina.model import gguf_file
 
     try:
         reader = gguf.GGUFReader(str(gguf_path))
@@ -151,7 +151,7 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: Path, 
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device="cpu")
     # inv_freq is derived, not stored: rebuild it after to_empty left it uninitialized.
-    from model.rope import inverse_frequencies
+    from lamina.model.rope import inverse_frequencies
 
     model.model.inv_freq.copy_(inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     if cfg.tie_word_embeddings:
@@ -207,7 +207,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
     blocks kept as they are; float checkpoints stay float32). Packed weights compute
     in float32: any other dtype needs weights="float32".
     """
-    from model.packing import check_weights, pack_model
+    from lamina.model.packing import check_weights, pack_model
 
     start = time.perf_counter()
     check_weights(weights)
@@ -254,7 +254,7 @@ def _file_packed(source: Path, weights_dir: Path, cfg: ModelConfig) -> dict[str,
             return _read_packed(cached)
         except (SafetensorError, OSError, ValueError, KeyError) as exc:
             log.warning("rewriting %s: %s", cached, exc)
-    from model import gguf_file
+    from lamina.model import gguf_file
 
     packed = gguf_file.read_packed(source, cfg, gguf_file._open(source))
     _write_packed(cached, packed)

@@ -9,7 +9,7 @@
 
 A tied embedding reads the LM head's packed table (no second copy of the vocabulary);
 an untied one keeps its float table with `float32`, takes the head's format with `q8_0`
-and `q4`, and the file's with `as_file`. Without the native kernel (`model.quant.NATIVE`
+and `q4`, and the file's with `as_file`. Without the native kernel (`lamina.model.quant.NATIVE`
 is None) `float32` keeps torch's own linears, and the quantized choices run, slowly, by
 dequantizing at each product.
 """
@@ -20,9 +20,9 @@ from collections import Counter
 
 from torch import nn
 
-from model import quant
-from model.llama import FUSED_PROJECTIONS, LlamaForCausalLM
-from model.quant import PackedWeight, QuantEmbedding, QuantLinear
+from lamina.model import quant
+from lamina.model.llama import FUSED_PROJECTIONS, LlamaForCausalLM
+from lamina.model.quant import PackedWeight, QuantEmbedding, QuantLinear
 
 WEIGHT_CHOICES = ("float32", "q8_0", "q4", "as_file")
 _DECODER_FORMAT = {"float32": "f32", "q8_0": "q8_0", "q4": "q4_1"}

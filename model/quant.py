@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
-    from model import _qmatmul as NATIVE
+    from lamina.model import _qmatmul as NATIVE
 except ImportError:  # not built (no C compiler at install): products run in torch
     NATIVE = None
 

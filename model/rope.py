@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from model.config import RopeScaling
+from lamina.model.config import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from model import quant
+from lamina.model import quant
 
 
 def set_compute_threads(n: int) -> None:

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from model.config import ModelConfig
-from model.errors import CheckpointError
+from lamina.model.config import ModelConfig
+from lamina.model.errors import CheckpointError
 
 ChatMessage = dict[str, Any]  # {"role": ..., "content": ...}
 

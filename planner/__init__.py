@@ -3,6 +3,6 @@ discrete-event simulator that predict which deployment (colocated or model-atten
 disaggregated), quantization and thread counts serve a workload fastest and cheapest.
 
 The models are pure Python over typed frozen dataclasses and import no torch, so
-`lamina plan` starts fast and the tests run in seconds; only `planner.profile` (what
+`lamina plan` starts fast and the tests run in seconds; only `lamina.planner.profile` (what
 `lamina profile` runs) measures, with torch. See docs/planner.md.
 """

@@ -14,19 +14,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from planner.hardware import Device
-from planner.layouts import Layout
-from planner.perf.attention import attention_layer_time
-from planner.perf.memory import kv_bytes_per_token, kv_token_capacity, usable_bytes, weight_bytes
-from planner.perf.pipeline import StageTimes, colocated_step, pipeline_step
-from planner.perf.prefill import prefill_time
-from planner.perf.quantization import Precision
-from planner.perf.roofline import Roofline
-from planner.perf.slices import slice_time
-from planner.perf.threads import CpuOp, ThreadChoice, choose_threads
-from planner.perf.transfer import layer_traffic, layer_transfer_s
-from planner.shapes import ModelShape
-from planner.workload import WorkloadStats
+from lamina.planner.hardware import Device
+from lamina.planner.layouts import Layout
+from lamina.planner.perf.attention import attention_layer_time
+from lamina.planner.perf.memory import kv_bytes_per_token, kv_token_capacity, usable_bytes, weight_bytes
+from lamina.planner.perf.pipeline import StageTimes, colocated_step, pipeline_step
+from lamina.planner.perf.prefill import prefill_time
+from lamina.planner.perf.quantization import Precision
+from lamina.planner.perf.roofline import Roofline
+from lamina.planner.perf.slices import slice_time
+from lamina.planner.perf.threads import CpuOp, ThreadChoice, choose_threads
+from lamina.planner.perf.transfer import layer_traffic, layer_transfer_s
+from lamina.planner.shapes import ModelShape
+from lamina.planner.workload import WorkloadStats
 
 TARGET_UTILIZATION = 0.8
 

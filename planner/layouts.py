@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from planner.hardware import Device, HardwareOffer
-from planner.perf.memory import min_tensor_parallel
-from planner.perf.quantization import FP16, INT4, Precision
-from planner.shapes import ModelShape
+from lamina.planner.hardware import Device, HardwareOffer
+from lamina.planner.perf.memory import min_tensor_parallel
+from lamina.planner.perf.quantization import FP16, INT4, Precision
+from lamina.planner.shapes import ModelShape
 
 MODEL_WORKER_COUNTS = (1, 2, 4)
 ATTENTION_WORKER_COUNTS = (1, 2, 4, 8, 16, 32, 64)

@@ -7,7 +7,7 @@
 - LM-Offload: whether 4-bit group-wise quantization of weights or KV pays, by where the
   tensor is read from and where it is dequantized; and the thread choice for CPU attention.
 
-`python -m planner.papers [TRACES_DIR]` prints the tables in Markdown.
+`python -m lamina.planner.papers [TRACES_DIR]` prints the tables in Markdown.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from planner.hardware import Device, load_catalogue, parse_hardware
-from planner.estimate import cpu_attention_ops
-from planner.perf.quantization import FP16, INT4, quantization_verdict
-from planner.perf.threads import choose_threads
-from planner.plan import plan
-from planner.shapes import BUILTIN, ModelShape
-from planner.workload import WorkloadStats, load_trace
+from lamina.planner.hardware import Device, load_catalogue, parse_hardware
+from lamina.planner.estimate import cpu_attention_ops
+from lamina.planner.perf.quantization import FP16, INT4, quantization_verdict
+from lamina.planner.perf.threads import choose_threads
+from lamina.planner.plan import plan
+from lamina.planner.shapes import BUILTIN, ModelShape
+from lamina.planner.workload import WorkloadStats, load_trace
 
 PCIE4_X16 = 32e9  # bytes/s one way: where FlexGen-style offloading streams weights and KV
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from planner.estimate import Estimate, Targets, estimate
-from planner.hardware import Device, HardwareOffer
-from planner.layouts import Layout, enumerate_layouts
-from planner.rank import rank
-from planner.shapes import ModelShape
-from planner.workload import WorkloadStats
+from lamina.planner.estimate import Estimate, Targets, estimate
+from lamina.planner.hardware import Device, HardwareOffer
+from lamina.planner.layouts import Layout, enumerate_layouts
+from lamina.planner.rank import rank
+from lamina.planner.shapes import ModelShape
+from lamina.planner.workload import WorkloadStats
 
 
 def unit_limit(layout: Layout, offer: HardwareOffer) -> int | None:

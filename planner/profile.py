@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from planner.hardware import Device
-    from planner.shapes import ModelShape
+    from lamina.planner.hardware import Device
+    from lamina.planner.shapes import ModelShape
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,8 +96,8 @@ def measure_attention(cases: tuple[tuple[int, int], ...], repeats: int) -> dict[
     slab pool, model.kv_quant), the float32 KV bytes/s and both times per KV element."""
     import torch
 
-    from model.kv_attention import SlotBatch, buffer_attention, slot_attention
-    from model.kv_quant import Q4Rows
+    from lamina.model.kv_attention import SlotBatch, buffer_attention, slot_attention
+    from lamina.model.kv_quant import Q4Rows
 
     heads, kv_heads, d = _HEADS, _KV_HEADS, _HEAD_DIM
     rows = Q4Rows(d)
@@ -123,7 +123,7 @@ def measure_kv_quantize(tokens: int, repeats: int) -> float:
     per new token, layer and KV head, for K and V): `tokens` tokens' K of one layer at a time."""
     import torch
 
-    from model.kv_quant import Q4Rows
+    from lamina.model.kv_quant import Q4Rows
 
     rows = Q4Rows(_HEAD_DIM)
     x = torch.randn(tokens, _KV_HEADS, _HEAD_DIM)
@@ -141,7 +141,7 @@ def measure_transport(quick: bool = True, scheme: str = "tcp") -> dict[str, Any]
 
 def measure_transports(quick: bool = True) -> dict[str, dict[str, Any]]:
     """Every transport's figures where this machine runs it, else {"unavailable": why}."""
-    import transports
+    from lamina import transports
 
     out: dict[str, dict[str, Any]] = {}
     for scheme in TRANSPORTS:
@@ -161,12 +161,12 @@ def measure_engine_overhead(entry: dict[str, Any], steps: int) -> dict[str, floa
     the kernel measurements in `entry`; the two gaps give a per-layer and a per-token term."""
     from dataclasses import fields
 
-    from model.loader import load_model
-    from planner.estimate import decode_step
-    from planner.hardware import THIS_MACHINE, device_from_entry
-    from planner.layouts import Layout
-    from planner.perf.quantization import FP32
-    from planner.shapes import ModelShape
+    from lamina.model.loader import load_model
+    from lamina.planner.estimate import decode_step
+    from lamina.planner.hardware import THIS_MACHINE, device_from_entry
+    from lamina.planner.layouts import Layout
+    from lamina.planner.perf.quantization import FP32
+    from lamina.planner.shapes import ModelShape
 
     loaded = load_model()
     cfg = loaded.config
@@ -206,9 +206,9 @@ def measure_stack_overhead(entry: dict[str, Any]) -> dict[str, Any]:
     measurements in `entry`, give the per-slice, per-frame and per-exchange terms."""
     from dataclasses import fields
 
-    from model.loader import load_model
-    from planner.hardware import THIS_MACHINE, device_from_entry
-    from planner.shapes import ModelShape
+    from lamina.model.loader import load_model
+    from lamina.planner.hardware import THIS_MACHINE, device_from_entry
+    from lamina.planner.shapes import ModelShape
 
     batch, context, steps = STACK_POINT
     loaded = load_model(weights="float32")
@@ -247,10 +247,10 @@ def stack_overhead_terms(shape: ModelShape, device: Device, run: StackRun) -> di
     """Per layer: the model worker's CPU beyond the slices' predicted time, the attention
     worker's beyond its kernel's, and the rest of the wall step beyond both and the
     transport's round trip for the frames' bytes (never negative)."""
-    from planner.perf.attention import attention_layer_time
-    from planner.perf.quantization import FP32
-    from planner.perf.slices import slice_time
-    from planner.perf.transfer import layer_traffic, layer_transfer_s
+    from lamina.planner.perf.attention import attention_layer_time
+    from lamina.planner.perf.quantization import FP32
+    from lamina.planner.perf.slices import slice_time
+    from lamina.planner.perf.transfer import layer_traffic, layer_transfer_s
 
     L = shape.num_layers
     sl = slice_time(shape, device, run.batch, 1, FP32)
@@ -274,7 +274,7 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
     """Measure and return {"device": catalogue entry, "measurements": raw figures}."""
     import torch
 
-    from model.quant import set_kernel_threads
+    from lamina.model.quant import set_kernel_threads
 
     torch.set_num_threads(threads)
     set_kernel_threads(threads)

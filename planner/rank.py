@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from planner.estimate import Estimate
+from lamina.planner.estimate import Estimate
 
 
 def rank(estimates: Iterable[Estimate]) -> list[Estimate]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from planner.estimate import Estimate
-from planner.hardware import Device
-from planner.perf.quantization import device_verdicts
+from lamina.planner.estimate import Estimate
+from lamina.planner.hardware import Device
+from lamina.planner.perf.quantization import device_verdicts
 
 
 def to_dict(e: Estimate, simulated: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Model shapes: the sizes the performance models need, from a built-in name or a Hugging
-Face `config.json` (a `model.config.ModelConfig`, read by the repository's one parser).
+Face `config.json` (a `lamina.model.config.ModelConfig`, read by the repository's one parser).
 
 Counts are elements, not bytes: the precision lives in `perf.quantization`.
 """
@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from model.config import ModelConfig
+from lamina.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,12 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Mapping
 
-from planner.estimate import decode_step, kv_capacity_tokens
-from planner.hardware import Device
-from planner.layouts import Layout
-from planner.perf.prefill import prefill_time
-from planner.shapes import ModelShape
-from planner.workload import Request, Workload
+from lamina.planner.estimate import decode_step, kv_capacity_tokens
+from lamina.planner.hardware import Device
+from lamina.planner.layouts import Layout
+from lamina.planner.perf.prefill import prefill_time
+from lamina.planner.shapes import ModelShape
+from lamina.planner.workload import Request, Workload
 
 
 @dataclass(frozen=True)

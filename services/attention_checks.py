@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.slab import SlabAllocator
-from services.wire import RemoteError, StoreKV, short_repr
+from lamina.kvstore.slab import SlabAllocator
+from lamina.services.wire import RemoteError, StoreKV, short_repr
 
 
 @dataclass(frozen=True)

@@ -37,13 +37,13 @@ from itertools import accumulate, chain
 
 import torch
 
-from kvstore.slab import KVAllocationError, SlabAllocator, SlabConfig
-from model.attention import combine_partials
-from model.config import ModelConfig
-from model.kv_attention import SlotBatch, buffer_attention, slot_attention
-from model.kv_quant import KV_QUANT_CHOICES, Q4Rows
-from services.attention_checks import KVShape, PendingStore, check_attend, check_store
-from services.wire import RemoteError, StoreKV, short_repr
+from lamina.kvstore.slab import KVAllocationError, SlabAllocator, SlabConfig
+from lamina.model.attention import combine_partials
+from lamina.model.config import ModelConfig
+from lamina.model.kv_attention import SlotBatch, buffer_attention, slot_attention
+from lamina.model.kv_quant import KV_QUANT_CHOICES, Q4Rows
+from lamina.services.attention_checks import KVShape, PendingStore, check_attend, check_store
+from lamina.services.wire import RemoteError, StoreKV, short_repr
 
 _STEP_SLOTS_KEPT = 8  # micro-batches in flight on one worker, with room to spare
 # Prompts whose layers may be arriving at once: a prefill worker sends a batch's few at a

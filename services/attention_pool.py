@@ -12,7 +12,7 @@ that fails fails every future still waiting on it.
 
 With `q_early`, a layer's Q goes out in its own frame before K and V: the worker
 starts attention over the KV it already holds as soon as Q arrives and combines
-it with the new tokens' part when K and V follow (`services.attention_core`).
+it with the new tokens' part when K and V follow (`lamina.services.attention_core`).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-import transports
-from kvstore.metadata import MetadataStore
-from model.config import ModelConfig
-from services.config import StackConfig
-from services.placement import head_range
-from services.runtime import wait_for_services
-from services.wire import Attend, Kind, RemoteError, StoreKV, Tag, expect, frame_tag
+from lamina import transports
+from lamina.kvstore.metadata import MetadataStore
+from lamina.model.config import ModelConfig
+from lamina.services.config import StackConfig
+from lamina.services.placement import head_range
+from lamina.services.runtime import wait_for_services
+from lamina.services.wire import Attend, Kind, RemoteError, StoreKV, Tag, expect, frame_tag
 
 log = logging.getLogger(__name__)
 

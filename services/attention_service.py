@@ -17,15 +17,15 @@ from dataclasses import dataclass
 import prometheus_client
 import torch
 
-import transports
-from model.loader import load_config
-from services.addresses import with_host
-from services.attention_core import AttentionCore
-from services.config import StackConfig
-from services.placement import head_range
-from services.protos import lamina_pb2, lamina_pb2_grpc
-from services.runtime import ServiceRuntime, abort_for_remote_error
-from services.wire import (
+from lamina import transports
+from lamina.model.loader import load_config
+from lamina.services.addresses import with_host
+from lamina.services.attention_core import AttentionCore
+from lamina.services.config import StackConfig
+from lamina.services.placement import head_range
+from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
+from lamina.services.runtime import ServiceRuntime, abort_for_remote_error
+from lamina.services.wire import (
     Attend, Kind, RemoteError, StoreKV, Tag, ack_frame, error_frame, frame_tag, incoming, result_frame, short_repr,
 )
 

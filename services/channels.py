@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from services.auth import TOKEN_METADATA_KEY
+from lamina.services.auth import TOKEN_METADATA_KEY
 
 
 def open_channel(address: str, token: str | None = None) -> grpc.aio.Channel:

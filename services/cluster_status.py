@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.metadata import MetadataConfig, MetadataStore, ServiceInfo
-from services.channels import open_channel
-from services.config import StackConfig
-from services.protos import lamina_pb2, lamina_pb2_grpc
+from lamina.kvstore.metadata import MetadataConfig, MetadataStore, ServiceInfo
+from lamina.services.channels import open_channel
+from lamina.services.config import StackConfig
+from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 
 KINDS = ("attention", "model", "prefill", "scheduler", "gateway")  # the order the launcher starts them
 

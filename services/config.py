@@ -57,7 +57,7 @@ from typing import Any
 
 import yaml
 
-from services.addresses import WILDCARD_HOSTS, advertised_host
+from lamina.services.addresses import WILDCARD_HOSTS, advertised_host
 
 TRANSPORTS = ("tcp", "ucx", "shm")
 PARTITIONS = ("request", "head")
@@ -279,8 +279,8 @@ class StackConfig:
 
     def transport_config(self):
         """The ``transports.TransportConfig`` of every data-plane connection."""
-        from transports import TransportConfig  # the transports package is imported by services anyway
-        from transports.polling import default_budget_us
+        from lamina.transports import TransportConfig  # the transports package is imported by services anyway
+        from lamina.transports.polling import default_budget_us
         dp = self.data_plane
         busy_poll = dp.busy_poll_us
         if busy_poll is None:

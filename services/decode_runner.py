@@ -28,18 +28,18 @@ from dataclasses import dataclass
 
 import torch
 
-import transports
+from lamina import transports
 from lamina.engine.grammar import Grammars, GrammarState
 from lamina.engine.logprobs import token_logprobs
 from lamina.engine.penalties import PenaltyState, needs_state
 from lamina.engine.sampling import SamplingParams, sample
 from lamina.engine.step import StepBatch
-from services.attention_pool import SeqRows
-from services.micro_batches import join_target, num_active, rebalance
-from services.protos import lamina_pb2
-from services.sampling_wire import logprobs_to_proto, params_from_proto
-from services.scheduler_state import stop_reason
-from services.wire import RemoteError
+from lamina.services.attention_pool import SeqRows
+from lamina.services.micro_batches import join_target, num_active, rebalance
+from lamina.services.protos import lamina_pb2
+from lamina.services.sampling_wire import logprobs_to_proto, params_from_proto
+from lamina.services.scheduler_state import stop_reason
+from lamina.services.wire import RemoteError
 
 log = logging.getLogger(__name__)
 

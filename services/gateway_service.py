@@ -8,15 +8,15 @@ import os
 import signal
 import socket
 
-from gateway.app import create_app, start_server
-from gateway.config import GatewayConfig
-from kvstore.metadata import MetadataConfig, MetadataStore, ServiceRegistration
-from model.loader import load_tokenizer, resolve_checkpoint
-from services.addresses import host_port
-from services.cluster_status import read_status
-from services.config import ConfigError, StackConfig
-from services.runtime import wait_for_services
-from services.scheduler_client import SchedulerBackend
+from lamina.gateway.app import create_app, start_server
+from lamina.gateway.config import GatewayConfig
+from lamina.kvstore.metadata import MetadataConfig, MetadataStore, ServiceRegistration
+from lamina.model.loader import load_tokenizer, resolve_checkpoint
+from lamina.services.addresses import host_port
+from lamina.services.cluster_status import read_status
+from lamina.services.config import ConfigError, StackConfig
+from lamina.services.runtime import wait_for_services
+from lamina.services.scheduler_client import SchedulerBackend
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ async def run_gateway(config: StackConfig, ready: asyncio.Event | None = None) -
 
 
 def serve(config: StackConfig) -> None:
-    import transports
+    from lamina import transports
 
     transports.install_uvloop()
     asyncio.run(run_gateway(config))

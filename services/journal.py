@@ -18,9 +18,9 @@ import base64
 import logging
 from collections import defaultdict
 
-from kvstore.batches import write_batches
-from kvstore.metadata import REDIS_ERRORS, JournalEntry, MetadataStore
-from services.protos import lamina_pb2
+from lamina.kvstore.batches import write_batches
+from lamina.kvstore.metadata import REDIS_ERRORS, JournalEntry, MetadataStore
+from lamina.services.protos import lamina_pb2
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ request arrives at a service that is already gone.
 
 Supervision (`supervise=True`, what `lamina up` uses): once the stack is healthy, a
 thread owned by the Stack restarts a service process that exits, with the same argv,
-after the delay `services.supervision.decide` returns; it gives up on a service that
+after the delay `lamina.services.supervision.decide` returns; it gives up on a service that
 keeps crashing and sets `given_up`, and then restarts nothing more. `stop()` ends
 supervision before it stops any process, so a stop never races with a restart.
 """
@@ -31,13 +31,13 @@ from pathlib import Path
 
 import yaml
 
-from kvstore.metadata import REDIS_ERRORS, MetadataConfig, MetadataStore
-from kvstore.redis_server import EmbeddedRedis
+from lamina.kvstore.metadata import REDIS_ERRORS, MetadataConfig, MetadataStore
+from lamina.kvstore.redis_server import EmbeddedRedis
 from lamina.lifetime import child_env, spawn_logged
-from model.loader import resolve_checkpoint
-from services import local_stacks
-from services.config import StackConfig
-from services.supervision import GiveUp, RestartPolicy, Run, decide, describe_exit
+from lamina.model.loader import resolve_checkpoint
+from lamina.services import local_stacks
+from lamina.services.config import StackConfig
+from lamina.services.supervision import GiveUp, RestartPolicy, Run, decide, describe_exit
 
 log = logging.getLogger(__name__)
 

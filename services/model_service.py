@@ -25,22 +25,22 @@ from collections.abc import Sequence
 import prometheus_client
 import torch
 
-import transports
+from lamina import transports
 from lamina.engine.grammar import Grammars
 from lamina.engine.step import StepBatch
-from model.llama import split_llama
-from model.loader import LoadedModel, load_model
-from model.splitter import SliceOutput
-from model.threads import set_compute_threads
-from services.addresses import with_host
-from services.attention_pool import AttentionPool, SeqRows
-from services.config import StackConfig
-from services.decode_runner import DecodeRunner
-from services.protos import lamina_pb2, lamina_pb2_grpc
-from services.runtime import ServiceRuntime
-from services.slice_peers import SliceExecutors
-from services.slice_server import SliceServer
-from services.wire import decode_tag, slice_tag
+from lamina.model.llama import split_llama
+from lamina.model.loader import LoadedModel, load_model
+from lamina.model.splitter import SliceOutput
+from lamina.model.threads import set_compute_threads
+from lamina.services.addresses import with_host
+from lamina.services.attention_pool import AttentionPool, SeqRows
+from lamina.services.config import StackConfig
+from lamina.services.decode_runner import DecodeRunner
+from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
+from lamina.services.runtime import ServiceRuntime
+from lamina.services.slice_peers import SliceExecutors
+from lamina.services.slice_server import SliceServer
+from lamina.services.wire import decode_tag, slice_tag
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from services.protos import lamina_pb2, lamina_pb2_grpc
+from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -31,13 +31,13 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.block_hash import block_hashes
-from kvstore.metadata import REDIS_ERRORS, MetadataStore, ServiceInfo
-from kvstore.policies import MAX_DISTANCE
-from services.config import StackConfig
-from services.prefill_routing import PrefillLoad, choose, matched_tokens
-from services.prefix_fetch_policy import FetchPlan, plan_fetch
-from services.protos import lamina_pb2, lamina_pb2_grpc
+from lamina.kvstore.block_hash import block_hashes
+from lamina.kvstore.metadata import REDIS_ERRORS, MetadataStore, ServiceInfo
+from lamina.kvstore.policies import MAX_DISTANCE
+from lamina.services.config import StackConfig
+from lamina.services.prefill_routing import PrefillLoad, choose, matched_tokens
+from lamina.services.prefix_fetch_policy import FetchPlan, plan_fetch
+from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -30,26 +30,26 @@ import time
 import prometheus_client
 import torch
 
-import transports
-from kvstore.block_publisher import BlockPublisher
-from kvstore.policies import MAX_DISTANCE
-from kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
+from lamina import transports
+from lamina.kvstore.block_publisher import BlockPublisher
+from lamina.kvstore.policies import MAX_DISTANCE
+from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
 from lamina.engine.kv import KVStore
 from lamina.engine.logprobs import token_logprobs
 from lamina.engine.penalties import PenaltyState, needs_state
 from lamina.engine.sampling import sample
 from lamina.engine.step import LocalAttention, StepBatch
-from model.threads import set_compute_threads
-from services.addresses import with_host
-from services.attention_pool import AttentionPool
-from services.config import PrefillSection, StackConfig
-from services.model_service import ModelSlices
-from services.prefix_peers import PrefixFetcher, PrefixServer
-from services.prompt_logprobs import logit_rows
-from services.protos import lamina_pb2, lamina_pb2_grpc
-from services.runtime import ServiceRuntime, abort_for_remote_error
-from services.sampling_wire import logprobs_to_proto, params_from_proto
-from services.wire import RemoteError
+from lamina.model.threads import set_compute_threads
+from lamina.services.addresses import with_host
+from lamina.services.attention_pool import AttentionPool
+from lamina.services.config import PrefillSection, StackConfig
+from lamina.services.model_service import ModelSlices
+from lamina.services.prefix_peers import PrefixFetcher, PrefixServer
+from lamina.services.prompt_logprobs import logit_rows
+from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
+from lamina.services.runtime import ServiceRuntime, abort_for_remote_error
+from lamina.services.sampling_wire import logprobs_to_proto, params_from_proto
+from lamina.services.wire import RemoteError
 
 log = logging.getLogger(__name__)
 

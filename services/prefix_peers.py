@@ -27,10 +27,10 @@ import time
 
 import torch
 
-import transports
-from kvstore.prefix_cache import PrefixCache
-from model.config import ModelConfig
-from services.wire import (
+from lamina import transports
+from lamina.kvstore.prefix_cache import PrefixCache
+from lamina.model.config import ModelConfig
+from lamina.services.wire import (
     FetchPrefix, Kind, PrefixKV, RemoteError, error_frame, expect, frame_tag, incoming, short_repr,
 )
 

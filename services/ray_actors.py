@@ -13,7 +13,7 @@ gone; lamina/lifetime.py). PR_SET_PDEATHSIG follows the thread that forked; a Ra
 without `max_concurrency` runs every method on its worker's main thread, which lives as
 long as the worker.
 
-These classes are plain; `services.ray_stack` makes them actors (`ray.remote(cls)`).
+These classes are plain; `lamina.services.ray_stack` makes them actors (`ray.remote(cls)`).
 They import no torch or model code: an actor process stays small.
 """
 
@@ -29,9 +29,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.redis_server import EmbeddedRedis
+from lamina.kvstore.redis_server import EmbeddedRedis
 from lamina.lifetime import child_env, spawn_logged
-from services.addresses import WILDCARD_HOSTS
+from lamina.services.addresses import WILDCARD_HOSTS
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """`lamina up --ray ADDRESS`: the stack with every service a Ray actor on the cluster's nodes.
 
-`RayStack` is `services.launcher.Stack` with one change: each service process (and the
+`RayStack` is `lamina.services.launcher.Stack` with one change: each service process (and the
 embedded Redis, when no `redis_url` is configured) is run by a Ray actor
-(`services.ray_actors`) on a node that Ray chooses by the custom resource the service's
-kind asks (`services.ray_placement`). Everything else is the launcher's own: the same
+(`lamina.services.ray_actors`) on a node that Ray chooses by the custom resource the service's
+kind asks (`lamina.services.ray_placement`). Everything else is the launcher's own: the same
 `lamina` commands and configuration, the start order, waiting for the gateway's
 /health, supervision (an exited service is restarted in its actor; a dead actor is
 replaced by a new one, which Ray places again), `lamina status --port`, and the stop
@@ -27,13 +27,13 @@ from pathlib import Path
 
 import yaml
 
-from gateway.config import is_loopback
-from services.addresses import WILDCARD_HOSTS, host_port
-from services.config import StackConfig
-from services.launcher import ServiceProcess, Stack, service_commands
-from services.ray_actors import Placement, RedisHost, ServiceHost
-from services.ray_placement import RayPlacement, demand, shortfalls
-from services.supervision import RestartPolicy
+from lamina.gateway.config import is_loopback
+from lamina.services.addresses import WILDCARD_HOSTS, host_port
+from lamina.services.config import StackConfig
+from lamina.services.launcher import ServiceProcess, Stack, service_commands
+from lamina.services.ray_actors import Placement, RedisHost, ServiceHost
+from lamina.services.ray_placement import RayPlacement, demand, shortfalls
+from lamina.services.supervision import RestartPolicy
 
 log = logging.getLogger(__name__)
 

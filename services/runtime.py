@@ -22,10 +22,10 @@ import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.metadata import REDIS_ERRORS, MetadataConfig, MetadataStore, RebuildHook, ServiceRegistration
-from services.addresses import host_port
-from services.auth import server_interceptors
-from services.config import StackConfig
+from lamina.kvstore.metadata import REDIS_ERRORS, MetadataConfig, MetadataStore, RebuildHook, ServiceRegistration
+from lamina.services.addresses import host_port
+from lamina.services.auth import server_interceptors
+from lamina.services.config import StackConfig
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class ServiceRuntime:
 
 async def abort_for_remote_error(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     """Answer a gRPC call that failed on the data plane with the matching status."""
-    from services.wire import RemoteError
+    from lamina.services.wire import RemoteError
 
     if isinstance(exc, RemoteError):
         code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.code == "kv_full" else grpc.StatusCode.FAILED_PRECONDITION

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from lamina.engine.logprobs import TokenLogprobs
 from lamina.engine.penalties import needs_prompt, needs_state
 from lamina.engine.sampling import SamplingParams
-from services.protos import lamina_pb2
+from lamina.services.protos import lamina_pb2
 
 
 def params_to_proto(sp: SamplingParams) -> lamina_pb2.SamplingParams:

@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from gateway.backend import BackendError, BackendStats, QueueFullError, RequestRefusedError
-from gateway.protocol import GenerateRequest, TokenEvent
-from services.channels import open_channel
-from services.protos import lamina_pb2, lamina_pb2_grpc
-from services.sampling_wire import logprobs_from_proto, params_to_proto
+from lamina.gateway.backend import BackendError, BackendStats, QueueFullError, RequestRefusedError
+from lamina.gateway.protocol import GenerateRequest, TokenEvent
+from lamina.services.channels import open_channel
+from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
+from lamina.services.sampling_wire import logprobs_from_proto, params_to_proto
 
 
 class SchedulerBackend:

@@ -45,21 +45,21 @@ import grpc
 import prometheus_client
 import torch
 
-from kvstore.metadata import REDIS_ERRORS, KVPlacement
-from model.loader import load_tokenizer
-from services.channels import open_channel
-from services.choices import choice_id, choice_seed, reserve_tokens
-from services.config import StackConfig
-from services.journal import Journal
-from services.placement import place_request
-from services.prefill_clients import PrefillClients
-from services.protos import lamina_pb2, lamina_pb2_grpc
-from services.runtime import ServiceRuntime, wait_for_services
-from services.sampling_wire import join_history, logprobs_of
-from services.micro_batches import join_target
-from services.rotation import coordinator
-from services.model_streams import ModelStream
-from services.scheduler_state import Request, Status, admission_order, can_admit, kv_id, stop_reason
+from lamina.kvstore.metadata import REDIS_ERRORS, KVPlacement
+from lamina.model.loader import load_tokenizer
+from lamina.services.channels import open_channel
+from lamina.services.choices import choice_id, choice_seed, reserve_tokens
+from lamina.services.config import StackConfig
+from lamina.services.journal import Journal
+from lamina.services.placement import place_request
+from lamina.services.prefill_clients import PrefillClients
+from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
+from lamina.services.runtime import ServiceRuntime, wait_for_services
+from lamina.services.sampling_wire import join_history, logprobs_of
+from lamina.services.micro_batches import join_target
+from lamina.services.rotation import coordinator
+from lamina.services.model_streams import ModelStream
+from lamina.services.scheduler_state import Request, Status, admission_order, can_admit, kv_id, stop_reason
 
 log = logging.getLogger(__name__)
 
@@ -805,7 +805,7 @@ def _with_seed(params: lamina_pb2.SamplingParams, seed: int) -> lamina_pb2.Sampl
 
 def serve(config: StackConfig) -> None:
     torch.set_num_threads(1)
-    import transports
+    from lamina import transports
 
     transports.install_uvloop()
     asyncio.run(SchedulerService(config).run())

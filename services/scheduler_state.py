@@ -8,9 +8,9 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.policies import SCHEDULING_POLICIES, QueuedRequest
-from services.choices import reserve_tokens
-from services.protos import lamina_pb2
+from lamina.kvstore.policies import SCHEDULING_POLICIES, QueuedRequest
+from lamina.services.choices import reserve_tokens
+from lamina.services.protos import lamina_pb2
 
 
 class Status(enum.Enum):

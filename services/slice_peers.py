@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-import transports
-from model.splitter import Slice, SliceOutput
-from services.rotation import LOCAL, pick_executor
-from services.slice_server import RunLocal, from_slice_out, slice_tensors
-from services.wire import Kind, RemoteError, RunSlice, Tag, expect, frame_tag
+from lamina import transports
+from lamina.model.splitter import Slice, SliceOutput
+from lamina.services.rotation import LOCAL, pick_executor
+from lamina.services.slice_server import RunLocal, from_slice_out, slice_tensors
+from lamina.services.wire import Kind, RemoteError, RunSlice, Tag, expect, frame_tag
 
 log = logging.getLogger(__name__)
 

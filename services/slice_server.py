@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-import transports
-from model.splitter import Slice, SliceOutput
-from services.wire import Kind, RemoteError, RunSlice, error_frame, frame_tag, incoming, short_repr, slice_out_frame
+from lamina import transports
+from lamina.model.splitter import Slice, SliceOutput
+from lamina.services.wire import Kind, RemoteError, RunSlice, error_frame, frame_tag, incoming, short_repr, slice_out_frame
 
 # run(slice_index, inputs, attn, context) -> SliceOutput: the worker's own slices
 RunLocal = Callable[[int, dict, torch.Tensor | None, Sequence[torch.Tensor]], SliceOutput]

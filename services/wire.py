@@ -53,8 +53,8 @@ from typing import Any
 
 import torch
 
-import transports
-from transports import Frame
+from lamina import transports
+from lamina.transports import Frame
 
 log = logging.getLogger(__name__)
 

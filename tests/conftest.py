@@ -17,7 +17,7 @@ TRACES_DIR = REPO_ROOT.parent / "shared" / "traces"
 
 @pytest.fixture(scope="session")
 def loaded_model():
-    from model.loader import load_model
+    from lamina.model.loader import load_model
 
     return load_model()
 

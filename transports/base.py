@@ -467,7 +467,7 @@ class SocketListener(Listener):
 
 
 class Transport(abc.ABC):
-    """A way of moving frames; selected by URL scheme through ``transports.registry``."""
+    """A way of moving frames; selected by URL scheme through ``lamina.transports.registry``."""
 
     scheme: str
 

@@ -3,7 +3,7 @@
 ``nvcc`` comes from PyPI (``nvidia-cuda-nvcc``, ``nvidia-cuda-runtime``,
 ``nvidia-cuda-crt``, ``nvidia-nvvm``, in the ``dev`` extra) or a CUDA toolkit
 (``CUDA_HOME`` or ``PATH``). Building needs no GPU; running needs a CUDA device (and,
-for GPU-initiated sends, an mlx5 NIC). ``python -m transports.fhbn build [OUT]`` builds.
+for GPU-initiated sends, an mlx5 NIC). ``python -m lamina.transports.fhbn build [OUT]`` builds.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import numpy as np
 from .rdma import device_availability as rdma_device_availability
 from .rdma_transport import RdmaTransport
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "fhbn.cu"
+# lamina/csrc: the csrc/ folder (through its link) in a checkout, package data in a wheel.
+SOURCE = Path(__file__).parent.parent / "csrc" / "fhbn.cu"
 DEFAULT_ARCHS = ("80", "90")  # A100, H100/H200
 EXPORTS = ("fhbn_wait_seq", "fhbn_store_seq", "fhbn_launch_post_write_imm", "fhbn_map_uar",
            "fhbn_unmap_uar", "fhbn_launch_proxy_enqueue", "fhbn_proxy_req_size", "fhbn_sq_size")
@@ -216,4 +217,4 @@ if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "build":
         print(build(sys.argv[2] if len(sys.argv) > 2 else "build"))
     else:
-        sys.exit("usage: python -m transports.fhbn build [OUT_DIR]")
+        sys.exit("usage: python -m lamina.transports.fhbn build [OUT_DIR]")

@@ -15,7 +15,7 @@ bookkeeping and the slot stream (``SlotStream``) (pure Python, unit-tested, the 
 over an endpoint that places bytes in host memory). ``VerbsEndpoint`` drives a real
 device through pyverbs and is tested only where an RDMA device exists (these machines
 have none).
-``transports.rdma_transport`` turns it into the ``rdma://`` transport.
+``lamina.transports.rdma_transport`` turns it into the ``rdma://`` transport.
 """
 
 from __future__ import annotations

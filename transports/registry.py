@@ -13,11 +13,11 @@ from .errors import TransportUnavailable
 
 # scheme -> "module:Class". rdma and fhbn need hardware; availability() says what is missing.
 _IMPLEMENTATIONS: dict[str, str] = {
-    "tcp": "transports.tcp:TcpTransport",
-    "shm": "transports.shm:ShmTransport",
-    "ucx": "transports.ucx:UcxTransport",
-    "rdma": "transports.rdma_transport:RdmaTransport",
-    "fhbn": "transports.fhbn:FhbnTransport",
+    "tcp": "lamina.transports.tcp:TcpTransport",
+    "shm": "lamina.transports.shm:ShmTransport",
+    "ucx": "lamina.transports.ucx:UcxTransport",
+    "rdma": "lamina.transports.rdma_transport:RdmaTransport",
+    "fhbn": "lamina.transports.fhbn:FhbnTransport",
 }
 
 

@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from services.config import KV_QUANT_CHOICES, ConfigError, StackConfig, load_config
+from lamina.services.config import KV_QUANT_CHOICES, ConfigError, StackConfig, load_config
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -47,7 +47,7 @@ def add_gateway_exposure(p: argparse.ArgumentParser) -> None:
 def gateway_refused(config: StackConfig) -> bool:
     """Whether the gateway would refuse `config` (no API key on a host other than loopback,
     without gateway.insecure); prints why. Checked before anything starts."""
-    from services.gateway_service import gateway_config
+    from lamina.services.gateway_service import gateway_config
 
     try:
         gateway_config(config)
@@ -111,7 +111,7 @@ def run_indexed_service(args: argparse.Namespace, module: str, section: str, **e
 
 
 def _serve_with_claimed_index(config: StackConfig, section: str, count: int, serve: Callable[[int], None]) -> int:
-    from services.index_claims import IndexClaim
+    from lamina.services.index_claims import IndexClaim
 
     if not config.redis_url:
         print("lamina: --index auto claims its index in Redis: set redis_url or REDIS_URL", file=sys.stderr)

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from model.packing import WEIGHT_CHOICES
+from lamina.model.packing import WEIGHT_CHOICES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lamina.engine import Engine, SamplingParams
-    from model.errors import CheckpointError
-    from model.loader import load_model
+    from lamina.model.errors import CheckpointError
+    from lamina.model.loader import load_model
 
     try:
         params = SamplingParams(
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     if threads < 1:
         print("lamina generate: --threads must be at least 1", file=sys.stderr)
         return 2
-    from model.threads import set_compute_threads
+    from lamina.model.threads import set_compute_threads
 
     set_compute_threads(threads)
     try:

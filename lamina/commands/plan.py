@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _workload(args: argparse.Namespace):
-    from planner.workload import load_trace, synthetic
+    from lamina.planner.workload import load_trace, synthetic
 
     if args.trace:
         return load_trace(args.trace)
@@ -49,12 +49,12 @@ def _workload(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from model.errors import CheckpointError
-    from planner.estimate import Targets
-    from planner.hardware import THIS_MACHINE, load_catalogue, parse_hardware
-    from planner.plan import plan
-    from planner.report import table, to_dict, verdict_lines, verdicts
-    from planner.shapes import resolve_model
+    from lamina.model.errors import CheckpointError
+    from lamina.planner.estimate import Targets
+    from lamina.planner.hardware import THIS_MACHINE, load_catalogue, parse_hardware
+    from lamina.planner.plan import plan
+    from lamina.planner.report import table, to_dict, verdict_lines, verdicts
+    from lamina.planner.shapes import resolve_model
 
     profile = args.profile or (DEFAULT_PROFILE if DEFAULT_PROFILE.is_file() else None)
     try:
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     shown = ranked[: args.top]
     simulated: dict[int, dict] = {}
     if args.simulate:
-        from planner.simulate import simulate, simulated_shortfalls
+        from lamina.planner.simulate import simulate, simulated_shortfalls
 
         sample = workload.head(min(args.simulate_requests, len(workload.requests)))
         for i, e in enumerate(shown[: args.simulate_top]):

@@ -23,8 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.hardware import device_from_entry
-    from planner.profile import profile
+    from lamina.planner.hardware import device_from_entry
+    from lamina.planner.profile import profile
 
     result = profile(args.threads, args.usd_per_hour, args.quick, stack=not args.no_stack)
     device_from_entry("this-machine", result["device"])  # refuse to write what plan could not read

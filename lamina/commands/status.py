@@ -25,15 +25,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.config import ConfigError
+    from lamina.services.config import ConfigError
 
     try:
         config, where = _find_cluster(args)
     except ConfigError as exc:
         print(f"lamina status: {exc}", file=sys.stderr)
         return 1
-    from kvstore.metadata import REDIS_ERRORS
-    from services.cluster_status import read_status
+    from lamina.kvstore.metadata import REDIS_ERRORS
+    from lamina.services.cluster_status import read_status
 
     try:
         status = asyncio.run(read_status(config))
@@ -50,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _find_cluster(args: argparse.Namespace):
     """(config, where it was found, in words); ConfigError when there is none."""
-    from services import local_stacks
-    from services.config import ConfigError, load_config
+    from lamina.services import local_stacks
+    from lamina.services.config import ConfigError, load_config
 
     if args.port is None:
         config = load_config(args.config, overrides={"redis_url": args.redis_url})

@@ -19,8 +19,8 @@ from lamina.engine.sampling import SamplingParams, new_seed, sample
 from lamina.engine.scheduler import SchedulerLimits, schedule
 from lamina.engine.sequence import Sequence, SequenceStatus
 from lamina.engine.step import StepBatch, run_step
-from model.llama import split_llama
-from model.loader import LoadedModel
+from lamina.model.llama import split_llama
+from lamina.model.loader import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import llguidance
 import numpy as np
 import torch
 
-from model.tokenizer import Tokenizer
+from lamina.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

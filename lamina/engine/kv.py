@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from model.config import ModelConfig
+from lamina.model.config import ModelConfig
 
 
 class KVCapacityError(RuntimeError):

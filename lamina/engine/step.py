@@ -14,9 +14,9 @@ from itertools import accumulate
 import torch
 
 from lamina.engine.kv import KVStore
-from model.attention import causal_attention
-from model.kv_attention import BufferBatch
-from model.splitter import SplitModel
+from lamina.model.attention import causal_attention
+from lamina.model.kv_attention import BufferBatch
+from lamina.model.splitter import SplitModel
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ profile without the q4 figures leaves 4-bit KV to that model.
 
 from __future__ import annotations
 
-from planner.hardware import Device
-from planner.perf.quantization import FP16, Precision
-from planner.perf.roofline import Roofline, roofline
-from planner.shapes import ModelShape
+from lamina.planner.hardware import Device
+from lamina.planner.perf.quantization import FP16, Precision
+from lamina.planner.perf.roofline import Roofline, roofline
+from lamina.planner.shapes import ModelShape
 
 
 def attention_layer_time(shape: ModelShape, device: Device, batch: int, context: float,

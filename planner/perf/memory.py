@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-from planner.perf.quantization import FP16, Precision
-from planner.shapes import ModelShape
+from lamina.planner.perf.quantization import FP16, Precision
+from lamina.planner.shapes import ModelShape
 
 # Fraction of device memory kept back for activations, workspace and fragmentation.
 RESERVED_FRACTION = 0.1

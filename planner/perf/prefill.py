@@ -9,11 +9,11 @@ its KV then moves to the attention workers layer by layer).
 
 from __future__ import annotations
 
-from planner.hardware import Device
-from planner.perf.quantization import FP16, Precision
-from planner.perf.roofline import roofline
-from planner.perf.transfer import allreduce_time
-from planner.shapes import ModelShape
+from lamina.planner.hardware import Device
+from lamina.planner.perf.quantization import FP16, Precision
+from lamina.planner.perf.roofline import roofline
+from lamina.planner.perf.transfer import allreduce_time
+from lamina.planner.shapes import ModelShape
 
 
 def prefill_time(shape: ModelShape, device: Device, prompt_tokens: float, tp: int = 1,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.hardware import Device
+from lamina.planner.hardware import Device
 
 # Element-wise operations to dequantize one 4-bit element: unpack (shift, mask),
 # int-to-float, and one fused multiply-add with the group's scale and minimum (2 FLOPs).

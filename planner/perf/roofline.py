@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.hardware import Device
+from lamina.planner.hardware import Device
 
 
 @dataclass(frozen=True)

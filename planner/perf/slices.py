@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.hardware import Device
-from planner.perf.quantization import FP16, Precision
-from planner.perf.roofline import Roofline, roofline
-from planner.perf.transfer import allreduce_time
-from planner.shapes import ModelShape
+from lamina.planner.hardware import Device
+from lamina.planner.perf.quantization import FP16, Precision
+from lamina.planner.perf.roofline import Roofline, roofline
+from lamina.planner.perf.transfer import allreduce_time
+from lamina.planner.shapes import ModelShape
 
 ACTIVATION_BYTES = 2  # activations travel and are stored as 16-bit floats
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.shapes import ModelShape
+from lamina.planner.shapes import ModelShape
 
 ACTIVATION_BYTES = 2
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.protos import lamina_pb2 as services_dot_protos_dot_lamina__pb2
+from lamina.services.protos import lamina_pb2 as lamina_dot_services_dot_protos_dot_lamina__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in services/protos/lamina_pb2_grpc.py depends on'
+        + ' but the generated code in lamina/services/protos/lamina_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class SchedulerStub:
         """
         self.Generate = channel.unary_stream(
                 '/lamina.v1.Scheduler/Generate',
-                request_serializer=services_dot_protos_dot_lamina__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=services_dot_protos_dot_lamina__pb2.TokenChunk.FromString,
+                request_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.TokenChunk.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/lamina.v1.Scheduler/Abort',
-                request_serializer=services_dot_protos_dot_lamina__pb2.AbortRequest.SerializeToString,
-                response_deserializer=services_dot_protos_dot_lamina__pb2.Empty.FromString,
+                request_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.AbortRequest.SerializeToString,
+                response_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/lamina.v1.Scheduler/Stats',
-                request_serializer=services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
-                response_deserializer=services_dot_protos_dot_lamina__pb2.SchedulerStats.FromString,
+                request_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
+                response_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.SchedulerStats.FromString,
                 _registered_method=True)
 
 
@@ -77,18 +77,18 @@ def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=services_dot_protos_dot_lamina__pb2.GenerateRequest.FromString,
-                    response_serializer=services_dot_protos_dot_lamina__pb2.TokenChunk.SerializeToString,
+                    request_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.GenerateRequest.FromString,
+                    response_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.TokenChunk.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=services_dot_protos_dot_lamina__pb2.AbortRequest.FromString,
-                    response_serializer=services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
+                    request_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.AbortRequest.FromString,
+                    response_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=services_dot_protos_dot_lamina__pb2.Empty.FromString,
-                    response_serializer=services_dot_protos_dot_lamina__pb2.SchedulerStats.SerializeToString,
+                    request_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.FromString,
+                    response_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.SchedulerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -116,8 +116,8 @@ class Scheduler:
             request,
             target,
             '/lamina.v1.Scheduler/Generate',
-            services_dot_protos_dot_lamina__pb2.GenerateRequest.SerializeToString,
-            services_dot_protos_dot_lamina__pb2.TokenChunk.FromString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.GenerateRequest.SerializeToString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.TokenChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -143,8 +143,8 @@ class Scheduler:
             request,
             target,
             '/lamina.v1.Scheduler/Abort',
-            services_dot_protos_dot_lamina__pb2.AbortRequest.SerializeToString,
-            services_dot_protos_dot_lamina__pb2.Empty.FromString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.AbortRequest.SerializeToString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -170,8 +170,8 @@ class Scheduler:
             request,
             target,
             '/lamina.v1.Scheduler/Stats',
-            services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
-            services_dot_protos_dot_lamina__pb2.SchedulerStats.FromString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.SchedulerStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -194,13 +194,13 @@ class PrefillStub:
         """
         self.Prefill = channel.unary_unary(
                 '/lamina.v1.Prefill/Prefill',
-                request_serializer=services_dot_protos_dot_lamina__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=services_dot_protos_dot_lamina__pb2.PrefillResult.FromString,
+                request_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.PrefillResult.FromString,
                 _registered_method=True)
         self.TierDistances = channel.unary_unary(
                 '/lamina.v1.Prefill/TierDistances',
-                request_serializer=services_dot_protos_dot_lamina__pb2.TierDistanceRequest.SerializeToString,
-                response_deserializer=services_dot_protos_dot_lamina__pb2.TierDistanceResult.FromString,
+                request_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.TierDistanceRequest.SerializeToString,
+                response_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.TierDistanceResult.FromString,
                 _registered_method=True)
 
 
@@ -224,13 +224,13 @@ def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=services_dot_protos_dot_lamina__pb2.PrefillRequest.FromString,
-                    response_serializer=services_dot_protos_dot_lamina__pb2.PrefillResult.SerializeToString,
+                    request_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.PrefillRequest.FromString,
+                    response_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.PrefillResult.SerializeToString,
             ),
             'TierDistances': grpc.unary_unary_rpc_method_handler(
                     servicer.TierDistances,
-                    request_deserializer=services_dot_protos_dot_lamina__pb2.TierDistanceRequest.FromString,
-                    response_serializer=services_dot_protos_dot_lamina__pb2.TierDistanceResult.SerializeToString,
+                    request_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.TierDistanceRequest.FromString,
+                    response_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.TierDistanceResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,8 +258,8 @@ class Prefill:
             request,
             target,
             '/lamina.v1.Prefill/Prefill',
-            services_dot_protos_dot_lamina__pb2.PrefillRequest.SerializeToString,
-            services_dot_protos_dot_lamina__pb2.PrefillResult.FromString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.PrefillRequest.SerializeToString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.PrefillResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -285,8 +285,8 @@ class Prefill:
             request,
             target,
             '/lamina.v1.Prefill/TierDistances',
-            services_dot_protos_dot_lamina__pb2.TierDistanceRequest.SerializeToString,
-            services_dot_protos_dot_lamina__pb2.TierDistanceResult.FromString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.TierDistanceRequest.SerializeToString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.TierDistanceResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -309,8 +309,8 @@ class ModelWorkerStub:
         """
         self.Decode = channel.stream_stream(
                 '/lamina.v1.ModelWorker/Decode',
-                request_serializer=services_dot_protos_dot_lamina__pb2.DecodeUpdate.SerializeToString,
-                response_deserializer=services_dot_protos_dot_lamina__pb2.DecodeResult.FromString,
+                request_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.DecodeUpdate.SerializeToString,
+                response_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.DecodeResult.FromString,
                 _registered_method=True)
 
 
@@ -328,8 +328,8 @@ def add_ModelWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.stream_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=services_dot_protos_dot_lamina__pb2.DecodeUpdate.FromString,
-                    response_serializer=services_dot_protos_dot_lamina__pb2.DecodeResult.SerializeToString,
+                    request_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.DecodeUpdate.FromString,
+                    response_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.DecodeResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -357,8 +357,8 @@ class ModelWorker:
             request_iterator,
             target,
             '/lamina.v1.ModelWorker/Decode',
-            services_dot_protos_dot_lamina__pb2.DecodeUpdate.SerializeToString,
-            services_dot_protos_dot_lamina__pb2.DecodeResult.FromString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.DecodeUpdate.SerializeToString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.DecodeResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -381,18 +381,18 @@ class AttentionControlStub:
         """
         self.Free = channel.unary_unary(
                 '/lamina.v1.AttentionControl/Free',
-                request_serializer=services_dot_protos_dot_lamina__pb2.FreeRequest.SerializeToString,
-                response_deserializer=services_dot_protos_dot_lamina__pb2.Empty.FromString,
+                request_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.FreeRequest.SerializeToString,
+                response_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/lamina.v1.AttentionControl/Stats',
-                request_serializer=services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
-                response_deserializer=services_dot_protos_dot_lamina__pb2.AttentionStats.FromString,
+                request_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
+                response_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.AttentionStats.FromString,
                 _registered_method=True)
         self.Fork = channel.unary_unary(
                 '/lamina.v1.AttentionControl/Fork',
-                request_serializer=services_dot_protos_dot_lamina__pb2.ForkRequest.SerializeToString,
-                response_deserializer=services_dot_protos_dot_lamina__pb2.Empty.FromString,
+                request_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.ForkRequest.SerializeToString,
+                response_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.FromString,
                 _registered_method=True)
 
 
@@ -422,18 +422,18 @@ def add_AttentionControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Free': grpc.unary_unary_rpc_method_handler(
                     servicer.Free,
-                    request_deserializer=services_dot_protos_dot_lamina__pb2.FreeRequest.FromString,
-                    response_serializer=services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
+                    request_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.FreeRequest.FromString,
+                    response_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=services_dot_protos_dot_lamina__pb2.Empty.FromString,
-                    response_serializer=services_dot_protos_dot_lamina__pb2.AttentionStats.SerializeToString,
+                    request_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.FromString,
+                    response_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.AttentionStats.SerializeToString,
             ),
             'Fork': grpc.unary_unary_rpc_method_handler(
                     servicer.Fork,
-                    request_deserializer=services_dot_protos_dot_lamina__pb2.ForkRequest.FromString,
-                    response_serializer=services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
+                    request_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.ForkRequest.FromString,
+                    response_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -461,8 +461,8 @@ class AttentionControl:
             request,
             target,
             '/lamina.v1.AttentionControl/Free',
-            services_dot_protos_dot_lamina__pb2.FreeRequest.SerializeToString,
-            services_dot_protos_dot_lamina__pb2.Empty.FromString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.FreeRequest.SerializeToString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -488,8 +488,8 @@ class AttentionControl:
             request,
             target,
             '/lamina.v1.AttentionControl/Stats',
-            services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
-            services_dot_protos_dot_lamina__pb2.AttentionStats.FromString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.AttentionStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -515,8 +515,8 @@ class AttentionControl:
             request,
             target,
             '/lamina.v1.AttentionControl/Fork',
-            services_dot_protos_dot_lamina__pb2.ForkRequest.SerializeToString,
-            services_dot_protos_dot_lamina__pb2.Empty.FromString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.ForkRequest.SerializeToString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from services.cluster_status import KINDS
+from lamina.services.cluster_status import KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA_DIR = ROOT / "deploy" / "grafana"

@@ -8,9 +8,9 @@ import json
 import socket
 import urllib.request
 
-from services.config import (AttentionSection, DeadlinesSection, GatewaySection, ModelWorkerSection, PipelineSection,
+from lamina.services.config import (AttentionSection, DeadlinesSection, GatewaySection, ModelWorkerSection, PipelineSection,
                              PrefillSection, StackConfig)
-from services.launcher import Stack
+from lamina.services.launcher import Stack
 
 CHAT_PROMPTS = ["What is the capital of France?", "Name two colours of the rainbow."]
 COMPLETION_PROMPTS = ["The three primary colours are", "def add(a, b):\n    return"]
@@ -46,9 +46,9 @@ def start_stack(transport: str = "tcp", partition: str = "request", workers: int
 
 async def attention_stats(stack: Stack) -> list:
     """Every attention worker's AttentionStats, in worker order, over gRPC."""
-    from kvstore.metadata import MetadataConfig, MetadataStore
-    from services.channels import open_channel
-    from services.protos import lamina_pb2, lamina_pb2_grpc
+    from lamina.kvstore.metadata import MetadataConfig, MetadataStore
+    from lamina.services.channels import open_channel
+    from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 
     store = MetadataStore(MetadataConfig(url=stack.config.redis_url, namespace=stack.config.namespace))
     try:
@@ -64,7 +64,7 @@ async def attention_stats(stack: Stack) -> list:
 
 def service_metric(stack: Stack, kind: str, service_id: str, name: str) -> float:
     """One sample of a service's Prometheus metrics, read over HTTP."""
-    from kvstore.metadata import MetadataConfig, MetadataStore
+    from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 
     async def metrics_port() -> int:
         store = MetadataStore(MetadataConfig(url=stack.config.redis_url, namespace=stack.config.namespace))

@@ -437,7 +437,7 @@ def test_structured_output_with_the_clients_typed_parsing(stack, loaded_model):
     """A pydantic response_format parses; JSON mode's greedy tokens equal the local
     engine's under the same grammar (equal to transformers with the same masks:
     tests/model/test_grammar.py); a seeded sampled request repeats; a bad schema is a 400."""
-    from gateway.protocol import parse_chat_request, resolve_sampling
+    from lamina.gateway.protocol import parse_chat_request, resolve_sampling
     from lamina.engine import Engine
 
     client, model = _client(stack), _model(stack)

@@ -14,7 +14,7 @@ import asyncio
 import openai
 import pytest
 
-import transports
+from lamina import transports
 from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, start_stack
 
 MATRIX = [("tcp", 1, "request"), ("tcp", 1, "head")] + \

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e_helpers import start_stack
-from services.cluster_status import KINDS
+from lamina.services.cluster_status import KINDS
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -285,7 +285,7 @@ def _fetch(url: str) -> str:
 
 async def _metrics_urls(stack) -> dict[str, str]:
     """Each registered gRPC service's metrics URL, by service id (from its registration)."""
-    from kvstore.metadata import MetadataConfig, MetadataStore
+    from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 
     store = MetadataStore(MetadataConfig(url=stack.config.redis_url, namespace=stack.config.namespace))
     try:

@@ -11,9 +11,9 @@ import pytest
 import torch
 from e2e_helpers import complete, service_metric, start_stack
 
-from kvstore.block_hash import block_hashes
-from kvstore.metadata import MetadataConfig, MetadataStore
-from services.cluster_status import read_status
+from lamina.kvstore.block_hash import block_hashes
+from lamina.kvstore.metadata import MetadataConfig, MetadataStore
+from lamina.services.cluster_status import read_status
 
 pytestmark = pytest.mark.timeout(300)
 

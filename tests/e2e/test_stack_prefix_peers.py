@@ -28,10 +28,10 @@ import pytest
 import torch
 from e2e_helpers import complete, service_metric, start_stack, until
 
-from kvstore.block_hash import ROOT_HASH, block_hashes
-from kvstore.metadata import MetadataConfig, MetadataStore
-from model.loader import load_config
-from services.config import PrefillSection
+from lamina.kvstore.block_hash import ROOT_HASH, block_hashes
+from lamina.kvstore.metadata import MetadataConfig, MetadataStore
+from lamina.model.loader import load_config
+from lamina.services.config import PrefillSection
 
 pytestmark = pytest.mark.timeout(600)
 

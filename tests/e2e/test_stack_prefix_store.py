@@ -17,10 +17,10 @@ import pytest
 import torch
 from e2e_helpers import attention_stats, complete, start_stack, until
 
-from kvstore.metadata import MetadataConfig, MetadataStore
-from kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
-from model.loader import load_config
-from services.config import PrefillSection
+from lamina.kvstore.metadata import MetadataConfig, MetadataStore
+from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
+from lamina.model.loader import load_config
+from lamina.services.config import PrefillSection
 
 pytestmark = pytest.mark.timeout(300)
 

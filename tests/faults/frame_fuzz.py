@@ -15,9 +15,9 @@ import zlib
 
 import torch
 
-from services.wire import Attend, Kind, StoreKV
-from transports import Frame
-from transports.frame import PREAMBLE, WIRE_DTYPES, byte_view, encode
+from lamina.services.wire import Attend, Kind, StoreKV
+from lamina.transports import Frame
+from lamina.transports.frame import PREAMBLE, WIRE_DTYPES, byte_view, encode
 
 L, HQ, HKV, D = 30, 9, 3, 64  # the default model (SmolLM2-135M), every KV head on each worker
 _OTHER_DTYPES = [d for d in WIRE_DTYPES if d != torch.float32]

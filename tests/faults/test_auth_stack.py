@@ -13,10 +13,10 @@ import pytest
 from e2e_helpers import attention_stats, start_stack
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import transports
-from kvstore.metadata import MetadataConfig, MetadataStore
-from services.channels import open_channel
-from services.protos import lamina_pb2, lamina_pb2_grpc
+from lamina import transports
+from lamina.kvstore.metadata import MetadataConfig, MetadataStore
+from lamina.services.channels import open_channel
+from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 
 pytestmark = pytest.mark.timeout(600)
 

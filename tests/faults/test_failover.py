@@ -18,8 +18,8 @@ from fault_helpers import MAX_TOKENS, PROMPTS
 from fault_helpers import pid as _pid
 from fault_helpers import stream_all as _stream_all
 
-from kvstore.metadata import MetadataConfig, MetadataStore
-from services.config import DeadlinesSection
+from lamina.kvstore.metadata import MetadataConfig, MetadataStore
+from lamina.services.config import DeadlinesSection
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -21,13 +21,13 @@ import torch
 from e2e_helpers import start_stack
 from frame_fuzz import HQ, HKV, L, HostileFrames, corrupt, frame_bytes
 
-import transports
-from kvstore.metadata import MetadataConfig, MetadataStore
-from model.attention import batched_attention
-from services.channels import open_channel
-from services.protos import lamina_pb2, lamina_pb2_grpc
-from services.wire import Attend, Kind, StoreKV
-from transports.handshake import client_handshake
+from lamina import transports
+from lamina.kvstore.metadata import MetadataConfig, MetadataStore
+from lamina.model.attention import batched_attention
+from lamina.services.channels import open_channel
+from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
+from lamina.services.wire import Attend, Kind, StoreKV
+from lamina.transports.handshake import client_handshake
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -24,7 +24,7 @@ from http_fuzz import BROKEN_FRAMING, MalformedRequests, check_refusal, raw_exch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from gateway_helpers import MODEL, SCRIPT_TEXT, ScriptedBackend, serve  # noqa: E402
 
-from gateway.config import GatewayConfig  # noqa: E402
+from lamina.gateway.config import GatewayConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -111,7 +111,7 @@ async def _no_server_errors(url: str) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from model.loader import load_tokenizer
+    from lamina.model.loader import load_tokenizer
 
     return load_tokenizer(None)[0]
 

@@ -16,9 +16,9 @@ import openai
 import pytest
 from e2e_helpers import free_port, start_stack
 
-from kvstore.metadata import MetadataConfig, MetadataStore
-from services.launcher import Stack
-from services.supervision import RestartPolicy
+from lamina.kvstore.metadata import MetadataConfig, MetadataStore
+from lamina.services.launcher import Stack
+from lamina.services.supervision import RestartPolicy
 
 pytestmark = pytest.mark.timeout(600)
 

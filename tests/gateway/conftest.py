@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from gateway_helpers import SCRIPT_TEXT, ScriptedBackend
-from model.tokenizer import Tokenizer
+from lamina.model.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")
 def tokenizer() -> Tokenizer:
-    from model.loader import load_model
+    from lamina.model.loader import load_model
 
     return load_model().tokenizer
 

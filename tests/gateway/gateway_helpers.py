@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator
 import openai
 from aiohttp import web
 
-from gateway.app import create_app, start_server
-from gateway.backend import BackendError, BackendStats, QueueFullError
-from gateway.config import GatewayConfig
-from gateway.journal import RequestJournal
-from gateway.protocol import GenerateRequest, TokenEvent, TokenLogprobs
-from model.tokenizer import Tokenizer
+from lamina.gateway.app import create_app, start_server
+from lamina.gateway.backend import BackendError, BackendStats, QueueFullError
+from lamina.gateway.config import GatewayConfig
+from lamina.gateway.journal import RequestJournal
+from lamina.gateway.protocol import GenerateRequest, TokenEvent, TokenLogprobs
+from lamina.model.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
 CONTEXT = 512

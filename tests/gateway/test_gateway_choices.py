@@ -133,7 +133,7 @@ async def test_n_is_checked_before_the_backend_sees_anything(tokenizer, make_bac
 
 
 def test_n_is_parsed_for_both_endpoints():
-    from gateway.protocol import parse_chat_request, parse_completion_request
+    from lamina.gateway.protocol import parse_chat_request, parse_completion_request
 
     assert parse_chat_request({"model": MODEL, "messages": MESSAGES, "n": 3}).n == 3
     assert parse_chat_request({"model": MODEL, "messages": MESSAGES}).n == 1

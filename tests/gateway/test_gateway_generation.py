@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.backend import BackendError, BackendStats
-from gateway.generation import Generation
-from gateway.journal import RequestJournal
-from gateway.metrics import GatewayMetrics
-from gateway.protocol import GenerateRequest, SamplingParams, TokenEvent
+from lamina.gateway.backend import BackendError, BackendStats
+from lamina.gateway.generation import Generation
+from lamina.gateway.journal import RequestJournal
+from lamina.gateway.metrics import GatewayMetrics
+from lamina.gateway.protocol import GenerateRequest, SamplingParams, TokenEvent
 
 
 class ListBackend:

@@ -7,7 +7,7 @@ import json
 import aiohttp
 import pytest
 
-from gateway.config import GatewayConfig
+from lamina.gateway.config import GatewayConfig
 from gateway_helpers import MODEL, serve
 
 
@@ -148,7 +148,7 @@ async def test_a_text_longer_than_the_context_can_spell_is_refused_untokenized(t
 
 
 async def test_a_request_the_backend_refuses_as_it_is_is_a_400(tokenizer, make_backend):
-    from gateway.backend import RequestRefusedError
+    from lamina.gateway.backend import RequestRefusedError
 
     backend = make_backend()
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config import GatewayConfig
-from gateway.journal import RequestJournal
-from gateway.output import OutputProcessor, StopStringMatcher
+from lamina.gateway.config import GatewayConfig
+from lamina.gateway.journal import RequestJournal
+from lamina.gateway.output import OutputProcessor, StopStringMatcher
 
 
 def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> list[str]:

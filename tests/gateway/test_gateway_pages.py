@@ -13,8 +13,8 @@ import re
 import aiohttp
 import pytest
 
-from gateway.config import GatewayConfig
-from gateway.dashboard import ClusterView
+from lamina.gateway.config import GatewayConfig
+from lamina.gateway.dashboard import ClusterView
 from gateway_helpers import MODEL, serve
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.protocol import (
+from lamina.gateway.protocol import (
     MAX_STOP_STRINGS,
     ApiError,
     ChatRequest,

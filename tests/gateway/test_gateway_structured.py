@@ -9,9 +9,9 @@ import json
 import openai
 import pytest
 
-from gateway.protocol import ApiError, parse_chat_request
-from gateway.structured import FieldError, parse_structured
-from gateway.tool_calls import ToolCallSplitter, calls_text, parse_calls
+from lamina.gateway.protocol import ApiError, parse_chat_request
+from lamina.gateway.structured import FieldError, parse_structured
+from lamina.gateway.tool_calls import ToolCallSplitter, calls_text, parse_calls
 from gateway_helpers import MODEL, ScriptedBackend, serve
 from lamina.engine.grammar import Grammars
 

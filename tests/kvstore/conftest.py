@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from kvstore.redis_server import EmbeddedRedis
+from lamina.kvstore.redis_server import EmbeddedRedis
 
 @pytest.fixture(scope="session")
 def embedded_redis():

@@ -7,12 +7,12 @@ import asyncio
 import pytest
 from kv_helpers import BLOCK_SIZE, block_kv_bytes, make_kv
 
-from kvstore.block_hash import ROOT_HASH, block_hashes
-from kvstore.block_publisher import BlockPublisher, block_record
-from kvstore.metadata import BlockRecord, KVPlacement, MetadataConfig, MetadataStore, ServiceRegistration
-from kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
-from kvstore.redis_server import EmbeddedRedis
-from kvstore.tiers import Tier
+from lamina.kvstore.block_hash import ROOT_HASH, block_hashes
+from lamina.kvstore.block_publisher import BlockPublisher, block_record
+from lamina.kvstore.metadata import BlockRecord, KVPlacement, MetadataConfig, MetadataStore, ServiceRegistration
+from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
+from lamina.kvstore.redis_server import EmbeddedRedis
+from lamina.kvstore.tiers import Tier
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,14 +5,14 @@ import asyncio
 
 import pytest
 
-from kvstore.metadata import (
+from lamina.kvstore.metadata import (
     BlockRecord,
     KVPlacement,
     MetadataConfig,
     MetadataStore,
     ServiceRegistration,
 )
-from kvstore.redis_server import EmbeddedRedis, resolve_redis_url
+from lamina.kvstore.redis_server import EmbeddedRedis, resolve_redis_url
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -166,8 +166,8 @@ def test_resolve_redis_url(monkeypatch):
 async def test_journal_batches_and_ends_requests(store, namespace):
     import base64
 
-    from services.journal import Journal
-    from services.protos import lamina_pb2
+    from lamina.services.journal import Journal
+    from lamina.services.protos import lamina_pb2
 
     journal = Journal(store, "scheduler-0", interval_s=0.01)
     journal.start()

@@ -4,9 +4,9 @@ the generated tokens; 4-bit quantized prefix KV changes them little."""
 import pytest
 import torch
 
-from kvstore.prefill import prefill
-from kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
-from kvstore.tiers import Tier
+from lamina.kvstore.prefill import prefill
+from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
+from lamina.kvstore.tiers import Tier
 
 pytestmark = pytest.mark.timeout(900)  # CPU shared with other jobs: generous
 

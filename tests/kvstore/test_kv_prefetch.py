@@ -1,9 +1,9 @@
 from kv_helpers import BLOCK_SIZE, block_kv_bytes, make_kv
 
-from kvstore.block_hash import block_hashes
-from kvstore.prefetch import Prefetcher
-from kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
-from kvstore.tiers import Tier
+from lamina.kvstore.block_hash import block_hashes
+from lamina.kvstore.prefetch import Prefetcher
+from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
+from lamina.kvstore.tiers import Tier
 
 BS, BLOCK = BLOCK_SIZE, block_kv_bytes()
 

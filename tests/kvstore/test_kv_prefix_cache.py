@@ -5,10 +5,10 @@ import pytest
 import torch
 from kv_helpers import BLOCK_SIZE, block_kv_bytes, make_kv
 
-from kvstore.block_hash import block_hashes
-from kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
-from kvstore.quant import QuantizedTensor
-from kvstore.tiers import Tier
+from lamina.kvstore.block_hash import block_hashes
+from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
+from lamina.kvstore.quant import QuantizedTensor
+from lamina.kvstore.tiers import Tier
 
 BS = BLOCK_SIZE
 BLOCK = block_kv_bytes()

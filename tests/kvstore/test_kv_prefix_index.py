@@ -1,7 +1,7 @@
 import pytest
 
-from kvstore.block_hash import ROOT_HASH, block_hashes, chain_hash
-from kvstore.prefix_index import PrefixIndex
+from lamina.kvstore.block_hash import ROOT_HASH, block_hashes, chain_hash
+from lamina.kvstore.prefix_index import PrefixIndex
 
 
 def test_chained_hash_covers_all_earlier_tokens():

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from kvstore.eviction import BlockStats, make_policy
-from kvstore.policies import (
+from lamina.kvstore.eviction import BlockStats, make_policy
+from lamina.kvstore.policies import (
     SCHEDULING_POLICIES,
     QueuedRequest,
     fastest_prefix_first,
@@ -10,7 +10,7 @@ from kvstore.policies import (
     relaxed_fpf,
     relaxed_priority,
 )
-from kvstore.quant import dequantize_4bit, quantize_4bit
+from lamina.kvstore.quant import dequantize_4bit, quantize_4bit
 
 
 @pytest.mark.parametrize("group_size", [16, 64, 128])

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kvstore.slab import KVAllocationError, SlabAllocator, SlabConfig
+from lamina.kvstore.slab import KVAllocationError, SlabAllocator, SlabConfig
 
 H, D = 2, 4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from kvstore.redis_server import EmbeddedRedis
+from lamina.kvstore.redis_server import EmbeddedRedis
 
 
 def test_a_password_is_required_and_carried_by_the_url():

@@ -1,6 +1,6 @@
 import torch
 
-from model.attention import attention_with_lse, batched_attention, combine_partials
+from lamina.model.attention import attention_with_lse, batched_attention, combine_partials
 
 
 def _sdpa(q, k, v, causal):
@@ -75,7 +75,7 @@ def test_mixed_prefill_and_decode_batch():
 
 
 def test_fused_causal_attention_equals_the_reference_path():
-    from model.attention import causal_attention
+    from lamina.model.attention import causal_attention
 
     torch.manual_seed(4)
     for n, L in [(1, 1), (1, 33), (6, 6), (3, 11)]:

@@ -11,7 +11,7 @@ from llguidance import LLMatcher
 
 from lamina.engine.grammar import Grammars, apply_grammars
 from lamina.engine.sampling import SamplingParams, sample
-from model.loader import load_tokenizer
+from lamina.model.loader import load_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150}},

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import kv_attention
-from model.attention import attention_with_lse, combine_partials
-from model.kv_attention import SlotBatch, buffer_attention, slot_attention
+from lamina.model import kv_attention
+from lamina.model.attention import attention_with_lse, combine_partials
+from lamina.model.kv_attention import SlotBatch, buffer_attention, slot_attention
 
 NOT_BUILT = "model/_kv_attention is not built on this machine (no C compiler at install)"
 
@@ -200,7 +200,7 @@ def test_the_engine_attends_decoding_and_prompt_rows_in_any_order(path):
     SDPA, in whatever order they come; every new token stored."""
     from lamina.engine.kv import KVStore
     from lamina.engine.step import KERNEL_MAX_QUERIES, LocalAttention, StepBatch
-    from model.config import ModelConfig
+    from lamina.model.config import ModelConfig
 
     cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=9,
                       num_kv_heads=3, head_dim=64)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import model.kv_attention as kv_attention
-import model.kv_quant as kv_quant
-from model.kv_attention import SlotBatch, slot_attention
-from model.kv_quant import KV_QUANT_CHOICES, Q4Rows
+import lamina.model.kv_attention as kv_attention
+import lamina.model.kv_quant as kv_quant
+from lamina.model.kv_attention import SlotBatch, slot_attention
+from lamina.model.kv_quant import KV_QUANT_CHOICES, Q4Rows
 
 needs_native = pytest.mark.skipif(kv_attention.NATIVE is None, reason="model._kv_attention was not built")
 
@@ -79,7 +79,7 @@ def test_native_and_torch_quantization_give_the_same_bytes(monkeypatch, d):
 
 
 def test_kv_quant_choices_are_the_configs():
-    from services.config import KV_QUANT_CHOICES as CONFIG_CHOICES
+    from lamina.services.config import KV_QUANT_CHOICES as CONFIG_CHOICES
 
     assert CONFIG_CHOICES == KV_QUANT_CHOICES
 

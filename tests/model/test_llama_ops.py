@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import llama
-from model.config import ModelConfig, RopeScaling
-from model.llama import LlamaForCausalLM, checkpoint_names, rms_norm
-from model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from lamina.model import llama
+from lamina.model.config import ModelConfig, RopeScaling
+from lamina.model.llama import LlamaForCausalLM, checkpoint_names, rms_norm
+from lamina.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, attention_bias=True)

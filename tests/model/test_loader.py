@@ -18,11 +18,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from model import gguf_file
-from model.attention import attention_with_lse
-from model.errors import CheckpointError
-from model.loader import convert_gguf, load_model
-from model.quant import QuantLinear, float_weight
+from lamina.model import gguf_file
+from lamina.model.attention import attention_with_lse
+from lamina.model.errors import CheckpointError
+from lamina.model.loader import convert_gguf, load_model
+from lamina.model.quant import QuantLinear, float_weight
 
 # -- the tiny GGUF checkpoint -------------------------------------------------------------
 

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 
 from lamina.engine import Engine, SamplingParams
-from model import gguf_file, quant
-from model.loader import load_model
-from model.quant import PackedWeight, QuantLinear, dequantize, pack_float, pack_gguf, packed_matmul, quantize
+from lamina.model import gguf_file, quant
+from lamina.model.loader import load_model
+from lamina.model.quant import PackedWeight, QuantLinear, dequantize, pack_float, pack_gguf, packed_matmul, quantize
 from test_loader import cache_dir  # noqa: F401 (a fixture: LAMINA_CACHE_DIR in a temporary folder)
 from test_loader import TENSOR_TYPES, VOCAB, _our_logits, write_tiny_gguf
 from test_reference import MAX_NEW, _hf_greedy, _prompts
@@ -154,7 +154,7 @@ def test_compute_threads_reach_the_kernel_and_survive_a_fork():
     has none of the parent's workers and starts its own."""
     import multiprocessing as mp
 
-    from model.threads import compute_threads, set_compute_threads
+    from lamina.model.threads import compute_threads, set_compute_threads
 
     pw = _weight("q4_1", 1024, 512)
     x = torch.randn(24, 512)
@@ -176,7 +176,7 @@ def test_compute_threads_reach_the_kernel_and_survive_a_fork():
 
 
 def _fork_product(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
-    from model.threads import compute_threads
+    from lamina.model.threads import compute_threads
 
     assert compute_threads() == 2  # inherited: the setting, not the workers
     return packed_matmul(x, pw)
@@ -309,7 +309,7 @@ def test_lamina_generate_threads_give_the_same_tokens(loaded_model, capsys):
     import json
 
     from lamina.cli import main
-    from model.threads import set_compute_threads
+    from lamina.model.threads import set_compute_threads
 
     argv = ["generate", "--prompt", "The capital of France is", "--max-tokens", "6", "--json"]
     try:

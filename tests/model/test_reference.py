@@ -58,7 +58,7 @@ def test_chat_tokenization_matches_transformers(loaded_model):
 
 
 def test_logits_match_transformers(loaded_model, hf_reference):
-    from model.attention import attention_with_lse
+    from lamina.model.attention import attention_with_lse
 
     class Dense:
         def attend(self, layer_id, q, k, v):

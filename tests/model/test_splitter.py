@@ -3,11 +3,11 @@
 import torch
 from torch import nn
 
-from model.attention import attention_with_lse
-from model.llama import AttentionOp, MLP, RMSNorm, is_attention_op, split_llama
-from model.config import ModelConfig
-from model.rope import apply_rope, inverse_frequencies, rope_cos_sin
-from model.splitter import split_model
+from lamina.model.attention import attention_with_lse
+from lamina.model.llama import AttentionOp, MLP, RMSNorm, is_attention_op, split_llama
+from lamina.model.config import ModelConfig
+from lamina.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from lamina.model.splitter import split_model
 
 
 class _Dense:

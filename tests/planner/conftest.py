@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.hardware import load_catalogue
+from lamina.planner.hardware import load_catalogue
 
 
 @pytest.fixture(scope="session")

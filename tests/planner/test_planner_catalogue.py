@@ -4,7 +4,7 @@ from importlib import resources
 import pytest
 import yaml
 
-from planner.hardware import THIS_MACHINE, CatalogueError, device_from_entry, load_catalogue, parse_hardware
+from lamina.planner.hardware import THIS_MACHINE, CatalogueError, device_from_entry, load_catalogue, parse_hardware
 
 REQUIRED = ("H100", "H200", "H20", "A100", "L40S", "CPU")
 

@@ -3,9 +3,9 @@ the traces' mean lengths, so the test stays fast)."""
 
 import pytest
 
-from planner.papers import break_even_flops_per_byte, cpu_attention_threads, lamina_comparison, lm_offload_quantization
-from planner.shapes import BUILTIN
-from planner.workload import synthetic
+from lamina.planner.papers import break_even_flops_per_byte, cpu_attention_threads, lamina_comparison, lm_offload_quantization
+from lamina.planner.shapes import BUILTIN
+from lamina.planner.workload import synthetic
 
 SHAPE = BUILTIN["llama-3-70b"]
 

@@ -4,15 +4,15 @@ from dataclasses import replace
 
 import pytest
 
-from planner.perf.attention import attention_layer_time
-from planner.perf.memory import kv_bytes_per_token, kv_token_capacity, min_tensor_parallel, weight_bytes
-from planner.perf.pipeline import StageTimes, colocated_step, pipeline_step
-from planner.perf.prefill import prefill_time
-from planner.perf.quantization import FP16, INT4, quantization_verdict
-from planner.perf.slices import slice_time
-from planner.perf.threads import CpuOp, choose_threads, makespan
-from planner.perf.transfer import allreduce_time, layer_traffic, layer_transfer_s, link_time
-from planner.shapes import BUILTIN
+from lamina.planner.perf.attention import attention_layer_time
+from lamina.planner.perf.memory import kv_bytes_per_token, kv_token_capacity, min_tensor_parallel, weight_bytes
+from lamina.planner.perf.pipeline import StageTimes, colocated_step, pipeline_step
+from lamina.planner.perf.prefill import prefill_time
+from lamina.planner.perf.quantization import FP16, INT4, quantization_verdict
+from lamina.planner.perf.slices import slice_time
+from lamina.planner.perf.threads import CpuOp, choose_threads, makespan
+from lamina.planner.perf.transfer import allreduce_time, layer_traffic, layer_transfer_s, link_time
+from lamina.planner.shapes import BUILTIN
 
 SHAPE = BUILTIN["llama-3-8b"]
 BATCHES = (1, 2, 8, 32, 128, 512, 2048)

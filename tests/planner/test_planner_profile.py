@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from planner.hardware import THIS_MACHINE, device_from_entry  # noqa: E402
-from planner.profile import measure_attention, measure_linear, overhead_terms  # noqa: E402
+from lamina.planner.hardware import THIS_MACHINE, device_from_entry  # noqa: E402
+from lamina.planner.profile import measure_attention, measure_linear, overhead_terms  # noqa: E402
 
 
 def test_linear_and_attention_measurements_are_positive_and_ordered():
@@ -24,7 +24,7 @@ def test_linear_and_attention_measurements_are_positive_and_ordered():
 def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
     import json
 
-    import planner.profile as prof
+    import lamina.planner.profile as prof
     from lamina.cli import main
 
     fake = {"rtt_us_64B": 100.0, "gbit_s_1MiB": 4.0}
@@ -48,7 +48,7 @@ def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
     written = json.loads(out.read_text())
     dev = device_from_entry(THIS_MACHINE, written["device"])
     # Every transport this machine runs is measured; the others say why not.
-    import transports
+    from lamina import transports
 
     runnable = [s for s in prof.TRANSPORTS if transports.availability(s) is None]
     assert measured == runnable and "tcp" in runnable
@@ -76,11 +76,11 @@ def test_overhead_terms_meet_both_points():
 
 
 def test_stack_overhead_terms_close_the_gap_to_the_run():
-    from planner.estimate import decode_step
-    from planner.layouts import Layout
-    from planner.perf.quantization import FP32
-    from planner.profile import StackRun, stack_overhead_terms
-    from planner.shapes import BUILTIN
+    from lamina.planner.estimate import decode_step
+    from lamina.planner.layouts import Layout
+    from lamina.planner.perf.quantization import FP32
+    from lamina.planner.profile import StackRun, stack_overhead_terms
+    from lamina.planner.shapes import BUILTIN
     from tests.planner.test_planner_quant_costs import _entry
 
     shape = BUILTIN["smollm2-135m"]

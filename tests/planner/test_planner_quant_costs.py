@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from planner.estimate import decode_step, quant_sources
-from planner.hardware import THIS_MACHINE, device_from_entry
-from planner.layouts import Layout
-from planner.perf.attention import attention_layer_time
-from planner.perf.quantization import FP32, INT4, device_verdicts
-from planner.perf.slices import slice_time
-from planner.shapes import BUILTIN
+from lamina.planner.estimate import decode_step, quant_sources
+from lamina.planner.hardware import THIS_MACHINE, device_from_entry
+from lamina.planner.layouts import Layout
+from lamina.planner.perf.attention import attention_layer_time
+from lamina.planner.perf.quantization import FP32, INT4, device_verdicts
+from lamina.planner.perf.slices import slice_time
+from lamina.planner.shapes import BUILTIN
 
 SHAPE = BUILTIN["smollm2-135m"]
 

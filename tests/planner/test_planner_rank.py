@@ -5,13 +5,13 @@ from dataclasses import replace
 
 import pytest
 
-from planner.estimate import TARGET_UTILIZATION, Targets, decode_step, estimate
-from planner.hardware import parse_hardware
-from planner.layouts import Layout, enumerate_layouts
-from planner.plan import plan, unit_limit
-from planner.rank import rank
-from planner.shapes import BUILTIN
-from planner.workload import synthetic
+from lamina.planner.estimate import TARGET_UTILIZATION, Targets, decode_step, estimate
+from lamina.planner.hardware import parse_hardware
+from lamina.planner.layouts import Layout, enumerate_layouts
+from lamina.planner.plan import plan, unit_limit
+from lamina.planner.rank import rank
+from lamina.planner.shapes import BUILTIN
+from lamina.planner.workload import synthetic
 
 SMALL = BUILTIN["llama-2-7b"]
 

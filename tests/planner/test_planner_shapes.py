@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from planner.shapes import BUILTIN, resolve_model
+from lamina.planner.shapes import BUILTIN, resolve_model
 
 
 @pytest.mark.parametrize("name, billions", [

@@ -5,12 +5,12 @@ from dataclasses import replace
 
 import pytest
 
-from planner.estimate import decode_step
-from planner.layouts import Layout
-from planner.perf.prefill import prefill_time
-from planner.shapes import BUILTIN
-from planner.simulate import Simulator, simulate, simulated_shortfalls, weighted_percentiles
-from planner.workload import Request, Workload, synthetic
+from lamina.planner.estimate import decode_step
+from lamina.planner.layouts import Layout
+from lamina.planner.perf.prefill import prefill_time
+from lamina.planner.shapes import BUILTIN
+from lamina.planner.simulate import Simulator, simulate, simulated_shortfalls, weighted_percentiles
+from lamina.planner.workload import Request, Workload, synthetic
 
 SHAPE = BUILTIN["llama-2-7b"]
 

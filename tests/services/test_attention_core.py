@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.attention import batched_attention
-from model.config import ModelConfig
-from services.attention_core import AttentionCore
-from services.wire import RemoteError, StoreKV
+from lamina.model.attention import batched_attention
+from lamina.model.config import ModelConfig
+from lamina.services.attention_core import AttentionCore
+from lamina.services.wire import RemoteError, StoreKV
 
 CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=9,
                   num_kv_heads=3, head_dim=8)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.attention import batched_attention
-from services.attention_service import AttentionService
-from services.config import AttentionSection, StackConfig
-from services.wire import Attend, Kind, StoreKV, decode_tag
-from transports import Frame
+from lamina.model.attention import batched_attention
+from lamina.services.attention_service import AttentionService
+from lamina.services.config import AttentionSection, StackConfig
+from lamina.services.wire import Attend, Kind, StoreKV, decode_tag
+from lamina.transports import Frame
 
 L, HQ, HKV, D = 30, 9, 3, 64  # the default model (SmolLM2-135M): every worker holds all KV heads
 
@@ -189,7 +189,7 @@ def test_a_malformed_layer_abandons_its_store(service):
 
 
 def test_stores_in_progress_are_bounded(service, monkeypatch):
-    monkeypatch.setattr("services.attention_core._MAX_PENDING_STORES", 3)
+    monkeypatch.setattr("lamina.services.attention_core._MAX_PENDING_STORES", 3)
     kv = (torch.randn(1, HKV, D), torch.randn(1, HKV, D))
     for s in "xyz":
         assert service._handle(StoreKV(s, 0, L, *kv).to_frame(), {}) is None

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.attention import batched_attention
-from model.config import ModelConfig
-from model.kv_quant import Q4Rows
-from services.attention_core import AttentionCore
-from services.attention_service import AttentionService
-from services.config import AttentionSection, ConfigError, StackConfig, load_config
-from services.wire import Attend, Kind, StoreKV, frame_tag
+from lamina.model.attention import batched_attention
+from lamina.model.config import ModelConfig
+from lamina.model.kv_quant import Q4Rows
+from lamina.services.attention_core import AttentionCore
+from lamina.services.attention_service import AttentionService
+from lamina.services.config import AttentionSection, ConfigError, StackConfig, load_config
+from lamina.services.wire import Attend, Kind, StoreKV, frame_tag
 
 CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=9,
                   num_kv_heads=3, head_dim=64)

@@ -14,14 +14,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import transports
-from gateway.config import GatewayConfig, is_loopback
-from services.auth import TOKEN_METADATA_KEY, token_matches
-from services.channels import open_channel
-from services.config import ConfigError, GatewaySection, StackConfig, load_config
-from services.gateway_service import gateway_config
-from services.protos import lamina_pb2, lamina_pb2_grpc
-from services.runtime import ServiceRuntime
+from lamina import transports
+from lamina.gateway.config import GatewayConfig, is_loopback
+from lamina.services.auth import TOKEN_METADATA_KEY, token_matches
+from lamina.services.channels import open_channel
+from lamina.services.config import ConfigError, GatewaySection, StackConfig, load_config
+from lamina.services.gateway_service import gateway_config
+from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
+from lamina.services.runtime import ServiceRuntime
 
 TOKEN = "cluster-secret"
 REPO = Path(__file__).resolve().parents[2]
@@ -139,9 +139,9 @@ async def test_a_service_without_a_token_serves_everyone(server):
 
 
 def test_the_warning_without_a_token_is_logged_when_the_server_starts(caplog):
-    from services.auth import server_interceptors
+    from lamina.services.auth import server_interceptors
 
-    with caplog.at_level(logging.WARNING, logger="services.auth"):
+    with caplog.at_level(logging.WARNING, logger="lamina.services.auth"):
         assert server_interceptors(None, "scheduler-0") == []
         assert len(server_interceptors(TOKEN, "scheduler-0")) == 1
     warnings = [r.getMessage() for r in caplog.records]
@@ -201,8 +201,8 @@ SYSTEM_PYTHON = "/usr/bin/python3"  # one that another user may run (the venv's 
 async def test_shm_refuses_another_user():
     """A process of another uid connects to a listener's socket: it is closed before the
     handshake (it never sees the server's hello), while the same user gets the hello."""
-    from transports.handshake import SERVER_HELLO_SIZE
-    from transports.shm import socket_address
+    from lamina.transports.handshake import SERVER_HELLO_SIZE
+    from lamina.transports.shm import socket_address
 
 
     name = f"auth-test-{os.getpid()}"

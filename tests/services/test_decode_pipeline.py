@@ -13,10 +13,10 @@ import asyncio
 import pytest
 import torch
 
-from services.decode_runner import DecodeRunner
-from services.micro_batches import join_target, num_active, rebalance
-from services.protos import lamina_pb2
-from services.wire import RemoteError
+from lamina.services.decode_runner import DecodeRunner
+from lamina.services.micro_batches import join_target, num_active, rebalance
+from lamina.services.protos import lamina_pb2
+from lamina.services.wire import RemoteError
 
 VOCAB = 64
 EOS = 63

@@ -11,14 +11,14 @@ import grpc
 import pytest
 import torch
 
-from kvstore.block_publisher import BlockPublisher
-from kvstore.metadata import MetadataConfig, MetadataStore
-from kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
-from kvstore.redis_server import EmbeddedRedis
-from services.config import PREFILL_ROUTINGS, PrefillSection, StackConfig
-from services.prefill_clients import PrefillClients
-from services.protos import lamina_pb2
-from services.prefill_routing import ROUTINGS, PrefillLoad, choose, choose_by_prefix, choose_round_robin, matched_tokens
+from lamina.kvstore.block_publisher import BlockPublisher
+from lamina.kvstore.metadata import MetadataConfig, MetadataStore
+from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
+from lamina.kvstore.redis_server import EmbeddedRedis
+from lamina.services.config import PREFILL_ROUTINGS, PrefillSection, StackConfig
+from lamina.services.prefill_clients import PrefillClients
+from lamina.services.protos import lamina_pb2
+from lamina.services.prefill_routing import ROUTINGS, PrefillLoad, choose, choose_by_prefix, choose_round_robin, matched_tokens
 
 BS = 4  # block size of these tests (tokens)
 
@@ -171,13 +171,13 @@ async def test_prompts_go_to_the_worker_whose_cache_holds_their_prefix(redis_url
 
 
 def _request(num_tokens: int):
-    from services.protos import lamina_pb2
+    from lamina.services.protos import lamina_pb2
 
     return lamina_pb2.PrefillRequest(seq_id="r", token_ids=[1] * num_tokens)
 
 
 def test_prefill_workers_configuration(tmp_path):
-    from services.config import ConfigError, load_config
+    from lamina.services.config import ConfigError, load_config
 
     cfg = load_config(env={"LAMINA_PREFILL_WORKERS": "3", "LAMINA_PREFILL_ROUTING": "round_robin"},
                       overrides={"prefill.cache_disk_bytes": 1 << 20, "prefill.cache_dir": str(tmp_path)})
@@ -235,10 +235,10 @@ async def test_a_prompt_routed_away_from_its_prefix_fetches_it_when_that_is_fast
 def test_prefix_cache_tiers_and_quantization_from_the_configuration(tmp_path):
     """The stack's configuration turns on the host and disk tiers and their 4-bit blocks;
     the prefill worker's cache is built from it, and a block moved to host is 4-bit."""
-    from kvstore.quant import QuantizedTensor
-    from kvstore.tiers import Tier
-    from services.config import ConfigError, load_config
-    from services.prefill_service import cache_config
+    from lamina.kvstore.quant import QuantizedTensor
+    from lamina.kvstore.tiers import Tier
+    from lamina.services.config import ConfigError, load_config
+    from lamina.services.prefill_service import cache_config
 
     cfg = load_config(env={"LAMINA_PEER_FETCH": "off"}, overrides={
         "prefill.cache_quantize_4bit": True, "prefill.cache_quant_group_size": 32, "prefill.cache_disk_bytes": 1 << 20,

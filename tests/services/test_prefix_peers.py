@@ -10,13 +10,13 @@ import threading
 import pytest
 import torch
 
-import transports
-from kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
-from model.config import ModelConfig
-from services.config import PEER_FETCH_MODES
-from services.prefix_fetch_policy import MODES, plan_fetch
-from services.prefix_peers import PrefixFetcher, PrefixServer
-from services.wire import FetchPrefix, Kind, PrefixKV, RemoteError
+from lamina import transports
+from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
+from lamina.model.config import ModelConfig
+from lamina.services.config import PEER_FETCH_MODES
+from lamina.services.prefix_fetch_policy import MODES, plan_fetch
+from lamina.services.prefix_peers import PrefixFetcher, PrefixServer
+from lamina.services.wire import FetchPrefix, Kind, PrefixKV, RemoteError
 
 BS = 4
 L, H, D = 2, 1, 4  # layers, KV heads, head size of these tests

@@ -8,9 +8,9 @@ import signal
 
 import pytest
 
-from services.config import AttentionSection, ModelWorkerSection, StackConfig
-from services.launcher import service_commands
-from services.ray_placement import KINDS, RayPlacement, demand, parse_placement, shortfalls
+from lamina.services.config import AttentionSection, ModelWorkerSection, StackConfig
+from lamina.services.launcher import service_commands
+from lamina.services.ray_placement import KINDS, RayPlacement, demand, parse_placement, shortfalls
 
 
 def _kinds(config: StackConfig) -> list[str]:

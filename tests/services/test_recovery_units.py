@@ -10,13 +10,13 @@ import time
 import pytest
 import torch
 
-import transports
-from model.loader import load_config
-from services.attention_pool import AttentionPool, SeqRows
-from services.config import ConfigError, load_config as load_stack_config
-from services.protos import lamina_pb2
-from services.scheduler_state import Request
-from services.wire import decode_tag, frame_tag, result_frame
+from lamina import transports
+from lamina.model.loader import load_config
+from lamina.services.attention_pool import AttentionPool, SeqRows
+from lamina.services.config import ConfigError, load_config as load_stack_config
+from lamina.services.protos import lamina_pb2
+from lamina.services.scheduler_state import Request
+from lamina.services.wire import decode_tag, frame_tag, result_frame
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,15 +14,15 @@ import asyncio
 import pytest
 import torch
 
-import transports
+from lamina import transports
 from lamina.engine.step import StepBatch
-from model.attention import attention_with_lse
-from services.attention_pool import SeqRows
-from services.model_service import ModelSlices
-from services.rotation import LOCAL, coordinator, pick_executor
-from services.slice_peers import SliceExecutors
-from services.slice_server import SliceServer, slice_tensors
-from services.wire import Kind, RunSlice, frame_tag
+from lamina.model.attention import attention_with_lse
+from lamina.services.attention_pool import SeqRows
+from lamina.services.model_service import ModelSlices
+from lamina.services.rotation import LOCAL, coordinator, pick_executor
+from lamina.services.slice_peers import SliceExecutors
+from lamina.services.slice_server import SliceServer, slice_tensors
+from lamina.services.wire import Kind, RunSlice, frame_tag
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,8 +6,8 @@ import pytest
 
 from lamina.engine.logprobs import TokenLogprobs
 from lamina.engine.sampling import SamplingParams
-from services.protos import lamina_pb2
-from services.sampling_wire import join_history, logprobs_from_proto, logprobs_of, logprobs_to_proto, \
+from lamina.services.protos import lamina_pb2
+from lamina.services.sampling_wire import join_history, logprobs_from_proto, logprobs_of, logprobs_to_proto, \
     params_from_proto, params_to_proto
 
 
@@ -47,8 +47,8 @@ def test_a_joining_sequence_rebuilds_its_grammar_state_from_its_outputs():
     from llguidance import LLMatcher
 
     from lamina.engine.grammar import Grammars
-    from model.loader import load_tokenizer
-    from services.decode_runner import DecodeSeq
+    from lamina.model.loader import load_tokenizer
+    from lamina.services.decode_runner import DecodeSeq
 
     tok = load_tokenizer()[0]
     grammars = Grammars(tok)

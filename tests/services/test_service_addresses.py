@@ -11,9 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from lamina.commands.health import grpc_serving, http_ok, probe_target
-from services.addresses import advertised_host, host_port, with_host
-from services.config import ConfigError, load_config
-from services.runtime import ServiceRuntime
+from lamina.services.addresses import advertised_host, host_port, with_host
+from lamina.services.config import ConfigError, load_config
+from lamina.services.runtime import ServiceRuntime
 
 
 def _free_port() -> int:

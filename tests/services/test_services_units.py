@@ -7,17 +7,17 @@ import asyncio
 import pytest
 import torch
 
-from model.attention import batched_attention
-from model.config import ModelConfig
-from services.attention_core import AttentionCore
-from services.config import ConfigError, load_config
-from services.placement import head_range, place_request
-from services.protos import lamina_pb2
-from services.scheduler_state import Request, admission_order, can_admit, stop_reason
-from services.wire import (Attend, Kind, RemoteError, StoreKV, ack_frame, decode_tag, error_frame, expect,
+from lamina.model.attention import batched_attention
+from lamina.model.config import ModelConfig
+from lamina.services.attention_core import AttentionCore
+from lamina.services.config import ConfigError, load_config
+from lamina.services.placement import head_range, place_request
+from lamina.services.protos import lamina_pb2
+from lamina.services.scheduler_state import Request, admission_order, can_admit, stop_reason
+from lamina.services.wire import (Attend, Kind, RemoteError, StoreKV, ack_frame, decode_tag, error_frame, expect,
                            frame_tag, result_frame)
-from transports import Frame
-from transports.polling import default_budget_us
+from lamina.transports import Frame
+from lamina.transports.polling import default_budget_us
 
 CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=6,
                   num_kv_heads=3, head_dim=4)
@@ -51,8 +51,8 @@ def test_data_plane_settings_reach_the_transport_config(tmp_path):
 
 
 def test_weight_choices_are_the_loaders():
-    from model.packing import WEIGHT_CHOICES as LOADER_CHOICES
-    from services.config import WEIGHT_CHOICES
+    from lamina.model.packing import WEIGHT_CHOICES as LOADER_CHOICES
+    from lamina.services.config import WEIGHT_CHOICES
 
     assert WEIGHT_CHOICES == LOADER_CHOICES
     assert load_config(env={"LAMINA_WEIGHTS": "as_file"}).weights == "as_file"
@@ -226,8 +226,8 @@ def test_frames_round_trip_and_errors():
 
 
 def test_prefill_batches_take_waiting_prompts_up_to_the_token_limit():
-    from services.prefill_service import take_batch
-    from services.protos import lamina_pb2
+    from lamina.services.prefill_service import take_batch
+    from lamina.services.protos import lamina_pb2
 
     def req(n: int) -> lamina_pb2.PrefillRequest:
         return lamina_pb2.PrefillRequest(seq_id=f"s{n}", token_ids=list(range(n)))

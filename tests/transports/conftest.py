@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import transports
+from lamina import transports
 from transport_helpers import CONFORMANCE_SCHEMES, address_for
 
 

@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-import transports
-from transports import Frame
+from lamina import transports
+from lamina.transports import Frame
 
 
 async def sender(address: str) -> None:

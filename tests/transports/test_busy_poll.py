@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from transports import TransportConfig
-from transports.polling import DEFAULT_BUDGET_US, BusyPoll, default_budget_us
+from lamina.transports import TransportConfig
+from lamina.transports.polling import DEFAULT_BUDGET_US, BusyPoll, default_budget_us
 
 BUDGET = 50e-6
 PROBE = BusyPoll.PROBE_SCALE * BUDGET

@@ -13,12 +13,11 @@ import time
 import pytest
 import torch
 
-import transports
-from transports import (
+from lamina import transports
+from lamina.transports import (
     AuthError, Frame, FrameError, PeerClosed, TransportConfig, TransportTimeout,
 )
-import transports.frame
-from transports.frame import encode
+from lamina.transports.frame import encode
 
 from transport_helpers import address_for, open_fds, transport_tasks
 

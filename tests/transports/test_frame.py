@@ -11,8 +11,8 @@ import msgpack
 import pytest
 import torch
 
-from transports import Frame, FrameError
-from transports.frame import (
+from lamina.transports import Frame, FrameError
+from lamina.transports.frame import (
     MAX_NDIM, NATIVE, PREAMBLE_SIZE, WIRE_DTYPES, WIRE_VERSION, decode_preamble, encode,
     pack_user_header, parse_frame,
 )

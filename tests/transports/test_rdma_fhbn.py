@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from transports import FrameError, fhbn
-from transports.rdma import (
+from lamina.transports import FrameError, fhbn
+from lamina.transports.rdma import (
     QpParams, RecvWindow, SendWindow, SlabLayout, TRAILER_BYTES, VerbsEndpoint, device_availability,
 )
 

