@@ -62,7 +62,7 @@ def _rows_selector(rows: list[int]) -> slice | torch.Tensor:
 
 
 class AttentionPool:
-    def __init__(self, conns: list[transports.Connection], partition: str, cfg: ModelConfig,
+    def __init__(self, conns: list[transports.Connection | None], partition: str, cfg: ModelConfig,
                  q_early: bool = False, reply_timeout_s: float | None = None,
                  reconnect: Reconnect | None = None) -> None:
         self.conns = conns
@@ -101,7 +101,9 @@ class AttentionPool:
 
         A worker whose connection failed is looked up and connected again on the
         pool's next use of it, so a restarted worker (same index, new endpoint) is
-        found without restarting this process."""
+        found without restarting this process; so is a worker that joined the pool
+        after it started (an index past `attention.workers`: services/attention_members.py),
+        on the first use of that index."""
         workers = await wait_for_services(store, "attention", config.attention.workers)
         tcfg = config.transport_config()
 
@@ -119,12 +121,28 @@ class AttentionPool:
         for t in self._readers:
             t.cancel()
         await asyncio.gather(*self._readers, return_exceptions=True)
-        await asyncio.gather(*(c.close() for c in self.conns), return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in self.conns if c is not None), return_exceptions=True)
         self._fail_all(transports.TransportError("the attention pool is closed"))
 
+    def _grow(self, size: int) -> None:
+        """Room for workers up to index `size - 1`, each with no link yet: its first use
+        connects it (a worker that joined the pool after this process started)."""
+        if self.partition == "head":
+            raise transports.TransportError(f"attention worker {size - 1} is outside the pool of {len(self.conns)} "
+                                            "(head-level partitioning has a fixed pool)")
+        while len(self.conns) < size:
+            no_link = asyncio.get_running_loop().create_future()
+            no_link.set_result(None)  # a reader that has ended: _ensure_connected connects
+            self.conns.append(None)
+            self._readers.append(no_link)
+            self._reconnecting.append(asyncio.Lock())
+
     async def _ensure_connected(self, w: int) -> None:
-        """Connect worker `w` again if its link failed (one attempt per call; callers
-        fail their step on an error, and the scheduler decides what to retry)."""
+        """Connect worker `w` again if its link failed, or for the first time if it joined
+        the pool since (one attempt per call; callers fail their step on an error, and
+        the scheduler decides what to retry)."""
+        if w >= len(self.conns):
+            self._grow(w + 1)
         if not self._readers[w].done():
             return
         if self._reconnect is None:
@@ -137,7 +155,8 @@ class AttentionPool:
             except (OSError, asyncio.TimeoutError, transports.TransportError) as exc:
                 raise transports.TransportError(f"attention worker {w} unreachable: {exc}") from exc
             old, self.conns[w] = self.conns[w], conn
-            await asyncio.gather(old.close(), return_exceptions=True)
+            if old is not None:
+                await asyncio.gather(old.close(), return_exceptions=True)
             self._readers[w] = asyncio.create_task(self._read(w), name=f"attention-reader-{w}")
             self.reconnects += 1
             log.info("attention worker %d connected again", w)
@@ -148,7 +167,8 @@ class AttentionPool:
         reader = self._readers[w]
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
-        await asyncio.gather(self.conns[w].close(), return_exceptions=True)
+        if self.conns[w] is not None:
+            await asyncio.gather(self.conns[w].close(), return_exceptions=True)
         self._fail_all(transports.TransportError(str(reason)), worker=w)
 
     # -- replies ----------------------------------------------------------------------------

@@ -37,9 +37,11 @@ clear message naming the setting.
                                 # LAMINA_MODEL_THREADS
     pipeline: {micro_batches: 2, min_micro_batch: 16, q_early: false,
                mode: fixed}     # fixed: micro-batches per model worker; rotational: M + 1 over M workers
-    attention: {workers: 2, threads: 1, kv_capacity_bytes: 1073741824,
+    attention: {workers: 2, max_workers: 0, threads: 1, kv_capacity_bytes: 1073741824,
                 kv_quant: none}    # none | q4: KV rows stored 4-bit group-wise (docs/model.md);
-                                # workers: LAMINA_ATTENTION_WORKERS
+                                # workers: LAMINA_ATTENTION_WORKERS, started with; max_workers
+                                # (0: = workers): more may join the running stack up to it, and
+                                # leave (request partitioning); LAMINA_ATTENTION_MAX_WORKERS
     data_plane: {busy_poll_us: null, checksum_payloads: false, shm_ring_bytes: 16777216,
                  ucx_progress_mode: blocking, ucx_tls: null, native_frames: true}   # see docs/transports.md
     deadlines: {reply_s: 10, rpc_s: 30, step_s: 30, health_s: 2, recovery_s: 120}   # every wait on a peer (docs/reliability.md)
@@ -149,10 +151,19 @@ class PrefillSection:
 
 @dataclass(frozen=True)
 class AttentionSection:
-    workers: int = 2
+    workers: int = 2  # started with, and waited for, by the stack
+    # The most the pool takes: workers with indexes workers .. max_workers - 1 join the
+    # running stack when they register and leave when they deregister (request-level
+    # partitioning only). 0: the same as workers (a fixed pool).
+    max_workers: int = 0
     threads: int = 1
     kv_capacity_bytes: int = 1 << 30
     kv_quant: str = "none"  # q4: the KV pools hold 4-bit group-wise rows (model.kv_quant)
+
+    @property
+    def pool_limit(self) -> int:
+        """The most attention workers the pool takes (indexes below it)."""
+        return max(self.workers, self.max_workers)
 
 
 @dataclass(frozen=True)
@@ -272,6 +283,13 @@ class StackConfig:
                "must be lru, fifo or random", self.prefill.cache_eviction)
         _check(not self.prefill.cache_disk_bytes or bool(self.prefill.cache_dir), "prefill.cache_dir",
                "must be set when prefill.cache_disk_bytes > 0", self.prefill.cache_dir)
+        _check(isinstance(self.attention.max_workers, int) and (self.attention.max_workers == 0
+                                                                or self.attention.max_workers >= self.attention.workers),
+               "attention.max_workers", f"must be 0 (a fixed pool) or at least attention.workers "
+               f"({self.attention.workers})", self.attention.max_workers)
+        _check(self.partition != "head" or self.attention.pool_limit == self.attention.workers,
+               "attention.max_workers", "must be 0 under head-level partitioning (every worker holds a share of "
+               "every request's heads, so the pool cannot grow)", self.attention.max_workers)
         try:
             self.transport_config()
         except ValueError as exc:
@@ -351,6 +369,7 @@ ENV_OVERRIDES = {
     "LAMINA_PIPELINE": "pipeline.mode",
     "LAMINA_PREFILL_WORKERS": "prefill.workers",
     "LAMINA_ATTENTION_WORKERS": "attention.workers",
+    "LAMINA_ATTENTION_MAX_WORKERS": "attention.max_workers",
     "LAMINA_MODEL_THREADS": "model_worker.threads",
     "LAMINA_PREFILL_ROUTING": "prefill.routing",
     "LAMINA_PEER_FETCH": "prefill.peer_fetch",

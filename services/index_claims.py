@@ -54,9 +54,10 @@ class IndexClaim:
     """
 
     def __init__(self, redis_url: str, namespace: str, section: str, count: int, owner: str | None = None,
-                 ttl_s: float = CLAIM_TTL_S) -> None:
+                 ttl_s: float = CLAIM_TTL_S, limit_setting: str | None = None) -> None:
         self.section = section
         self.count = count
+        self.limit_setting = limit_setting or f"{section}.workers"  # named when every index is held
         self.owner = owner or default_owner()
         self.ttl_s = ttl_s
         self.index: int | None = None
@@ -107,7 +108,7 @@ class IndexClaim:
             if time.monotonic() >= deadline:
                 held = ", ".join(h or "-" for h in holders)
                 raise TimeoutError(f"every {self.section} index 0..{self.count - 1} is held by another worker "
-                                   f"({held}); raise {self.section}.workers to run more")
+                                   f"({held}); raise {self.limit_setting} to run more")
             # A lapsed claim is announced to no one (a key's expiry), so look again shortly.
             time.sleep(1.0)
 

@@ -95,6 +95,7 @@ class Stack:
         self.restart_policy = restart_policy
         self.given_up: GivenUp | None = None  # set by the supervisor when it gives up on a service
         self._env: dict[str, str] = {}
+        self._argv: tuple[list[str], list[str]] = ([], [])  # (python -m lamina.cli, --config FILE): start()
         self._supervisor: threading.Thread | None = None
         self._stop_supervising = threading.Event()
         self._supervisor_idle = threading.Event()  # set when it will start no more processes
@@ -114,8 +115,8 @@ class Stack:
             self.config = dataclasses.replace(self.config, cluster_token=secrets.token_urlsafe(32))
         cfg_path = self._dir / "stack.yaml"  # in a 0700 directory: it holds the token
         cfg_path.write_text(yaml.safe_dump(self.config.to_dict()))
-        base = [sys.executable, "-m", "lamina.cli"]
-        common = ["--config", str(cfg_path)]
+        self._argv = ([sys.executable, "-m", "lamina.cli"], ["--config", str(cfg_path)])
+        base, common = self._argv
         self._env = child_env({**os.environ, "PYTHONUNBUFFERED": "1"})  # the services end with this process
         try:
             for name, service_id, command in service_commands(self.config):
@@ -203,6 +204,17 @@ class Stack:
         finally:
             self._supervisor_idle.set()
             self._supervisor_release.wait()
+
+    def add(self, name: str, command: list[str], service_id: str | None = None) -> None:
+        """Start one more service process with the stack's configuration, e.g. an attention
+        worker joining an elastic pool (`["attention", "--index", "2"]` under
+        attention.max_workers); it is stopped with the others."""
+        if any(sp.name == name for sp in self.processes):
+            raise ValueError(f"the stack already has a service named {name}")
+        base, common = self._argv
+        sp = ServiceProcess(name, base + command + common, service_id=service_id, command=command)
+        self._spawn(sp)
+        self.processes.append(sp)
 
     def restart(self, name: str) -> None:
         """Start service process `name` (e.g. prefill-0) again after it ended or was killed,

@@ -38,6 +38,7 @@ from lamina.services.config import StackConfig
 from lamina.services.prefill_routing import PrefillLoad, choose, matched_tokens
 from lamina.services.prefix_fetch_policy import FetchPlan, plan_fetch
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
+from lamina.services.runtime import refresh_every_half_ttl
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +121,7 @@ class PrefillClients:
 
     async def watch(self) -> None:
         """Refresh every half service TTL, for as long as the scheduler runs."""
-        interval = max(self.store.config.service_ttl_s / 2, 0.5)
-        while True:  # a periodic timer: leases expire on Redis's clock, nothing here signals it
-            await asyncio.sleep(interval)
-            try:
-                await self.refresh()
-            except Exception as exc:  # noqa: BLE001 - the next round tries again
-                log.warning("refreshing the prefill workers failed: %s", exc)
+        await refresh_every_half_ttl(self.store, self.refresh, "prefill workers")
 
     async def route(self, token_ids: list[int]) -> tuple[int, int, FetchPlan | None] | None:
         """(worker index, prompt tokens it is expected to hold, the peer prefix it should

@@ -159,6 +159,19 @@ async def abort_for_remote_error(context: grpc.aio.ServicerContext, exc: Excepti
     await context.abort(grpc.StatusCode.UNAVAILABLE, f"attention worker unreachable: {exc}")
 
 
+async def refresh_every_half_ttl(store: MetadataStore, refresh: Callable[[], Awaitable[None]], what: str) -> None:
+    """Run `refresh` every half service TTL for as long as the caller's task runs: a
+    periodic timer, since leases expire on Redis's clock and nothing here signals it. A
+    failed round is logged; the next one tries again."""
+    interval = max(store.config.service_ttl_s / 2, 0.5)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await refresh()
+        except Exception as exc:  # noqa: BLE001 - the next round tries again
+            log.warning("refreshing the %s failed: %s", what, exc)
+
+
 async def wait_for_services(store: MetadataStore, kind: str, count: int, timeout_s: float = 120.0) -> list:
     """The first `count` registered services of `kind`, ordered by id; waits for them
     by following the metadata store's events (re-listing on each event)."""

@@ -51,10 +51,11 @@ from lamina.services.channels import open_channel
 from lamina.services.choices import choice_id, choice_seed, reserve_tokens
 from lamina.services.config import StackConfig
 from lamina.services.journal import Journal
+from lamina.services.attention_members import membership
 from lamina.services.placement import place_request
 from lamina.services.prefill_clients import PrefillClients
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
-from lamina.services.runtime import ServiceRuntime, wait_for_services
+from lamina.services.runtime import ServiceRuntime, refresh_every_half_ttl, wait_for_services
 from lamina.services.sampling_wire import join_history, logprobs_of
 from lamina.services.micro_batches import join_target
 from lamina.services.rotation import coordinator
@@ -102,8 +103,8 @@ class SchedulerService:
         self.groups: dict[str, list[Request]] = {}
         # Tokens reserved on each attention worker: prompt + max_tokens of every placed
         # request, so a request admitted now can always finish without running out of KV.
-        self.reserved_tokens = [0] * config.attention.workers
-        self.capacity_tokens = [0] * config.attention.workers
+        self.reserved_tokens: list[int] = []  # per attention worker; sized in run() (_grow_attention)
+        self.capacity_tokens: list[int] = []
         self.num_prefilling = 0
         self.num_steps = 0
         self.sum_batch = 0
@@ -118,6 +119,10 @@ class SchedulerService:
         # their requests were moved away).
         self._orphans: dict[int, set[str]] = {}
         self._attention_grpc: list[str] = []  # each attention worker's gRPC address in use
+        self.attention_stubs: list[lamina_pb2_grpc.AttentionControlStub | None] = []
+        # Pool members whose registration is gone (stopped, or never registered below the
+        # highest index): no new request is placed there (services/attention_members.py).
+        self._attention_left: set[int] = set()
         # One channel per prefill worker; each prompt goes to the one services.prefill_routing picks.
         self.prefills = PrefillClients(config, self.runtime.store, self._channel)
         r = self.runtime.registry
@@ -125,6 +130,8 @@ class SchedulerService:
         self.m_running = prometheus_client.Gauge("lamina_scheduler_running", "requests decoding", registry=r)
         self.m_finished = prometheus_client.Counter("lamina_scheduler_finished", "requests finished", ["reason"],
                                                     registry=r)
+        self.m_attention = prometheus_client.Gauge(
+            "lamina_scheduler_attention_workers", "attention workers requests are placed on", registry=r)
         self.m_recovered = prometheus_client.Counter(
             "lamina_scheduler_rebuilds", "requests whose KV was rebuilt after a worker failed", ["stage"], registry=r)
 
@@ -247,13 +254,17 @@ class SchedulerService:
         """Reserve room for the request's KV (its choices' included) on workers with
         room (of `capacity`, default every worker's); False when none has it now."""
         need = req.reserve_tokens
-        workers = place_request(self.config.partition, self.reserved_tokens, capacity or self.capacity_tokens, need)
+        workers = place_request(self.config.partition, self.reserved_tokens, capacity or self._placeable(), need)
         if workers is None:
             return False
         req.workers, req.reserved = workers, need
         for w in workers:
             self.reserved_tokens[w] += need
         return True
+
+    def _placeable(self) -> list[int]:
+        """Each attention worker's KV capacity in tokens, 0 for one that left the pool."""
+        return [0 if w in self._attention_left else c for w, c in enumerate(self.capacity_tokens)]
 
     async def _prefill(self, req: Request) -> None:
         try:
@@ -533,7 +544,7 @@ class SchedulerService:
         log.warning("freeing %d request(s) left by a previous scheduler", len(ids))
         kv_ids = [kv_id(rid, n) for rid in ids for n in range(_MAX_RECOVERIES + 1)]
         await asyncio.gather(*(stub.Free(lamina_pb2.FreeRequest(seq_ids=kv_ids), timeout=self.config.deadlines.rpc_s)
-                               for stub in self.attention_stubs), return_exceptions=True)
+                               for stub in self.attention_stubs if stub is not None), return_exceptions=True)
         await store.write_journal([], {}, ids)
         for rid in ids:
             await store.delete_placement(rid)
@@ -590,7 +601,7 @@ class SchedulerService:
     async def _rebuild(self, req: Request) -> None:
         """One attempt: place on healthy workers, recompute the KV, rejoin decode."""
         healthy = await self._probe_attention()
-        capacity = [c if ok else 0 for c, ok in zip(self.capacity_tokens, healthy)]
+        capacity = [c if ok else 0 for c, ok in zip(self._placeable(), healthy)]
         if not self._place(req, capacity):
             down = [w for w, ok in enumerate(healthy) if not ok]
             raise _NotYet(f"attention worker(s) {down} down and no other with room")
@@ -627,11 +638,13 @@ class SchedulerService:
         with contextlib.suppress(Exception):
             for info in await self.runtime.store.list_services("attention"):
                 w = int(info.service_id.rsplit("-", 1)[1])
-                if w < len(self.attention_stubs) and info.meta.get("grpc") != self._attention_grpc[w]:
+                if w < len(self.attention_stubs) and self.attention_stubs[w] is not None \
+                        and info.meta.get("grpc") != self._attention_grpc[w]:
                     self._attention_grpc[w] = info.meta["grpc"]
                     self.attention_stubs[w] = lamina_pb2_grpc.AttentionControlStub(self._channel(info.meta["grpc"]))
-        stats = await asyncio.gather(*(stub.Stats(lamina_pb2.Empty(), timeout=d.health_s)
-                                       for stub in self.attention_stubs), return_exceptions=True)
+        stats = await asyncio.gather(*(stub.Stats(lamina_pb2.Empty(), timeout=d.health_s) if stub is not None
+                                       else _no_worker(w) for w, stub in enumerate(self.attention_stubs)),
+                                     return_exceptions=True)
         healthy = []
         for w, st in enumerate(stats):
             ok = not isinstance(st, BaseException)
@@ -644,6 +657,43 @@ class SchedulerService:
                     ok = False
             healthy.append(ok)
         return healthy
+
+    async def _refresh_attention(self) -> None:
+        """Bring the pool in line with the registered attention workers: one that
+        registered (a new index up to attention.max_workers, or a left one back) joins
+        once it answers Stats, one whose registration is gone leaves (its requests stay
+        until a step to it fails; then they are rebuilt like any worker's)."""
+        infos = await self.runtime.store.list_services("attention")
+        present = {w: a for w, a in enumerate(self._attention_grpc) if w not in self._attention_left}
+        change = membership(present, [(i.service_id, i.meta.get("grpc", "")) for i in infos],
+                            self.config.attention.pool_limit)
+        for w in sorted(change.left):
+            self._attention_left.add(w)
+            log.info("attention worker %d left the pool (its registration ended)", w)
+        for w, address in change.joined.items():
+            stub = lamina_pb2_grpc.AttentionControlStub(self._channel(address))
+            try:
+                stats = await stub.Stats(lamina_pb2.Empty(), timeout=self.config.deadlines.health_s)
+            except grpc.aio.AioRpcError as exc:
+                log.info("attention worker %d at %s registered but does not answer yet (%s)", w, address,
+                         exc.code().name)
+                continue
+            self._grow_attention(w + 1)
+            self.attention_stubs[w], self._attention_grpc[w] = stub, address
+            self.capacity_tokens[w] = stats.capacity_tokens
+            self._attention_left.discard(w)
+            log.info("attention worker %d is in the pool at %s (%d tokens of KV)", w, address, stats.capacity_tokens)
+        self.m_attention.set(len(self.attention_stubs) - len(self._attention_left))
+
+    def _grow_attention(self, size: int) -> None:
+        """Room for attention workers up to index `size - 1`; a new slot has left the
+        pool until its worker joins."""
+        while len(self.attention_stubs) < size:
+            self._attention_left.add(len(self.attention_stubs))
+            self.attention_stubs.append(None)
+            self._attention_grpc.append("")
+            self.capacity_tokens.append(0)
+            self.reserved_tokens.append(0)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         """A channel to a service of the stack, closed with the scheduler."""
@@ -722,17 +772,26 @@ class SchedulerService:
     async def run(self) -> None:
         rt = self.runtime
         store = rt.store
-        attn = await wait_for_services(store, "attention", self.config.attention.workers)
+        await wait_for_services(store, "attention", self.config.attention.workers)
         prefills = await wait_for_services(store, "prefill", self.config.prefill.workers)
         models = await wait_for_services(store, "model", self.config.model_worker.workers)
-        self._attention_grpc = [a.meta["grpc"] for a in attn]
         self._channels = []
-        self.attention_stubs = [lamina_pb2_grpc.AttentionControlStub(self._channel(a.meta["grpc"])) for a in attn]
+        # Every registered worker, by index: the first attention.workers, and in an
+        # elastic pool any that joined before this scheduler started.
+        registered = membership({}, [(i.service_id, i.meta.get("grpc", ""))
+                                     for i in await store.list_services("attention")],
+                                self.config.attention.pool_limit).joined
+        self.capacity_tokens, self.reserved_tokens = [], []
+        self._grow_attention(max(self.config.attention.workers, max(registered, default=-1) + 1))
+        for w, address in registered.items():
+            self.attention_stubs[w] = lamina_pb2_grpc.AttentionControlStub(self._channel(address))
+            self._attention_grpc[w] = address
+            self.capacity_tokens[w] = (await self.attention_stubs[w].Stats(
+                lamina_pb2.Empty(), timeout=self.config.deadlines.rpc_s)).capacity_tokens
+            self._attention_left.discard(w)
+        self.m_attention.set(len(self.attention_stubs) - len(self._attention_left))
         self.prefills.connect(prefills)
         model_channels = [self._channel(m.endpoint) for m in models]
-        for w, stub in enumerate(self.attention_stubs):
-            self.capacity_tokens[w] = (await stub.Stats(lamina_pb2.Empty(),
-                                                        timeout=self.config.deadlines.rpc_s)).capacity_tokens
         stop = self._stop_rule = lamina_pb2.StopRule(eos_token_ids=sorted(self.eos_ids),
                                                      max_model_len=self.max_model_len)
         self.model_streams = [ModelStream(i, lamina_pb2_grpc.ModelWorkerStub(c), stop, self._on_decode_result,
@@ -745,6 +804,9 @@ class SchedulerService:
                        asyncio.create_task(self._watch_model_workers(), name="model-watchdog"),
                        asyncio.create_task(self._publish_placement_tokens(), name="placement-tokens"),
                        asyncio.create_task(self.prefills.watch(), name="prefill-watch")]
+        if self.config.attention.pool_limit > self.config.attention.workers:
+            self._tasks.append(asyncio.create_task(
+                refresh_every_half_ttl(store, self._refresh_attention, "attention workers"), name="attention-watch"))
         try:
             await rt.serve(lambda s: lamina_pb2_grpc.add_SchedulerServicer_to_server(_SchedulerServicer(self), s),
                            rebuild=self._republish)
@@ -809,3 +871,8 @@ def serve(config: StackConfig) -> None:
 
     transports.install_uvloop()
     asyncio.run(SchedulerService(config).run())
+
+
+async def _no_worker(w: int) -> None:
+    """Stats of a pool slot with no worker: fails like an unreachable one."""
+    raise ConnectionError(f"attention worker {w} has not joined the pool")

@@ -93,30 +93,42 @@ def add_indexed(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def run_indexed_service(args: argparse.Namespace, module: str, section: str, **extra: object) -> int:
-    """Like run_service, for `module.serve(config, threads, index)` with index < `section`.workers."""
+    """Like run_service, for `module.serve(config, threads, index)` with index < `section`.workers
+    (for attention workers, attention.max_workers when that is larger: services/attention_members.py)."""
     import importlib
 
     config = stack_config(args, **extra)
     if config is None:
         return 2
-    count = getattr(config, section).workers
+    count, limit_name = index_limit(config, section)
     serve = importlib.import_module(module).serve
     if args.index == "auto":
-        return _serve_with_claimed_index(config, section, count, lambda index: serve(config, args.threads, index))
+        return _serve_with_claimed_index(config, section, count, limit_name,
+                                         lambda index: serve(config, args.threads, index))
     if not 0 <= args.index < count:
-        print(f"lamina: --index must be below {section}.workers ({count})", file=sys.stderr)
+        print(f"lamina: --index must be below {limit_name} ({count})", file=sys.stderr)
         return 2
     serve(config, args.threads, args.index)
     return 0
 
 
-def _serve_with_claimed_index(config: StackConfig, section: str, count: int, serve: Callable[[int], None]) -> int:
+def index_limit(config: StackConfig, section: str) -> tuple[int, str]:
+    """(the indexes a worker of `section` may take, 0 .. n - 1; the setting that sets n):
+    attention.max_workers for an elastic attention pool, else `section`.workers."""
+    workers = getattr(config, section).workers
+    if section == "attention" and config.attention.pool_limit > workers:
+        return config.attention.pool_limit, "attention.max_workers"
+    return workers, f"{section}.workers"
+
+
+def _serve_with_claimed_index(config: StackConfig, section: str, count: int, limit_name: str,
+                              serve: Callable[[int], None]) -> int:
     from lamina.services.index_claims import IndexClaim
 
     if not config.redis_url:
         print("lamina: --index auto claims its index in Redis: set redis_url or REDIS_URL", file=sys.stderr)
         return 2
-    claim = IndexClaim(config.redis_url, config.namespace, section, count)
+    claim = IndexClaim(config.redis_url, config.namespace, section, count, limit_setting=limit_name)
     try:
         index = claim.acquire()
     except TimeoutError as exc:

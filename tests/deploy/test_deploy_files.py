@@ -97,6 +97,8 @@ def test_compose_commands_are_accepted_by_the_cli():
             replicas = int(_interpolate(service["deploy"]["replicas"]))
             indexes.setdefault(service["command"][0], []).extend(range(replicas))
             assert service["deploy"]["replicas"] == service["environment"]["LAMINA_ATTENTION_WORKERS"]
+            # the pool is elastic: `--scale attention=N` up to max_workers joins it
+            assert config.attention.pool_limit > config.attention.workers
         elif service["command"][0] in WORKER_SECTIONS:
             indexes.setdefault(service["command"][0], []).append(args.index)
             assert name == f"{service['command'][0]}-{args.index}"
@@ -184,6 +186,12 @@ def test_kubernetes_args_are_accepted_by_the_cli(tmp_path):
             # Ready once registered: the runtime sets its kind's health status (services/runtime.py).
             assert [p["grpc"].get("service", "") for p in probes] == [kind, kind, ""]
     _check_workers(config, indexes, "deploy/k8s")
+    # The autoscaler's range is what the elastic pool takes: from the count the stack
+    # waits for at start up to attention.max_workers.
+    (hpa,) = [doc for _, doc in documents if doc["kind"] == "HorizontalPodAutoscaler"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "attention"
+    assert hpa["spec"]["minReplicas"] == config.attention.workers
+    assert config.attention.workers < hpa["spec"]["maxReplicas"] <= config.attention.pool_limit
 
 
 def test_model_and_attention_workers_land_on_different_node_pools():

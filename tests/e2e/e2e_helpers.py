@@ -27,14 +27,15 @@ def start_stack(transport: str = "tcp", partition: str = "request", workers: int
                 q_early: bool = False, model_workers: int = 1, weights: str = StackConfig.weights,
                 deadlines: DeadlinesSection | None = None, supervise: bool = False,
                 prefill: PrefillSection | None = None, pipeline_mode: str = "fixed",
-                prefill_workers: int | None = None, **kw) -> Stack:
+                prefill_workers: int | None = None, attention_max_workers: int = 0, **kw) -> Stack:
     prefill = prefill or PrefillSection()
     if prefill_workers is not None:
         prefill = dataclasses.replace(prefill, workers=prefill_workers)
     config = StackConfig(transport=transport, partition=partition, weights=weights,
                          deadlines=deadlines or DeadlinesSection(), prefill=prefill,
                          gateway=GatewaySection(port=free_port(), **kw),
-                         attention=AttentionSection(workers=workers, kv_capacity_bytes=256 << 20),
+                         attention=AttentionSection(workers=workers, max_workers=attention_max_workers,
+                                                    kv_capacity_bytes=256 << 20),
                          model_worker=ModelWorkerSection(workers=model_workers),
                          # min_micro_batch 1: the few requests of a test still fill every micro-batch.
                          pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1,

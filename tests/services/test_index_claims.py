@@ -11,7 +11,7 @@ import pytest
 
 from lamina.kvstore.redis_server import EmbeddedRedis
 from lamina.commands import attention
-from lamina.commands._service_args import _serve_with_claimed_index
+from lamina.commands._service_args import _serve_with_claimed_index, index_limit
 from lamina.services.config import load_config
 from lamina.services.index_claims import IndexClaim, choose_index
 
@@ -105,8 +105,27 @@ def test_the_cli_accepts_auto_and_serves_with_the_claimed_index(redis_url, names
     assert other.acquire(wait_s=1) == 0
     served = []
     try:
-        assert _serve_with_claimed_index(config, "attention", 3, served.append) == 0
+        assert _serve_with_claimed_index(config, "attention", 3, "attention.workers", served.append) == 0
     finally:
         other.release()
     assert served == [1]
     assert _holders(redis_url, namespace, 3) == [None, None, None]  # the served worker released its claim on return
+
+
+def test_max_workers_raises_the_indexes_a_replica_may_claim(redis_url, namespace):
+    """With attention.max_workers above attention.workers a replica past the stack's
+    starting count claims the next index (it joins the running pool); past
+    max_workers it is refused, naming the setting to raise."""
+    config = load_config(env={"LAMINA_ATTENTION_WORKERS": "1", "LAMINA_ATTENTION_MAX_WORKERS": "2"})
+    assert index_limit(config, "attention") == (2, "attention.max_workers")
+    assert index_limit(config, "prefill") == (1, "prefill.workers")
+    assert index_limit(load_config(env={}), "attention") == (2, "attention.workers")
+    claims = [IndexClaim(redis_url, namespace, "attention", 2, owner=f"elsewhere:{i}", ttl_s=3,
+                         limit_setting="attention.max_workers") for i in range(3)]
+    try:
+        assert [c.acquire(wait_s=1) for c in claims[:2]] == [0, 1]
+        with pytest.raises(TimeoutError, match="raise attention.max_workers"):
+            claims[2].acquire(wait_s=0.5)
+    finally:
+        for c in claims[:2]:
+            c.release()
