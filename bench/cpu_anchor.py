@@ -257,7 +257,7 @@ def main() -> None:
     ap.add_argument("--llama-threads", type=int, default=2, help="llama-server --threads")
     ap.add_argument("--weights", default="as_file",
                     help="Lamina weights to run, comma-separated, side by side (as_file,float32,q8_0,q4)")
-    ap.add_argument("--engine-threads", default="1,2", help="compute threads of the local engine (model.threads.set_compute_threads), comma-separated")
+    ap.add_argument("--engine-threads", default="1,2", help="compute threads of the local engine (lamina.model.threads.set_compute_threads), comma-separated")
     ap.add_argument("--up-model-threads", default="default",
                     help="lamina up --model-threads values to run, comma-separated ('default': none given)")
     ap.add_argument("--skip-llama", action="store_true", help="run only the Lamina rows")

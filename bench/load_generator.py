@@ -28,7 +28,7 @@ install it in a virtualenv of its own, torch pinned as the Makefile pins it, e.g
 
 Without it the run is skipped with a message saying so (exit status 0, a JSON line with
 "skipped"). No model hub is needed: guidellm's tokenizer is the Hugging Face directory
-Lamina converted the GGUF checkpoint into (model.loader.resolve_checkpoint), and it runs
+Lamina converted the GGUF checkpoint into (lamina.model.loader.resolve_checkpoint), and it runs
 with HF_HUB_OFFLINE=1. Every process started here (lamina up and its services, guidellm
 and its workers) is stopped on the way out, also on Ctrl-C, SIGTERM or an error.
 

@@ -6,7 +6,7 @@ fused QKV [960, 576], O [576, 576], gate/up [3072, 576] and down [576, 1536] mat
 layer's own random weights, so that they are read from memory as in a real step, not from
 cache) are timed with:
 
-- `native`: model.quant's kernel over the packed weight (csrc/qmatmul.c);
+- `native`: lamina.model.quant's kernel over the packed weight (csrc/qmatmul.c);
 - `torch_f32`: torch's linear over the dequantized float32 weight (what the engine ran before);
 - `torch_int4pack`: torch's `_weight_int4pack_mm_for_cpu` (group-wise int4, tinygemm's
   (q - 8) * scale + zero form: Q4_0 is scale d, zero 0; Q4_1 scale d, zero m + 8d), with

@@ -4,7 +4,7 @@ measured one, on this machine, from a fresh `lamina profile`.
 Cases: SmolLM2-135M-Instruct (float32 weights and KV, the engine's default) at batch
 sizes 1 to 32 and prompts of 32 to 512 tokens; each case is the median CPU time of
 --steps pure-decode steps after one prefill step (bench/engine_throughput.py's
-decode_step_cpu), with one torch thread, against planner.estimate.decode_step for a
+decode_step_cpu), with one torch thread, against lamina.planner.estimate.decode_step for a
 colocated layout on `this-machine` (float32) at the same batch and mean context. The
 profile is measured first in this process (planner/profile.py, --quick: fewer repeats);
 its overhead terms are calibrated on the engine at other points (planner.profile.
@@ -54,7 +54,7 @@ def stack_cases(loaded, shape, catalogue, steps: int, batch: int = 32, context: 
         for micro in (1, 2):
             measured = run_stack(prompts, steps, "tcp", micro, False, 1, kv_bytes, "float32",
                                  attention_workers=attention_workers)["tok_s"]
-            # Every service on this host: the layout shares its cores (planner.perf.pipeline).
+            # Every service on this host: the layout shares its cores (lamina.planner.perf.pipeline).
             layout = Layout(THIS_MACHINE, 1, 1, THIS_MACHINE, attention_workers, micro, "head", FP32, FP32,
                             shared_host=True)
             step = decode_step(shape, layout, catalogue, batch, context + steps / 2)

@@ -1,11 +1,11 @@
 """The cluster part of bench/prefix_cache.py: the Kimi conversation trace through a
 stack with two prefill workers, one stack after the other with the same requests:
 
-    aware        routed by prefix (services.prefill_routing)
+    aware        routed by prefix (lamina.services.prefill_routing)
     round_robin  each worker in turn
     none         round robin with no prefix cache (every prompt token computed)
     round_robin_fetch  round robin, the chosen worker fetching a longer prefix from its
-                 peer (prefill.peer_fetch always; services.prefix_peers)
+                 peer (prefill.peer_fetch always; lamina.services.prefix_peers)
 
 The first three run with peer fetching off, so each is what its routing alone gives.
 

@@ -29,7 +29,7 @@ Key layout (NS = MetadataConfig.namespace, default "lamina"):
   NS:jrn:RID:out            list    its generated token ids, appended in batches
   NS:jrns                   set     request ids that have a journal entry
   NS:restarts               hash    service id -> how many times its launcher restarted
-                                    it (services.launcher.Stack, reset when a stack starts)
+                                    it (lamina.services.launcher.Stack, reset when a stack starts)
   NS:events                 channel pub/sub: JSON {"type": ..., ...} for every change
 
 Event types: service_registered, service_deregistered, blocks_stored, blocks_removed,
@@ -40,7 +40,7 @@ script where it depends on what is there (pruning an expired service, updating
 placements' token counts), so readers never see a half-applied change.
 
 Prefix blocks are owned by their node: only that node's publisher writes its entries
-(kvstore.block_publisher). They go when the node does: `list_services` finds a service
+(lamina.kvstore.block_publisher). They go when the node does: `list_services` finds a service
 whose hash expired (its lease lapsed without a heartbeat) and removes its id and its
 blocks in one script (so one that registered again meanwhile keeps both), a node that
 stops removes its own, and a node that starts (or finds Redis emptied) replaces its

@@ -1,7 +1,7 @@
 """Prefill that starts from cached prefix KV: the glue between a PrefixCache and the
 model, for prefill workers (and the benchmark and tests).
 
-The model's attention operators call an AttentionContext (model.attention); this one
+The model's attention operators call an AttentionContext (lamina.model.attention); this one
 holds one sequence's KV as [num_layers, 2, T, n_kv_heads, head_dim], with the cached
 prefix already in its first P positions, so only tokens P..T-1 run through the model.
 The KV it returns is exactly what `PrefixCache.insert` takes.

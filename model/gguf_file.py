@@ -21,7 +21,7 @@ from lamina.model.quant import PackedWeight, pack_gguf
 
 # Quantization types we dequantize (the `gguf` package implements them in numpy).
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-# Block types kept packed with `weights="as_file"`: GGUF type -> model.quant format.
+# Block types kept packed with `weights="as_file"`: GGUF type -> lamina.model.quant format.
 PACKED_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 
 _LAYER_NAMES = {

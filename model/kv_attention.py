@@ -4,12 +4,12 @@ Two ways KV is stored, one kernel (csrc/kv_attention.c, built into
 `model._kv_attention`; `NATIVE` is None where it could not be built, and the
 torch reference below runs instead, with the same results):
 
-- `slot_attention`: KV in a slab pool ([S, Hkv, D] per layer, kvstore.slab), each
+- `slot_attention`: KV in a slab pool ([S, Hkv, D] per layer, lamina.kvstore.slab), each
   sequence's keys named by their slots (a `SlotBatch`, built once per step and used
   for every layer): the attention workers' layout. The pool's rows may be 4-bit
-  packed (`packed`: uint8 [S, Hkv, row_bytes], model.kv_quant): the kernel decodes
+  packed (`packed`: uint8 [S, Hkv, row_bytes], lamina.model.kv_quant): the kernel decodes
   them a block of keys and one head at a time; the torch path decodes a sequence's
-  keys of the layer at once (the same floats, model.kv_quant) and attends as for
+  keys of the layer at once (the same floats, lamina.model.kv_quant) and attends as for
   float rows.
 - `BufferBatch`: each sequence's KV in a buffer of its own ([num_layers, 2, capacity,
   Hkv, D]: the local engine's layout), addressed once per step; it also appends the new
@@ -21,7 +21,7 @@ Both take the new tokens' queries of every sequence concatenated (q: [T, Hq, D],
 `query_lens` per sequence, T = sum(query_lens), Hq a multiple of Hkv) and return
 out [T, Hq, D] and, with `need_lse`, the log-sum-exp of the scaled scores lse [T, Hq]
 (float32; -inf for a query that saw no key, whose out is 0, so its partial combines as
-nothing: see model.attention.combine_partials). With `causal`, query i of a sequence of
+nothing: see lamina.model.attention.combine_partials). With `causal`, query i of a sequence of
 n queries and L keys sees keys 0 .. L - n + i (the queries are the last n keys);
 without, every key (Q-early's part over the KV held before the step).
 

@@ -50,7 +50,7 @@ class LoadedModel:
     weights_dir: Path  # the Hugging Face-layout directory the weights were read from
     load_seconds: float
     was_cached: bool  # False when this load converted a GGUF file
-    weights: str = "float32"  # the weights choice it was loaded with (model.packing.WEIGHT_CHOICES)
+    weights: str = "float32"  # the weights choice it was loaded with (lamina.model.packing.WEIGHT_CHOICES)
     weight_formats: dict[str, int] = field(default_factory=dict)  # packed format -> matrices in it
 
 
@@ -202,7 +202,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
                weights: str = "float32") -> LoadedModel:
     """Load a checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct).
 
-    weights: how the linears hold their weights (model.packing): "float32", "q8_0",
+    weights: how the linears hold their weights (lamina.model.packing): "float32", "q8_0",
     "q4" (group-wise min-max 4-bit), or "as_file" (a GGUF's own Q8_0 / Q4_0 / Q4_1
     blocks kept as they are; float checkpoints stay float32). Packed weights compute
     in float32: any other dtype needs weights="float32".

@@ -1,6 +1,6 @@
 """This process's compute threads: one setting for the packed products and torch's ops.
 
-The products (model.quant's native kernel) are nearly all of a decode step's work, and
+The products (lamina.model.quant's native kernel) are nearly all of a decode step's work, and
 they split their outputs over threads of their own. Torch's ops (norms' neighbours,
 SiLU, sampling, prefill attention) are small beside them and run on one thread: torch's
 OpenMP workers spin after each op, and on the cores the products' workers need that

@@ -59,7 +59,7 @@ class Device:
     # Measured too, for quantized choices: seconds per weight of the packed-weight kernel by
     # format ("q8_0", "q4_0", "q4_1") and batch size; seconds per KV element of attention
     # over q4 KV, and of quantizing a new K or V row. Where present they replace the
-    # generic dequantization-FLOP model (planner.perf.quantization).
+    # generic dequantization-FLOP model (lamina.planner.perf.quantization).
     packed_linear_s_per_param: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
     attention_q4_s_per_element: float | None = None
     kv_q4_quantize_s_per_element: float | None = None

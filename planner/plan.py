@@ -24,7 +24,7 @@ def unit_limit(layout: Layout, offer: HardwareOffer) -> int | None:
 def plan(shape: ModelShape, offer: HardwareOffer, catalogue: Mapping[str, Device], stats: WorkloadStats,
          targets: Targets = Targets(), quantize: str = "any", disaggregate: bool = True,
          decode_only: bool = False) -> list[Estimate]:
-    """Every layout that can run the workload, best first (see planner.rank)."""
+    """Every layout that can run the workload, best first (see lamina.planner.rank)."""
     estimates = []
     for layout in enumerate_layouts(shape, offer, catalogue, quantize, disaggregate):
         e = estimate(shape, layout, catalogue, stats, targets, unit_limit(layout, offer), decode_only)

@@ -6,7 +6,7 @@ bench/transport_pingpong.py; so it runs from a source checkout (bench/ beside pl
 Measured: the engine's matmul kernel over float32 and packed Q8_0, Q4_0 and Q4_1 weights at
 several batch sizes (each layer its own weights, so they are read from memory as in a
 decode step), decode attention over float32 and q4 KV at several batch sizes and contexts
-with the engine's kernel (model.kv_attention), the q4 quantization of new KV rows, a
+with the engine's kernel (lamina.model.kv_attention), the q4 quantization of new KV rows, a
 large tensor copy, and every transport's round trip and bandwidth (TCP's feed the models); then the engine's own decode step at two
 batch sizes, whose gap to the models' prediction from those kernels is the overhead of
 everything else in a layer (a per-layer and a per-token term). The result is a
@@ -57,7 +57,7 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-# The packed weight formats of model.quant that `model.weights` chooses from (q8_0; q4 is
+# The packed weight formats of lamina.model.quant that `model.weights` chooses from (q8_0; q4 is
 # Q4_1; as_file is the GGUF's own Q4_0, Q4_1 or Q8_0 blocks), measured beside float32.
 PACKED_FORMATS = ("q8_0", "q4_0", "q4_1")
 
@@ -93,7 +93,7 @@ _HEADS, _KV_HEADS, _HEAD_DIM = 9, 3, 64
 def measure_attention(cases: tuple[tuple[int, int], ...], repeats: int) -> dict[str, dict[str, float]]:
     """Per (batch, context): one layer of decode attention with the engine's kernel over
     float32 KV (the local engine's buffers) and over q4 KV (an attention worker's packed
-    slab pool, model.kv_quant), the float32 KV bytes/s and both times per KV element."""
+    slab pool, lamina.model.kv_quant), the float32 KV bytes/s and both times per KV element."""
     import torch
 
     from lamina.model.kv_attention import SlotBatch, buffer_attention, slot_attention
@@ -325,7 +325,7 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
             "value": statistics.median(v["q4_s_per_element"] for v in attention.values()) * 1e9,
             "source": f"{src}: median time per KV element of the engine's attention kernel over q4 KV, same cases"},
         "kv_q4_quantize_ns_per_element": {
-            "value": kv_quantize * 1e9, "source": f"{src}: model.kv_quant's quantization of new K or V rows"},
+            "value": kv_quantize * 1e9, "source": f"{src}: lamina.model.kv_quant's quantization of new K or V rows"},
     }
     overhead = measure_engine_overhead(entry, steps=3 if quick else 8)
     where = ", ".join(f"batch {b} x prompt {p}" for b, p in OVERHEAD_POINTS)

@@ -1,6 +1,6 @@
 """What a data-plane message must satisfy before an attention worker applies it.
 
-The worker decodes a frame into a typed message (services.wire, which refuses bad
+The worker decodes a frame into a typed message (lamina.services.wire, which refuses bad
 fields) and checks the message here, against its model's shape and its KV state,
 before anything changes. A message that fails raises RemoteError, whose code names
 the rule it broke, and leaves every sequence as it was: a hostile or broken frame

@@ -1,15 +1,15 @@
 """The attention worker's state and arithmetic, without I/O.
 
 Holds each sequence's K and V for the KV heads this worker owns in the
-token-granular slab allocator (kvstore.slab), and computes attention for the
+token-granular slab allocator (lamina.kvstore.slab), and computes attention for the
 rows it is sent: per frame, the new tokens' K and V go into the pools in one
-indexed write each, and one call of the batched kernel (model.kv_attention)
+indexed write each, and one call of the batched kernel (lamina.model.kv_attention)
 attends every sequence of the frame, reading the pools in place. The slots a
 micro-batch reads are concatenated once per step and kept while its sequences'
 slots do not change. The service wraps it in a transport listener and a gRPC
 control server.
 
-With `kv_quant="q4"` the pools hold 4-bit packed rows (model.kv_quant: codes and a
+With `kv_quant="q4"` the pools hold 4-bit packed rows (lamina.model.kv_quant: codes and a
 float16 min and scale per group of a token's head) instead of float32: every K and V
 that arrives (a step's new tokens, a prefill's STORE_KV) is quantized once as it is
 written, and the kernel decodes the rows block by block as it attends. Everything
@@ -25,7 +25,7 @@ What must hold: a sequence is decoded only after its prompt KV arrived whole
 tokens at layer 0 and writes them in every layer before the step's last frame.
 If a step dies midway the scheduler frees its sequences, so no half-written
 token is ever read by a later step. Every entry point first checks its message
-(services.attention_checks) and refuses, before any state changes, one that would
+(lamina.services.attention_checks) and refuses, before any state changes, one that would
 break these rules or does not fit the model's shape.
 """
 

@@ -2,7 +2,7 @@
 
 Data plane: a transport listener; each connection (a model or prefill worker)
 sends ATTEND (or ATTEND_Q then ATTEND_KV) and STORE_KV frames and gets RESULT, ACK
-or ERROR back, each echoing its request's tag (services.wire).
+or ERROR back, each echoing its request's tag (lamina.services.wire).
 Control plane: gRPC AttentionControl (Free, Stats, Fork) and health. Its occupancy is
 also written to the metadata store every second (`occupancy()`, NS:stats:attention:ID).
 """

@@ -4,7 +4,7 @@ A request asking for n > 1 choices runs as n sequences that share its prompt. Ch
 is admitted, placed and prefilled like any request; the prefill worker also samples
 the first token of choices 1..n-1 from the same logits, each with its own seed
 (PrefillRequest.choice_seeds), and the attention workers holding choice 0's prompt
-fork it for them (AttentionControl.Fork, kvstore.slab's fork: shared by reference,
+fork it for them (AttentionControl.Fork, lamina.kvstore.slab's fork: shared by reference,
 nothing copied), so the prompt is computed and stored once. From there each choice
 decodes, stops and is freed on its own; the scheduler's stream of the request carries
 every choice's tokens, each chunk naming its choice (TokenChunk.index).

@@ -4,7 +4,7 @@ prefix cache and the scheduler's queue and decode steps. The gateway's dashboard
 (`/dashboard`) shows the same object.
 
 A prefill worker's blocks per tier are counted from its block records in the metadata
-store (kvstore.block_publisher writes them); its prompt and cached tokens are the
+store (lamina.kvstore.block_publisher writes them); its prompt and cached tokens are the
 figures it publishes there every second.
 
 Read-only: it lists registrations and asks each service over gRPC (or the gateway over

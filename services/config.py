@@ -64,11 +64,11 @@ from lamina.services.addresses import WILDCARD_HOSTS, advertised_host
 TRANSPORTS = ("tcp", "ucx", "shm")
 PARTITIONS = ("request", "head")
 POLICIES = ("fcfs", "fpf", "relaxed_fpf")
-WEIGHT_CHOICES = ("float32", "q8_0", "q4", "as_file")  # model.packing.WEIGHT_CHOICES (tested equal)
-KV_QUANT_CHOICES = ("none", "q4")  # model.kv_quant.KV_QUANT_CHOICES (tested equal)
+WEIGHT_CHOICES = ("float32", "q8_0", "q4", "as_file")  # lamina.model.packing.WEIGHT_CHOICES (tested equal)
+KV_QUANT_CHOICES = ("none", "q4")  # lamina.model.kv_quant.KV_QUANT_CHOICES (tested equal)
 PIPELINE_MODES = ("fixed", "rotational")
-PREFILL_ROUTINGS = ("prefix", "round_robin")  # services.prefill_routing
-PEER_FETCH_MODES = ("auto", "always", "off")  # services.prefix_fetch_policy (tested equal)
+PREFILL_ROUTINGS = ("prefix", "round_robin")  # lamina.services.prefill_routing
+PEER_FETCH_MODES = ("auto", "always", "off")  # lamina.services.prefix_fetch_policy (tested equal)
 
 
 class ConfigError(ValueError):
@@ -110,7 +110,7 @@ class PipelineSection:
     q_early: bool = False  # send Q before K, V and combine partial attention by log-sum-exp
     # fixed: each model worker steps its own sequences in `micro_batches` micro-batches.
     # rotational: one model worker steps every sequence in M + 1 micro-batches (M model
-    # workers) and runs each slice on whichever of the M workers is free (services.rotation).
+    # workers) and runs each slice on whichever of the M workers is free (lamina.services.rotation).
     mode: str = "fixed"
 
 
@@ -126,17 +126,17 @@ class PrefillSection:
     cache_eviction: str = "lru"  # lru | fifo | random
     max_batch_tokens: int = 2048  # prompts waiting together run as one forward up to this many tokens
     batch_window_ms: float = 5.0  # how long a batch waits for more prompts before its forward
-    # Which prefill worker gets a prompt (services.prefill_routing): prefix: the one whose
+    # Which prefill worker gets a prompt (lamina.services.prefill_routing): prefix: the one whose
     # cached prefix of it (looked up in the metadata store) minus routing_load_weight x its
     # queued tokens is largest; round_robin: each in turn.
     routing: str = "prefix"
     routing_load_weight: float = 1.0
-    # Host and disk tiers hold group-wise 4-bit blocks (kvstore.quant); device stays full precision.
+    # Host and disk tiers hold group-wise 4-bit blocks (lamina.kvstore.quant); device stays full precision.
     cache_quantize_4bit: bool = False
     cache_quant_group_size: int = 64
     # A prompt's worker pulls the longer prefix another worker caches over the data plane
-    # (services.prefix_peers) instead of recomputing it: auto when the transfer is expected
-    # to be faster (services.prefix_fetch_policy), always, or off.
+    # (lamina.services.prefix_peers) instead of recomputing it: auto when the transfer is expected
+    # to be faster (lamina.services.prefix_fetch_policy), always, or off.
     peer_fetch: str = "auto"
     # The bandwidth assumed for a fetch until fetches have been measured (GB/s).
     peer_fetch_prior_gbps: float = 1.0
@@ -158,7 +158,7 @@ class AttentionSection:
     max_workers: int = 0
     threads: int = 1
     kv_capacity_bytes: int = 1 << 30
-    kv_quant: str = "none"  # q4: the KV pools hold 4-bit group-wise rows (model.kv_quant)
+    kv_quant: str = "none"  # q4: the KV pools hold 4-bit group-wise rows (lamina.model.kv_quant)
 
     @property
     def pool_limit(self) -> int:
@@ -203,7 +203,7 @@ class DeadlinesSection:
 @dataclass(frozen=True)
 class StackConfig:
     model: str | None = None
-    weights: str = "as_file"  # how model and prefill workers hold the linears (model.packing)
+    weights: str = "as_file"  # how model and prefill workers hold the linears (lamina.model.packing)
     redis_url: str | None = None
     namespace: str = "lamina"
     transport: str = "tcp"

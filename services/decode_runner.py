@@ -4,7 +4,7 @@ The scheduler streams batch changes (sequences joining with their whole state,
 sequences leaving); the runner keeps N micro-batch tasks, each running steps of its
 own sequences one after another and reporting each step's tokens. The tasks share
 one event loop: while one awaits its attention replies, another computes its slice,
-which is what staggers them (services.micro_batches decides who is in which).
+which is what staggers them (lamina.services.micro_batches decides who is in which).
 
 What must hold:
 - A sequence is in at most one step in flight: it belongs to one micro-batch, and
@@ -13,7 +13,7 @@ What must hold:
   steps, so once the scheduler reads `left` (or `finished`, or `failed`), no frame
   of that sequence is on its way to an attention worker and its KV can be freed.
 - The runner ends a sequence by the scheduler's own rule
-  (services.scheduler_state.stop_reason), so both agree on its last token.
+  (lamina.services.scheduler_state.stop_reason), so both agree on its last token.
 
 Owned tasks: the micro-batch tasks, cancelled and awaited by `close()`.
 """

@@ -1,7 +1,7 @@
 """The scheduler's request journal in the metadata store, written in batches.
 
 Each running request's prompt, sampling parameters (seed included) and generated
-tokens are kept in Redis (kvstore.metadata: NS:jrn:*), so a scheduler that starts
+tokens are kept in Redis (lamina.kvstore.metadata: NS:jrn:*), so a scheduler that starts
 after another died knows which requests that one left behind: it frees their KV on
 the attention workers and removes their placements and entries. Writes are
 batched: changes gather in memory and one transaction per `interval_s` applies

@@ -7,8 +7,8 @@ slice 0, then for every layer sends Q, K, V to the attention workers holding the
 micro-batch's KV and runs the next slice on their output; after the last slice it
 samples. Under `pipeline.mode: rotational` the scheduler sends every sequence to one
 worker, which runs each slice on whichever model worker is free (itself or a peer's
-slice service, services.slice_peers), and every worker serves slices to its peers
-(services.slice_server).
+slice service, lamina.services.slice_peers), and every worker serves slices to its peers
+(lamina.services.slice_server).
 
 The worker keeps each decoding sequence's latest token and position (sent whole
 when the sequence joins); its KV lives on the attention workers. When its stream

@@ -1,6 +1,6 @@
 """The scheduler's side of its prefill workers: one gRPC channel per worker, which of
 them answer, the prompt tokens each has been sent and not answered, and the routing of
-each prompt (the decision is services.prefill_routing's).
+each prompt (the decision is lamina.services.prefill_routing's).
 
 A worker whose call fails as a lost peer does is marked down and gets no prompt until
 `refresh` finds it registered at a new address (it restarted) or answering a health
@@ -10,10 +10,10 @@ comes back gets prompts again.
 
 `watch` (a task the scheduler owns) refreshes every half service TTL: listing the
 prefill services removes a dead worker's registration and its block records from the
-metadata store once its lease has expired (kvstore.metadata.list_services), and each
+metadata store once its lease has expired (lamina.kvstore.metadata.list_services), and each
 refresh reads the workers' published figures (forward rate, fetch bandwidth), by which
 `route` decides whether the chosen worker fetches a peer's longer prefix
-(services.prefix_fetch_policy) rather than computing it.
+(lamina.services.prefix_fetch_policy) rather than computing it.
 
 Ownership: channels are opened by the `open_channel` the scheduler passes (it closes
 them with its others). One asyncio loop uses this object; nothing here locks.
@@ -59,7 +59,7 @@ class _Worker:
     queued_tokens: int = 0
     last_chosen: int = -1
     data_address: str = ""  # where peers fetch prefix KV from it ("" without a prefix cache)
-    figures: dict | None = None  # its published stats (services.prefill_service.stats)
+    figures: dict | None = None  # its published stats (lamina.services.prefill_service.stats)
 
     def load(self) -> PrefillLoad:
         return PrefillLoad(self.name, self.alive and self.stub is not None, self.queued_tokens, self.last_chosen)

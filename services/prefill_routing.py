@@ -4,7 +4,7 @@ The scheduler gives it, for one prompt, every prefill worker's state (`PrefillLo
 alive or not, the prompt tokens it was sent and has not answered yet, when it was last
 chosen) and the tokens of the prompt each worker's prefix cache holds, counted by
 `matched_tokens` from the metadata store's block records (the prompt's chained block
-hashes, kvstore.block_hash, the keys the prefix caches use).
+hashes, lamina.kvstore.block_hash, the keys the prefix caches use).
 
 `prefix` routing picks the live worker with the highest
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-ROUTINGS = ("prefix", "round_robin")  # services.config.PREFILL_ROUTINGS (tested equal)
+ROUTINGS = ("prefix", "round_robin")  # lamina.services.config.PREFILL_ROUTINGS (tested equal)
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ The longest cached prefix of the prompt comes from the tiered prefix cache, so
 only the rest runs through the model (at least the last token, whose logits give
 the first output token); the prompt's full blocks are cached afterwards. The
 cache's blocks are published to the metadata store in batches by an owned
-BlockPublisher (kvstore.block_publisher), and withdrawn when the worker stops. When
+BlockPublisher (lamina.kvstore.block_publisher), and withdrawn when the worker stops. When
 the scheduler names a peer that caches a longer prefix (PrefillRequest.peer), the
 tokens past this worker's own prefix are fetched from that peer over the data plane
-(services.prefix_peers) instead of computed; this worker's data-plane listener
+(lamina.services.prefix_peers) instead of computed; this worker's data-plane listener
 answers its peers' fetches the same way. Prompt
 attention runs here, over a local token-granular store that lives only for the
 request; the KV of layer i is on its way to the attention workers while layer

@@ -3,7 +3,7 @@
 `PrefixServer` answers FETCH_PREFIX frames on a prefill worker's data-plane listener
 with the KV of the longest prefix of the asked tokens that its prefix cache holds, read
 from whichever tier holds each block (device, host or disk; 4-bit blocks dequantized)
-without moving any (kvstore.prefix_cache.read; the cache is thread-safe). It runs its
+without moving any (lamina.kvstore.prefix_cache.read; the cache is thread-safe). It runs its
 own event loop on a thread of its own (`start` / `stop`): the worker's own loop is held
 by each prefill forward, and a peer waiting for prefix KV must not wait for that
 forward too (torch and the socket calls release the GIL, so both proceed).

@@ -10,7 +10,7 @@ replaced by a new one, which Ray places again), `lamina status --port`, and the 
 order, gateway first. `stop()` then kills every actor, Redis's last, and disconnects.
 
 Ray itself ends the actors when this driver dies without stopping them (they are
-owned by it, not detached), and their processes end with them (services.ray_actors).
+owned by it, not detached), and their processes end with them (lamina.services.ray_actors).
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ class RayStack(Stack):
         """A new actor of `cls` named `name`, placed by `kind`'s resource."""
         import ray
 
-        # num_cpus=0: only the custom resource decides placement (services.ray_placement);
+        # num_cpus=0: only the custom resource decides placement (lamina.services.ray_placement);
         # max_restarts=0: the launcher's supervision restarts, not Ray.
         options = ray.remote(cls).options(name=name, num_cpus=0, max_restarts=0,
                                           resources=self.placement.resources(kind))

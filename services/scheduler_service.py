@@ -3,10 +3,10 @@
 Admission is an owned task: it takes waiting requests in the order of the
 configured policy (FCFS, Fastest-Prefix-First or Relaxed-FPF over the prefill
 workers' prefix caches), places them on attention workers, and has a prefill worker
-run them (which yields the first token): the one services.prefill_routing picks, by
+run them (which yields the first token): the one lamina.services.prefill_routing picks, by
 the prefix of the prompt each holds (the metadata store's block records) against the
-tokens queued there (services.prefill_clients). A prefilled request then joins
-the decode stream of the least loaded model worker (services.model_streams),
+tokens queued there (lamina.services.prefill_clients). A prefilled request then joins
+the decode stream of the least loaded model worker (lamina.services.model_streams),
 which steps it with the others in staggered micro-batches and streams its tokens
 back; the scheduler only sends joins and leaves. Prefill and decode run in
 different processes at the same time.
@@ -14,7 +14,7 @@ different processes at the same time.
 A request's KV is freed only once its model worker has released it (a stop rule,
 a leave, a failure), so no step in flight ever writes into freed KV.
 
-A request of n > 1 choices (services.choices) is admitted, placed and prefilled once,
+A request of n > 1 choices (lamina.services.choices) is admitted, placed and prefilled once,
 with room reserved for all its choices; after the prefill its attention workers fork
 the prompt's KV for choices 1..n-1, which then decode as requests of their own (ids
 `<id>/<i>`, each journaled and rebuilt alone after a failure) whose chunks share the
@@ -99,7 +99,7 @@ class SchedulerService:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
-        # Requests of n > 1 choices: their id -> the choices started so far (services.choices).
+        # Requests of n > 1 choices: their id -> the choices started so far (lamina.services.choices).
         self.groups: dict[str, list[Request]] = {}
         # Tokens reserved on each attention worker: prompt + max_tokens of every placed
         # request, so a request admitted now can always finish without running out of KV.
@@ -123,7 +123,7 @@ class SchedulerService:
         # Pool members whose registration is gone (stopped, or never registered below the
         # highest index): no new request is placed there (services/attention_members.py).
         self._attention_left: set[int] = set()
-        # One channel per prefill worker; each prompt goes to the one services.prefill_routing picks.
+        # One channel per prefill worker; each prompt goes to the one lamina.services.prefill_routing picks.
         self.prefills = PrefillClients(config, self.runtime.store, self._channel)
         r = self.runtime.registry
         self.m_waiting = prometheus_client.Gauge("lamina_scheduler_waiting", "requests waiting", registry=r)
@@ -345,7 +345,7 @@ class SchedulerService:
 
     async def _start_choices(self, req: Request, result: lamina_pb2.PrefillResult) -> bool:
         """Start the other choices of an n > 1 request from its prompt's KV, just
-        prefilled (services.choices): its attention workers fork that KV for them, then
+        prefilled (lamina.services.choices): its attention workers fork that KV for them, then
         each takes its first token from `result` and joins decode. False when the fork
         failed: `req` is then rebuilt (its choices start after that prefill) or ended."""
         if req.forked or not req.choice_seeds or req.abort_requested:
@@ -392,7 +392,7 @@ class SchedulerService:
     # -- decoding ---------------------------------------------------------------------------
     def _join_decode(self, req: Request) -> None:
         """Hand a prefilled request to the least loaded live model worker's decode
-        stream (rotational: the coordinator's, services.rotation); with none live, it
+        stream (rotational: the coordinator's, lamina.services.rotation); with none live, it
         waits (KV in place) for one to come back."""
         if req not in self.running:
             self.running.append(req)

@@ -36,7 +36,7 @@ class Request:
     max_model_len: int = 1 << 30
     recoveries: int = 0  # times its KV was rebuilt after a failure
     prompt_logprobs: bool = False  # its first prefill also scores the prompt's tokens (echo)
-    # Choices (services.choices): which one this is, and its request's id when it has several.
+    # Choices (lamina.services.choices): which one this is, and its request's id when it has several.
     index: int = 0
     group_id: str = ""
     # Choice 0 of an n > 1 request: the seeds of choices 1..n-1, forked from its prompt once

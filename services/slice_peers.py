@@ -1,6 +1,6 @@
 """A rotational coordinator's executors: itself and the peer model workers' slice services.
 
-`run(tag, j, inputs, attn, context)` claims a free executor (services.rotation's
+`run(tag, j, inputs, attn, context)` claims a free executor (lamina.services.rotation's
 policy: the one idle longest), runs slice j there and releases it. Each executor
 runs one slice at a time, so a peer's link carries one request at a time and its
 reply needs no matching beyond the tag check.

@@ -1,7 +1,7 @@
 """A model worker's slice service: runs single slices for a rotational coordinator.
 
 Under `pipeline.mode: rotational` every model worker listens on the data plane for
-SLICE frames (services.wire): one slice of one micro-batch's step, with the hidden
+SLICE frames (lamina.services.wire): one slice of one micro-batch's step, with the hidden
 state it needs (graph inputs, the previous attention output, the context). It runs
 the slice with its own copy of the weights and answers SLICE_OUT with the next
 attention's Q, K, V and the context, or the logits of the last slice. It keeps no

