@@ -6,7 +6,10 @@ writes are one synchronous ``sendmsg`` of [preamble+header, payload views...]
 the kernel buffer is full. Reads are push-driven by one reader callback that stays
 registered (see ``TcpConnection``): small frames land in a scratch buffer and preamble
 and header are parsed in place, so a small frame costs one ``recv`` and one task
-wake-up; large payloads are received straight into the destination tensor. The kernel's
+wake-up; large payloads are received straight into the destination tensor, with the
+socket's low-water mark (SO_RCVLOWAT) raised meanwhile so that the receiver wakes for
+megabytes rather than for each few segments (on two cores, waking per segment takes
+the CPU the sender needs: bench/transport_pingpong.py, docs/transports.md). The kernel's
 socket buffers and the bounded scratch buffer are the only queues: a slow receiver makes
 ``send`` wait (backpressure, no unbounded buffer).
 """
@@ -32,6 +35,10 @@ log = logging.getLogger(__name__)
 _SCRATCH = 256 * 1024
 _DIRECT = 64 * 1024  # payload remainders at least this large are received in place
 _IOV_MAX = 512
+# Bytes the kernel gathers before it wakes a large payload's receiver (at most what is
+# left of it, so that the last part wakes it too). 1 MiB: every 16 MiB round trip of the
+# benchmark at or above the raw socket's, against 75-93% with the default mark of 1.
+_LARGE_LOWAT = 1 << 20
 _PEER_GONE = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
 
@@ -83,6 +90,7 @@ class TcpConnection(StreamConnection):
         self._write_waiter: asyncio.Future | None = None
         self._error: TransportError | None = None  # EOF or socket error, seen by the callback
         self._eof = False
+        self._lowat = 1  # the socket's SO_RCVLOWAT; 0 where it cannot be set
         self._loop.add_reader(self._fd, self._on_readable)
         self._reading = True
 
@@ -149,10 +157,24 @@ class TcpConnection(StreamConnection):
                 break
             if n == dest.nbytes:
                 self._dest = None
+                self._set_lowat(1)  # the next frame may be a few bytes
                 self._wake_reader()
                 return
             dest = dest[n:]
         self._dest = dest
+        if dest.nbytes < self._lowat:
+            self._set_lowat(dest.nbytes)
+
+    def _set_lowat(self, n: int) -> None:
+        """Wake the reader callback only once `n` bytes are buffered (Linux also signals
+        at once when that many already are). Left at 1 where the option is refused."""
+        if self._lowat in (0, n):
+            return
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
+            self._lowat = n
+        except OSError:
+            self._lowat = 0
 
     def _wake_reader(self) -> None:
         w = self._waiter
@@ -314,6 +336,7 @@ class TcpConnection(StreamConnection):
                 return
             dest = dest[n:]
         self._dest = dest
+        self._set_lowat(min(dest.nbytes, _LARGE_LOWAT))
         try:
             while self._dest is not None:
                 self._check_readable(first, need - self._dest.nbytes, need)
@@ -321,6 +344,7 @@ class TcpConnection(StreamConnection):
                 await self._wait_readable()
         finally:
             self._dest = None
+            self._set_lowat(1)
 
 
     # ------------------------------------------------------------------ sending
