@@ -772,14 +772,15 @@ class SchedulerService:
     async def run(self) -> None:
         rt = self.runtime
         store = rt.store
-        await wait_for_services(store, "attention", self.config.attention.workers)
+        attn = await wait_for_services(store, "attention", self.config.attention.workers)
         prefills = await wait_for_services(store, "prefill", self.config.prefill.workers)
         models = await wait_for_services(store, "model", self.config.model_worker.workers)
         self._channels = []
-        # Every registered worker, by index: the first attention.workers, and in an
-        # elastic pool any that joined before this scheduler started.
-        registered = membership({}, [(i.service_id, i.meta.get("grpc", ""))
-                                     for i in await store.list_services("attention")],
+        # Every registered worker, by index: those waited for (even if one's entry lapsed
+        # since: a fixed pool has no watcher to bring it back), and in an elastic pool any
+        # that joined before this scheduler started (a newer address wins).
+        listed = [*attn, *await store.list_services("attention")]
+        registered = membership({}, [(i.service_id, i.meta.get("grpc", "")) for i in listed],
                                 self.config.attention.pool_limit).joined
         self.capacity_tokens, self.reserved_tokens = [], []
         self._grow_attention(max(self.config.attention.workers, max(registered, default=-1) + 1))
