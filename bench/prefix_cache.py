@@ -177,6 +177,9 @@ def main() -> None:
     ap.add_argument("--cluster-scale", type=int, default=32, help="divide every trace length by this")
     ap.add_argument("--cluster-max-prompt", type=int, default=1024)
     ap.add_argument("--cluster-concurrency", type=int, default=4)
+    ap.add_argument("--cluster-load-weight", type=float, default=None,
+                    help="prefill.routing_load_weight of the stacks (default: the configuration's, 1.0); "
+                         "0 routes by prefix alone")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out: dict = {}
@@ -195,7 +198,8 @@ def main() -> None:
               f"{platform.python_version()}, torch {torch.__version__}, load average {load[0]:.1f}")
         out["cluster"] = run_cluster(args.cluster_requests, args.cluster_offset, args.cluster_scale,
                                      args.cluster_max_prompt, args.cluster_concurrency,
-                                     sample=args.cluster_sample, min_turns=args.cluster_min_turns)
+                                     sample=args.cluster_sample, min_turns=args.cluster_min_turns,
+                                     load_weight=args.cluster_load_weight)
         out["machine"] = {"cpu": cpu_model(), "cores": os.cpu_count(), "load_before": load,
                           "load_after": os.getloadavg()}
         print(json.dumps(out))

@@ -27,6 +27,7 @@ first token (the one-token request's latency at the client, queueing included).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -133,7 +134,8 @@ ARMS = {"aware": ("prefix", True, "off"), "round_robin": ("round_robin", True, "
         "none": ("round_robin", False, "off"), "round_robin_fetch": ("round_robin", True, "always")}
 
 
-def run_arm(arm: str, prompts: list[list[int]], concurrency: int, workers: int) -> dict:
+def run_arm(arm: str, prompts: list[list[int]], concurrency: int, workers: int,
+            load_weight: float | None = None) -> dict:
     """One stack with `workers` prefill workers set up as `arm`; the replay's figures."""
     from serving import summary
 
@@ -142,6 +144,8 @@ def run_arm(arm: str, prompts: list[list[int]], concurrency: int, workers: int) 
 
     routing, cached, fetch = ARMS[arm]
     section = PrefillSection(workers=workers, routing=routing, peer_fetch=fetch)
+    if load_weight is not None:  # prefix routing's weight of queued tokens against matched ones
+        section = dataclasses.replace(section, routing_load_weight=load_weight)
     if not cached:
         section = PrefillSection(workers=workers, routing=routing, peer_fetch=fetch, cache_device_bytes=0)
     config = StackConfig(prefill=section,
@@ -176,7 +180,7 @@ def _free_port() -> int:
 
 
 def run_cluster(n: int, offset: int, scale: int, max_prompt: int, concurrency: int, workers: int = 2,
-                sample: str = "conversations", min_turns: int = 4) -> dict:
+                sample: str = "conversations", min_turns: int = 4, load_weight: float | None = None) -> dict:
     """Prints the workload and each arm's results; returns them with their ratios."""
     prompts = load_prompts(n, offset, scale, max_prompt, sample, min_turns)
     block = 512 // scale
@@ -195,7 +199,7 @@ def run_cluster(n: int, offset: int, scale: int, max_prompt: int, concurrency: i
           f"router computes less than {bound:.3f}x round robin's prefill tokens", flush=True)
     results = {}
     for arm in ARMS:
-        r = run_arm(arm, prompts, concurrency, workers)
+        r = run_arm(arm, prompts, concurrency, workers, load_weight)
         results[arm] = r
         print(f"  {arm:17s} computed {r['computed_tokens']:6d} of {r['prompt_tokens']} prompt tokens, hit ratio "
               f"{r['hit_ratio']:.4f}, fetched {r['fetched_tokens']}, TTFT p50 {r['ttft_p50_s']:.2f} s "
@@ -210,6 +214,7 @@ def run_cluster(n: int, offset: int, scale: int, max_prompt: int, concurrency: i
     return {"workload": {"trace": "kimi_conversation_trace", "sample": sample, "min_turns": min_turns,
                          "offset": offset, "requests": len(prompts), "scale": scale, "max_prompt": max_prompt,
                          "prompt_tokens": total, "concurrency": concurrency, "prefill_workers": workers,
+                         "routing_load_weight": load_weight,
                          "ideal_hit_ratio": ideal / total, "best_computed_ratio_any_router": bound},
             **results, "ratio": ratio,
             "targets_met": {"computed_0_6x": ratio["computed_tokens"] <= 0.6, "ttft_p50_lower": ratio["ttft_p50"] < 1}}
