@@ -30,7 +30,7 @@ from lamina.kvstore.metadata import MetadataStore
 from lamina.model.config import ModelConfig
 from lamina.services.config import StackConfig
 from lamina.services.placement import head_range
-from lamina.services.runtime import wait_for_services
+from lamina.services.runtime import workers_by_index
 from lamina.services.wire import Attend, Kind, RemoteError, StoreKV, Tag, expect, frame_tag
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,14 @@ def _rows_selector(rows: list[int]) -> slice | torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
+def _ended_reader() -> asyncio.Future:
+    """The reader of a worker with no link yet: one that has ended, so the first use of
+    the worker connects it (`_ensure_connected`)."""
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_result(None)
+    return fut
+
+
 class AttentionPool:
     def __init__(self, conns: list[transports.Connection | None], partition: str, cfg: ModelConfig,
                  q_early: bool = False, reply_timeout_s: float | None = None,
@@ -79,32 +87,36 @@ class AttentionPool:
         self._acks: dict[str, list[asyncio.Future]] = {}  # seq_id -> its workers' STORE_KV replies
         self.send_s = 0.0  # time in send calls: a figure for the pipeline's time shares
         self.reconnects = 0
-        self._readers = [asyncio.create_task(self._read(w), name=f"attention-reader-{w}")
-                         for w in range(len(conns))]
+        self._readers = [asyncio.create_task(self._read(w), name=f"attention-reader-{w}") if c is not None
+                         else _ended_reader() for w, c in enumerate(conns)]
 
     @classmethod
-    async def connect(cls, addresses: list[str], partition: str, cfg: ModelConfig,
+    async def connect(cls, addresses: list[str | None], partition: str, cfg: ModelConfig,
                       tcfg: transports.TransportConfig, q_early: bool = False, reply_timeout_s: float | None = None,
                       reconnect: Reconnect | None = None) -> AttentionPool:
-        conns: list[transports.Connection] = []
+        """One connection per address, in worker order; None: a worker not registered
+        now, connected (through `reconnect`) on its first use."""
+        conns: list[transports.Connection | None] = []
         try:
             for a in addresses:
-                conns.append(await transports.connect(a, tcfg))
+                conns.append(None if a is None else await transports.connect(a, tcfg))
         except BaseException:
-            await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+            await asyncio.gather(*(c.close() for c in conns if c is not None), return_exceptions=True)
             raise
         return cls(conns, partition, cfg, q_early, reply_timeout_s, reconnect)
 
     @classmethod
     async def from_registry(cls, store: MetadataStore, config: StackConfig, cfg: ModelConfig) -> AttentionPool:
-        """Connect to the configured number of attention workers, as registered in Redis.
+        """Connect to the attention workers registered in Redis, each under its own index,
+        once the configured number (`attention.workers`) is there.
 
         A worker whose connection failed is looked up and connected again on the
         pool's next use of it, so a restarted worker (same index, new endpoint) is
         found without restarting this process; so is a worker that joined the pool
         after it started (an index past `attention.workers`: services/attention_members.py),
         on the first use of that index."""
-        workers = await wait_for_services(store, "attention", config.attention.workers)
+        ac = config.attention
+        endpoints = await workers_by_index(store, "attention", ac.workers, ac.pool_limit, lambda info: info.endpoint)
         tcfg = config.transport_config()
 
         async def reconnect(w: int) -> transports.Connection:
@@ -113,7 +125,8 @@ class AttentionPool:
                 raise transports.TransportError(f"attention worker {w} is not registered (down or restarting)")
             return await asyncio.wait_for(transports.connect(info.endpoint, tcfg), config.deadlines.health_s)
 
-        return await cls.connect([w.endpoint for w in workers], config.partition, cfg, tcfg,
+        size = max(ac.workers, max(endpoints, default=-1) + 1)
+        return await cls.connect([endpoints.get(w) for w in range(size)], config.partition, cfg, tcfg,
                                  q_early=config.pipeline.q_early, reply_timeout_s=config.deadlines.reply_s,
                                  reconnect=reconnect)
 
@@ -131,10 +144,8 @@ class AttentionPool:
             raise transports.TransportError(f"attention worker {size - 1} is outside the pool of {len(self.conns)} "
                                             "(head-level partitioning has a fixed pool)")
         while len(self.conns) < size:
-            no_link = asyncio.get_running_loop().create_future()
-            no_link.set_result(None)  # a reader that has ended: _ensure_connected connects
             self.conns.append(None)
-            self._readers.append(no_link)
+            self._readers.append(_ended_reader())
             self._reconnecting.append(asyncio.Lock())
 
     async def _ensure_connected(self, w: int) -> None:

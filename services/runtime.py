@@ -22,8 +22,11 @@ import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from lamina.kvstore.metadata import REDIS_ERRORS, MetadataConfig, MetadataStore, RebuildHook, ServiceRegistration
+from lamina.kvstore.metadata import (
+    REDIS_ERRORS, MetadataConfig, MetadataStore, RebuildHook, ServiceInfo, ServiceRegistration,
+)
 from lamina.services.addresses import host_port
+from lamina.services.attention_members import membership
 from lamina.services.auth import server_interceptors
 from lamina.services.config import StackConfig
 
@@ -170,6 +173,17 @@ async def refresh_every_half_ttl(store: MetadataStore, refresh: Callable[[], Awa
             await refresh()
         except Exception as exc:  # noqa: BLE001 - the next round tries again
             log.warning("refreshing the %s failed: %s", what, exc)
+
+
+async def workers_by_index(store: MetadataStore, kind: str, count: int, limit: int,
+                           address: Callable[[ServiceInfo], str]) -> dict[int, str]:
+    """Index -> `address(info)` of the registered workers of `kind` with indexes below
+    `limit`, once `count` are registered: those waited for (even if one's entry lapsed
+    since) and any other registered by now (a newer address wins). By index, not by
+    position: in an elastic pool the first registered need not be 0 .. count - 1."""
+    waited = await wait_for_services(store, kind, count)
+    listed = [*waited, *await store.list_services(kind)]
+    return membership({}, [(i.service_id, address(i)) for i in listed], limit).joined
 
 
 async def wait_for_services(store: MetadataStore, kind: str, count: int, timeout_s: float = 120.0) -> list:

@@ -51,11 +51,11 @@ from lamina.services.channels import open_channel
 from lamina.services.choices import choice_id, choice_seed, reserve_tokens
 from lamina.services.config import StackConfig
 from lamina.services.journal import Journal
-from lamina.services.attention_members import membership
+from lamina.services.attention_members import membership, worker_index
 from lamina.services.placement import place_request
 from lamina.services.prefill_clients import PrefillClients
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
-from lamina.services.runtime import ServiceRuntime, refresh_every_half_ttl, wait_for_services
+from lamina.services.runtime import ServiceRuntime, refresh_every_half_ttl, wait_for_services, workers_by_index
 from lamina.services.sampling_wire import join_history, logprobs_of
 from lamina.services.micro_batches import join_target
 from lamina.services.rotation import coordinator
@@ -132,6 +132,7 @@ class SchedulerService:
                                                     registry=r)
         self.m_attention = prometheus_client.Gauge(
             "lamina_scheduler_attention_workers", "attention workers requests are placed on", registry=r)
+        self.m_attention.set_function(lambda: len(self.attention_stubs) - len(self._attention_left))
         self.m_recovered = prometheus_client.Counter(
             "lamina_scheduler_rebuilds", "requests whose KV was rebuilt after a worker failed", ["stage"], registry=r)
 
@@ -637,8 +638,8 @@ class SchedulerService:
         d = self.config.deadlines
         with contextlib.suppress(Exception):
             for info in await self.runtime.store.list_services("attention"):
-                w = int(info.service_id.rsplit("-", 1)[1])
-                if w < len(self.attention_stubs) and self.attention_stubs[w] is not None \
+                w = worker_index(info.service_id)
+                if w is not None and w < len(self.attention_stubs) and self.attention_stubs[w] is not None \
                         and info.meta.get("grpc") != self._attention_grpc[w]:
                     self._attention_grpc[w] = info.meta["grpc"]
                     self.attention_stubs[w] = lamina_pb2_grpc.AttentionControlStub(self._channel(info.meta["grpc"]))
@@ -671,19 +672,24 @@ class SchedulerService:
             self._attention_left.add(w)
             log.info("attention worker %d left the pool (its registration ended)", w)
         for w, address in change.joined.items():
-            stub = lamina_pb2_grpc.AttentionControlStub(self._channel(address))
             try:
-                stats = await stub.Stats(lamina_pb2.Empty(), timeout=self.config.deadlines.health_s)
+                await self._join_attention(w, address, self.config.deadlines.health_s)
             except grpc.aio.AioRpcError as exc:
                 log.info("attention worker %d at %s registered but does not answer yet (%s)", w, address,
                          exc.code().name)
                 continue
-            self._grow_attention(w + 1)
-            self.attention_stubs[w], self._attention_grpc[w] = stub, address
-            self.capacity_tokens[w] = stats.capacity_tokens
-            self._attention_left.discard(w)
-            log.info("attention worker %d is in the pool at %s (%d tokens of KV)", w, address, stats.capacity_tokens)
-        self.m_attention.set(len(self.attention_stubs) - len(self._attention_left))
+            log.info("attention worker %d is in the pool at %s (%d tokens of KV)", w, address,
+                     self.capacity_tokens[w])
+
+    async def _join_attention(self, w: int, address: str, timeout_s: float) -> None:
+        """Put attention worker `w`, at gRPC `address`, in the pool with the KV capacity
+        it reports; raises the Stats call's error when it does not answer."""
+        stub = lamina_pb2_grpc.AttentionControlStub(self._channel(address))
+        stats = await stub.Stats(lamina_pb2.Empty(), timeout=timeout_s)
+        self._grow_attention(w + 1)
+        self.attention_stubs[w], self._attention_grpc[w] = stub, address
+        self.capacity_tokens[w] = stats.capacity_tokens
+        self._attention_left.discard(w)
 
     def _grow_attention(self, size: int) -> None:
         """Room for attention workers up to index `size - 1`; a new slot has left the
@@ -772,25 +778,17 @@ class SchedulerService:
     async def run(self) -> None:
         rt = self.runtime
         store = rt.store
-        attn = await wait_for_services(store, "attention", self.config.attention.workers)
+        ac = self.config.attention
+        # By index (a fixed pool has no watcher to bring back one whose entry lapsed
+        # between the wait and a listing, so those waited for count).
+        registered = await workers_by_index(store, "attention", ac.workers, ac.pool_limit,
+                                            lambda info: info.meta.get("grpc", ""))
         prefills = await wait_for_services(store, "prefill", self.config.prefill.workers)
         models = await wait_for_services(store, "model", self.config.model_worker.workers)
         self._channels = []
-        # Every registered worker, by index: those waited for (even if one's entry lapsed
-        # since: a fixed pool has no watcher to bring it back), and in an elastic pool any
-        # that joined before this scheduler started (a newer address wins).
-        listed = [*attn, *await store.list_services("attention")]
-        registered = membership({}, [(i.service_id, i.meta.get("grpc", "")) for i in listed],
-                                self.config.attention.pool_limit).joined
-        self.capacity_tokens, self.reserved_tokens = [], []
-        self._grow_attention(max(self.config.attention.workers, max(registered, default=-1) + 1))
+        self._grow_attention(ac.workers)  # the slots of workers not registered yet: joined by the watcher
         for w, address in registered.items():
-            self.attention_stubs[w] = lamina_pb2_grpc.AttentionControlStub(self._channel(address))
-            self._attention_grpc[w] = address
-            self.capacity_tokens[w] = (await self.attention_stubs[w].Stats(
-                lamina_pb2.Empty(), timeout=self.config.deadlines.rpc_s)).capacity_tokens
-            self._attention_left.discard(w)
-        self.m_attention.set(len(self.attention_stubs) - len(self._attention_left))
+            await self._join_attention(w, address, self.config.deadlines.rpc_s)
         self.prefills.connect(prefills)
         model_channels = [self._channel(m.endpoint) for m in models]
         stop = self._stop_rule = lamina_pb2.StopRule(eos_token_ids=sorted(self.eos_ids),

@@ -50,3 +50,24 @@ def test_max_workers_is_a_limit_not_below_workers_and_not_with_head_partitioning
         load_config(env={"LAMINA_ATTENTION_MAX_WORKERS": "1"})  # below the 2 workers
     with pytest.raises(ConfigError, match="head-level"):
         load_config(env={"LAMINA_ATTENTION_MAX_WORKERS": "4", "LAMINA_PARTITION": "head"})
+
+
+async def test_registered_workers_are_read_by_index_not_by_position():
+    """In an elastic pool the first registered need not be 0 .. workers - 1: with
+    attention-0, attention-2 and attention-10 registered (limit 12), the pool's map
+    keeps each under its own index (a positional list would put attention-10, which sorts
+    before attention-2, at index 1, and send worker 1's frames there)."""
+    import uuid
+
+    from lamina.kvstore.metadata import MetadataConfig, MetadataStore
+    from lamina.kvstore.redis_server import EmbeddedRedis
+    from lamina.services.runtime import workers_by_index
+
+    with EmbeddedRedis() as server:
+        async with MetadataStore(MetadataConfig(url=server.url, namespace=f"t{uuid.uuid4().hex[:8]}")) as store:
+            for w in (0, 2, 10, 12):
+                await store.register_service("attention", f"attention-{w}", f"tcp://h:{w}", {"grpc": f"h:{100 + w}"})
+            by_endpoint = await workers_by_index(store, "attention", 2, 12, lambda info: info.endpoint)
+            by_grpc = await workers_by_index(store, "attention", 2, 12, lambda info: info.meta["grpc"])
+    assert by_endpoint == {0: "tcp://h:0", 2: "tcp://h:2", 10: "tcp://h:10"}  # 12 is past the limit
+    assert by_grpc == {0: "h:100", 2: "h:102", 10: "h:110"}
