@@ -169,18 +169,26 @@ def main() -> None:
     ap.add_argument("--cluster", action="store_true",
                     help="only the cluster comparison: 2 prefill workers, prefix routing against round robin, "
                          "no prefix cache, and round robin with peer fetching")
-    ap.add_argument("--cluster-requests", type=int, default=96, help="about this many requests")
+    ap.add_argument("--cluster-requests", type=int, default=100, help="about this many requests")
     ap.add_argument("--cluster-sample", choices=("conversations", "window"), default="conversations",
                     help="whole conversations of the trace, or a window of consecutive requests")
-    ap.add_argument("--cluster-min-turns", type=int, default=4, help="conversations with at least this many requests")
+    ap.add_argument("--cluster-min-turns", type=int, default=6, help="conversations with at least this many requests")
     ap.add_argument("--cluster-offset", type=int, default=0, help="first trace request of a window")
     ap.add_argument("--cluster-scale", type=int, default=32, help="divide every trace length by this")
-    ap.add_argument("--cluster-max-prompt", type=int, default=1024)
+    ap.add_argument("--cluster-max-prompt", type=int, default=2048)
     ap.add_argument("--cluster-concurrency", type=int, default=4)
     ap.add_argument("--cluster-load-weight", type=float, default=None,
-                    help="prefill.routing_load_weight of the stacks (default: the configuration's, 1.0); "
-                         "0 routes by prefix alone")
+                    help="prefill.routing_load_weight of the stacks (default: the configuration's, 0); "
+                         "1 weighs queued tokens 1:1 against held ones")
+    ap.add_argument("--cluster-min-gain", type=int, default=None,
+                    help="prefill.routing_min_gain_tokens of the stacks (default: the configuration's, 32)")
+    ap.add_argument("--cluster-arms", default=",".join(("aware", "round_robin", "none", "round_robin_fetch")),
+                    help="comma-separated arms to run (ratios need aware, round_robin and none)")
     args = ap.parse_args()
+    from prefix_cache_cluster import ARMS
+    unknown = set(args.cluster_arms.split(",")) - ARMS.keys()
+    if unknown:
+        ap.error(f"--cluster-arms: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(ARMS)}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out: dict = {}
     if args.cluster:
@@ -199,7 +207,8 @@ def main() -> None:
         out["cluster"] = run_cluster(args.cluster_requests, args.cluster_offset, args.cluster_scale,
                                      args.cluster_max_prompt, args.cluster_concurrency,
                                      sample=args.cluster_sample, min_turns=args.cluster_min_turns,
-                                     load_weight=args.cluster_load_weight)
+                                     load_weight=args.cluster_load_weight, min_gain=args.cluster_min_gain,
+                                     arms=tuple(args.cluster_arms.split(",")))
         out["machine"] = {"cpu": cpu_model(), "cores": os.cpu_count(), "load_before": load,
                           "load_after": os.getloadavg()}
         print(json.dumps(out))

@@ -135,7 +135,7 @@ ARMS = {"aware": ("prefix", True, "off"), "round_robin": ("round_robin", True, "
 
 
 def run_arm(arm: str, prompts: list[list[int]], concurrency: int, workers: int,
-            load_weight: float | None = None) -> dict:
+            load_weight: float | None = None, min_gain: int | None = None) -> dict:
     """One stack with `workers` prefill workers set up as `arm`; the replay's figures."""
     from serving import summary
 
@@ -146,6 +146,8 @@ def run_arm(arm: str, prompts: list[list[int]], concurrency: int, workers: int,
     section = PrefillSection(workers=workers, routing=routing, peer_fetch=fetch)
     if load_weight is not None:  # prefix routing's weight of queued tokens against matched ones
         section = dataclasses.replace(section, routing_load_weight=load_weight)
+    if min_gain is not None:  # prefix routing's least gain of a prefix worth following
+        section = dataclasses.replace(section, routing_min_gain_tokens=min_gain)
     if not cached:
         section = PrefillSection(workers=workers, routing=routing, peer_fetch=fetch, cache_device_bytes=0)
     config = StackConfig(prefill=section,
@@ -180,7 +182,8 @@ def _free_port() -> int:
 
 
 def run_cluster(n: int, offset: int, scale: int, max_prompt: int, concurrency: int, workers: int = 2,
-                sample: str = "conversations", min_turns: int = 4, load_weight: float | None = None) -> dict:
+                sample: str = "conversations", min_turns: int = 6, load_weight: float | None = None,
+                min_gain: int | None = None, arms: tuple[str, ...] = tuple(ARMS)) -> dict:
     """Prints the workload and each arm's results; returns them with their ratios."""
     prompts = load_prompts(n, offset, scale, max_prompt, sample, min_turns)
     block = 512 // scale
@@ -198,12 +201,19 @@ def run_cluster(n: int, offset: int, scale: int, max_prompt: int, concurrency: i
           f"1 model worker; ideal (one unbounded cache) hit ratio {ideal / total:.4f}; with unbounded caches no "
           f"router computes less than {bound:.3f}x round robin's prefill tokens", flush=True)
     results = {}
-    for arm in ARMS:
-        r = run_arm(arm, prompts, concurrency, workers, load_weight)
+    for arm in arms:
+        r = run_arm(arm, prompts, concurrency, workers, load_weight, min_gain)
         results[arm] = r
         print(f"  {arm:17s} computed {r['computed_tokens']:6d} of {r['prompt_tokens']} prompt tokens, hit ratio "
               f"{r['hit_ratio']:.4f}, fetched {r['fetched_tokens']}, TTFT p50 {r['ttft_p50_s']:.2f} s "
               f"p99 {r['ttft_p99_s']:.2f} s, {r['seconds']:.1f} s; per worker {r['per_worker']}", flush=True)
+    workload = {"trace": "kimi_conversation_trace", "sample": sample, "min_turns": min_turns,
+                "offset": offset, "requests": len(prompts), "scale": scale, "max_prompt": max_prompt,
+                "prompt_tokens": total, "concurrency": concurrency, "prefill_workers": workers,
+                "routing_load_weight": load_weight, "routing_min_gain_tokens": min_gain,
+                "ideal_hit_ratio": ideal / total, "best_computed_ratio_any_router": bound}
+    if not {"aware", "round_robin", "none"} <= results.keys():
+        return {"workload": workload, **results}  # some arms left out: no ratios
     aware, rr, none = results["aware"], results["round_robin"], results["none"]
     ratio = {"computed_tokens": aware["computed_tokens"] / rr["computed_tokens"],
              "ttft_p50": aware["ttft_p50_s"] / rr["ttft_p50_s"],
@@ -211,10 +221,5 @@ def run_cluster(n: int, offset: int, scale: int, max_prompt: int, concurrency: i
     print(f"  aware / round robin: computed tokens {ratio['computed_tokens']:.3f}x (target <= 0.6x), "
           f"TTFT p50 {ratio['ttft_p50']:.3f}x (target < 1); aware / none: computed tokens "
           f"{ratio['computed_tokens_vs_none']:.3f}x")
-    return {"workload": {"trace": "kimi_conversation_trace", "sample": sample, "min_turns": min_turns,
-                         "offset": offset, "requests": len(prompts), "scale": scale, "max_prompt": max_prompt,
-                         "prompt_tokens": total, "concurrency": concurrency, "prefill_workers": workers,
-                         "routing_load_weight": load_weight,
-                         "ideal_hit_ratio": ideal / total, "best_computed_ratio_any_router": bound},
-            **results, "ratio": ratio,
+    return {"workload": workload, **results, "ratio": ratio,
             "targets_met": {"computed_0_6x": ratio["computed_tokens"] <= 0.6, "ttft_p50_lower": ratio["ttft_p50"] < 1}}

@@ -24,12 +24,17 @@ clear message naming the setting.
     scheduler: {max_batch_size: 64, max_queue: 256, policy: fcfs}   # policy: fcfs | fpf | relaxed_fpf
     prefill: {workers: 1, threads: 1, cache_block_tokens: 16, cache_device_bytes: 268435456,
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru,
-              routing: prefix, routing_load_weight: 1.0, max_batch_tokens: 2048, batch_window_ms: 5.0,
+              routing: prefix, routing_load_weight: 0.0, routing_min_gain_tokens: 32,
+              routing_max_queue_gap_tokens: 4096,
+              max_batch_tokens: 2048, batch_window_ms: 5.0,
               cache_quantize_4bit: false, cache_quant_group_size: 64, peer_fetch: auto,
               peer_fetch_prior_gbps: 1.0}
                                 # workers: prefill processes prefill-0..P-1, each with its own cache
                                 # (cache_dir/prefill-I when P > 1); routing: prefix (the worker holding
-                                # the longest prefix, against its queued tokens) | round_robin;
+                                # the longest prefix among those queued at most
+                                # routing_max_queue_gap_tokens more than the least; a prefix no worker
+                                # holds routing_min_gain_tokens more of than the others counts for
+                                # nothing: the least loaded worker) | round_robin;
                                 # cache_quantize_4bit: host and disk tiers hold 4-bit blocks;
                                 # peer_fetch: auto (pull a peer's longer prefix when the measured
                                 # transfer beats recomputing it) | always | off (docs/kvstore.md)
@@ -126,11 +131,16 @@ class PrefillSection:
     cache_eviction: str = "lru"  # lru | fifo | random
     max_batch_tokens: int = 2048  # prompts waiting together run as one forward up to this many tokens
     batch_window_ms: float = 5.0  # how long a batch waits for more prompts before its forward
-    # Which prefill worker gets a prompt (lamina.services.prefill_routing): prefix: the one whose
-    # cached prefix of it (looked up in the metadata store) minus routing_load_weight x its
-    # queued tokens is largest; round_robin: each in turn.
+    # Which prefill worker gets a prompt (lamina.services.prefill_routing): prefix: among the
+    # workers queued at most routing_max_queue_gap_tokens more than the least queued one, the
+    # one whose cached prefix of it (looked up in the metadata store) minus routing_load_weight
+    # x its queued tokens is largest; a prefix no worker holds routing_min_gain_tokens more of
+    # than every other live worker counts for nothing (the least loaded takes the prompt).
+    # round_robin: each in turn.
     routing: str = "prefix"
-    routing_load_weight: float = 1.0
+    routing_load_weight: float = 0.0
+    routing_min_gain_tokens: int = 32
+    routing_max_queue_gap_tokens: int = 4096
     # Host and disk tiers hold group-wise 4-bit blocks (lamina.kvstore.quant); device stays full precision.
     cache_quantize_4bit: bool = False
     cache_quant_group_size: int = 64
@@ -236,6 +246,12 @@ class StackConfig:
                f"must be one of {', '.join(PREFILL_ROUTINGS)}", self.prefill.routing)
         _check(isinstance(self.prefill.routing_load_weight, (int, float)) and self.prefill.routing_load_weight >= 0,
                "prefill.routing_load_weight", "must be a non-negative number", self.prefill.routing_load_weight)
+        _check(isinstance(self.prefill.routing_min_gain_tokens, int) and self.prefill.routing_min_gain_tokens >= 0,
+               "prefill.routing_min_gain_tokens", "must be a non-negative integer",
+               self.prefill.routing_min_gain_tokens)
+        _check(isinstance(self.prefill.routing_max_queue_gap_tokens, int)
+               and self.prefill.routing_max_queue_gap_tokens >= 0, "prefill.routing_max_queue_gap_tokens",
+               "must be a non-negative integer", self.prefill.routing_max_queue_gap_tokens)
         _check(self.scheduler.policy in POLICIES, "scheduler.policy", f"must be one of {', '.join(POLICIES)}",
                self.scheduler.policy)
         _check(0 <= self.gateway.port < 65536, "gateway.port", "must be a TCP port", self.gateway.port)

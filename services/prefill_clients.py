@@ -15,6 +15,10 @@ refresh reads the workers' published figures (forward rate, fetch bandwidth), by
 `route` decides whether the chosen worker fetches a peer's longer prefix
 (lamina.services.prefix_fetch_policy) rather than computing it.
 
+Routing reads the store's block holders together with `claims` (lamina.services.prefix_claims):
+the blocks of prompts it routed that the store may not show yet, so a conversation's
+next turn sent while the turn before is still computing goes where that turn went.
+
 Ownership: channels are opened by the `open_channel` the scheduler passes (it closes
 them with its others). One asyncio loop uses this object; nothing here locks.
 """
@@ -36,6 +40,7 @@ from lamina.kvstore.metadata import REDIS_ERRORS, MetadataStore, ServiceInfo
 from lamina.kvstore.policies import MAX_DISTANCE
 from lamina.services.config import StackConfig
 from lamina.services.prefill_routing import PrefillLoad, choose, matched_tokens
+from lamina.services.prefix_claims import PrefixClaims
 from lamina.services.prefix_fetch_policy import FetchPlan, plan_fetch
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import refresh_every_half_ttl
@@ -47,6 +52,13 @@ _LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.St
          grpc.StatusCode.UNKNOWN)
 # Fewest seconds between two refreshes that `route` starts while a worker is down.
 _REFRESH_S = 1.0
+# How long a prompt's blocks stay claimed for its worker after it answered: the store
+# shows them within the worker publisher's batch interval (50 ms) and a write.
+_CLAIM_GRACE_S = 1.0
+# Half-life of a worker's recent work (the uncached tokens routed to it), by which new
+# conversations are dealt out: long enough to span several turns of the conversations
+# it holds, short enough that a burst long past does not count.
+_RECENT_HALF_LIFE_S = 30.0
 
 
 @dataclass
@@ -60,9 +72,19 @@ class _Worker:
     last_chosen: int = -1
     data_address: str = ""  # where peers fetch prefix KV from it ("" without a prefix cache)
     figures: dict | None = None  # its published stats (lamina.services.prefill_service.stats)
+    recent_tokens: float = 0.0  # uncached prompt tokens routed to it, decayed (as of recent_at)
+    recent_at: float = 0.0
 
-    def load(self) -> PrefillLoad:
-        return PrefillLoad(self.name, self.alive and self.stub is not None, self.queued_tokens, self.last_chosen)
+    def recent(self, now: float) -> float:
+        """Its recent work as of `now`."""
+        return self.recent_tokens * 0.5 ** ((now - self.recent_at) / _RECENT_HALF_LIFE_S)
+
+    def add_recent(self, tokens: int, now: float) -> None:
+        self.recent_tokens, self.recent_at = self.recent(now) + tokens, now
+
+    def load(self, now: float) -> PrefillLoad:
+        return PrefillLoad(self.name, self.alive and self.stub is not None, self.queued_tokens, self.last_chosen,
+                           self.recent(now))
 
 
 class PrefillClients:
@@ -75,6 +97,7 @@ class PrefillClients:
         self.workers = [_Worker(f"prefill-{i}") for i in range(pc.workers)]
         self._num_decisions = 0
         self._refreshed_at = 0.0
+        self.claims = PrefixClaims()  # blocks routed to a worker that the store may not show yet
 
     def connect(self, infos: list[ServiceInfo]) -> None:
         """Open a channel to each registered worker (at start)."""
@@ -129,17 +152,29 @@ class PrefillClients:
         if self.num_alive < len(self.workers) and time.monotonic() - self._refreshed_at >= _REFRESH_S:
             await self.refresh()
         pc = self.config.prefill
-        wants_matches = pc.routing == "prefix" or pc.peer_fetch != "off"
-        matched = await self._matched(token_ids) if wants_matches else {}
-        i = choose(pc.routing, [w.load() for w in self.workers], matched if pc.routing == "prefix" else {},
-                   pc.routing_load_weight)
+        wants_matches = (pc.routing == "prefix" or pc.peer_fetch != "off") and len(self.workers) > 1
+        hashes = block_hashes(token_ids[:-1], pc.cache_block_tokens) if wants_matches else []
+        holders = await self._holders(hashes) if wants_matches else []
+        matched = matched_tokens(holders, pc.cache_block_tokens)  # by the store: what a peer can serve
+        routing_matched: dict[str, int] = {}
+        now = time.monotonic()
+        if pc.routing == "prefix" and holders:
+            self.claims.prune(now)
+            claimed = self.claims.add_to(holders, hashes, (w.name for w in self.workers), now)
+            routing_matched = matched_tokens(claimed, pc.cache_block_tokens)
+        i = choose(pc.routing, [w.load(now) for w in self.workers], routing_matched,
+                   pc.routing_load_weight, pc.routing_min_gain_tokens, pc.routing_max_queue_gap_tokens)
         if i is None:
             return None
         self._num_decisions += 1
         w = self.workers[i]
         w.last_chosen = self._num_decisions
+        if pc.routing == "prefix" and wants_matches:
+            self.claims.claim(w.name, block_hashes(token_ids, pc.cache_block_tokens), now + self.config.deadlines.rpc_s)
         plan = self._plan_fetch(w, matched)
-        return i, plan.tokens if plan is not None else matched.get(w.name, 0), plan
+        held = plan.tokens if plan is not None else routing_matched.get(w.name, matched.get(w.name, 0))
+        w.add_recent(max(len(token_ids) - held, 1), now)
+        return i, held, plan
 
     def _plan_fetch(self, chosen: _Worker, matched: dict[str, int]) -> FetchPlan | None:
         pc = self.config.prefill
@@ -157,18 +192,15 @@ class PrefillClients:
         w = self._by_name(plan.peer)
         return lamina_pb2.PeerPrefix(node=plan.peer, address=w.data_address if w else "", tokens=plan.tokens)
 
-    async def _matched(self, token_ids: list[int]) -> dict[str, int]:
-        """Tokens of the prompt each worker holds (by the store; the last prompt token is
-        always computed, so its blocks are those of all tokens but the last)."""
-        if len(self.workers) == 1:
-            return {}  # one worker: nothing to choose
-        block_size = self.config.prefill.cache_block_tokens
+    async def _holders(self, hashes: list[str]) -> list[set[str]]:
+        """The workers holding each block, by the store (the last prompt token is always
+        computed, so a prompt's blocks are those of all its tokens but the last); none
+        when the store does not answer (then routing goes by load alone)."""
         try:
-            holders = await self.store.block_holders(block_hashes(token_ids[:-1], block_size))
+            return [set(h) for h in await self.store.block_holders(hashes)]
         except REDIS_ERRORS as exc:
             log.debug("prefix lookup failed (%s); routing by load alone", exc)
-            return {}
-        return matched_tokens(holders, block_size)
+            return []
 
     async def prefill(self, worker: int, request: lamina_pb2.PrefillRequest,
                       cached_tokens: int) -> lamina_pb2.PrefillResult:
@@ -187,6 +219,9 @@ class PrefillClients:
             raise
         finally:
             w.queued_tokens -= queued
+            if self.config.prefill.routing == "prefix" and len(self.workers) > 1:
+                self.claims.settle(w.name, block_hashes(list(request.token_ids), self.config.prefill.cache_block_tokens),
+                                   time.monotonic() + _CLAIM_GRACE_S)
 
     async def tier_distances(self, prompts: list[list[int]]) -> list[int] | None:
         """Each prompt's tier distance at the worker that holds it nearest (prefix-aware

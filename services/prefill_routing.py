@@ -6,18 +6,31 @@ chosen) and the tokens of the prompt each worker's prefix cache holds, counted b
 `matched_tokens` from the metadata store's block records (the prompt's chained block
 hashes, lamina.kvstore.block_hash, the keys the prefix caches use).
 
-`prefix` routing picks the live worker with the highest
+`prefix` routing considers the live workers whose queued tokens exceed the least
+queued worker's by at most `max_queue_gap` (the others are too busy to wait for,
+whatever they hold), and asks whether any of them holds a prefix of the prompt worth
+following: its `gain`, the tokens it holds beyond what every live worker holds, must
+reach `min_gain` tokens. If none does (a new conversation, or one whose only match is
+a prefix all workers share, such as a system prompt), the prompt has no home yet and
+goes to the one that was sent the least work lately (`recent_tokens`: the uncached
+prompt tokens routed to it, decayed over time by the caller), then fewest queued
+tokens, then the one chosen least recently, then the lowest index. So new
+conversations are dealt out by the work their workers' conversations bring, and the
+caches come to hold different ones. Otherwise it goes to the one with the highest
 
-    score(w) = matched_tokens(w) - load_weight x queued_tokens(w)
+    score(w) = gain(w) - load_weight x queued_tokens(w)
 
-Why this score: a prompt sent to w waits for the tokens queued there (computed before
-it, or in the same forward) and then computes its own tokens but those w has cached;
-with a forward's cost about linear in tokens that is queued(w) + n - matched(w), so with
-load_weight 1 the highest score is the earliest expected first token. A larger weight
-spreads prompts more evenly; 0 ignores load. Ties go to the worker with the fewest
-queued tokens, then to the one chosen least recently (so idle workers holding nothing
-of a prompt take turns, and their caches come to hold different prompts), then to the
-lowest index.
+with ties to the fewest queued tokens, the least recently chosen, the lowest index.
+
+Why these rules. A conversation's next turn finds its whole history on the worker that
+served the turn before, and nowhere else; sent elsewhere it recomputes that history
+there, and the turn after finds its prefix split over two workers. So a turn stays
+with its prefix unless the queue it would wait in is much longer (the gap), rather
+than whenever another queue is shorter by more than the prefix (load weight 1, the
+earliest first token of this prompt alone, counts none of the later turns' loss:
+docs/kvstore.md measures weights 0 to 1 on the Kimi trace). Without the `min_gain`
+rule the worker that holds only the shared first block of every prompt would win every
+new conversation by that one block, and take them all.
 
 `round_robin` routing (the baseline) picks the live worker chosen least recently.
 
@@ -41,6 +54,7 @@ class PrefillLoad:
     alive: bool = True
     queued_tokens: int = 0  # tokens of prompts sent to it and not answered, less what its cache held
     last_chosen: int = -1  # the number of the last routing decision that chose it (-1: never)
+    recent_tokens: float = 0.0  # uncached prompt tokens routed to it, decayed (the caller's half-life)
 
 
 def matched_tokens(holders: Sequence[Collection[str]], block_size: int) -> dict[str, int]:
@@ -58,18 +72,26 @@ def matched_tokens(holders: Sequence[Collection[str]], block_size: int) -> dict[
     return run
 
 
-def choose_by_prefix(workers: Sequence[PrefillLoad], matched: Mapping[str, int], load_weight: float) -> int | None:
-    """Index (into `workers`) of the worker the prompt goes to; None when none is alive."""
+def choose_by_prefix(workers: Sequence[PrefillLoad], matched: Mapping[str, int], load_weight: float = 0.0,
+                     min_gain: int = 0, max_queue_gap: int | None = None) -> int | None:
+    """Index (into `workers`) of the worker the prompt goes to; None when none is alive.
+    `max_queue_gap` None: no worker is too busy."""
     live = [i for i, w in enumerate(workers) if w.alive]
     if not live:
         return None
+    common = min(matched.get(workers[i].name, 0) for i in live)  # tokens every live worker holds
+    least = min(workers[i].queued_tokens for i in live)
+    near = [i for i in live if max_queue_gap is None or workers[i].queued_tokens - least <= max_queue_gap]
+    gain = {i: matched.get(workers[i].name, 0) - common for i in near}
+    homed = max(gain.values()) >= max(min_gain, 1)
 
-    def rank(i: int) -> tuple[float, int, int, int]:
+    def rank(i: int) -> tuple[float, float, int, int, int]:
         w = workers[i]
-        score = matched.get(w.name, 0) - load_weight * w.queued_tokens
-        return (-score, w.queued_tokens, w.last_chosen, i)
+        if homed:
+            return (-(gain[i] - load_weight * w.queued_tokens), 0.0, w.queued_tokens, w.last_chosen, i)
+        return (0.0, w.recent_tokens, w.queued_tokens, w.last_chosen, i)
 
-    return min(live, key=rank)
+    return min(near, key=rank)
 
 
 def choose_round_robin(workers: Sequence[PrefillLoad]) -> int | None:
@@ -80,9 +102,10 @@ def choose_round_robin(workers: Sequence[PrefillLoad]) -> int | None:
     return min(live, key=lambda i: (workers[i].last_chosen, i))
 
 
-def choose(routing: str, workers: Sequence[PrefillLoad], matched: Mapping[str, int], load_weight: float) -> int | None:
+def choose(routing: str, workers: Sequence[PrefillLoad], matched: Mapping[str, int], load_weight: float = 0.0,
+           min_gain: int = 0, max_queue_gap: int | None = None) -> int | None:
     if routing == "prefix":
-        return choose_by_prefix(workers, matched, load_weight)
+        return choose_by_prefix(workers, matched, load_weight, min_gain, max_queue_gap)
     if routing == "round_robin":
         return choose_round_robin(workers)
     raise ValueError(f"unknown prefill routing {routing!r}; expected one of {', '.join(ROUTINGS)}")

@@ -26,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import prometheus_client
 import torch
@@ -83,6 +85,9 @@ class PrefillService:
         self.m_batch = prometheus_client.Histogram(
             "lamina_prefill_batch_prompts", "prompts per prefill forward", buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=r)
+        self.m_deferred = prometheus_client.Counter(
+            "lamina_prefill_deferred", "prompts held for the next forward because a prompt of the forward "
+            "computes blocks of their prefix", registry=r)
         self.pool: AttentionPool | None = None
         self._queue: list[tuple[lamina_pb2.PrefillRequest, asyncio.Future]] = []
         self._wake = asyncio.Event()
@@ -104,7 +109,8 @@ class PrefillService:
                 # still in the RPC server: give them a moment to join this batch.
                 if window:
                     await asyncio.sleep(window)
-                batch = take_batch(self._queue, self.config.prefill.max_batch_tokens)
+                batch = take_batch(self._queue, self.config.prefill.max_batch_tokens,
+                                   self._waits if self.cache is not None else None)
                 reqs = [r for r, _ in batch]
                 try:
                     results = await self._prefill_batch(reqs)
@@ -119,6 +125,20 @@ class PrefillService:
                         fut.set_exception(res)
                     else:
                         fut.set_result(res)
+
+    def _waits(self, req: lamina_pb2.PrefillRequest, taken: list[lamina_pb2.PrefillRequest]) -> bool:
+        """Whether `req` waits for the next forward: a prompt of this one computes a block
+        of its prefix that the cache does not hold yet (a conversation's turns sent close
+        together), which it then reads from the cache instead of computing it again."""
+        if req.prompt_logprobs:
+            return False
+        tokens = list(req.token_ids)
+        cached = self.cache.lookup(tokens[:-1]).num_tokens
+        others = [list(t.token_ids) for t in taken if not t.prompt_logprobs]
+        if shares_uncached_block(tokens, cached, others, self.config.prefill.cache_block_tokens):
+            self.m_deferred.inc()
+            return True
+        return False
 
     async def _prefill_batch(self, reqs: list[lamina_pb2.PrefillRequest]
                              ) -> list[lamina_pb2.PrefillResult | RemoteError]:
@@ -305,20 +325,39 @@ def cache_config(pc: PrefillSection, index: int) -> PrefixCacheConfig:
                              quantize_4bit=pc.cache_quantize_4bit, quant_group_size=pc.cache_quant_group_size)
 
 
-def take_batch(queue: list, max_tokens: int) -> list:
-    """Remove and return the queue's head run of (request, future) pairs whose prompts
-    add up to at most ``max_tokens`` (always at least one: a long prompt runs alone)."""
+def take_batch(queue: list, max_tokens: int, waits: Callable[[Any, list], bool] | None = None) -> list:
+    """Remove and return the queue's (request, future) pairs, in order, whose prompts add
+    up to at most ``max_tokens`` (always at least one: a long prompt runs alone), leaving
+    queued those for which ``waits(request, requests taken so far)`` is true; the taking
+    stops at the first prompt that does not fit. The head never waits, so a request
+    left queued is taken by a later batch at the latest once it is at the head."""
     total = 0
-    n = 0
-    for req, _ in queue:
+    taken: list = []
+    keep: list = []
+    for i, (req, fut) in enumerate(queue):
+        if taken and waits is not None and waits(req, [r for r, _ in taken]):
+            keep.append((req, fut))
+            continue
         size = len(req.token_ids)
-        if n and total + size > max_tokens:
+        if taken and total + size > max_tokens:
+            keep.extend(queue[i:])
             break
         total += size
-        n += 1
-    batch = queue[:n]
-    del queue[:n]
-    return batch
+        taken.append((req, fut))
+    queue[:] = keep
+    return taken
+
+
+def shares_uncached_block(tokens: Sequence[int], cached: int, others: Sequence[Sequence[int]],
+                          block_size: int) -> bool:
+    """True when a prompt shares with one of `others` a prefix at least one block longer
+    than the `cached` tokens its prefix cache holds: computed in the same forward, both
+    would compute that block; computed after the other, it finds it cached."""
+    want = cached + block_size
+    if len(tokens) - 1 < want:  # the last token is always computed
+        return False
+    head = list(tokens[:want])
+    return any(len(o) >= want and list(o[:want]) == head for o in others)
 
 
 class _PrefillServicer(lamina_pb2_grpc.PrefillServicer):

@@ -69,6 +69,53 @@ def test_ties_go_to_the_least_loaded_then_the_least_recently_chosen():
     assert choose_by_prefix(loads(0, 0), {}, 1.0) == 0
 
 
+def test_a_prefix_every_worker_holds_or_a_small_gain_is_no_home():
+    # Both hold the shared first 16 tokens; prefill-1 holds 8 more, under the least gain of
+    # 16: no home, so the least loaded (prefill-0) takes it, whatever the weight.
+    for weight in (0.0, 1.0):
+        assert choose_by_prefix(loads(0, 4), {"prefill-0": 16, "prefill-1": 24}, weight, 16) == 0
+    # 16 more: a home, followed against a little load.
+    assert choose_by_prefix(loads(0, 4), {"prefill-0": 16, "prefill-1": 32}, 1.0, 16) == 1
+    # Only prefill-0 holds the one shared block (prefill-1 is new): with weight 0 and no least
+    # gain it would take every new conversation; with a least gain of 2 blocks they are dealt out.
+    assert choose_by_prefix(loads(0, 0, last=(2, 1)), {"prefill-0": 16}, 0.0, 0) == 0
+    assert choose_by_prefix(loads(0, 0, last=(2, 1)), {"prefill-0": 16}, 0.0, 32) == 1
+    # The gain counts from what every live worker holds: a dead worker's lack of it does not.
+    assert choose_by_prefix(loads(0, 0, 0, alive=(True, True, False), last=(2, 1, 0)),
+                            {"prefill-0": 64, "prefill-1": 64}, 0.0, 32) == 1
+
+
+def test_a_prompt_with_no_home_goes_to_the_worker_sent_the_least_work_lately():
+    ws = [PrefillLoad("prefill-0", recent_tokens=900.0, last_chosen=1),
+          PrefillLoad("prefill-1", recent_tokens=300.0, queued_tokens=50, last_chosen=2)]
+    assert choose_by_prefix(ws, {}, 0.0, 32) == 1  # less recent work, though queued and chosen last
+    assert choose_by_prefix(ws, {"prefill-0": 16}, 0.0, 32) == 1  # one block held: still no home
+    assert choose_by_prefix(ws, {"prefill-0": 64}, 0.0, 32) == 0  # a home outweighs the balance
+
+
+def test_recent_work_halves_every_half_life():
+    from lamina.services.prefill_clients import _RECENT_HALF_LIFE_S, _Worker
+
+    w = _Worker("prefill-0")
+    w.add_recent(1000, now=10.0)
+    assert w.recent(10.0) == 1000
+    assert w.recent(10.0 + _RECENT_HALF_LIFE_S) == pytest.approx(500)
+    w.add_recent(100, now=10.0 + 2 * _RECENT_HALF_LIFE_S)
+    assert w.recent(10.0 + 2 * _RECENT_HALF_LIFE_S) == pytest.approx(350)
+
+
+def test_a_worker_queued_far_past_the_least_is_not_waited_for():
+    # prefill-0 holds 1,024 tokens of the prompt; with weight 0 only the gap keeps it from a long queue.
+    held = {"prefill-0": 1024}
+    assert choose_by_prefix(loads(4000, 0), held, 0.0, 32, 4096) == 0  # 4,000 <= 4,096 more: wait for it
+    assert choose_by_prefix(loads(5000, 0), held, 0.0, 32, 4096) == 1  # too busy
+    assert choose_by_prefix(loads(5000, 0), held, 0.0, 32, None) == 0  # no gap: never too busy
+    # The gap counts from the least queued live worker; a dead one's empty queue does not count.
+    assert choose_by_prefix(loads(5000, 2000, 0, alive=(True, True, False)), held, 0.0, 32, 4096) == 0
+    # Among the workers near the least, the longest prefix; the others' prefixes do not count.
+    assert choose_by_prefix(loads(9000, 100, 0), {"prefill-0": 4096, "prefill-1": 64}, 0.0, 32, 4096) == 1
+
+
 def test_a_dead_or_unregistered_worker_is_never_chosen():
     # prefill-0 holds the whole prefix but is down; prefill-7 (not a worker of this stack) too.
     assert choose_by_prefix(loads(0, 500, alive=(False, True)), {"prefill-0": 4096, "prefill-7": 4096}, 1.0) == 1
@@ -110,7 +157,8 @@ class _Stub:
 
 def _clients(store: MetadataStore, routing: str = "prefix", peer_fetch: str = "auto") -> PrefillClients:
     config = StackConfig(prefill=PrefillSection(workers=2, cache_block_tokens=BS, routing=routing,
-                                                peer_fetch=peer_fetch))
+                                                peer_fetch=peer_fetch, routing_min_gain_tokens=2 * BS,
+                                                routing_max_queue_gap_tokens=512))
     clients = PrefillClients(config, store, open_channel=lambda address: None)
     for i, w in enumerate(clients.workers):
         w.stub, w.alive, w.endpoint, w.data_address = _Stub(), True, "unused", f"tcp://127.0.0.1:{7000 + i}"
@@ -137,14 +185,15 @@ async def test_prompts_go_to_the_worker_whose_cache_holds_their_prefix(redis_url
         await _publish(store, "prefill-1", [shared + [7] * BS])
         await _publish(store, "prefill-0", [shared[:BS] + [9] * BS])
         clients = _clients(store)
-        # prefill-1 holds 3 blocks of it (the last prompt token is always computed), prefill-0 one.
+        # prefill-1 holds 3 blocks of it (the last prompt token is always computed), prefill-0 one:
+        # a gain of 2 blocks, the least these clients follow.
         assert await clients.route(shared + [1, 2]) == (1, 3 * BS, None)
         # Nothing cached anywhere: the worker chosen least recently (prefill-0).
         assert await clients.route([5] * (3 * BS)) == (0, 0, None)
         # A prompt of exactly the cached blocks: the last token is recomputed, so 2 blocks match.
         assert await clients.route(shared) == (1, 2 * BS, None)
 
-        # prefill-1 busy with 1,000 queued tokens: the idle prefill-0 gets the next one.
+        # prefill-1 busy with 1,000 queued tokens, over the gap of 512: the idle prefill-0 gets the next one.
         busy = clients.workers[1].stub
         call = asyncio.create_task(clients.prefill(1, _request(1000 + 3 * BS), 3 * BS))
         await asyncio.sleep(0)
@@ -159,7 +208,9 @@ async def test_prompts_go_to_the_worker_whose_cache_holds_their_prefix(redis_url
         with pytest.raises(grpc.aio.AioRpcError):
             await clients.prefill(1, _request(20), 0)
         assert not clients.workers[1].alive and clients.workers[1].queued_tokens == 0
-        assert await clients.route(shared + [1, 2]) == (0, BS, None)
+        # prefill-0 is expected to hold 3 blocks now: the store shows one, and the prompt routed
+        # to it above claimed the rest (lamina.services.prefix_claims).
+        assert await clients.route(shared + [1, 2]) == (0, 3 * BS, None)
         clients.workers[0].alive = False
         assert await clients.route(shared + [1, 2]) is None
 
@@ -256,3 +307,54 @@ def test_prefix_cache_tiers_and_quantization_from_the_configuration(tmp_path):
                                ({"prefill.peer_fetch_prior_gbps": 0}, "must be a positive number")):
         with pytest.raises(ConfigError, match=message):
             load_config(env={}, overrides=overrides)
+
+
+# -- claims: blocks routed and not yet in the store ---------------------------------------------
+def test_claims_add_to_the_store_until_they_expire_or_settle():
+    from lamina.services.prefix_claims import PrefixClaims
+
+    claims = PrefixClaims()
+    claims.claim("prefill-1", ["h0", "h1"], until=30.0)
+    store = [{"prefill-0"}, set(), set()]
+    assert claims.add_to(store, ["h0", "h1", "h2"], ["prefill-0", "prefill-1"], now=1.0) == \
+        [{"prefill-0", "prefill-1"}, {"prefill-1"}, set()]
+    assert store == [{"prefill-0"}, set(), set()]  # the store's answer is left as it was
+    # Answered at 2.0: the claims end a moment later; a later claim of the same block extends it.
+    claims.settle("prefill-1", ["h0", "h1"], until=3.0)
+    claims.claim("prefill-1", ["h1"], until=40.0)
+    assert claims.add_to([set(), set()], ["h0", "h1"], ["prefill-1"], now=3.5) == [set(), {"prefill-1"}]
+    claims.prune(now=3.5)
+    assert len(claims) == 1
+    claims.prune(now=40.0)
+    assert len(claims) == 0
+
+
+async def test_a_turn_sent_while_the_last_one_computes_follows_it(redis_url):
+    store = MetadataStore(MetadataConfig(redis_url, f"t{uuid.uuid4().hex[:10]}"))
+    try:
+        clients = _clients(store)
+        history = list(range(100, 100 + 6 * BS))
+        # Turn 1: nothing cached anywhere, so the lowest index; it is still computing (not answered).
+        i, cached, _ = await clients.route(history + [1])
+        assert (i, cached) == (0, 0)
+        call = asyncio.create_task(clients.prefill(0, _request_of(history + [1]), 0))
+        await asyncio.sleep(0)
+        # Turn 2 extends turn 1: the store shows nothing yet, but the claim sends it after turn 1,
+        # although prefill-0 has the longer queue.
+        assert (await clients.route(history + [1] + [2] * BS))[0] == 0
+        # A prompt sharing nothing goes to the idle worker.
+        assert (await clients.route([9] * (4 * BS)))[0] == 1
+        clients.workers[0].stub.release.set()
+        assert await call == "result"
+        # Round robin claims nothing.
+        rr = _clients(store, "round_robin")
+        await rr.route(history + [1])
+        assert len(rr.claims) == 0
+    finally:
+        await store.close()
+
+
+def _request_of(token_ids: list[int]):
+    from lamina.services.protos import lamina_pb2
+
+    return lamina_pb2.PrefillRequest(seq_id="r", token_ids=token_ids)

@@ -237,3 +237,33 @@ def test_prefill_batches_take_waiting_prompts_up_to_the_token_limit():
     assert [r.seq_id for r, _ in take_batch(queue, 60)] == ["s100"]  # longer than the limit: alone
     assert [r.seq_id for r, _ in take_batch(queue, 60)] == ["s5"]
     assert queue == [] and take_batch(queue, 60) == []
+
+
+def test_a_prompt_whose_prefix_the_batch_computes_waits_for_the_next_batch():
+    from lamina.services.prefill_service import shares_uncached_block, take_batch
+    from lamina.services.protos import lamina_pb2
+
+    bs = 4
+    turn1 = list(range(100, 100 + 3 * bs))
+    turn2 = turn1 + [7] * bs  # the next turn of the same conversation
+    other = [9] * (3 * bs)
+    # Nothing cached: turn 2 would compute turn 1's 3 blocks again in the same forward.
+    assert shares_uncached_block(turn2, 0, [turn1], bs)
+    # Those blocks cached already (or all but a part of a block): nothing to wait for.
+    assert not shares_uncached_block(turn2, 3 * bs, [turn1], bs)
+    assert not shares_uncached_block(turn2, 0, [other], bs)
+    assert not shares_uncached_block(turn1[:bs], 0, [turn1], bs)  # its last token is computed anyway
+
+    def req(name: str, ids: list[int]) -> lamina_pb2.PrefillRequest:
+        return lamina_pb2.PrefillRequest(seq_id=name, token_ids=ids)
+
+    def waits(r, taken) -> bool:
+        return shares_uncached_block(list(r.token_ids), 0, [list(t.token_ids) for t in taken], bs)
+
+    queue = [(req("t1", turn1), None), (req("t2", turn2), None), (req("o", other), None)]
+    assert [r.seq_id for r, _ in take_batch(queue, 1000, waits)] == ["t1", "o"]
+    assert [r.seq_id for r, _ in take_batch(queue, 1000, waits)] == ["t2"]  # at the head: never waits
+    # A prompt that does not fit ends the batch; the ones after it stay, in order.
+    queue = [(req("t1", turn1), None), (req("big", other * 10), None), (req("o", other), None)]
+    assert [r.seq_id for r, _ in take_batch(queue, 100, waits)] == ["t1"]
+    assert [r.seq_id for r, _ in queue] == ["big", "o"]
