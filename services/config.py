@@ -22,14 +22,17 @@ clear message naming the setting.
     gateway: {port: 8000, api_key: null, max_queue: 256, served_model_name: null,
               insecure: false}   # insecure: serve without api_key on a host other than loopback
     scheduler: {max_batch_size: 64, max_queue: 256, policy: fcfs}   # policy: fcfs | fpf | relaxed_fpf
-    prefill: {workers: 1, threads: 1, cache_block_tokens: 16, cache_device_bytes: 268435456,
+    prefill: {workers: 1, threads: 1, device: cpu, cache_block_tokens: 16, cache_device_bytes: 268435456,
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru,
               routing: prefix, routing_load_weight: 0.0, routing_min_gain_tokens: 32,
               routing_max_queue_gap_tokens: 4096,
               max_batch_tokens: 2048, batch_window_ms: 5.0,
               cache_quantize_4bit: false, cache_quant_group_size: 64, peer_fetch: auto,
               peer_fetch_prior_gbps: 1.0}
-                                # workers: prefill processes prefill-0..P-1, each with its own cache
+                                # workers: prefill processes prefill-0..P-1, each with its own cache;
+                                # device: cpu | cuda | cuda:N, where the prefill workers compute and
+                                # their cache's device tier lives (float32 weights off CPU;
+                                # LAMINA_PREFILL_DEVICE)
                                 # (cache_dir/prefill-I when P > 1); routing: prefix (the worker holding
                                 # the longest prefix among those queued at most
                                 # routing_max_queue_gap_tokens more than the least; a prefix no worker
@@ -74,6 +77,11 @@ KV_QUANT_CHOICES = ("none", "q4")  # lamina.model.kv_quant.KV_QUANT_CHOICES (tes
 PIPELINE_MODES = ("fixed", "rotational")
 PREFILL_ROUTINGS = ("prefix", "round_robin")  # lamina.services.prefill_routing
 PEER_FETCH_MODES = ("auto", "always", "off")  # lamina.services.prefix_fetch_policy (tested equal)
+
+
+def _is_device(name: str) -> bool:
+    """cpu, cuda or cuda:N (a torch device name this configuration accepts)."""
+    return name in ("cpu", "cuda") or (name.startswith("cuda:") and name[5:].isdigit())
 
 
 class ConfigError(ValueError):
@@ -123,6 +131,10 @@ class PipelineSection:
 class PrefillSection:
     workers: int = 1  # prefill worker processes (prefill-0..P-1), each with its own prefix cache
     threads: int = 1
+    # Where the prefill workers compute and their prefix cache's device tier lives: cpu, or
+    # cuda / cuda:N (the host tier is then pinned CPU memory; weights float32, since the
+    # packed ones run on CPU kernels). KV goes to the attention workers from CPU memory.
+    device: str = "cpu"
     cache_block_tokens: int = 16  # prefix-cache block size (tokens)
     cache_device_bytes: int = 256 << 20  # 0 disables the prefix cache
     cache_host_bytes: int = 512 << 20
@@ -246,6 +258,8 @@ class StackConfig:
                f"must be one of {', '.join(PREFILL_ROUTINGS)}", self.prefill.routing)
         _check(isinstance(self.prefill.routing_load_weight, (int, float)) and self.prefill.routing_load_weight >= 0,
                "prefill.routing_load_weight", "must be a non-negative number", self.prefill.routing_load_weight)
+        _check(isinstance(self.prefill.device, str) and _is_device(self.prefill.device), "prefill.device",
+               "must be cpu, cuda or cuda:N", self.prefill.device)
         _check(isinstance(self.prefill.routing_min_gain_tokens, int) and self.prefill.routing_min_gain_tokens >= 0,
                "prefill.routing_min_gain_tokens", "must be a non-negative integer",
                self.prefill.routing_min_gain_tokens)
@@ -388,6 +402,7 @@ ENV_OVERRIDES = {
     "LAMINA_ATTENTION_MAX_WORKERS": "attention.max_workers",
     "LAMINA_MODEL_THREADS": "model_worker.threads",
     "LAMINA_PREFILL_ROUTING": "prefill.routing",
+    "LAMINA_PREFILL_DEVICE": "prefill.device",
     "LAMINA_PEER_FETCH": "prefill.peer_fetch",
     "LAMINA_HOST": "host",
     "LAMINA_ADVERTISE_HOST": "advertise_host",

@@ -56,8 +56,16 @@ class ModelSlices:
         self.compute_s = 0.0  # CPU time in the slices, every micro-batch together
 
     @classmethod
-    def load(cls, model_path: str | None, weights: str = "float32") -> ModelSlices:
-        return cls(load_model(model_path, weights=weights))
+    def load(cls, model_path: str | None, weights: str = "float32", device: str = "cpu") -> ModelSlices:
+        """The model split into slices, on `device`. Packed weights (q8_0, q4, as_file)
+        run on CPU kernels: on another device the weights are float32."""
+        if torch.device(device).type == "cpu":
+            return cls(load_model(model_path, weights=weights))
+        slices = cls(load_model(model_path, weights="float32"))  # split on CPU: its example inputs are there
+        slices.loaded.model.to(device)
+        for piece in slices.split.slices:  # each slice holds its own references to buffers (rope's inv_freq)
+            piece.module.to(device)
+        return slices
 
     def run_slice(self, j: int, inputs: dict, attn: torch.Tensor | None = None,
                   context: Sequence[torch.Tensor] = ()) -> SliceOutput:

@@ -40,7 +40,7 @@ from lamina.engine.kv import KVStore
 from lamina.engine.logprobs import token_logprobs
 from lamina.engine.penalties import PenaltyState, needs_state
 from lamina.engine.sampling import sample
-from lamina.engine.step import LocalAttention, StepBatch
+from lamina.engine.step import DeviceAttention, LocalAttention, StepBatch
 from lamina.model.threads import set_compute_threads
 from lamina.services.addresses import with_host
 from lamina.services.attention_pool import AttentionPool
@@ -59,7 +59,11 @@ log = logging.getLogger(__name__)
 class PrefillService:
     def __init__(self, config: StackConfig, index: int = 0) -> None:
         self.config = config
-        self.slices = ModelSlices.load(config.model, config.weights)
+        self.device = torch.device(config.prefill.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"prefill.device is {config.prefill.device}, but torch finds no CUDA device here "
+                               f"(torch {torch.__version__}); set prefill.device: cpu")
+        self.slices = ModelSlices.load(config.model, config.weights, config.prefill.device)
         self.cfg = self.slices.cfg
         # prefill-I: its node in the metadata store's block records, and the scheduler's routing key.
         self.runtime = ServiceRuntime("prefill", f"prefill-{index}", config)
@@ -147,7 +151,8 @@ class PrefillService:
         seq_ids = [r.seq_id for r in reqs]
         workers = [list(r.placement.workers) for r in reqs]
         lens = [len(p) for p in prompts]
-        kv = KVStore(self.cfg, capacity_bytes=sum(n + 64 for n in lens) * self.cfg.kv_bytes_per_token())
+        kv = KVStore(self.cfg, capacity_bytes=sum(n + 64 for n in lens) * self.cfg.kv_bytes_per_token(),
+                     device=self.device)
         seq_kvs = [kv.reserve(s, n) for s, n in zip(seq_ids, lens)]
         # A prompt that wants its own tokens' logprobs is computed whole: no cached prefix.
         cached = [0 if r.prompt_logprobs else self._install_prefix(p, skv) for r, p, skv in zip(reqs, prompts, seq_kvs)]
@@ -160,10 +165,11 @@ class PrefillService:
             fetched[j], cached[j] = n - cached[j], n
         computing = time.perf_counter()
         batch = StepBatch.build(seq_ids, [p[c:] for p, c in zip(prompts, cached)], cached)
-        local = LocalAttention(kv, batch)
-        inputs = batch.model_inputs()
+        on_cpu = self.device.type == "cpu"
+        local = LocalAttention(kv, batch) if on_cpu else DeviceAttention(kv, batch)
         rows, last_rows, prompt_rows = logit_rows(batch.query_lens, [r.prompt_logprobs for r in reqs])
-        inputs["logits_index"] = rows
+        inputs = {**batch.model_inputs(), "logits_index": rows}
+        inputs = {k: t.to(self.device) for k, t in inputs.items()}
         split = self.slices.split
         with torch.inference_mode():
             out = split.slices[0](inputs)
@@ -171,9 +177,11 @@ class PrefillService:
                 q, k, v = out.qkv
                 attn = local.attend(i, q, k, v)
                 for s, w, skv, n in zip(seq_ids, workers, seq_kvs, lens):
-                    await self.pool.store_layer(s, w, i, skv.buf[i, 0, :n], skv.buf[i, 1, :n])
+                    # The data plane sends from CPU memory.
+                    await self.pool.store_layer(s, w, i, skv.buf[i, 0, :n].cpu(), skv.buf[i, 1, :n].cpu())
                 out = split.slices[i + 1](inputs, attn, out.context)
         local.commit()
+        output = out.output.cpu()  # [R, V]: sampling and logprobs run on CPU
         self._measure_compute(sum(lens) - sum(cached), time.perf_counter() - computing)
         # One acknowledgement per sequence and worker, matched by sequence id.
         stored: list[RemoteError | None] = []
@@ -190,7 +198,7 @@ class PrefillService:
         states = [PenaltyState.build(p, prompt, (), eos) if needs_state(p) else None
                   for p, prompt in zip(params, prompts)]
         grammars = [self.slices.grammars.state(p.grammar) if p.grammar is not None else None for p in params]
-        logits = out.output[last_rows]  # [B, V]
+        logits = output[last_rows]  # [B, V]
         tokens = sample(logits, params, [r.params.seed for r in reqs], [0] * len(reqs), states, grammars)
         logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
         choices = _choice_tokens(logits, reqs, params, states, grammars)
@@ -210,7 +218,7 @@ class PrefillService:
             self.num_cached_tokens += c - f
             self.num_fetched_tokens += f
             # Only an echo request scores its prompt (its rows are then every position).
-            scored = (token_logprobs(out.output[scoring], prompt[1:], [p.logprobs or 0] * len(scoring))
+            scored = (token_logprobs(output[scoring], prompt[1:], [p.logprobs or 0] * len(scoring))
                       if scoring else [])
             results.append(lamina_pb2.PrefillResult(token_id=token, cached_tokens=c, fetched_tokens=f,
                                                     logprobs=None if lp is None else logprobs_to_proto(lp),
@@ -318,8 +326,9 @@ def _choice_tokens(logits: torch.Tensor, reqs: list[lamina_pb2.PrefillRequest], 
 
 
 def cache_config(pc: PrefillSection, index: int) -> PrefixCacheConfig:
-    """Prefill worker `index`'s prefix cache, as the configuration's prefill section sets it."""
-    return PrefixCacheConfig(block_size=pc.cache_block_tokens, device_bytes=pc.cache_device_bytes,
+    """Prefill worker `index`'s prefix cache, as the configuration's prefill section sets it
+    (its device tier on the worker's compute device)."""
+    return PrefixCacheConfig(block_size=pc.cache_block_tokens, device=pc.device, device_bytes=pc.cache_device_bytes,
                              host_bytes=pc.cache_host_bytes, disk_bytes=pc.cache_disk_bytes,
                              disk_dir=pc.worker_cache_dir(index), eviction=pc.cache_eviction,
                              quantize_4bit=pc.cache_quantize_4bit, quant_group_size=pc.cache_quant_group_size)

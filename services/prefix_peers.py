@@ -114,7 +114,7 @@ class PrefixServer:
         num_tokens, kv = self.cache.read(msg.tokens)
         if num_tokens <= msg.start:
             return num_tokens, None
-        kv = kv[:, :, msg.start:].contiguous()  # [L, 2, num_tokens - start, Hkv, D]
+        kv = kv[:, :, msg.start:].contiguous().cpu()  # [L, 2, num_tokens - start, Hkv, D]; sent from CPU memory
         self.num_served_tokens += kv.shape[2]
         return num_tokens, kv
 

@@ -22,8 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-workers", type=int, default=None,
                    help="number of prefill workers, each with its own prefix cache (default 1)")
     p.add_argument("--prefill-routing", default=None, choices=("prefix", "round_robin"),
-                   help="prefix: send each prompt to the prefill worker holding its longest prefix, weighed "
-                        "against its queue (default); round_robin: each worker in turn")
+                   help="prefix: send each prompt to the prefill worker holding the most of it, unless its "
+                        "queue is far longer than another's (default); round_robin: each worker in turn")
+    p.add_argument("--prefill-device", default=None, metavar="DEVICE",
+                   help="where prefill workers compute and keep their prefix cache's device tier: cpu "
+                        "(default), cuda or cuda:N (float32 weights there; docs/kvstore.md)")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="staggered micro-batches per model worker (default 2; 1 turns staggering off)")
     p.add_argument("--pipeline", default=None, choices=("fixed", "rotational"),
@@ -53,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
                                    "model_worker.workers": args.model_workers,
                                    "model_worker.threads": args.model_threads,
                                    "prefill.workers": args.prefill_workers, "prefill.routing": args.prefill_routing,
+                                   "prefill.device": args.prefill_device,
                                    "pipeline.micro_batches": args.micro_batches, "pipeline.q_early": args.q_early,
                                    "pipeline.mode": args.pipeline,
                                    "weights": args.weights, "attention.kv_quant": args.kv_quant,

@@ -17,8 +17,10 @@ class KVCapacityError(RuntimeError):
 
 
 class SequenceKV:
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, num_kv_heads: int) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, num_kv_heads: int,
+                 device: torch.device | None = None) -> None:
         self._cfg = cfg
+        self._device = device
         self._dtype = dtype
         self._chunk = chunk_tokens
         self._num_kv_heads = num_kv_heads
@@ -35,7 +37,8 @@ class SequenceKV:
             return 0
         cap = -(-num_tokens // self._chunk) * self._chunk
         c = self._cfg
-        new = torch.empty(c.num_layers, 2, cap, self._num_kv_heads, c.head_dim, dtype=self._dtype)
+        new = torch.empty(c.num_layers, 2, cap, self._num_kv_heads, c.head_dim, dtype=self._dtype,
+                          device=self._device)
         old_bytes = self.buf.numel() * self.buf.element_size()
         if self.length:
             new[:, :, : self.length] = self.buf[:, :, : self.length]
@@ -57,12 +60,14 @@ class KVStore:
     """All sequences' KV, bounded in bytes.
 
     `num_kv_heads` is the number of KV heads stored per token: all of the model's,
-    or an attention worker's share under head-level partitioning.
+    or an attention worker's share under head-level partitioning. `device`: where the
+    buffers live (None: CPU).
     """
 
     def __init__(self, cfg: ModelConfig, capacity_bytes: int, dtype: torch.dtype = torch.float32,
-                 chunk_tokens: int = 64, num_kv_heads: int | None = None) -> None:
+                 chunk_tokens: int = 64, num_kv_heads: int | None = None, device: torch.device | None = None) -> None:
         self.cfg = cfg
+        self.device = device
         self.num_kv_heads = num_kv_heads or cfg.num_kv_heads
         self.capacity_bytes = capacity_bytes
         self.dtype = dtype
@@ -81,7 +86,7 @@ class KVStore:
         if not self.can_reserve(seq_id, num_tokens):
             raise KVCapacityError(f"KV store full: {self.used_bytes} of {self.capacity_bytes} bytes used")
         seq = self._seqs.get(seq_id) or self._seqs.setdefault(
-            seq_id, SequenceKV(self.cfg, self.dtype, self.chunk_tokens, self.num_kv_heads))
+            seq_id, SequenceKV(self.cfg, self.dtype, self.chunk_tokens, self.num_kv_heads, self.device))
         self.used_bytes += seq.reserve(num_tokens)
         return seq
 

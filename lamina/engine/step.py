@@ -94,6 +94,29 @@ class LocalAttention:
             seq.length += n
 
 
+class DeviceAttention:
+    """LocalAttention's job on any torch device (a GPU): each sequence's new K, V are
+    written into its buffer and its queries attend with fused SDPA over the buffer's
+    tokens. The batched kernel of LocalAttention reads CPU memory only."""
+
+    def __init__(self, kv: KVStore, batch: StepBatch) -> None:
+        self._batch = batch
+        self._seqs = [kv.get(s) for s in batch.seq_ids]
+        self._starts = [0, *accumulate(batch.query_lens)]
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D], sequences in batch order
+        out = torch.empty_like(q)
+        for seq, s, e in zip(self._seqs, self._starts, self._starts[1:]):
+            keys, values = seq.write(layer_id, k[s:e], v[s:e])  # [held + n, Hkv, D] each
+            out[s:e] = causal_attention(q[s:e], keys, values)
+        return out
+
+    def commit(self) -> None:
+        for seq, n in zip(self._seqs, self._batch.query_lens):
+            seq.length += n
+
+
 def run_step(split: SplitModel, kv: KVStore, batch: StepBatch) -> torch.Tensor:
     """Run the batch; its new K, V are stored. Returns logits [B, V] float32."""
     attention = LocalAttention(kv, batch)

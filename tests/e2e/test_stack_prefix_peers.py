@@ -54,7 +54,12 @@ def _greedy(model, ids: list[int]) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def test_prefix_fetched_from_a_peer_and_from_lower_tiers(loaded_model, hf_reference, tmp_path):
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="needs a CUDA device (none on this machine)"))])
+def test_prefix_fetched_from_a_peer_and_from_lower_tiers(loaded_model, hf_reference, tmp_path, device):
+    # cuda: both prefill workers compute on the GPU; a peer reads its blocks from GPU memory,
+    # pinned host memory or disk and sends them from CPU memory.
     tok = loaded_model.tokenizer
     s_ids, u0_ids = tok.encode(S), tok.encode(U0)
     # U0 fills the device tier and leaves at least its first two blocks below it.
@@ -66,7 +71,8 @@ def test_prefix_fetched_from_a_peer_and_from_lower_tiers(loaded_model, hf_refere
 
     cfg = load_config(None)
     block_bytes = cfg.num_layers * 2 * BLOCK_TOKENS * cfg.num_kv_heads * cfg.head_dim * 4  # float32
-    section = PrefillSection(workers=2, routing="round_robin", peer_fetch="always", cache_block_tokens=BLOCK_TOKENS,
+    section = PrefillSection(workers=2, device=device, routing="round_robin", peer_fetch="always",
+                             cache_block_tokens=BLOCK_TOKENS,
                              cache_device_bytes=DEVICE_BLOCKS * block_bytes, cache_host_bytes=HOST_BLOCKS * block_bytes,
                              cache_disk_bytes=DISK_BLOCKS * block_bytes, cache_dir=str(tmp_path / "kv"))
     stack = start_stack(workers=1, micro_batches=1, prefill=section)

@@ -28,11 +28,15 @@ BLOCK_TOKENS = 16
 DEVICE_BLOCKS, HOST_BLOCKS = 4, 4
 
 
-def test_blocks_and_placements_in_the_store():
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="needs a CUDA device (none on this machine)"))])
+def test_blocks_and_placements_in_the_store(device):
+    # cuda: the prefill worker computes on the GPU; its device tier is GPU memory, its host tier pinned.
     cfg = load_config(None)
     block_bytes = cfg.num_layers * 2 * BLOCK_TOKENS * cfg.num_kv_heads * cfg.head_dim * 4  # float32
-    section = PrefillSection(cache_block_tokens=BLOCK_TOKENS, cache_device_bytes=DEVICE_BLOCKS * block_bytes,
-                             cache_host_bytes=HOST_BLOCKS * block_bytes)
+    section = PrefillSection(device=device, cache_block_tokens=BLOCK_TOKENS,
+                             cache_device_bytes=DEVICE_BLOCKS * block_bytes, cache_host_bytes=HOST_BLOCKS * block_bytes)
     stack = start_stack(workers=1, micro_batches=1, prefill=section)
     try:
         asyncio.run(_check(stack, cfg, section))

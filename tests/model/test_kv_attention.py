@@ -227,3 +227,36 @@ def test_the_engine_attends_decoding_and_prompt_rows_in_any_order(path):
         torch.testing.assert_close(out, _reference(q, new, keys, values)[0], atol=1e-5, rtol=1e-4)
     local.commit()
     assert [kv.get(s).length for s in ids] == [h + n for h, n in zip(held, new)]
+
+
+def test_device_attention_equals_the_engines_on_the_same_step():
+    """DeviceAttention (the prefill worker's attention off CPU) gives LocalAttention's
+    outputs and stores the same K, V; here both run on CPU (on a GPU: tests/e2e/test_stack_prefill_cuda.py)."""
+    from lamina.engine.kv import KVStore
+    from lamina.engine.step import KERNEL_MAX_QUERIES, DeviceAttention, LocalAttention, StepBatch
+    from lamina.model.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=9,
+                      num_kv_heads=3, head_dim=64)
+    held, new = [7, 0, 40], [1, KERNEL_MAX_QUERIES + 5, 3]
+    ids = [f"s{i}" for i in range(len(held))]
+    stores = []
+    for _ in range(2):
+        kv = KVStore(cfg, 64 << 20, device=torch.device("cpu"))
+        torch.manual_seed(0)
+        for s, h, n in zip(ids, held, new):
+            seq = kv.reserve(s, h + n)
+            seq.buf[:, :, :h] = torch.randn(2, 2, h, 3, 64)
+            seq.length = h
+        stores.append(kv)
+    batch = StepBatch.build(ids, [[0] * n for n in new], held)
+    local, device = LocalAttention(stores[0], batch), DeviceAttention(stores[1], batch)
+    for layer in range(2):
+        q, k, v = torch.randn(sum(new), 9, 64), torch.randn(sum(new), 3, 64), torch.randn(sum(new), 3, 64)
+        torch.testing.assert_close(device.attend(layer, q, k, v), local.attend(layer, q, k, v), atol=1e-5, rtol=1e-4)
+    local.commit()
+    device.commit()
+    for s in ids:
+        a, b = stores[0].get(s), stores[1].get(s)
+        assert a.length == b.length
+        torch.testing.assert_close(a.buf[:, :, :a.length], b.buf[:, :, :b.length])

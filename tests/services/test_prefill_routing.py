@@ -242,6 +242,29 @@ def test_prefill_workers_configuration(tmp_path):
             load_config(env=env)
     with pytest.raises(ConfigError, match="prefill.routing_load_weight must be a non-negative number"):
         load_config(env={}, overrides={"prefill.routing_load_weight": -1})
+    for name in ("prefill.routing_min_gain_tokens", "prefill.routing_max_queue_gap_tokens"):
+        with pytest.raises(ConfigError, match=f"{name} must be a non-negative integer"):
+            load_config(env={}, overrides={name: -1})
+
+
+def test_prefill_device_configuration(capsys):
+    from lamina.services.config import ConfigError, load_config
+    from lamina.services.prefill_service import PrefillService, cache_config
+
+    assert load_config(env={}).prefill.device == "cpu"
+    for name in ("cuda", "cuda:1"):
+        cfg = load_config(env={"LAMINA_PREFILL_DEVICE": name})
+        assert cfg.prefill.device == name and cache_config(cfg.prefill, 0).device == name  # the device tier there
+    for bad in ("gpu", "cuda:", "cuda:x", "cpu:0"):
+        with pytest.raises(ConfigError, match="prefill.device must be cpu, cuda or cuda:N"):
+            load_config(env={"LAMINA_PREFILL_DEVICE": bad})
+    from lamina.cli import main
+
+    assert main(["up", "--prefill-device", "gpu"]) == 2  # refused before anything starts
+    assert "prefill.device must be cpu, cuda or cuda:N" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # a worker asked for a GPU it has not got says so before loading anything
+        with pytest.raises(RuntimeError, match="prefill.device is cuda, but torch finds no CUDA device here"):
+            PrefillService(load_config(env={"LAMINA_PREFILL_DEVICE": "cuda"}))
 
 
 async def test_a_prompt_routed_away_from_its_prefix_fetches_it_when_that_is_faster(redis_url):
