@@ -29,15 +29,14 @@ clear message naming the setting.
               max_batch_tokens: 2048, batch_window_ms: 5.0,
               cache_quantize_4bit: false, cache_quant_group_size: 64, peer_fetch: auto,
               peer_fetch_prior_gbps: 1.0}
-                                # workers: prefill processes prefill-0..P-1, each with its own cache;
-                                # device: cpu | cuda | cuda:N, where the prefill workers compute and
-                                # their cache's device tier lives (float32 weights off CPU;
-                                # LAMINA_PREFILL_DEVICE)
-                                # (cache_dir/prefill-I when P > 1); routing: prefix (the worker holding
-                                # the longest prefix among those queued at most
+                                # workers: prefill processes prefill-0..P-1, each with its own cache
+                                # (cache_dir/prefill-I when P > 1); device: cpu | cuda | cuda:N, where
+                                # the prefill workers compute and their cache's device tier lives
+                                # (float32 weights off CPU; LAMINA_PREFILL_DEVICE); routing: prefix (the
+                                # worker holding the longest prefix among those queued at most
                                 # routing_max_queue_gap_tokens more than the least; a prefix no worker
                                 # holds routing_min_gain_tokens more of than the others counts for
-                                # nothing: the least loaded worker) | round_robin;
+                                # nothing: the worker sent the least work lately) | round_robin;
                                 # cache_quantize_4bit: host and disk tiers hold 4-bit blocks;
                                 # peer_fetch: auto (pull a peer's longer prefix when the measured
                                 # transfer beats recomputing it) | always | off (docs/kvstore.md)
