@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,12 +86,16 @@ class GivenUp:
 
 class Stack:
     def __init__(self, config: StackConfig, log_dir: Path | None = None, supervise: bool = False,
-                 restart_policy: RestartPolicy = RestartPolicy()) -> None:
+                 restart_policy: RestartPolicy = RestartPolicy(), keep_logs: bool = False) -> None:
         self.config = config
         self.redis: EmbeddedRedis | None = None
         self.processes: list[ServiceProcess] = []
-        self._dir = Path(tempfile.mkdtemp(prefix="lamina-stack-"))
-        self.log_dir = log_dir or self._dir
+        # Private (0700): the stack's configuration file, which holds its token, and by
+        # default the services' logs. `stop` removes it unless keep_logs is set or the
+        # start failed (its error names the logs there).
+        self.work_dir = Path(tempfile.mkdtemp(prefix="lamina-stack-"))
+        self.keep_logs = keep_logs
+        self.log_dir = log_dir or self.work_dir
         self.supervise = supervise
         self.restart_policy = restart_policy
         self.given_up: GivenUp | None = None  # set by the supervisor when it gives up on a service
@@ -113,7 +118,7 @@ class Stack:
             self._start_redis()
         if self.config.cluster_token is None:  # every service authenticates its peers with it (docs/security.md)
             self.config = dataclasses.replace(self.config, cluster_token=secrets.token_urlsafe(32))
-        cfg_path = self._dir / "stack.yaml"  # in a 0700 directory: it holds the token
+        cfg_path = self.work_dir / "stack.yaml"  # in a 0700 directory: it holds the token
         cfg_path.write_text(yaml.safe_dump(self.config.to_dict()))
         self._argv = ([sys.executable, "-m", "lamina.cli"], ["--config", str(cfg_path)])
         base, common = self._argv
@@ -129,6 +134,7 @@ class Stack:
                 self._supervisor = threading.Thread(target=self._supervise, name="lamina-supervisor", daemon=True)
                 self._supervisor.start()
         except BaseException:
+            self.keep_logs = True  # the error (or the caller) points at them
             self.stop()
             raise
 
@@ -263,6 +269,8 @@ class Stack:
         if self.redis is not None:
             self.redis.close()  # stops it and removes its directory
             self.redis = None
+        if not self.keep_logs:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
 
     def __enter__(self) -> Stack:
         self.start()

@@ -272,8 +272,7 @@ class SchedulerService:
             await self._run_prefill(req)
         except Exception:  # e.g. the metadata store failed: this request ends, the others go on
             log.exception("prefill of %s failed", req.request_id)
-            if req.status is Status.PREFILLING:
-                self.num_prefilling -= req.num_slots
+            if req.status is Status.PREFILLING:  # (no longer counted as prefilling: _run_prefill)
                 await self._finish(req, "abort")
         finally:
             self._wake_admit.set()  # a prefill slot is free again
@@ -309,14 +308,15 @@ class SchedulerService:
 
     async def _run_prefill(self, req: Request) -> None:
         try:
-            result = await self._prefill_call(req, req.prompt_ids)
+            try:
+                result = await self._prefill_call(req, req.prompt_ids)
+            finally:  # counted as prefilling until the call ends, however it ends: exactly once
+                self.num_prefilling -= req.num_slots
         except _NotYet as exc:  # no prefill worker alive: wait for one as a rebuild does
-            self.num_prefilling -= req.num_slots
             self.running.append(req)
             self._start_recovery(req, "prefill", str(exc))
             return
         except grpc.aio.AioRpcError as exc:
-            self.num_prefilling -= req.num_slots
             if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and (self.running or self.num_prefilling):
                 # KV memory is full after all: retry once running (or other prefilling)
                 # requests have freed some.
@@ -333,7 +333,6 @@ class SchedulerService:
             log.warning("prefill of %s failed: %s", req.request_id, exc.details())
             await self._finish(req, "abort")
             return
-        self.num_prefilling -= req.num_slots
         if not await self._start_choices(req, result):
             return
         await self._accept_token(req, result.token_id, logprobs_of(result), result.prompt_logprobs)

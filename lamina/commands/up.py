@@ -15,6 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common(p)
     p.add_argument("--port", type=int, default=None, help="HTTP port of the OpenAI API (default 8000)")
     p.add_argument("--attention-workers", type=int, default=None, help="number of attention workers (default 2)")
+    p.add_argument("--attention-max-workers", type=int, default=None,
+                   help="attention workers that may join the running stack, up to this many in all (default 0: "
+                        "a fixed pool; request partitioning; docs/deploy.md)")
     p.add_argument("--model-workers", type=int, default=None, help="number of model-slice workers (default 1)")
     p.add_argument("--model-threads", type=int, default=None,
                    help="threads of each model worker's packed products; torch's ops run on one (default 1; "
@@ -53,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = stack_config(args, **{"gateway.port": args.port, "attention.workers": args.attention_workers,
+                                   "attention.max_workers": args.attention_max_workers,
                                    "model_worker.workers": args.model_workers,
                                    "model_worker.threads": args.model_threads,
                                    "prefill.workers": args.prefill_workers, "prefill.routing": args.prefill_routing,
@@ -80,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         where = f"as actors of the Ray cluster at {args.ray}, each service's log on its node"
     else:
-        stack = Stack(config, supervise=args.supervise)
+        stack = Stack(config, supervise=args.supervise, keep_logs=True)  # its logs outlive it: "logs in"
         where = f"logs in {stack.log_dir}"
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

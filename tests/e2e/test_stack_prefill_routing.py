@@ -49,6 +49,7 @@ def test_prompts_sharing_a_prefix_go_to_the_worker_holding_it(loaded_model, hf_r
         _check_counters(stack, prompts)
     finally:
         stack.stop()
+    assert not stack.work_dir.exists()  # its configuration (with the token) and logs went with it
 
 
 async def _check(stack, prompts: list[list[int]], references: list[str]) -> None:

@@ -262,6 +262,8 @@ def test_prefill_device_configuration(capsys):
 
     assert main(["up", "--prefill-device", "gpu"]) == 2  # refused before anything starts
     assert "prefill.device must be cpu, cuda or cuda:N" in capsys.readouterr().err
+    assert main(["up", "--attention-workers", "2", "--attention-max-workers", "1"]) == 2  # the pool's flag too
+    assert "attention.max_workers must be 0 (a fixed pool) or at least attention.workers" in capsys.readouterr().err
     if not torch.cuda.is_available():  # a worker asked for a GPU it has not got says so before loading anything
         with pytest.raises(RuntimeError, match="prefill.device is cuda, but torch finds no CUDA device here"):
             PrefillService(load_config(env={"LAMINA_PREFILL_DEVICE": "cuda"}))

@@ -267,3 +267,40 @@ def test_a_prompt_whose_prefix_the_batch_computes_waits_for_the_next_batch():
     queue = [(req("t1", turn1), None), (req("big", other * 10), None), (req("o", other), None)]
     assert [r.seq_id for r, _ in take_batch(queue, 100, waits)] == ["t1"]
     assert [r.seq_id for r, _ in queue] == ["big", "o"]
+
+
+async def test_a_prefill_that_fails_after_its_call_stops_counting_once():
+    """A request's prefill slot is given back exactly once, whether the prefill call or a
+    step after it (here starting its choices) fails: admission counts prefilling requests."""
+    from lamina.services.config import StackConfig
+    from lamina.services.protos import lamina_pb2
+    from lamina.services.scheduler_service import SchedulerService, Status
+
+    svc = SchedulerService(StackConfig(redis_url="redis://127.0.0.1:1"))  # no Redis call is made here
+    svc.capacity_tokens = [10_000]
+    finished = []
+
+    async def answered(req, token_ids):
+        return lamina_pb2.PrefillResult(token_id=5)
+
+    async def no_call(req, token_ids):
+        raise RuntimeError("the metadata store failed")
+
+    async def choices_fail(req, result):
+        raise RuntimeError("forking the KV failed")
+
+    async def finish(req, reason, notify=True):
+        req.status = Status.FINISHED
+        finished.append(reason)
+
+    svc._start_choices, svc._finish = choices_fail, finish
+    for i, call in enumerate((answered, no_call)):
+        svc._prefill_call = call
+        req = svc.submit(lamina_pb2.GenerateRequest(request_id=f"r{i}", prompt_token_ids=[1, 2, 3],
+                                                    params=lamina_pb2.SamplingParams(max_tokens=4)))
+        svc.waiting.remove(req)
+        svc._start_prefill(req)
+        assert svc.num_prefilling == req.num_slots
+        await asyncio.gather(*svc._prefills)
+        assert svc.num_prefilling == 0 and req.status is Status.FINISHED
+    assert finished == ["abort", "abort"]
