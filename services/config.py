@@ -146,7 +146,8 @@ class PrefillSection:
     # workers queued at most routing_max_queue_gap_tokens more than the least queued one, the
     # one whose cached prefix of it (looked up in the metadata store) minus routing_load_weight
     # x its queued tokens is largest; a prefix no worker holds routing_min_gain_tokens more of
-    # than every other live worker counts for nothing (the least loaded takes the prompt).
+    # than every other live worker counts for nothing (the worker sent the least work lately
+    # takes the prompt).
     # round_robin: each in turn.
     routing: str = "prefix"
     routing_load_weight: float = 0.0

@@ -119,6 +119,11 @@ class PrefillClients:
         return next((w for w in self.workers if w.name == name), None)
 
     @property
+    def _claims_on(self) -> bool:
+        """Claims steer prefix routing over several workers; nothing else reads them."""
+        return self.config.prefill.routing == "prefix" and len(self.workers) > 1
+
+    @property
     def num_alive(self) -> int:
         return sum(w.alive for w in self.workers)
 
@@ -153,12 +158,15 @@ class PrefillClients:
             await self.refresh()
         pc = self.config.prefill
         wants_matches = (pc.routing == "prefix" or pc.peer_fetch != "off") and len(self.workers) > 1
-        hashes = block_hashes(token_ids[:-1], pc.cache_block_tokens) if wants_matches else []
+        # Chained hashes: those of all tokens but the last (the blocks a hit can use; the last
+        # token is always computed) are the first ones of the whole prompt's (what its worker caches).
+        prompt_hashes = block_hashes(token_ids, pc.cache_block_tokens) if wants_matches else []
+        hashes = prompt_hashes[:(len(token_ids) - 1) // pc.cache_block_tokens]
         holders = await self._holders(hashes) if wants_matches else []
         matched = matched_tokens(holders, pc.cache_block_tokens)  # by the store: what a peer can serve
         routing_matched: dict[str, int] = {}
         now = time.monotonic()
-        if pc.routing == "prefix" and holders:
+        if self._claims_on and holders:
             self.claims.prune(now)
             claimed = self.claims.add_to(holders, hashes, (w.name for w in self.workers), now)
             routing_matched = matched_tokens(claimed, pc.cache_block_tokens)
@@ -169,8 +177,8 @@ class PrefillClients:
         self._num_decisions += 1
         w = self.workers[i]
         w.last_chosen = self._num_decisions
-        if pc.routing == "prefix" and wants_matches:
-            self.claims.claim(w.name, block_hashes(token_ids, pc.cache_block_tokens), now + self.config.deadlines.rpc_s)
+        if self._claims_on:
+            self.claims.claim(w.name, prompt_hashes, now + self.config.deadlines.rpc_s)
         plan = self._plan_fetch(w, matched)
         held = plan.tokens if plan is not None else routing_matched.get(w.name, matched.get(w.name, 0))
         w.add_recent(max(len(token_ids) - held, 1), now)
@@ -193,9 +201,8 @@ class PrefillClients:
         return lamina_pb2.PeerPrefix(node=plan.peer, address=w.data_address if w else "", tokens=plan.tokens)
 
     async def _holders(self, hashes: list[str]) -> list[set[str]]:
-        """The workers holding each block, by the store (the last prompt token is always
-        computed, so a prompt's blocks are those of all its tokens but the last); none
-        when the store does not answer (then routing goes by load alone)."""
+        """The workers holding each block, by the store; none when the store does not
+        answer (then routing goes by load alone)."""
         try:
             return [set(h) for h in await self.store.block_holders(hashes)]
         except REDIS_ERRORS as exc:
@@ -219,7 +226,7 @@ class PrefillClients:
             raise
         finally:
             w.queued_tokens -= queued
-            if self.config.prefill.routing == "prefix" and len(self.workers) > 1:
+            if self._claims_on:
                 self.claims.settle(w.name, block_hashes(list(request.token_ids), self.config.prefill.cache_block_tokens),
                                    time.monotonic() + _CLAIM_GRACE_S)
 

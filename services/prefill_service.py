@@ -136,10 +136,9 @@ class PrefillService:
         together), which it then reads from the cache instead of computing it again."""
         if req.prompt_logprobs:
             return False
-        tokens = list(req.token_ids)
-        cached = self.cache.lookup(tokens[:-1]).num_tokens
-        others = [list(t.token_ids) for t in taken if not t.prompt_logprobs]
-        if shares_uncached_block(tokens, cached, others, self.config.prefill.cache_block_tokens):
+        cached = self.cache.lookup(req.token_ids[:-1]).num_tokens
+        others = [t.token_ids for t in taken if not t.prompt_logprobs]
+        if shares_uncached_block(req.token_ids, cached, others, self.config.prefill.cache_block_tokens):
             self.m_deferred.inc()
             return True
         return False
@@ -342,9 +341,10 @@ def take_batch(queue: list, max_tokens: int, waits: Callable[[Any, list], bool] 
     left queued is taken by a later batch at the latest once it is at the head."""
     total = 0
     taken: list = []
+    taken_reqs: list = []
     keep: list = []
     for i, (req, fut) in enumerate(queue):
-        if taken and waits is not None and waits(req, [r for r, _ in taken]):
+        if taken and waits is not None and waits(req, taken_reqs):
             keep.append((req, fut))
             continue
         size = len(req.token_ids)
@@ -353,6 +353,7 @@ def take_batch(queue: list, max_tokens: int, waits: Callable[[Any, list], bool] 
             break
         total += size
         taken.append((req, fut))
+        taken_reqs.append(req)
     queue[:] = keep
     return taken
 

@@ -103,7 +103,7 @@ def test_a_hung_scheduler_ends_its_requests_within_the_deadline(references):
         stack.stop()
 
 
-def test_requests_end_with_a_clear_error_when_no_placement_is_left():
+def test_requests_end_with_a_clear_error_when_no_placement_is_left(references):
     """Head-level partitioning needs every worker: with one stopped, the requests end
     with an error naming the cause once the recovery deadline passes (no hang)."""
     d = DeadlinesSection(reply_s=2.0, health_s=1.0, recovery_s=4.0)
@@ -113,8 +113,13 @@ def test_requests_end_with_a_clear_error_when_no_placement_is_left():
         start = time.monotonic()
         outcomes = asyncio.run(_stream_all(stack.base_url, lambda: os.kill(pid, signal.SIGSTOP), 2, errors=True))
         elapsed = time.monotonic() - start
-        assert all(isinstance(o, openai.APIError) for o in outcomes), outcomes
-        assert all("attention worker" in str(o) for o in outcomes), outcomes
+        # A short answer ("The capital of France is Paris.") can end before the slowest
+        # stream has its two chunks and the worker is stopped: such a stream ends with its
+        # whole, right text; every other one with the error.
+        errors = [o for o in outcomes if isinstance(o, openai.APIError)]
+        assert all(isinstance(o, openai.APIError) or o == ref for o, ref in zip(outcomes, references)), outcomes
+        assert len(errors) >= len(outcomes) // 2, outcomes
+        assert all("attention worker" in str(o) for o in errors), outcomes
         assert elapsed < 60
     finally:
         os.kill(pid, signal.SIGCONT)
