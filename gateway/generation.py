@@ -59,6 +59,9 @@ class ChoiceOutput:
         self.backend_done = False  # the backend sent its last event for this choice
         self._sent_logprobs = 0  # of self.logprobs, those already in a delta
         self._sent_ids = 0  # of the generated ids, those already in a delta
+        # When this choice's last tokens came: gaps between tokens are per choice (the
+        # choices of one request decode side by side, so their events interleave).
+        self.last_token_at: float | None = None
 
     @property
     def text(self) -> str:
@@ -118,7 +121,7 @@ class Generation:
         self._events: AsyncIterator | None = None
         self._deltas_iter: AsyncGenerator[Delta, None] | None = None
         self._start = time.monotonic() if arrived is None else arrived
-        self._last_event: float | None = None
+        self._first_token_seen = False
         self.prompt_logprobs: list[TokenLogprobs] = []  # prompt tokens 1.., when asked for (echo)
 
     @property
@@ -214,12 +217,12 @@ class Generation:
             self.prompt_logprobs.extend(event.prompt_logprobs)
             if ids:
                 self._journal.extend(self._journal_id(choice.index), ids)
-                if self._last_event is None:
+                if not self._first_token_seen:
                     self._metrics.time_to_first_token.observe(now - self._start)
-                    self._metrics.observe_tokens(len(ids), None)
-                else:
-                    self._metrics.observe_tokens(len(ids), now - self._last_event)
-                self._last_event = now
+                    self._first_token_seen = True
+                gap = None if choice.last_token_at is None else now - choice.last_token_at
+                self._metrics.observe_tokens(len(ids), gap)
+                choice.last_token_at = now
             text = choice.output.add(ids, reason)
             if choice.output.stopped:
                 reason = "stop"

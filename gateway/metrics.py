@@ -32,7 +32,7 @@ class GatewayMetrics:
             ["model"], buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
         self.inter_token_latency = Histogram(
             "lamina_gateway_inter_token_latency_seconds",
-            "Between successive tokens of one request (an event of k tokens counts k gaps of 1/k each).",
+            "Between successive tokens of one choice of a request (an event of k tokens counts k gaps of 1/k each).",
             ["model"], buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
         self.request_latency = Histogram(
             "lamina_gateway_request_latency_seconds", "From arrival to the last token of a finished request.",
@@ -48,7 +48,8 @@ class GatewayMetrics:
         self.requests.labels(route, str(status)).inc()
 
     def observe_tokens(self, num_tokens: int, gap_seconds: float | None) -> None:
-        """Count `num_tokens` new tokens; `gap_seconds` since the previous event (None for the first)."""
+        """Count `num_tokens` new tokens; `gap_seconds` since the same choice's previous
+        event (None for its first)."""
         self.generation_tokens.inc(num_tokens)
         if gap_seconds is not None and num_tokens:
             per_token = gap_seconds / num_tokens

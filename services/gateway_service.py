@@ -12,6 +12,7 @@ from lamina.gateway.app import create_app, start_server
 from lamina.gateway.config import GatewayConfig
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore, ServiceRegistration
 from lamina.model.loader import load_tokenizer, resolve_checkpoint
+from lamina.services import stack_dumps
 from lamina.services.addresses import host_port
 from lamina.services.cluster_status import read_status
 from lamina.services.config import ConfigError, StackConfig
@@ -67,6 +68,7 @@ async def run_gateway(config: StackConfig, ready: asyncio.Event | None = None) -
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping.set)
+    stack_dumps.install(loop)
     if ready is not None:
         ready.set()
     await stopping.wait()

@@ -16,6 +16,7 @@ supervision before it stops any process, so a stop never races with a restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -36,7 +37,7 @@ from lamina.kvstore.metadata import REDIS_ERRORS, MetadataConfig, MetadataStore
 from lamina.kvstore.redis_server import EmbeddedRedis
 from lamina.lifetime import child_env, spawn_logged
 from lamina.model.loader import resolve_checkpoint
-from lamina.services import local_stacks
+from lamina.services import local_stacks, stack_dumps
 from lamina.services.config import StackConfig
 from lamina.services.supervision import GiveUp, RestartPolicy, Run, decide, describe_exit
 
@@ -169,6 +170,22 @@ class Stack:
                 return sp
         return None
 
+    def _stacks_of(self, sp: ServiceProcess, wait_s: float = 1.0) -> str:
+        """Ask a service that will not stop for its task and thread stacks
+        (services/stack_dumps.py) and return what it wrote to its log meanwhile."""
+        path = self.log_dir / f"{sp.name}.log"
+        start = path.stat().st_size if path.is_file() else 0
+        for sig in (stack_dumps.TASKS_SIGNAL, stack_dumps.THREADS_SIGNAL):
+            with contextlib.suppress(ProcessLookupError):
+                sp.proc.send_signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                sp.proc.wait(timeout=wait_s)  # it writes them meanwhile (or exits after all)
+        if not path.is_file():  # a log on another node (RayStack): its last lines
+            return self.log_tail(sp.name, lines=80)
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(64 * 1024).decode(errors="replace")
+
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.log_dir / f"{name}.log"
         if not path.is_file():
@@ -259,7 +276,8 @@ class Stack:
                 try:
                     sp.proc.wait(timeout=timeout_s)
                 except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop in %.0f s; killing it", sp.name, timeout_s)
+                    log.warning("%s did not stop in %.0f s; killing it. What it was doing:\n%s", sp.name, timeout_s,
+                                self._stacks_of(sp))
                     sp.proc.kill()
                     sp.proc.wait()
         self.processes.clear()

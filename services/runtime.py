@@ -28,6 +28,7 @@ from lamina.kvstore.metadata import (
 from lamina.services.addresses import host_port
 from lamina.services.attention_members import membership
 from lamina.services.auth import server_interceptors
+from lamina.services import stack_dumps
 from lamina.services.config import StackConfig
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class ServiceRuntime:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stopping.set)
+        stack_dumps.install(loop)
 
     async def close(self) -> None:
         """Drain: stop being found, refuse new calls, finish in-flight ones, then stop."""

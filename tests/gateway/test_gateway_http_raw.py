@@ -159,3 +159,17 @@ async def test_a_request_the_backend_refuses_as_it_is_is_a_400(tokenizer, make_b
     async with serve(backend, tokenizer) as srv:
         status, body = await post(srv.url + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 400})
     assert (status, body["error"]["code"]) == (400, "request_refused") and "KV capacity" in body["error"]["message"]
+
+
+async def test_gaps_between_tokens_are_counted_per_choice(tokenizer, make_backend):
+    """n = 2, 4 tokens each, their events interleaved: 3 gaps per choice (a gap from one
+    choice's token to the other's is no gap between tokens), one first token."""
+    async with serve(make_backend(), tokenizer) as srv:
+        ok, body = await post(srv.url + "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4,
+                                                             "n": 2})
+        _, _, text = await get(srv.url + "/metrics")
+    assert ok == 200 and len(body["choices"]) == 2
+    lines = set(text.splitlines())
+    assert f'lamina_gateway_generation_tokens_total{{model="{MODEL}"}} 8.0' in lines
+    assert f'lamina_gateway_time_to_first_token_seconds_count{{model="{MODEL}"}} 1.0' in lines
+    assert f'lamina_gateway_inter_token_latency_seconds_count{{model="{MODEL}"}} 6.0' in lines
