@@ -47,6 +47,7 @@ import torch
 
 from lamina.kvstore.metadata import REDIS_ERRORS, KVPlacement
 from lamina.model.loader import load_tokenizer
+from lamina.services import stack_dumps
 from lamina.services.channels import open_channel
 from lamina.services.choices import choice_id, choice_seed, reserve_tokens
 from lamina.services.config import StackConfig
@@ -809,10 +810,7 @@ class SchedulerService:
             await rt.serve(lambda s: lamina_pb2_grpc.add_SchedulerServicer_to_server(_SchedulerServicer(self), s),
                            rebuild=self._republish)
         finally:
-            tasks = [*self._tasks, *self._prefills, *self._recoveries]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await stack_dumps.cancel_and_wait([*self._tasks, *self._prefills, *self._recoveries])
             await asyncio.gather(*(m.close() for m in self.model_streams), return_exceptions=True)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.journal.close(), self.config.deadlines.health_s)

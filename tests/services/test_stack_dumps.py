@@ -3,6 +3,8 @@ before it is killed (services/stack_dumps.py, Stack.stop)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import subprocess
 import sys
@@ -11,6 +13,7 @@ import time
 
 from lamina.services.config import StackConfig
 from lamina.services.launcher import ServiceProcess, Stack
+from lamina.services.stack_dumps import cancel_and_wait
 
 # A process with the services' dump handlers whose event loop ignores SIGTERM and waits
 # in a named task forever.
@@ -19,6 +22,9 @@ HUNG = textwrap.dedent("""
     from lamina.services import stack_dumps
 
     async def waits_forever():
+        await inner_wait()
+
+    async def inner_wait():
         await asyncio.Event().wait()
 
     async def main():
@@ -52,6 +58,47 @@ def test_stop_copies_a_hung_services_stacks_into_the_log(tmp_path, caplog):
             proc.wait()
     (record,) = [r for r in caplog.records if "did not stop" in r.getMessage()]
     message = record.getMessage()
-    assert "stuck-on-an-event" in message and "waits_forever" in message  # the asyncio task's stack
+    # The asyncio task's stack, down through what it awaits.
+    assert "stuck-on-an-event" in message and "in waits_forever" in message and "in inner_wait" in message
     assert "Current thread" in message or "Thread 0x" in message  # faulthandler's thread stacks
     assert proc.returncode is not None
+
+
+async def test_a_task_that_loses_its_cancellation_is_cancelled_again(caplog):
+    """A task whose code catches one CancelledError and goes on (as library code under
+    it can) ends at the second cancellation, with its stack logged; a plain one ends at
+    the first."""
+    caught = asyncio.Event()
+
+    async def swallows_once():
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            caught.set()
+        await asyncio.sleep(3600)
+
+    stubborn = asyncio.create_task(swallows_once(), name="swallows-once")
+    plain = asyncio.create_task(asyncio.sleep(3600), name="plain")
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.WARNING, logger="lamina.services.stack_dumps"):
+        left = await cancel_and_wait([stubborn, plain], grace_s=0.2)
+    assert left == [] and stubborn.cancelled() and plain.cancelled() and caught.is_set()
+    (record,) = [r for r in caplog.records if "still runs" in r.getMessage()]
+    assert "swallows-once" in record.getMessage() and "in swallows_once" in record.getMessage()
+
+
+async def test_a_task_that_never_ends_is_given_up_on():
+    stubborn = True
+
+    async def ignores_cancellation():
+        while stubborn:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+
+    task = asyncio.create_task(ignores_cancellation())
+    await asyncio.sleep(0)
+    assert await cancel_and_wait([task], grace_s=0.05, rounds=2) == [task]
+    stubborn = False  # now it ends, so that the test leaves nothing running
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert task.done()
