@@ -167,14 +167,19 @@ async def abort_for_remote_error(context: grpc.aio.ServicerContext, exc: Excepti
 async def refresh_every_half_ttl(store: MetadataStore, refresh: Callable[[], Awaitable[None]], what: str) -> None:
     """Run `refresh` every half service TTL for as long as the caller's task runs: a
     periodic timer, since leases expire on Redis's clock and nothing here signals it. A
-    failed round is logged; the next one tries again."""
+    failed round is logged; the next one tries again. A cancellation that arrives
+    during a round ends the loop even when code under `refresh` catches it and returns
+    (the scheduler's prefill refresh was seen to lose one in its Redis reads)."""
     interval = max(store.config.service_ttl_s / 2, 0.5)
+    task = asyncio.current_task()
     while True:
         await asyncio.sleep(interval)
         try:
             await refresh()
         except Exception as exc:  # noqa: BLE001 - the next round tries again
             log.warning("refreshing the %s failed: %s", what, exc)
+        if task is not None and task.cancelling():
+            raise asyncio.CancelledError
 
 
 async def workers_by_index(store: MetadataStore, kind: str, count: int, limit: int,

@@ -1,5 +1,6 @@
-"""A service that does not stop in time has its stacks copied into the launcher's log
-before it is killed (services/stack_dumps.py, Stack.stop)."""
+"""Stopping what will not stop: a service that does not exit in time has its stacks
+copied into the launcher's log before it is killed (services/stack_dumps.py,
+Stack.stop), and tasks that lose a cancellation are cancelled again or end anyway."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import sys
 import textwrap
 import time
 
+from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 from lamina.services.config import StackConfig
 from lamina.services.launcher import ServiceProcess, Stack
+from lamina.services.runtime import refresh_every_half_ttl
 from lamina.services.stack_dumps import cancel_and_wait
 
 # A process with the services' dump handlers whose event loop ignores SIGTERM and waits
@@ -102,3 +105,28 @@ async def test_a_task_that_never_ends_is_given_up_on():
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert task.done()
+
+
+async def test_a_refresh_that_swallows_the_cancellation_still_ends_its_loop():
+    """refresh_every_half_ttl ends when cancelled during a round even if the round
+    catches the CancelledError and returns (nothing connects: the store is only read
+    for its TTL)."""
+    in_round = asyncio.Event()
+    rounds = 0
+
+    async def refresh() -> None:
+        nonlocal rounds
+        rounds += 1
+        in_round.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(3600)
+
+    store = MetadataStore(MetadataConfig(url="redis://127.0.0.1:1", service_ttl_s=1.0))
+    try:
+        task = asyncio.create_task(refresh_every_half_ttl(store, refresh, "test"))
+        await asyncio.wait_for(in_round.wait(), 5)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=2)
+        assert done == {task} and task.cancelled() and rounds == 1
+    finally:
+        await store.close()
