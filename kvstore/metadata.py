@@ -66,6 +66,8 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from lamina.kvstore.cancellation import raise_if_cancelled
+
 log = logging.getLogger(__name__)
 
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -568,3 +570,5 @@ class ServiceRegistration:
                 log.warning("heartbeat of %s failed: %s", self.service_id, e)
             except Exception:
                 log.exception("re-registration of %s failed", self.service_id)
+            raise_if_cancelled()
+

@@ -22,13 +22,14 @@ import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from lamina.kvstore.cancellation import raise_if_cancelled
 from lamina.kvstore.metadata import (
     REDIS_ERRORS, MetadataConfig, MetadataStore, RebuildHook, ServiceInfo, ServiceRegistration,
 )
+from lamina.services import stack_dumps
 from lamina.services.addresses import host_port
 from lamina.services.attention_members import membership
 from lamina.services.auth import server_interceptors
-from lamina.services import stack_dumps
 from lamina.services.config import StackConfig
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class ServiceRuntime:
                 await self.store.put_stats(self.kind, self.service_id, stats())
             except REDIS_ERRORS as exc:
                 log.debug("%s: figures not published (%s)", self.service_id, exc)
+            raise_if_cancelled()
             await asyncio.sleep(STATS_INTERVAL_S)
 
     def install_signal_handlers(self) -> None:
@@ -135,8 +137,7 @@ class ServiceRuntime:
         with contextlib.suppress(Exception):
             await self._set_serving(False)
         if self._stats_task is not None:
-            self._stats_task.cancel()
-            await asyncio.gather(self._stats_task, return_exceptions=True)
+            await stack_dumps.cancel_and_wait([self._stats_task])
         if self._registration is not None:
             try:
                 await asyncio.wait_for(self._registration.stop(), timeout=5.0)
@@ -169,17 +170,15 @@ async def refresh_every_half_ttl(store: MetadataStore, refresh: Callable[[], Awa
     periodic timer, since leases expire on Redis's clock and nothing here signals it. A
     failed round is logged; the next one tries again. A cancellation that arrives
     during a round ends the loop even when code under `refresh` catches it and returns
-    (the scheduler's prefill refresh was seen to lose one in its Redis reads)."""
+    (kvstore/cancellation.py: the scheduler's prefill refresh lost one in its Redis reads)."""
     interval = max(store.config.service_ttl_s / 2, 0.5)
-    task = asyncio.current_task()
     while True:
         await asyncio.sleep(interval)
         try:
             await refresh()
         except Exception as exc:  # noqa: BLE001 - the next round tries again
             log.warning("refreshing the %s failed: %s", what, exc)
-        if task is not None and task.cancelling():
-            raise asyncio.CancelledError
+        raise_if_cancelled()
 
 
 async def workers_by_index(store: MetadataStore, kind: str, count: int, limit: int,

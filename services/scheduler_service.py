@@ -45,6 +45,7 @@ import grpc
 import prometheus_client
 import torch
 
+from lamina.kvstore.cancellation import raise_if_cancelled
 from lamina.kvstore.metadata import REDIS_ERRORS, KVPlacement
 from lamina.model.loader import load_tokenizer
 from lamina.services import stack_dumps
@@ -730,6 +731,7 @@ class SchedulerService:
             await asyncio.sleep(delay)
             delay = min(2 * delay, 4.0)
             info = await self.runtime.store.get_service("model", f"model-{worker}")
+            raise_if_cancelled()
             if info is None:
                 continue
             channel = open_channel(info.endpoint, self.config.cluster_token)
@@ -769,6 +771,7 @@ class SchedulerService:
                 written = held
             except REDIS_ERRORS as exc:
                 log.debug("placement tokens not written (%s)", exc)
+            raise_if_cancelled()
 
     def _update_gauges(self) -> None:
         self.m_waiting.set(len(self.waiting))

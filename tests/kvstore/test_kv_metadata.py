@@ -2,6 +2,7 @@
 system's redis-server when installed)."""
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -71,6 +72,29 @@ async def test_heartbeat_task_keeps_service_alive_and_stop_cancels_it(store):
     await reg.stop()
     assert reg._task is None
     assert await store.list_services("prefill") == []
+
+
+async def test_heartbeat_task_ends_when_a_beat_loses_its_cancellation(store):
+    """A beat that catches the CancelledError (as library code under it can) and
+    returns: the heartbeat still ends at that cancellation, and stop() returns."""
+    in_beat = asyncio.Event()
+
+    class SwallowingStore(MetadataStore):
+        async def heartbeat(self, kind: str, service_id: str) -> bool:
+            in_beat.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+            return True
+
+    slow = SwallowingStore(store.config)
+    try:
+        reg = ServiceRegistration(slow, "prefill", "p0", "tcp://127.0.0.1:7000")
+        await reg.start()
+        await asyncio.wait_for(in_beat.wait(), 5)
+        await asyncio.wait_for(reg.stop(), 5)
+        assert reg._task is None and await store.list_services("prefill") == []
+    finally:
+        await slow.close()
 
 
 async def test_blocks_and_placements_atomic_with_events(store):

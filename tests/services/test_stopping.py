@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 
+from lamina.kvstore.batches import write_batches
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 from lamina.services.config import StackConfig
 from lamina.services.launcher import ServiceProcess, Stack
@@ -130,3 +131,21 @@ async def test_a_refresh_that_swallows_the_cancellation_still_ends_its_loop():
         assert done == {task} and task.cancelled() and rounds == 1
     finally:
         await store.close()
+
+
+async def test_a_batch_writer_whose_flush_swallows_the_cancellation_still_ends():
+    in_flush = asyncio.Event()
+    wake = asyncio.Event()
+
+    async def flush() -> bool:
+        in_flush.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(3600)
+        return True
+
+    task = asyncio.create_task(write_batches(wake, flush, 0.0, 0.0))
+    wake.set()
+    await asyncio.wait_for(in_flush.wait(), 5)
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=2)
+    assert done == {task} and task.cancelled()
