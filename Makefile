@@ -34,12 +34,12 @@ run: $(NATIVE)
 	$(BIN)/lamina up --port $(PORT)
 
 test: $(NATIVE)
-	$(BIN)/python -m pytest -q -rs -m "not faults and not containers and not packaging" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs -m "not faults and not containers and not packaging" --durations=15 $(PYTEST_ARGS)
 
 # Fault injection (tests/faults: killed, stopped and restarted processes, fuzzed
 # input); slower, so apart from `make test`. CI runs both.
 test-faults: $(NATIVE)
-	$(BIN)/python -m pytest -q -rs -m faults tests/faults $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs -m faults tests/faults --durations=10 $(PYTEST_ARGS)
 
 # deploy/compose/ built and run under podman (tests/deploy/test_compose_podman.py): needs
 # root, podman, podman-compose and debootstrap (.ci/run installs them), else it skips
