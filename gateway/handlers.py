@@ -255,10 +255,10 @@ def _choice_body(state: GatewayState, gen: Generation, head: r.ResponseHead, kin
         build = r.chat_completion if kind == "chat" else r.text_completion
         body = build(head, choice.text, choice.finish_reason or "stop", _usage(gen),
                      _logprobs_json(state, gen, kind)(choice.logprobs))
-        if return_token_ids:
-            body["choices"][0]["token_ids"] = choice.token_ids
         if choice.tool_calls:
             r.add_tool_calls(body["choices"][0], choice.tool_calls)
+    if return_token_ids:  # the generated ids only, echoed prompt or not (none when only the prompt is asked for)
+        body["choices"][0]["token_ids"] = [] if echo is not None and echo.prompt_only else choice.token_ids
     body["choices"][0]["index"] = choice.index
     return body
 

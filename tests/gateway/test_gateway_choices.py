@@ -89,14 +89,18 @@ async def test_echo_gives_every_choice_the_prompt_and_its_logprobs(tokenizer, ma
     async with serve(backend, tokenizer) as srv:
         client = srv.client()
         r = await client.completions.create(model=MODEL, prompt="Hello there", max_tokens=4, n=2, echo=True,
-                                            logprobs=1)
+                                            logprobs=1, extra_body={"return_token_ids": True})
+        only = await client.completions.create(model=MODEL, prompt="Hello there", max_tokens=0, echo=True,
+                                               extra_body={"return_token_ids": True})
         await client.close()
     prompt = tokenizer.encode("Hello there")
     for i, c in enumerate(r.choices):
         assert c.text == "Hello there" + tokenizer.decode(script_ids[i:i + 4])
         assert c.logprobs.token_logprobs[0] is None
         assert len(c.logprobs.tokens) == len(prompt) + 4
+        assert c.model_extra["token_ids"] == script_ids[i:i + 4]  # the generated ids, not the echoed prompt's
     assert r.usage.completion_tokens == 8
+    assert only.choices[0].text == "Hello there" and only.choices[0].model_extra["token_ids"] == []
 
 
 async def test_a_client_gone_mid_stream_aborts_every_choice(tokenizer, make_backend):
