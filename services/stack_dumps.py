@@ -66,16 +66,17 @@ async def cancel_and_wait(tasks: list[asyncio.Task], grace_s: float = 2.0, round
     its stack is logged and it is cancelled again, up to `rounds` times. Returns the
     tasks still running after that (a shutdown goes on without them)."""
     pending = [t for t in tasks if not t.done()]
-    for _ in range(rounds):
+    for round_ in range(rounds):
         if not pending:
             break
         for t in pending:
             t.cancel()
         _, still = await asyncio.wait(pending, timeout=grace_s)
         pending = list(still)
+        then = "cancelling it again" if round_ + 1 < rounds else "leaving it"
         for t in pending:
-            log.warning("task %s still runs %.0f s after its cancellation; cancelling it again. Its stack:\n%s",
-                        t.get_name(), grace_s, _format(_awaited_frames(t.get_coro())))
+            log.warning("task %s still runs %.0f s after its cancellation; %s. Its stack:\n%s",
+                        t.get_name(), grace_s, then, _format(_awaited_frames(t.get_coro())))
     for t in tasks:
         if t.done() and not t.cancelled():
             t.exception()  # marked retrieved, as gather(return_exceptions=True) does: a shutdown ignores them
