@@ -571,4 +571,3 @@ class ServiceRegistration:
             except Exception:
                 log.exception("re-registration of %s failed", self.service_id)
             raise_if_cancelled()
-

@@ -22,7 +22,7 @@ from lamina.services.stack_dumps import cancel_and_wait
 # A process with the services' dump handlers whose event loop ignores SIGTERM and waits
 # in a named task forever.
 HUNG = textwrap.dedent("""
-    import asyncio, signal, sys, threading
+    import asyncio, signal
     from lamina.services import stack_dumps
 
     async def waits_forever():
