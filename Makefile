@@ -7,7 +7,7 @@ NATIVE := $(VENV)/.native
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run test test-faults test-containers test-packaging install native bench clean csrc protos
+.PHONY: run lint test test-faults test-containers test-packaging install native bench clean csrc protos
 
 $(STAMP): pyproject.toml constraints.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,25 +33,30 @@ native: $(NATIVE)
 run: $(NATIVE)
 	$(BIN)/lamina up --port $(PORT)
 
+# `python -P`: the checkout's root stays off sys.path (as pytest's importlib mode keeps the
+# test folders off it), so the tests import `lamina` from the installed project as a user
+# does, and a bare `planner` or `services` fails there as it fails for a user.
 test: $(NATIVE)
-	$(BIN)/python -m pytest -q -rs -m "not faults and not containers and not packaging" --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -P -m pytest -q -rs -m "not faults and not containers and not packaging" --durations=15 $(PYTEST_ARGS)
 
 # Fault injection (tests/faults: killed, stopped and restarted processes, fuzzed
 # input); slower, so apart from `make test`. CI runs both.
 test-faults: $(NATIVE)
-	$(BIN)/python -m pytest -q -rs -m faults tests/faults --durations=10 $(PYTEST_ARGS)
+	$(BIN)/python -P -m pytest -q -rs -m faults tests/faults --durations=10 $(PYTEST_ARGS)
 
 # deploy/compose/ built and run under podman (tests/deploy/test_compose_podman.py): needs
 # root, podman, podman-compose and debootstrap (.ci/run installs them), else it skips
 # and says which is missing. Minutes (image builds), so apart from `make test`; CI runs it.
 test-containers: $(NATIVE)
-	$(BIN)/python -m pytest -q -rs -m containers tests/deploy $(PYTEST_ARGS)
+	$(BIN)/python -P -m pytest -q -rs -m containers tests/deploy $(PYTEST_ARGS)
 
 # `python -m build` (sdist, then the wheel from it), the wheel installed with its
-# dependencies into a fresh virtual environment outside the checkout, `lamina up` from
-# there answering a chat request (tests/deploy/test_packaging.py). Minutes; CI runs it.
+# dependencies into a fresh virtual environment outside the checkout, and every `lamina`
+# command run from there: `lamina up` answering a chat request, status, health, generate,
+# plan, profile, each console script's --help (tests/deploy/test_packaging.py). Minutes;
+# CI runs it.
 test-packaging: $(NATIVE)
-	$(BIN)/python -m pytest -q -rs -m packaging tests/deploy/test_packaging.py $(PYTEST_ARGS)
+	$(BIN)/python -P -m pytest -q -rs -m packaging tests/deploy/test_packaging.py $(PYTEST_ARGS)
 
 # FHBN's CUDA library (needs nvcc: the dev extra installs it from PyPI; no GPU needed).
 csrc: $(STAMP)
@@ -63,3 +68,8 @@ protos: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info transports/_wire*.so model/_kv_attention*.so model/_qmatmul*.so model/_slice_ops*.so
+
+# ruff (lint) and mypy (types), configured in pyproject.toml; CI runs it.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy

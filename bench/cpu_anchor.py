@@ -45,15 +45,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+# bench/'s own modules import by name (a script's folder is on its path); lamina is the
+# installed project's.
+from engine_throughput import cpu_model
+from llama_cpp import LlamaServerUnavailable, ensure_llama_server, server_version
+
+from lamina.lifetime import child_argv, child_env
+from lamina.services.launcher import health_ok
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from engine_throughput import cpu_model  # noqa: E402  (bench/ is not a package)
-from llama_cpp import LlamaServerUnavailable, ensure_llama_server, server_version  # noqa: E402
-
-from lamina.lifetime import child_argv, child_env  # noqa: E402
-from lamina.services.launcher import health_ok  # noqa: E402
 
 SLOT_MARGIN = 17  # tokens per llama-server slot beyond prompt and output (15 + 96 + 17 = 128)
 START_TIMEOUT_S = 600.0
@@ -67,7 +67,8 @@ def free_port() -> int:
 
 def make_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
     """n distinct prompts of exactly `length` token ids (text tokenized, cut or extended)."""
-    topics = "rivers, mountains, bread, trains, bees, clocks, glass, storms, maps, salt, owls, bridges".split(", ")
+    topics = ["rivers", "mountains", "bread", "trains", "bees", "clocks", "glass", "storms", "maps", "salt", "owls",
+              "bridges"]
     prompts = []
     for i in range(n):
         text = f"Request {i}: write a long story about {topics[i % len(topics)]} and what they teach us"
@@ -257,7 +258,9 @@ def main() -> None:
     ap.add_argument("--llama-threads", type=int, default=2, help="llama-server --threads")
     ap.add_argument("--weights", default="as_file",
                     help="Lamina weights to run, comma-separated, side by side (as_file,float32,q8_0,q4)")
-    ap.add_argument("--engine-threads", default="1,2", help="compute threads of the local engine (lamina.model.threads.set_compute_threads), comma-separated")
+    ap.add_argument("--engine-threads", default="1,2",
+                    help="compute threads of the local engine (lamina.model.threads.set_compute_threads), "
+                         "comma-separated")
     ap.add_argument("--up-model-threads", default="default",
                     help="lamina up --model-threads values to run, comma-separated ('default': none given)")
     ap.add_argument("--skip-llama", action="store_true", help="run only the Lamina rows")

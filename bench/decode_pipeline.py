@@ -37,40 +37,18 @@ report per weights choice and context under "runs" when there are several).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
 import statistics
-import sys
 import time
-import urllib.request
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_throughput import cpu_model  # bench/'s own (a script's folder is on its path)
 
-from engine_throughput import cpu_model  # noqa: E402  (bench/ is not a package)
-
-DISTINCT_TAIL = 16
-
-
-def make_prompts(tokenizer, batch: int, context: int) -> list[list[int]]:
-    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
-    shared: list[int] = []
-    i = 0
-    while len(shared) < context - DISTINCT_TAIL:
-        shared.extend(tokenizer.encode(" " + words[i % len(words)]))
-        i += 3
-    shared = shared[: context - DISTINCT_TAIL]
-    prompts = []
-    for b in range(batch):
-        tail: list[int] = []
-        j = b
-        while len(tail) < DISTINCT_TAIL:
-            tail.extend(tokenizer.encode(f" {words[j % len(words)]}{b}"))
-            j += 5
-        prompts.append(shared + tail[:DISTINCT_TAIL])
-    return prompts
+# The prompts and the stack run are `lamina profile`'s (lamina.planner.measure.stack_run).
+from lamina.planner.measure.stack_run import DISTINCT_TAIL, make_prompts, run_stack
 
 
 # -- local engine ------------------------------------------------------------------------------
@@ -104,7 +82,8 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int) -> dict:
     import torch
 
     from lamina.engine.kv import KVStore
-    from lamina.engine.step import LocalAttention, StepBatch
+    from lamina.engine.step import LocalAttention
+    from lamina.model.batch import StepBatch
     from lamina.services.attention_core import AttentionCore
     from lamina.services.wire import StoreKV
 
@@ -146,143 +125,6 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int) -> dict:
         engine.append(time.perf_counter() - t)
         local.commit()
     return {"worker": 1e3 * statistics.median(worker), "engine": 1e3 * statistics.median(engine)}
-
-
-# -- the stack ---------------------------------------------------------------------------------
-def _scrape(port: int) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if not s.labels:
-                out[s.name] = s.value
-    return out
-
-
-async def _metric_ports(redis_url: str, namespace: str) -> dict[str, int]:
-    from lamina.kvstore.metadata import MetadataConfig, MetadataStore
-
-    store = MetadataStore(MetadataConfig(url=redis_url, namespace=namespace))
-    try:
-        ports = {}
-        for kind in ("model", "attention"):
-            for s in await store.list_services(kind):
-                ports[s.service_id] = int(s.meta["metrics_port"])
-        return ports
-    finally:
-        await store.close()
-
-
-def _counters(ports: dict[str, int]) -> dict[str, dict[str, float]]:
-    return {sid: _scrape(p) for sid, p in ports.items()}
-
-
-async def _drive(url: str, model: str, prompts: list[list[int]], steps: int) -> dict:
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
-    times: list[list[float]] = [[] for _ in prompts]
-
-    async def one(i: int) -> None:
-        stream = await client.completions.create(model=model, prompt=prompts[i], max_tokens=steps + 1,
-                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text is not None:
-                times[i].append(time.perf_counter())
-
-    await asyncio.gather(*(one(i) for i in range(len(prompts))))
-    await client.close()
-    return {"times": times}
-
-
-def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batches: int, q_early: bool,
-              model_workers: int, kv_bytes: int, weights: str, mode: str = "fixed", attention_workers: int = 2,
-              model_threads: int = 1) -> dict:
-    import openai
-
-    from lamina.services.config import (AttentionSection, ModelWorkerSection, PipelineSection, SchedulerSection,
-                                 StackConfig)
-    from lamina.services.launcher import Stack
-
-    config = StackConfig(transport=transport, weights=weights,
-                         scheduler=SchedulerSection(max_batch_size=len(prompts), max_queue=max(256, len(prompts))),
-                         attention=AttentionSection(workers=attention_workers, kv_capacity_bytes=kv_bytes),
-                         model_worker=ModelWorkerSection(workers=model_workers, threads=model_threads),
-                         # Exactly the micro-batches asked for, however small they get.
-                         pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1,
-                                                  mode=mode))
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    from dataclasses import replace
-
-    from lamina.services.config import GatewaySection
-
-    config = replace(config, gateway=GatewaySection(port=port))
-    stack = Stack(config)
-    try:
-        stack.start()
-        model = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused").models.list().data[0].id
-        ports = asyncio.run(_metric_ports(stack.config.redis_url, stack.config.namespace))
-        # Warm-up: one short request, so the first step's one-time costs are not timed.
-        asyncio.run(_drive(stack.base_url, model, prompts[:1], 2))
-        # The counters are read when every sequence has its first token, and at the end.
-        before: dict = {}
-
-        async def drive_and_mark():
-            import openai as _o
-
-            client = _o.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0,
-                                    timeout=1800)
-            times: list[list[float]] = [[] for _ in prompts]
-            all_first = asyncio.Event()
-
-            async def one(i: int) -> None:
-                stream = await client.completions.create(model=model, prompt=prompts[i], max_tokens=steps + 1,
-                                                         temperature=0, stream=True,
-                                                         extra_body={"ignore_eos": True})
-                async for chunk in stream:
-                    if chunk.choices:
-                        times[i].append(time.perf_counter())
-                        if len(times[i]) == 1 and all(times):
-                            all_first.set()
-
-            async def mark():
-                await all_first.wait()
-                before.update(await asyncio.to_thread(_counters, ports))
-                before["_t"] = time.perf_counter()
-
-            await asyncio.gather(mark(), *(one(i) for i in range(len(prompts))))
-            await client.close()
-            return times
-
-        times = asyncio.run(drive_and_mark())
-        after = _counters(ports)
-        t_end = max(t[-1] for t in times)
-    finally:
-        stack.stop()
-    t0 = before["_t"]
-    tokens = sum(sum(1 for x in t if x > t0) for t in times)
-    wall = t_end - t0
-    shares = {}
-    for sid in after:
-        kind = "model" if sid.startswith("model") else "attention"
-        comp = after[sid].get(f"lamina_{kind}_compute_seconds_total", 0) - before[sid].get(
-            f"lamina_{kind}_compute_seconds_total", 0)
-        send = after[sid].get(f"lamina_{kind}_send_seconds_total", 0) - before[sid].get(
-            f"lamina_{kind}_send_seconds_total", 0)
-        cpu = after[sid].get("process_cpu_seconds_total", 0) - before[sid].get("process_cpu_seconds_total", 0)
-        shares[sid] = {"compute": comp / wall, "send": send / wall, "wait": max(0.0, 1 - (comp + send) / wall),
-                       "cpu": cpu / wall}  # cpu: the whole process (event loop, frames, sampling included)
-    model_c = sum(v["compute"] for k, v in shares.items() if k.startswith("model"))
-    attn_c = sum(v["compute"] for k, v in shares.items() if k.startswith("attention"))
-    return {"tok_s": tokens / wall, "tokens": tokens, "seconds": wall, "shares": shares,
-            "overlap": max(0.0, model_c + attn_c - 1.0), "cpu_ms_per_token": 1e3 * model_c * wall / tokens}
 
 
 def _row_name(key: str) -> str:
@@ -340,35 +182,35 @@ def main() -> None:
               f"{args.transport}, {args.model_workers} model worker(s), 2 attention workers", flush=True)
         kv_bytes = (args.batch * (context + args.steps + 64) * cfg.kv_bytes_per_token()) // 2 + (256 << 20)
 
-        def median_of(fn) -> dict:
-            runs = [fn() for _ in range(args.repeats)]
+        def median_of(fn: Callable[..., dict], *fn_args: Any, **fn_kwargs: Any) -> dict:
+            runs = [fn(*fn_args, **fn_kwargs) for _ in range(args.repeats)]
             best = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
             return {**best, "runs": [r["tok_s"] for r in runs]}
 
         local = {}
         for threads in (1, 2):
-            local[str(threads)] = median_of(lambda: run_local(loaded, prompts, args.steps, threads))
+            local[str(threads)] = median_of(run_local, loaded, prompts, args.steps, threads)
             print(f"  local engine, {threads} thread(s): {local[str(threads)]['tok_s']:.1f} tok/s", flush=True)
         set_compute_threads(1)
         stack = {}
         for mb in [int(m) for m in args.micro_batches.split(",")]:
-            stack[f"mb{mb}"] = median_of(lambda: run_stack(prompts, args.steps, args.transport, mb, False,
-                                                           args.model_workers, kv_bytes, weights))
+            stack[f"mb{mb}"] = median_of(run_stack, prompts, args.steps, args.transport, mb, False,
+                                         args.model_workers, kv_bytes, weights)
             print(f"  stack, {mb} micro-batch(es): {stack[f'mb{mb}']['tok_s']:.1f} tok/s", flush=True)
         for t in [int(t) for t in args.model_threads.split(",") if int(t) > 1]:
             for mb in (1, 2):
                 key = f"mb{mb}-t{t}"
-                stack[key] = median_of(lambda: run_stack(prompts, args.steps, args.transport, mb, False,
-                                                         args.model_workers, kv_bytes, weights, model_threads=t))
+                stack[key] = median_of(run_stack, prompts, args.steps, args.transport, mb, False,
+                                       args.model_workers, kv_bytes, weights, model_threads=t)
                 print(f"  {_row_name(key)}: {stack[key]['tok_s']:.1f} tok/s", flush=True)
         for m in [int(m) for m in args.rotational.split(",") if m]:
-            stack[f"rot{m}"] = median_of(lambda: run_stack(prompts, args.steps, args.transport, m + 1, False, m,
-                                                           kv_bytes, weights, mode="rotational"))
+            stack[f"rot{m}"] = median_of(run_stack, prompts, args.steps, args.transport, m + 1, False, m,
+                                         kv_bytes, weights, mode="rotational")
             print(f"  stack, rotational over {m} model workers: {stack[f'rot{m}']['tok_s']:.1f} tok/s", flush=True)
         q_on = None
         if not args.no_q_early:
-            q_on = median_of(lambda: run_stack(prompts, args.steps, args.transport, 2, True, args.model_workers,
-                                               kv_bytes, weights))
+            q_on = median_of(run_stack, prompts, args.steps, args.transport, 2, True, args.model_workers,
+                             kv_bytes, weights)
             print(f"  stack, 2 micro-batches, Q early: {q_on['tok_s']:.1f} tok/s", flush=True)
         attn = attention_per_layer(cfg, args.batch, context, repeats=20)
 

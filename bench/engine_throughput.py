@@ -50,6 +50,10 @@ from pathlib import Path
 
 import torch
 
+# What `lamina profile` measures too: the copy bandwidth and the engine's pure-decode step.
+from lamina.planner.measure.engine_step import decode_step_cpu
+from lamina.planner.measure.kernels import copy_bandwidth
+
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 
 
@@ -68,19 +72,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes per second moved by a large tensor copy (each byte read once, written once)."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
 
 
 def weight_bytes_read(model: torch.nn.Module) -> int:
@@ -144,24 +135,6 @@ def run_lamina(loaded, prompts: list[list[int]], outs: list[int]) -> dict:
     }
 
 
-def decode_step_cpu(loaded, batch: int, prompt_len: int, steps: int, seed: int) -> float:
-    """Median CPU seconds of a pure-decode step at a fixed batch size (after one prefill step)."""
-    from lamina.engine import Engine, SamplingParams
-
-    engine = Engine(loaded)
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(batch):
-        ids = torch.randint(100, loaded.config.vocab_size, (prompt_len,), generator=gen).tolist()
-        engine.add_request(ids, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 2))
-    engine.step()  # every prompt in one prefill step
-    times = []
-    for _ in range(steps):
-        c = time.process_time()
-        engine.step()
-        times.append(time.process_time() - c)
-    return statistics.median(times)
-
-
 def run_transformers(weights_dir: Path, prompts: list[list[int]], outs: list[int], batch: int, pad_id: int) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -212,8 +185,8 @@ def main() -> None:
                     help="also time pure-decode steps at these batch sizes (40-token prompts), each weights "
                          "choice in turn; empty to skip")
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads for both sides, and the engine's packed products' threads (default 1: this "
-                         "machine is shared)")
+                    help="torch intra-op threads for both sides, and the engine's packed products' threads "
+                         "(default 1: this machine is shared)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from lamina.model.quant import set_kernel_threads
@@ -254,7 +227,7 @@ def main() -> None:
 
     by_batch: dict[str, dict[int, float]] = {w: {} for w in choices}
     for b in (int(x) for x in args.decode_batches.split(",") if x.strip()):
-        per = {w: [] for w in choices}
+        per: dict[str, list[float]] = {w: [] for w in choices}
         for _ in range(args.repeat):
             for w in choices:
                 per[w].append(decode_step_cpu(models[w][0], b, 40, 12, args.seed))

@@ -47,14 +47,13 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from lamina.model.attention import attention_with_lse
+from lamina.model.kv_attention import NATIVE
+from lamina.model.kv_quant import Q4Rows
+from lamina.services.attention_core import AttentionCore
+from lamina.services.wire import StoreKV
 
-from lamina.model.attention import attention_with_lse  # noqa: E402
-from lamina.model.kv_attention import NATIVE  # noqa: E402
-from lamina.model.kv_quant import Q4Rows  # noqa: E402
-from lamina.services.attention_core import AttentionCore  # noqa: E402
-from lamina.services.wire import StoreKV  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 TRACE = REPO.parent / "shared" / "traces" / "azure_conv_2023.csv"
 TEXT_COMMIT = "3a41b2ad938b96bc1e52c6069fbd51a4b402206c"  # docs of the commit before quantized KV
@@ -234,7 +233,8 @@ def synthetic_attend(cfg, kv_quant: str, batch: int, context: int, repeats: int)
     hkv, d = cfg.num_kv_heads, cfg.head_dim
     for i in range(batch):
         for layer in range(cfg.num_layers):
-            core.store(StoreKV(str(i), layer, cfg.num_layers, torch.randn(context, hkv, d), torch.randn(context, hkv, d)))
+            core.store(StoreKV(str(i), layer, cfg.num_layers,
+                               torch.randn(context, hkv, d), torch.randn(context, hkv, d)))
     seqs = [(str(i), 1) for i in range(batch)]
     times = []
     for _ in range(repeats):

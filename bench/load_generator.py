@@ -52,15 +52,15 @@ import tempfile
 import time
 from pathlib import Path
 
+# bench/'s own modules import by name (a script's folder is on its path); lamina is the
+# installed project's.
+from cpu_anchor import lamina_up, raise_on_sigterm, signals_held
+from engine_throughput import cpu_model
+from serving import make_prompt_ids, replay
+
+from lamina.lifetime import child_argv
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from cpu_anchor import lamina_up, raise_on_sigterm, signals_held  # noqa: E402  (bench/ is not a package)
-from engine_throughput import cpu_model  # noqa: E402
-from serving import make_prompt_ids, replay  # noqa: E402
-
-from lamina.lifetime import child_argv  # noqa: E402
 
 TESTED_GUIDELLM = "0.8.1"  # the version whose command line and report format this script reads
 GUIDELLM_TIMEOUT_S = 3600.0

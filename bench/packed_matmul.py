@@ -6,7 +6,8 @@ fused QKV [960, 576], O [576, 576], gate/up [3072, 576] and down [576, 1536] mat
 layer's own random weights, so that they are read from memory as in a real step, not from
 cache) are timed with:
 
-- `native`: lamina.model.quant's kernel over the packed weight (csrc/qmatmul.c);
+- `native`: lamina.model.quant's kernel over the packed weight (csrc/qmatmul.c), as
+  `lamina profile` times it (lamina.planner.measure.kernels: the layers and the run);
 - `torch_f32`: torch's linear over the dequantized float32 weight (what the engine ran before);
 - `torch_int4pack`: torch's `_weight_int4pack_mm_for_cpu` (group-wise int4, tinygemm's
   (q - 8) * scale + zero form: Q4_0 is scale d, zero 0; Q4_1 scale d, zero m + 8d), with
@@ -30,29 +31,10 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 (torch's conventional name)
 
 from lamina.model import quant
-
-LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (outputs, inputs) of one decoder layer
-
-
-def make_layers(fmt: str, num_layers: int, gen: torch.Generator) -> list[list[quant.PackedWeight]]:
-    """`num_layers` decoder layers of LAYER's matrices in `fmt` (f32, q8_0, q4_0, q4_1), each
-    layer its own random weights (so that a step reads them from memory, not from cache)."""
-    layers = []
-    for _ in range(num_layers):
-        ws = [torch.randn(n, k, generator=gen) * 0.05 for n, k in LAYER]
-        if fmt == "f32":
-            layers.append([quant.pack_float(w) for w in ws])
-        elif fmt == "q4_0":  # no float quantizer of ours for q4_0: gguf's
-            import gguf
-
-            layers.append([quant.pack_gguf("q4_0", gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0),
-                                           *w.shape) for w in ws])
-        else:
-            layers.append([quant.quantize(w, fmt) for w in ws])
-    return layers
+from lamina.planner.measure.kernels import LAYER, make_layers, native_run  # what `lamina profile` times
 
 
 def _int4pack(pw: quant.PackedWeight, bf16: bool):
@@ -63,11 +45,6 @@ def _int4pack(pw: quant.PackedWeight, bf16: bool):
     zero = torch.zeros_like(d) if m is None else m.float() + 8 * d  # w = (q - 8) * d + zero
     sz = torch.stack([d, zero], dim=-1).transpose(0, 1).contiguous()  # [G, N, 2]
     return packed, sz.bfloat16() if bf16 else sz
-
-
-def native_run(layers: list[list[quant.PackedWeight]]):
-    """The native kernel over every layer's weights: x maps an input width to its [m, K] rows."""
-    return lambda x: [quant.packed_matmul(x[pw.k], pw) for layer in layers for pw in layer]
 
 
 def _variants(fmt: str, layers: list[list[quant.PackedWeight]], slow_layers: int) -> dict:

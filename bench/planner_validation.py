@@ -3,14 +3,14 @@ measured one, on this machine, from a fresh `lamina profile`.
 
 Cases: SmolLM2-135M-Instruct (float32 weights and KV, the engine's default) at batch
 sizes 1 to 32 and prompts of 32 to 512 tokens; each case is the median CPU time of
---steps pure-decode steps after one prefill step (bench/engine_throughput.py's
+--steps pure-decode steps after one prefill step (lamina.planner.measure.engine_step's
 decode_step_cpu), with one torch thread, against lamina.planner.estimate.decode_step for a
 colocated layout on `this-machine` (float32) at the same batch and mean context. The
 profile is measured first in this process (planner/profile.py, --quick: fewer repeats);
 its overhead terms are calibrated on the engine at other points (planner.profile.
 OVERHEAD_POINTS: 16-token prompts), so no case here is one it was fitted to.
 
---stack adds the stack as `lamina up` starts it (bench/decode_pipeline.py's run_stack:
+--stack adds the stack as `lamina up` starts it (lamina.planner.measure.stack_run's run_stack:
 one model worker, TCP, float32 weights) with 1 and 2 attention workers at 1 and 2
 micro-batches, decode tokens/s against the planner's disaggregated layout on
 `this-machine` with `shared_host` (every service on this host's cores: the profile's
@@ -27,26 +27,22 @@ import argparse
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.engine_throughput import decode_step_cpu  # noqa: E402
-from lamina.planner.estimate import decode_step  # noqa: E402
-from lamina.planner.hardware import THIS_MACHINE, device_from_entry, load_catalogue  # noqa: E402
-from lamina.planner.layouts import Layout  # noqa: E402
-from lamina.planner.perf.quantization import FP32  # noqa: E402
-from lamina.planner.profile import profile  # noqa: E402
-from lamina.planner.shapes import BUILTIN  # noqa: E402
+from lamina.planner.estimate import decode_step
+from lamina.planner.hardware import THIS_MACHINE, device_from_entry, load_catalogue
+from lamina.planner.layouts import Layout
+from lamina.planner.measure.engine_step import decode_step_cpu
+from lamina.planner.measure.stack_run import make_prompts, run_stack
+from lamina.planner.perf.quantization import FP32
+from lamina.planner.profile import profile
+from lamina.planner.shapes import BUILTIN
 
 # Batch x prompt stays within one prefill step of the engine, so the timed steps are pure decode.
 CASES = ((1, 32), (1, 512), (4, 128), (4, 512), (8, 64), (8, 256), (16, 128), (32, 64))
 
 
 def stack_cases(loaded, shape, catalogue, steps: int, batch: int = 32, context: int = 256) -> list[dict]:
-    from bench.decode_pipeline import make_prompts, run_stack
-
     prompts = make_prompts(loaded.tokenizer, batch, context)
     kv_bytes = (batch * (context + steps + 64) * loaded.config.kv_bytes_per_token()) // 2 + (256 << 20)
     rows = []
@@ -109,8 +105,9 @@ def main() -> None:
         rows += stack_cases(loaded, shape, catalogue, steps=16)
     errors = [abs(r["rel_error"]) for r in rows]
     d = prof["device"]
-    print(f"profile: memory {d['memory_tb_s']['value'] * 1e3:.2f} GB/s, matmul {d['tflops']['fp32']['value'] * 1e3:.2f} "
-          f"GFLOP/s, attention {d['attention_tb_s']['value'] * 1e3:.2f} GB/s of KV (1 thread); "
+    print(f"profile: memory {d['memory_tb_s']['value'] * 1e3:.2f} GB/s, "
+          f"matmul {d['tflops']['fp32']['value'] * 1e3:.2f} GFLOP/s, "
+          f"attention {d['attention_tb_s']['value'] * 1e3:.2f} GB/s of KV (1 thread); "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     if "slice_overhead_us" in d:
         print(f"stack overheads per layer: slice {d['slice_overhead_us']['value']:.0f} us, frame "

@@ -48,7 +48,7 @@ TRACE_BLOCK = 512 // SCALE
 # ---------------- part 1: TTFT with the real model ----------------
 
 def ttft_by_tier(prompt_tokens: int, prefix_tokens: int, block: int, repeats: int) -> dict:
-    from lamina.kvstore.prefill import prefill
+    from lamina.engine.prefix_prefill import prefill
     from lamina.model.loader import load_model
 
     loaded = load_model()

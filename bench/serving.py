@@ -58,7 +58,8 @@ def load_trace(n: int, offset: int, scale: int, time_scale: float, max_prompt: i
 
 
 def make_prompt_ids(tokenizer, n: int, salt: int) -> list[int]:
-    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards",
+             "quietly", "judge", "boxing"]
     ids: list[int] = []
     i = salt
     while len(ids) < n:
@@ -71,7 +72,7 @@ def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 def summary(values: list[float]) -> dict:
@@ -199,7 +200,8 @@ def main() -> None:
                           args.max_output, args.min_output)
     prompts = [make_prompt_ids(tokenizer, p, i) for i, (_, p, _) in enumerate(workload)]
     print(f"workload: {len(workload)} requests from azure_conv_2023.csv (offset {args.offset}), lengths / "
-          f"{args.scale} (prompt <= {args.max_prompt}, output {args.min_output}..{args.max_output}, forced), arrivals / "
+          f"{args.scale} (prompt <= {args.max_prompt}, output {args.min_output}..{args.max_output}, forced), "
+          f"arrivals / "
           f"{args.time_scale}; mean prompt {statistics.fmean(p for _, p, _ in workload):.1f} tokens, "
           f"mean output {statistics.fmean(o for _, _, o in workload):.1f} tokens, span {workload[-1][0]:.1f} s")
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -226,7 +228,8 @@ def main() -> None:
         model = openai.OpenAI(base_url=url + "/v1", api_key="unused").models.list().data[0].id
         served = asyncio.run(replay(url, model, workload, prompts))
         if stack is not None:
-            stats = asyncio.run(scheduler_stats(stack.config.redis_url, stack.config.namespace, stack.config.cluster_token))
+            stats = asyncio.run(scheduler_stats(stack.config.redis_url, stack.config.namespace,
+                                                stack.config.cluster_token))
     finally:
         if stack is not None:
             stack.stop()

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import os
 import platform
@@ -50,6 +51,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+log = logging.getLogger("soak")
+
 KIND_WEIGHTS = {"chat_stream": 0.35, "completion": 0.25, "stop": 0.17, "cancel": 0.13, "overlong": 0.10}
 TOPICS = ["the sea", "a red bicycle", "prime numbers", "the moon", "bread", "rain in spring", "a quiet library",
           "mountains", "a lost key", "coffee", "trains at night", "honey bees", "old maps", "the colour blue"]
@@ -57,7 +60,8 @@ CHAT_FORMS = ["Write one sentence about {t}.", "Tell me a fact about {t}.", "Wha
               "Describe {t} in a few words.", "Give me a short list of words about {t}."]
 COMPLETION_FORMS = ["The story of {t} begins", "A short note on {t}:", "Q: What do you know about {t}?\nA:",
                     "Here are three things about {t}: 1."]
-FILLER = "and then it went on over the hill under a grey sky while people talked about it".split()
+FILLER = ["and", "then", "it", "went", "on", "over", "the", "hill", "under", "a", "grey", "sky", "while", "people",
+          "talked", "about", "it"]
 CACHE_BYTES = 16 << 20  # each prefix-cache tier of the stack started here
 STOPS = [["."], ["\n"], [" the"], [",", "!"], [" a ", "."]]
 
@@ -255,6 +259,7 @@ async def run_batch(client: Client, specs: list[Spec], concurrency: int) -> list
             try:
                 return await client.run(spec)
             except Exception as exc:  # a bug here must not take the other requests with it
+                log.exception("request %d (%s): client failure", spec.index, spec.kind)  # the traceback, on stderr
                 return Outcome(spec.kind, error=f"client failure {type(exc).__name__}: {str(exc)[:80]}")
 
     return await asyncio.gather(*(one(s) for s in specs))
@@ -339,7 +344,7 @@ def pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 # ---- the run ----

@@ -4,9 +4,10 @@ Compared in the same run with three references: a raw blocking-socket ping-pong
 (``raw_socket``), torch.distributed Gloo send/recv (``gloo``) and a plain memory copy
 (``memcpy``, bandwidth of one copy of the payload).
 
-Method: the client sends a payload of S bytes, the server echoes it, both sides receive
-into preallocated buffers, taken from the heap in every process (glibc's mmap threshold
-fixed above the largest size: see _heap_buffers). ``rtt_us`` is the median round trip; ``gbps`` is
+Method (lamina.planner.measure.pingpong, which `lamina profile` measures with): the client
+sends a payload of S bytes, the server echoes it, both sides receive into preallocated
+buffers, taken from the heap in every process (glibc's mmap threshold fixed above the
+largest size: see its heap_buffers). ``rtt_us`` is the median round trip; ``gbps`` is
 2 * S * 8 / median round trip (bytes moved both ways), in Gbit/s. The whole set
 (transports and references) is measured ``--repeat`` times in turn, so that a noisy
 phase of a shared machine hits every contender alike, and the median of the runs' medians
@@ -26,7 +27,6 @@ Transports this machine cannot run are skipped with the reason (rdma and fhbn he
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import multiprocessing as mp
 import os
@@ -35,46 +35,25 @@ import socket
 import statistics
 import struct
 import sys
-import time
+from typing import TYPE_CHECKING
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Our transports' ping-pong is `lamina profile`'s (lamina.planner.measure.pingpong); the
+# references below are timed with its rounds and buffers.
+from lamina.planner.measure.pingpong import (
+    figures,
+    heap_buffers,
+    iterations,
+    measure,
+    one_thread,
+    pingpong,
+    transport_config,
+    warmup_rounds,
+)
+
+if TYPE_CHECKING:  # torch is imported after heap_buffers(), in every process
+    import torch
 
 SIZES = [8, 64, 1024, 16384, 262144, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-
-
-def _iterations(size: int, quick: bool) -> int:
-    """Timed round trips for one size (fixed, so both sides of gloo know the count)."""
-    if size <= 16384:
-        return 300 if quick else 2000
-    if size <= (1 << 20):
-        return 40 if quick else 200
-    return 4 if quick else 10
-
-
-def _warmup(size: int) -> int:
-    return 3 if size < (16 << 20) else 1
-
-
-def _measure(one_round, size: int, quick: bool) -> float:
-    for _ in range(_warmup(size)):
-        one_round()
-    times = []
-    for _ in range(_iterations(size, quick)):
-        t0 = time.perf_counter()
-        one_round()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-async def _ameasure(one_round, size: int, quick: bool) -> float:
-    for _ in range(_warmup(size)):
-        await one_round()
-    times = []
-    for _ in range(_iterations(size, quick)):
-        t0 = time.perf_counter()
-        await one_round()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _combine(runs: list[dict]) -> dict:
@@ -89,127 +68,6 @@ def _combine(runs: list[dict]) -> dict:
     return out
 
 
-def _heap_buffers() -> None:
-    """Every process here takes large buffers from the heap. glibc maps each allocation
-    above its mmap threshold (128 KiB at first) on its own, and raises the threshold only
-    when such a mapping is freed: so in a fresh process the first contender's 16 MiB
-    buffers were mappings of their own and the later contenders' heap memory, and copies
-    into the mappings were slower here (16 MiB TCP round trip 16 ms first in a process, 13
-    ms after; raw socket 12 ms against 7.7 ms with both on the heap). Fixing the thresholds
-    gives every contender the same kind of memory whatever ran before it."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    libc = ctypes.CDLL(name)
-    if not hasattr(libc, "mallopt"):  # not glibc
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 512 << 20)  # the largest size measured is 64 MiB
-    libc.mallopt(m_trim_threshold, 1 << 30)  # and freed buffers stay for the next contender
-
-
-def _one_thread(torch) -> None:
-    """Every process here moves bytes on one core: idle OpenMP workers left spinning
-    after a parallel op (filling a 64 MiB payload) would take the CPU the peer needs."""
-    torch.set_num_threads(1)
-
-
-def _result(rtts: dict[int, float]) -> dict:
-    return {
-        "rtt_us": {str(s): round(t * 1e6, 2) for s, t in rtts.items()},
-        "gbps": {str(s): round(2 * s * 8 / t / 1e9, 3) for s, t in rtts.items()},
-    }
-
-
-# ---------------------------------------------------------------- our transports
-def _serve_transport(address: str, ready: mp.Queue, native: bool) -> None:
-    _heap_buffers()
-    import torch
-    _one_thread(torch)
-    from lamina import transports
-
-    async def main() -> None:
-        done = asyncio.Event()
-
-        async def echo(conn) -> None:
-            out = None
-            try:
-                while True:
-                    frame = await conn.recv(out=out)
-                    if frame.kind == 0:  # size change: preallocate the next receives
-                        size = frame.header["size"]
-                        out = [torch.empty(size, dtype=torch.uint8)]
-                        await conn.send(frame)
-                        continue
-                    await conn.send(frame)
-            except transports.PeerClosed:
-                done.set()
-
-        listener = await transports.listen(address, echo, _config(native))
-        ready.put(listener.address)
-        await done.wait()
-        await listener.close()
-
-    transports.install_uvloop()
-    asyncio.run(main())
-
-
-def _config(native: bool = True):
-    from lamina.transports import TransportConfig
-    return TransportConfig(max_frame_bytes=(1 << 30), native_frames=native)
-
-
-def bench_transport(name: str, sizes: list[int], quick: bool) -> dict:
-    """``name``: a scheme, or ``<scheme>+py`` for that transport with the Python codec."""
-    import torch
-    _one_thread(torch)
-    from lamina import transports
-    from lamina.transports import Frame
-
-    scheme, _, codec = name.partition("+")
-    native = codec != "py"
-    if scheme in ("rdma", "fhbn"):  # first verbs device, port 1, control socket on loopback
-        from pyverbs.device import get_device_list
-        address = f"{scheme}://{get_device_list()[0].name.decode()}/1/127.0.0.1:0"
-    else:
-        address = {"tcp": "tcp://127.0.0.1:0", "ucx": "ucx://127.0.0.1:0",
-                   "shm": f"shm://bench-{os.getpid()}"}[scheme]
-    ctx = mp.get_context("spawn")
-    ready = ctx.Queue()
-    server = ctx.Process(target=_serve_transport, args=(address, ready, native), daemon=True)
-    server.start()
-    address = ready.get(timeout=60)
-
-    async def main() -> dict[int, float]:
-        conn = await transports.connect(address, _config(native))
-        rtts = {}
-        for size in sizes:
-            payload = torch.randint(0, 255, (size,), dtype=torch.uint8)
-            out = [torch.empty(size, dtype=torch.uint8)]
-            await conn.send(Frame(0, {"size": size}))
-            await conn.recv()
-            frame = Frame(1, {}, [payload])
-
-            async def one_round() -> None:
-                await conn.send(frame)
-                await conn.recv(out=out)
-
-            rtts[size] = await _ameasure(one_round, size, quick)
-            assert torch.equal(out[0], payload)
-        await conn.close()
-        return rtts
-
-    transports.install_uvloop()
-    rtts = asyncio.run(main())
-    server.join(30)
-    if server.is_alive():
-        server.kill()
-    return _result(rtts)
-
-
 # ---------------------------------------------------------------- raw blocking socket
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     pos = 0
@@ -221,7 +79,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 
 def _serve_raw(ready: mp.Queue) -> None:
-    _heap_buffers()
+    heap_buffers()
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(16)
@@ -243,38 +101,42 @@ def _serve_raw(ready: mp.Queue) -> None:
             sock.close()
 
 
+def _raw_socket_rtt(port: int, size: int, quick: bool) -> float:
+    """Median round trip of `size` bytes over a fresh connection to the echo server."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.sendall(struct.pack("<Q", size))
+    payload = memoryview(os.urandom(size))
+    buf = memoryview(bytearray(size))
+
+    def one_round() -> None:
+        sock.sendall(payload)
+        _recv_exact(sock, buf)
+
+    rtt = measure(one_round, size, quick)
+    sock.close()
+    return rtt
+
+
 def bench_raw_socket(sizes: list[int], quick: bool) -> dict:
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
     server = ctx.Process(target=_serve_raw, args=(ready,), daemon=True)
     server.start()
     port = ready.get(timeout=60)
-    rtts = {}
-    for size in sizes:
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(struct.pack("<Q", size))
-        payload = memoryview(os.urandom(size))
-        buf = memoryview(bytearray(size))
-
-        def one_round() -> None:
-            sock.sendall(payload)
-            _recv_exact(sock, buf)
-
-        rtts[size] = _measure(one_round, size, quick)
-        sock.close()
+    rtts = {size: _raw_socket_rtt(port, size, quick) for size in sizes}
     sock = socket.create_connection(("127.0.0.1", port))
     sock.sendall(struct.pack("<Q", 0))
     sock.close()
     server.join(30)
-    return _result(rtts)
+    return figures(rtts)
 
 
 # ---------------------------------------------------------------- gloo
 def _gloo_rank(rank: int, port: int, sizes: list[int], quick: bool, results) -> None:
-    _heap_buffers()
+    heap_buffers()
     import torch
-    _one_thread(torch)
+    one_thread()
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -282,18 +144,26 @@ def _gloo_rank(rank: int, port: int, sizes: list[int], quick: bool, results) -> 
     for size in sizes:
         buf = torch.randint(0, 255, (size,), dtype=torch.uint8)
         if rank == 0:
-            def one_round() -> None:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            rtts[size] = _measure(one_round, size, quick)
+            rtts[size] = _gloo_rtt(buf, size, quick)
         else:
-            for _ in range(_warmup(size) + _iterations(size, quick)):
+            for _ in range(warmup_rounds(size) + iterations(size, quick)):
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         results.put(rtts)
+
+
+def _gloo_rtt(buf: torch.Tensor, size: int, quick: bool) -> float:
+    """Rank 0's median round trip of `buf` to rank 1 and back."""
+    import torch.distributed as dist
+
+    def one_round() -> None:
+        dist.send(buf, 1)
+        dist.recv(buf, 1)
+
+    return measure(one_round, size, quick)
 
 
 def _free_port() -> int:
@@ -313,20 +183,26 @@ def bench_gloo(sizes: list[int], quick: bool) -> dict:
     rtts = results.get(timeout=600)
     for p in procs:
         p.join(30)
-    return _result(rtts)
+    return figures(rtts)
 
 
 # ---------------------------------------------------------------- memcpy
 def bench_memcpy(sizes: list[int], quick: bool) -> dict:
     import torch
     torch.set_num_threads(1)  # one copy on one core, like one side of a transport
-    out = {"rtt_us": {}, "gbps": {}}
+    out: dict[str, dict[str, float]] = {"rtt_us": {}, "gbps": {}}
     for size in sizes:
-        src = torch.randint(0, 255, (size,), dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        t = _measure(lambda: dst.copy_(src), size, quick)
+        t = _copy_seconds(size, quick)
         out["gbps"][str(size)] = round(size * 8 / t / 1e9, 3)
     return out
+
+
+def _copy_seconds(size: int, quick: bool) -> float:
+    """Median seconds of one copy of `size` bytes between two tensors."""
+    import torch
+    src = torch.randint(0, 255, (size,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return measure(lambda: dst.copy_(src), size, quick)
 
 
 # ---------------------------------------------------------------- report
@@ -434,10 +310,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs of the whole set, in turn")
     parser.add_argument("--no-references", action="store_true")
     args = parser.parse_args()
-    _heap_buffers()
+    heap_buffers()
     sizes = [int(s) for s in args.sizes.split(",")]
     runs: dict[str, list[dict]] = {}
-    cfg = _config()
+    cfg = transport_config()
     derived = (f" (derived: {cfg.busy_processes} busy processes, "
                f"{len(os.sched_getaffinity(0))} cores)" if cfg.busy_poll_us is None else "")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cpus ({_cpu_model()}), "
@@ -460,7 +336,7 @@ def main() -> None:
     for run in range(args.repeat):
         for scheme in schemes:
             print(f"run {run + 1}/{args.repeat}: {scheme} ...", flush=True)
-            runs.setdefault(scheme, []).append(bench_transport(scheme, sizes, args.quick))
+            runs.setdefault(scheme, []).append(pingpong(scheme, sizes, args.quick))
         if not args.no_references:
             for name, fn in (("raw_socket", bench_raw_socket), ("gloo", bench_gloo), ("memcpy", bench_memcpy)):
                 print(f"run {run + 1}/{args.repeat}: {name} ...", flush=True)

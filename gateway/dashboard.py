@@ -67,7 +67,7 @@ class ClusterView:
             try:
                 status = await asyncio.wait_for(self._reader(), self._timeout_s)
                 reading = ClusterReading(status, None, time.time())
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 reading = ClusterReading(None, f"the cluster did not answer within {self._timeout_s:g} s", time.time())
             except Exception as exc:  # Redis down, a refused connection: shown on the page, not raised
                 log.debug("dashboard: cluster status unavailable", exc_info=True)

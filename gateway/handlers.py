@@ -12,14 +12,15 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import jinja2
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 
+from lamina.gateway import responses as r
 from lamina.gateway.backend import BackendError, QueueFullError, RequestRefusedError
 from lamina.gateway.generation import ChoiceOutput, Generation
 from lamina.gateway.logprobs_json import CompletionLogprobs, chat_logprobs
@@ -35,7 +36,6 @@ from lamina.gateway.protocol import (
     parse_completion_request,
     resolve_sampling,
 )
-from lamina.gateway import responses as r
 from lamina.gateway.state import STATE_KEY, GatewayState
 from lamina.gateway.structured import ToolUse
 
@@ -55,7 +55,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         prompt_ids = state.tokenizer.encode_chat(list(req.messages))
     except (jinja2.TemplateError, ValueError) as exc:
-        raise invalid(f"The messages could not be rendered with the model's chat template: {exc}", "messages")
+        raise invalid(f"The messages could not be rendered with the model's chat template: {exc}",
+                      "messages") from exc
     _check_sampling_ids(state, req.sampling)
     sampling = resolve_sampling(req.sampling, len(prompt_ids), state.context_length,
                                 state.config.default_max_tokens, "messages")

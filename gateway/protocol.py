@@ -16,11 +16,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-# The sampling parameters are the engine's own type: one definition for every layer.
-from lamina.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
-from lamina.engine.sampling import SamplingParams  # noqa: F401 (re-exported)
 from lamina.gateway.structured import FieldError, StructuredOutput, ToolUse, parse_history_calls, parse_structured
 from lamina.gateway.tool_calls import history_content, with_tools
+
+# The sampling parameters are lamina.sampling's own type: one definition for every layer.
+from lamina.sampling.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
+from lamina.sampling.params import SamplingParams
 
 # Per request; bounds the cost of stop-string matching on every token.
 MAX_STOP_STRINGS = 16
@@ -431,7 +432,8 @@ def _parse_content(content: Any, param: str, role: str) -> str:
             if not isinstance(part, dict):
                 raise _wrong_type(f"{param}[{i}]", "an object", part)
             if part.get("type") != "text":
-                raise _bad_value(f"{param}[{i}].type", f"only 'text' content parts are supported, got {part.get('type')!r}.")
+                raise _bad_value(f"{param}[{i}].type",
+                                 f"only 'text' content parts are supported, got {part.get('type')!r}.")
             text = part.get("text")
             if not isinstance(text, str):
                 raise _wrong_type(f"{param}[{i}].text", "a string", text)
@@ -519,7 +521,8 @@ def _parse_prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
         if all(_is_int(t) for t in prompt):
             return tuple(prompt)
         if all(isinstance(p, (str, list)) for p in prompt):
-            raise _bad_value("prompt", f"batched prompts are not supported; send one prompt per request (got {len(prompt)}).")
+            raise _bad_value("prompt", "batched prompts are not supported; send one prompt per request "
+                                       f"(got {len(prompt)}).")
         raise _wrong_type("prompt", "a string or an array of token ids", prompt)
     raise _wrong_type("prompt", "a string or an array of token ids", prompt)
 

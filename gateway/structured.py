@@ -14,7 +14,7 @@
 
 The grammar is llguidance's serialized form (a JSON schema's, or a Lark grammar with
 `%json` rules for the tools' calls); it travels in `SamplingParams.grammar` and every
-sampler applies it (lamina/engine/grammar.py), so the output follows it by construction,
+sampler applies it (lamina/sampling/grammar.py), so the output follows it by construction,
 never by retrying. Pure functions; schemas llguidance cannot compile raise `FieldError`.
 """
 
@@ -23,11 +23,14 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from llguidance import LLMatcher
 
 from lamina.gateway.tool_calls import CALL_SEPARATOR, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, tools_system_prompt
+
+if TYPE_CHECKING:  # declared in llguidance's stubs only
+    from llguidance._lib import JsonCompileOptions
 
 # OpenAI's bounds: at most 128 tools, names of letters, digits, '_' and '-', up to 64 long.
 MAX_TOOLS = 128
@@ -35,7 +38,7 @@ _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _JSON_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # JSON as Python's json.dumps writes it: no whitespace but the one space after "," and ":".
 # Free whitespace would let a small model fill its tokens with it.
-JSON_FORMAT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+JSON_FORMAT: JsonCompileOptions = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 # A function without `parameters` takes none (OpenAI's rule).
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from lamina.kvstore.cancellation import raise_if_cancelled
+from lamina.aio import raise_if_cancelled
 
 
 async def write_batches(wake: asyncio.Event, flush: Callable[[], Awaitable[bool]], interval_s: float,

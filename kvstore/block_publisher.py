@@ -99,12 +99,15 @@ class BlockPublisher:
             is_full, self._is_full = self._is_full, False
         if not dirty and not is_full:
             return True
+        cache = self.cache
+        if cache is None:  # set after construction: the cache takes on_event, made first
+            raise RuntimeError(f"the block publisher of {self.node} has no cache to publish")
         try:
             if is_full:
                 await self.store.replace_node_blocks(
-                    self.node, [block_record(i) for i in self.cache.block_infos()])
+                    self.node, [block_record(i) for i in cache.block_infos()])
             else:
-                infos = {h: self.cache.block_info(h) for h in dirty}
+                infos = {h: cache.block_info(h) for h in dirty}
                 await self.store.update_blocks(self.node, [block_record(i) for i in infos.values() if i is not None],
                                                sorted(h for h, i in infos.items() if i is None))
         except REDIS_ERRORS as exc:

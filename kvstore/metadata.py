@@ -59,6 +59,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -66,7 +67,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from lamina.kvstore.cancellation import raise_if_cancelled
+from lamina.aio import raise_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class ServiceInfo:
     meta: dict = field(default_factory=dict)
 
     @classmethod
-    def from_row(cls, kind: str, service_id: str, row: dict) -> "ServiceInfo":
+    def from_row(cls, kind: str, service_id: str, row: dict) -> ServiceInfo:
         """From the service's hash (NS:svc:KIND:ID)."""
         return cls(kind, service_id, row["endpoint"], float(row["started_at"]), json.loads(row["meta"]))
 
@@ -132,7 +133,7 @@ class BlockRecord:
                            "parent": self.parent_hash, "tokens": self.num_tokens})
 
     @classmethod
-    def from_json(cls, block_hash: str, raw: str) -> "BlockRecord":
+    def from_json(cls, block_hash: str, raw: str) -> BlockRecord:
         d = json.loads(raw)
         return cls(block_hash, d["tier"], d["bytes"], d["last_access"], d.get("parent", ""), d.get("tokens", 0))
 
@@ -189,11 +190,20 @@ class MetadataStore:
     async def close(self) -> None:
         await self.redis.aclose()
 
-    async def __aenter__(self) -> "MetadataStore":
+    async def __aenter__(self) -> MetadataStore:
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+    # The client decodes every reply (decode_responses=True); redis-py's annotations do
+    # not follow that setting and say bytes | str.
+
+    async def _members(self, key: str) -> set[str]:
+        return cast(set[str], await self.redis.smembers(key))
+
+    async def _fields(self, key: str) -> dict[str, str]:
+        return cast(dict[str, str], await self.redis.hgetall(key))
 
     # ---- keys ----
 
@@ -268,7 +278,7 @@ class MetadataStore:
             await p.execute()
 
     async def list_services(self, kind: str) -> list[ServiceInfo]:
-        ids = sorted(await self.redis.smembers(self._svcs_key(kind)))
+        ids = sorted(await self._members(self._svcs_key(kind)))
         if not ids:
             return []
         async with self.redis.pipeline(transaction=False) as p:
@@ -291,7 +301,7 @@ class MetadataStore:
 
     async def get_service(self, kind: str, service_id: str) -> ServiceInfo | None:
         """One service's registration; None when it is not (or no longer) registered."""
-        row = await self.redis.hgetall(self._svc_key(kind, service_id))
+        row = await self._fields(self._svc_key(kind, service_id))
         if not row:
             return None
         return ServiceInfo.from_row(kind, service_id, row)
@@ -315,7 +325,7 @@ class MetadataStore:
 
     async def restart_counts(self) -> dict[str, int]:
         """service id -> restarts, for the services restarted at least once."""
-        return {k: int(v) for k, v in (await self.redis.hgetall(f"{self.ns}:restarts")).items()}
+        return {k: int(v) for k, v in (await self._fields(f"{self.ns}:restarts")).items()}
 
     async def reset_restart_counts(self) -> None:
         await self.redis.delete(f"{self.ns}:restarts")
@@ -342,7 +352,7 @@ class MetadataStore:
         """The node's whole set becomes `records` (a start, or a Redis found emptied)."""
         records = list(records)
         new = {r.block_hash for r in records}
-        old = await self.redis.smembers(self._node_blocks_key(node))
+        old = await self._members(self._node_blocks_key(node))
         async with self.redis.pipeline(transaction=True) as p:
             self._queue_blocks(p, node, records, sorted(old - new))
             await p.execute()
@@ -362,11 +372,11 @@ class MetadataStore:
 
     async def clear_node_blocks(self, node: str) -> None:
         """Forgets every block of a node (it restarted with an empty cache, or died)."""
-        await self.remove_blocks(node, await self.redis.smembers(self._node_blocks_key(node)))
+        await self.remove_blocks(node, await self._members(self._node_blocks_key(node)))
 
     async def get_block(self, block_hash: str) -> dict[str, BlockRecord]:
         """node -> record, for every node caching the block."""
-        row = await self.redis.hgetall(self._block_key(block_hash))
+        row = await self._fields(self._block_key(block_hash))
         return {node: BlockRecord.from_json(block_hash, raw) for node, raw in row.items()}
 
     async def block_holders(self, block_hashes: Sequence[str]) -> list[set[str]]:
@@ -381,11 +391,11 @@ class MetadataStore:
         return [set(nodes) for nodes in rows]
 
     async def blocks_on(self, node: str) -> set[str]:
-        return set(await self.redis.smembers(self._node_blocks_key(node)))
+        return set(await self._members(self._node_blocks_key(node)))
 
     async def node_blocks(self, node: str) -> list[BlockRecord]:
         """Every block record of a node, sorted by hash."""
-        hashes = sorted(await self.redis.smembers(self._node_blocks_key(node)))
+        hashes = sorted(await self._members(self._node_blocks_key(node)))
         if not hashes:
             return []
         async with self.redis.pipeline(transaction=False) as p:
@@ -412,7 +422,7 @@ class MetadataStore:
             await p.execute()
 
     async def get_placement(self, request_id: str) -> KVPlacement | None:
-        row = await self.redis.hgetall(self._req_key(request_id))
+        row = await self._fields(self._req_key(request_id))
         if not row:
             return None
         ranges = {w: [tuple(r) for r in rs] for w, rs in json.loads(row["slab_ranges"]).items()}
@@ -437,7 +447,7 @@ class MetadataStore:
             await p.execute()
 
     async def placed_requests(self) -> set[str]:
-        return set(await self.redis.smembers(self._reqs_key()))
+        return set(await self._members(self._reqs_key()))
 
     # ---- request journal ----
 
@@ -464,7 +474,7 @@ class MetadataStore:
 
     async def read_journal(self) -> list[JournalEntry]:
         """Every journaled request, with the tokens generated so far."""
-        ids = sorted(await self.redis.smembers(f"{self.ns}:jrns"))
+        ids = sorted(await self._members(f"{self.ns}:jrns"))
         if not ids:
             return []
         async with self.redis.pipeline(transaction=False) as p:
@@ -482,7 +492,7 @@ class MetadataStore:
     # ---- events ----
 
     @contextlib.asynccontextmanager
-    async def subscribe(self) -> AsyncIterator["EventSubscription"]:
+    async def subscribe(self) -> AsyncIterator[EventSubscription]:
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         await pubsub.subscribe(self.events_channel)
         try:

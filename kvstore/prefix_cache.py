@@ -119,7 +119,7 @@ class PrefixHandle:
     Release it (or use it as a context manager) once the prefill has consumed the KV.
     """
 
-    def __init__(self, cache: "PrefixCache", block_hashes: tuple[str, ...], num_tokens: int,
+    def __init__(self, cache: PrefixCache, block_hashes: tuple[str, ...], num_tokens: int,
                  kv: torch.Tensor | None) -> None:
         self._cache = cache
         self.block_hashes = block_hashes
@@ -132,7 +132,7 @@ class PrefixHandle:
             self.is_released = True
             self._cache._unlock(self.block_hashes)
 
-    def __enter__(self) -> "PrefixHandle":
+    def __enter__(self) -> PrefixHandle:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -159,6 +159,7 @@ class PrefixCache:
                                                 config.host_bytes,
                                                 pin_memory=torch.cuda.is_available())
         if config.disk_bytes > 0:
+            assert config.disk_dir  # PrefixCacheConfig requires it with disk_bytes
             self._tiers[Tier.DISK] = DiskTier(Path(config.disk_dir), config.disk_bytes)
             self._recover_disk()
 
@@ -193,14 +194,15 @@ class PrefixCache:
         """The block as it is now; None when it is not cached."""
         with self._lock:
             e = self._entries.get(block_hash)
-            if e is None:
-                return None
-            return BlockInfo(e.block_hash, self._index.parent_of(e.block_hash), self.config.block_size, e.tier,
-                             e.num_bytes, e.last_used_at)
+            return None if e is None else self._info(e)
 
     def block_infos(self) -> list[BlockInfo]:
         with self._lock:
-            return [self.block_info(h) for h in self._entries]
+            return [self._info(e) for e in self._entries.values()]
+
+    def _info(self, e: _Entry) -> BlockInfo:
+        return BlockInfo(e.block_hash, self._index.parent_of(e.block_hash), self.config.block_size, e.tier,
+                         e.num_bytes, e.last_used_at)
 
     def block_records(self) -> list[tuple[str, Tier, int, int]]:
         """(block_hash, tier, bytes, last_access) of every block, to publish metadata."""
@@ -240,11 +242,11 @@ class PrefixCache:
         bs = self.config.block_size
         num_tokens = match.num_tokens if kept == len(match.block_hashes) else kept * bs
         with self._lock:
-            for h, tier, i in zip(hashes, source_tiers, range(kept)):
+            for i, tier in enumerate(source_tiers[:kept]):
                 n = min(bs, num_tokens - i * bs)
                 self.stats.hit_tokens_by_tier[tier.name.lower()] += n
             self.stats.num_hit_tokens += num_tokens
-            blocks = [self._tiers[Tier.DEVICE].get(h) for h in hashes]
+            blocks = [self._device_block(h) for h in hashes]
         if not blocks:
             return PrefixHandle(self, (), 0, None)
         kv = torch.cat(blocks, dim=2)[:, :, :num_tokens]  # [L, 2, num_tokens, H, D]
@@ -283,9 +285,9 @@ class PrefixCache:
         """A locked block's payload as `tier` holds it; a disk read happens outside the
         lock (the block is locked, so it stays)."""
         if tier == Tier.DISK:
-            return self._tiers[Tier.DISK].read(block_hash)
+            return self._disk().read(block_hash)
         with self._lock:
-            return self._tiers[tier].get(block_hash)
+            return self._memory(tier).get(block_hash)
 
     def insert(self, tokens: Sequence[int], kv: torch.Tensor) -> int:
         """Caches the full blocks of a prompt's KV; kv: [L, 2, T, H, D] with T >= the
@@ -315,7 +317,7 @@ class PrefixCache:
                 if parent != ROOT_HASH and parent not in self._entries:
                     break
                 self._index.insert(parent, block_tokens)
-                self._tiers[Tier.DEVICE].put(h, block)
+                self._memory(Tier.DEVICE).put(h, block)
                 self._entries[h] = _Entry(h, Tier.DEVICE, nbytes, now, now, last_used_at=time.time())
                 self.stats.num_inserted += 1
                 self._emit("stored", h, Tier.DEVICE)
@@ -388,7 +390,7 @@ class PrefixCache:
                 if self._make_room(Tier.DEVICE, nbytes, may_evict_protected):
                     if source != Tier.DISK:  # the disk copy stays (see module doc)
                         self._remove_from(source, block_hash)
-                    self._tiers[Tier.DEVICE].put(block_hash, block)
+                    self._memory(Tier.DEVICE).put(block_hash, block)
                     entry.tier, entry.num_bytes = Tier.DEVICE, nbytes
                     self.stats.num_promotions[source.name.lower()] += 1
                     self._emit("moved", block_hash, Tier.DEVICE)
@@ -403,6 +405,22 @@ class PrefixCache:
         if isinstance(payload, QuantizedTensor):
             return dequantize_4bit(payload.to(self.device))
         return payload.to(self.device)
+
+    def _memory(self, tier: Tier) -> MemoryTier:
+        """The device or host store (the disk's is `_disk`)."""
+        store = self._tiers[tier]
+        assert isinstance(store, MemoryTier), f"{tier.name} is not a memory tier"
+        return store
+
+    def _disk(self) -> DiskTier:
+        store = self._tiers[Tier.DISK]
+        assert isinstance(store, DiskTier)
+        return store
+
+    def _device_block(self, block_hash: str) -> torch.Tensor:
+        block = self._memory(Tier.DEVICE).get(block_hash)
+        assert isinstance(block, torch.Tensor)  # blocks are quantized only below the device tier
+        return block
 
     def _remove_from(self, tier: Tier, block_hash: str) -> None:
         store = self._tiers[tier]
@@ -428,7 +446,7 @@ class PrefixCache:
             if victim is None:
                 return False
             if tier == Tier.DISK and self._entries[victim].tier != Tier.DISK:
-                self._tiers[Tier.DISK].remove(victim)  # only a copy: the block stays
+                self._disk().remove(victim)  # only a copy: the block stays
                 self._entries[victim].is_on_disk = False
                 continue
             if lower is None or not self._demote_below(victim, tier, lower):
@@ -475,12 +493,12 @@ class PrefixCache:
         if tier == Tier.DISK:
             return False
         if lower == Tier.DISK and entry.is_on_disk:
-            self._tiers[tier].pop(block_hash)
-            entry.tier, entry.num_bytes = Tier.DISK, self._tiers[Tier.DISK].file_size(block_hash)
+            self._memory(tier).pop(block_hash)
+            entry.tier, entry.num_bytes = Tier.DISK, self._disk().file_size(block_hash)
             self.stats.num_demotions["disk"] += 1
             self._emit("moved", block_hash, Tier.DISK)
             return True
-        payload = self._tiers[tier].get(block_hash)
+        payload = self._memory(tier).get(block_hash)
         if self.config.quantize_4bit and not isinstance(payload, QuantizedTensor):
             payload = quantize_4bit(payload, self.config.quant_group_size)
         nbytes = payload_nbytes(payload)
@@ -492,15 +510,15 @@ class PrefixCache:
             entry.lock_count -= 1
         if not is_room:
             return False
-        self._tiers[tier].pop(block_hash)
+        self._memory(tier).pop(block_hash)
         if lower == Tier.DISK:
-            disk = self._tiers[Tier.DISK]
+            disk = self._disk()
             disk.put(block_hash, payload, self._index.parent_of(block_hash),
                      self._index.tokens_of(block_hash))
             nbytes = disk.file_size(block_hash)
             entry.is_on_disk = True
         else:
-            self._tiers[lower].put(block_hash, payload)
+            self._memory(lower).put(block_hash, payload)
         entry.tier, entry.num_bytes = lower, nbytes
         self.stats.num_demotions[lower.name.lower()] += 1
         self._emit("moved", block_hash, lower)
@@ -510,14 +528,14 @@ class PrefixCache:
         entry = self._entries.pop(block_hash)
         self._remove_from(entry.tier, block_hash)
         if entry.is_on_disk and entry.tier != Tier.DISK:
-            self._tiers[Tier.DISK].remove(block_hash)
+            self._disk().remove(block_hash)
         self._index.remove(block_hash)
         self.stats.num_dropped += 1
         self._emit("dropped", block_hash, entry.tier)
 
     def _recover_disk(self) -> None:
         """Re-indexes blocks left on disk by an earlier process; orphans are deleted."""
-        disk = self._tiers[Tier.DISK]
+        disk = self._disk()
         records = {r.block_hash: r for r in disk.scan()}
         pending = dict(records)
         is_progress = True

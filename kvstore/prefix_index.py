@@ -50,7 +50,7 @@ class _Node:
     parent_hash: str
     tokens: tuple[int, ...]
     # child hash -> node, and first token -> child hashes (narrows the partial scan).
-    children: dict[str, "_Node"] = field(default_factory=dict)
+    children: dict[str, _Node] = field(default_factory=dict)
     by_first_token: dict[int, set[str]] = field(default_factory=dict)
 
 

@@ -30,7 +30,7 @@ class QuantizedTensor:
         return (self.packed.numel() * self.packed.element_size()
                 + self.mins.numel() * 4 + self.scales.numel() * 4)
 
-    def to(self, device: torch.device | str) -> "QuantizedTensor":
+    def to(self, device: torch.device | str) -> QuantizedTensor:
         return QuantizedTensor(self.packed.to(device), self.mins.to(device),
                                self.scales.to(device), self.shape, self.dtype,
                                self.group_size)

@@ -81,7 +81,7 @@ class EmbeddedRedis:
     def log_path(self) -> Path:
         return Path(self._dir) / "redis.log"
 
-    def start(self) -> "EmbeddedRedis":
+    def start(self) -> EmbeddedRedis:
         if self.is_running:
             return self
         log = self.log_path
@@ -119,7 +119,7 @@ class EmbeddedRedis:
         self.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -130,12 +130,14 @@ class EmbeddedRedis:
         # until a deadline.
         deadline = time.monotonic() + self.start_timeout_s
         delay = 0.01
+        proc = self._proc
+        assert proc is not None  # started by start(), which then waits here
         client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
         try:
             while True:
-                if self._proc.poll() is not None:
+                if proc.poll() is not None:
                     text = log.read_text() if log.exists() else ""
-                    raise RuntimeError(f"redis-server exited with {self._proc.returncode}: "
+                    raise RuntimeError(f"redis-server exited with {proc.returncode}: "
                                        f"{text[-2000:]}")
                 try:
                     if client.ping():

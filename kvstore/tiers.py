@@ -138,7 +138,7 @@ class DiskTier:
 
     def read(self, block_hash: str) -> Payload:
         """Memory-maps the file and copies the payload out of it."""
-        return _read_block(self.path_of(block_hash))[1]
+        return _read_block(self.path_of(block_hash))
 
     def remove(self, block_hash: str) -> None:
         self.used_bytes -= self._sizes.pop(block_hash)
@@ -155,7 +155,7 @@ class DiskTier:
             tmp.unlink(missing_ok=True)
         for path in sorted(self.directory.glob("*.kvb")):
             try:
-                header, _ = _read_block(path, header_only=True)
+                header, _ = _read_header(path)
             except (OSError, ValueError, KeyError):
                 path.unlink(missing_ok=True)
                 continue
@@ -166,13 +166,16 @@ class DiskTier:
         return records
 
 
-def _read_block(path: Path, header_only: bool = False) -> tuple[dict, Payload | None]:
+def _read_header(path: Path) -> tuple[dict, int]:
+    """A block file's header and the offset of its payload."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
-    if header_only:
-        return header, None
-    offset = 8 + n + ((-(8 + n)) % _ALIGN)
+    return header, 8 + n + ((-(8 + n)) % _ALIGN)
+
+
+def _read_block(path: Path) -> Payload:
+    header, offset = _read_header(path)
     # mode "c": copy-on-write mapping, so torch gets a writable array and the file is
     # never modified.
     data = np.memmap(path, dtype=np.uint8, mode="c", offset=offset)
@@ -180,12 +183,12 @@ def _read_block(path: Path, header_only: bool = False) -> tuple[dict, Payload | 
     shape = tuple(header["shape"])
     if header["kind"] == "raw":
         dtype = getattr(torch, header["dtype"])
-        return header, raw.view(dtype).view(shape).clone()
+        return raw.view(dtype).view(shape).clone()
     n_packed, n_mins, n_scales = header["sizes"]
     packed = raw[:n_packed].clone()
     floats = raw[n_packed:n_packed + 4 * (n_mins + n_scales)].clone().view(torch.float32)
-    return header, QuantizedTensor(packed, floats[:n_mins], floats[n_mins:], shape,
-                                   getattr(torch, header["dtype"]), header["group_size"])
+    return QuantizedTensor(packed, floats[:n_mins], floats[n_mins:], shape,
+                           getattr(torch, header["dtype"]), header["group_size"])
 
 
 def _to_device(payload: Payload, device: torch.device, pin: bool) -> Payload:
@@ -196,5 +199,5 @@ def _to_device(payload: Payload, device: torch.device, pin: bool) -> Payload:
                                     moved.scales.pin_memory(), moved.shape, moved.dtype,
                                     moved.group_size)
         return moved
-    moved = payload.to(device)
-    return moved.pin_memory() if pin else moved
+    tensor = payload.to(device)
+    return tensor.pin_memory() if pin else tensor

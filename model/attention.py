@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 (torch's conventional name)
 
 
 class AttentionContext(Protocol):

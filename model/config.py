@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from lamina.model.errors import CheckpointError
 
@@ -73,7 +73,7 @@ class ModelConfig:
         return 2 * self.num_layers * self.kv_size * dtype_bytes
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], source: str | Path = "config.json") -> ModelConfig:
+    def from_hf_dict(cls, cfg: dict[str, Any], source: str | Path = "config.json") -> Self:
         """Build from a Hugging Face `config.json` dictionary."""
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:

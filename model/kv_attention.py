@@ -46,7 +46,7 @@ from lamina.model.attention import attention_with_lse
 from lamina.model.kv_quant import Q4Rows
 
 try:
-    from lamina.model import _kv_attention as NATIVE
+    import lamina.model._kv_attention as NATIVE  # noqa: N812 (a module constant: the native kernel, or None)
 except ImportError:  # not built (no C compiler at install): the torch reference runs
     NATIVE = None
 

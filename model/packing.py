@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
 from torch import nn
 
 from lamina.model import quant
@@ -54,18 +55,23 @@ def pack_model(model: LlamaForCausalLM, weights: str,
         formats[packed.fmt] += 1
         model.set_submodule(name, QuantLinear(packed, module.bias))
     cfg = model.config
+    # The embedding changes type (nn.Embedding -> QuantEmbedding), like the linears above.
     if cfg.tie_word_embeddings:
-        model.model.embed_tokens = QuantEmbedding(model.lm_head)
+        head = model.lm_head
+        assert isinstance(head, QuantLinear)  # replaced in the loop above, like every linear
+        model.set_submodule("model.embed_tokens", QuantEmbedding(head))
     elif weights != "float32":
         table = _choose("model.embed_tokens", model.model.embed_tokens, weights, from_file, False)
-        model.model.embed_tokens = QuantEmbedding(QuantLinear(table))
+        model.set_submodule("model.embed_tokens", QuantEmbedding(QuantLinear(table)))
         formats[table.fmt] += 1
     return dict(formats)
 
 
 def _choose(name: str, module: nn.Module, weights: str, from_file: dict[str, PackedWeight],
             tied: bool) -> PackedWeight:
-    w = module.weight.detach()
+    weight = module.weight  # an nn.Linear's or nn.Embedding's
+    assert isinstance(weight, torch.Tensor)
+    w = weight.detach()
     is_head = name in ("lm_head", "model.embed_tokens")
     if weights == "as_file":
         path, _, last = name.rpartition(".")
@@ -73,9 +79,9 @@ def _choose(name: str, module: nn.Module, weights: str, from_file: dict[str, Pac
             f"{name}.weight"]
         if name == "lm_head" and tied:  # the file stores the tied matrix once, as the embedding
             parts = ["model.embed_tokens.weight"]
-        found = [from_file.get(p) for p in parts]
+        found = [f for f in (from_file.get(p) for p in parts) if f is not None]
         # One format for a fused projection: parts stored differently run as float32.
-        if all(found) and len({f.fmt for f in found}) == 1:
+        if len(found) == len(parts) and len({f.fmt for f in found}) == 1:
             return found[0] if len(found) == 1 else quant.concat_rows(found)
         return quant.pack_float(w)
     fmt = (_HEAD_FORMAT if is_head else _DECODER_FORMAT)[weights]

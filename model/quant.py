@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 (torch's conventional name)
 from torch import nn
 
 try:
-    from lamina.model import _qmatmul as NATIVE
+    import lamina.model._qmatmul as NATIVE  # noqa: N812 (a module constant: the native kernel, or None)
 except ImportError:  # not built (no C compiler at install): products run in torch
     NATIVE = None
 
@@ -164,6 +164,7 @@ def unpack_quantized(pw: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torc
     def per_row(s: torch.Tensor) -> torch.Tensor:
         return s.transpose(1, 2).reshape(-1, s.shape[1])[: pw.n]  # [N, G]
 
+    assert pw.scale is not None  # every quantized format has scales (checked at construction)
     return q, per_row(pw.scale), None if pw.minimum is None else per_row(pw.minimum)
 
 
@@ -233,6 +234,7 @@ def _decode(pw: PackedWeight, panels: torch.Tensor | slice, cols: torch.Tensor |
     if pw.fmt == "f32":
         return pw.values[panels].transpose(-1, -2)[..., cols, :] if isinstance(cols, slice) else (
             pw.values[panels, :, cols])
+    assert pw.scale is not None  # every quantized format has scales (checked at construction)
     if isinstance(cols, slice):  # whole panels: [P, 16, G, 32]
         q = pw.values[panels]
         if pw.fmt != "q8_0":
@@ -253,6 +255,7 @@ def _decode(pw: PackedWeight, panels: torch.Tensor | slice, cols: torch.Tensor |
     elif pw.fmt == "q4_0":
         w = d * (q.to(torch.int8) - 8).float()
     else:
+        assert m is not None  # q4_1 has minimums (checked at construction)
         w = d * q.float() + m.float()
     return w.reshape(*w.shape[:-2], pw.k)
 
@@ -308,7 +311,9 @@ def float_weight(module: nn.Module) -> torch.Tensor:
     """The float32 weight [N, K] of an nn.Linear or a QuantLinear (decoded), for inspection."""
     if isinstance(module, QuantLinear):
         return dequantize(module.packed)
-    return module.weight.detach()
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor), f"{type(module).__name__} has no weight tensor"
+    return weight.detach()
 
 
 class QuantLinear(nn.Module):
@@ -316,6 +321,9 @@ class QuantLinear(nn.Module):
 
     The packed tensors are buffers, so `.to()` and state dicts carry them; the format
     and shape are fixed at construction."""
+
+    values: torch.Tensor  # buffers, registered in __init__ (scale and minimum where the format has them)
+    bias: torch.Tensor | None
 
     def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -356,11 +364,11 @@ class QuantLinear(nn.Module):
                 0 if self.bias is None else self.bias.data_ptr())
         return _run_native(x, args)
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001 (torch's signature)
+    def _apply(self, fn, recurse=True):
         self._native_args = None
         return super()._apply(fn, recurse)
 
-    def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
         self._native_args = None
         super()._load_from_state_dict(*args, **kwargs)
 

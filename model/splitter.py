@@ -20,7 +20,7 @@ For n attention operators this yields n + 1 slices:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,6 @@ import networkx as nx
 import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
-
 
 
 @dataclass
@@ -71,6 +70,13 @@ class SliceOutput:
     output: Any  # the model's output, from the last slice only
 
 
+# attend(i, q, k, v) -> attention i's output: q [T, Hq, D]; k, v [T, Hkv, D] -> [T, Hq, D]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AsyncAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], Awaitable[torch.Tensor]]
+# run_slice(j, inputs, attention output (None for slice 0), context) -> slice j's output
+RunSlice = Callable[[int, dict[str, Any], torch.Tensor | None, Sequence[torch.Tensor]], Awaitable[SliceOutput]]
+
+
 @dataclass
 class SplitModel:
     slices: list[Slice]
@@ -81,13 +87,31 @@ class SplitModel:
     def num_attention(self) -> int:
         return len(self.attention_modules)
 
-    def run(self, inputs: dict[str, Any], attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
-        """Compose the slices with an attention function; equals the unsplit model."""
+    def run(self, inputs: dict[str, Any], attend: Attend) -> Any:
+        """Compose the slices with an attention function; equals the unsplit model.
+        Grad mode is the caller's."""
         out = self.slices[0](inputs)
         for i in range(self.num_attention):
             q, k, v = out.qkv  # type: ignore[misc]
             out = self.slices[i + 1](inputs, attend(i, q, k, v), out.context)
         return out.output
+
+    async def run_async(self, inputs: dict[str, Any], attend: AsyncAttend, run_slice: RunSlice | None = None) -> Any:
+        """`run` where attention (and, with `run_slice`, a slice) is awaited: attention on
+        other processes, slices on whichever worker is free. Without `run_slice` each
+        slice runs here under inference mode, set per call: other tasks run at the
+        awaits in between, so no grad mode is held across them."""
+        run_slice = run_slice or self._run_slice
+        out = await run_slice(0, inputs, None, ())
+        for i in range(self.num_attention):
+            q, k, v = out.qkv  # type: ignore[misc]
+            out = await run_slice(i + 1, inputs, await attend(i, q, k, v), out.context)
+        return out.output
+
+    async def _run_slice(self, j: int, inputs: dict[str, Any], attn: torch.Tensor | None,
+                         context: Sequence[torch.Tensor]) -> SliceOutput:
+        with torch.inference_mode():
+            return self.slices[j](inputs, attn, context)
 
 
 class _Tracer(fx.Tracer):
@@ -157,9 +181,7 @@ def _recomputable(graph: fx.Graph) -> set[fx.Node]:
     """Function nodes computed from graph inputs and parameters alone (and get_attr nodes)."""
     free: set[fx.Node] = set()
     for n in graph.nodes:
-        if n.op == "get_attr":
-            free.add(n)
-        elif (
+        if n.op == "get_attr" or (
             n.op in ("call_function", "call_method")
             and n.all_input_nodes
             and all(a.op == "placeholder" or a in free for a in n.all_input_nodes)
@@ -345,5 +367,10 @@ def _get_attr(root: nn.Module, target: str) -> Any:
 
 def _nodes_in(arg: Any) -> list[fx.Node]:
     found: list[fx.Node] = []
-    fx.node.map_arg(arg, lambda a: found.append(a) or a)
+
+    def visit(a: fx.Node) -> fx.Node:
+        found.append(a)
+        return a
+
+    fx.node.map_arg(arg, visit)
     return found

@@ -59,7 +59,8 @@ class Tokenizer:
     def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use the completions API")
-        return self._tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self._tok.apply_chat_template(list(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
 
     def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         # The rendered template already holds its special tokens; transformers

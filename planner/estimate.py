@@ -11,8 +11,8 @@ token is prefill plus one step plus an M/D/1 queue wait.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from lamina.planner.hardware import Device
 from lamina.planner.layouts import Layout
@@ -95,27 +95,27 @@ def cpu_attention_ops(shape: ModelShape, device: Device, batch: int, context: fl
     holds, with single-thread compute time, for LM-Offload's thread model."""
     heads = max(1, shape.num_kv_heads // workers)
     one = attention_layer_time(shape, device, batch, context, workers * heads, kv)
-    return [CpuOp(compute_s=one.compute_s * device.cores, memory_s=one.memory_s)] * heads
+    return [CpuOp(compute_s=one.compute_s * device.cpu_cores, memory_s=one.memory_s)] * heads
 
 
 def _cpu_attention(shape: ModelShape, device: Device, batch: int, context: float, workers: int,
                    kv: Precision, base: Roofline) -> tuple[float, ThreadChoice]:
     """The thread choice for a CPU attention worker; its efficiency stretches the roofline."""
-    choice = choose_threads(cpu_attention_ops(shape, device, batch, context, workers, kv), device.cores)
+    choice = choose_threads(cpu_attention_ops(shape, device, batch, context, workers, kv), device.cpu_cores)
     return base.seconds / choice.efficiency, choice
 
 
 def decode_step(shape: ModelShape, layout: Layout, catalogue: Mapping[str, Device], batch: int,
                 context: float) -> Step:
     md = catalogue[layout.model_device]
-    L = shape.num_layers
-    if not layout.is_disaggregated:
+    num_layers = shape.num_layers
+    if layout.attention_device is None:  # colocated
         sl = slice_time(shape, md, batch, layout.tp, layout.weights)
         att = attention_layer_time(shape, md, batch, context, layout.tp, layout.kv)
         att_s, threads = att.seconds, None
         if md.is_cpu:
             att_s, threads = _cpu_attention(shape, md, batch, context, layout.tp, layout.kv, att)
-        step = colocated_step(sl.layer_s(), att_s, sl.head.seconds, L)
+        step = colocated_step(sl.layer_s(), att_s, sl.head.seconds, num_layers)
         if sl.layer_s() >= att_s:
             neck = "model " + ("memory" if sl.layer.is_memory_bound else "compute")
         else:
@@ -142,7 +142,7 @@ def decode_step(shape: ModelShape, layout: Layout, catalogue: Mapping[str, Devic
     stages = StageTimes(model_s=model_s, attention_s=attention_s, transfer_s=exchange_s,
                         transfer_bytes_s=traffic.total / shared_link, head_s=sl.head.seconds,
                         host_cpu_s=host_cpu, host_cores=(md.host_cores or md.cores or 1) if layout.shared_host else 0)
-    p = pipeline_step(stages, L, n_micro, m)
+    p = pipeline_step(stages, num_layers, n_micro, m)
     neck = {"chain": "latency chain", "network": "network", "host cpu": "host CPU",
             "model": "model " + ("memory" if sl.layer.is_memory_bound else "compute"),
             "attention": "attention " + ("memory" if att.is_memory_bound else "compute")}[p.bottleneck]
@@ -155,7 +155,7 @@ def kv_capacity_tokens(shape: ModelShape, layout: Layout, catalogue: Mapping[str
     weights = weight_bytes(shape, layout.weights)
     if weights > usable_bytes(md.memory_bytes, layout.tp):
         return 0
-    if not layout.is_disaggregated:
+    if layout.attention_device is None:  # colocated
         return kv_token_capacity(md.memory_bytes, layout.tp, weights, per_token)
     ad = catalogue[layout.attention_device]
     return kv_token_capacity(ad.memory_bytes, layout.attention_workers, 0.0, per_token)
@@ -230,7 +230,8 @@ def estimate(shape: ModelShape, layout: Layout, catalogue: Mapping[str, Device],
     if layout.is_disaggregated:
         b = math.ceil(step.batch / layout.micro_batches)
         per_step = shape.num_layers * layout.micro_batches * layer_traffic(shape, b).total / layout.model_workers
-        handoff = 0.0 if decode_only else req_s / layout.model_workers * stats.mean_prompt * kv_bytes_per_token(shape, layout.kv)
+        handoff = (0.0 if decode_only
+                   else req_s / layout.model_workers * stats.mean_prompt * kv_bytes_per_token(shape, layout.kv))
         network = (per_step / step.step_s + handoff) * 8 / 1e9
     neck = step.bottleneck + "; " + batch_limit
     return Estimate(layout, replicas, step.batch, unit_tok_s, throughput, demand, step.step_s, ttft, prefill,

@@ -9,10 +9,11 @@ the efficiencies stay separate so that a report can show peak and achieved side 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -78,6 +79,13 @@ class Device:
         return self.cores is not None
 
     @property
+    def cpu_cores(self) -> int:
+        """The physical cores of a CPU device (the thread-count model's input)."""
+        if self.cores is None:
+            raise ValueError(f"{self.name} is not a CPU device: it has no cores figure")
+        return self.cores
+
+    @property
     def matmul_flops(self) -> float:
         """Achievable FLOP/s of 16-bit matmuls (bf16 tensor cores, AMX)."""
         return self.flops["bf16"] * self.compute_efficiency
@@ -121,7 +129,8 @@ def _figure(entry: Mapping[str, Any], key: str, where: str, minimum_exclusive: b
         raise CatalogueError(f"{where}: {key} has no source")
     value = float(fig["value"])
     if value < 0 or (minimum_exclusive and value == 0):
-        raise CatalogueError(f"{where}: {key} must be {'positive' if minimum_exclusive else 'non-negative'}, got {value}")
+        sign = "positive" if minimum_exclusive else "non-negative"
+        raise CatalogueError(f"{where}: {key} must be {sign}, got {value}")
     return value, source
 
 
@@ -197,7 +206,7 @@ def device_from_entry(name: str, entry: Mapping[str, Any]) -> Device:
 def load_catalogue(profile: Path | None = None) -> dict[str, Device]:
     """Every catalogue device by name, plus `this-machine` from `profile` (a JSON file whose
     "device" object is a catalogue entry) when it is given."""
-    text = resources.files("planner").joinpath("catalogue.yaml").read_text()
+    text = resources.files("lamina.planner").joinpath("catalogue.yaml").read_text()
     devices = {name: device_from_entry(name, entry) for name, entry in yaml.safe_load(text).items()}
     if profile is not None:
         entry = json.loads(Path(profile).read_text())["device"]
@@ -225,7 +234,8 @@ def parse_hardware(spec: str, catalogue: Mapping[str, Device]) -> HardwareOffer:
         kind, _, count = part.partition(":")
         name = by_lower.get(kind.strip().lower())
         if name is None:
-            hint = " (this-machine needs a profile: run `lamina profile`)" if kind.strip().lower() == THIS_MACHINE else ""
+            hint = (" (this-machine needs a profile: run `lamina profile`)"
+                    if kind.strip().lower() == THIS_MACHINE else "")
             raise ValueError(f"unknown hardware {kind!r}{hint} (catalogue: {', '.join(catalogue)})")
         if count and (not count.strip().isdigit() or int(count) <= 0):
             raise ValueError(f"bad count in {part!r}: expected a positive integer")

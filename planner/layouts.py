@@ -6,8 +6,8 @@ a choice of weight and KV precision."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 from lamina.planner.hardware import Device, HardwareOffer
 from lamina.planner.perf.memory import min_tensor_parallel

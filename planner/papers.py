@@ -13,12 +13,12 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
-from lamina.planner.hardware import Device, load_catalogue, parse_hardware
 from lamina.planner.estimate import cpu_attention_ops
+from lamina.planner.hardware import Device, load_catalogue, parse_hardware
 from lamina.planner.perf.quantization import FP16, INT4, quantization_verdict
 from lamina.planner.perf.threads import choose_threads
 from lamina.planner.plan import plan

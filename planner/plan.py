@@ -4,7 +4,7 @@ estimates out."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from lamina.planner.estimate import Estimate, Targets, estimate
 from lamina.planner.hardware import Device, HardwareOffer
@@ -13,16 +13,18 @@ from lamina.planner.rank import rank
 from lamina.planner.shapes import ModelShape
 from lamina.planner.workload import WorkloadStats
 
+NO_TARGETS = Targets()  # frozen: safe to share as the default
+
 
 def unit_limit(layout: Layout, offer: HardwareOffer) -> int | None:
     """How many copies of `layout` the offer's counts allow (None: no count given)."""
-    limits = [offer.limits[kind] // n for kind, n in layout.device_counts().items()
-              if offer.limits.get(kind) is not None]
+    limits = [limit // n for kind, n in layout.device_counts().items()
+              if (limit := offer.limits.get(kind)) is not None]
     return min(limits) if limits else None
 
 
 def plan(shape: ModelShape, offer: HardwareOffer, catalogue: Mapping[str, Device], stats: WorkloadStats,
-         targets: Targets = Targets(), quantize: str = "any", disaggregate: bool = True,
+         targets: Targets = NO_TARGETS, quantize: str = "any", disaggregate: bool = True,
          decode_only: bool = False) -> list[Estimate]:
     """Every layout that can run the workload, best first (see lamina.planner.rank)."""
     estimates = []

@@ -1,28 +1,28 @@
 """Measure this machine for the planner: what `lamina profile` runs.
 
-It reuses the benchmarks' code: the copy bandwidth of bench/engine_throughput.py, the
-decoder layer shapes of bench/packed_matmul.py, the transport ping-pong of
-bench/transport_pingpong.py; so it runs from a source checkout (bench/ beside planner/).
+The measurements are planner/measure/'s, which the benchmarks in bench/ use too: the copy
+bandwidth and packed decoder layers of `kernels`, the transport ping-pong of `pingpong`,
+the engine's decode step of `engine_step` and the stack run of `stack_run`.
 Measured: the engine's matmul kernel over float32 and packed Q8_0, Q4_0 and Q4_1 weights at
 several batch sizes (each layer its own weights, so they are read from memory as in a
 decode step), decode attention over float32 and q4 KV at several batch sizes and contexts
 with the engine's kernel (lamina.model.kv_attention), the q4 quantization of new KV rows, a
-large tensor copy, and every transport's round trip and bandwidth (TCP's feed the models); then the engine's own decode step at two
-batch sizes, whose gap to the models' prediction from those kernels is the overhead of
-everything else in a layer (a per-layer and a per-token term). The result is a
+large tensor copy, and every transport's round trip and bandwidth (TCP's feed the models);
+then the engine's own decode step at two batch sizes, whose gap to the models' prediction
+from those kernels is the overhead of everything else in a layer (a per-layer and a
+per-token term). The result is a
 catalogue entry for `this-machine` (effective figures, so both efficiencies are 1) and
 the raw measurements.
 
-Torch is imported here only, never by the models.
+Torch is imported here and in planner/measure/ only, never by the models.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import os
 import statistics
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,31 +30,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lamina.planner.hardware import Device
     from lamina.planner.shapes import ModelShape
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _bench(name: str):
-    """A module of the repository's bench/ (not an installed package)."""
-    import importlib
-
-    if not (REPO / "bench").is_dir():
-        raise RuntimeError(f"lamina profile needs the source checkout's bench/ (not found beside {REPO / 'planner'})")
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    return importlib.import_module(f"bench.{name}")
-
-
-def _median_time(fn, repeats: int) -> float:
-    """Median CPU seconds of this process: on shared cores wall time counts the neighbours'
-    turns too, and with one thread CPU time is the compute (as bench/packed_matmul.py)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.process_time()
-        fn()
-        times.append(time.process_time() - t)
-    return statistics.median(times)
 
 
 # The packed weight formats of lamina.model.quant that `model.weights` chooses from (q8_0; q4 is
@@ -70,17 +45,18 @@ def measure_linear(batches: tuple[int, ...], layers: int, repeats: int,
     per weight that implies."""
     import torch
 
-    packed_matmul = _bench("packed_matmul")
-    shapes = packed_matmul.LAYER  # (outputs, inputs) of one decoder layer
+    from lamina.planner.measure.kernels import LAYER, make_layers, median_cpu_time, native_run
+
+    shapes = LAYER  # (outputs, inputs) of one decoder layer
     gen = torch.Generator().manual_seed(0)
-    weights = packed_matmul.make_layers(fmt, layers, gen)
-    run_native = packed_matmul.native_run(weights)
+    weights = make_layers(fmt, layers, gen)
+    run_native = native_run(weights)
     params = layers * sum(o * i for o, i in shapes)
     nbytes = sum(pw.nbytes for layer in weights for pw in layer)
     out: dict[int, dict[str, float]] = {}
     for b in batches:
         xs = {i: torch.randn(b, i, generator=gen) for _, i in shapes}
-        t = _median_time(lambda: run_native(xs), repeats)
+        t = median_cpu_time(functools.partial(run_native, xs), repeats)
         out[b] = {"seconds": t, "flops": 2 * params * b / t, "weight_bytes_s": nbytes / t,
                   "s_per_param": t / params}
     return out
@@ -98,6 +74,7 @@ def measure_attention(cases: tuple[tuple[int, int], ...], repeats: int) -> dict[
 
     from lamina.model.kv_attention import SlotBatch, buffer_attention, slot_attention
     from lamina.model.kv_quant import Q4Rows
+    from lamina.planner.measure.kernels import median_cpu_time
 
     heads, kv_heads, d = _HEADS, _KV_HEADS, _HEAD_DIM
     rows = Q4Rows(d)
@@ -107,11 +84,11 @@ def measure_attention(cases: tuple[tuple[int, int], ...], repeats: int) -> dict[
         values = [torch.randn(context, kv_heads, d) for _ in range(batch)]
         q = torch.randn(batch, heads, d)
         lens = [1] * batch
-        t = _median_time(lambda: buffer_attention(q, lens, keys, values, need_lse=False), repeats)
+        t = median_cpu_time(functools.partial(buffer_attention, q, lens, keys, values, need_lse=False), repeats)
         k_pool, v_pool = rows.quantize(torch.cat(keys)), rows.quantize(torch.cat(values))  # [S, Hkv, row_bytes]
         slots = SlotBatch.build([range(i * context, (i + 1) * context) for i in range(batch)], batch * context)
-        t_q4 = _median_time(lambda: slot_attention(q, lens, k_pool, v_pool, slots, need_lse=False, packed=rows),
-                            repeats)
+        q4_attention = functools.partial(slot_attention, q, lens, k_pool, v_pool, slots, need_lse=False, packed=rows)
+        t_q4 = median_cpu_time(q4_attention, repeats)
         elements = 2 * batch * context * kv_heads * d
         out[f"{batch}x{context}"] = {"seconds": t, "kv_bytes_s": elements * 4 / t, "s_per_element": t / elements,
                                      "q4_seconds": t_q4, "q4_s_per_element": t_q4 / elements}
@@ -124,10 +101,11 @@ def measure_kv_quantize(tokens: int, repeats: int) -> float:
     import torch
 
     from lamina.model.kv_quant import Q4Rows
+    from lamina.planner.measure.kernels import median_cpu_time
 
     rows = Q4Rows(_HEAD_DIM)
     x = torch.randn(tokens, _KV_HEADS, _HEAD_DIM)
-    return _median_time(lambda: rows.quantize(x), repeats) / x.numel()
+    return median_cpu_time(lambda: rows.quantize(x), repeats) / x.numel()
 
 
 TRANSPORTS = ("tcp", "shm", "ucx", "rdma", "fhbn")
@@ -135,7 +113,9 @@ TRANSPORTS = ("tcp", "shm", "ucx", "rdma", "fhbn")
 
 def measure_transport(quick: bool = True, scheme: str = "tcp") -> dict[str, Any]:
     """One transport's round trip (64 B) and bandwidth (1 MiB) on loopback."""
-    res = _bench("transport_pingpong").bench_transport(scheme, [64, 1 << 20], quick)
+    from lamina.planner.measure.pingpong import pingpong
+
+    res = pingpong(scheme, [64, 1 << 20], quick)
     return {"rtt_us_64B": res["rtt_us"]["64"], "gbit_s_1MiB": res["gbps"][str(1 << 20)]}
 
 
@@ -155,8 +135,8 @@ def measure_transports(quick: bool = True) -> dict[str, dict[str, Any]]:
 OVERHEAD_POINTS = ((1, 16), (16, 16))
 
 
-def measure_engine_overhead(entry: dict[str, Any], steps: int) -> dict[str, float]:
-    """The rest of a decode layer: the engine's pure-decode step (bench/engine_throughput.py's
+def measure_engine_overhead(entry: dict[str, Any], steps: int) -> dict[str, Any]:
+    """The rest of a decode layer: the engine's pure-decode step (planner/measure/engine_step.py's
     decode_step_cpu, default model) at two batch sizes, less what the models predict from
     the kernel measurements in `entry`; the two gaps give a per-layer and a per-token term."""
     from dataclasses import fields
@@ -165,6 +145,7 @@ def measure_engine_overhead(entry: dict[str, Any], steps: int) -> dict[str, floa
     from lamina.planner.estimate import decode_step
     from lamina.planner.hardware import THIS_MACHINE, device_from_entry
     from lamina.planner.layouts import Layout
+    from lamina.planner.measure.engine_step import decode_step_cpu
     from lamina.planner.perf.quantization import FP32
     from lamina.planner.shapes import ModelShape
 
@@ -173,7 +154,6 @@ def measure_engine_overhead(entry: dict[str, Any], steps: int) -> dict[str, floa
     shape = ModelShape(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, name="engine")
     catalogue = {THIS_MACHINE: device_from_entry(THIS_MACHINE, entry)}
     layout = Layout(THIS_MACHINE, 1, weights=FP32, kv=FP32)
-    decode_step_cpu = _bench("engine_throughput").decode_step_cpu
     gaps = []
     for batch, prompt in OVERHEAD_POINTS:
         measured = decode_step_cpu(loaded, batch, prompt, steps, seed=batch)
@@ -201,23 +181,23 @@ STACK_POINT = (8, 64, 12)
 
 def measure_stack_overhead(entry: dict[str, Any]) -> dict[str, Any]:
     """The services' own costs: a small decode through the stack as `lamina up` starts it
-    (bench/decode_pipeline.py's run_stack, TCP, float32 weights), whose model and attention
+    (planner/measure/stack_run.py's run_stack, TCP, float32 weights), whose model and attention
     workers' process CPU and wall step time, less what the models predict from the kernel
     measurements in `entry`, give the per-slice, per-frame and per-exchange terms."""
     from dataclasses import fields
 
     from lamina.model.loader import load_model
     from lamina.planner.hardware import THIS_MACHINE, device_from_entry
+    from lamina.planner.measure.stack_run import make_prompts, run_stack
     from lamina.planner.shapes import ModelShape
 
     batch, context, steps = STACK_POINT
     loaded = load_model(weights="float32")
     cfg = loaded.config
     shape = ModelShape(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, name="engine")
-    pipeline = _bench("decode_pipeline")
-    prompts = pipeline.make_prompts(loaded.tokenizer, batch, context)
+    prompts = make_prompts(loaded.tokenizer, batch, context)
     kv_bytes = batch * (context + steps + 64) * cfg.kv_bytes_per_token() + (64 << 20)
-    run = pipeline.run_stack(prompts, steps, "tcp", 1, False, 1, kv_bytes, "float32", attention_workers=1)
+    run = run_stack(prompts, steps, "tcp", 1, False, 1, kv_bytes, "float32", attention_workers=1)
     steps_timed = run["tokens"] / batch
     # The processes' whole CPU (process_cpu_seconds_total): the model worker's sends, event
     # loop and sampling occupy its core as its slices do, and likewise an attention worker's.
@@ -252,14 +232,14 @@ def stack_overhead_terms(shape: ModelShape, device: Device, run: StackRun) -> di
     from lamina.planner.perf.slices import slice_time
     from lamina.planner.perf.transfer import layer_traffic, layer_transfer_s
 
-    L = shape.num_layers
+    num_layers = shape.num_layers
     sl = slice_time(shape, device, run.batch, 1, FP32)
     att = attention_layer_time(shape, device, run.batch, run.context, 1, FP32).seconds
-    slice_s = max(0.0, (run.model_cpu_s - sl.step_s(L)) / L)
-    frame_s = max(0.0, run.attention_cpu_s / L - att)
+    slice_s = max(0.0, (run.model_cpu_s - sl.step_s(num_layers)) / num_layers)
+    frame_s = max(0.0, run.attention_cpu_s / num_layers - att)
     transfer = layer_transfer_s(layer_traffic(shape, run.batch), device.network_bw, device.network_latency)
     chain = sl.layer_s() + slice_s + att + frame_s + transfer
-    exchange_s = max(0.0, (run.step_s - sl.head.seconds) / L - chain)
+    exchange_s = max(0.0, (run.step_s - sl.head.seconds) / num_layers - chain)
     return {"slice_s": slice_s, "frame_s": frame_s, "exchange_s": exchange_s}
 
 
@@ -275,11 +255,12 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
     import torch
 
     from lamina.model.quant import set_kernel_threads
+    from lamina.planner.measure.kernels import copy_bandwidth
 
     torch.set_num_threads(threads)
     set_kernel_threads(threads)
     repeats = 3 if quick else 7
-    copy_bw = _bench("engine_throughput").copy_bandwidth(64 << 20 if quick else 256 << 20, repeats)
+    copy_bw = copy_bandwidth(64 << 20 if quick else 256 << 20, repeats)
     batches = (1, 2, 4, 8, 16, 32, 64)
     layers = 8 if quick else 30
     linear = measure_linear(batches, layers, repeats)
@@ -288,7 +269,7 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
     kv_quantize = measure_kv_quantize(64, repeats * 10)
     by_transport = measure_transports(quick=True)
     transport = by_transport["tcp"]  # the default transport: the network figures the models use
-    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     src = f"measured by lamina profile, {when}, {threads} torch threads"
     # The memory figure the models use is what a decode step gets: the best of a plain
     # copy and batch-1 linear layers (weights streamed once), which is the closer to it.
@@ -296,28 +277,33 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
     flops = max(v["flops"] for v in linear.values())
     rtt = transport["rtt_us_64B"]
     attention_bw = statistics.median(v["kv_bytes_s"] for v in attention.values())
-    entry = {
+    entry: dict[str, Any] = {
         "description": f"this machine ({os.cpu_count()} CPUs seen, {threads} threads measured)",
         "memory_gb": {"value": round(_memory_bytes() / 1e9, 3), "source": "MemTotal in /proc/meminfo"},
         "memory_tb_s": {"value": stream_bw / 1e12,
-                        "source": f"{src}: max of a tensor copy (read + write) and the batch-1 matmul kernel's weight stream"},
+                        "source": f"{src}: max of a tensor copy (read + write) and the batch-1 matmul kernel's "
+                                  "weight stream"},
         "tflops": {
             "bf16": {"value": flops / 1e12,
-                     "source": f"{src}: best FLOP/s of the engine's float32 matmul kernel (it computes in float32 here)"},
+                     "source": f"{src}: best FLOP/s of the engine's float32 matmul kernel "
+                               "(it computes in float32 here)"},
             "fp32": {"value": flops / 1e12, "source": f"{src}: best FLOP/s of the engine's float32 matmul kernel"},
         },
         "scaleup_gb_s": {"value": copy_bw / 2 / 1e9, "source": f"{src}: tensor copy, one way"},
-        "network_gbit_s": {"value": transport["gbit_s_1MiB"] / 2, "source": f"{src}: TCP transport 1 MiB ping-pong, one way"},
+        "network_gbit_s": {"value": transport["gbit_s_1MiB"] / 2,
+                           "source": f"{src}: TCP transport 1 MiB ping-pong, one way"},
         "network_latency_us": {"value": rtt / 2, "source": f"{src}: half the TCP transport's 64 B round trip"},
         "scaleup_latency_us": {"value": 1.0, "assumption": True, "source": "assumption: one core synchronisation"},
         "compute_efficiency": {"value": 1.0, "source": "measured figures are effective, not peak"},
         "memory_efficiency": {"value": 1.0, "source": "measured figures are effective, not peak"},
-        "usd_per_hour": {"value": usd_per_hour, "assumption": True, "source": "given to lamina profile (--usd-per-hour)"},
+        "usd_per_hour": {"value": usd_per_hour, "assumption": True,
+                         "source": "given to lamina profile (--usd-per-hour)"},
         "cores": {"value": threads, "source": "the torch threads the measurements ran with"},
         "linear_s_per_param": {"value": {str(b): v["s_per_param"] for b, v in linear.items()},
                                "source": f"{src}: the engine's float32 matmul kernel per weight, by batch size"},
         "attention_tb_s": {"value": attention_bw / 1e12,
-                           "source": f"{src}: median KV bytes/s of the engine's attention kernel over (batch, context) cases"},
+                           "source": f"{src}: median KV bytes/s of the engine's attention kernel over "
+                                     "(batch, context) cases"},
         "packed_linear_s_per_param": {
             "value": {fmt: {str(b): v["s_per_param"] for b, v in table.items()} for fmt, table in packed.items()},
             "source": f"{src}: the engine's packed-weight matmul kernel per weight, by format and batch size"},
@@ -330,7 +316,8 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
     overhead = measure_engine_overhead(entry, steps=3 if quick else 8)
     where = ", ".join(f"batch {b} x prompt {p}" for b, p in OVERHEAD_POINTS)
     entry["layer_overhead_us"] = {"value": overhead["layer_s"] * 1e6,
-                                  "source": f"{src}: the engine's decode step at {where}, less the kernels' predicted time"}
+                                  "source": f"{src}: the engine's decode step at {where}, "
+                                            "less the kernels' predicted time"}
     entry["token_overhead_us"] = {"value": overhead["token_s"] * 1e6, "source": entry["layer_overhead_us"]["source"]}
     cores = len(os.sched_getaffinity(0))
     entry["host_cores"] = {"value": cores, "source": "the CPUs this process may run on (sched_getaffinity)"}

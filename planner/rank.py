@@ -7,7 +7,7 @@ throughput; the rest follow in the same order, fewest shortfalls first.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from lamina.planner.estimate import Estimate
 

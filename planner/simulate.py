@@ -22,8 +22,8 @@ import heapq
 import itertools
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Mapping
 
 from lamina.planner.estimate import decode_step, kv_capacity_tokens
 from lamina.planner.hardware import Device
@@ -91,6 +91,17 @@ class _Running:
     generated_before: int  # output tokens produced before this admission
 
 
+@dataclass
+class _Tally:
+    """What a run counts as it goes."""
+
+    done: int = 0
+    tokens: int = 0
+    preempted: int = 0
+    admitted: int = 0
+    last: float = 0.0  # the time of the last completion
+
+
 class _Unit:
     """One replica: the waiting queue, the running batch and its KV accounting."""
 
@@ -145,7 +156,7 @@ class Simulator:
         ttfts: list[float] = []
         step_times: list[float] = []
         step_batches: list[float] = []
-        stats = {"done": 0, "tokens": 0, "preempted": 0, "last": 0.0, "admitted": 0}
+        stats = _Tally()
         while events:
             now, _, kind, idx = heapq.heappop(events)
             if kind == arrive:
@@ -167,14 +178,14 @@ class Simulator:
                 seq += 1
                 heapq.heappush(events, (now + duration, seq, step_end, unit_id))
         first = workload.requests[0].arrival_s
-        span = max(stats["last"] - first, 1e-9)
-        return SimResult(stats["done"], stats["tokens"], span, stats["tokens"] / span,
+        span = max(stats.last - first, 1e-9)
+        return SimResult(stats.done, stats.tokens, span, stats.tokens / span,
                          weighted_percentiles(ttfts, [1.0] * len(ttfts)),
                          weighted_percentiles(step_times, step_batches),
-                         sum(step_batches) / max(1, len(step_batches)), stats["preempted"],
-                         stats["admitted"], int(sum(step_batches)))
+                         sum(step_batches) / max(1, len(step_batches)), stats.preempted,
+                         stats.admitted, int(sum(step_batches)))
 
-    def _finish(self, unit: _Unit, now: float, stats: dict) -> None:
+    def _finish(self, unit: _Unit, now: float, stats: _Tally) -> None:
         while unit.finishing and unit.finishing[0][0] <= unit.step:
             _, rid = heapq.heappop(unit.finishing)
             run = unit.running.pop(rid, None)
@@ -184,12 +195,12 @@ class Simulator:
             self._complete(run.req, now, stats)
 
     @staticmethod
-    def _complete(req: Request, now: float, stats: dict) -> None:
-        stats["done"] += 1
-        stats["tokens"] += req.output
-        stats["last"] = now
+    def _complete(req: Request, now: float, stats: _Tally) -> None:
+        stats.done += 1
+        stats.tokens += req.output
+        stats.last = now
 
-    def _start_step(self, unit: _Unit, now: float, ttfts: list[float], stats: dict) -> float:
+    def _start_step(self, unit: _Unit, now: float, ttfts: list[float], stats: _Tally) -> float:
         # Every running request adds one token of KV in the coming step: preempt the newest
         # until that fits (it is recomputed from its prompt and the tokens it has made).
         while unit.running and unit.kv_used() + len(unit.running) > unit.capacity:
@@ -197,7 +208,7 @@ class Simulator:
             unit.kv_base -= run.prompt + 1 - run.admitted_step
             made = run.generated_before + 1 + (unit.step - run.admitted_step)
             unit.waiting.appendleft((run.req, made))
-            stats["preempted"] += 1
+            stats.preempted += 1
         prefill = 0.0
         while unit.waiting and len(unit.running) < unit.max_batch:
             req, made = unit.waiting[0]
@@ -206,7 +217,7 @@ class Simulator:
                 break
             unit.waiting.popleft()
             prefill += self.prefill_s(prompt)
-            stats["admitted"] += 1
+            stats.admitted += 1
             if made == 0:
                 ttfts.append(now + prefill / self.layout.model_workers - req.arrival_s)
             remaining = req.output - made - 1  # the prefill makes one token

@@ -159,6 +159,7 @@ class AttentionCore:
         out, lse = slot_attention(q.contiguous(), [n for _, n in seqs], self.slabs.k_pools[layer],
                                   self.slabs.v_pools[layer], step.batch, held, causal=False, need_lse=True,
                                   packed=self.packed)
+        assert lse is not None  # asked for with need_lse=True
         return out, lse
 
     def append_and_combine(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor, k: torch.Tensor,
@@ -211,6 +212,7 @@ class AttentionCore:
                 self.slabs.allocate(seq_id, pending.num_tokens)
             except KVAllocationError as exc:
                 pending.error = RemoteError("kv_full", str(exc))
+        assert pending is not None  # check_store refuses a later layer without its layer 0
         if pending.error is None:
             self.slabs.write(seq_id, msg.layer, 0, *self._rows(msg.k, msg.v))
         pending.next_layer += 1

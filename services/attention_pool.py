@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -31,7 +32,7 @@ from lamina.model.config import ModelConfig
 from lamina.services.config import StackConfig
 from lamina.services.placement import head_range
 from lamina.services.runtime import workers_by_index
-from lamina.services.wire import Attend, Kind, RemoteError, StoreKV, Tag, expect, frame_tag
+from lamina.services.wire import Attend, Kind, RemoteError, StoreKV, Tag, expect, frame_tag, result_tensor
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ class AttentionPool:
                 return  # another caller reconnected it meanwhile
             try:
                 conn = await self._reconnect(w)
-            except (OSError, asyncio.TimeoutError, transports.TransportError) as exc:
+            except (TimeoutError, OSError, transports.TransportError) as exc:
                 raise transports.TransportError(f"attention worker {w} unreachable: {exc}") from exc
             old, self.conns[w] = self.conns[w], conn
             if old is not None:
@@ -178,13 +179,15 @@ class AttentionPool:
         reader = self._readers[w]
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
-        if self.conns[w] is not None:
-            await asyncio.gather(self.conns[w].close(), return_exceptions=True)
+        conn = self.conns[w]
+        if conn is not None:
+            await asyncio.gather(conn.close(), return_exceptions=True)
         self._fail_all(transports.TransportError(str(reason)), worker=w)
 
     # -- replies ----------------------------------------------------------------------------
     async def _read(self, w: int) -> None:
         conn = self.conns[w]
+        assert conn is not None, f"a reader started for attention worker {w}, which has no link"
         try:
             while True:
                 frame = await conn.recv()
@@ -200,7 +203,7 @@ class AttentionPool:
                     fut.set_result(frame)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the link is gone: everyone waiting on it fails now
+        except Exception as exc:  # noqa: BLE001 (the link is gone: every waiter on it gets the error and raises it)
             self._fail_all(exc if isinstance(exc, transports.TransportError)
                            else transports.TransportError(f"attention worker {w}: {exc}"), worker=w)
 
@@ -219,31 +222,39 @@ class AttentionPool:
         self._waiting[key] = fut
         return fut
 
+    @overload
+    async def _send(self, w: int, msg: Attend | StoreKV, tag: Tag) -> asyncio.Future: ...
+
+    @overload
+    async def _send(self, w: int, msg: Attend | StoreKV, tag: None) -> None: ...
+
     async def _send(self, w: int, msg: Attend | StoreKV, tag: Tag | None) -> asyncio.Future | None:
         """Send one frame; with a tag, register for its reply first (a fast reply must find it)."""
         await self._ensure_connected(w)
         fut = self._expect_reply(w, tag) if tag is not None else None
+        conn = self.conns[w]
+        assert conn is not None, "_ensure_connected leaves a link"
         t0 = time.perf_counter()
         try:
-            await self.conns[w].send(msg.to_frame())
+            await conn.send(msg.to_frame())
         except BaseException:
-            if fut is not None:
+            if tag is not None:
                 self._waiting.pop((w, tag), None)
             raise
         self.send_s += time.perf_counter() - t0
         return fut
 
-    async def _gather(self, futures: Sequence[asyncio.Future], kind: Kind) -> list[torch.Tensor | None]:
+    async def _gather(self, futures: Sequence[asyncio.Future]) -> list[torch.Tensor]:
         # Await every worker's reply before judging any: an error from one must not
         # leave another's reply pending for a tag that is about to be reused.
         frames = await self._replies(futures)
-        return [expect(f, kind).tensors[0] if f.tensors else None for f in frames]
+        return [result_tensor(f) for f in frames]
 
     async def _replies(self, futures: Sequence[asyncio.Future]) -> list[transports.Frame]:
         """The frames answering `futures`, within the reply deadline. A worker that lets
         it pass loses its link (its late replies would answer nobody), and the caller
         gets a TransportError naming it."""
-        done, pending = await asyncio.wait(futures, timeout=self.reply_timeout_s)
+        _, pending = await asyncio.wait(futures, timeout=self.reply_timeout_s)
         if pending:
             late = sorted({w for (w, _), f in list(self._waiting.items()) if f in pending})
             exc = transports.TransportError(f"attention worker(s) {late} did not answer within "
@@ -254,8 +265,9 @@ class AttentionPool:
                 f.cancel()
             raise exc
         for f in futures:
-            if f.exception() is not None:
-                raise f.exception()
+            error = f.exception()
+            if error is not None:
+                raise error
         return [f.result() for f in futures]
 
     # -- decode ---------------------------------------------------------------------------
@@ -284,20 +296,20 @@ class AttentionPool:
 
         `tag` must be unique among the calls in flight (micro-batch, step, layer).
         """
-        futures = []
+        futures: list[asyncio.Future] = []
         if self.partition == "head":
             groups = self.cfg.num_groups
             for (w, _, members), (h0, h1) in zip(route.parts, self.kv_heads):
                 futures.append(await self._send_attend(w, tag, layer, members, q[:, h0 * groups : h1 * groups],
                                                        k[:, h0:h1], v[:, h0:h1]))
-            return torch.cat(await self._gather(futures, Kind.RESULT), dim=1)
+            return torch.cat(await self._gather(futures), dim=1)
         if len(route.parts) == 1:
             w, _, members = route.parts[0]
             fut = await self._send_attend(w, tag, layer, members, q, k, v)
-            return (await self._gather([fut], Kind.RESULT))[0]
+            return (await self._gather([fut]))[0]
         for w, rows, members in route.parts:
             futures.append(await self._send_attend(w, tag, layer, members, q[rows], k[rows], v[rows]))
-        outs = await self._gather(futures, Kind.RESULT)
+        outs = await self._gather(futures)
         if all(isinstance(rows, slice) for _, rows, _ in route.parts):
             return torch.cat(outs)  # rows grouped by worker: the parts are in row order
         out = torch.empty_like(q)
@@ -321,7 +333,7 @@ class AttentionPool:
 
         The last layer registers for each worker's acknowledgement (`wait_stored`)."""
         n = self.cfg.num_layers
-        acks = []
+        acks: list[asyncio.Future] = []
         for w in workers:
             if self.partition == "head":
                 h0, h1 = self.kv_heads[w]
@@ -329,7 +341,10 @@ class AttentionPool:
             else:
                 kk, vv = k, v
             msg = StoreKV(seq_id, layer, n, kk, vv)
-            acks.append(await self._send(w, msg, msg.tag if layer == n - 1 else None))
+            if layer == n - 1:
+                acks.append(await self._send(w, msg, msg.tag))
+            else:
+                await self._send(w, msg, None)
         if layer == n - 1:
             self._acks[seq_id] = acks
 

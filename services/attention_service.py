@@ -26,7 +26,17 @@ from lamina.services.placement import head_range
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime, abort_for_remote_error
 from lamina.services.wire import (
-    Attend, Kind, RemoteError, StoreKV, Tag, ack_frame, error_frame, frame_tag, incoming, result_frame, short_repr,
+    Attend,
+    Kind,
+    RemoteError,
+    StoreKV,
+    Tag,
+    ack_frame,
+    error_frame,
+    frame_tag,
+    incoming,
+    result_frame,
+    short_repr,
 )
 
 log = logging.getLogger(__name__)
@@ -120,7 +130,7 @@ class AttentionService:
             tag = frame_tag(frame)
             if frame.kind == Kind.ATTEND:
                 msg = Attend.from_frame(frame)
-                out, _ = self.core.attend(msg.layer, msg.seqs, msg.q, msg.k, msg.v, need_lse=False)
+                out, _ = self.core.attend(msg.layer, msg.seqs, msg.query, msg.key, msg.value, need_lse=False)
                 return result_frame(tag, out)
             if frame.kind == Kind.ATTEND_Q:
                 return self._hold(tag, frame, held)
@@ -134,8 +144,8 @@ class AttentionService:
                 if (msg.layer, msg.seqs) != (part.layer, part.seqs):
                     raise RemoteError("protocol", f"ATTEND_KV {short_repr(tag)} names other sequences or another layer "
                                                   f"than its ATTEND_Q")
-                return result_frame(tag, self.core.append_and_combine(msg.layer, msg.seqs, part.q, msg.k, msg.v,
-                                                                      part.out, part.lse))
+                return result_frame(tag, self.core.append_and_combine(msg.layer, msg.seqs, part.q, msg.key,
+                                                                      msg.value, part.out, part.lse))
             if frame.kind == Kind.STORE_KV:
                 return ack_frame(tag) if self.core.store(StoreKV.from_frame(frame)) else None
             raise RemoteError("protocol", f"unexpected frame kind {frame.kind}")
@@ -158,7 +168,8 @@ class AttentionService:
             raise RemoteError("protocol", f"{len(held)} ATTEND_Q frames already await their ATTEND_KV")
         try:
             msg = Attend.from_frame(frame)
-            held[tag] = _HeldQ(msg.layer, msg.seqs, msg.q, *self.core.attend_held(msg.layer, msg.seqs, msg.q))
+            q = msg.query
+            held[tag] = _HeldQ(msg.layer, msg.seqs, q, *self.core.attend_held(msg.layer, msg.seqs, q))
         except RemoteError as exc:
             held[tag] = exc  # answered (and counted) when K, V of the same tag arrive
         return None
@@ -170,8 +181,8 @@ class AttentionService:
                 "sequences": c.num_sequences, "used_bytes": c.used_bytes, "capacity_bytes": c.capacity_bytes}
 
     async def run(self) -> None:
-        tcfg = self.config.transport_config()
-        self._listener = await transports.listen(self.config.data_address(self.service_id), self._serve_connection, tcfg)
+        address = self.config.data_address(self.service_id)
+        self._listener = await transports.listen(address, self._serve_connection, self.config.transport_config())
         try:
             await self.runtime.serve(
                 lambda s: lamina_pb2_grpc.add_AttentionControlServicer_to_server(_Control(self.core), s),

@@ -68,7 +68,7 @@ class PrefixCacheStatus:
 
     @property
     def hit_ratio(self) -> float | None:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else None
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens and self.hit_tokens is not None else None
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ async def _http_ok(url: str, deadline_s: float) -> bool:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=deadline_s)) as session:
             async with session.get(url) as response:
                 return response.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return False
 
 

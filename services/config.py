@@ -51,7 +51,8 @@ clear message naming the setting.
                                 # leave (request partitioning); LAMINA_ATTENTION_MAX_WORKERS
     data_plane: {busy_poll_us: null, checksum_payloads: false, shm_ring_bytes: 16777216,
                  ucx_progress_mode: blocking, ucx_tls: null, native_frames: true}   # see docs/transports.md
-    deadlines: {reply_s: 10, rpc_s: 30, step_s: 30, health_s: 2, recovery_s: 120}   # every wait on a peer (docs/reliability.md)
+    # deadlines: every wait on a peer (docs/reliability.md)
+    deadlines: {reply_s: 10, rpc_s: 30, step_s: 30, health_s: 2, recovery_s: 120}
 """
 
 from __future__ import annotations
@@ -102,11 +103,6 @@ class SchedulerSection:
     max_batch_size: int = 64
     max_queue: int = 256
     policy: str = "fcfs"
-
-
-@dataclass(frozen=True)
-class WorkerSection:
-    threads: int = 1
 
 
 @dataclass(frozen=True)
@@ -302,10 +298,11 @@ class StackConfig:
                    "of seconds", value)
         _check(self.prefill.peer_fetch in PEER_FETCH_MODES, "prefill.peer_fetch",
                f"must be one of {', '.join(PEER_FETCH_MODES)}", self.prefill.peer_fetch)
-        _check(isinstance(self.prefill.peer_fetch_prior_gbps, (int, float)) and self.prefill.peer_fetch_prior_gbps > 0,
-               "prefill.peer_fetch_prior_gbps", "must be a positive number", self.prefill.peer_fetch_prior_gbps)
-        _check(isinstance(self.prefill.cache_quantize_4bit, bool), "prefill.cache_quantize_4bit", "must be true or false",
-               self.prefill.cache_quantize_4bit)
+        prior_gbps = self.prefill.peer_fetch_prior_gbps
+        _check(isinstance(prior_gbps, (int, float)) and prior_gbps > 0, "prefill.peer_fetch_prior_gbps",
+               "must be a positive number", prior_gbps)
+        _check(isinstance(self.prefill.cache_quantize_4bit, bool), "prefill.cache_quantize_4bit",
+               "must be true or false", self.prefill.cache_quantize_4bit)
         _check(isinstance(self.prefill.cache_quant_group_size, int) and self.prefill.cache_quant_group_size > 0
                and self.prefill.cache_quant_group_size % 2 == 0, "prefill.cache_quant_group_size",
                "must be a positive even integer", self.prefill.cache_quant_group_size)
@@ -313,8 +310,8 @@ class StackConfig:
                "must be lru, fifo or random", self.prefill.cache_eviction)
         _check(not self.prefill.cache_disk_bytes or bool(self.prefill.cache_dir), "prefill.cache_dir",
                "must be set when prefill.cache_disk_bytes > 0", self.prefill.cache_dir)
-        _check(isinstance(self.attention.max_workers, int) and (self.attention.max_workers == 0
-                                                                or self.attention.max_workers >= self.attention.workers),
+        max_workers = self.attention.max_workers
+        _check(isinstance(max_workers, int) and (max_workers == 0 or max_workers >= self.attention.workers),
                "attention.max_workers", f"must be 0 (a fixed pool) or at least attention.workers "
                f"({self.attention.workers})", self.attention.max_workers)
         _check(self.partition != "head" or self.attention.pool_limit == self.attention.workers,

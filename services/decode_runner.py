@@ -13,7 +13,7 @@ What must hold:
   steps, so once the scheduler reads `left` (or `finished`, or `failed`), no frame
   of that sequence is on its way to an attention worker and its KV can be freed.
 - The runner ends a sequence by the scheduler's own rule
-  (lamina.services.scheduler_state.stop_reason), so both agree on its last token.
+  (lamina.sampling.stop.stop_reason), so both agree on its last token.
 
 Owned tasks: the micro-batch tasks, cancelled and awaited by `close()`.
 """
@@ -23,22 +23,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
 
 from lamina import transports
-from lamina.engine.grammar import Grammars, GrammarState
-from lamina.engine.logprobs import token_logprobs
-from lamina.engine.penalties import PenaltyState, needs_state
-from lamina.engine.sampling import SamplingParams, sample
-from lamina.engine.step import StepBatch
+from lamina.model.batch import StepBatch
+from lamina.sampling.grammar import Grammars
+from lamina.sampling.sampler import Sampler, SeqSampling
+from lamina.sampling.stop import stop_reason
 from lamina.services.attention_pool import SeqRows
 from lamina.services.micro_batches import join_target, num_active, rebalance
 from lamina.services.protos import lamina_pb2
 from lamina.services.sampling_wire import logprobs_to_proto, params_from_proto
-from lamina.services.scheduler_state import stop_reason
 from lamina.services.wire import RemoteError
 
 log = logging.getLogger(__name__)
@@ -52,28 +50,20 @@ class DecodeSeq:
     seq_id: str
     token: int  # the newest token: this sequence's input to its next step, not yet in the KV
     position: int  # that token's position
-    output_index: int  # index among the outputs of the token the next step samples
-    proto_params: lamina_pb2.SamplingParams
-    params: SamplingParams
+    # Its params and seed, the output index of the token the next step samples, and its
+    # penalty and grammar state (built whole at join, from the ids the join carries).
+    sampling: SeqSampling
     workers: tuple[int, ...]
     micro_batch: int
     leaving: bool = False
-    penalties: PenaltyState | None = None  # when its params change logits: built whole at join
-    grammar: GrammarState | None = None  # when its params have a grammar: built at join from its outputs
 
     @classmethod
-    def from_proto(cls, s: lamina_pb2.StepSequence, micro_batch: int, eos_ids: Collection[int] = (),
-                   grammars: Grammars | None = None) -> DecodeSeq:
-        params = params_from_proto(s.params)
-        penalties = (PenaltyState.build(params, s.prompt_token_ids, s.output_token_ids, eos_ids)
-                     if needs_state(params) else None)
-        grammar = None
-        if params.grammar is not None:
-            if grammars is None:
-                raise ValueError(f"sequence {s.seq_id} has a grammar and this runner has no grammar compiler")
-            grammar = grammars.state(params.grammar, s.output_token_ids)
-        return cls(s.seq_id, s.token_id, s.position, s.output_index, s.params, params,
-                   tuple(s.placement.workers), micro_batch, penalties=penalties, grammar=grammar)
+    def from_proto(cls, s: lamina_pb2.StepSequence, micro_batch: int, sampler: Sampler) -> DecodeSeq:
+        """A joining sequence; its message's parameters are converted here, once (the
+        scheduler always sets the seed, which the converted params carry)."""
+        sampling = sampler.join(params_from_proto(s.params), s.prompt_token_ids, s.output_token_ids,
+                                num_output=s.output_index)
+        return cls(s.seq_id, s.token_id, s.position, sampling, tuple(s.placement.workers), micro_batch)
 
 
 class DecodeRunner:
@@ -81,8 +71,8 @@ class DecodeRunner:
                  on_step: Callable[[int, float], None] | None = None, min_micro_batch: int = 1,
                  grammars: Grammars | None = None) -> None:
         self._forward = forward
-        self._grammars = grammars
         self._stop_eos = set(stop.eos_token_ids)
+        self._sampler = Sampler(grammars, self._stop_eos)
         self._max_model_len = stop.max_model_len or (1 << 30)
         self._on_step = on_step
         self.num_micro_batches = num_micro_batches
@@ -100,7 +90,7 @@ class DecodeRunner:
                 log.warning("sequence %s joined twice; the second join is ignored", s.seq_id)
                 continue
             mb = join_target([len(m) for m in self._members], self._active(len(self._seqs) + 1))
-            seq = DecodeSeq.from_proto(s, mb, self._stop_eos, self._grammars)
+            seq = DecodeSeq.from_proto(s, mb, self._sampler)
             self._seqs[s.seq_id] = seq
             self._members[mb].append(seq)
             self._wake[mb].set()
@@ -169,7 +159,7 @@ class DecodeRunner:
             start = time.perf_counter()
             try:
                 result = await self._step(mb, step, members)
-            except Exception as exc:  # noqa: BLE001 - a failed step must fail its sequences, never hang them
+            except Exception as exc:
                 if isinstance(exc, (RemoteError, transports.TransportError)):
                     code = exc.code if isinstance(exc, RemoteError) else "transport"
                     log.warning("step %d of micro-batch %d failed: %s", step, mb, exc)
@@ -190,23 +180,15 @@ class DecodeRunner:
                                 [s.position for s in members])
         rows = [SeqRows(s.seq_id, 1, s.workers) for s in members]
         logits = await self._forward(mb, step, batch, rows)
-        tokens = sample(logits, [s.params for s in members], [s.proto_params.seed for s in members],
-                        [s.output_index for s in members], [s.penalties for s in members],
-                        [s.grammar for s in members])
-        logprobs = token_logprobs(logits, tokens, [s.params.logprobs for s in members])
+        tokens, logprobs = self._sampler(logits, [s.sampling for s in members])
         out = lamina_pb2.DecodeResult(micro_batch=mb, step=step)
         done: set[str] = set()
         for seq, tok, lp in zip(members, tokens, logprobs):
             seq.token = tok
-            if seq.penalties is not None:
-                seq.penalties.append(tok)
-            if seq.grammar is not None:
-                seq.grammar.append(tok)
             seq.position += 1
-            seq.output_index += 1
-            # output_index now counts this sequence's outputs; position + 1 its tokens.
-            finished = stop_reason(seq.proto_params, tok, seq.output_index, seq.position + 1, self._stop_eos,
-                                   self._max_model_len) is not None
+            # sampling.num_output now counts this sequence's outputs; position + 1 its tokens.
+            finished = stop_reason(seq.sampling.params, tok, seq.sampling.num_output, seq.position + 1,
+                                   self._stop_eos, self._max_model_len) is not None
             if finished:
                 done.add(seq.seq_id)
             out.tokens.append(lamina_pb2.DecodeToken(seq_id=seq.seq_id, token_id=tok, finished=finished,

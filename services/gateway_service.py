@@ -74,7 +74,7 @@ async def run_gateway(config: StackConfig, ready: asyncio.Event | None = None) -
     await stopping.wait()
     try:
         await asyncio.wait_for(registration.stop(), timeout=5.0)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         log.warning("gateway: could not deregister (Redis unreachable); its entry expires by TTL")
     await runner.cleanup()  # drains in-flight requests up to shutdown_timeout
     await backend.close()

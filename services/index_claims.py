@@ -71,7 +71,7 @@ class IndexClaim:
         return self._redis.lock(self._keys[index], timeout=self.ttl_s, blocking=False, thread_local=False)
 
     def holders(self) -> list[str | None]:
-        return [v.decode() if v is not None else None for v in self._redis.mget(self._keys)]
+        return [v.decode() if isinstance(v, bytes) else v for v in self._redis.mget(self._keys)]
 
     def _take(self, index: int, holder: str | None) -> bool:
         lock = self._lock_for(index)
@@ -90,21 +90,22 @@ class IndexClaim:
             try:
                 holders = self.holders()
                 index = choose_index(holders, self.owner)
-                taken = index is not None and self._take(index, holders[index])
+                claimed = index if index is not None and self._take(index, holders[index]) else None
             except (redis.ConnectionError, redis.TimeoutError) as exc:  # Redis not up yet (containers start together)
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"no {self.section} index claimed: Redis unreachable ({exc})") from exc
                 log.warning("%s: waiting for Redis to claim an index (%s)", self.section, exc)
                 time.sleep(1.0)
                 continue
-            if taken:
-                self.index = index
-                self._lock = self._lock_for(index)
-                self._lock.local.token = self.owner.encode()
-                self._thread = threading.Thread(target=self._renew, name=f"index-claim:{self.section}", daemon=True)
+            if claimed is not None:
+                self.index = claimed
+                lock = self._lock = self._lock_for(claimed)
+                lock.local.token = self.owner.encode()
+                self._thread = threading.Thread(target=self._renew, args=(lock, claimed),
+                                                name=f"index-claim:{self.section}", daemon=True)
                 self._thread.start()
-                log.info("%s index %d claimed by %s", self.section, index, self.owner)
-                return index
+                log.info("%s index %d claimed by %s", self.section, claimed, self.owner)
+                return claimed
             if time.monotonic() >= deadline:
                 held = ", ".join(h or "-" for h in holders)
                 raise TimeoutError(f"every {self.section} index 0..{self.count - 1} is held by another worker "
@@ -112,18 +113,18 @@ class IndexClaim:
             # A lapsed claim is announced to no one (a key's expiry), so look again shortly.
             time.sleep(1.0)
 
-    def _renew(self) -> None:
+    def _renew(self, lock: redis.lock.Lock, index: int) -> None:
         # A periodic timer: the claim's time-to-live needs renewing on time.
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                self._lock.reacquire()
+                lock.reacquire()
             except LockNotOwnedError:
                 # Gone (Redis restarted empty, or this process stalled past the TTL): take it again.
-                if not self._lock.acquire(token=self.owner):
-                    log.error("%s index %d is now held by %s: two workers have one index", self.section, self.index,
-                              self.holders()[self.index])
+                if not lock.acquire(token=self.owner):
+                    log.error("%s index %d is now held by %s: two workers have one index", self.section, index,
+                              self.holders()[index])
             except (redis.RedisError, OSError) as exc:
-                log.warning("%s index %d: claim not renewed (%s)", self.section, self.index, exc)
+                log.warning("%s index %d: claim not renewed (%s)", self.section, index, exc)
 
     def release(self) -> None:
         self._stop.set()

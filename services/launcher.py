@@ -26,10 +26,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import threading
+import time
 import urllib.request
 from pathlib import Path
+from typing import Protocol
 
 import yaml
 
@@ -58,11 +59,30 @@ def health_ok(base_url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+class ProcessHandle(Protocol):
+    """What the stack uses of a service's process: a `subprocess.Popen`, or a Ray
+    actor's process (lamina.services.ray_stack.ActorProcess)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclasses.dataclass
 class ServiceProcess:
     name: str  # its log file's name (attention-0, prefill-0, scheduler, ...)
     argv: list[str]
-    proc: subprocess.Popen | None = None
+    proc: ProcessHandle | None = None
     service_id: str = ""  # its id in the metadata store (attention-0, prefill-0, ...)
     started_at: float = 0.0  # time.monotonic() when the current process started
     runs: list[Run] = dataclasses.field(default_factory=list)  # its processes that exited, oldest first
@@ -87,7 +107,8 @@ class GivenUp:
 
 class Stack:
     def __init__(self, config: StackConfig, log_dir: Path | None = None, supervise: bool = False,
-                 restart_policy: RestartPolicy = RestartPolicy(), keep_logs: bool = False) -> None:
+                 restart_policy: RestartPolicy = RestartPolicy(),  # noqa: B008 (frozen: one shared default is safe)
+                 keep_logs: bool = False) -> None:
         self.config = config
         self.redis: EmbeddedRedis | None = None
         self.processes: list[ServiceProcess] = []
@@ -157,6 +178,7 @@ class Stack:
         while time.monotonic() < deadline:
             dead = self.dead_process()
             if dead is not None:
+                assert dead.proc is not None  # dead_process names a started process
                 raise RuntimeError(f"service {dead.name} exited with code {dead.proc.returncode} during start;"
                                    f" its log:\n{self.log_tail(dead.name)}")
             if health_ok(self.base_url):
@@ -173,13 +195,15 @@ class Stack:
     def _stacks_of(self, sp: ServiceProcess, wait_s: float = 1.0) -> str:
         """Ask a service that will not stop for its task and thread stacks
         (services/stack_dumps.py) and return what it wrote to its log meanwhile."""
+        proc = sp.proc
+        assert proc is not None, f"{sp.name} was never started"
         path = self.log_dir / f"{sp.name}.log"
         start = path.stat().st_size if path.is_file() else 0
         for sig in (stack_dumps.TASKS_SIGNAL, stack_dumps.THREADS_SIGNAL):
             with contextlib.suppress(ProcessLookupError):
-                sp.proc.send_signal(sig)
+                proc.send_signal(sig)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                sp.proc.wait(timeout=wait_s)  # it writes them meanwhile (or exits after all)
+                proc.wait(timeout=wait_s)  # it writes them meanwhile (or exits after all)
         if not path.is_file():  # a log on another node (RayStack): its last lines
             return self.log_tail(sp.name, lines=80)
         with open(path, "rb") as f:
@@ -228,7 +252,7 @@ class Stack:
             self._supervisor_idle.set()
             self._supervisor_release.wait()
 
-    def add(self, name: str, command: list[str], service_id: str | None = None) -> None:
+    def add(self, name: str, command: list[str], service_id: str = "") -> None:
         """Start one more service process with the stack's configuration, e.g. an attention
         worker joining an elastic pool (`["attention", "--index", "2"]` under
         attention.max_workers); it is stopped with the others."""
@@ -253,8 +277,11 @@ class Stack:
 
     def _count_restart(self, service_id: str | None) -> None:
         """Count one restart of `service_id` in the metadata store (None: reset every count)."""
+        url = self.config.redis_url
+        assert url is not None, "start() points the configuration at a Redis"
+
         async def update() -> None:
-            async with MetadataStore(MetadataConfig(url=self.config.redis_url, namespace=self.config.namespace)) as s:
+            async with MetadataStore(MetadataConfig(url=url, namespace=self.config.namespace)) as s:
                 await (s.reset_restart_counts() if service_id is None else s.count_restart(service_id))
 
         try:

@@ -4,10 +4,11 @@ The scheduler opens one Decode stream to each model worker and sends batch chang
 on it; the worker's DecodeRunner steps its sequences in staggered micro-batches
 (`StackConfig.decode_micro_batches`) and streams every step's tokens back. A step runs
 slice 0, then for every layer sends Q, K, V to the attention workers holding the
-micro-batch's KV and runs the next slice on their output; after the last slice it
-samples. Under `pipeline.mode: rotational` the scheduler sends every sequence to one
-worker, which runs each slice on whichever model worker is free (itself or a peer's
-slice service, lamina.services.slice_peers), and every worker serves slices to its peers
+micro-batch's KV and runs the next slice on their output (the split model's slice
+runner, `SplitModel.run_async`); after the last slice it samples. Under
+`pipeline.mode: rotational` the scheduler sends every sequence to one worker, which runs
+each slice on whichever model worker is free (itself or a peer's slice service,
+lamina.services.slice_peers), and every worker serves slices to its peers
 (lamina.services.slice_server).
 
 The worker keeps each decoding sequence's latest token and position (sent whole
@@ -21,22 +22,23 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import prometheus_client
 import torch
 
 from lamina import transports
-from lamina.engine.grammar import Grammars
-from lamina.engine.step import StepBatch
+from lamina.model.batch import StepBatch
 from lamina.model.llama import split_llama
 from lamina.model.loader import LoadedModel, load_model
 from lamina.model.splitter import SliceOutput
 from lamina.model.threads import set_compute_threads
+from lamina.sampling.grammar import Grammars
 from lamina.services.addresses import with_host
 from lamina.services.attention_pool import AttentionPool, SeqRows
 from lamina.services.config import StackConfig
 from lamina.services.decode_runner import DecodeRunner
-from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
+from lamina.services.protos import lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime
 from lamina.services.slice_peers import SliceExecutors
 from lamina.services.slice_server import SliceServer
@@ -83,20 +85,18 @@ class ModelSlices:
                       pool: AttentionPool, executors: SliceExecutors | None = None) -> torch.Tensor:
         """Logits [B, V] of the batch; attention runs on the pool's workers, and the
         slices here or, rotational, on whichever model worker `executors` finds free."""
-        inputs = batch.model_inputs()
         route = pool.route(seqs)
 
-        async def run(j: int, attn: torch.Tensor | None, context: Sequence[torch.Tensor]) -> SliceOutput:
+        async def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return await pool.attend(decode_tag(micro_batch, step, i), i, route, q, k, v)
+
+        async def run_slice(j: int, inputs: dict[str, Any], attn: torch.Tensor | None,
+                            context: Sequence[torch.Tensor]) -> SliceOutput:
             if executors is None:
                 return self.run_slice(j, inputs, attn, context)
             return await executors.run(slice_tag(micro_batch, step, j), j, inputs, attn, context)
 
-        out = await run(0, None, ())
-        for i in range(self.split.num_attention):
-            q, k, v = out.qkv
-            attn = await pool.attend(decode_tag(micro_batch, step, i), i, route, q, k, v)
-            out = await run(i + 1, attn, out.context)
-        return out.output
+        return await self.split.run_async(batch.model_inputs(), attend, run_slice)
 
 
 class _ModelServicer(lamina_pb2_grpc.ModelWorkerServicer):
@@ -148,7 +148,8 @@ class ModelService:
 
     def _count_work(self) -> None:
         """Add what the slices, the pool and the executors did since the last count to the counters."""
-        now = (self.slices.compute_s, self.pool.send_s, self.executors.remote_slices if self.executors else 0)
+        now = (self.slices.compute_s, self.pool.send_s if self.pool is not None else 0.0,
+               self.executors.remote_slices if self.executors else 0)
         for counter, value, before in zip((self.m_compute, self.m_send, self.m_remote), now, self._reported):
             counter.inc(value - before)
         self._reported = now
@@ -223,8 +224,8 @@ class ModelService:
                 self.executors = SliceExecutors(self.slices.split.slices, self.slices.run_slice,
                                                 self._peer_slice_services, tcfg, self.config.deadlines.reply_s,
                                                 self.config.model_worker.workers)
-            await self.runtime.serve(lambda s: lamina_pb2_grpc.add_ModelWorkerServicer_to_server(_ModelServicer(self), s),
-                                     meta=meta)
+            await self.runtime.serve(
+                lambda s: lamina_pb2_grpc.add_ModelWorkerServicer_to_server(_ModelServicer(self), s), meta=meta)
         finally:
             if self.executors is not None:
                 await self.executors.close()

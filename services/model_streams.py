@@ -44,8 +44,8 @@ class ModelStream:
         self._progress_at = time.monotonic()
 
     def open(self) -> None:
-        self._call = self._stub.Decode(self._outgoing())
-        self._reader = asyncio.create_task(self._read(), name=f"decode-stream-{self.index}")
+        call = self._call = self._stub.Decode(self._outgoing())
+        self._reader = asyncio.create_task(self._read(call), name=f"decode-stream-{self.index}")
 
     async def _outgoing(self) -> AsyncIterator[lamina_pb2.DecodeUpdate]:
         while True:
@@ -54,10 +54,10 @@ class ModelStream:
                 return
             yield update
 
-    async def _read(self) -> None:
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         try:
             while True:
-                result = await self._call.read()
+                result = await call.read()
                 if result is grpc.aio.EOF:
                     await self._on_lost(self.index, "the model worker ended its decode stream")
                     return
@@ -67,9 +67,9 @@ class ModelStream:
             raise
         except grpc.aio.AioRpcError as exc:
             await self._on_lost(self.index, exc.details() or exc.code().name)
-        except Exception as exc:  # noqa: BLE001 - requests must end, not wait on a dead reader
+        except Exception as exc:  # requests must end, not wait on a dead reader
             log.exception("decode stream %d: handling a result failed", self.index)
-            self._call.cancel()
+            call.cancel()
             await self._on_lost(self.index, f"{type(exc).__name__}: {exc}")
 
     def join(self, seqs: list[lamina_pb2.StepSequence]) -> None:

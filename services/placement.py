@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 
 def head_range(worker: int, num_workers: int, num_kv_heads: int) -> tuple[int, int]:
@@ -25,3 +25,12 @@ def place_request(partition: str, reserved_tokens: Sequence[int], capacity_token
     if not fits:
         return None
     return [min(fits, key=lambda w: (reserved_tokens[w], w))]
+
+
+def placeable(capacity_tokens: Sequence[int], left: Collection[int],
+              healthy: Sequence[bool] | None = None) -> list[int]:
+    """Each attention worker's KV capacity open to new requests, in tokens: 0 for one
+    that left the pool and, given a probe's answers (`healthy`, by index), for one that
+    did not answer or was not probed."""
+    return [0 if w in left or (healthy is not None and not (w < len(healthy) and healthy[w])) else c
+            for w, c in enumerate(capacity_tokens)]

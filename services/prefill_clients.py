@@ -37,13 +37,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lamina.kvstore.block_hash import block_hashes
 from lamina.kvstore.metadata import REDIS_ERRORS, MetadataStore, ServiceInfo
-from lamina.kvstore.policies import MAX_DISTANCE
 from lamina.services.config import StackConfig
 from lamina.services.prefill_routing import PrefillLoad, choose, matched_tokens
 from lamina.services.prefix_claims import PrefixClaims
 from lamina.services.prefix_fetch_policy import FetchPlan, plan_fetch
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import refresh_every_half_ttl
+from lamina.services.scheduling_policies import MAX_DISTANCE
 
 log = logging.getLogger(__name__)
 
@@ -138,11 +138,11 @@ class PrefillClients:
                     self._connect(info)
             for w in self.workers:
                 w.figures = await self.store.get_stats("prefill", w.name)
-        down = [w for w in self.workers if not w.alive and w.health is not None]
-        answers = await asyncio.gather(*(w.health.Check(health_pb2.HealthCheckRequest(),
-                                                        timeout=self.config.deadlines.health_s) for w in down),
+        down = [(w, w.health) for w in self.workers if not w.alive and w.health is not None]
+        answers = await asyncio.gather(*(health.Check(health_pb2.HealthCheckRequest(),
+                                                      timeout=self.config.deadlines.health_s) for _, health in down),
                                        return_exceptions=True)
-        for w, answer in zip(down, answers):
+        for (w, _), answer in zip(down, answers):
             if not isinstance(answer, BaseException) and answer.status == health_pb2.HealthCheckResponse.SERVING:
                 log.info("%s answers again", w.name)
                 w.alive = True
@@ -217,6 +217,8 @@ class PrefillClients:
         queued = max(len(request.token_ids) - cached_tokens, 1)
         w.queued_tokens += queued
         try:
+            if w.stub is None:  # routing chooses connected workers only
+                raise RuntimeError(f"{w.name} was never connected")
             return await w.stub.Prefill(request, timeout=self.config.deadlines.rpc_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _LOST and w.alive:
@@ -227,17 +229,17 @@ class PrefillClients:
         finally:
             w.queued_tokens -= queued
             if self._claims_on:
-                self.claims.settle(w.name, block_hashes(list(request.token_ids), self.config.prefill.cache_block_tokens),
-                                   time.monotonic() + _CLAIM_GRACE_S)
+                hashes = block_hashes(list(request.token_ids), self.config.prefill.cache_block_tokens)
+                self.claims.settle(w.name, hashes, time.monotonic() + _CLAIM_GRACE_S)
 
     async def tier_distances(self, prompts: list[list[int]]) -> list[int] | None:
         """Each prompt's tier distance at the worker that holds it nearest (prefix-aware
         admission); None when no live worker answered."""
-        live = [w for w in self.workers if w.alive and w.stub is not None]
+        live = [w.stub for w in self.workers if w.alive and w.stub is not None]
         request = lamina_pb2.TierDistanceRequest(prompts=[lamina_pb2.TierDistanceRequest.Prompt(token_ids=p)
                                                           for p in prompts])
-        answers = await asyncio.gather(*(w.stub.TierDistances(request, timeout=self.config.deadlines.rpc_s)
-                                         for w in live), return_exceptions=True)
+        answers = await asyncio.gather(*(stub.TierDistances(request, timeout=self.config.deadlines.rpc_s)
+                                         for stub in live), return_exceptions=True)
         found = [list(a.distances) for a in answers if not isinstance(a, BaseException)]
         if not found:
             errors = [a for a in answers if isinstance(a, grpc.aio.AioRpcError)]

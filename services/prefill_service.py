@@ -19,6 +19,12 @@ answers its peers' fetches the same way. Prompt
 attention runs here, over a local token-granular store that lives only for the
 request; the KV of layer i is on its way to the attention workers while layer
 i + 1 computes.
+
+A forward goes in steps over one record per prompt (`_Prompt`): prepare (its KV
+reserved, the cached prefix installed, a peer's fetched), forward (the split model's
+slice runner, `SplitModel.run_async`, whose attention callback stores each layer's KV
+on the attention workers), sample (the first tokens, and those of a request's other
+choices, by lamina.sampling's Sampler), reply.
 """
 
 from __future__ import annotations
@@ -27,21 +33,22 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import prometheus_client
 import torch
 
 from lamina import transports
+from lamina.engine.kv import KVStore, SequenceKV
+from lamina.engine.step import DeviceAttention, LocalAttention
 from lamina.kvstore.block_publisher import BlockPublisher
-from lamina.kvstore.policies import MAX_DISTANCE
 from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
-from lamina.engine.kv import KVStore
-from lamina.engine.logprobs import token_logprobs
-from lamina.engine.penalties import PenaltyState, needs_state
-from lamina.engine.sampling import sample
-from lamina.engine.step import DeviceAttention, LocalAttention, StepBatch
+from lamina.model.batch import StepBatch
 from lamina.model.threads import set_compute_threads
+from lamina.sampling.logprobs import TokenLogprobs, token_logprobs
+from lamina.sampling.params import SamplingParams
+from lamina.sampling.sampler import Sampler
 from lamina.services.addresses import with_host
 from lamina.services.attention_pool import AttentionPool
 from lamina.services.config import PrefillSection, StackConfig
@@ -51,9 +58,38 @@ from lamina.services.prompt_logprobs import logit_rows
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime, abort_for_remote_error
 from lamina.services.sampling_wire import logprobs_to_proto, params_from_proto
+from lamina.services.scheduling_policies import MAX_DISTANCE
 from lamina.services.wire import RemoteError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Prompt:
+    """One prompt of a prefill forward, from its KV reservation to its reply."""
+
+    req: lamina_pb2.PrefillRequest
+    params: SamplingParams  # its request's, converted once
+    token_ids: list[int]
+    kv: SequenceKV  # its KV in the forward's store
+    cached: int = 0  # prompt tokens not computed: the prefix cache's and a peer's
+    fetched: int = 0  # of which a peer's
+    stored: RemoteError | None = None  # an attention worker's refusal of its KV
+    sample_row: int = 0  # the row of the forward's logits that samples its first token
+    score_rows: list[int] = field(default_factory=list)  # the rows scoring prompt tokens 1.. (echo)
+    token: int = 0  # its first output token
+    logprobs: TokenLogprobs | None = None
+    choice_tokens: list[int] = field(default_factory=list)  # its other choices' first tokens (n > 1)
+    choice_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+    @property
+    def seq_id(self) -> str:
+        return self.req.seq_id
+
+    @property
+    def workers(self) -> list[int]:
+        return list(self.req.placement.workers)
 
 
 class PrefillService:
@@ -65,6 +101,7 @@ class PrefillService:
                                f"(torch {torch.__version__}); set prefill.device: cpu")
         self.slices = ModelSlices.load(config.model, config.weights, config.prefill.device)
         self.cfg = self.slices.cfg
+        self.sampler = Sampler(self.slices.grammars, self.slices.loaded.tokenizer.eos_token_ids)
         # prefill-I: its node in the metadata store's block records, and the scheduler's routing key.
         self.runtime = ServiceRuntime("prefill", f"prefill-{index}", config)
         r = self.runtime.registry
@@ -116,12 +153,14 @@ class PrefillService:
                 batch = take_batch(self._queue, self.config.prefill.max_batch_tokens,
                                    self._waits if self.cache is not None else None)
                 reqs = [r for r, _ in batch]
+                results: Sequence[lamina_pb2.PrefillResult | BaseException]
                 try:
                     results = await self._prefill_batch(reqs)
                 except Exception as exc:  # e.g. an attention worker's connection failed
+                    log.warning("a prefill forward of %d prompts failed", len(batch), exc_info=True)
                     results = [exc] * len(batch)
                     for r in reqs:
-                        self.pool.forget_stored(r.seq_id)
+                        self._pool.forget_stored(r.seq_id)
                 for (_, fut), res in zip(batch, results):
                     if fut.done():  # the caller went away (RPC cancelled)
                         continue
@@ -134,7 +173,7 @@ class PrefillService:
         """Whether `req` waits for the next forward: a prompt of this one computes a block
         of its prefix that the cache does not hold yet (a conversation's turns sent close
         together), which it then reads from the cache instead of computing it again."""
-        if req.prompt_logprobs:
+        if req.prompt_logprobs or self.cache is None:
             return False
         cached = self.cache.lookup(req.token_ids[:-1]).num_tokens
         others = [t.token_ids for t in taken if not t.prompt_logprobs]
@@ -145,107 +184,139 @@ class PrefillService:
 
     async def _prefill_batch(self, reqs: list[lamina_pb2.PrefillRequest]
                              ) -> list[lamina_pb2.PrefillResult | RemoteError]:
+        """One forward over the prompts of `reqs`: each gets its result, or its attention
+        workers' refusal (RemoteError); any other failure fails them all (raised)."""
         start = time.perf_counter()
-        prompts = [list(r.token_ids) for r in reqs]
-        seq_ids = [r.seq_id for r in reqs]
-        workers = [list(r.placement.workers) for r in reqs]
-        lens = [len(p) for p in prompts]
-        kv = KVStore(self.cfg, capacity_bytes=sum(n + 64 for n in lens) * self.cfg.kv_bytes_per_token(),
-                     device=self.device)
-        seq_kvs = [kv.reserve(s, n) for s, n in zip(seq_ids, lens)]
-        # A prompt that wants its own tokens' logprobs is computed whole: no cached prefix.
-        cached = [0 if r.prompt_logprobs else self._install_prefix(p, skv) for r, p, skv in zip(reqs, prompts, seq_kvs)]
-        fetched = [0] * len(reqs)
-        asks = [j for j, r in enumerate(reqs)
-                if r.HasField("peer") and not r.prompt_logprobs and min(r.peer.tokens, lens[j] - 1) > cached[j]]
-        got = await asyncio.gather(*(self._fetch_prefix(reqs[j].peer, prompts[j], seq_kvs[j], cached[j])
-                                     for j in asks))  # concurrent: each peer's link serves one at a time
-        for j, n in zip(asks, got):
-            fetched[j], cached[j] = n - cached[j], n
-        computing = time.perf_counter()
-        batch = StepBatch.build(seq_ids, [p[c:] for p, c in zip(prompts, cached)], cached)
-        on_cpu = self.device.type == "cpu"
-        local = LocalAttention(kv, batch) if on_cpu else DeviceAttention(kv, batch)
-        rows, last_rows, prompt_rows = logit_rows(batch.query_lens, [r.prompt_logprobs for r in reqs])
-        inputs = {**batch.model_inputs(), "logits_index": rows}
-        inputs = {k: t.to(self.device) for k, t in inputs.items()}
-        split = self.slices.split
-        with torch.inference_mode():
-            out = split.slices[0](inputs)
-            for i in range(split.num_attention):
-                q, k, v = out.qkv
-                attn = local.attend(i, q, k, v)
-                for s, w, skv, n in zip(seq_ids, workers, seq_kvs, lens):
-                    # The data plane sends from CPU memory.
-                    await self.pool.store_layer(s, w, i, skv.buf[i, 0, :n].cpu(), skv.buf[i, 1, :n].cpu())
-                out = split.slices[i + 1](inputs, attn, out.context)
-        local.commit()
-        output = out.output.cpu()  # [R, V]: sampling and logprobs run on CPU
-        self._measure_compute(sum(lens) - sum(cached), time.perf_counter() - computing)
-        # One acknowledgement per sequence and worker, matched by sequence id.
-        stored: list[RemoteError | None] = []
-        for s in seq_ids:
-            try:
-                await self.pool.wait_stored(s)
-                stored.append(None)
-            except RemoteError as exc:
-                stored.append(exc)
-        params = [params_from_proto(r.params) for r in reqs]
-        # The first token: only the prompt counts for its penalties (a rebuild's prefill
-        # samples too, but its token is used only when the request had no output yet).
-        eos = self.slices.loaded.tokenizer.eos_token_ids
-        states = [PenaltyState.build(p, prompt, (), eos) if needs_state(p) else None
-                  for p, prompt in zip(params, prompts)]
-        grammars = [self.slices.grammars.state(p.grammar) if p.grammar is not None else None for p in params]
-        logits = output[last_rows]  # [B, V]
-        tokens = sample(logits, params, [r.params.seed for r in reqs], [0] * len(reqs), states, grammars)
-        logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
-        choices = _choice_tokens(logits, reqs, params, states, grammars)
-        results: list[lamina_pb2.PrefillResult | RemoteError] = []
-        for prompt, skv, n, c, f, token, lp, error, p, scoring, (choice_ids, choice_lps) in zip(
-                prompts, seq_kvs, lens, cached, fetched, tokens, logprobs, stored, params, prompt_rows, choices):
-            if error is not None:
-                results.append(error)
-                continue
-            if self.cache is not None:
-                self.cache.insert(prompt, skv.buf[:, :, :n])
-            self.m_prompts.inc()
-            self.m_tokens.inc(n - c)
-            self.m_cached.inc(c - f)
-            self.m_fetched.inc(f)
-            self.num_prompt_tokens += n
-            self.num_cached_tokens += c - f
-            self.num_fetched_tokens += f
-            # Only an echo request scores its prompt (its rows are then every position).
-            scored = (token_logprobs(output[scoring], prompt[1:], [p.logprobs or 0] * len(scoring))
-                      if scoring else [])
-            results.append(lamina_pb2.PrefillResult(token_id=token, cached_tokens=c, fetched_tokens=f,
-                                                    logprobs=None if lp is None else logprobs_to_proto(lp),
-                                                    prompt_logprobs=[logprobs_to_proto(e) for e in scored],
-                                                    choice_token_ids=choice_ids,
-                                                    choice_logprobs=[logprobs_to_proto(e) for e in choice_lps
-                                                                     if e is not None]))
+        kv, prompts = await self._prepare(reqs)
+        output = await self._forward(kv, prompts)
+        self._sample(prompts, output)
+        results = [self._reply(p) for p in prompts]
         self.m_batch.observe(len(reqs))
         self.m_seconds.observe(time.perf_counter() - start)
         return results
+
+    async def _prepare(self, reqs: list[lamina_pb2.PrefillRequest]) -> tuple[KVStore, list[_Prompt]]:
+        """The forward's KV store, and each prompt's KV reserved there, holding the
+        longest prefix the cache or a named peer has of it."""
+        kv = KVStore(self.cfg, capacity_bytes=sum(len(r.token_ids) + 64 for r in reqs) * self.cfg.kv_bytes_per_token(),
+                     device=self.device)
+        prompts = [_Prompt(r, params_from_proto(r.params), list(r.token_ids), kv.reserve(r.seq_id, len(r.token_ids)))
+                   for r in reqs]
+        for p in prompts:
+            # A prompt that wants its own tokens' logprobs is computed whole: no cached prefix.
+            if not p.req.prompt_logprobs:
+                p.cached = self._install_prefix(p.token_ids, p.kv)
+        asks = [p for p in prompts if p.req.HasField("peer") and not p.req.prompt_logprobs
+                and min(p.req.peer.tokens, len(p.token_ids) - 1) > p.cached]
+        got = await asyncio.gather(*(self._fetch_prefix(p.req.peer, p.token_ids, p.kv, p.cached)
+                                     for p in asks))  # concurrent: each peer's link serves one at a time
+        for p, n in zip(asks, got):
+            p.fetched, p.cached = n - p.cached, n
+        return kv, prompts
+
+    async def _forward(self, kv: KVStore, prompts: list[_Prompt]) -> torch.Tensor:
+        """Run the prompts' uncached tokens through the slices, handing each layer's KV to
+        the attention workers as it is computed; returns the scored rows' logits [R, V]
+        on CPU once every worker answered (a refusal is kept in `stored`)."""
+        computing = time.perf_counter()
+        batch = StepBatch.build([p.seq_id for p in prompts], [p.token_ids[p.cached:] for p in prompts],
+                                [p.cached for p in prompts])
+        local = LocalAttention(kv, batch) if self.device.type == "cpu" else DeviceAttention(kv, batch)
+        rows, last_rows, prompt_rows = logit_rows(batch.query_lens, [p.req.prompt_logprobs for p in prompts])
+        for p, last, scoring in zip(prompts, last_rows, prompt_rows):
+            p.sample_row, p.score_rows = last, scoring
+        inputs = {**batch.model_inputs(), "logits_index": rows}
+        inputs = {k: t.to(self.device) for k, t in inputs.items()}
+
+        async def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            with torch.inference_mode():
+                attn = local.attend(i, q, k, v)
+            for p in prompts:
+                n = len(p.token_ids)
+                # The data plane sends from CPU memory.
+                await self._pool.store_layer(p.seq_id, p.workers, i, p.kv.buf[i, 0, :n].cpu(), p.kv.buf[i, 1, :n].cpu())
+            return attn
+
+        output = await self.slices.split.run_async(inputs, attend)
+        local.commit()
+        output = output.cpu()  # [R, V]: sampling and logprobs run on CPU
+        self._measure_compute(sum(len(p.token_ids) - p.cached for p in prompts), time.perf_counter() - computing)
+        # One acknowledgement per sequence and worker, matched by sequence id.
+        for p in prompts:
+            try:
+                await self._pool.wait_stored(p.seq_id)
+            except RemoteError as exc:
+                p.stored = exc
+        return output
+
+    def _sample(self, prompts: list[_Prompt], output: torch.Tensor) -> None:
+        """Each prompt's first token and its other choices' (n > 1): rows of the same
+        logits, sampled in one call, each choice with its own seed (`choice_seeds`), so
+        the choices are independent and each is reproducible from its seed alone. Only
+        the prompt counts for a first token's penalties (a rebuild's prefill samples too,
+        but its token is used only when the request had no output yet)."""
+        seqs = [self.sampler.join(p.params, p.token_ids) for p in prompts]
+        rows = [p.sample_row for p in prompts]
+        for p in prompts:
+            seqs.extend(self.sampler.join(p.params, p.token_ids, seed=seed) for seed in p.req.choice_seeds)
+            rows.extend(p.sample_row for _ in p.req.choice_seeds)
+        tokens, logprobs = self.sampler(output[rows], seqs)  # one row per prompt, then one per choice
+        start = len(prompts)
+        for p, token, lp in zip(prompts, tokens, logprobs):
+            end = start + len(p.req.choice_seeds)
+            p.token, p.logprobs = token, lp
+            p.choice_tokens, p.choice_logprobs = tokens[start:end], logprobs[start:end]
+            start = end
+            # Only an echo request scores its prompt (its rows are then every position).
+            if p.score_rows and p.stored is None:
+                p.prompt_logprobs = token_logprobs(output[p.score_rows], p.token_ids[1:],
+                                                   [p.params.logprobs or 0] * len(p.score_rows))
+
+    def _reply(self, p: _Prompt) -> lamina_pb2.PrefillResult | RemoteError:
+        """A prompt's result (its full blocks cached, its figures counted), or its refusal."""
+        if p.stored is not None:
+            return p.stored
+        n, c, f = len(p.token_ids), p.cached, p.fetched
+        if self.cache is not None:
+            self.cache.insert(p.token_ids, p.kv.buf[:, :, :n])
+        self.m_prompts.inc()
+        self.m_tokens.inc(n - c)
+        self.m_cached.inc(c - f)
+        self.m_fetched.inc(f)
+        self.num_prompt_tokens += n
+        self.num_cached_tokens += c - f
+        self.num_fetched_tokens += f
+        return lamina_pb2.PrefillResult(
+            token_id=p.token, cached_tokens=c, fetched_tokens=f,
+            logprobs=None if p.logprobs is None else logprobs_to_proto(p.logprobs),
+            prompt_logprobs=[logprobs_to_proto(e) for e in p.prompt_logprobs if e is not None],
+            choice_token_ids=p.choice_tokens,
+            choice_logprobs=[logprobs_to_proto(e) for e in p.choice_logprobs if e is not None])
+
+    @property
+    def _pool(self) -> AttentionPool:
+        if self.pool is None:
+            raise RuntimeError("the prefill service has no attention pool before it runs")
+        return self.pool
 
     def tier_distances(self, prompts: list[list[int]]) -> list[int]:
         if self.cache is None:
             return [MAX_DISTANCE] * len(prompts)
         return [self.cache.tier_distance(p[:-1]) for p in prompts]
 
-    def _install_prefix(self, token_ids: list[int], seq_kv) -> int:
+    def _install_prefix(self, token_ids: list[int], seq_kv: SequenceKV) -> int:
         """Copy the longest cached prefix into the sequence's KV; returns its length.
         The last prompt token is always computed: its logits give the first token."""
         if self.cache is None or len(token_ids) < 2:
             return 0
         with self.cache.acquire(token_ids[:-1]) as handle:
-            if handle.num_tokens:
+            if handle.num_tokens and handle.kv is not None:  # (kv is None exactly on a miss)
                 seq_kv.buf[:, :, : handle.num_tokens] = handle.kv  # [L, 2, P, Hkv, D]
                 seq_kv.length = handle.num_tokens
             return handle.num_tokens
 
-    async def _fetch_prefix(self, peer: lamina_pb2.PeerPrefix, token_ids: list[int], seq_kv, have: int) -> int:
+    async def _fetch_prefix(self, peer: lamina_pb2.PeerPrefix, token_ids: list[int], seq_kv: SequenceKV,
+                            have: int) -> int:
         """Fetch the KV of token_ids[have:peer.tokens] from the peer into the sequence's
         KV (after the `have` tokens already there); returns the tokens now held. The
         last prompt token is always computed, as for a cached prefix."""
@@ -299,29 +370,6 @@ class PrefillService:
             if self.peer_server is not None:
                 await self.peer_server.stop()
             await self.pool.close()
-
-
-def _choice_tokens(logits: torch.Tensor, reqs: list[lamina_pb2.PrefillRequest], params: list,
-                   states: list, grammars: list) -> list[tuple[list[int], list]]:
-    """Per request, the first tokens of its other choices (n > 1) and their logprobs:
-    rows of the same logits [B, V], each sampled with its own seed (`choice_seeds`), so
-    the choices are independent and each is reproducible from its seed alone. A choice's
-    first token follows its request's grammar (one state serves every row: masking reads
-    it and changes nothing)."""
-    rows = [j for j, r in enumerate(reqs) for _ in r.choice_seeds]
-    if not rows:
-        return [([], [])] * len(reqs)
-    picked = logits[rows]  # [C, V]: one row per choice
-    row_params = [params[j] for j in rows]
-    tokens = sample(picked, row_params, [seed for r in reqs for seed in r.choice_seeds], [0] * len(rows),
-                    [states[j] for j in rows], [grammars[j] for j in rows])
-    logprobs = token_logprobs(picked, tokens, [p.logprobs for p in row_params])
-    out, start = [], 0
-    for r in reqs:
-        end = start + len(r.choice_seeds)
-        out.append((tokens[start:end], logprobs[start:end]))
-        start = end
-    return out
 
 
 def cache_config(pc: PrefillSection, index: int) -> PrefixCacheConfig:

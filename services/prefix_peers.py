@@ -21,6 +21,7 @@ event loop and listener (`stop()` closes the listener and joins the thread).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -31,7 +32,15 @@ from lamina import transports
 from lamina.kvstore.prefix_cache import PrefixCache
 from lamina.model.config import ModelConfig
 from lamina.services.wire import (
-    FetchPrefix, Kind, PrefixKV, RemoteError, error_frame, expect, frame_tag, incoming, short_repr,
+    FetchPrefix,
+    Kind,
+    PrefixKV,
+    RemoteError,
+    error_frame,
+    expect,
+    frame_tag,
+    incoming,
+    short_repr,
 )
 
 log = logging.getLogger(__name__)
@@ -54,8 +63,12 @@ class PrefixServer:
         caller = asyncio.get_running_loop()
 
         def report(result: str | BaseException) -> None:
-            if not started.done():
-                (started.set_exception if isinstance(result, BaseException) else started.set_result)(result)
+            if started.done():
+                return
+            if isinstance(result, BaseException):
+                started.set_exception(result)
+            else:
+                started.set_result(result)
 
         async def main() -> None:
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
@@ -105,7 +118,7 @@ class PrefixServer:
             num_tokens, kv = self._read(msg)  # this loop's thread serves fetches alone: reading here is fine
         except RemoteError as exc:
             return error_frame(tag, exc.code, str(exc))
-        except Exception as exc:  # noqa: BLE001 - a failure here must not end the peer's link
+        except Exception as exc:  # a failure here must not end the peer's link
             log.exception("prefix fetch failed")
             return error_frame(tag, "internal", f"{type(exc).__name__}: {exc}")
         return PrefixKV(tag, num_tokens, kv).to_frame()
@@ -114,6 +127,7 @@ class PrefixServer:
         num_tokens, kv = self.cache.read(msg.tokens)
         if num_tokens <= msg.start:
             return num_tokens, None
+        assert kv is not None  # the cache holds KV for each of its num_tokens > 0 tokens
         kv = kv[:, :, msg.start:].contiguous().cpu()  # [L, 2, num_tokens - start, Hkv, D]; sent from CPU memory
         self.num_served_tokens += kv.shape[2]
         return num_tokens, kv
@@ -142,7 +156,7 @@ class PrefixFetcher:
             began = time.perf_counter()
             try:
                 num_tokens, kv = await asyncio.wait_for(self._exchange(address, tokens, start), self._timeout_s)
-            except (transports.TransportError, RemoteError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, transports.TransportError, RemoteError) as exc:
                 self.num_failed += 1
                 log.warning("prefix fetch from %s failed (%s); computing those tokens instead",
                             address, str(exc) or type(exc).__name__)
@@ -179,10 +193,8 @@ class PrefixFetcher:
     async def _drop(self, address: str) -> None:
         conn = self._conns.pop(address, None)
         if conn is not None:
-            try:
+            with contextlib.suppress(transports.TransportError):
                 await conn.close()
-            except transports.TransportError:
-                pass
 
     async def close(self) -> None:
         for address in list(self._conns):

@@ -12,7 +12,6 @@ anywhere. Actors ask no CPUs of Ray: the services size their own threads
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -52,12 +51,12 @@ def parse_placement(flags: Iterable[str]) -> RayPlacement:
     return dataclasses.replace(RayPlacement(), **changes)
 
 
-def demand(placement: RayPlacement, kinds: Iterable[str]) -> Counter[str]:
+def demand(placement: RayPlacement, kinds: Iterable[str]) -> dict[str, float]:
     """Units of each custom resource that actors of `kinds` (one entry per actor) ask."""
-    need: Counter[str] = Counter()
+    need: dict[str, float] = {}
     for kind in kinds:
         for name, amount in placement.resources(kind).items():
-            need[name] += amount
+            need[name] = need.get(name, 0.0) + amount
     return need
 
 

@@ -15,6 +15,7 @@ owned by it, not detached), and their processes end with them (lamina.services.r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -24,6 +25,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -77,7 +79,7 @@ class ActorProcess:
     def pid(self) -> int:
         return self.placement.pid if self.placement is not None else 0
 
-    def restart(self, note: str) -> None:
+    def restart(self, note: str | None) -> None:
         """Start the process again in the same actor (its last one has exited)."""
         self.placement, self.returncode = None, None
         self._started = self.handle.start.remote(note)
@@ -109,7 +111,7 @@ class ActorProcess:
             code = self._call("wait", timeout, timeout_s=call_timeout) if self._placed() else None
             if self.returncode is None:
                 if code is None:
-                    raise subprocess.TimeoutExpired(self.name, timeout)
+                    raise subprocess.TimeoutExpired(self.name, 0.0 if timeout is None else timeout)
                 self.returncode = code
         return self.returncode
 
@@ -167,13 +169,16 @@ class RayStack(Stack):
     """The stack on the Ray cluster at `address` (`host:port` of its head, or `auto`),
     placed by `placement`."""
 
-    def __init__(self, config: StackConfig, address: str, placement: RayPlacement = RayPlacement(),
-                 supervise: bool = False, restart_policy: RestartPolicy = RestartPolicy()) -> None:
+    # The defaults are frozen dataclasses: one shared instance each is safe.
+    def __init__(self, config: StackConfig, address: str,
+                 placement: RayPlacement = RayPlacement(),  # noqa: B008
+                 supervise: bool = False,
+                 restart_policy: RestartPolicy = RestartPolicy()) -> None:  # noqa: B008
         super().__init__(config, supervise=supervise, restart_policy=restart_policy)
         self.address = address
         self.placement = placement
         self.redis_placement: Placement | None = None
-        self._redis_actor = None
+        self._redis_actor: Any | None = None  # RedisHost's Ray actor, once started
         self._actors: list = []  # every service actor created, replaced ones too: stop() ends them all
         self._config_yaml = ""
 
@@ -253,9 +258,10 @@ class RayStack(Stack):
 
         if self.config.cluster_token is None:  # Redis's password; Stack.start would make it later
             self.config = dataclasses.replace(self.config, cluster_token=secrets.token_urlsafe(32))
-        self._redis_actor = self._create(RedisHost, "redis", "redis", self.config.host, self.config.cluster_token)
+        actor = self._redis_actor = self._create(RedisHost, "redis", "redis", self.config.host,
+                                                 self.config.cluster_token)
         try:
-            url, self.redis_placement = ray.get(self._redis_actor.start.remote(), timeout=REDIS_START_TIMEOUT_S)
+            url, self.redis_placement = ray.get(actor.start.remote(), timeout=REDIS_START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"Redis's actor was not placed in {REDIS_START_TIMEOUT_S:.0f} s (resources "
                                f"{self.placement.resources('redis') or 'none'})") from None
@@ -305,10 +311,9 @@ class RayStack(Stack):
             actors, self._actors = self._actors, []
             redis, self._redis_actor = self._redis_actor, None
             for handle in actors + ([redis] if redis is not None else []):
-                try:
+                # Already dead, or its node unreachable: killing it is all that is left.
+                with contextlib.suppress(ray.exceptions.RayError):
                     ray.get(handle.close.remote(), timeout=CALL_TIMEOUT_S)
-                except ray.exceptions.RayError:
-                    pass  # already dead, or its node unreachable: killing it is all that is left
                 ray.kill(handle)
             if ray.is_initialized():
                 ray.shutdown()

@@ -11,20 +11,25 @@ reverse order of start.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from lamina.kvstore.cancellation import raise_if_cancelled
+from lamina.aio import cancel_and_wait, raise_if_cancelled
 from lamina.kvstore.metadata import (
-    REDIS_ERRORS, MetadataConfig, MetadataStore, RebuildHook, ServiceInfo, ServiceRegistration,
+    REDIS_ERRORS,
+    MetadataConfig,
+    MetadataStore,
+    RebuildHook,
+    ServiceInfo,
+    ServiceRegistration,
 )
 from lamina.services import stack_dumps
 from lamina.services.addresses import host_port
@@ -53,7 +58,7 @@ class ServiceRuntime:
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
-        self._metrics_server = None
+        self._metrics_server: WSGIServer | None = None
         self._registration: ServiceRegistration | None = None
         self._stats_task: asyncio.Task | None = None
         self._drained: Callable[[], Awaitable[None]] | None = None
@@ -134,21 +139,23 @@ class ServiceRuntime:
 
     async def close(self) -> None:
         """Drain: stop being found, refuse new calls, finish in-flight ones, then stop."""
-        with contextlib.suppress(Exception):
+        try:
             await self._set_serving(False)
+        except Exception:  # shutdown goes on: stopping the server below ends every call anyway
+            log.warning("%s: health status not set to NOT_SERVING before stopping", self.service_id, exc_info=True)
         if self._stats_task is not None:
-            await stack_dumps.cancel_and_wait([self._stats_task])
+            await cancel_and_wait([self._stats_task])
         if self._registration is not None:
             try:
                 await asyncio.wait_for(self._registration.stop(), timeout=5.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("%s: could not deregister (Redis unreachable); its entry expires by TTL", self.service_id)
         if self._server is not None:
             await self._server.stop(grace=2.0)
         if self._drained is not None:
             try:
                 await asyncio.wait_for(self._drained(), timeout=5.0)
-            except Exception:  # noqa: BLE001 - shutdown goes on
+            except Exception:  # shutdown goes on
                 log.exception("%s: shutdown step failed", self.service_id)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
@@ -170,7 +177,7 @@ async def refresh_every_half_ttl(store: MetadataStore, refresh: Callable[[], Awa
     periodic timer, since leases expire on Redis's clock and nothing here signals it. A
     failed round is logged; the next one tries again. A cancellation that arrives
     during a round ends the loop even when code under `refresh` catches it and returns
-    (kvstore/cancellation.py: the scheduler's prefill refresh lost one in its Redis reads)."""
+    (lamina/aio.py: the scheduler's prefill refresh lost one in its Redis reads)."""
     interval = max(store.config.service_ttl_s / 2, 0.5)
     while True:
         await asyncio.sleep(interval)
@@ -203,5 +210,6 @@ async def wait_for_services(store: MetadataStore, kind: str, count: int, timeout
                 return services[:count]
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
-                raise TimeoutError(f"only {len(services)} of {count} {kind} services registered after {timeout_s:.0f} s")
+                raise TimeoutError(f"only {len(services)} of {count} {kind} services registered "
+                                   f"after {timeout_s:.0f} s")
             await sub.next_event(timeout_s=min(remaining, 1.0))

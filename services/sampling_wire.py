@@ -1,14 +1,15 @@
-"""Sampling parameters and token log-probabilities: the engine's types <-> the control plane's
-messages. One place, so the gateway's client, the scheduler and every sampling service
-(prefill, model workers) read and write them alike."""
+"""Sampling parameters and token log-probabilities: lamina.sampling's types <-> the control
+plane's messages. One place, so the gateway's client, the scheduler and every sampling
+service (prefill, model workers) read and write them alike; a service converts a message's
+parameters once, where it receives them."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lamina.engine.logprobs import TokenLogprobs
-from lamina.engine.penalties import needs_prompt, needs_state
-from lamina.engine.sampling import SamplingParams
+from lamina.sampling.logprobs import TokenLogprobs
+from lamina.sampling.params import SamplingParams
+from lamina.sampling.penalties import needs_prompt, needs_state
 from lamina.services.protos import lamina_pb2
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -165,10 +166,9 @@ class SchedulerBackend:
             call = self._calls.pop(request_id, None)
             if call is not None:
                 call.cancel()  # the scheduler frees the request when its stream is cancelled
-        try:
+        # The scheduler may be gone or have freed the request already: nothing left to abort then.
+        with contextlib.suppress(grpc.aio.AioRpcError):
             await self._stub.Abort(lamina_pb2.AbortRequest(request_id=request_id, choice=index), timeout=10)
-        except grpc.aio.AioRpcError:
-            pass  # the scheduler is gone or already freed the request: nothing left to abort
 
 
 class _Unavailable(Exception):

@@ -5,12 +5,29 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lamina.kvstore.policies import SCHEDULING_POLICIES, QueuedRequest
 from lamina.services.choices import reserve_tokens
 from lamina.services.protos import lamina_pb2
+from lamina.services.scheduling_policies import SCHEDULING_POLICIES, QueuedRequest
+
+
+class QueueFull(Exception):
+    """The waiting queue holds `scheduler.max_queue` requests: a new one is refused
+    (gRPC RESOURCE_EXHAUSTED; HTTP 429 at the gateway)."""
+
+
+class NotYet(Exception):
+    """A prefill or a rebuild cannot proceed now (no attention worker up with room, no
+    prefill worker answers): tried again until `deadlines.recovery_s` passes."""
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """Put on a request's event queue in place of a chunk: its stream ends with this error."""
+
+    message: str
 
 
 class Status(enum.Enum):
@@ -83,18 +100,6 @@ def kv_id(request_id: str, recoveries: int) -> str:
     return request_id if not recoveries else f"{request_id}#{recoveries}"
 
 
-def stop_reason(params: lamina_pb2.SamplingParams, token: int, num_output: int, num_tokens: int,
-                eos_ids: Collection[int], max_model_len: int) -> str | None:
-    """Why a sequence ends after `token` became its `num_output`-th output token (its
-    `num_tokens`-th in all), or None if it goes on. The scheduler and the model workers
-    decide with this one function, so they agree on when a sequence is done."""
-    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):
-        return "stop"
-    if num_output >= params.max_tokens or num_tokens >= max_model_len:
-        return "length"
-    return None
-
-
 def admission_order(waiting: Sequence[Request], distances: Sequence[int], policy: str, now: float) -> list[Request]:
     """Waiting requests in the order the scheduling policy admits them (a pure decision)."""
     queued = [QueuedRequest(r.request_id, r.arrival, d) for r, d in zip(waiting, distances)]
@@ -105,3 +110,21 @@ def admission_order(waiting: Sequence[Request], distances: Sequence[int], policy
 def can_admit(num_running: int, num_prefilling: int, max_batch_size: int, num_new: int = 1) -> bool:
     """Admit a request of `num_new` sequences (its choices) only while they would fit in a decode batch."""
     return num_running + num_prefilling + num_new <= max_batch_size
+
+
+def admission_refusal(num_prompt: int, max_tokens: int, n: int, max_model_len: int, max_batch_size: int,
+                      most_capacity: int) -> str | None:
+    """Why a request of `num_prompt` prompt tokens, `max_tokens` and `n` choices can never
+    run (the message its client gets), or None when it can: `most_capacity` is the
+    largest KV capacity of an attention worker, in tokens."""
+    if not num_prompt:
+        return "the prompt is empty"
+    if num_prompt >= max_model_len:
+        return f"prompt has {num_prompt} tokens; the model's context length is {max_model_len}"
+    if n > max_batch_size:
+        return f"n={n} choices exceed the decode batch ({max_batch_size} sequences)"
+    need = reserve_tokens(num_prompt, min(num_prompt + max_tokens, max_model_len), n - 1)
+    if need > most_capacity:
+        what = "prompt plus max_tokens" if n == 1 else f"prompt plus {n} choices of max_tokens"
+        return f"{what} ({need} tokens) exceeds the KV capacity of an attention worker ({most_capacity} tokens)"
+    return None

@@ -30,7 +30,7 @@ from lamina import transports
 from lamina.model.splitter import Slice, SliceOutput
 from lamina.services.rotation import LOCAL, pick_executor
 from lamina.services.slice_server import RunLocal, from_slice_out, slice_tensors
-from lamina.services.wire import Kind, RemoteError, RunSlice, Tag, expect, frame_tag
+from lamina.services.wire import Kind, RemoteError, RunSlice, Tag, expect, frame_tag, frame_tensors
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class SliceExecutors:
                 continue
             try:
                 conn = await asyncio.wait_for(transports.connect(address, self._tcfg), self._reply_timeout_s)
-            except (OSError, asyncio.TimeoutError, transports.TransportError) as exc:
+            except (TimeoutError, OSError, transports.TransportError) as exc:
                 # Warned once per address: a dead peer stays registered until its lease ends.
                 level = logging.DEBUG if address in self._unreachable else logging.WARNING
                 self._unreachable.add(address)
@@ -161,7 +161,7 @@ class SliceExecutors:
                     out = await self._run_remote(ex, tag, j, inputs, attn, context)
                     self.remote_slices += 1
                     return out
-                except (OSError, asyncio.TimeoutError, transports.TransportError, RemoteError) as exc:
+                except (TimeoutError, OSError, transports.TransportError, RemoteError) as exc:
                     self.fallbacks += 1
                     await self._drop(ex, f"{type(exc).__name__}: {exc}")
                 except asyncio.CancelledError:
@@ -181,4 +181,4 @@ class SliceExecutors:
         frame = expect(await asyncio.wait_for(conn.recv(), self._reply_timeout_s), Kind.SLICE_OUT)
         if frame_tag(frame) != tuple(tag):
             raise RemoteError("protocol", f"peer model worker {ex} answered {frame_tag(frame)} to {tag}")
-        return from_slice_out(sl, frame.tensors)
+        return from_slice_out(sl, frame_tensors(frame, Kind.SLICE_OUT))

@@ -19,7 +19,16 @@ import torch
 
 from lamina import transports
 from lamina.model.splitter import Slice, SliceOutput
-from lamina.services.wire import Kind, RemoteError, RunSlice, error_frame, frame_tag, incoming, short_repr, slice_out_frame
+from lamina.services.wire import (
+    Kind,
+    RemoteError,
+    RunSlice,
+    error_frame,
+    frame_tag,
+    incoming,
+    short_repr,
+    slice_out_frame,
+)
 
 # run(slice_index, inputs, attn, context) -> SliceOutput: the worker's own slices
 RunLocal = Callable[[int, dict, torch.Tensor | None, Sequence[torch.Tensor]], SliceOutput]

@@ -55,6 +55,7 @@ import torch
 
 from lamina import transports
 from lamina.transports import Frame
+from lamina.transports.frame import Buffer
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +144,36 @@ def _field(h: dict, name: str, kind: type) -> Any:
 def _tensors(f: Frame, kind: Kind, count: int) -> list[torch.Tensor]:
     if len(f.tensors) != count:
         raise RemoteError("bad_request", f"{kind.name} carries {count} tensors, got {len(f.tensors)}")
+    tensors: list[torch.Tensor] = []
     for i, t in enumerate(f.tensors):
         if not isinstance(t, torch.Tensor):
             raise RemoteError("bad_request", f"{kind.name}: buffer {i} is raw bytes, not a tensor")
-    return f.tensors
+        tensors.append(t)
+    return tensors
+
+
+def frame_tensors(f: Frame, kind: Kind) -> list[torch.Tensor]:
+    """The tensors of a frame whose kind does not fix their count; RemoteError for a raw
+    byte buffer among them."""
+    return _tensors(f, kind, len(f.tensors))
+
+
+def result_tensor(f: Frame) -> torch.Tensor:
+    """The attention output of a RESULT frame; RemoteError for an ERROR frame, another
+    kind, or a RESULT that does not carry exactly one tensor."""
+    tensors = expect(f, Kind.RESULT).tensors
+    out = tensors[0] if len(tensors) == 1 else None
+    if not isinstance(out, torch.Tensor):
+        raise RemoteError("protocol", f"RESULT carries {len(tensors)} buffers, not one tensor")
+    return out
+
+
+def _carried(t: torch.Tensor | None, kind: Kind, name: str) -> torch.Tensor:
+    """A tensor that a message of `kind` carries by the protocol; RemoteError when it is
+    absent (a message built for another kind), never an AttributeError further on."""
+    if t is None:
+        raise RemoteError("protocol", f"{kind.name} without its {name} tensor")
+    return t
 
 
 def _seqs(h: dict) -> list[tuple[str, int]]:
@@ -171,10 +198,32 @@ class Attend:
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
 
+    @property
+    def query(self) -> torch.Tensor:
+        """q, which ATTEND and ATTEND_Q carry."""
+        return _carried(self.q, self.kind, "q")
+
+    @property
+    def key(self) -> torch.Tensor:
+        """k, which ATTEND and ATTEND_KV carry."""
+        return _carried(self.k, self.kind, "k")
+
+    @property
+    def value(self) -> torch.Tensor:
+        """v, which ATTEND and ATTEND_KV carry."""
+        return _carried(self.v, self.kind, "v")
+
     def to_frame(self) -> Frame:
         header = {"v": WIRE_VERSION, "tag": list(self.tag), "layer": self.layer, "seqs": [list(s) for s in self.seqs]}
-        tensors = {Kind.ATTEND: [self.q, self.k, self.v], Kind.ATTEND_Q: [self.q],
-                   Kind.ATTEND_KV: [self.k, self.v]}[self.kind]
+        tensors: list[Buffer]
+        if self.kind == Kind.ATTEND:
+            tensors = [self.query, self.key, self.value]
+        elif self.kind == Kind.ATTEND_Q:
+            tensors = [self.query]
+        elif self.kind == Kind.ATTEND_KV:
+            tensors = [self.key, self.value]
+        else:
+            raise ValueError(f"an Attend message of kind {self.kind!r}")
         return Frame(kind=self.kind, header=header, tensors=tensors)
 
     @classmethod
@@ -228,12 +277,12 @@ class RunSlice:
 
     def to_frame(self) -> Frame:
         return Frame(kind=Kind.SLICE, header={"v": WIRE_VERSION, "tag": list(self.tag), "slice": self.slice},
-                     tensors=self.tensors)
+                     tensors=list(self.tensors))
 
     @classmethod
     def from_frame(cls, f: Frame) -> RunSlice:
         h = _header(f)
-        tensors = _tensors(f, Kind.SLICE, len(f.tensors))
+        tensors = frame_tensors(f, Kind.SLICE)
         return cls(frame_tag(f), _field(h, "slice", int), tensors)
 
 
@@ -277,14 +326,14 @@ class PrefixKV:
     @classmethod
     def from_frame(cls, f: Frame) -> PrefixKV:
         h = _header(f)
-        tensors = _tensors(f, Kind.PREFIX_KV, len(f.tensors))
+        tensors = frame_tensors(f, Kind.PREFIX_KV)
         if len(tensors) > 1:
             raise RemoteError("bad_request", f"PREFIX_KV carries at most 1 tensor, got {len(tensors)}")
         return cls(frame_tag(f), _field(h, "num_tokens", int), tensors[0] if tensors else None)
 
 
 def slice_out_frame(tag: Tag, tensors: list[torch.Tensor]) -> Frame:
-    return Frame(kind=Kind.SLICE_OUT, header={"v": WIRE_VERSION, "tag": list(tag)}, tensors=tensors)
+    return Frame(kind=Kind.SLICE_OUT, header={"v": WIRE_VERSION, "tag": list(tag)}, tensors=list(tensors))
 
 
 def result_frame(tag: Tag, out: torch.Tensor) -> Frame:

@@ -15,7 +15,12 @@ from __future__ import annotations
 from .base import Connection, Handler, Listener, Transport
 from .config import TransportConfig
 from .errors import (
-    AuthError, FrameError, PeerClosed, TransportError, TransportTimeout, TransportUnavailable,
+    AuthError,
+    FrameError,
+    PeerClosed,
+    TransportError,
+    TransportTimeout,
+    TransportUnavailable,
 )
 from .frame import Frame
 from .registry import availability, get_transport, schemes

@@ -13,25 +13,38 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import socket
 import collections
+import contextlib
 import logging
-from typing import Awaitable, Callable, Sequence
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import msgpack
 
+from . import frame as _frame
 from .config import TransportConfig
+from .errors import FrameError, PeerClosed, TransportError, TransportTimeout
+from .frame import (
+    PREAMBLE_SIZE,
+    Buffer,
+    Frame,
+    OutViews,
+    allocate,
+    byte_view,
+    check_payload_crcs,
+    decode_header,
+    decode_preamble,
+    encode,
+    pack_user_header,
+)
 from .handshake import client_handshake
 from .polling import BusyPoll
-from .errors import FrameError, PeerClosed, TransportError, TransportTimeout
-from . import frame as _frame
-from .frame import (
-    PREAMBLE_SIZE, Buffer, Frame, OutViews, allocate, byte_view, check_payload_crcs,
-    decode_header, decode_preamble, encode, pack_user_header,
-)
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 Handler = Callable[["Connection"], Awaitable[None]]
 
@@ -65,7 +78,7 @@ class _Mutex:
     (``busy`` stays true), so a waiter can never be overtaken.
     """
 
-    __slots__ = ("busy", "_waiters")
+    __slots__ = ("_waiters", "busy")
 
     def __init__(self) -> None:
         self.busy = False
@@ -83,10 +96,8 @@ class _Mutex:
             if fut.done() and not fut.cancelled():
                 self.release()  # ownership was handed to us just as we were cancelled
             else:
-                try:
+                with contextlib.suppress(ValueError):  # already skipped by release()
                     self._waiters.remove(fut)
-                except ValueError:  # already skipped by release()
-                    pass
             raise
 
     def release(self) -> None:
@@ -117,7 +128,7 @@ class Connection(abc.ABC):
     def peer(self) -> str:
         """The peer's address, for logs."""
 
-    async def send(self, frame: Frame, *, timeout: float | None = None) -> None:
+    async def send(self, frame: Frame, *, timeout: float | None = None) -> None:  # noqa: ASYNC109 (see with_timeout)
         """Send one frame; returns when its bytes are handed to the transport.
 
         Waits (bounded by the transport's buffer) while the receiver is slow: there is no
@@ -154,7 +165,7 @@ class Connection(abc.ABC):
         return self._send_frame(frame)
 
     async def recv(self, *, out: Sequence[Buffer | None] | None = None,
-                   timeout: float | None = None) -> Frame:
+                   timeout: float | None = None) -> Frame:  # noqa: ASYNC109 (see with_timeout)
         """Receive the next frame.
 
         ``out`` optionally gives preallocated destinations (contiguous CPU tensors or
@@ -236,7 +247,7 @@ class Connection(abc.ABC):
     async def close(self) -> None:
         """Release the connection; idempotent. A peer blocked in recv gets PeerClosed."""
 
-    async def __aenter__(self) -> "Connection":
+    async def __aenter__(self) -> Connection:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -282,7 +293,7 @@ class StreamConnection(Connection):
     async def _read_exact(self, view: memoryview, *, first: bool = False) -> None:
         """``first``: this read starts a frame (EOF before it is a clean close)."""
 
-    async def _read_small(self, n: int, *, first: bool = False) -> bytes | memoryview:
+    async def _read_small(self, n: int, *, first: bool = False) -> bytes | bytearray | memoryview:
         """``n`` bytes, possibly as a view that is valid only until the next read."""
         buf = bytearray(n)
         await self._read_exact(memoryview(buf), first=first)
@@ -391,11 +402,11 @@ class Listener(abc.ABC):
         if self._handler is None:
             self._queue.put_nowait(conn)
         else:
-            self._spawn(self._run_handler(conn))
+            self._spawn(self._run_handler(self._handler, conn))
 
-    async def _run_handler(self, conn: Connection) -> None:
+    async def _run_handler(self, handler: Handler, conn: Connection) -> None:
         try:
-            await self._handler(conn)
+            await handler(conn)
         except TransportError as exc:
             log.info("connection from %s ended: %s", conn.peer, exc)
         except asyncio.CancelledError:
@@ -432,7 +443,7 @@ class Listener(abc.ABC):
     @abc.abstractmethod
     async def _stop_accepting(self) -> None: ...
 
-    async def __aenter__(self) -> "Listener":
+    async def __aenter__(self) -> Listener:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -483,7 +494,17 @@ class Transport(abc.ABC):
     async def connect(self, address: str, config: TransportConfig) -> Connection: ...
 
 
-async def client_handshake_or_close(conn: "StreamConnection", config: TransportConfig,
+class HandshakeStream(Protocol):
+    """A connection that carries the handshake's raw bytes before framing starts (TCP, UCX)."""
+
+    async def _send_raw(self, data: bytes) -> None: ...
+
+    async def _recv_raw(self, n: int) -> bytes: ...
+
+    async def close(self) -> None: ...
+
+
+async def client_handshake_or_close(conn: HandshakeStream, config: TransportConfig,
                                     address: str) -> None:
     """Run the client side of the handshake on a new connection; close it on failure."""
     try:
@@ -494,7 +515,10 @@ async def client_handshake_or_close(conn: "StreamConnection", config: TransportC
         raise
 
 
-async def with_timeout(aw: Awaitable, timeout: float | None, what: str):
+async def with_timeout(aw: Awaitable[T], timeout: float | None, what: str) -> T:  # noqa: ASYNC109 (see below)
+    """Await ``aw`` within ``timeout`` seconds (None: no limit). The transports take a timeout
+    argument rather than leaving it to the caller's ``asyncio.timeout`` so that expiry
+    raises TransportTimeout, which names what timed out."""
     if timeout is None:
         return await aw
     try:

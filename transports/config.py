@@ -81,5 +81,5 @@ class TransportConfig:
             return self.busy_poll_us
         return default_budget_us(self.busy_processes)
 
-    def replace(self, **changes) -> "TransportConfig":
+    def replace(self, **changes) -> TransportConfig:
         return dataclasses.replace(self, **changes)

@@ -16,8 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -115,7 +115,7 @@ class ProxyRing:
             raise ValueError("the proxy ring's buffer must be writable")
 
     @classmethod
-    def allocate(cls, num_slots: int) -> "ProxyRing":
+    def allocate(cls, num_slots: int) -> ProxyRing:
         return cls(bytearray(num_slots * PROXY_REQ.itemsize), num_slots)
 
     @property
@@ -183,7 +183,7 @@ class HostProxy:
                     last = time.perf_counter()
                 elif time.perf_counter() - last > self._spin_s:
                     self._stop.wait(self._idle_sleep_s)
-        except BaseException as exc:  # keep it for stop(): a thread has no caller to raise to
+        except BaseException as exc:  # noqa: BLE001 (kept for stop(), which raises it: a thread has no caller)
             self.error = exc
 
     def stop(self) -> None:

@@ -42,8 +42,9 @@ import math
 import os
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence, Union
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -79,7 +80,7 @@ _DESC = struct.Struct("<BBHIQ")  # dtype code, ndim, zero, payload crc, nbytes
 DESC_SIZE = _DESC.size  # 16
 _DIMS = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
 
-Buffer = Union[torch.Tensor, bytes, bytearray, memoryview]
+Buffer = torch.Tensor | bytes | bytearray | memoryview
 
 
 @dataclass(slots=True)
@@ -120,8 +121,8 @@ def tensor_view(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return _EMPTY
     if t.dtype in _NUMPY_OK:
-        return memoryview(t.numpy()).cast("B")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        return t.numpy().data.cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def buffer_view(b: Buffer) -> tuple[int, tuple[int, ...], memoryview]:
@@ -192,8 +193,10 @@ def encode(frame: Frame, *, checksum_payloads: bool, max_frame_bytes: int,
     for b in frame.tensors:
         # Fast path, the common case: a contiguous CPU tensor numpy can view (the
         # attribute tests alone cost microseconds per frame, so they are ordered cheap first).
-        code = _FAST_CODES.get(b.dtype) if type(b) is torch.Tensor else None
-        if code is not None and b.is_cpu and b.is_contiguous() and not b.requires_grad:
+        arr: np.ndarray | memoryview
+        shape: tuple[int, ...]
+        if (type(b) is torch.Tensor and (code := _FAST_CODES.get(b.dtype)) is not None
+                and b.is_cpu and b.is_contiguous() and not b.requires_grad):
             arr = b.numpy()
             shape = b.shape
         else:
@@ -201,7 +204,8 @@ def encode(frame: Frame, *, checksum_payloads: bool, max_frame_bytes: int,
         n = arr.nbytes
         if len(shape) > MAX_NDIM:
             raise FrameError(f"a frame carries tensors of at most {MAX_NDIM} dimensions, got {len(shape)}")
-        crc = zlib.crc32(arr) if checksum_payloads and n else 0
+        # numpy's stubs give ndarray the buffer protocol only from Python 3.12 (mypy checks 3.11).
+        crc = zlib.crc32(arr) if checksum_payloads and n else 0  # type: ignore[arg-type]
         parts.append(_DESC.pack(code, len(shape), 0, crc, n))
         if shape:
             parts.append(_DIMS[len(shape)].pack(*shape))
@@ -233,7 +237,7 @@ class Preamble(NamedTuple):
     header_crc: int
 
 
-def decode_preamble(data: bytes | memoryview, max_frame_bytes: int, offset: int = 0) -> Preamble:
+def decode_preamble(data: bytes | bytearray | memoryview, max_frame_bytes: int, offset: int = 0) -> Preamble:
     """The preamble at ``data[offset:offset + PREAMBLE_SIZE]``, checked."""
     magic, version, flags, kind, header_len, nbufs, payload_len, header_crc, pre_crc = \
         PREAMBLE.unpack_from(data, offset)
@@ -280,10 +284,11 @@ def _unpack_user(data) -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # malformed msgpack, trailing bytes, nesting too deep
-        raise FrameError(f"malformed frame header: {exc}") from None
+        raise FrameError(f"malformed frame header: {exc}") from exc
 
 
-def decode_header(pre: Preamble, data: bytes | memoryview) -> tuple[Any, list[BufferMeta], list[int] | None]:
+def decode_header(pre: Preamble, data: bytes | bytearray | memoryview,
+                  ) -> tuple[Any, list[BufferMeta], list[int] | None]:
     """Check and unpack the header; validates every buffer description."""
     if zlib.crc32(data) != pre.header_crc:
         raise FrameError("frame header checksum mismatch: corrupted frame")
@@ -342,8 +347,8 @@ def allocate(meta: BufferMeta, out: Buffer | None = None) -> tuple[Buffer, memor
     dtype = DTYPES[meta.dtype]
     np_dtype = _NUMPY_OK.get(dtype)
     if np_dtype is not None:
-        arr = np.empty(meta.shape, np_dtype)
-        return torch.from_numpy(arr), (memoryview(arr).cast("B") if arr.size else _EMPTY)
+        arr: np.ndarray = np.empty(meta.shape, np_dtype)
+        return torch.from_numpy(arr), (arr.data.cast("B") if arr.size else _EMPTY)
     t = torch.empty(meta.shape, dtype=dtype)
     return t, tensor_view(t)
 
@@ -365,7 +370,7 @@ class OutViews:
     ``limit`` tensors alive and starts over when full.
     """
 
-    __slots__ = ("_views", "_limit")
+    __slots__ = ("_limit", "_views")
 
     def __init__(self, limit: int = 64) -> None:
         self._views: dict[int, tuple[torch.Tensor, int, memoryview]] = {}

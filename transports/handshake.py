@@ -15,7 +15,7 @@ import hashlib
 import hmac
 import os
 import struct
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from .errors import AuthError, FrameError
 

@@ -69,8 +69,15 @@ class BusyPoll:
     reports nothing.
     """
 
-    __slots__ = ("budget", "_misses", "_skipped", "_grace", "_probing", "_grace_every",
-                 "_hits_to_grace")
+    __slots__ = (
+        "_grace",
+        "_grace_every",
+        "_hits_to_grace",
+        "_misses",
+        "_probing",
+        "_skipped",
+        "budget",
+    )
 
     MAX_MISSES = 2
     PROBE_EVERY = 32

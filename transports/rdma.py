@@ -58,7 +58,7 @@ class QpParams:
                             self.rkey, self.slot_bytes, self.num_slots, self.mtu)
 
     @classmethod
-    def unpack(cls, data: bytes) -> "QpParams":
+    def unpack(cls, data: bytes) -> QpParams:
         if len(data) != _PARAMS.size:
             raise FrameError(f"queue pair parameters must be {_PARAMS.size} bytes, got {len(data)}")
         magic, version, lid, qpn, psn, gid, addr, rkey, slot, nslots, mtu = _PARAMS.unpack(data)
@@ -166,7 +166,7 @@ class RecvWindow:
             raise FrameError(f"write into slot {imm}, expected slot {self.layout.slot_of(self.next_seq)}")
 
 
-def chunk_capacity(layout: "SlabLayout") -> int:
+def chunk_capacity(layout: SlabLayout) -> int:
     """Stream bytes one slot carries: the payload area less the chunk length."""
     return layout.max_payload - CHUNK_HEADER.size
 
@@ -237,6 +237,16 @@ class SlotStream:
     (RecvWindow).
     """
 
+    layout: SlabLayout
+    send: SendWindow
+    recv: RecvWindow
+
+    def _place(self, offset: int, data: bytes, trailer_offset: int, trailer: bytes, seq: int) -> None:
+        raise NotImplementedError  # the endpoint's: see the class docstring
+
+    def _slab_read(self, nbytes: int, offset: int) -> bytes:
+        raise NotImplementedError  # the endpoint's: see the class docstring
+
     def post_slot(self, chunks: list[memoryview], nbytes: int) -> int:
         """Write ``chunks`` (``nbytes`` in all, at most ``chunk_capacity``) into the peer's
         next slot; returns its seq. Raises RuntimeError without a credit."""
@@ -302,6 +312,13 @@ class VerbsEndpoint(SlotStream):
         self.recv = RecvWindow(layout)
         self.peer: QpParams | None = None
 
+    @property
+    def connected_peer(self) -> QpParams:
+        """The peer given to ``connect``."""
+        if self.peer is None:
+            raise RuntimeError("this RDMA endpoint is not connected yet: call connect() first")
+        return self.peer
+
     def local_params(self) -> QpParams:
         port_attr = self.ctx.query_port(self.port)
         gid = self.ctx.query_gid(self.port, self.gid_index)
@@ -312,7 +329,7 @@ class VerbsEndpoint(SlotStream):
 
     def connect(self, peer: QpParams) -> None:
         """Bring the queue pair to RTS towards ``peer`` and post receives for immediates."""
-        from pyverbs.addr import AHAttr, GID, GlobalRoute
+        from pyverbs.addr import GID, AHAttr, GlobalRoute
         from pyverbs.qp import QPAttr
         from pyverbs.wr import RecvWR
 
@@ -350,7 +367,7 @@ class VerbsEndpoint(SlotStream):
         from pyverbs.wr import SGE, SendWR
 
         e = self._e
-        seq, offset, trailer = self.send.reserve(len(data))
+        seq, offset, _trailer = self.send.reserve(len(data))
         self.send_mr.write(bytes(data), len(data), 0)
         # The trailer sits at the slot's end: write the whole slot so it lands last.
         self.send_mr.write(struct.pack("<Q", self.layout.trailer_value(seq)), TRAILER_BYTES,
@@ -359,7 +376,8 @@ class VerbsEndpoint(SlotStream):
         wr = SendWR(wr_id=seq, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[sge],
                     send_flags=e.IBV_SEND_SIGNALED)
         wr.imm_data = self.layout.slot_of(seq)
-        wr.set_wr_rdma(rkey=self.peer.rkey, addr=self.peer.slab_addr + offset)
+        peer = self.connected_peer
+        wr.set_wr_rdma(rkey=peer.rkey, addr=peer.slab_addr + offset)
         self.qp.post_send(wr)
         return seq
 
@@ -381,8 +399,9 @@ class VerbsEndpoint(SlotStream):
         # trailer at its end is placed last (RC ordering).
         self.send_mr.write(data, len(data), offset)
         self.send_mr.write(trailer, TRAILER_BYTES, trailer_offset)
+        peer = self.connected_peer
         self.post_write_imm(self.send_mr.buf + offset, self.send_mr.lkey, self.layout.slot_bytes,
-                            self.peer.slab_addr + offset, self.peer.rkey, self.layout.slot_of(seq), seq)
+                            peer.slab_addr + offset, peer.rkey, self.layout.slot_of(seq), seq)
 
     def _slab_read(self, nbytes: int, offset: int) -> bytes:
         return self.recv_mr.read(nbytes, offset)

@@ -30,7 +30,7 @@ import logging
 import socket
 import struct
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .base import Handler, SocketListener, StreamConnection, Transport, with_timeout
 from .config import TransportConfig
@@ -251,7 +251,7 @@ class RdmaConnection(StreamConnection):
         try:
             self._ep.close()
         except Exception as exc:  # the device may already be in error
-            log.debug("closing RDMA endpoint to %s: %s", self._peer, exc)
+            log.debug("closing RDMA endpoint to %s: %s", self._peer, exc, exc_info=True)
 
 
 async def _recv_exact(loop, sock: socket.socket, n: int) -> bytes:

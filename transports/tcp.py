@@ -22,8 +22,14 @@ import logging
 import socket
 
 from .base import (
-    Handler, SocketListener, StreamConnection, Transport, advance, client_handshake_or_close,
-    parse_host_port, with_timeout,
+    Handler,
+    SocketListener,
+    StreamConnection,
+    Transport,
+    advance,
+    client_handshake_or_close,
+    parse_host_port,
+    with_timeout,
 )
 from .config import TransportConfig
 from .errors import PeerClosed, TransportError
@@ -140,6 +146,7 @@ class TcpConnection(StreamConnection):
         """Receive into the large payload's destination, while the kernel has more: one
         wake-up per burst, not per skb."""
         dest = self._dest
+        assert dest is not None  # called only while a payload's destination is set
         while True:
             try:
                 n = self._sock.recv_into(dest)
@@ -281,7 +288,7 @@ class TcpConnection(StreamConnection):
             self._resume()
             await self._wait_readable()
 
-    async def _read_small(self, n: int, *, first: bool = False) -> bytes | memoryview:
+    async def _read_small(self, n: int, *, first: bool = False) -> bytes | bytearray | memoryview:
         if n > _SCRATCH:
             return await super()._read_small(n, first=first)
         if self._rend - self._rstart < n:

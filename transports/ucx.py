@@ -23,15 +23,27 @@ import asyncio
 import importlib.util
 import logging
 import os
+from collections.abc import Sequence
+from typing import Any
 
 from .base import (
-    Handler, Listener, StreamConnection, Transport, client_handshake_or_close, parse_host_port,
+    Handler,
+    Listener,
+    StreamConnection,
+    Transport,
+    client_handshake_or_close,
+    parse_host_port,
     with_timeout,
 )
 from .config import TransportConfig
 from .errors import FrameError, PeerClosed, TransportError
 from .frame import (
-    PREAMBLE_SIZE, Frame, decode_header, decode_preamble, encode, parse_frame,
+    PREAMBLE_SIZE,
+    Frame,
+    decode_header,
+    decode_preamble,
+    encode,
+    parse_frame,
 )
 from .handshake import server_handshake
 
@@ -87,6 +99,7 @@ class UcxConnection(StreamConnection):
         head, bufs = encode(frame, checksum_payloads=cfg.checksum_payloads,
                             max_frame_bytes=cfg.max_frame_bytes, packer=self._packer, user=user)
         total = len(head) + sum(b.nbytes for b in bufs)
+        messages: list[Any]  # bytes, arrays and views: each is one UCX message, sent whole
         if total <= _INLINE:
             messages = [b"".join((head, *bufs)) if bufs else head]
         elif len(head) <= _INLINE:
@@ -116,7 +129,8 @@ class UcxConnection(StreamConnection):
         user, metas, crcs = decode_header(pre, header)
         return await self._read_payloads(pre, user, metas, crcs, out)
 
-    async def _write(self, views: list[memoryview]) -> None:
+    async def _write(self, views: Sequence[Any]) -> None:
+        # Any buffers (see _send_encoded): the endpoint sends each as one message.
         for v in views:
             if self._closed:
                 raise PeerClosed(f"connection to {self._peer} is closed")
@@ -144,7 +158,7 @@ class UcxConnection(StreamConnection):
         try:
             await self._ep.close()
         except Exception as exc:  # the peer may already be gone
-            log.debug("closing UCX endpoint to %s: %s", self._peer, exc)
+            log.debug("closing UCX endpoint to %s: %s", self._peer, exc, exc_info=True)
 
     async def _send_raw(self, data: bytes) -> None:
         await self._write([memoryview(data)])

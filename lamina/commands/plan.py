@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="catalogue kinds the planner may combine, optionally with counts: H100:8,H20:16 or H100,H20 "
                         "(default: every catalogue kind, for a --budget)")
     p.add_argument("--trace", default=None, help="a trace file (../shared/traces formats: Azure CSV, Kimi JSONL)")
-    p.add_argument("--prompt-tokens", type=int, default=None, help="with --output-tokens and --rate, instead of --trace")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="with --output-tokens and --rate, instead of --trace")
     p.add_argument("--output-tokens", type=int, default=None)
     p.add_argument("--rate", type=float, default=None, help="requests per second (Poisson arrivals)")
     p.add_argument("--budget", type=float, default=None, help="USD per hour, all devices together")
@@ -88,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
                          "demand_tok_s": round(stats.output_tok_s, 1)},
             "considered": len(ranked),
             "configurations": [to_dict(e, simulated.get(i)) for i, e in enumerate(shown)],
-            **({"this_machine_quantization": verdicts(catalogue[THIS_MACHINE])} if THIS_MACHINE in offer.limits else {}),
+            **({"this_machine_quantization": verdicts(catalogue[THIS_MACHINE])}
+               if THIS_MACHINE in offer.limits else {}),
         }, indent=2))
         return 0 if ranked else 1
     print(f"model {shape.name} ({shape.num_params / 1e9:.2f}B parameters); workload {workload.name}: "

@@ -1,6 +1,6 @@
 """`lamina profile`: measure this machine for the planner (linear layers, attention, a
-large copy, every transport it runs, a small decode through the stack) and write the profile that `lamina plan` reads as the
-catalogue's `this-machine` (docs/planner.md)."""
+large copy, every transport it runs, a small decode through the stack) and write the
+profile that `lamina plan` reads as the catalogue's `this-machine` (docs/planner.md)."""
 
 from __future__ import annotations
 

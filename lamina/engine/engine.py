@@ -11,16 +11,18 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from lamina.engine.grammar import Grammars
 from lamina.engine.kv import KVStore
-from lamina.engine.logprobs import TokenLogprobs, token_logprobs
-from lamina.engine.penalties import PenaltyState, needs_state
-from lamina.engine.sampling import SamplingParams, new_seed, sample
 from lamina.engine.scheduler import SchedulerLimits, schedule
 from lamina.engine.sequence import Sequence, SequenceStatus
-from lamina.engine.step import StepBatch, run_step
+from lamina.engine.step import run_step
+from lamina.model.batch import StepBatch
 from lamina.model.llama import split_llama
 from lamina.model.loader import LoadedModel
+from lamina.sampling.grammar import Grammars
+from lamina.sampling.logprobs import TokenLogprobs
+from lamina.sampling.params import SamplingParams
+from lamina.sampling.sampler import Sampler
+from lamina.sampling.stop import stop_reason
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class Engine:
         self.kv = KVStore(loaded.config, self.config.kv_capacity_bytes)
         self.max_model_len = self.config.max_model_len or loaded.config.max_position_embeddings
         self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
-        self.grammars = Grammars(loaded.tokenizer)
+        self.sampler = Sampler(Grammars(loaded.tokenizer), self.eos_token_ids)
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
@@ -74,12 +76,7 @@ class Engine:
         seq_id = seq_id or f"seq-{next(self._ids)}"
         if seq_id in self._by_id:
             raise ValueError(f"duplicate request id {seq_id!r}")
-        seed = params.seed if params.seed is not None else new_seed()
-        seq = Sequence(seq_id, list(prompt_ids), params, seed)
-        if needs_state(params):
-            seq.penalties = PenaltyState.build(params, prompt_ids, (), self.eos_token_ids)
-        if params.grammar is not None:
-            seq.grammar = self.grammars.state(params.grammar)
+        seq = Sequence(seq_id, list(prompt_ids), params, self.sampler.join(params, prompt_ids))
         self._waiting.append(seq)
         self._by_id[seq_id] = seq
         return seq_id
@@ -136,18 +133,11 @@ class Engine:
         logits = run_step(self.split, self.kv, batch)
         self.num_steps += 1
         self.sum_batch_size += len(plan.running)
-        tokens = sample(logits, [s.params for s in plan.running], [s.seed for s in plan.running],
-                        [len(s.output_ids) for s in plan.running], [s.penalties for s in plan.running],
-                        [s.grammar for s in plan.running])
-        logprobs = token_logprobs(logits, tokens, [s.params.logprobs for s in plan.running])
+        tokens, logprobs = self.sampler(logits, [s.sampling for s in plan.running])
         outputs = []
         for seq, tok, lp, n in zip(plan.running, tokens, logprobs, batch.query_lens):
             seq.num_cached += n
             seq.output_ids.append(tok)
-            if seq.penalties is not None:
-                seq.penalties.append(tok)
-            if seq.grammar is not None:
-                seq.grammar.append(tok)
             reason = self._stop_reason(seq, tok)
             if reason is not None:
                 self._by_id.pop(seq.seq_id, None)
@@ -158,22 +148,29 @@ class Engine:
         return outputs
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
-        p = seq.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+        """The stack's stop rule (lamina.sampling.stop), and stop strings on top: the
+        gateway applies those in the stack, the engine here."""
+        reason = stop_reason(seq.params, tok, len(seq.output_ids), seq.num_tokens, self.eos_token_ids,
+                             self.max_model_len)
+        if reason != "stop" and self._stop_string(seq):
             return "stop"
-        if p.stop and len(seq.output_ids) > p.min_tokens:
-            seq.text = self.tokenizer.decode(seq.output_ids)
-            # As vLLM (and the gateway): the first min_tokens tokens' text holds no stop string.
-            start = len(self.tokenizer.decode(seq.output_ids[:p.min_tokens])) if p.min_tokens else 0
-            for s in p.stop:
-                cut = seq.text.find(s, start)
-                if cut != -1:
-                    seq.text = seq.text[:cut]
-                    seq.stopped_by_string = True
-                    return "stop"
-        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return reason
+
+    def _stop_string(self, seq: Sequence) -> bool:
+        """Whether the output's text now holds one of its stop strings (then cut there)."""
+        p = seq.params
+        if not p.stop or len(seq.output_ids) <= p.min_tokens:
+            return False
+        seq.text = self.tokenizer.decode(seq.output_ids)
+        # As vLLM (and the gateway): the first min_tokens tokens' text holds no stop string.
+        start = len(self.tokenizer.decode(seq.output_ids[:p.min_tokens])) if p.min_tokens else 0
+        for s in p.stop:
+            cut = seq.text.find(s, start)
+            if cut != -1:
+                seq.text = seq.text[:cut]
+                seq.stopped_by_string = True
+                return True
+        return False
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

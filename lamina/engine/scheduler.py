@@ -7,7 +7,8 @@ limit and the KV capacity allow. The policy decides; the engine acts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from lamina.engine.sequence import Sequence

@@ -6,10 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from lamina.engine.grammar import GrammarState
-from lamina.engine.logprobs import TokenLogprobs
-from lamina.engine.penalties import PenaltyState
-from lamina.engine.sampling import SamplingParams
+from lamina.sampling.logprobs import TokenLogprobs
+from lamina.sampling.params import SamplingParams
+from lamina.sampling.sampler import SeqSampling
 
 
 class SequenceStatus(enum.Enum):
@@ -23,7 +22,7 @@ class Sequence:
     seq_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    seed: int  # the request's seed, or a random one
+    sampling: SeqSampling  # its seed, penalty and grammar state (lamina.sampling.sampler)
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -32,8 +31,6 @@ class Sequence:
     text: str = ""  # detokenized output: tracked for stop strings, set in full at the end
     stopped_by_string: bool = False
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, when params ask
-    penalties: PenaltyState | None = None  # when its params change logits (lamina.engine.penalties)
-    grammar: GrammarState | None = None  # when its params have a grammar (lamina.engine.grammar)
 
     @property
     def num_tokens(self) -> int:

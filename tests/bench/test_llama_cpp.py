@@ -2,16 +2,12 @@
 bench/cpu_anchor.py's prompts. The build itself downloads a source package and compiles
 for minutes, so it is run by the benchmark, not here."""
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import llama_cpp  # noqa: E402  (bench/ is not a package)
-from llama_cpp import LlamaServerUnavailable, build_llama_server, cache_dir, find_llama_server, server_version  # noqa: E402
+# bench/llama_cpp.py (bench/ is on the tests' path: pyproject.toml)
+from llama_cpp import LlamaServerUnavailable, build_llama_server, cache_dir, find_llama_server, server_version
 
 
 def _executable(path: Path, body: str = "exit 0") -> Path:

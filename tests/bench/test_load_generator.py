@@ -16,12 +16,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from load_generator import (  # bench/load_generator.py (bench/ is on the tests' path: pyproject.toml)
+    Figures,
+    Workload,
+    find_guidellm,
+    guidellm_argv,
+    parse_guidellm_report,
+    ratios,
+    side_by_side,
+)
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-
-from load_generator import (  # noqa: E402  (bench/ is not a package)
-    Figures, Workload, find_guidellm, guidellm_argv, parse_guidellm_report, ratios, side_by_side)
 
 SAMPLE = Path(__file__).parent / "data" / "guidellm-0.8.1-report.json"
 

@@ -2,13 +2,7 @@
 for every prompt against one per worker dealt round robin. The stack runs themselves
 take minutes and are the benchmark's, not this test's."""
 
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-
-from prefix_cache_cluster import ideal_hit_tokens  # noqa: E402  (bench/ is not a package)
+from prefix_cache_cluster import ideal_hit_tokens  # bench/ is on the tests' path (pyproject.toml)
 
 BLOCK = 4
 

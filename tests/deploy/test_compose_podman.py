@@ -11,20 +11,16 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import openai
+import podman_stack
 import pytest
 
-import podman_stack
-from podman_stack import wait_until
-
 # The fault tests' prompts, streams and transformers references (tests/faults/fault_helpers.py).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
-from fault_helpers import greedy_references, stream_all  # noqa: E402 (after the path it needs)
+from fault_helpers import greedy_references, stream_all
+from podman_stack import wait_until
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(1800)]
 

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +140,8 @@ def _k8s_documents() -> list[tuple[Path, dict[str, Any]]]:
 
 
 def test_every_kubernetes_manifest_validates():
-    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
+    kubernetes_validate = pytest.importorskip("kubernetes_validate",
+                                              reason="pip install kubernetes-validate (dev extra)")
     documents = _k8s_documents()
     assert {doc["kind"] for _, doc in documents} >= {"Deployment", "StatefulSet", "Service", "ConfigMap", "Secret",
                                                       "HorizontalPodAutoscaler"}

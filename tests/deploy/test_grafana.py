@@ -42,7 +42,7 @@ def test_dashboard_is_well_formed():
     cells: set[tuple[int, int]] = set()
     for p in dashboard["panels"]:
         g = p["gridPos"]
-        assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
         mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
         assert not mine & cells, f"{p['title']} overlaps another panel"
         cells |= mine
@@ -96,7 +96,7 @@ def test_the_labels_panels_group_by_come_from_both_scrape_configurations():
     # The dashboard's `up` panel selects the jobs of both.
     jobs = [j["job_name"] for j in compose["scrape_configs"]] + [job["job_name"]]
     assert all(j.startswith("lamina") for j in jobs)
-    assert any('up{job=~"lamina.*"}' == t["expr"] for p in _data_panels(_dashboard()) for t in p["targets"])
+    assert any(t["expr"] == 'up{job=~"lamina.*"}' for p in _data_panels(_dashboard()) for t in p["targets"])
 
 
 def test_compose_grafana_loads_the_dashboard_from_compose_prometheus():

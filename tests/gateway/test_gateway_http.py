@@ -6,10 +6,10 @@ import asyncio
 
 import openai
 import pytest
+from gateway_helpers import CONTEXT, MODEL, SCRIPT_TEXT, serve
 
 from lamina.gateway.config import GatewayConfig
 from lamina.gateway.state import JOURNAL_KEY, STATE_KEY
-from gateway_helpers import CONTEXT, MODEL, SCRIPT_TEXT, serve
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -6,9 +6,9 @@ import json
 
 import aiohttp
 import pytest
+from gateway_helpers import MODEL, serve
 
 from lamina.gateway.config import GatewayConfig
-from gateway_helpers import MODEL, serve
 
 
 async def post(url: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict | str]:

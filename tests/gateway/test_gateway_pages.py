@@ -12,10 +12,10 @@ import re
 
 import aiohttp
 import pytest
+from gateway_helpers import MODEL, serve
 
 from lamina.gateway.config import GatewayConfig
 from lamina.gateway.dashboard import ClusterView
-from gateway_helpers import MODEL, serve
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -8,12 +8,12 @@ import json
 
 import openai
 import pytest
+from gateway_helpers import MODEL, ScriptedBackend, serve
 
 from lamina.gateway.protocol import ApiError, parse_chat_request
 from lamina.gateway.structured import FieldError, parse_structured
 from lamina.gateway.tool_calls import ToolCallSplitter, calls_text, parse_calls
-from gateway_helpers import MODEL, ScriptedBackend, serve
-from lamina.engine.grammar import Grammars
+from lamina.sampling.grammar import Grammars
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

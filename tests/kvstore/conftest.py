@@ -9,6 +9,7 @@ import pytest
 
 from lamina.kvstore.redis_server import EmbeddedRedis
 
+
 @pytest.fixture(scope="session")
 def embedded_redis():
     with EmbeddedRedis() as server:

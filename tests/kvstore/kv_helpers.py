@@ -1,5 +1,5 @@
-"""Shared helpers for the KV store tests (imported by name; pytest puts this
-directory on sys.path)."""
+"""Shared helpers for the KV store tests (imported by name: pyproject.toml puts this
+directory on the tests' path)."""
 
 import torch
 

@@ -87,8 +87,8 @@ async def test_a_redis_outage_keeps_the_batch_and_retries(namespace):
         pub.start()
         server.stop()
         cache.insert(prompt(1, 2), make_kv(2 * BS))
-        while not pub.is_failing:
-            await asyncio.sleep(0.05)  # polls the publisher's own state: no event to wait on
+        while not pub.is_failing:  # noqa: ASYNC110 (polls the publisher's own state: no event to wait on)
+            await asyncio.sleep(0.05)
         server.start()  # empty again: only the kept batch can bring the blocks
         await store_matches(store, "prefill-0", cache, timeout_s=20)
         assert len(await store.node_blocks("prefill-0")) == 2 and not pub.is_failing

@@ -4,7 +4,7 @@ the generated tokens; 4-bit quantized prefix KV changes them little."""
 import pytest
 import torch
 
-from lamina.kvstore.prefill import prefill
+from lamina.engine.prefix_prefill import prefill
 from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
 from lamina.kvstore.tiers import Tier
 

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from lamina.kvstore.prefill import prefill
+from lamina.engine.prefix_prefill import prefill
 from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
 from lamina.kvstore.quant import QuantizedTensor, quantize_4bit
 from lamina.kvstore.tiers import Tier

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from lamina.kvstore.eviction import BlockStats, make_policy
-from lamina.kvstore.policies import (
+from lamina.kvstore.quant import dequantize_4bit, quantize_4bit
+from lamina.services.scheduling_policies import (
     SCHEDULING_POLICIES,
     QueuedRequest,
     fastest_prefix_first,
@@ -10,7 +11,6 @@ from lamina.kvstore.policies import (
     relaxed_fpf,
     relaxed_priority,
 )
-from lamina.kvstore.quant import dequantize_4bit, quantize_4bit
 
 
 @pytest.mark.parametrize("group_size", [16, 64, 128])

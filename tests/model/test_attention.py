@@ -4,24 +4,24 @@ from lamina.model.attention import attention_with_lse, batched_attention, combin
 
 
 def _sdpa(q, k, v, causal):
-    # q: [n, Hq, D], k/v: [L, Hkv, D] -> reference via torch SDPA with GQA expansion
+    # q: [n, Hq, D], k/v: [m, Hkv, D] -> reference via torch SDPA with GQA expansion
     groups = q.shape[1] // k.shape[1]
     kk = k.repeat_interleave(groups, dim=1).transpose(0, 1)
     vv = v.repeat_interleave(groups, dim=1).transpose(0, 1)
-    n, L = q.shape[0], k.shape[0]
+    n, m = q.shape[0], k.shape[0]
     mask = None
     if causal:
-        mask = torch.arange(L)[None, :] <= (torch.arange(n)[:, None] + L - n)
+        mask = torch.arange(m)[None, :] <= (torch.arange(n)[:, None] + m - n)
     out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask)
     return out.transpose(0, 1)
 
 
 def test_prefill_and_decode_match_sdpa():
     torch.manual_seed(0)
-    for n, L in [(1, 1), (1, 37), (5, 5), (4, 20)]:
+    for n, m in [(1, 1), (1, 37), (5, 5), (4, 20)]:
         q = torch.randn(n, 9, 64, dtype=torch.float64)
-        k = torch.randn(L, 3, 64, dtype=torch.float64)
-        v = torch.randn(L, 3, 64, dtype=torch.float64)
+        k = torch.randn(m, 3, 64, dtype=torch.float64)
+        v = torch.randn(m, 3, 64, dtype=torch.float64)
         out, lse = attention_with_lse(q, k, v)
         torch.testing.assert_close(out, _sdpa(q, k, v, causal=True), rtol=1e-10, atol=1e-10)
         assert lse.shape == (n, 9)
@@ -78,9 +78,9 @@ def test_fused_causal_attention_equals_the_reference_path():
     from lamina.model.attention import causal_attention
 
     torch.manual_seed(4)
-    for n, L in [(1, 1), (1, 33), (6, 6), (3, 11)]:
+    for n, m in [(1, 1), (1, 33), (6, 6), (3, 11)]:
         q = torch.randn(n, 9, 64, dtype=torch.float64)
-        k = torch.randn(L, 3, 64, dtype=torch.float64)
-        v = torch.randn(L, 3, 64, dtype=torch.float64)
+        k = torch.randn(m, 3, 64, dtype=torch.float64)
+        v = torch.randn(m, 3, 64, dtype=torch.float64)
         torch.testing.assert_close(causal_attention(q, k, v), attention_with_lse(q, k, v)[0],
                                    rtol=1e-12, atol=1e-12)

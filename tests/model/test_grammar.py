@@ -1,4 +1,4 @@
-"""Constrained decoding's masks (lamina.engine.grammar) with the real tokenizer, and the
+"""Constrained decoding's masks (lamina.sampling.grammar) with the real tokenizer, and the
 local engine's constrained greedy output against transformers with the same masks."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
-from lamina.engine.grammar import Grammars, apply_grammars
-from lamina.engine.sampling import SamplingParams, sample
 from lamina.model.loader import load_tokenizer
+from lamina.sampling.grammar import Grammars, apply_grammars
+from lamina.sampling.params import SamplingParams
+from lamina.sampling.sampler import sample
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150}},
@@ -78,7 +79,7 @@ def test_mask_applies_after_the_penalties_and_leaves_other_rows(tokenizer, gramm
     p = SamplingParams(temperature=0.0, logit_bias=((forbidden, 100.0),), grammar=GRAMMAR)
     free = SamplingParams(temperature=0.0, logit_bias=((forbidden, 100.0),))
     state = grammars.state(GRAMMAR)
-    from lamina.engine.penalties import PenaltyState
+    from lamina.sampling.penalties import PenaltyState
     penalties = [PenaltyState.build(p, [], [], ()), PenaltyState.build(free, [], [], ())]
     tokens = sample(logits, [p, free], [1, 1], [0, 0], penalties, [state, None])
     assert tokens[1] == forbidden  # the bias wins where there is no grammar

@@ -199,7 +199,8 @@ def test_the_engine_attends_decoding_and_prompt_rows_in_any_order(path):
     """LocalAttention: sequences with few new tokens through the kernel, prompts through
     SDPA, in whatever order they come; every new token stored."""
     from lamina.engine.kv import KVStore
-    from lamina.engine.step import KERNEL_MAX_QUERIES, LocalAttention, StepBatch
+    from lamina.engine.step import KERNEL_MAX_QUERIES, LocalAttention
+    from lamina.model.batch import StepBatch
     from lamina.model.config import ModelConfig
 
     cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=9,
@@ -220,7 +221,7 @@ def test_the_engine_attends_decoding_and_prompt_rows_in_any_order(path):
         q, k, v = torch.randn(sum(new), 9, 64), torch.randn(sum(new), 3, 64), torch.randn(sum(new), 3, 64)
         out = local.attend(layer, q, k, v)
         start, keys, values = 0, [], []
-        for h, n, hist in zip(held, new, history):
+        for n, hist in zip(new, history):
             keys.append(torch.cat([hist[layer][0], k[start : start + n]]))
             values.append(torch.cat([hist[layer][1], v[start : start + n]]))
             start += n
@@ -233,7 +234,8 @@ def test_device_attention_equals_the_engines_on_the_same_step():
     """DeviceAttention (the prefill worker's attention off CPU) gives LocalAttention's
     outputs and stores the same K, V; here both run on CPU (on a GPU: tests/e2e/test_stack_prefill_cuda.py)."""
     from lamina.engine.kv import KVStore
-    from lamina.engine.step import KERNEL_MAX_QUERIES, DeviceAttention, LocalAttention, StepBatch
+    from lamina.engine.step import KERNEL_MAX_QUERIES, DeviceAttention, LocalAttention
+    from lamina.model.batch import StepBatch
     from lamina.model.config import ModelConfig
 
     cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=9,

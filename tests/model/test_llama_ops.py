@@ -3,7 +3,7 @@ RMSNorm against transformers' forms."""
 
 import pytest
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 (torch's conventional name)
 
 from lamina.model import llama
 from lamina.model.config import ModelConfig, RopeScaling
@@ -41,7 +41,7 @@ def test_fused_projections_load_hugging_face_names():
                        torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]))
     # A checkpoint missing a part is reported under the checkpoint's own names.
     del state["model.layers.0.self_attn.k_proj.weight"]
-    with pytest.raises(RuntimeError, match="qkv_proj.weight"):
+    with pytest.raises(RuntimeError, match=r"qkv_proj\.weight"):
         LlamaForCausalLM(CFG).load_state_dict(state, strict=True)
 
 

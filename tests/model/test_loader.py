@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as QT
+from gguf import GGMLQuantizationType as QT  # noqa: N814 (gguf's enum, named on every row of the tables)
 
 from lamina.model import gguf_file
 from lamina.model.attention import attention_with_lse
@@ -176,13 +176,6 @@ def tiny_gguf(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
     return path, write_tiny_gguf(path)
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch) -> Path:
-    d = tmp_path / "lamina-cache"
-    monkeypatch.setenv("LAMINA_CACHE_DIR", str(d))
-    return d
-
-
 class _Dense:
     """Dense causal attention over the prompt: the context pattern of test_reference.py."""
 
@@ -308,7 +301,7 @@ def reference_dequantize(raw: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> 
         return raw.view(np.float32).reshape(shape)
     if qtype == QT.F16:
         return raw.view(np.float16).astype(np.float32).reshape(shape)
-    block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    _block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
     b = raw.reshape(-1, type_bytes)  # one row per block of 32 values
     d = _f16(b[:, 0:2].copy())  # [nblocks, 1]
     if qtype == QT.Q8_0:  # d, 32 x int8: x = d * q

@@ -5,16 +5,20 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from gguf import GGMLQuantizationType as QT
+import torch.nn.functional as F  # noqa: N812 (torch's conventional name)
+from gguf import GGMLQuantizationType as QT  # noqa: N814 (gguf's enum, named on every row of the tables)
+from test_loader import (
+    TENSOR_TYPES,
+    VOCAB,
+    _our_logits,
+    write_tiny_gguf,
+)
+from test_reference import MAX_NEW, _hf_greedy, _prompts
 
 from lamina.engine import Engine, SamplingParams
 from lamina.model import gguf_file, quant
 from lamina.model.loader import load_model
 from lamina.model.quant import PackedWeight, QuantLinear, dequantize, pack_float, pack_gguf, packed_matmul, quantize
-from test_loader import cache_dir  # noqa: F401 (a fixture: LAMINA_CACHE_DIR in a temporary folder)
-from test_loader import TENSOR_TYPES, VOCAB, _our_logits, write_tiny_gguf
-from test_reference import MAX_NEW, _hf_greedy, _prompts
 
 native = pytest.mark.skipif(quant.NATIVE is None, reason="model._qmatmul was not built (no C compiler at install)")
 FORMATS = ["f32", "q8_0", "q4_0", "q4_1"]

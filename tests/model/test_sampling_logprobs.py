@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lamina.engine import Engine, SamplingParams
-from lamina.engine.logprobs import TokenLogprobs, token_logprobs
+from lamina.sampling.logprobs import TokenLogprobs, token_logprobs
 
 
 def test_token_logprobs_are_the_log_softmax_of_the_raw_logits():

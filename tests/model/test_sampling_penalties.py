@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lamina.engine.penalties import PenaltyState, apply_penalties, needs_state
-from lamina.engine.sampling import SamplingParams, sample
+from lamina.sampling.params import SamplingParams
+from lamina.sampling.penalties import PenaltyState, apply_penalties, needs_state
+from lamina.sampling.sampler import sample
 
 V = 8
 

@@ -4,8 +4,8 @@ import torch
 from torch import nn
 
 from lamina.model.attention import attention_with_lse
-from lamina.model.llama import AttentionOp, MLP, RMSNorm, is_attention_op, split_llama
 from lamina.model.config import ModelConfig
+from lamina.model.llama import MLP, AttentionOp, RMSNorm, is_attention_op, split_llama
 from lamina.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from lamina.model.splitter import split_model
 
@@ -39,6 +39,35 @@ def test_llama_cut_is_the_residual_stream(loaded_model):
         expected = loaded_model.model(inputs["input_ids"], inputs["positions"], inputs["logits_index"], _Dense())
         got = split.run(inputs, _dense)
     assert torch.equal(got, expected)
+
+
+def test_async_runner_equals_the_synchronous_one_and_runs_slices_through_run_slice(loaded_model):
+    """run_async awaits attention and, when given, each slice's runner (a remote
+    executor in the stack); either way it composes the slices as run does."""
+    import asyncio
+
+    split = split_llama(loaded_model.model, example_tokens=8)
+    ids = torch.tensor(loaded_model.tokenizer.encode("Slices run by callbacks"))
+    inputs = {"input_ids": ids, "positions": torch.arange(len(ids)), "logits_index": torch.arange(len(ids))}
+    ran: list[int] = []
+    grad_at_attend: list[bool] = []
+
+    async def attend(i, q, k, v):
+        await asyncio.sleep(0)  # other tasks run here: no grad mode may be held across it
+        grad_at_attend.append(torch.is_inference_mode_enabled())
+        return _dense(i, q, k, v)
+
+    async def run_slice(j, inputs, attn, context):
+        ran.append(j)
+        with torch.inference_mode():
+            return split.slices[j](inputs, attn, context)
+
+    with torch.inference_mode():
+        expected = split.run(inputs, _dense)
+    assert torch.equal(asyncio.run(split.run_async(inputs, attend)), expected)
+    assert not any(grad_at_attend)
+    assert torch.equal(asyncio.run(split.run_async(inputs, attend, run_slice)), expected)
+    assert ran == list(range(len(split.slices)))
 
 
 class _ParallelBlock(nn.Module):
@@ -87,8 +116,8 @@ def test_split_of_a_parallel_block_model_with_an_extra_residual_branch():
     cfg = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=4,
                       num_heads=4, num_kv_heads=2, head_dim=16)
     model = _ParallelModel(cfg).eval()
-    T = 6
-    example = {"input_ids": torch.randint(0, 100, (T,)), "positions": torch.arange(T), "ctx": _Dense()}
+    n = 6
+    example = {"input_ids": torch.randint(0, 100, (n,)), "positions": torch.arange(n), "ctx": _Dense()}
     with torch.no_grad():
         split = split_model(model, example, is_attention_op)
     assert len(split.slices) == cfg.num_layers + 1
@@ -96,7 +125,7 @@ def test_split_of_a_parallel_block_model_with_an_extra_residual_branch():
     # so every cut also carries h or the MLP's output (d values); the middle cuts carry
     # the residual, the embedding branch and the MLP output (3d); the first cut needs
     # no separate residual (it is the embedding) and the last no embedding branch.
-    d_bytes = T * cfg.hidden_size * 4
+    d_bytes = n * cfg.hidden_size * 4
     assert split.cut_bytes == [2 * d_bytes, 3 * d_bytes, 3 * d_bytes, 2 * d_bytes]
     assert [len(s.context_out) for s in split.slices[:-1]] == [2, 3, 3, 2]
     # Slices never receive a value they do not use or hand on.

@@ -22,7 +22,7 @@ def test_catalogue_has_the_required_devices(catalogue):
 
 
 def test_every_figure_has_a_value_and_a_source():
-    raw = yaml.safe_load(resources.files("planner").joinpath("catalogue.yaml").read_text())
+    raw = yaml.safe_load(resources.files("lamina.planner").joinpath("catalogue.yaml").read_text())
     for name, entry in raw.items():
         for key, fig in _figures(entry):
             assert isinstance(fig, dict) and fig.get("value", 0) > 0, (name, key)
@@ -40,7 +40,7 @@ def test_units_are_converted(catalogue):
 
 
 def test_a_figure_without_source_is_refused():
-    raw = yaml.safe_load(resources.files("planner").joinpath("catalogue.yaml").read_text())
+    raw = yaml.safe_load(resources.files("lamina.planner").joinpath("catalogue.yaml").read_text())
     entry = dict(raw["H20"])
     entry["memory_tb_s"] = {"value": 4.0}
     with pytest.raises(CatalogueError, match="memory_tb_s has no source"):
@@ -48,7 +48,7 @@ def test_a_figure_without_source_is_refused():
 
 
 def test_profile_adds_this_machine(tmp_path):
-    raw = yaml.safe_load(resources.files("planner").joinpath("catalogue.yaml").read_text())
+    raw = yaml.safe_load(resources.files("lamina.planner").joinpath("catalogue.yaml").read_text())
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"device": raw["CPU"]}))
     devices = load_catalogue(profile)
@@ -75,7 +75,7 @@ def _profiled_entry(raw):
 
 
 def test_a_profile_measured_table_is_read_and_interpolated():
-    raw = yaml.safe_load(resources.files("planner").joinpath("catalogue.yaml").read_text())
+    raw = yaml.safe_load(resources.files("lamina.planner").joinpath("catalogue.yaml").read_text())
     dev = device_from_entry(THIS_MACHINE, _profiled_entry(raw))
     assert dev.attention_bw == pytest.approx(2e9)
     assert dev.measured_linear_s(1e6, 1) == pytest.approx(1e-3)

@@ -8,7 +8,6 @@ import pytest
 from lamina.cli import main
 
 
-
 @pytest.fixture
 def trace_path(request):
     from pathlib import Path

@@ -3,7 +3,12 @@ the traces' mean lengths, so the test stays fast)."""
 
 import pytest
 
-from lamina.planner.papers import break_even_flops_per_byte, cpu_attention_threads, lamina_comparison, lm_offload_quantization
+from lamina.planner.papers import (
+    break_even_flops_per_byte,
+    cpu_attention_threads,
+    lamina_comparison,
+    lm_offload_quantization,
+)
 from lamina.planner.shapes import BUILTIN
 from lamina.planner.workload import synthetic
 

@@ -139,7 +139,8 @@ def test_memory_capacity(catalogue):
     s = BUILTIN["llama-2-7b"]
     assert weight_bytes(s) == pytest.approx(s.num_params * 2)
     assert kv_bytes_per_token(s) == 2 * 32 * 4096 * 2  # 0.5 MiB per token
-    assert kv_token_capacity(80e9, 1, weight_bytes(s), kv_bytes_per_token(s)) == int((72e9 - s.num_params * 2) // 524288)
+    assert (kv_token_capacity(80e9, 1, weight_bytes(s), kv_bytes_per_token(s))
+            == int((72e9 - s.num_params * 2) // 524288))
     assert kv_token_capacity(80e9, 1, 100e9, 1.0) == 0
     assert kv_token_capacity(80e9, 2, 0, 1.0) > kv_token_capacity(80e9, 1, 0, 1.0)
     big = BUILTIN["llama-3-70b"]

@@ -1,4 +1,4 @@
-"""`lamina profile` on tiny sizes: the measurements it reuses from bench/ run, and what it
+"""`lamina profile` on tiny sizes: its measurements (planner/measure/) run, and what it
 writes is a catalogue entry `lamina plan` reads (the full profile takes seconds to a
 minute and is bench/planner_validation.py's first step)."""
 
@@ -76,15 +76,16 @@ def test_overhead_terms_meet_both_points():
 
 
 def test_stack_overhead_terms_close_the_gap_to_the_run():
+    from planner_helpers import synthetic_entry
+
     from lamina.planner.estimate import decode_step
     from lamina.planner.layouts import Layout
     from lamina.planner.perf.quantization import FP32
     from lamina.planner.profile import StackRun, stack_overhead_terms
     from lamina.planner.shapes import BUILTIN
-    from tests.planner.test_planner_quant_costs import _entry
 
     shape = BUILTIN["smollm2-135m"]
-    entry = _entry(False)
+    entry = synthetic_entry(False)
     dev = device_from_entry(THIS_MACHINE, entry)
     run = StackRun(batch=8, context=70, step_s=0.5, model_cpu_s=0.2, attention_cpu_s=0.05)
     terms = stack_overhead_terms(shape, dev, run)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from planner_helpers import synthetic_entry
 
 from lamina.planner.estimate import decode_step, quant_sources
 from lamina.planner.hardware import THIS_MACHINE, device_from_entry
@@ -19,31 +20,8 @@ from lamina.planner.shapes import BUILTIN
 SHAPE = BUILTIN["smollm2-135m"]
 
 
-def _fig(value, source="synthetic profile"):
-    return {"value": value, "source": source}
-
-
-def _entry(measured_quant: bool, q4_linear: float = 2e-10, q4_attention_ns: float = 0.2) -> dict:
-    """A small synthetic profile: float32 kernel 4e-10 s per weight at batch 1, KV at 5 GB/s."""
-    entry = {
-        "memory_gb": _fig(8.0), "memory_tb_s": _fig(0.01), "scaleup_gb_s": _fig(5.0),
-        "network_gbit_s": _fig(10.0), "network_latency_us": _fig(30.0), "scaleup_latency_us": _fig(1.0),
-        "compute_efficiency": _fig(1.0), "memory_efficiency": _fig(1.0),
-        "usd_per_hour": {"value": 0.1, "source": "assumed", "assumption": True}, "cores": _fig(1),
-        "tflops": {"bf16": _fig(0.05), "fp32": _fig(0.05)},
-        "linear_s_per_param": _fig({"1": 4e-10, "64": 4e-11}),
-        "attention_tb_s": _fig(0.005),
-    }
-    if measured_quant:
-        entry["packed_linear_s_per_param"] = _fig({"q4_1": {"1": q4_linear, "64": q4_linear / 10},
-                                                   "q8_0": {"1": 3e-10, "64": 3e-11}})
-        entry["attention_q4_ns_per_element"] = _fig(q4_attention_ns)
-        entry["kv_q4_quantize_ns_per_element"] = _fig(1.0)
-    return entry
-
-
 def _device(measured_quant: bool, **kw):
-    return device_from_entry(THIS_MACHINE, json.loads(json.dumps(_entry(measured_quant, **kw))))
+    return device_from_entry(THIS_MACHINE, json.loads(json.dumps(synthetic_entry(measured_quant, **kw))))
 
 
 def test_measured_packed_kernel_replaces_the_dequantization_model():

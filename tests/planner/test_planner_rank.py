@@ -78,17 +78,18 @@ def test_counts_and_budget_are_respected(catalogue):
 
 def test_enumeration_covers_both_kinds_and_quantization(catalogue):
     layouts = enumerate_layouts(SMALL, parse_hardware("H100,H20", catalogue), catalogue)
-    assert any(not l.is_disaggregated for l in layouts)
-    assert any(l.is_disaggregated and l.attention_device == "H20" and l.model_device == "H100" for l in layouts)
-    assert {(l.weights.name, l.kv.name) for l in layouts} == {
+    assert any(not lay.is_disaggregated for lay in layouts)
+    assert any(lay.is_disaggregated and lay.attention_device == "H20" and lay.model_device == "H100" for lay in layouts)
+    assert {(lay.weights.name, lay.kv.name) for lay in layouts} == {
         ("fp16", "fp16"), ("int4", "fp16"), ("fp16", "int4"), ("int4", "int4")}
     only_fp16 = enumerate_layouts(SMALL, parse_hardware("H100", catalogue), catalogue, quantize="none",
                                   disaggregate=False)
     assert only_fp16 == [Layout("H100", 1), Layout("H100", 2)]
     # Head partitioning where the KV heads split evenly, request partitioning otherwise.
     smol = enumerate_layouts(BUILTIN["smollm2-135m"], parse_hardware("CPU", catalogue), catalogue, "none")
-    assert {(l.attention_workers, l.partition) for l in smol if l.is_disaggregated and l.attention_workers <= 4} == {
-        (1, "head"), (2, "request"), (4, "request")}
+    small_pools = {(lay.attention_workers, lay.partition) for lay in smol
+                   if lay.is_disaggregated and lay.attention_workers <= 4}
+    assert small_pools == {(1, "head"), (2, "request"), (4, "request")}
 
 
 def _best_per_dollar(ranked, disaggregated):

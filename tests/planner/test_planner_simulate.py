@@ -1,7 +1,6 @@
 """The discrete-event simulator: conservation, light-load latencies, KV capacity, scale."""
 
 import time
-from dataclasses import replace
 
 import pytest
 

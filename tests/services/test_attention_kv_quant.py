@@ -67,22 +67,22 @@ def test_q4_keeps_kv_packed_and_answers_from_the_packed_rows():
 def test_kv_quant_is_validated():
     assert load_config(env={}).attention.kv_quant == "none"
     assert load_config(env={"LAMINA_KV_QUANT": "q4"}).attention.kv_quant == "q4"
-    with pytest.raises(ConfigError, match="attention.kv_quant must be one of none, q4"):
+    with pytest.raises(ConfigError, match=r"attention\.kv_quant must be one of none, q4"):
         load_config(env={}, overrides={"attention.kv_quant": "q3"})
     with pytest.raises(ValueError, match="kv_quant"):
         AttentionCore(CFG, 1 << 20, 3, kv_quant="int4")
 
 
 def test_an_attention_worker_with_q4_answers_frames_within_the_tolerance():
-    L, D = 30, 64  # the default model (SmolLM2-135M); Redis is never reached: only frames are handled
+    num_layers, head_dim = 30, 64  # the default model (SmolLM2-135M); Redis is never reached: only frames are handled
     services = [AttentionService(StackConfig(redis_url="redis://127.0.0.1:1", attention=AttentionSection(
         workers=1, kv_capacity_bytes=8 << 20, kv_quant=quant))) for quant in ("none", "q4")]
     torch.manual_seed(0)
-    prompt = [_kv(12) for _ in range(L)]
-    q, (k, v) = torch.randn(1, 9, D), _kv(1)
+    prompt = [_kv(12) for _ in range(num_layers)]
+    q, (k, v) = torch.randn(1, 9, head_dim), _kv(1)
     outs = []
     for service in services:
-        replies = [service._handle(StoreKV("s", layer, L, pk, pv).to_frame(), {}) for layer, (pk, pv) in
+        replies = [service._handle(StoreKV("s", layer, num_layers, pk, pv).to_frame(), {}) for layer, (pk, pv) in
                    enumerate(prompt)]
         assert replies[-1].kind == Kind.ACK
         reply = service._handle(Attend(Kind.ATTEND, (0, 1, 0), 0, [("s", 1)], q, k, v).to_frame(), {})

@@ -46,7 +46,7 @@ def test_a_registration_without_an_address_is_not_a_member():
 def test_max_workers_is_a_limit_not_below_workers_and_not_with_head_partitioning():
     assert load_config(env={}).attention.pool_limit == 2  # 0: the pool stays at attention.workers
     assert load_config(env={"LAMINA_ATTENTION_MAX_WORKERS": "8"}).attention.pool_limit == 8
-    with pytest.raises(ConfigError, match="attention.max_workers"):
+    with pytest.raises(ConfigError, match=r"attention\.max_workers"):
         load_config(env={"LAMINA_ATTENTION_MAX_WORKERS": "1"})  # below the 2 workers
     with pytest.raises(ConfigError, match="head-level"):
         load_config(env={"LAMINA_ATTENTION_MAX_WORKERS": "4", "LAMINA_PARTITION": "head"})

@@ -34,11 +34,11 @@ class _Attention(lamina_pb2_grpc.AttentionControlServicer):
         self.freed: list[str] = []
         self.metadata: dict[str, str] = {}
 
-    async def Free(self, request, context):
+    async def Free(self, request, context):  # noqa: N802 (gRPC method names)
         self.freed.extend(request.seq_ids)
         return lamina_pb2.Empty()
 
-    async def Stats(self, request, context):
+    async def Stats(self, request, context):  # noqa: N802
         self.metadata = dict(context.invocation_metadata())
         return lamina_pb2.AttentionStats()
 
@@ -46,7 +46,7 @@ class _Attention(lamina_pb2_grpc.AttentionControlServicer):
 class _Model(lamina_pb2_grpc.ModelWorkerServicer):
     """Decode answers each update with one result (a stream-stream method)."""
 
-    async def Decode(self, request_iterator, context):
+    async def Decode(self, request_iterator, context):  # noqa: N802
         async for _update in request_iterator:
             yield lamina_pb2.DecodeResult()
 

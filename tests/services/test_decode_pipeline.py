@@ -246,7 +246,7 @@ def test_logprobs_are_sent_only_for_sequences_that_ask():
             assert not t.HasField("logprobs")
         else:
             assert t.logprobs.logprob == pytest.approx(lsm[0].item())
-            assert [a.token_id for a in t.logprobs.top][0] == t.token_id and len(t.logprobs.top) == 2
+            assert t.logprobs.top[0].token_id == t.token_id and len(t.logprobs.top) == 2
 
 
 def test_penalties_use_the_history_sent_at_join():

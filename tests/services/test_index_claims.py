@@ -9,9 +9,9 @@ import uuid
 
 import pytest
 
-from lamina.kvstore.redis_server import EmbeddedRedis
 from lamina.commands import attention
 from lamina.commands._service_args import _serve_with_claimed_index, index_limit
+from lamina.kvstore.redis_server import EmbeddedRedis
 from lamina.services.config import load_config
 from lamina.services.index_claims import IndexClaim, choose_index
 
@@ -124,7 +124,7 @@ def test_max_workers_raises_the_indexes_a_replica_may_claim(redis_url, namespace
                          limit_setting="attention.max_workers") for i in range(3)]
     try:
         assert [c.acquire(wait_s=1) for c in claims[:2]] == [0, 1]
-        with pytest.raises(TimeoutError, match="raise attention.max_workers"):
+        with pytest.raises(TimeoutError, match=r"raise attention\.max_workers"):
             claims[2].acquire(wait_s=0.5)
     finally:
         for c in claims[:2]:

@@ -5,6 +5,7 @@ Redis holding blocks that real prefix caches published."""
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 
 import grpc
@@ -17,8 +18,15 @@ from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
 from lamina.kvstore.redis_server import EmbeddedRedis
 from lamina.services.config import PREFILL_ROUTINGS, PrefillSection, StackConfig
 from lamina.services.prefill_clients import PrefillClients
+from lamina.services.prefill_routing import (
+    ROUTINGS,
+    PrefillLoad,
+    choose,
+    choose_by_prefix,
+    choose_round_robin,
+    matched_tokens,
+)
 from lamina.services.protos import lamina_pb2
-from lamina.services.prefill_routing import ROUTINGS, PrefillLoad, choose, choose_by_prefix, choose_round_robin, matched_tokens
 
 BS = 4  # block size of these tests (tokens)
 
@@ -147,7 +155,7 @@ class _Stub:
         self.release = asyncio.Event()
         self.calls = 0
 
-    async def Prefill(self, request, timeout):  # noqa: N802
+    async def Prefill(self, request, timeout):  # noqa: N802, ASYNC109 (the gRPC stub's signature)
         self.calls += 1
         await self.release.wait()
         if self.code is not None:
@@ -240,10 +248,10 @@ def test_prefill_workers_configuration(tmp_path):
                          ({"LAMINA_PREFILL_ROUTING": "random"}, "prefill.routing must be one of prefix, round_robin")):
         with pytest.raises(ConfigError, match=message):
             load_config(env=env)
-    with pytest.raises(ConfigError, match="prefill.routing_load_weight must be a non-negative number"):
+    with pytest.raises(ConfigError, match=r"prefill\.routing_load_weight must be a non-negative number"):
         load_config(env={}, overrides={"prefill.routing_load_weight": -1})
     for name in ("prefill.routing_min_gain_tokens", "prefill.routing_max_queue_gap_tokens"):
-        with pytest.raises(ConfigError, match=f"{name} must be a non-negative integer"):
+        with pytest.raises(ConfigError, match=re.escape(f"{name} must be a non-negative integer")):
             load_config(env={}, overrides={name: -1})
 
 
@@ -256,7 +264,7 @@ def test_prefill_device_configuration(capsys):
         cfg = load_config(env={"LAMINA_PREFILL_DEVICE": name})
         assert cfg.prefill.device == name and cache_config(cfg.prefill, 0).device == name  # the device tier there
     for bad in ("gpu", "cuda:", "cuda:x", "cpu:0"):
-        with pytest.raises(ConfigError, match="prefill.device must be cpu, cuda or cuda:N"):
+        with pytest.raises(ConfigError, match=r"prefill\.device must be cpu, cuda or cuda:N"):
             load_config(env={"LAMINA_PREFILL_DEVICE": bad})
     from lamina.cli import main
 
@@ -265,7 +273,7 @@ def test_prefill_device_configuration(capsys):
     assert main(["up", "--attention-workers", "2", "--attention-max-workers", "1"]) == 2  # the pool's flag too
     assert "attention.max_workers must be 0 (a fixed pool) or at least attention.workers" in capsys.readouterr().err
     if not torch.cuda.is_available():  # a worker asked for a GPU it has not got says so before loading anything
-        with pytest.raises(RuntimeError, match="prefill.device is cuda, but torch finds no CUDA device here"):
+        with pytest.raises(RuntimeError, match=r"prefill\.device is cuda, but torch finds no CUDA device here"):
             PrefillService(load_config(env={"LAMINA_PREFILL_DEVICE": "cuda"}))
 
 

@@ -13,7 +13,8 @@ import torch
 from lamina import transports
 from lamina.model.loader import load_config
 from lamina.services.attention_pool import AttentionPool, SeqRows
-from lamina.services.config import ConfigError, load_config as load_stack_config
+from lamina.services.config import ConfigError
+from lamina.services.config import load_config as load_stack_config
 from lamina.services.protos import lamina_pb2
 from lamina.services.scheduler_state import Request
 from lamina.services.wire import decode_tag, frame_tag, result_frame
@@ -103,5 +104,5 @@ def test_a_rebuild_recomputes_every_token_but_the_newest_output():
 def test_deadlines_are_configured_and_checked():
     cfg = load_stack_config(overrides={"deadlines.reply_s": "2.5"}, env={})
     assert cfg.deadlines.reply_s == 2.5 and cfg.deadlines.recovery_s == 120.0
-    with pytest.raises(ConfigError, match="deadlines.health_s must be a positive number"):
+    with pytest.raises(ConfigError, match=r"deadlines\.health_s must be a positive number"):
         load_stack_config(overrides={"deadlines.health_s": 0}, env={})

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lamina import transports
-from lamina.engine.step import StepBatch
 from lamina.model.attention import attention_with_lse
+from lamina.model.batch import StepBatch
 from lamina.services.attention_pool import SeqRows
 from lamina.services.model_service import ModelSlices
 from lamina.services.rotation import LOCAL, coordinator, pick_executor

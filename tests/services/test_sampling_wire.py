@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from lamina.engine.logprobs import TokenLogprobs
-from lamina.engine.sampling import SamplingParams
+from lamina.sampling.logprobs import TokenLogprobs
+from lamina.sampling.params import SamplingParams
 from lamina.services.protos import lamina_pb2
-from lamina.services.sampling_wire import join_history, logprobs_from_proto, logprobs_of, logprobs_to_proto, \
-    params_from_proto, params_to_proto
+from lamina.services.sampling_wire import (
+    join_history,
+    logprobs_from_proto,
+    logprobs_of,
+    logprobs_to_proto,
+    params_from_proto,
+    params_to_proto,
+)
 
 
 @pytest.mark.parametrize("sp", [
@@ -46,8 +52,9 @@ def test_a_joining_sequence_rebuilds_its_grammar_state_from_its_outputs():
     failure) masks its next token as the worker that sampled its outputs would have."""
     from llguidance import LLMatcher
 
-    from lamina.engine.grammar import Grammars
     from lamina.model.loader import load_tokenizer
+    from lamina.sampling.grammar import Grammars
+    from lamina.sampling.sampler import Sampler
     from lamina.services.decode_runner import DecodeSeq
 
     tok = load_tokenizer()[0]
@@ -57,9 +64,10 @@ def test_a_joining_sequence_rebuilds_its_grammar_state_from_its_outputs():
     proto = params_to_proto(SamplingParams(max_tokens=8, grammar=grammar))
     step = lamina_pb2.StepSequence(seq_id="s", token_id=outputs[-1], position=9, params=proto,
                                    output_index=len(outputs), **join_history(proto, [1], outputs))
-    joined = DecodeSeq.from_proto(step, 0, tok.eos_token_ids, grammars)
+    joined = DecodeSeq.from_proto(step, 0, Sampler(grammars, tok.eos_token_ids))
+    assert joined.sampling.num_output == len(outputs) and joined.sampling.seed == proto.seed
     stepped = grammars.state(grammar)
     for t in outputs:
         stepped.append(t)
-    assert (joined.grammar.allowed(tok.vocab_size) == stepped.allowed(tok.vocab_size)).all()
-    assert not joined.grammar.allowed(tok.vocab_size)[tok.eos_token_ids[0]]  # the object is still open
+    assert (joined.sampling.grammar.allowed(tok.vocab_size) == stepped.allowed(tok.vocab_size)).all()
+    assert not joined.sampling.grammar.allowed(tok.vocab_size)[tok.eos_token_ids[0]]  # the object is still open

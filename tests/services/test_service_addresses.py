@@ -100,7 +100,7 @@ def test_health_probe_fails_where_nothing_serves():
     assert not ok and detail.startswith("UNAVAILABLE")
 
     class Draining(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:  # http.server's name
             self.send_response(503)
             self.end_headers()
 

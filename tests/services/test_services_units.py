@@ -11,11 +11,21 @@ from lamina.model.attention import batched_attention
 from lamina.model.config import ModelConfig
 from lamina.services.attention_core import AttentionCore
 from lamina.services.config import ConfigError, load_config
-from lamina.services.placement import head_range, place_request
+from lamina.services.placement import head_range, place_request, placeable
 from lamina.services.protos import lamina_pb2
-from lamina.services.scheduler_state import Request, admission_order, can_admit, stop_reason
-from lamina.services.wire import (Attend, Kind, RemoteError, StoreKV, ack_frame, decode_tag, error_frame, expect,
-                           frame_tag, result_frame)
+from lamina.services.scheduler_state import Request, admission_order, admission_refusal, can_admit
+from lamina.services.wire import (
+    Attend,
+    Kind,
+    RemoteError,
+    StoreKV,
+    ack_frame,
+    decode_tag,
+    error_frame,
+    expect,
+    frame_tag,
+    result_frame,
+)
 from lamina.transports import Frame
 from lamina.transports.polling import default_budget_us
 
@@ -63,7 +73,7 @@ def test_weight_choices_are_the_loaders():
 def test_model_worker_threads_from_environment_and_flags():
     assert load_config(env={"LAMINA_MODEL_THREADS": "2"}).model_worker.threads == 2
     assert load_config(env={}, overrides={"model_worker.threads": 3}).model_worker.threads == 3
-    with pytest.raises(ConfigError, match="model_worker.threads"):
+    with pytest.raises(ConfigError, match=r"model_worker\.threads"):
         load_config(env={"LAMINA_MODEL_THREADS": "0"})
 
 
@@ -72,7 +82,7 @@ def test_the_rotational_pipeline_steps_one_more_micro_batch_than_model_workers()
     assert (rotational.rotational, rotational.decode_micro_batches) == (True, 4)
     fixed = load_config(env={}, overrides={"model_worker.workers": 3, "pipeline.micro_batches": 2})
     assert (fixed.rotational, fixed.decode_micro_batches) == (False, 2)
-    with pytest.raises(ConfigError, match="pipeline.mode must be one of fixed, rotational"):
+    with pytest.raises(ConfigError, match=r"pipeline\.mode must be one of fixed, rotational"):
         load_config(env={"LAMINA_PIPELINE": "round-robin"})
 
 
@@ -141,19 +151,32 @@ def test_admission_order_per_policy():
     assert [r.request_id for r in admission_order(late, [3, 1], "fpf", 100.0)] == ["b", "a"]
 
 
-def test_stop_reasons():
-    p = lamina_pb2.SamplingParams(max_tokens=4, stop_token_ids=[7])
-    assert stop_reason(p, 5, 1, 10, eos_ids={2}, max_model_len=100) is None
-    assert stop_reason(p, 2, 1, 10, eos_ids={2}, max_model_len=100) == "stop"
-    assert stop_reason(p, 7, 1, 10, eos_ids={2}, max_model_len=100) == "stop"
-    assert stop_reason(p, 5, 4, 10, eos_ids={2}, max_model_len=100) == "length"
-    assert stop_reason(p, 5, 1, 4, eos_ids={2}, max_model_len=4) == "length"  # context full
-    p.ignore_eos = True
-    assert stop_reason(p, 2, 1, 10, eos_ids={2}, max_model_len=100) is None
-
-
 def test_admission_limits():
     assert can_admit(2, 1, 4) and not can_admit(3, 1, 4)
+
+
+def test_placeable_capacity_leaves_out_workers_gone_or_not_answering():
+    assert placeable([20, 30, 40], set()) == [20, 30, 40]
+    assert placeable([20, 30, 40], {1}) == [20, 0, 40]  # left the pool
+    assert placeable([20, 30, 40], {1}, [True, True, False]) == [20, 0, 0]  # worker 2 did not answer the probe
+    assert placeable([20, 30, 40], set(), [True, True]) == [20, 30, 0]  # joined after the probe: not known healthy
+
+
+def test_admission_refuses_what_could_never_run():
+    def refusal(num_prompt: int, max_tokens: int = 8, n: int = 1, capacity: int = 100) -> str | None:
+        return admission_refusal(num_prompt, max_tokens, n, max_model_len=64, max_batch_size=4, most_capacity=capacity)
+
+    assert refusal(10) is None
+    assert refusal(0) == "the prompt is empty"
+    assert refusal(64) == "prompt has 64 tokens; the model's context length is 64"
+    assert refusal(10, n=5) == "n=5 choices exceed the decode batch (4 sequences)"
+    # KV of prompt + max_tokens (capped at the context length); with n choices the prompt once.
+    assert refusal(10, max_tokens=100) is None  # 64 tokens at most
+    assert refusal(10, capacity=17) == ("prompt plus max_tokens (18 tokens) exceeds the KV capacity of an "
+                                        "attention worker (17 tokens)")
+    assert refusal(10, n=3, capacity=33) == ("prompt plus 3 choices of max_tokens (34 tokens) exceeds the KV "
+                                             "capacity of an attention worker (33 tokens)")
+    assert refusal(10, n=3, capacity=34) is None
 
 
 # -- attention core and frames ---------------------------------------------------------------
@@ -172,7 +195,7 @@ def test_attention_core_store_then_decode_matches_local_attention():
     assert core.slabs.num_tokens("s") == 5
     q, k, v = torch.randn(1, 6, 4), _kv(1), _kv(1)
     for layer in range(2):
-        out, lse = core.attend(layer, [("s", 1)], q, k, v, need_lse=True)
+        out, _lse = core.attend(layer, [("s", 1)], q, k, v, need_lse=True)
         ref, _ = batched_attention(q, [1], [torch.cat([prompt_k[layer], k])], [torch.cat([prompt_v[layer], v])])
         torch.testing.assert_close(out, ref)
     assert core.slabs.num_tokens("s") == 6
@@ -277,7 +300,8 @@ async def test_a_prefill_that_fails_after_its_call_stops_counting_once():
     from lamina.services.scheduler_service import SchedulerService, Status
 
     svc = SchedulerService(StackConfig(redis_url="redis://127.0.0.1:1"))  # no Redis call is made here
-    svc.capacity_tokens = [10_000]
+    svc.attention.capacity_tokens = [10_000]
+    admission = svc.admission
     finished = []
 
     async def answered(req, token_ids):
@@ -293,14 +317,54 @@ async def test_a_prefill_that_fails_after_its_call_stops_counting_once():
         req.status = Status.FINISHED
         finished.append(reason)
 
-    svc._start_choices, svc._finish = choices_fail, finish
+    svc.start_choices, svc.finish = choices_fail, finish
     for i, call in enumerate((answered, no_call)):
-        svc._prefill_call = call
+        admission.prefill_call = call
         req = svc.submit(lamina_pb2.GenerateRequest(request_id=f"r{i}", prompt_token_ids=[1, 2, 3],
                                                     params=lamina_pb2.SamplingParams(max_tokens=4)))
-        svc.waiting.remove(req)
-        svc._start_prefill(req)
-        assert svc.num_prefilling == req.num_slots
-        await asyncio.gather(*svc._prefills)
-        assert svc.num_prefilling == 0 and req.status is Status.FINISHED
+        admission.waiting.remove(req)
+        admission.start_prefill(req)
+        assert admission.num_prefilling == req.num_slots
+        await asyncio.gather(*admission.tasks)
+        assert admission.num_prefilling == 0 and req.status is Status.FINISHED
     assert finished == ["abort", "abort"]
+
+
+async def test_a_full_queue_is_resource_exhausted_and_the_gateway_backend_calls_it_queue_full():
+    """The scheduler refuses a request past `scheduler.max_queue` with QueueFull, answered
+    RESOURCE_EXHAUSTED, which the gateway's backend raises as QueueFullError (HTTP 429:
+    tests/gateway/test_gateway_http.py); a request that can never run is INVALID_ARGUMENT."""
+    import grpc
+
+    from lamina.gateway.backend import QueueFullError, RequestRefusedError
+    from lamina.services.config import SchedulerSection, StackConfig
+    from lamina.services.protos import lamina_pb2_grpc
+    from lamina.services.scheduler_client import _error
+    from lamina.services.scheduler_service import SchedulerService, _SchedulerServicer
+    from lamina.services.scheduler_state import QueueFull
+
+    svc = SchedulerService(StackConfig(redis_url="redis://127.0.0.1:1", scheduler=SchedulerSection(max_queue=1)))
+    svc.attention.capacity_tokens = [10_000]  # no admission loop runs: a queued request stays queued
+
+    def request(rid: str, prompt: list[int]) -> lamina_pb2.GenerateRequest:
+        return lamina_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                                          params=lamina_pb2.SamplingParams(max_tokens=4))
+
+    svc.submit(request("queued", [1, 2, 3]))
+    with pytest.raises(QueueFull, match=r"queue full \(1 requests waiting\)"):
+        svc.submit(request("more", [1, 2, 3]))
+    server = grpc.aio.server()
+    lamina_pb2_grpc.add_SchedulerServicer_to_server(_SchedulerServicer(svc), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = lamina_pb2_grpc.SchedulerStub(channel)
+            for prompt, code, error in (([1, 2, 3], grpc.StatusCode.RESOURCE_EXHAUSTED, QueueFullError),
+                                        ([], grpc.StatusCode.INVALID_ARGUMENT, RequestRefusedError)):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Generate(request("more", prompt)).read()
+                assert info.value.code() is code
+                assert isinstance(_error(info.value), error)
+    finally:
+        await server.stop(None)

@@ -12,12 +12,12 @@ import sys
 import textwrap
 import time
 
+from lamina.aio import cancel_and_wait
 from lamina.kvstore.batches import write_batches
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 from lamina.services.config import StackConfig
 from lamina.services.launcher import ServiceProcess, Stack
 from lamina.services.runtime import refresh_every_half_ttl
-from lamina.services.stack_dumps import cancel_and_wait
 
 # A process with the services' dump handlers whose event loop ignores SIGTERM and waits
 # in a named task forever.
@@ -84,7 +84,7 @@ async def test_a_task_that_loses_its_cancellation_is_cancelled_again(caplog):
     stubborn = asyncio.create_task(swallows_once(), name="swallows-once")
     plain = asyncio.create_task(asyncio.sleep(3600), name="plain")
     await asyncio.sleep(0)
-    with caplog.at_level(logging.WARNING, logger="lamina.services.stack_dumps"):
+    with caplog.at_level(logging.WARNING, logger="lamina.aio"):
         left = await cancel_and_wait([stubborn, plain], grace_s=0.2)
     assert left == [] and stubborn.cancelled() and plain.cancelled() and caught.is_set()
     (record,) = [r for r in caplog.records if "still runs" in r.getMessage()]

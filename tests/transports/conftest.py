@@ -4,9 +4,9 @@ this machine can run; the others are skipped with the reason."""
 from __future__ import annotations
 
 import pytest
+from transport_helpers import CONFORMANCE_SCHEMES, address_for
 
 from lamina import transports
-from transport_helpers import CONFORMANCE_SCHEMES, address_for
 
 
 @pytest.fixture(params=CONFORMANCE_SCHEMES)

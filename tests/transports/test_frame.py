@@ -13,8 +13,15 @@ import torch
 
 from lamina.transports import Frame, FrameError
 from lamina.transports.frame import (
-    MAX_NDIM, NATIVE, PREAMBLE_SIZE, WIRE_DTYPES, WIRE_VERSION, decode_preamble, encode,
-    pack_user_header, parse_frame,
+    MAX_NDIM,
+    NATIVE,
+    PREAMBLE_SIZE,
+    WIRE_DTYPES,
+    WIRE_VERSION,
+    decode_preamble,
+    encode,
+    pack_user_header,
+    parse_frame,
 )
 
 MAX = 1 << 30

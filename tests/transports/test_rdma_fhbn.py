@@ -11,7 +11,13 @@ import pytest
 
 from lamina.transports import FrameError, fhbn
 from lamina.transports.rdma import (
-    QpParams, RecvWindow, SendWindow, SlabLayout, TRAILER_BYTES, VerbsEndpoint, device_availability,
+    TRAILER_BYTES,
+    QpParams,
+    RecvWindow,
+    SendWindow,
+    SlabLayout,
+    VerbsEndpoint,
+    device_availability,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -77,7 +83,7 @@ def test_recv_window_polls_trailer_in_order():
     for _ in range(5):  # wraps the slab twice
         seq, off, toff = send.reserve(4)
         slab[off:off + 4] = seq.to_bytes(4, "little")
-        expected_off, value = recv.expected()
+        expected_off, _value = recv.expected()
         assert expected_off == toff
         assert not recv.is_ready(int.from_bytes(slab[toff:toff + 8], "little"))  # not yet
         slab[toff:toff + 8] = layout.trailer_value(seq).to_bytes(8, "little")

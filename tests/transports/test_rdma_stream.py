@@ -20,7 +20,13 @@ from lamina import transports
 from lamina.transports import AuthError, Frame, PeerClosed, TransportConfig, TransportTimeout, TransportUnavailable
 from lamina.transports.fhbn import PROXY_REQ, HostProxy, ProxyRing
 from lamina.transports.rdma import (
-    QpParams, RecvWindow, SendWindow, SlabLayout, SlotStream, chunk_capacity, parse_rdma_address,
+    QpParams,
+    RecvWindow,
+    SendWindow,
+    SlabLayout,
+    SlotStream,
+    chunk_capacity,
+    parse_rdma_address,
     split_chunks,
 )
 from lamina.transports.rdma_transport import establish
@@ -37,7 +43,7 @@ class HostSlabEndpoint(SlotStream):
         self.layout = layout
         self.slab = bytearray(layout.slab_bytes)
         self.send, self.recv = SendWindow(layout), RecvWindow(layout)
-        self.peer: "HostSlabEndpoint | None" = None
+        self.peer: HostSlabEndpoint | None = None
         self.qpn = next(_next_qpn)
         self.immediates: list[int] = []
         self.closed = False
@@ -77,7 +83,10 @@ def _endpoint(layout: SlabLayout) -> HostSlabEndpoint:
     return ep
 
 
-async def rdma_pair(layout=SlabLayout(4096, 8), server_cfg=None, client_cfg=None):
+DEFAULT_LAYOUT = SlabLayout(4096, 8)  # frozen: safe to share as a default
+
+
+async def rdma_pair(layout=DEFAULT_LAYOUT, server_cfg=None, client_cfg=None):
     a, b = socket.socketpair()
     a.setblocking(False)
     b.setblocking(False)

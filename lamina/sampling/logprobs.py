@@ -31,16 +31,16 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
                    num_top: Sequence[int | None]) -> list[TokenLogprobs | None]:
     """logits: [B, V], the raw logits of the step; tokens: the B sampled ids; num_top: per
     row, how many alternatives to report (None: that row wants no logprobs)."""
-    rows = [b for b, k in enumerate(num_top) if k is not None]
+    wanted = [(b, k) for b, k in enumerate(num_top) if k is not None]
     out: list[TokenLogprobs | None] = [None] * len(tokens)
-    if not rows:
+    if not wanted:
         return out
+    rows = [b for b, _ in wanted]
     lp = torch.log_softmax(logits[rows].float(), dim=-1)  # [R, V]
     picked = lp.gather(1, torch.tensor([[tokens[b]] for b in rows])).squeeze(1).tolist()
-    k_max = max(num_top[b] for b in rows)
-    top_vals, top_ids = (lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long()))
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    for i, b in enumerate(rows):
-        k = num_top[b]
-        out[b] = TokenLogprobs(tokens[b], picked[i], tuple(zip(top_ids[i][:k], top_vals[i][:k])))
+    k_max = max(k for _, k in wanted)
+    top_vals, top_ids = (lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long()))  # [R, k_max] each
+    vals, ids = top_vals.tolist(), top_ids.tolist()
+    for i, (b, k) in enumerate(wanted):
+        out[b] = TokenLogprobs(tokens[b], picked[i], tuple(zip(ids[i][:k], vals[i][:k])))
     return out

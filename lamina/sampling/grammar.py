@@ -3,13 +3,14 @@
 A request's `SamplingParams.grammar` is an llguidance grammar in its serialized form (what
 `llguidance.LLMatcher.grammar_from_json_schema` or `grammar_from_lark` return; the
 gateway writes it, see gateway/structured.py). Where a sequence samples (the engine's
-Sequence, the prefill worker's first token, the model worker's DecodeSeq) a
-`GrammarState` holds its matcher. It is built from the grammar and the tokens the
-sequence generated so far, so a sequence rebuilt, or moved to another model worker, is
-constrained exactly as it would have been where it was. Before each sample the state's
-mask sets every token the grammar does not allow next to -inf; EOS is allowed exactly
-when the grammar accepts what was generated (and is then the only token left once the
-grammar can go no further). After the sample the state consumes the token.
+Sequence, the prefill worker's first token, the model worker's DecodeSeq), its
+`SeqSampling` (lamina.sampling.sampler) holds a `GrammarState`, which holds its matcher.
+It is built from the grammar and the tokens the sequence generated so far, so a
+sequence rebuilt, or moved to another model worker, is constrained exactly as it would
+have been where it was. Before each sample the state's mask sets every token the
+grammar does not allow next to -inf; EOS is allowed exactly when the grammar accepts
+what was generated (and is then the only token left once the grammar can go no
+further). After the sample the state consumes the token.
 
 A matcher that fails (a grammar llguidance cannot compile here, a token history it
 refuses) allows EOS alone, so the sequence ends instead of hanging; the failure is

@@ -1,5 +1,7 @@
-"""Prefill that starts from cached prefix KV: the glue between a PrefixCache and the
-model, for prefill workers (and the benchmark and tests).
+"""Prefill that starts from cached prefix KV, one sequence on the whole model: the glue
+between a PrefixCache and the model that bench/prefix_cache.py and the KV store's tests
+run (the prefill workers batch their prompts over the split model instead:
+services/prefill_service.py).
 
 The model's attention operators call an AttentionContext (lamina.model.attention); this one
 holds one sequence's KV as [num_layers, 2, T, n_kv_heads, head_dim], with the cached
@@ -81,7 +83,7 @@ def prefill(model: LlamaForCausalLM, tokens: Sequence[int],
     if num_cached >= len(tokens):
         # The last prompt token must run: its logits pick the first new token.
         num_cached = len(tokens) - 1
-        prefix_kv = prefix_kv[:, :, :num_cached] if num_cached else None
+        prefix_kv = prefix_kv[:, :, :num_cached] if prefix_kv is not None and num_cached else None
     ctx = _SequenceContext(model, len(tokens) + max_new_tokens, prefix_kv)
     logits = _forward(model, ctx, tokens[num_cached:])
     kv = ctx.kv[:, :, :len(tokens)].clone()

@@ -4,11 +4,12 @@
 They change the logits in vLLM's order: logit_bias and min_tokens first, then the
 repetition penalty (over the prompt's and the output's tokens), then the frequency and
 presence penalties (over the output's tokens alone). Greedy requests pick the argmax of
-the changed logits; logprobs are still taken from the raw ones (lamina.engine.logprobs).
+the changed logits; logprobs are still taken from the raw ones (lamina.sampling.logprobs).
 
-A sequence's `PenaltyState` is kept where it samples (the engine's Sequence, the model
-worker's DecodeSeq, built whole from the ids sent when it joins), so a sequence rebuilt
-elsewhere samples exactly as it would have.
+A sequence's `PenaltyState` is kept where it samples, in its `SeqSampling`
+(lamina.sampling.sampler: the engine's Sequence, the model worker's DecodeSeq, built whole
+from the ids sent when it joins), so a sequence rebuilt elsewhere samples exactly as it
+would have.
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # (sampling.py applies these: a runtime import would be circular)
-    from lamina.engine.sampling import SamplingParams
+from lamina.sampling.params import SamplingParams
 
 
 def needs_state(p: SamplingParams) -> bool:
@@ -42,7 +41,7 @@ class PenaltyState:
     holds back (EOS unless ignore_eos, and the stop token ids)."""
 
     prompt_ids: frozenset[int] = frozenset()
-    output_counts: Counter = field(default_factory=Counter)
+    output_counts: Counter[int] = field(default_factory=Counter)
     stop_ids: tuple[int, ...] = ()
 
     @classmethod

@@ -6,8 +6,10 @@
 - Relaxed-FPF: priority = waiting time x (4 - distance), highest first: a cached
   prefix counts, but every request's priority grows while it waits.
 
-The scheduler computes each request's tier distance with PrefixCache.tier_distance and
-takes as many requests from the front of the returned order as fit its budgets.
+A request's tier distance is the nearest tier any prefill worker's prefix cache holds
+its prompt's prefix in (PrefixCache.tier_distance, asked of every live prefill worker:
+services/prefill_clients.py); the scheduler takes as many requests from the front of
+the returned order as fit its budgets (services/scheduler_admission.py).
 """
 
 from __future__ import annotations

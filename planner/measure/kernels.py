@@ -1,0 +1,69 @@
+"""The engine's kernels and this machine's memory, timed.
+
+A large tensor copy's bandwidth; SmolLM2-135M's decoder layers with each layer's own
+weights packed as the engine holds them (so that a step reads them from memory, not from
+cache) and the engine's matmul kernel over them; and the median CPU time of a call.
+`lamina profile` (planner/profile.py), bench/packed_matmul.py and bench/engine_throughput.py
+measure with these.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from lamina.model import quant
+
+LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (outputs, inputs) of one decoder layer
+
+
+def median_cpu_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median CPU seconds of this process over `repeats` calls of `fn`, after one warm-up:
+    on shared cores wall time counts the neighbours' turns too, and with one thread CPU
+    time is the compute."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.process_time()
+        fn()
+        times.append(time.process_time() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes per second moved by a large tensor copy (each byte read once, written once)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def make_layers(fmt: str, num_layers: int, gen: torch.Generator) -> list[list[quant.PackedWeight]]:
+    """`num_layers` decoder layers of LAYER's matrices in `fmt` (f32, q8_0, q4_0, q4_1), each
+    layer its own random weights (so that a step reads them from memory, not from cache)."""
+    layers = []
+    for _ in range(num_layers):
+        ws = [torch.randn(n, k, generator=gen) * 0.05 for n, k in LAYER]
+        if fmt == "f32":
+            layers.append([quant.pack_float(w) for w in ws])
+        elif fmt == "q4_0":  # no float quantizer of ours for q4_0: gguf's
+            import gguf
+
+            layers.append([quant.pack_gguf("q4_0", gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0),
+                                           *w.shape) for w in ws])
+        else:
+            layers.append([quant.quantize(w, fmt) for w in ws])
+    return layers
+
+
+def native_run(layers: list[list[quant.PackedWeight]]) -> Callable[[dict[int, torch.Tensor]], list[torch.Tensor]]:
+    """The native kernel over every layer's weights: x maps an input width to its [m, K] rows."""
+    return lambda x: [quant.packed_matmul(x[pw.k], pw) for layer in layers for pw in layer]

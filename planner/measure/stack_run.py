@@ -1,0 +1,195 @@
+"""A decode through the stack as `lamina up` starts it, timed from the services' own counters.
+
+Every service in its own process (embedded Redis, gateway, scheduler, prefill, model
+and attention workers), driven over the OpenAI API with streaming (with aiohttp: the
+openai client is not a dependency of the package): one short warm-up request, then B
+sequences decoding S steps each (greedy, EOS ignored). The services' Prometheus
+counters are read when every sequence has its first token and again at the end, so
+prefill is not in the figures: per process, the CPU time spent computing, the wall time
+spent sending and the whole process's CPU, as shares of the decode's wall time.
+`lamina profile` calibrates the services' overheads with one small run (planner/profile.py);
+bench/decode_pipeline.py and bench/planner_validation.py compare configurations with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+
+from lamina.model.tokenizer import Tokenizer
+
+DISTINCT_TAIL = 16  # the prompts' last tokens that differ; the rest is shared
+
+
+def make_prompts(tokenizer: Tokenizer, batch: int, context: int) -> list[list[int]]:
+    """`batch` prompts of `context` tokens that share all but their last DISTINCT_TAIL
+    (so the stack's prefix cache computes the shared part once)."""
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards",
+             "quietly", "judge", "boxing"]
+    shared: list[int] = []
+    i = 0
+    while len(shared) < context - DISTINCT_TAIL:
+        shared.extend(tokenizer.encode(" " + words[i % len(words)]))
+        i += 3
+    shared = shared[: context - DISTINCT_TAIL]
+    prompts = []
+    for b in range(batch):
+        tail: list[int] = []
+        j = b
+        while len(tail) < DISTINCT_TAIL:
+            tail.extend(tokenizer.encode(f" {words[j % len(words)]}{b}"))
+            j += 5
+        prompts.append(shared + tail[:DISTINCT_TAIL])
+    return prompts
+
+
+def _scrape(port: int) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not s.labels:
+                out[s.name] = s.value
+    return out
+
+
+async def _metric_ports(redis_url: str, namespace: str) -> dict[str, int]:
+    from lamina.kvstore.metadata import MetadataConfig, MetadataStore
+
+    store = MetadataStore(MetadataConfig(url=redis_url, namespace=namespace))
+    try:
+        ports = {}
+        for kind in ("model", "attention"):
+            for s in await store.list_services(kind):
+                ports[s.service_id] = int(s.meta["metrics_port"])
+        return ports
+    finally:
+        await store.close()
+
+
+def _counters(ports: dict[str, int]) -> dict[str, dict[str, float]]:
+    return {sid: _scrape(p) for sid, p in ports.items()}
+
+
+def _model_id(base_url: str) -> str:
+    with urllib.request.urlopen(base_url + "/v1/models", timeout=60) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+async def _stream(session: aiohttp.ClientSession, base_url: str, model: str, prompt: list[int], max_tokens: int,
+                  on_chunk: Callable[[], None]) -> None:
+    """One streamed greedy completion over the OpenAI API (EOS ignored); `on_chunk` at
+    each event that carries a choice, as it arrives."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    async with session.post(base_url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:  # server-sent events, one `data: {...}` line each
+            text = line.decode().strip()
+            if text.startswith("data: ") and text != "data: [DONE]" and json.loads(text[6:]).get("choices"):
+                on_chunk()
+
+
+async def _drive(base_url: str, model: str, prompts: list[list[int]], steps: int) -> None:
+    """Stream a completion of `steps` + 1 tokens for every prompt at once."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+        await asyncio.gather(*(_stream(session, base_url, model, p, steps + 1, lambda: None) for p in prompts))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batches: int, q_early: bool,
+              model_workers: int, kv_bytes: int, weights: str, mode: str = "fixed", attention_workers: int = 2,
+              model_threads: int = 1) -> dict[str, Any]:
+    """Decode `steps` tokens after the first for every prompt through a stack of that
+    configuration; its decode throughput, wall seconds and each model and attention
+    worker's time shares (compute, send, wait, and the whole process's CPU)."""
+    from lamina.services.config import (
+        AttentionSection,
+        GatewaySection,
+        ModelWorkerSection,
+        PipelineSection,
+        SchedulerSection,
+        StackConfig,
+    )
+    from lamina.services.launcher import Stack
+
+    config = StackConfig(transport=transport, weights=weights,
+                         scheduler=SchedulerSection(max_batch_size=len(prompts), max_queue=max(256, len(prompts))),
+                         attention=AttentionSection(workers=attention_workers, kv_capacity_bytes=kv_bytes),
+                         model_worker=ModelWorkerSection(workers=model_workers, threads=model_threads),
+                         # Exactly the micro-batches asked for, however small they get.
+                         pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1,
+                                                  mode=mode))
+    config = replace(config, gateway=GatewaySection(port=_free_port()))
+    stack = Stack(config)
+    try:
+        stack.start()
+        model = _model_id(stack.base_url)
+        if stack.config.redis_url is None:  # start() sets it (the embedded Redis when none was given)
+            raise RuntimeError("the stack started without a metadata store")
+        ports = asyncio.run(_metric_ports(stack.config.redis_url, stack.config.namespace))
+        # Warm-up: one short request, so the first step's one-time costs are not timed.
+        asyncio.run(_drive(stack.base_url, model, prompts[:1], 2))
+        # The counters are read when every sequence has its first token, and at the end.
+        before: dict[str, Any] = {}
+
+        async def drive_and_mark() -> list[list[float]]:
+            times: list[list[float]] = [[] for _ in prompts]
+            all_first = asyncio.Event()
+
+            def chunk_of(i: int) -> Callable[[], None]:
+                def arrived() -> None:
+                    times[i].append(time.perf_counter())
+                    if len(times[i]) == 1 and all(times):
+                        all_first.set()
+
+                return arrived
+
+            async def mark() -> None:
+                await all_first.wait()
+                before.update(await asyncio.to_thread(_counters, ports))
+                before["_t"] = time.perf_counter()
+
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+                await asyncio.gather(mark(), *(_stream(session, stack.base_url, model, prompts[i], steps + 1,
+                                                       chunk_of(i)) for i in range(len(prompts))))
+            return times
+
+        times = asyncio.run(drive_and_mark())
+        after = _counters(ports)
+        t_end = max(t[-1] for t in times)
+    finally:
+        stack.stop()
+    t0 = before["_t"]
+    tokens = sum(sum(1 for x in t if x > t0) for t in times)
+    wall = t_end - t0
+    shares = {}
+    for sid in after:
+        kind = "model" if sid.startswith("model") else "attention"
+        comp = after[sid].get(f"lamina_{kind}_compute_seconds_total", 0) - before[sid].get(
+            f"lamina_{kind}_compute_seconds_total", 0)
+        send = after[sid].get(f"lamina_{kind}_send_seconds_total", 0) - before[sid].get(
+            f"lamina_{kind}_send_seconds_total", 0)
+        cpu = after[sid].get("process_cpu_seconds_total", 0) - before[sid].get("process_cpu_seconds_total", 0)
+        shares[sid] = {"compute": comp / wall, "send": send / wall, "wait": max(0.0, 1 - (comp + send) / wall),
+                       "cpu": cpu / wall}  # cpu: the whole process (event loop, frames, sampling included)
+    model_c = sum(v["compute"] for k, v in shares.items() if k.startswith("model"))
+    attn_c = sum(v["compute"] for k, v in shares.items() if k.startswith("attention"))
+    return {"tok_s": tokens / wall, "tokens": tokens, "seconds": wall, "shares": shares,
+            "overlap": max(0.0, model_c + attn_c - 1.0), "cpu_ms_per_token": 1e3 * model_c * wall / tokens}
