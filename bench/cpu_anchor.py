@@ -51,7 +51,7 @@ from engine_throughput import cpu_model
 from llama_cpp import LlamaServerUnavailable, ensure_llama_server, server_version
 
 from lamina.lifetime import child_argv, child_env
-from lamina.services.launcher import health_ok
+from lamina.services.launch.launcher import health_ok
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,7 +16,7 @@ Compared, in one run:
   micro-batches (`--rotational`, default M = 2), and with `--model-threads 1,T` the
   model worker's products on T threads at 1 and 2 micro-batches;
 - attention alone, per layer, for the same batch and contexts: the attention
-  worker's core (lamina.services.attention_core) against the local engine's attention.
+  worker's core (lamina.services.attention.attention_core) against the local engine's attention.
 
 For each stack run it reads the services' Prometheus counters: per process, the CPU
 time spent computing and the wall time spent sending, as shares of the run's wall time
@@ -84,7 +84,7 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int) -> dict:
     from lamina.engine.kv import KVStore
     from lamina.engine.step import LocalAttention
     from lamina.model.batch import StepBatch
-    from lamina.services.attention_core import AttentionCore
+    from lamina.services.attention.attention_core import AttentionCore
     from lamina.services.wire import StoreKV
 
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ prompt lengths drawn from the Azure conversation trace (../shared/traces/azure_c
 divided by --scale and capped at --max-prompt: two CPU cores).
 
 Each prompt's forward runs once with dense float attention, as the prefill worker runs
-it, and its K, V are stored into an attention core (lamina.services.attention_core, the
+it, and its K, V are stored into an attention core (lamina.services.attention.attention_core, the
 attention workers' code and kernel) as STORE_KV frames would store them: quantized on
 arrival under q4. Then every prompt decodes together, one token a step, with each
 layer's attention done by the core, in three runs of --new-tokens steps:
@@ -50,7 +50,7 @@ import torch
 from lamina.model.attention import attention_with_lse
 from lamina.model.kv_attention import NATIVE
 from lamina.model.kv_quant import Q4Rows
-from lamina.services.attention_core import AttentionCore
+from lamina.services.attention.attention_core import AttentionCore
 from lamina.services.wire import StoreKV
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,11 +1,11 @@
 """The cluster part of bench/prefix_cache.py: the Kimi conversation trace through a
 stack with two prefill workers, one stack after the other with the same requests:
 
-    aware        routed by prefix (lamina.services.prefill_routing)
+    aware        routed by prefix (lamina.services.scheduler.prefill_routing)
     round_robin  each worker in turn
     none         round robin with no prefix cache (every prompt token computed)
     round_robin_fetch  round robin, the chosen worker fetching a longer prefix from its
-                 peer (prefill.peer_fetch always; lamina.services.prefix_peers)
+                 peer (prefill.peer_fetch always; lamina.services.prefill.prefix_peers)
 
 The first three run with peer fetching off, so each is what its routing alone gives.
 
@@ -140,7 +140,7 @@ def run_arm(arm: str, prompts: list[list[int]], concurrency: int, workers: int,
     from serving import summary
 
     from lamina.services.config import AttentionSection, GatewaySection, PrefillSection, StackConfig
-    from lamina.services.launcher import Stack
+    from lamina.services.launch.launcher import Stack
 
     routing, cached, fetch = ARMS[arm]
     section = PrefillSection(workers=workers, routing=routing, peer_fetch=fetch)

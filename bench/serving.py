@@ -212,7 +212,7 @@ def main() -> None:
     stats: dict = {}
     if url is None:
         from lamina.services.config import PipelineSection, StackConfig
-        from lamina.services.launcher import Stack
+        from lamina.services.launch.launcher import Stack
 
         config = StackConfig(transport=args.transport)
         if args.micro_batches:

@@ -452,8 +452,8 @@ def report(result: dict) -> None:
 
 
 def find_config(base_url: str, config_path: str | None):
-    from lamina.services import local_stacks
     from lamina.services.config import load_config
+    from lamina.services.launch import local_stacks
 
     path = config_path or local_stacks.find(urlparse(base_url).port or 80)
     if path is None:
@@ -492,7 +492,7 @@ def main() -> int:
         else:
             from lamina.kvstore.redis_server import free_tcp_port
             from lamina.services.config import GatewaySection, PrefillSection, StackConfig
-            from lamina.services.launcher import Stack
+            from lamina.services.launch.launcher import Stack
 
             # A small prefix cache, full after the warm-up: the default one (256 + 512 MiB)
             # would grow the prefill worker's RSS by design for the whole run.

@@ -3,7 +3,7 @@
 The gateway writes it (`begin` at admission, `extend` on each token event, `end` when
 the request is over for any reason) for a backend that wants prompt and generated ids
 (`get` / `request_ids`). The stack's scheduler does not read it: it rebuilds a lost
-attention worker's KV from its own records and its journal in Redis (services/journal.py).
+attention worker's KV from its own records and its journal in Redis (services/scheduler/journal.py).
 
 Ownership: one journal per app, created by whoever builds the app (and handed to
 the backend that needs it). It is touched only from the event loop's thread, so

@@ -29,7 +29,7 @@ Key layout (NS = MetadataConfig.namespace, default "lamina"):
   NS:jrn:RID:out            list    its generated token ids, appended in batches
   NS:jrns                   set     request ids that have a journal entry
   NS:restarts               hash    service id -> how many times its launcher restarted
-                                    it (lamina.services.launcher.Stack, reset when a stack starts)
+                                    it (lamina.services.launch.launcher.Stack, reset when a stack starts)
   NS:events                 channel pub/sub: JSON {"type": ..., ...} for every change
 
 Event types: service_registered, service_deregistered, blocks_stored, blocks_removed,

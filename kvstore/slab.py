@@ -4,7 +4,7 @@ Memory is `capacity_bytes` of per-layer pools: for each layer a K and a V tensor
 [num_slots, n_kv_heads, head_dim] of `dtype`. A slot holds one token's K and V in every
 layer, so one slot index addresses a token in all pools. The allocator never looks
 inside a row: a packed format gives its bytes per head as head_dim, with dtype uint8
-(the attention workers' 4-bit KV, lamina.services.attention_core). Slots are grouped into slabs of
+(the attention workers' 4-bit KV, lamina.services.attention.attention_core). Slots are grouped into slabs of
 `tokens_per_slab`; a slab is opened (its slots join the free list) only when the free
 list is empty, so a lightly loaded worker touches few pages.
 

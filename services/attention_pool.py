@@ -12,7 +12,7 @@ that fails fails every future still waiting on it.
 
 With `q_early`, a layer's Q goes out in its own frame before K and V: the worker
 starts attention over the KV it already holds as soon as Q arrives and combines
-it with the new tokens' part when K and V follow (`lamina.services.attention_core`).
+it with the new tokens' part when K and V follow (`lamina.services.attention.attention_core`).
 """
 
 from __future__ import annotations

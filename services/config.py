@@ -75,8 +75,8 @@ POLICIES = ("fcfs", "fpf", "relaxed_fpf")
 WEIGHT_CHOICES = ("float32", "q8_0", "q4", "as_file")  # lamina.model.packing.WEIGHT_CHOICES (tested equal)
 KV_QUANT_CHOICES = ("none", "q4")  # lamina.model.kv_quant.KV_QUANT_CHOICES (tested equal)
 PIPELINE_MODES = ("fixed", "rotational")
-PREFILL_ROUTINGS = ("prefix", "round_robin")  # lamina.services.prefill_routing
-PEER_FETCH_MODES = ("auto", "always", "off")  # lamina.services.prefix_fetch_policy (tested equal)
+PREFILL_ROUTINGS = ("prefix", "round_robin")  # lamina.services.scheduler.prefill_routing
+PEER_FETCH_MODES = ("auto", "always", "off")  # lamina.services.scheduler.prefix_fetch_policy (tested equal)
 
 
 def _is_device(name: str) -> bool:
@@ -118,7 +118,7 @@ class PipelineSection:
     q_early: bool = False  # send Q before K, V and combine partial attention by log-sum-exp
     # fixed: each model worker steps its own sequences in `micro_batches` micro-batches.
     # rotational: one model worker steps every sequence in M + 1 micro-batches (M model
-    # workers) and runs each slice on whichever of the M workers is free (lamina.services.rotation).
+    # workers) and runs each slice on whichever of the M workers is free (lamina.services.model.rotation).
     mode: str = "fixed"
 
 
@@ -138,7 +138,7 @@ class PrefillSection:
     cache_eviction: str = "lru"  # lru | fifo | random
     max_batch_tokens: int = 2048  # prompts waiting together run as one forward up to this many tokens
     batch_window_ms: float = 5.0  # how long a batch waits for more prompts before its forward
-    # Which prefill worker gets a prompt (lamina.services.prefill_routing): prefix: among the
+    # Which prefill worker gets a prompt (lamina.services.scheduler.prefill_routing): prefix: among the
     # workers queued at most routing_max_queue_gap_tokens more than the least queued one, the
     # one whose cached prefix of it (looked up in the metadata store) minus routing_load_weight
     # x its queued tokens is largest; a prefix no worker holds routing_min_gain_tokens more of
@@ -153,8 +153,8 @@ class PrefillSection:
     cache_quantize_4bit: bool = False
     cache_quant_group_size: int = 64
     # A prompt's worker pulls the longer prefix another worker caches over the data plane
-    # (lamina.services.prefix_peers) instead of recomputing it: auto when the transfer is expected
-    # to be faster (lamina.services.prefix_fetch_policy), always, or off.
+    # (lamina.services.prefill.prefix_peers) instead of recomputing it: auto when the transfer is expected
+    # to be faster (lamina.services.scheduler.prefix_fetch_policy), always, or off.
     peer_fetch: str = "auto"
     # The bandwidth assumed for a fetch until fetches have been measured (GB/s).
     peer_fetch_prior_gbps: float = 1.0

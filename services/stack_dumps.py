@@ -7,7 +7,7 @@ handler, so it answers even when the event loop is blocked or has already ended 
 the interpreter waits on a thread). SIGUSR2 writes every asyncio task's stack from the
 event loop (it answers only while the loop runs). The launcher sends both to a service
 that has not exited within its stop timeout, and copies what they wrote into its own
-log before it kills the service (services/launcher.py).
+log before it kills the service (services/launch/launcher.py).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ frames and replies interleave.
     ERROR     attention -> sender header {tag, code, message}; that request failed, the link stays up
     SLICE     model -> model      header {tag, slice}; tensors [the slice's graph inputs in its order,
                                   attention output (all but slice 0), context...]: run one slice
-                                  for a rotational coordinator (lamina.services.slice_server)
+                                  for a rotational coordinator (lamina.services.model.slice_server)
     SLICE_OUT model -> model      header {tag}; tensors [q, k, v, context...], or [logits] from the last slice
     FETCH_PREFIX prefill -> prefill header {tag, tokens: [ids], start}: the KV of the longest prefix
                                   of `tokens` the peer's cache holds, from token `start` on
@@ -34,7 +34,7 @@ type, or a raw byte buffer where a tensor belongs raises RemoteError, which the
 worker answers with an ERROR frame. The codes of ERROR frames:
 
     bad_request       the message does not fit: its fields, or its tensors against
-                      the worker's model shape (lamina.services.attention_checks)
+                      the worker's model shape (lamina.services.attention.attention_checks)
     protocol          out of the exchange's order: an unknown kind, no tag, an
                       ATTEND_KV without its ATTEND_Q, a STORE_KV layer out of turn
     unknown_sequence  the worker holds no KV for a sequence the message names
@@ -229,7 +229,7 @@ class Attend:
     @classmethod
     def from_frame(cls, f: Frame) -> Attend:
         """The message of an ATTEND, ATTEND_Q or ATTEND_KV frame; its fields typed, its
-        tensors not yet checked against a model (lamina.services.attention_checks)."""
+        tensors not yet checked against a model (lamina.services.attention.attention_checks)."""
         h = _header(f)
         kind = Kind(f.kind)
         tensors = _tensors(f, kind, {Kind.ATTEND: 3, Kind.ATTEND_Q: 1, Kind.ATTEND_KV: 2}[kind])

@@ -25,9 +25,47 @@ def loaded_model():
 @pytest.fixture(scope="session")
 def hf_reference(loaded_model):
     """transformers' own load of the same GGUF checkpoint, float32: the peer we must match."""
-    import torch
+    return _transformers_load(loaded_model.source).eval()
+
+
+def _transformers_load(gguf: Path):
+    """transformers' model of the GGUF file `gguf`, float32. transformers reads and
+    dequantizes a GGUF file in Python (15 s on two idle cores, near a minute on busy ones), so what it
+    made is kept in a directory keyed by the file (path, size, modification time) and
+    transformers' version, and later sessions (CI runs four) load that: the same float32
+    tensors and configuration, read in seconds. The configuration is kept without its
+    GGUF quantization entry (which only says how the weights were read; transformers
+    refuses to save a model that has it). The directory appears whole or not at all
+    (renamed into place)."""
+    import copy
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
+    import transformers
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
-    path = loaded_model.source
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
+    from lamina.model.loader import cache_root
+
+    st = gguf.stat()
+    key = f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
+    saved = cache_root() / "transformers-reference" / f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (saved / "model.safetensors").is_file():
+        return AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=saved.parent, prefix=saved.name + ".tmp"))
+    try:
+        config = copy.deepcopy(model.config)
+        del config.quantization_config
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))  # tied embeddings once
+        os.replace(tmp, saved)
+    except OSError:  # no room, or another session saved it meanwhile (theirs is kept): this one has its model
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when renamed
+    return model

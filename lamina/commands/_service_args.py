@@ -47,7 +47,7 @@ def add_gateway_exposure(p: argparse.ArgumentParser) -> None:
 def gateway_refused(config: StackConfig) -> bool:
     """Whether the gateway would refuse `config` (no API key on a host other than loopback,
     without gateway.insecure); prints why. Checked before anything starts."""
-    from lamina.services.gateway_service import gateway_config
+    from lamina.services.gateway.gateway_service import gateway_config
 
     try:
         gateway_config(config)
@@ -74,7 +74,7 @@ def run_service(args: argparse.Namespace, module: str, **extra: object) -> int:
 
 
 def index_arg(value: str) -> int | str:
-    """--index: a number, or `auto` (claimed in the metadata store: services/index_claims.py)."""
+    """--index: a number, or `auto` (claimed in the metadata store: services/attention/index_claims.py)."""
     if value == "auto":
         return value
     try:
@@ -123,7 +123,7 @@ def index_limit(config: StackConfig, section: str) -> tuple[int, str]:
 
 def _serve_with_claimed_index(config: StackConfig, section: str, count: int, limit_name: str,
                               serve: Callable[[int], None]) -> int:
-    from lamina.services.index_claims import IndexClaim
+    from lamina.services.attention.index_claims import IndexClaim
 
     if not config.redis_url:
         print("lamina: --index auto claims its index in Redis: set redis_url or REDIS_URL", file=sys.stderr)

@@ -13,5 +13,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_indexed_service(args, "lamina.services.attention_service", "attention",
+    return run_indexed_service(args, "lamina.services.attention.attention_service", "attention",
                                **{"attention.kv_quant": args.kv_quant})

@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
                                    "gateway.insecure": args.insecure})
     if config is None or gateway_refused(config):
         return 2
-    from lamina.services.gateway_service import serve
+    from lamina.services.gateway.gateway_service import serve
 
     serve(config)
     return 0

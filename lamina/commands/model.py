@@ -12,4 +12,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_indexed_service(args, "lamina.services.model_service", "model_worker")
+    return run_indexed_service(args, "lamina.services.model.model_service", "model_worker")

@@ -12,4 +12,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_indexed_service(args, "lamina.services.prefill_service", "prefill")
+    return run_indexed_service(args, "lamina.services.prefill.prefill_service", "prefill")

@@ -12,4 +12,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_service(args, "lamina.services.scheduler_service")
+    return run_service(args, "lamina.services.scheduler.scheduler_service")

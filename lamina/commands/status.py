@@ -5,7 +5,7 @@ per tier, hit ratio, tokens saved) and the requests running and waiting.
 The cluster is found through its metadata store: `--redis-url` / `REDIS_URL` (with
 `--config` and LAMINA_NAMESPACE for the namespace, LAMINA_CLUSTER_TOKEN for the token),
 or, for a stack started on this host (`lamina up`), `--port`: its gateway port, which
-names the file the launcher leaves in the runtime directory (services/local_stacks.py).
+names the file the launcher leaves in the runtime directory (services/launch/local_stacks.py).
 Without either, the default gateway port is tried.
 """
 
@@ -50,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _find_cluster(args: argparse.Namespace):
     """(config, where it was found, in words); ConfigError when there is none."""
-    from lamina.services import local_stacks
     from lamina.services.config import ConfigError, load_config
+    from lamina.services.launch import local_stacks
 
     if args.port is None:
         config = load_config(args.config, overrides={"redis_url": args.redis_url})

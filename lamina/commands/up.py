@@ -72,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
         print("lamina up: ports.grpc and ports.metrics must be 0 (one service per host only; "
               "LAMINA_GRPC_PORT / LAMINA_METRICS_PORT set?)", file=sys.stderr)
         return 2
-    from lamina.services.launcher import Stack
-    from lamina.services.supervision import describe_exit
+    from lamina.services.launch.launcher import Stack
+    from lamina.services.launch.supervision import describe_exit
 
     if args.ray_resource and not args.ray:
         print("lamina up: --ray-resource needs --ray", file=sys.stderr)
@@ -125,7 +125,7 @@ def _ray_stack(args: argparse.Namespace, config):
     """The RayStack of `--ray`, or None after printing why there is none."""
     import importlib.util
 
-    from lamina.services.ray_placement import parse_placement
+    from lamina.services.launch.ray_placement import parse_placement
 
     try:
         placement = parse_placement(args.ray_resource)
@@ -135,6 +135,6 @@ def _ray_stack(args: argparse.Namespace, config):
     if importlib.util.find_spec("ray") is None:
         print("lamina up: --ray needs the ray package (pip install -e '.[ray]')", file=sys.stderr)
         return None
-    from lamina.services.ray_stack import RayStack
+    from lamina.services.launch.ray_stack import RayStack
 
     return RayStack(config, args.ray, placement, supervise=args.supervise)

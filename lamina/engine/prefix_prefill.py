@@ -1,7 +1,7 @@
 """Prefill that starts from cached prefix KV, one sequence on the whole model: the glue
 between a PrefixCache and the model that bench/prefix_cache.py and the KV store's tests
 run (the prefill workers batch their prompts over the split model instead:
-services/prefill_service.py).
+services/prefill/prefill_service.py).
 
 The model's attention operators call an AttentionContext (lamina.model.attention); this one
 holds one sequence's KV as [num_layers, 2, T, n_kv_heads, head_dim], with the cached

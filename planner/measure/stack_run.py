@@ -127,7 +127,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
         SchedulerSection,
         StackConfig,
     )
-    from lamina.services.launcher import Stack
+    from lamina.services.launch.launcher import Stack
 
     config = StackConfig(transport=transport, weights=weights,
                          scheduler=SchedulerSection(max_batch_size=len(prompts), max_queue=max(256, len(prompts))),

@@ -104,7 +104,7 @@ class ComposeStack:
         return run("podman", "exec", container, "redis-cli", *args).stdout
 
     def claims(self, section: str) -> dict[int, str]:
-        """index -> holder (host name:pid) of `--index auto` claims (services/index_claims.py)."""
+        """index -> holder (host name:pid) of `--index auto` claims (services/attention/index_claims.py)."""
         keys = self.redis("--scan", "--pattern", f"lamina:index:{section}:*").split()
         return {int(key.rsplit(":", 1)[1]): self.redis("get", key).strip() for key in keys}
 

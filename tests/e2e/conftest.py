@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, start_stack
+from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS
+from shared_stacks import MARKER, order_by_stack, stack_fixtures
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", MARKER)
+
+
+@pytest.hookimpl(trylast=True)  # after the selection (-k, -m) and pytest's own reordering
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items[:] = order_by_stack(items)  # the tests of each shared stack one after another
 
 
 @pytest.fixture(scope="session")
@@ -23,8 +35,4 @@ def reference_outputs(loaded_model, hf_reference):
     return out
 
 
-@pytest.fixture(scope="module")
-def stack():
-    s = start_stack()
-    yield s
-    s.stop()
+stack_pool, stack = stack_fixtures(Path(__file__).resolve().parent)

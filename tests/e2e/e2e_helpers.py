@@ -8,9 +8,16 @@ import json
 import socket
 import urllib.request
 
-from lamina.services.config import (AttentionSection, DeadlinesSection, GatewaySection, ModelWorkerSection, PipelineSection,
-                             PrefillSection, StackConfig)
-from lamina.services.launcher import Stack
+from lamina.services.config import (
+    AttentionSection,
+    DeadlinesSection,
+    GatewaySection,
+    ModelWorkerSection,
+    PipelineSection,
+    PrefillSection,
+    StackConfig,
+)
+from lamina.services.launch.launcher import Stack
 
 CHAT_PROMPTS = ["What is the capital of France?", "Name two colours of the rainbow."]
 COMPLETION_PROMPTS = ["The three primary colours are", "def add(a, b):\n    return"]
@@ -43,6 +50,11 @@ def start_stack(transport: str = "tcp", partition: str = "request", workers: int
     stack = Stack(config, supervise=supervise)
     stack.start(timeout_s=240)
     return stack
+
+
+def api_key(stack: Stack) -> str:
+    """What a client of `stack` sends as its API key (the gateway checks it only when it has one)."""
+    return stack.config.gateway.api_key or "unused"
 
 
 async def attention_stats(stack: Stack) -> list:

@@ -11,6 +11,7 @@ the user on the machine, other clusters' too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -93,10 +94,8 @@ class RayCluster:
                 except subprocess.TimeoutExpired:
                     node.kill()
                     node.wait()
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(node.pid, signal.SIGKILL)  # what of its session is left
-            except ProcessLookupError:
-                pass
         _, alive = psutil.wait_procs(list(self._seen.values()), timeout=grace_s)
         left = []
         for p in alive:

@@ -1,4 +1,8 @@
-"""The OpenAI API of the whole stack, through the official client, against transformers."""
+"""The OpenAI API of the whole stack, through the official client, against transformers.
+
+Every test here shares one stack (shared_stacks.API, whose gateway wants an API key) with
+the web page tests and a row of the transport matrix: each checks differences of
+counters, or occupancy while nothing else is in flight."""
 
 from __future__ import annotations
 
@@ -11,14 +15,14 @@ from typing import Literal
 import openai
 import pydantic
 import pytest
+from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, api_key, attention_stats, service_metric
+from shared_stacks import API
 
-from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, attention_stats, service_metric
-
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.stack(API)]
 
 
 def _client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key=api_key(stack), max_retries=0)
 
 
 def _model(stack) -> str:
@@ -63,7 +67,7 @@ def test_sixteen_concurrent_requests_of_different_lengths(stack, loaded_model):
     lengths = [4 + (i % 5) * 3 for i in range(16)]
 
     async def run_all():
-        client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+        client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=api_key(stack), max_retries=0)
         return await asyncio.gather(*(client.completions.create(model=model, prompt=p, max_tokens=n,
                                                                 temperature=0)
                                       for p, n in zip(prompts, lengths)))
@@ -92,7 +96,7 @@ def test_client_disconnect_frees_kv(stack):
     model = _model(stack)
 
     async def scenario():
-        client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+        client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=api_key(stack), max_retries=0)
         stream = await client.completions.create(model=model, prompt="Count slowly: one, two,", max_tokens=400,
                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
         seen = 0
@@ -112,7 +116,8 @@ def test_client_disconnect_frees_kv(stack):
 
 
 def _post(stack, path: str, body: bytes) -> tuple[int, dict]:
-    req = urllib.request.Request(stack.base_url + path, data=body, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(stack.base_url + path, data=body, headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {api_key(stack)}"})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -124,7 +129,7 @@ def test_bad_input_is_answered_clearly_while_others_continue(stack, reference_ou
     model = _model(stack)
 
     async def scenario():
-        client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+        client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=api_key(stack), max_retries=0)
         p = COMPLETION_PROMPTS[0]
         good = asyncio.create_task(client.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS,
                                                              temperature=0))
@@ -394,7 +399,7 @@ def test_n_choices_share_the_prompt_kv_and_a_disconnect_frees_them_all(stack, lo
     prompt = loaded_model.tokenizer.encode("Count slowly: " + "one, two, three, four, " * 8)
 
     async def scenario():
-        client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+        client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=api_key(stack), max_retries=0)
         stream = await client.completions.create(model=model, prompt=prompt, n=3, max_tokens=400, temperature=0,
                                                  stream=True, extra_body={"ignore_eos": True})
         seen = set()
@@ -437,8 +442,8 @@ def test_structured_output_with_the_clients_typed_parsing(stack, loaded_model):
     """A pydantic response_format parses; JSON mode's greedy tokens equal the local
     engine's under the same grammar (equal to transformers with the same masks:
     tests/model/test_grammar.py); a seeded sampled request repeats; a bad schema is a 400."""
-    from lamina.gateway.protocol import parse_chat_request, resolve_sampling
     from lamina.engine import Engine
+    from lamina.gateway.protocol import parse_chat_request, resolve_sampling
 
     client, model = _client(stack), _model(stack)
     r = client.chat.completions.parse(model=model, messages=[{"role": "user", "content": "Tell me about Paris."}],
@@ -550,6 +555,7 @@ def test_lm_eval_log_likelihoods_through_the_api_equal_its_hf_model(stack, loade
     pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[dev]')")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("OPENAI_API_KEY", api_key(stack))  # what local-completions sends
     _write_lm_eval_task(tmp_path)
     from lm_eval.tasks import TaskManager
 

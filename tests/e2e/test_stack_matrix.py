@@ -1,58 +1,75 @@
-"""Greedy identity with transformers for every transport, worker count and partitioning.
+"""Greedy identity with transformers across the data plane's settings.
 
-Every transport runs both partitionings over two attention workers (where frames are
-split and gathered); one attention worker is covered over tcp, since the transports'
-code does not depend on the worker count. The rows also vary the decode pipeline (1, 2
-or 3 micro-batches; Q-early on and off), so every transport carries both the plain and
-the Q-early frames; the two requests of a row run at once, so with more than one
-micro-batch both are in flight."""
+Four settings vary: the transport (tcp, shm, ucx), the partitioning (request, head), the
+decode pipeline's micro-batches (1, 2, 3) and Q-early (off, on). Every pair of values of
+any two of them runs together in some row, rather than every combination (36 stacks): a
+pairwise covering array of ten rows (nine at least, for transport x micro-batches), which
+`test_every_pair_of_values_runs_together` checks. Every transport runs both partitionings
+over two attention workers, where frames are split and gathered; one row runs head
+partitioning over one worker (request partitioning over one worker is what the elastic
+pool and prefix peers tests run, both checking greedy outputs too).
+
+Four rows are stacks other tests share (shared_stacks.py), which cost no start of their
+own: the API tests' stack, the two decode pipelines' (two model workers; float32 linears,
+rotational) and prefix routing's (two prefill workers); the six over shm and ucx are the
+matrix's own. The two requests
+of a row run at once, so with more than one micro-batch both are in flight."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import openai
 import pytest
+from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, api_key
+from shared_stacks import API, PIPELINE_FIXED, PIPELINE_ROTATIONAL, PREFILL_ROUTING, StackSpec
 
-from lamina import transports
-from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, start_stack
+VALUES = {"transport": ("tcp", "shm", "ucx"), "partition": ("request", "head"), "micro_batches": (1, 2, 3),
+          "q_early": (False, True)}
 
-MATRIX = [("tcp", 1, "request"), ("tcp", 1, "head")] + \
-    [(t, 2, p) for t in ("tcp", "shm", "ucx") for p in ("request", "head")]
-# (micro-batches, Q-early) of each row: every transport gets both Q-early settings and,
-# over two workers, at least two micro-batch counts.
-PIPELINES = [(1, False), (2, True), (3, True), (2, False), (1, True), (3, False), (2, True), (1, False)]
+ROWS = [
+    PREFILL_ROUTING,  # tcp, head over one worker, 1 micro-batch, Q-early (and two prefill workers)
+    API,  # tcp, request, 2 micro-batches, no Q-early
+    PIPELINE_FIXED,  # tcp, request, 3 micro-batches, Q-early
+    PIPELINE_ROTATIONAL,  # tcp, head, 3 micro-batches, no Q-early
+    StackSpec("shm", "request", micro_batches=1, q_early=False),
+    StackSpec("shm", "head", micro_batches=2, q_early=True),
+    StackSpec("shm", "request", micro_batches=3, q_early=True),
+    StackSpec("ucx", "head", micro_batches=1, q_early=False),
+    StackSpec("ucx", "request", micro_batches=2, q_early=True),
+    StackSpec("ucx", "head", micro_batches=3, q_early=True),
+]
+
+
+def test_every_pair_of_values_runs_together():
+    for a, b in itertools.combinations(VALUES, 2):
+        pairs = set(itertools.product(VALUES[a], VALUES[b]))
+        ran = {(getattr(row, a), getattr(row, b)) for row in ROWS}
+        assert ran == pairs, f"{a} x {b}: {sorted(pairs - ran)} in no row"
+    over_two = {(row.transport, row.partition) for row in ROWS if row.workers == 2}
+    assert over_two == set(itertools.product(VALUES["transport"], VALUES["partition"]))
+    assert {row.workers for row in ROWS} == {1, 2}
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("transport", "workers", "partition", "micro_batches", "q_early"),
-                         [(*m, *p) for m, p in zip(MATRIX, PIPELINES)],
-                         ids=[f"{t}-{w}w-{p}-mb{mb}{'-qearly' if q else ''}"
-                              for (t, w, p), (mb, q) in zip(MATRIX, PIPELINES)])
-def test_greedy_identity(transport, workers, partition, micro_batches, q_early, reference_outputs):
-    missing = transports.availability(transport)
-    if missing:
-        pytest.skip(f"{transport} transport unavailable on this machine: {missing}")
-    stack = start_stack(transport=transport, partition=partition, workers=workers, micro_batches=micro_batches,
-                        q_early=q_early)
-    try:
-        client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+@pytest.mark.parametrize("spec", [pytest.param(row, marks=pytest.mark.stack(row), id=row.id) for row in ROWS])
+def test_greedy_identity(spec, stack, reference_outputs):
+    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=api_key(stack), max_retries=0)
 
-        async def both():
-            model = (await client.models.list()).data[0].id
-            return await asyncio.gather(
-                client.chat.completions.create(model=model, messages=[{"role": "user", "content": CHAT_PROMPTS[0]}],
-                                               max_tokens=MAX_TOKENS, temperature=0,
-                                               extra_body={"return_token_ids": True}),
-                client.completions.create(model=model, prompt=COMPLETION_PROMPTS[1], max_tokens=MAX_TOKENS,
-                                          temperature=0, extra_body={"return_token_ids": True}))
+    async def both():
+        model = (await client.models.list()).data[0].id
+        return await asyncio.gather(
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": CHAT_PROMPTS[0]}],
+                                           max_tokens=MAX_TOKENS, temperature=0,
+                                           extra_body={"return_token_ids": True}),
+            client.completions.create(model=model, prompt=COMPLETION_PROMPTS[1], max_tokens=MAX_TOKENS,
+                                      temperature=0, extra_body={"return_token_ids": True}))
 
-        chat, completion = asyncio.run(both())
-        ref = reference_outputs[("chat", CHAT_PROMPTS[0])]
-        assert chat.choices[0].model_extra["token_ids"] == ref["token_ids"]
-        assert chat.choices[0].message.content == ref["text"]
-        ref = reference_outputs[("completion", COMPLETION_PROMPTS[1])]
-        assert completion.choices[0].model_extra["token_ids"] == ref["token_ids"]
-        assert completion.choices[0].text == ref["text"]
-    finally:
-        stack.stop()
+    chat, completion = asyncio.run(both())
+    ref = reference_outputs[("chat", CHAT_PROMPTS[0])]
+    assert chat.choices[0].model_extra["token_ids"] == ref["token_ids"]
+    assert chat.choices[0].message.content == ref["text"]
+    ref = reference_outputs[("completion", COMPLETION_PROMPTS[1])]
+    assert completion.choices[0].model_extra["token_ids"] == ref["token_ids"]
+    assert completion.choices[0].text == ref["text"]

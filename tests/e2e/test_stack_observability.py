@@ -5,6 +5,7 @@ every service exports.
 Chromium is Debian's `chromium`, driven by the `playwright` package (its own browser
 downloads are never used). The stack has an API key, so the pages must take it from
 their key field. Screenshots of each page are saved under the test's temporary directory.
+The stack is the one the API tests share (shared_stacks.API).
 """
 
 from __future__ import annotations
@@ -23,26 +24,19 @@ from typing import Any
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from shared_stacks import API
 
-from e2e_helpers import start_stack
 from lamina.services.cluster_status import KINDS
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.stack(API)]
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
-API_KEY = "web-page-test-key"
+API_KEY = API.api_key
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 QUESTION = "What is the capital of France?"
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def stack():
-    s = start_stack(api_key=API_KEY)
-    yield s
-    s.stop()
 
 
 @dataclass
@@ -256,7 +250,7 @@ def _dashboard_metrics() -> dict[str, set[str]]:
         for target in panel.get("targets", []):
             names: list[str | None] = []
 
-            def visit(node) -> None:
+            def visit(node, names: list[str | None] = names) -> None:
                 if isinstance(node, promql.VectorSelector):
                     names.append(node.name)
 

@@ -1,7 +1,11 @@
 """Two prefill workers (issue 12): prompts that share a long prefix, sent one after
 another, go to the worker whose prefix cache holds it (seen in its block records in the
 metadata store and in each worker's Prometheus counters), a prompt sharing nothing goes
-to the other one, and every greedy output equals transformers'."""
+to the other one, and every greedy output equals transformers'.
+
+The stack (shared_stacks.PREFILL_ROUTING) serves this test first, as it started, and then
+the transport matrix's row of head partitioning over one attention worker; its pool
+checks, when it stops it, that its configuration (with the token) and logs went with it."""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ import asyncio
 
 import pytest
 import torch
-from e2e_helpers import complete, service_metric, start_stack
+from e2e_helpers import complete, service_metric
+from shared_stacks import PREFILL_ROUTING
 
 from lamina.kvstore.block_hash import block_hashes
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore
@@ -32,7 +37,8 @@ CASES = [(SHARED_X, "Where is the oldest vase?", "prefill-0"),  # nothing cached
          (SHARED_Y, "How hot is the oven?", "prefill-1")]
 
 
-def test_prompts_sharing_a_prefix_go_to_the_worker_holding_it(loaded_model, hf_reference):
+@pytest.mark.stack(PREFILL_ROUTING, first=True)  # nothing cached, no worker chosen yet
+def test_prompts_sharing_a_prefix_go_to_the_worker_holding_it(stack, loaded_model, hf_reference):
     tok = loaded_model.tokenizer
     prompts = [tok.encode(shared + question) for shared, question, _ in CASES]
     assert min(len(p) for p in prompts) > 4 * BLOCK_TOKENS
@@ -43,13 +49,8 @@ def test_prompts_sharing_a_prefix_go_to_the_worker_holding_it(loaded_model, hf_r
                                         max_new_tokens=MAX_TOKENS, do_sample=False)
         references.append(tok.decode(gen[0, len(ids):].tolist()))
 
-    stack = start_stack(workers=1, micro_batches=1, prefill_workers=2)
-    try:
-        asyncio.run(_check(stack, prompts, references))
-        _check_counters(stack, prompts)
-    finally:
-        stack.stop()
-    assert not stack.work_dir.exists()  # its configuration (with the token) and logs went with it
+    asyncio.run(_check(stack, prompts, references))
+    _check_counters(stack, prompts)
 
 
 async def _check(stack, prompts: list[list[int]], references: list[str]) -> None:

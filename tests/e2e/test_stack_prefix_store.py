@@ -120,8 +120,10 @@ async def _check(stack, cfg, section: PrefillSection) -> None:
         await store.close()
     assert figures["hit_tokens"] == replica.stats.num_hit_tokens > 0
 
-    result = subprocess.run([sys.executable, "-m", "lamina.cli", "status", "--json", "--port",
-                             str(stack.config.gateway.port)], capture_output=True, text=True, timeout=120)
+    # In a thread: the command reads the gateway this event loop's stack serves.
+    result = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "lamina.cli", "status", "--json", "--port",
+                         str(stack.config.gateway.port)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     (cache,) = status["prefix_cache"]

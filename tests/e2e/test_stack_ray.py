@@ -25,8 +25,8 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
-
 from e2e_helpers import CHAT_PROMPTS, MAX_TOKENS, free_port
+
 from lamina.lifetime import child_env
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow,

@@ -1,10 +1,17 @@
-"""What the fault tests share: the prompts, and streaming them all while something is killed."""
+"""What the fault tests share: the prompts, streaming them all while something is killed,
+and the stack of those that kill nothing."""
 
 from __future__ import annotations
 
 import asyncio
 
 import openai
+from shared_stacks import StackSpec
+
+# The stack the tests that kill nothing share (tcp, one attention worker): the cluster
+# token's checks (test_auth_stack.py), hostile frames (test_fuzz_frames.py) and hostile
+# HTTP (test_fuzz_http.py). Each checks that every process is still alive.
+ONE_WORKER = StackSpec(workers=1)
 
 PROMPTS = ["What is the capital of France?", "Name two colours of the rainbow.", "Why is the sky blue?",
            "Give me a word that rhymes with cat.", "What do bees make?", "How many legs does a spider have?",

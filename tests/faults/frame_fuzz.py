@@ -2,7 +2,7 @@
 random.Random: the frames of tests/faults/test_fuzz_frames.py.
 
 Hostile frames pass every checksum and break the worker's rules (lamina.services.wire,
-lamina.services.attention_checks); each gets an ERROR reply. Corrupted frames are a valid
+lamina.services.attention.attention_checks); each gets an ERROR reply. Corrupted frames are a valid
 frame's bytes with bytes flipped, cut short or with lengths declared that the bytes
 do not hold; the worker may close their connection (the transport's rule).
 """

@@ -38,7 +38,7 @@ def _is_refused(field_name: str, value, chat: bool) -> bool:
         return field_name in ("model", "prompt", "messages")
     ok = {
         "model": lambda v: False,  # any other name is an unknown model (404)
-        "prompt": lambda v: isinstance(v, str) and v != "" or v == [1] or v == ["x"],
+        "prompt": lambda v: (isinstance(v, str) and v != "") or v == [1] or v == ["x"],
         "messages": lambda v: False,
         "max_tokens": lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 64,
         "max_completion_tokens": lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 64,
@@ -179,12 +179,14 @@ def check_refusal(m: Malformed, status: int, body) -> None:
 BROKEN_FRAMING = [b"GARBAGE\r\n\r\n", b"POST /v1/completions HTTP/9.9\r\nHost: x\r\n\r\n",
                   b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 20000 + b"\r\n\r\n",
                   b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
-                  b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\nab\r\n0\r\n\r\n",
+                  b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  b"ZZ\r\nab\r\n0\r\n\r\n",
                   b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nNoColon\r\n\r\n",
                   b"POST /v1/comp\x00letions HTTP/1.1\r\nHost: x\r\n\r\n"]
 
 
-async def raw_exchange(port: int, data: bytes, half_close: bool, timeout: float = 30) -> bytes:
+async def raw_exchange(port: int, data: bytes, half_close: bool,
+                       timeout: float = 30) -> bytes:  # noqa: ASYNC109 (the quiet time that ends the read, not a deadline)
     """Send `data` (then end our side when `half_close`), and read what comes back
     until the server closes or `timeout` passes with nothing more."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)

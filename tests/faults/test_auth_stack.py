@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from e2e_helpers import attention_stats, start_stack
+from e2e_helpers import attention_stats
+from fault_helpers import ONE_WORKER
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from shared_stacks import StackPool, StackSpec, shared_stack
 
 from lamina import transports
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 from lamina.services.channels import open_channel
+from lamina.services.launch.launcher import Stack
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 
 pytestmark = pytest.mark.timeout(600)
@@ -25,15 +28,12 @@ MAX_TOKENS = 48
 VICTIM_TOKENS = 160  # long enough to be still decoding while the test calls Free
 
 
-@pytest.fixture(scope="module", params=["tcp", "shm"])
-def stack(request):
-    """One stack per data-plane transport: shm's socket has its own check (same user) before
-    the token handshake."""
-    stack = start_stack(transport=request.param, workers=1)
-    try:
-        yield stack
-    finally:
-        stack.stop()
+@pytest.fixture(params=[pytest.param(spec, marks=pytest.mark.stack(spec), id=spec.transport)
+                        for spec in (ONE_WORKER, StackSpec("shm", workers=1))])
+def stack(request: pytest.FixtureRequest, stack_pool: StackPool) -> Stack:
+    """A stack per data-plane transport: shm's socket has its own check (same user) before
+    the token handshake. The tcp one is the fault tests' shared stack."""
+    return shared_stack(request, stack_pool)
 
 
 async def _registered(stack, kind: str) -> list:

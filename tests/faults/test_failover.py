@@ -37,9 +37,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("victim", "after_chunks", "options"), CASES,
-                         ids=[f"{v}-{'prefill' if a is None else 'decode'}{'-' + o['pipeline_mode'] if 'pipeline_mode' in o else ''}"
-                              for v, a, o in CASES])
+def _case_id(victim: str, after_chunks: int | None, options: dict) -> str:
+    mode = f"-{options['pipeline_mode']}" if "pipeline_mode" in options else ""
+    return f"{victim}-{'prefill' if after_chunks is None else 'decode'}{mode}"
+
+
+@pytest.mark.parametrize(("victim", "after_chunks", "options"), CASES, ids=[_case_id(*c) for c in CASES])
 def test_streams_survive_a_killed_worker(victim, after_chunks, options, references):
     stack = start_stack(**options)
     try:

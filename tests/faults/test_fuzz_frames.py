@@ -5,7 +5,10 @@ lengths they do not hold), while a real request decodes beside them.
 Every hostile frame gets an ERROR reply on a connection that stays up; a corrupted
 one may cost its own connection, nothing more. The workers stay alive, their own
 sequences keep exactly their KV, and the request's tokens equal a run before the
-fuzzing. The seed (LAMINA_FUZZ_SEED) is printed on failure."""
+fuzzing. The seed (LAMINA_FUZZ_SEED) is printed on failure.
+
+The stack is the one the fault tests that kill nothing share (fault_helpers.ONE_WORKER):
+one attention worker, so the real request's KV is on the worker being fuzzed."""
 
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 import torch
-from e2e_helpers import start_stack
-from frame_fuzz import HQ, HKV, L, HostileFrames, corrupt, frame_bytes
+from fault_helpers import ONE_WORKER
+from frame_fuzz import HKV, HQ, HostileFrames, L, corrupt, frame_bytes
 
 from lamina import transports
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore
@@ -29,7 +32,7 @@ from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.wire import Attend, Kind, StoreKV
 from lamina.transports.handshake import client_handshake
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.stack(ONE_WORKER)]
 
 SEED = int(os.environ.get("LAMINA_FUZZ_SEED", "1123"))
 NUM_HOSTILE = 1500  # on one connection per worker
@@ -37,15 +40,6 @@ NUM_CORRUPTED = 600  # one connection each
 PROMPT = "The history of the printing press began"
 MAX_TOKENS = 24
 HELD = 5  # tokens of each worker's own fuzzing sequence
-
-
-@pytest.fixture(scope="module")
-def stack():
-    s = start_stack()
-    try:
-        yield s
-    finally:
-        s.stop()
 
 
 async def _workers(stack) -> list:
@@ -101,7 +95,7 @@ async def _corrupted(endpoint: str, tcfg: transports.TransportConfig, rng: rando
         seen[what] = seen.get(what, 0) + 1
         reader, writer = await asyncio.open_connection(host, port)
         try:
-            async def send(b: bytes) -> None:
+            async def send(b: bytes, writer: asyncio.StreamWriter = writer) -> None:
                 writer.write(b)
                 await writer.drain()
 

@@ -13,18 +13,15 @@ import asyncio
 import json
 import os
 import random
-import sys
-from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
+from fault_helpers import ONE_WORKER
+from gateway_helpers import MODEL, SCRIPT_TEXT, ScriptedBackend, serve
 from http_fuzz import BROKEN_FRAMING, MalformedRequests, check_refusal, raw_exchange, slow_client
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
-from gateway_helpers import MODEL, SCRIPT_TEXT, ScriptedBackend, serve  # noqa: E402
-
-from lamina.gateway.config import GatewayConfig  # noqa: E402
+from lamina.gateway.config import GatewayConfig
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -137,33 +134,28 @@ async def test_malformed_requests_against_the_gateway(tokenizer, caplog):
     assert backend.num_running == 0
 
 
-def test_malformed_requests_against_a_real_stack():
-    from e2e_helpers import start_stack
-
+@pytest.mark.stack(ONE_WORKER)
+def test_malformed_requests_against_a_real_stack(stack):
     print(f"fuzz seed: {SEED} (set LAMINA_FUZZ_SEED to replay)")
-    stack = start_stack(workers=1)
-    try:
-        async def scenario() -> None:
-            client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0,
-                                        timeout=120)
-            model = (await client.models.list()).data[0].id
 
-            async def complete() -> list[int]:
-                r = await client.completions.create(model=model, prompt="The three primary colours are",
-                                                    max_tokens=16, temperature=0,
-                                                    extra_body={"return_token_ids": True, "ignore_eos": True})
-                return r.choices[0].model_extra["token_ids"]
+    async def scenario() -> None:
+        client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = (await client.models.list()).data[0].id
 
-            before = await complete()
+        async def complete() -> list[int]:
+            r = await client.completions.create(model=model, prompt="The three primary colours are",
+                                                max_tokens=16, temperature=0,
+                                                extra_body={"return_token_ids": True, "ignore_eos": True})
+            return r.choices[0].model_extra["token_ids"]
 
-            async def beside() -> None:
-                assert await complete() == before
+        before = await complete()
 
-            await _fuzz(stack.base_url, model, 8 << 20, 220, beside)
-            await _no_server_errors(stack.base_url)
+        async def beside() -> None:
+            assert await complete() == before
 
-        asyncio.run(scenario())
-        assert stack.dead_process() is None
-        assert "unhandled error" not in (stack.log_dir / "gateway.log").read_text()
-    finally:
-        stack.stop()
+        await _fuzz(stack.base_url, model, 8 << 20, 220, beside)
+        await _no_server_errors(stack.base_url)
+
+    asyncio.run(scenario())
+    assert stack.dead_process() is None
+    assert "unhandled error" not in (stack.log_dir / "gateway.log").read_text()

@@ -17,8 +17,8 @@ import pytest
 from e2e_helpers import free_port, start_stack
 
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore
-from lamina.services.launcher import Stack
-from lamina.services.supervision import RestartPolicy
+from lamina.services.launch.launcher import Stack
+from lamina.services.launch.supervision import RestartPolicy
 
 pytestmark = pytest.mark.timeout(600)
 

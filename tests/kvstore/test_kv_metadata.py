@@ -190,8 +190,8 @@ def test_resolve_redis_url(monkeypatch):
 async def test_journal_batches_and_ends_requests(store, namespace):
     import base64
 
-    from lamina.services.journal import Journal
     from lamina.services.protos import lamina_pb2
+    from lamina.services.scheduler.journal import Journal
 
     journal = Journal(store, "scheduler-0", interval_s=0.01)
     journal.start()

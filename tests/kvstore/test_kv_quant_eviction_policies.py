@@ -3,7 +3,7 @@ import torch
 
 from lamina.kvstore.eviction import BlockStats, make_policy
 from lamina.kvstore.quant import dequantize_4bit, quantize_4bit
-from lamina.services.scheduling_policies import (
+from lamina.services.scheduler.scheduling_policies import (
     SCHEDULING_POLICIES,
     QueuedRequest,
     fastest_prefix_first,

@@ -8,7 +8,7 @@ import torch
 
 from lamina.model.attention import batched_attention
 from lamina.model.config import ModelConfig
-from lamina.services.attention_core import AttentionCore
+from lamina.services.attention.attention_core import AttentionCore
 from lamina.services.wire import RemoteError, StoreKV
 
 CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=9,

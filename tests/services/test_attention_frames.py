@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lamina.model.attention import batched_attention
-from lamina.services.attention_service import AttentionService
+from lamina.services.attention.attention_service import AttentionService
 from lamina.services.config import AttentionSection, StackConfig
 from lamina.services.wire import Attend, Kind, StoreKV, decode_tag
 from lamina.transports import Frame
@@ -189,7 +189,7 @@ def test_a_malformed_layer_abandons_its_store(service):
 
 
 def test_stores_in_progress_are_bounded(service, monkeypatch):
-    monkeypatch.setattr("lamina.services.attention_core._MAX_PENDING_STORES", 3)
+    monkeypatch.setattr("lamina.services.attention.attention_core._MAX_PENDING_STORES", 3)
     kv = (torch.randn(1, HKV, D), torch.randn(1, HKV, D))
     for s in "xyz":
         assert service._handle(StoreKV(s, 0, L, *kv).to_frame(), {}) is None

@@ -9,8 +9,8 @@ import torch
 from lamina.model.attention import batched_attention
 from lamina.model.config import ModelConfig
 from lamina.model.kv_quant import Q4Rows
-from lamina.services.attention_core import AttentionCore
-from lamina.services.attention_service import AttentionService
+from lamina.services.attention.attention_core import AttentionCore
+from lamina.services.attention.attention_service import AttentionService
 from lamina.services.config import AttentionSection, ConfigError, StackConfig, load_config
 from lamina.services.wire import Attend, Kind, StoreKV, frame_tag
 

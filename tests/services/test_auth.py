@@ -19,7 +19,7 @@ from lamina.gateway.config import GatewayConfig, is_loopback
 from lamina.services.auth import TOKEN_METADATA_KEY, token_matches
 from lamina.services.channels import open_channel
 from lamina.services.config import ConfigError, GatewaySection, StackConfig, load_config
-from lamina.services.gateway_service import gateway_config
+from lamina.services.gateway.gateway_service import gateway_config
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime
 

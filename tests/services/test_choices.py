@@ -8,10 +8,10 @@ import torch
 
 from lamina.model.attention import batched_attention
 from lamina.model.config import ModelConfig
-from lamina.services.attention_core import AttentionCore
-from lamina.services.choices import choice_id, choice_seed, reserve_tokens
+from lamina.services.attention.attention_core import AttentionCore
 from lamina.services.protos import lamina_pb2
-from lamina.services.scheduler_state import Request, can_admit
+from lamina.services.scheduler.choices import choice_id, choice_seed, reserve_tokens
+from lamina.services.scheduler.scheduler_state import Request, can_admit
 from lamina.services.wire import RemoteError, StoreKV
 
 CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=9,

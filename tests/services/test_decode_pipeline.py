@@ -13,8 +13,8 @@ import asyncio
 import pytest
 import torch
 
-from lamina.services.decode_runner import DecodeRunner
-from lamina.services.micro_batches import join_target, num_active, rebalance
+from lamina.services.model.decode_runner import DecodeRunner
+from lamina.services.model.micro_batches import join_target, num_active, rebalance
 from lamina.services.protos import lamina_pb2
 from lamina.services.wire import RemoteError
 

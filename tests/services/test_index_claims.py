@@ -12,8 +12,8 @@ import pytest
 from lamina.commands import attention
 from lamina.commands._service_args import _serve_with_claimed_index, index_limit
 from lamina.kvstore.redis_server import EmbeddedRedis
+from lamina.services.attention.index_claims import IndexClaim, choose_index
 from lamina.services.config import load_config
-from lamina.services.index_claims import IndexClaim, choose_index
 
 
 def test_choose_index_prefers_the_owners_own_then_the_lowest_free():

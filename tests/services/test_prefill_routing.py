@@ -1,5 +1,5 @@
-"""Routing prompts over several prefill workers: the pure policy (lamina.services.prefill_routing)
-on hand-checked cases, and the scheduler's side (lamina.services.prefill_clients) against a real
+"""Routing prompts over several prefill workers: the pure policy (lamina.services.scheduler.prefill_routing)
+on hand-checked cases, and the scheduler's side (lamina.services.scheduler.prefill_clients) against a real
 Redis holding blocks that real prefix caches published."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
 from lamina.kvstore.redis_server import EmbeddedRedis
 from lamina.services.config import PREFILL_ROUTINGS, PrefillSection, StackConfig
-from lamina.services.prefill_clients import PrefillClients
-from lamina.services.prefill_routing import (
+from lamina.services.protos import lamina_pb2
+from lamina.services.scheduler.prefill_clients import PrefillClients
+from lamina.services.scheduler.prefill_routing import (
     ROUTINGS,
     PrefillLoad,
     choose,
@@ -26,7 +27,6 @@ from lamina.services.prefill_routing import (
     choose_round_robin,
     matched_tokens,
 )
-from lamina.services.protos import lamina_pb2
 
 BS = 4  # block size of these tests (tokens)
 
@@ -102,7 +102,7 @@ def test_a_prompt_with_no_home_goes_to_the_worker_sent_the_least_work_lately():
 
 
 def test_recent_work_halves_every_half_life():
-    from lamina.services.prefill_clients import _RECENT_HALF_LIFE_S, _Worker
+    from lamina.services.scheduler.prefill_clients import _RECENT_HALF_LIFE_S, _Worker
 
     w = _Worker("prefill-0")
     w.add_recent(1000, now=10.0)
@@ -217,7 +217,7 @@ async def test_prompts_go_to_the_worker_whose_cache_holds_their_prefix(redis_url
             await clients.prefill(1, _request(20), 0)
         assert not clients.workers[1].alive and clients.workers[1].queued_tokens == 0
         # prefill-0 is expected to hold 3 blocks now: the store shows one, and the prompt routed
-        # to it above claimed the rest (lamina.services.prefix_claims).
+        # to it above claimed the rest (lamina.services.scheduler.prefix_claims).
         assert await clients.route(shared + [1, 2]) == (0, 3 * BS, None)
         clients.workers[0].alive = False
         assert await clients.route(shared + [1, 2]) is None
@@ -257,7 +257,7 @@ def test_prefill_workers_configuration(tmp_path):
 
 def test_prefill_device_configuration(capsys):
     from lamina.services.config import ConfigError, load_config
-    from lamina.services.prefill_service import PrefillService, cache_config
+    from lamina.services.prefill.prefill_service import PrefillService, cache_config
 
     assert load_config(env={}).prefill.device == "cpu"
     for name in ("cuda", "cuda:1"):
@@ -322,7 +322,7 @@ def test_prefix_cache_tiers_and_quantization_from_the_configuration(tmp_path):
     from lamina.kvstore.quant import QuantizedTensor
     from lamina.kvstore.tiers import Tier
     from lamina.services.config import ConfigError, load_config
-    from lamina.services.prefill_service import cache_config
+    from lamina.services.prefill.prefill_service import cache_config
 
     cfg = load_config(env={"LAMINA_PEER_FETCH": "off"}, overrides={
         "prefill.cache_quantize_4bit": True, "prefill.cache_quant_group_size": 32, "prefill.cache_disk_bytes": 1 << 20,
@@ -344,7 +344,7 @@ def test_prefix_cache_tiers_and_quantization_from_the_configuration(tmp_path):
 
 # -- claims: blocks routed and not yet in the store ---------------------------------------------
 def test_claims_add_to_the_store_until_they_expire_or_settle():
-    from lamina.services.prefix_claims import PrefixClaims
+    from lamina.services.scheduler.prefix_claims import PrefixClaims
 
     claims = PrefixClaims()
     claims.claim("prefill-1", ["h0", "h1"], until=30.0)

@@ -1,4 +1,4 @@
-"""Prefix KV between prefill workers: the fetch policy (lamina.services.prefix_fetch_policy) on
+"""Prefix KV between prefill workers: the fetch policy (lamina.services.scheduler.prefix_fetch_policy) on
 hand-checked cases, the FETCH_PREFIX / PREFIX_KV messages, and a real PrefixServer and
 PrefixFetcher over a real TCP connection, reading a real prefix cache's tiers."""
 
@@ -14,8 +14,8 @@ from lamina import transports
 from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
 from lamina.model.config import ModelConfig
 from lamina.services.config import PEER_FETCH_MODES
-from lamina.services.prefix_fetch_policy import MODES, plan_fetch
-from lamina.services.prefix_peers import PrefixFetcher, PrefixServer
+from lamina.services.prefill.prefix_peers import PrefixFetcher, PrefixServer
+from lamina.services.scheduler.prefix_fetch_policy import MODES, plan_fetch
 from lamina.services.wire import FetchPrefix, Kind, PrefixKV, RemoteError
 
 BS = 4

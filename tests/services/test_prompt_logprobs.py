@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lamina.services.prompt_logprobs import logit_rows
+from lamina.services.prefill.prompt_logprobs import logit_rows
 
 
 def test_only_the_last_row_of_prompts_that_do_not_ask():

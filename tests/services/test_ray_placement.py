@@ -1,5 +1,5 @@
 """Which Ray resource each kind of service asks, and the check that a cluster can hold
-the stack (services/ray_placement.py), and what `lamina up --ray` refuses before it
+the stack (services/launch/ray_placement.py), and what `lamina up --ray` refuses before it
 starts anything: no Ray cluster needed."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import signal
 import pytest
 
 from lamina.services.config import AttentionSection, ModelWorkerSection, StackConfig
-from lamina.services.launcher import service_commands
-from lamina.services.ray_placement import KINDS, RayPlacement, demand, parse_placement, shortfalls
+from lamina.services.launch.launcher import service_commands
+from lamina.services.launch.ray_placement import KINDS, RayPlacement, demand, parse_placement, shortfalls
 
 
 def _kinds(config: StackConfig) -> list[str]:

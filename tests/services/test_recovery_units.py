@@ -16,7 +16,7 @@ from lamina.services.attention_pool import AttentionPool, SeqRows
 from lamina.services.config import ConfigError
 from lamina.services.config import load_config as load_stack_config
 from lamina.services.protos import lamina_pb2
-from lamina.services.scheduler_state import Request
+from lamina.services.scheduler.scheduler_state import Request
 from lamina.services.wire import decode_tag, frame_tag, result_frame
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""The restart policy of supervised services (services/supervision.py): pure decisions."""
+"""The restart policy of supervised services (services/launch/supervision.py): pure decisions."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from lamina.services.supervision import GiveUp, Restart, RestartPolicy, Run, decide, describe_exit
+from lamina.services.launch.supervision import GiveUp, Restart, RestartPolicy, Run, decide, describe_exit
 
 POLICY = RestartPolicy(base_delay_s=0.5, max_delay_s=4.0, max_exits=4, window_s=100.0, stable_s=30.0)
 

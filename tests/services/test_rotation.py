@@ -18,10 +18,10 @@ from lamina import transports
 from lamina.model.attention import attention_with_lse
 from lamina.model.batch import StepBatch
 from lamina.services.attention_pool import SeqRows
-from lamina.services.model_service import ModelSlices
-from lamina.services.rotation import LOCAL, coordinator, pick_executor
-from lamina.services.slice_peers import SliceExecutors
-from lamina.services.slice_server import SliceServer, slice_tensors
+from lamina.services.model.model_service import ModelSlices
+from lamina.services.model.rotation import LOCAL, coordinator, pick_executor
+from lamina.services.model.slice_peers import SliceExecutors
+from lamina.services.model.slice_server import SliceServer, slice_tensors
 from lamina.services.wire import Kind, RunSlice, frame_tag
 
 pytestmark = pytest.mark.timeout(120)

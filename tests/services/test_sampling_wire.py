@@ -55,7 +55,7 @@ def test_a_joining_sequence_rebuilds_its_grammar_state_from_its_outputs():
     from lamina.model.loader import load_tokenizer
     from lamina.sampling.grammar import Grammars
     from lamina.sampling.sampler import Sampler
-    from lamina.services.decode_runner import DecodeSeq
+    from lamina.services.model.decode_runner import DecodeSeq
 
     tok = load_tokenizer()[0]
     grammars = Grammars(tok)

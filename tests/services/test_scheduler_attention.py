@@ -1,4 +1,4 @@
-"""The scheduler's attention pool (services/scheduler_attention.py) without processes:
+"""The scheduler's attention pool (services/scheduler/scheduler_attention.py) without processes:
 reservations, orphaned sequences freed once a worker answers, a restarted worker
 followed to its new address. The workers are stand-ins for their control stubs."""
 
@@ -10,8 +10,8 @@ import grpc
 
 from lamina.services.config import StackConfig
 from lamina.services.protos import lamina_pb2
-from lamina.services.scheduler_attention import AttentionWorkers
-from lamina.services.scheduler_state import Request
+from lamina.services.scheduler.scheduler_attention import AttentionWorkers
+from lamina.services.scheduler.scheduler_state import Request
 
 
 class _Worker:

@@ -9,11 +9,11 @@ import torch
 
 from lamina.model.attention import batched_attention
 from lamina.model.config import ModelConfig
-from lamina.services.attention_core import AttentionCore
+from lamina.services.attention.attention_core import AttentionCore
 from lamina.services.config import ConfigError, load_config
 from lamina.services.placement import head_range, place_request, placeable
 from lamina.services.protos import lamina_pb2
-from lamina.services.scheduler_state import Request, admission_order, admission_refusal, can_admit
+from lamina.services.scheduler.scheduler_state import Request, admission_order, admission_refusal, can_admit
 from lamina.services.wire import (
     Attend,
     Kind,
@@ -249,7 +249,7 @@ def test_frames_round_trip_and_errors():
 
 
 def test_prefill_batches_take_waiting_prompts_up_to_the_token_limit():
-    from lamina.services.prefill_service import take_batch
+    from lamina.services.prefill.prefill_service import take_batch
     from lamina.services.protos import lamina_pb2
 
     def req(n: int) -> lamina_pb2.PrefillRequest:
@@ -263,7 +263,7 @@ def test_prefill_batches_take_waiting_prompts_up_to_the_token_limit():
 
 
 def test_a_prompt_whose_prefix_the_batch_computes_waits_for_the_next_batch():
-    from lamina.services.prefill_service import shares_uncached_block, take_batch
+    from lamina.services.prefill.prefill_service import shares_uncached_block, take_batch
     from lamina.services.protos import lamina_pb2
 
     bs = 4
@@ -297,7 +297,7 @@ async def test_a_prefill_that_fails_after_its_call_stops_counting_once():
     step after it (here starting its choices) fails: admission counts prefilling requests."""
     from lamina.services.config import StackConfig
     from lamina.services.protos import lamina_pb2
-    from lamina.services.scheduler_service import SchedulerService, Status
+    from lamina.services.scheduler.scheduler_service import SchedulerService, Status
 
     svc = SchedulerService(StackConfig(redis_url="redis://127.0.0.1:1"))  # no Redis call is made here
     svc.attention.capacity_tokens = [10_000]
@@ -338,10 +338,10 @@ async def test_a_full_queue_is_resource_exhausted_and_the_gateway_backend_calls_
 
     from lamina.gateway.backend import QueueFullError, RequestRefusedError
     from lamina.services.config import SchedulerSection, StackConfig
+    from lamina.services.gateway.scheduler_client import _error
     from lamina.services.protos import lamina_pb2_grpc
-    from lamina.services.scheduler_client import _error
-    from lamina.services.scheduler_service import SchedulerService, _SchedulerServicer
-    from lamina.services.scheduler_state import QueueFull
+    from lamina.services.scheduler.scheduler_service import SchedulerService, _SchedulerServicer
+    from lamina.services.scheduler.scheduler_state import QueueFull
 
     svc = SchedulerService(StackConfig(redis_url="redis://127.0.0.1:1", scheduler=SchedulerSection(max_queue=1)))
     svc.attention.capacity_tokens = [10_000]  # no admission loop runs: a queued request stays queued

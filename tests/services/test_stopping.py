@@ -16,7 +16,7 @@ from lamina.aio import cancel_and_wait
 from lamina.kvstore.batches import write_batches
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 from lamina.services.config import StackConfig
-from lamina.services.launcher import ServiceProcess, Stack
+from lamina.services.launch.launcher import ServiceProcess, Stack
 from lamina.services.runtime import refresh_every_half_ttl
 
 # A process with the services' dump handlers whose event loop ignores SIGTERM and waits
@@ -54,7 +54,7 @@ def test_stop_copies_a_hung_services_stacks_into_the_log(tmp_path, caplog):
             time.sleep(0.05)  # until its handlers are installed: it says so in its log, nothing to wait on
         assert b"ready" in log_path.read_bytes(), log_path.read_text()
         stack.processes = [ServiceProcess("hung", [], proc=proc)]
-        with caplog.at_level(logging.WARNING, logger="lamina.services.launcher"):
+        with caplog.at_level(logging.WARNING, logger="lamina.services.launch.launcher"):
             stack.stop(timeout_s=1.0)
     finally:
         if proc.poll() is None:

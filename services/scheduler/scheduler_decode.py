@@ -1,6 +1,6 @@
 """Decode: the scheduler's side of the model workers' decode streams.
 
-`DecodeStreams` owns one `ModelStream` per model worker (lamina.services.model_streams),
+`DecodeStreams` owns one `ModelStream` per model worker (lamina.services.scheduler.model_streams),
 the requests a model worker holds (`decoding`, by KV id: joined and not yet released),
 the requests whose KV is in place while no model worker is live (`parked`), the step
 counts reported by Stats, and the tasks that open a lost worker's stream again. It
@@ -31,15 +31,15 @@ import grpc
 from lamina.aio import raise_if_cancelled
 from lamina.kvstore.metadata import REDIS_ERRORS
 from lamina.services.channels import open_channel
-from lamina.services.micro_batches import join_target
-from lamina.services.model_streams import ModelStream
+from lamina.services.model.micro_batches import join_target
+from lamina.services.model.rotation import coordinator
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
-from lamina.services.rotation import coordinator
 from lamina.services.sampling_wire import join_history, logprobs_of
-from lamina.services.scheduler_state import Request, Status
+from lamina.services.scheduler.model_streams import ModelStream
+from lamina.services.scheduler.scheduler_state import Request, Status
 
 if TYPE_CHECKING:
-    from lamina.services.scheduler_service import SchedulerService
+    from lamina.services.scheduler.scheduler_service import SchedulerService
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class DecodeStreams:
     # -- joins and leaves -------------------------------------------------------------------
     def join(self, req: Request) -> None:
         """Hand a prefilled request to the least loaded live model worker's decode
-        stream (rotational: the coordinator's, lamina.services.rotation); with none live, it
+        stream (rotational: the coordinator's, lamina.services.model.rotation); with none live, it
         waits (KV in place) for one to come back."""
         if req not in self._s.running:
             self._s.running.append(req)

@@ -1,6 +1,6 @@
 """When to restart a service process that exited: a pure policy, no processes here.
 
-The launcher (`lamina.services.launcher.Stack`) records each exit of a service as a `Run`
+The launcher (`lamina.services.launch.launcher.Stack`) records each exit of a service as a `Run`
 (when that process started and when it exited, monotonic seconds) and asks `decide`
 what to do. The answer is a `Restart` after a delay that doubles with each exit since
 the service last ran stably, or `GiveUp` when it keeps crashing: then restarting again

@@ -31,7 +31,7 @@ from lamina.services.attention_members import membership, worker_index
 from lamina.services.config import StackConfig
 from lamina.services.placement import place_request, placeable
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
-from lamina.services.scheduler_state import Request
+from lamina.services.scheduler.scheduler_state import Request
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ request arrives at a service that is already gone.
 
 Supervision (`supervise=True`, what `lamina up` uses): once the stack is healthy, a
 thread owned by the Stack restarts a service process that exits, with the same argv,
-after the delay `lamina.services.supervision.decide` returns; it gives up on a service that
+after the delay `lamina.services.launch.supervision.decide` returns; it gives up on a service that
 keeps crashing and sets `given_up`, and then restarts nothing more. `stop()` ends
 supervision before it stops any process, so a stop never races with a restart.
 """
@@ -38,9 +38,10 @@ from lamina.kvstore.metadata import REDIS_ERRORS, MetadataConfig, MetadataStore
 from lamina.kvstore.redis_server import EmbeddedRedis
 from lamina.lifetime import child_env, spawn_logged
 from lamina.model.loader import resolve_checkpoint
-from lamina.services import local_stacks, stack_dumps
+from lamina.services import stack_dumps
 from lamina.services.config import StackConfig
-from lamina.services.supervision import GiveUp, RestartPolicy, Run, decide, describe_exit
+from lamina.services.launch import local_stacks
+from lamina.services.launch.supervision import GiveUp, RestartPolicy, Run, decide, describe_exit
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def health_ok(base_url: str, timeout_s: float = 2.0) -> bool:
 
 class ProcessHandle(Protocol):
     """What the stack uses of a service's process: a `subprocess.Popen`, or a Ray
-    actor's process (lamina.services.ray_stack.ActorProcess)."""
+    actor's process (lamina.services.launch.ray_stack.ActorProcess)."""
 
     @property
     def pid(self) -> int: ...

@@ -25,7 +25,7 @@ What must hold: a sequence is decoded only after its prompt KV arrived whole
 tokens at layer 0 and writes them in every layer before the step's last frame.
 If a step dies midway the scheduler frees its sequences, so no half-written
 token is ever read by a later step. Every entry point first checks its message
-(lamina.services.attention_checks) and refuses, before any state changes, one that would
+(lamina.services.attention.attention_checks) and refuses, before any state changes, one that would
 break these rules or does not fit the model's shape.
 """
 
@@ -42,7 +42,7 @@ from lamina.model.attention import combine_partials
 from lamina.model.config import ModelConfig
 from lamina.model.kv_attention import SlotBatch, buffer_attention, slot_attention
 from lamina.model.kv_quant import KV_QUANT_CHOICES, Q4Rows
-from lamina.services.attention_checks import KVShape, PendingStore, check_attend, check_store
+from lamina.services.attention.attention_checks import KVShape, PendingStore, check_attend, check_store
 from lamina.services.wire import RemoteError, StoreKV, short_repr
 
 _STEP_SLOTS_KEPT = 8  # micro-batches in flight on one worker, with room to spare

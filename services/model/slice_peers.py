@@ -1,6 +1,6 @@
 """A rotational coordinator's executors: itself and the peer model workers' slice services.
 
-`run(tag, j, inputs, attn, context)` claims a free executor (lamina.services.rotation's
+`run(tag, j, inputs, attn, context)` claims a free executor (lamina.services.model.rotation's
 policy: the one idle longest), runs slice j there and releases it. Each executor
 runs one slice at a time, so a peer's link carries one request at a time and its
 reply needs no matching beyond the tag check.
@@ -28,8 +28,8 @@ import torch
 
 from lamina import transports
 from lamina.model.splitter import Slice, SliceOutput
-from lamina.services.rotation import LOCAL, pick_executor
-from lamina.services.slice_server import RunLocal, from_slice_out, slice_tensors
+from lamina.services.model.rotation import LOCAL, pick_executor
+from lamina.services.model.slice_server import RunLocal, from_slice_out, slice_tensors
 from lamina.services.wire import Kind, RemoteError, RunSlice, Tag, expect, frame_tag, frame_tensors
 
 log = logging.getLogger(__name__)

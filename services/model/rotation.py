@@ -8,7 +8,7 @@ whichever model worker is free, so neither side waits on a fixed partner.
 Here one model worker, the coordinator, holds every decoding sequence (its decode
 stream), sends every micro-batch's Q, K, V to the attention workers and samples; for
 each slice it claims a free executor, itself or a peer model worker, which runs
-that slice on the micro-batch's hidden state (lamina.services.slice_server).
+that slice on the micro-batch's hidden state (lamina.services.model.slice_server).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@
 
 A request's tier distance is the nearest tier any prefill worker's prefix cache holds
 its prompt's prefix in (PrefixCache.tier_distance, asked of every live prefill worker:
-services/prefill_clients.py); the scheduler takes as many requests from the front of
-the returned order as fit its budgets (services/scheduler_admission.py).
+services/scheduler/prefill_clients.py); the scheduler takes as many requests from the front of
+the returned order as fit its budgets (services/scheduler/scheduler_admission.py).
 """
 
 from __future__ import annotations

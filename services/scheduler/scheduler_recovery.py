@@ -33,11 +33,11 @@ import prometheus_client
 
 from lamina.kvstore.metadata import MetadataStore
 from lamina.services.sampling_wire import logprobs_of
-from lamina.services.scheduler_admission import PEER_FAILURES
-from lamina.services.scheduler_state import NotYet, Request, RequestFailed, Status, kv_id
+from lamina.services.scheduler.scheduler_admission import PEER_FAILURES
+from lamina.services.scheduler.scheduler_state import NotYet, Request, RequestFailed, Status, kv_id
 
 if TYPE_CHECKING:
-    from lamina.services.scheduler_service import SchedulerService
+    from lamina.services.scheduler.scheduler_service import SchedulerService
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The scheduler's side of its prefill workers: one gRPC channel per worker, which of
 them answer, the prompt tokens each has been sent and not answered, and the routing of
-each prompt (the decision is lamina.services.prefill_routing's).
+each prompt (the decision is lamina.services.scheduler.prefill_routing's).
 
 A worker whose call fails as a lost peer does is marked down and gets no prompt until
 `refresh` finds it registered at a new address (it restarted) or answering a health
@@ -13,9 +13,9 @@ prefill services removes a dead worker's registration and its block records from
 metadata store once its lease has expired (lamina.kvstore.metadata.list_services), and each
 refresh reads the workers' published figures (forward rate, fetch bandwidth), by which
 `route` decides whether the chosen worker fetches a peer's longer prefix
-(lamina.services.prefix_fetch_policy) rather than computing it.
+(lamina.services.scheduler.prefix_fetch_policy) rather than computing it.
 
-Routing reads the store's block holders together with `claims` (lamina.services.prefix_claims):
+Routing reads the store's block holders together with `claims` (lamina.services.scheduler.prefix_claims):
 the blocks of prompts it routed that the store may not show yet, so a conversation's
 next turn sent while the turn before is still computing goes where that turn went.
 
@@ -38,12 +38,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lamina.kvstore.block_hash import block_hashes
 from lamina.kvstore.metadata import REDIS_ERRORS, MetadataStore, ServiceInfo
 from lamina.services.config import StackConfig
-from lamina.services.prefill_routing import PrefillLoad, choose, matched_tokens
-from lamina.services.prefix_claims import PrefixClaims
-from lamina.services.prefix_fetch_policy import FetchPlan, plan_fetch
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import refresh_every_half_ttl
-from lamina.services.scheduling_policies import MAX_DISTANCE
+from lamina.services.scheduler.prefill_routing import PrefillLoad, choose, matched_tokens
+from lamina.services.scheduler.prefix_claims import PrefixClaims
+from lamina.services.scheduler.prefix_fetch_policy import FetchPlan, plan_fetch
+from lamina.services.scheduler.scheduling_policies import MAX_DISTANCE
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class _Worker:
     queued_tokens: int = 0
     last_chosen: int = -1
     data_address: str = ""  # where peers fetch prefix KV from it ("" without a prefix cache)
-    figures: dict | None = None  # its published stats (lamina.services.prefill_service.stats)
+    figures: dict | None = None  # its published stats (lamina.services.prefill.prefill_service.stats)
     recent_tokens: float = 0.0  # uncached prompt tokens routed to it, decayed (as of recent_at)
     recent_at: float = 0.0
 

@@ -1,16 +1,16 @@
 """`lamina up --ray ADDRESS`: the stack with every service a Ray actor on the cluster's nodes.
 
-`RayStack` is `lamina.services.launcher.Stack` with one change: each service process (and the
+`RayStack` is `lamina.services.launch.launcher.Stack` with one change: each service process (and the
 embedded Redis, when no `redis_url` is configured) is run by a Ray actor
-(`lamina.services.ray_actors`) on a node that Ray chooses by the custom resource the service's
-kind asks (`lamina.services.ray_placement`). Everything else is the launcher's own: the same
+(`lamina.services.launch.ray_actors`) on a node that Ray chooses by the custom resource the service's
+kind asks (`lamina.services.launch.ray_placement`). Everything else is the launcher's own: the same
 `lamina` commands and configuration, the start order, waiting for the gateway's
 /health, supervision (an exited service is restarted in its actor; a dead actor is
 replaced by a new one, which Ray places again), `lamina status --port`, and the stop
 order, gateway first. `stop()` then kills every actor, Redis's last, and disconnects.
 
 Ray itself ends the actors when this driver dies without stopping them (they are
-owned by it, not detached), and their processes end with them (lamina.services.ray_actors).
+owned by it, not detached), and their processes end with them (lamina.services.launch.ray_actors).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import yaml
 from lamina.gateway.config import is_loopback
 from lamina.services.addresses import WILDCARD_HOSTS, host_port
 from lamina.services.config import StackConfig
-from lamina.services.launcher import ServiceProcess, Stack, service_commands
-from lamina.services.ray_actors import Placement, RedisHost, ServiceHost
-from lamina.services.ray_placement import RayPlacement, demand, shortfalls
-from lamina.services.supervision import RestartPolicy
+from lamina.services.launch.launcher import ServiceProcess, Stack, service_commands
+from lamina.services.launch.ray_actors import Placement, RedisHost, ServiceHost
+from lamina.services.launch.ray_placement import RayPlacement, demand, shortfalls
+from lamina.services.launch.supervision import RestartPolicy
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ class RayStack(Stack):
         """A new actor of `cls` named `name`, placed by `kind`'s resource."""
         import ray
 
-        # num_cpus=0: only the custom resource decides placement (lamina.services.ray_placement);
+        # num_cpus=0: only the custom resource decides placement (lamina.services.launch.ray_placement);
         # max_restarts=0: the launcher's supervision restarts, not Ray.
         options = ray.remote(cls).options(name=name, num_cpus=0, max_restarts=0,
                                           resources=self.placement.resources(kind))

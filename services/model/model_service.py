@@ -8,8 +8,8 @@ micro-batch's KV and runs the next slice on their output (the split model's slic
 runner, `SplitModel.run_async`); after the last slice it samples. Under
 `pipeline.mode: rotational` the scheduler sends every sequence to one worker, which runs
 each slice on whichever model worker is free (itself or a peer's slice service,
-lamina.services.slice_peers), and every worker serves slices to its peers
-(lamina.services.slice_server).
+lamina.services.model.slice_peers), and every worker serves slices to its peers
+(lamina.services.model.slice_server).
 
 The worker keeps each decoding sequence's latest token and position (sent whole
 when the sequence joins); its KV lives on the attention workers. When its stream
@@ -37,11 +37,11 @@ from lamina.sampling.grammar import Grammars
 from lamina.services.addresses import with_host
 from lamina.services.attention_pool import AttentionPool, SeqRows
 from lamina.services.config import StackConfig
-from lamina.services.decode_runner import DecodeRunner
+from lamina.services.model.decode_runner import DecodeRunner
+from lamina.services.model.slice_peers import SliceExecutors
+from lamina.services.model.slice_server import SliceServer
 from lamina.services.protos import lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime
-from lamina.services.slice_peers import SliceExecutors
-from lamina.services.slice_server import SliceServer
 from lamina.services.wire import decode_tag, slice_tag
 
 log = logging.getLogger(__name__)

@@ -8,9 +8,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lamina.services.choices import reserve_tokens
 from lamina.services.protos import lamina_pb2
-from lamina.services.scheduling_policies import SCHEDULING_POLICIES, QueuedRequest
+from lamina.services.scheduler.choices import reserve_tokens
+from lamina.services.scheduler.scheduling_policies import SCHEDULING_POLICIES, QueuedRequest
 
 
 class QueueFull(Exception):
@@ -53,7 +53,7 @@ class Request:
     max_model_len: int = 1 << 30
     recoveries: int = 0  # times its KV was rebuilt after a failure
     prompt_logprobs: bool = False  # its first prefill also scores the prompt's tokens (echo)
-    # Choices (lamina.services.choices): which one this is, and its request's id when it has several.
+    # Choices (lamina.services.scheduler.choices): which one this is, and its request's id when it has several.
     index: int = 0
     group_id: str = ""
     # Choice 0 of an n > 1 request: the seeds of choices 1..n-1, forked from its prompt once

@@ -16,8 +16,8 @@ from lamina.services import stack_dumps
 from lamina.services.addresses import host_port
 from lamina.services.cluster_status import read_status
 from lamina.services.config import ConfigError, StackConfig
+from lamina.services.gateway.scheduler_client import SchedulerBackend
 from lamina.services.runtime import wait_for_services
-from lamina.services.scheduler_client import SchedulerBackend
 
 log = logging.getLogger(__name__)
 

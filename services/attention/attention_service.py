@@ -20,7 +20,7 @@ import torch
 from lamina import transports
 from lamina.model.loader import load_config
 from lamina.services.addresses import with_host
-from lamina.services.attention_core import AttentionCore
+from lamina.services.attention.attention_core import AttentionCore
 from lamina.services.config import StackConfig
 from lamina.services.placement import head_range
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc

@@ -13,7 +13,7 @@ gone; lamina/lifetime.py). PR_SET_PDEATHSIG follows the thread that forked; a Ra
 without `max_concurrency` runs every method on its worker's main thread, which lives as
 long as the worker.
 
-These classes are plain; `lamina.services.ray_stack` makes them actors (`ray.remote(cls)`).
+These classes are plain; `lamina.services.launch.ray_stack` makes them actors (`ray.remote(cls)`).
 They import no torch or model code: an actor process stays small.
 """
 

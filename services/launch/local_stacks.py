@@ -1,6 +1,6 @@
 """How a stack started on this host (`lamina up`, a test) is found by its gateway port.
 
-A healthy `lamina.services.launcher.Stack` writes one small JSON file per gateway port in a
+A healthy `lamina.services.launch.launcher.Stack` writes one small JSON file per gateway port in a
 per-user runtime directory ($XDG_RUNTIME_DIR/lamina, else <tmp>/lamina-UID, mode 0700):
 its pid and the path of its configuration file, which holds the Redis URL, namespace
 and cluster token the services were started with. `stop()` removes it. A launcher

@@ -4,7 +4,7 @@ The scheduler streams batch changes (sequences joining with their whole state,
 sequences leaving); the runner keeps N micro-batch tasks, each running steps of its
 own sequences one after another and reporting each step's tokens. The tasks share
 one event loop: while one awaits its attention replies, another computes its slice,
-which is what staggers them (lamina.services.micro_batches decides who is in which).
+which is what staggers them (lamina.services.model.micro_batches decides who is in which).
 
 What must hold:
 - A sequence is in at most one step in flight: it belongs to one micro-batch, and
@@ -34,7 +34,7 @@ from lamina.sampling.grammar import Grammars
 from lamina.sampling.sampler import Sampler, SeqSampling
 from lamina.sampling.stop import stop_reason
 from lamina.services.attention_pool import SeqRows
-from lamina.services.micro_batches import join_target, num_active, rebalance
+from lamina.services.model.micro_batches import join_target, num_active, rebalance
 from lamina.services.protos import lamina_pb2
 from lamina.services.sampling_wire import logprobs_to_proto, params_from_proto
 from lamina.services.wire import RemoteError

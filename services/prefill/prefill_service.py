@@ -14,7 +14,7 @@ cache's blocks are published to the metadata store in batches by an owned
 BlockPublisher (lamina.kvstore.block_publisher), and withdrawn when the worker stops. When
 the scheduler names a peer that caches a longer prefix (PrefillRequest.peer), the
 tokens past this worker's own prefix are fetched from that peer over the data plane
-(lamina.services.prefix_peers) instead of computed; this worker's data-plane listener
+(lamina.services.prefill.prefix_peers) instead of computed; this worker's data-plane listener
 answers its peers' fetches the same way. Prompt
 attention runs here, over a local token-granular store that lives only for the
 request; the KV of layer i is on its way to the attention workers while layer
@@ -52,13 +52,13 @@ from lamina.sampling.sampler import Sampler
 from lamina.services.addresses import with_host
 from lamina.services.attention_pool import AttentionPool
 from lamina.services.config import PrefillSection, StackConfig
-from lamina.services.model_service import ModelSlices
-from lamina.services.prefix_peers import PrefixFetcher, PrefixServer
-from lamina.services.prompt_logprobs import logit_rows
+from lamina.services.model.model_service import ModelSlices
+from lamina.services.prefill.prefix_peers import PrefixFetcher, PrefixServer
+from lamina.services.prefill.prompt_logprobs import logit_rows
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime, abort_for_remote_error
 from lamina.services.sampling_wire import logprobs_to_proto, params_from_proto
-from lamina.services.scheduling_policies import MAX_DISTANCE
+from lamina.services.scheduler.scheduling_policies import MAX_DISTANCE
 from lamina.services.wire import RemoteError
 
 log = logging.getLogger(__name__)

@@ -1,11 +1,11 @@
 """Whether a prompt's prefill worker pulls a longer cached prefix from a peer: a pure
 policy, no I/O.
 
-The scheduler has routed a prompt to one prefill worker (lamina.services.prefill_routing).
+The scheduler has routed a prompt to one prefill worker (lamina.services.scheduler.prefill_routing).
 Another live worker may cache a longer prefix of it (by the metadata store's block
 records, counted by `prefill_routing.matched_tokens`). The chosen worker can then
 either compute the tokens between its own prefix and the peer's, or receive their KV
-from the peer over the data plane (lamina.services.prefix_peers). The KV of a token does not
+from the peer over the data plane (lamina.services.prefill.prefix_peers). The KV of a token does not
 depend on who computed it, so both give the same output; only the time differs:
 
     fetch_s   = overhead_s + extra_tokens x kv_bytes_per_token / bandwidth_bytes_per_s

@@ -4,18 +4,18 @@ The service wires four parts, each a collaborator object in a module of its own,
 holds what they share: the requests (`by_id`, `groups`, `running`), their lifecycle
 (submit, accept a token, finish, free KV), the journal, and the gRPC channels it opened.
 
-- `attention` (lamina.services.scheduler_attention): the attention pool: membership,
+- `attention` (lamina.services.scheduler.scheduler_attention): the attention pool: membership,
   health probes, sequences to free on a worker once it answers, KV reservations.
-- `admission` (lamina.services.scheduler_admission): the waiting queue, taken in the order
+- `admission` (lamina.services.scheduler.scheduler_admission): the waiting queue, taken in the order
   of the configured policy (FCFS, Fastest-Prefix-First or Relaxed-FPF over the prefill
   workers' prefix caches), placed on attention workers and prefilled (which yields the
-  first token) by the prefill worker lamina.services.prefill_routing picks, by the prefix of
-  the prompt each holds against the tokens queued there (lamina.services.prefill_clients).
-- `decode` (lamina.services.scheduler_decode): a prefilled request joins the decode stream
-  of the least loaded model worker (lamina.services.model_streams), which steps it with the
+  first token) by the prefill worker lamina.services.scheduler.prefill_routing picks, by the prefix of
+  the prompt each holds against the tokens queued there (lamina.services.scheduler.prefill_clients).
+- `decode` (lamina.services.scheduler.scheduler_decode): a prefilled request joins the decode stream
+  of the least loaded model worker (lamina.services.scheduler.model_streams), which steps it with the
   others in staggered micro-batches and streams its tokens back; the scheduler only
   sends joins and leaves. Prefill and decode run in different processes at the same time.
-- `recovery` (lamina.services.scheduler_recovery): when a decode step or a prefill fails
+- `recovery` (lamina.services.scheduler.scheduler_recovery): when a decode step or a prefill fails
   because an attention, prefill or model worker died or stopped answering, the affected
   requests are not ended: they are placed again on attention workers that answer, their
   KV is recomputed from the prompt and the tokens generated so far, and they rejoin a
@@ -25,7 +25,7 @@ holds what they share: the requests (`by_id`, `groups`, `running`), their lifecy
 A request's KV is freed only once its model worker has released it (a stop rule,
 a leave, a failure), so no step in flight ever writes into freed KV.
 
-A request of n > 1 choices (lamina.services.choices) is admitted, placed and prefilled once,
+A request of n > 1 choices (lamina.services.scheduler.choices) is admitted, placed and prefilled once,
 with room reserved for all its choices; after the prefill its attention workers fork
 the prompt's KV for choices 1..n-1, which then decode as requests of their own (ids
 `<id>/<i>`, each journaled and rebuilt alone after a failure) whose chunks share the
@@ -47,17 +47,17 @@ from lamina.kvstore.metadata import REDIS_ERRORS, KVPlacement
 from lamina.model.loader import load_tokenizer
 from lamina.sampling.stop import stop_reason
 from lamina.services.channels import open_channel
-from lamina.services.choices import choice_id, choice_seed
 from lamina.services.config import StackConfig
-from lamina.services.journal import Journal
-from lamina.services.prefill_clients import PrefillClients
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime, refresh_every_half_ttl, wait_for_services, workers_by_index
-from lamina.services.scheduler_admission import PEER_FAILURES, Admission
-from lamina.services.scheduler_attention import AttentionWorkers
-from lamina.services.scheduler_decode import DecodeStreams
-from lamina.services.scheduler_recovery import Recovery
-from lamina.services.scheduler_state import QueueFull, Request, RequestFailed, Status, admission_refusal
+from lamina.services.scheduler.choices import choice_id, choice_seed
+from lamina.services.scheduler.journal import Journal
+from lamina.services.scheduler.prefill_clients import PrefillClients
+from lamina.services.scheduler.scheduler_admission import PEER_FAILURES, Admission
+from lamina.services.scheduler.scheduler_attention import AttentionWorkers
+from lamina.services.scheduler.scheduler_decode import DecodeStreams
+from lamina.services.scheduler.scheduler_recovery import Recovery
+from lamina.services.scheduler.scheduler_state import QueueFull, Request, RequestFailed, Status, admission_refusal
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +73,12 @@ class SchedulerService:
         self.journal = Journal(self.runtime.store, "scheduler-0")
         self.running: list[Request] = []  # past admission and not finished: decoding, rebuilding or parked
         self.by_id: dict[str, Request] = {}
-        # Requests of n > 1 choices: their id -> the choices started so far (lamina.services.choices).
+        # Requests of n > 1 choices: their id -> the choices started so far (lamina.services.scheduler.choices).
         self.groups: dict[str, list[Request]] = {}
         self._channels: list[grpc.aio.Channel] = []  # every channel opened: closed with the scheduler
         self._tasks: list[asyncio.Task[None]] = []  # its loops, started by run(), cancelled at shutdown
         self.attention = AttentionWorkers(config, self.runtime.store, self._channel)
-        # One channel per prefill worker; each prompt goes to the one lamina.services.prefill_routing picks.
+        # One channel per prefill worker; each prompt goes to the one lamina.services.scheduler.prefill_routing picks.
         self.prefills = PrefillClients(config, self.runtime.store, self._channel)
         self.admission = Admission(self)
         self.decode = DecodeStreams(self, lamina_pb2.StopRule(eos_token_ids=sorted(self.eos_ids),
@@ -148,7 +148,7 @@ class SchedulerService:
 
     async def start_choices(self, req: Request, result: lamina_pb2.PrefillResult) -> bool:
         """Start the other choices of an n > 1 request from its prompt's KV, just
-        prefilled (lamina.services.choices): its attention workers fork that KV for them, then
+        prefilled (lamina.services.scheduler.choices): its attention workers fork that KV for them, then
         each takes its first token from `result` and joins decode. False when the fork
         failed: `req` is then rebuilt (its choices start after that prefill) or ended."""
         if req.forked or not req.choice_seeds or req.abort_requested:

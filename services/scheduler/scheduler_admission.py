@@ -31,10 +31,10 @@ import grpc
 
 from lamina.services.protos import lamina_pb2
 from lamina.services.sampling_wire import logprobs_of
-from lamina.services.scheduler_state import NotYet, Request, Status, admission_order, can_admit
+from lamina.services.scheduler.scheduler_state import NotYet, Request, Status, admission_order, can_admit
 
 if TYPE_CHECKING:
-    from lamina.services.scheduler_service import SchedulerService
+    from lamina.services.scheduler.scheduler_service import SchedulerService
 
 log = logging.getLogger(__name__)
 

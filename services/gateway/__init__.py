@@ -1,0 +1,1 @@
+"""The gateway service: the OpenAI-compatible HTTP front end (lamina.gateway) over the scheduler."""

@@ -1,0 +1,1 @@
+"""Starting, supervising and finding whole stacks: local processes (`lamina up`) and Ray actors."""

@@ -1,0 +1,1 @@
+"""The prefill service: prompts through the model, their KV to the attention workers, prefix KV between peers."""

@@ -1,0 +1,1 @@
+"""The scheduler service: admission, KV placement, prefill routing, decode streams and recovery."""
