@@ -107,7 +107,7 @@ async def _drive(base_url: str, prompts: list[list[int]], output_tokens: int) ->
 
 
 # -- processes -----------------------------------------------------------------------------------
-def _stop(proc: subprocess.Popen | None, timeout_s: float = 30.0) -> None:
+def stop_process(proc: subprocess.Popen | None, timeout_s: float = 30.0) -> None:
     if proc is None or proc.poll() is not None:
         return
     proc.terminate()
@@ -118,7 +118,7 @@ def _stop(proc: subprocess.Popen | None, timeout_s: float = 30.0) -> None:
         proc.wait()
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
     """Poll llama-server's /health (503 while it loads the model) until 200."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -150,10 +150,10 @@ def run_llama_server(binary: Path, gguf: Path, prompts, output_tokens: int, thre
         with open(log, "w") as f:
             proc = subprocess.Popen(child_argv(argv), stdout=f, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
-        _wait_healthy(proc, f"http://127.0.0.1:{port}", log)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log)
         return {**asyncio.run(_drive(f"http://127.0.0.1:{port}", prompts, output_tokens)), "argv": argv[1:]}
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @contextlib.contextmanager
@@ -203,7 +203,7 @@ def lamina_up(options: list[str], log: Path) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         with signals_held():
-            _stop(proc, timeout_s=60.0)
+            stop_process(proc, timeout_s=60.0)
 
 
 def run_lamina_up(weights: str, prompts, output_tokens: int, log_dir: Path, model_threads: int | None = None) -> dict:
@@ -250,6 +250,21 @@ def raise_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def find_llama_server(skip: bool, what: str) -> tuple[Path | None, str | None, str | None]:
+    """(llama-server's path, its version, why it is missing): found or built unless `skip`;
+    says which and, when it is missing, that `what` is skipped."""
+    if skip:
+        return None, None, None
+    try:
+        binary = ensure_llama_server()
+        version = server_version(binary)
+    except LlamaServerUnavailable as exc:
+        print(f"llama-server unavailable, {what} skipped: {exc}", flush=True)
+        return None, None, str(exc)
+    print(f"llama-server: {binary} ({version})", flush=True)
+    return binary, version, None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=48, help="concurrent completions (N)")
@@ -284,15 +299,7 @@ def main() -> None:
     print(f"workload: {args.requests} concurrent completions over the OpenAI API, {args.prompt_tokens}-token "
           f"prompts (token ids), exactly {args.output_tokens} output tokens each (ignore_eos), greedy", flush=True)
 
-    binary, llama_version, llama_why = None, None, None
-    if not args.skip_llama:
-        try:
-            binary = ensure_llama_server()
-            llama_version = server_version(binary)
-            print(f"llama-server: {binary} ({llama_version})", flush=True)
-        except LlamaServerUnavailable as exc:
-            llama_why = str(exc)
-            print(f"llama-server unavailable, llama.cpp row skipped: {llama_why}", flush=True)
+    binary, llama_version, llama_why = find_llama_server(args.skip_llama, "llama.cpp row")
 
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="cpu-anchor-") as tmp:

@@ -15,16 +15,34 @@ Compared, in one run:
   2 micro-batches, and the rotational form over M model workers with M + 1
   micro-batches (`--rotational`, default M = 2), and with `--model-threads 1,T` the
   model worker's products on T threads at 1 and 2 micro-batches;
+- the colocated layout (`--colocated-threads`, default 1,2): one model worker attending
+  in its own process on the KV it holds, no attention workers, one micro-batch, its
+  products on each thread count given;
 - attention alone, per layer, for the same batch and contexts: the attention
   worker's core (lamina.services.attention.attention_core) against the local engine's attention.
 
-For each stack run it reads the services' Prometheus counters: per process, the CPU
-time spent computing and the wall time spent sending, as shares of the run's wall time
-(the rest is waiting, or being descheduled on a busy host); the model workers' CPU
-milliseconds per generated token (steady however loaded the host is); and the overlap
-of model and attention compute, estimated as max(0, model compute + attention compute
-- wall) / wall: time in which both computed, exact when neither side sat idle with work
-queued, a lower bound otherwise. The local engine reports its CPU ms per token too.
+For each stack run it reads the services' Prometheus counters at the window's start
+(every sequence has its first token) and end, W wall seconds apart
+(lamina.planner.measure.stack_run.window_shares), and reports shares of W, each of one
+kind of time:
+- per process, compute: CPU seconds of its serving thread in the slices (model worker,
+  lamina_model_compute_seconds_total) or handling frames (attention worker,
+  lamina_attention_compute_seconds_total), over W; cpu: the whole process's CPU seconds
+  (process_cpu_seconds_total, every thread) over W, the mean number of cores it used (a
+  colocated attention service reports its model worker's process); send: wall seconds in
+  send calls (lamina_*_send_seconds_total) over W;
+- model idle: 1 - the model worker's cpu / its compute threads, at least 0 (the mean
+  over model workers): with one thread, the share of W its process was off the core,
+  waiting on attention replies or the scheduler, or descheduled by other processes (the
+  counters do not tell these apart). What micro-batches can fill is at most this;
+- cores busy: the sum of cpu over the model and attention worker processes, the mean
+  number of cores they used together (the local engine: its process's CPU seconds over
+  its wall seconds). Over 1 says that processes ran at once, not which: two attention
+  workers computing together count as much as a model and an attention worker.
+The counters do not say when each process computed, so no figure here claims model and
+attention compute overlapped in time. The model workers' CPU milliseconds per generated
+token are their slices' CPU seconds over the tokens (steady however loaded the host is);
+the local engine reports its process's CPU ms per token.
 
 The local engine and the stack hold the linears the same way (`--weights`, default
 as_file, the stack's default: the GGUF's packed blocks); `--weights float32,as_file`
@@ -71,9 +89,9 @@ def run_local(loaded, prompts: list[list[int]], steps: int, threads: int) -> dic
     start, cpu = time.perf_counter(), time.process_time()
     while engine.has_work():
         tokens += sum(len(o.new_token_ids) for o in engine.step())
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     return {"tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed,
-            "cpu_ms_per_token": 1e3 * (time.process_time() - cpu) / tokens}
+            "cpu_ms_per_token": 1e3 * cpu / tokens, "cores_busy": cpu / elapsed}
 
 
 # -- attention alone -----------------------------------------------------------------------------
@@ -128,6 +146,8 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int) -> dict:
 
 
 def _row_name(key: str) -> str:
+    if key.startswith("col"):
+        return f"colocated, 1 micro-batch, {key[5:]} thread(s)"
     if key.startswith("rot"):
         m = int(key[3:])
         return f"stack, rotational, {m} mw x {m + 1} mb"
@@ -151,6 +171,9 @@ def main() -> None:
     ap.add_argument("--rotational", default="2",
                     help="model-worker counts M to run the rotational pipeline with (M + 1 micro-batches), "
                          "comma-separated; empty: none")
+    ap.add_argument("--colocated-threads", default="1,2",
+                    help="thread counts of the colocated layout's model worker (one run each, one micro-batch); "
+                         "empty: none")
     ap.add_argument("--quick", action="store_true", help="B=32, C=256, S=16, one run each (a few minutes)")
     ap.add_argument("--full", action="store_true", help="C in 128, 512, 2048 and three runs each")
     ap.add_argument("--weights", default="as_file",
@@ -179,7 +202,8 @@ def main() -> None:
                     "model_workers": args.model_workers, "repeats": args.repeats, "weights": weights}
         print(f"\nworkload: {args.batch} sequences x {context}-token contexts (shared but the last "
               f"{DISTINCT_TAIL}), {args.steps} decode steps each, greedy, EOS ignored; weights {weights}; stack over "
-              f"{args.transport}, {args.model_workers} model worker(s), 2 attention workers", flush=True)
+              f"{args.transport}, {args.model_workers} model worker(s), 2 attention workers (colocated: "
+              f"none)", flush=True)
         kv_bytes = (args.batch * (context + args.steps + 64) * cfg.kv_bytes_per_token()) // 2 + (256 << 20)
 
         def median_of(fn: Callable[..., dict], *fn_args: Any, **fn_kwargs: Any) -> dict:
@@ -207,6 +231,12 @@ def main() -> None:
             stack[f"rot{m}"] = median_of(run_stack, prompts, args.steps, args.transport, m + 1, False, m,
                                          kv_bytes, weights, mode="rotational")
             print(f"  stack, rotational over {m} model workers: {stack[f'rot{m}']['tok_s']:.1f} tok/s", flush=True)
+        for t in [int(t) for t in args.colocated_threads.split(",") if t]:
+            key = f"col-t{t}"
+            # One attention worker per model worker: each holds the KV two would share.
+            stack[key] = median_of(run_stack, prompts, args.steps, args.transport, 1, False, args.model_workers,
+                                   2 * kv_bytes, weights, model_threads=t, layout="colocated")
+            print(f"  {_row_name(key)}: {stack[key]['tok_s']:.1f} tok/s", flush=True)
         q_on = None
         if not args.no_q_early:
             q_on = median_of(run_stack, prompts, args.steps, args.transport, 2, True, args.model_workers,
@@ -215,16 +245,17 @@ def main() -> None:
         attn = attention_per_layer(cfg, args.batch, context, repeats=20)
 
         print(f"\n{'configuration':34s} {'tok/s':>8s}  {'vs best local':>13s}  {'CPU ms/tok':>10s}  "
-              "time shares (compute/send/wait)")
+              f"{'model idle':>10s}  {'cores busy':>10s}  per process: compute (CPU) / cpu (process CPU) / send "
+              "(wall), shares of the window")
         best_local = max(r["tok_s"] for r in local.values())
         for name, r in [("local engine, 1 thread", local["1"]), ("local engine, 2 threads", local["2"]),
                         *((_row_name(m), stack[m]) for m in stack),
                         *([("stack, 2 micro-batches, Q early", q_on)] if q_on else [])]:
-            share = "  ".join(f"{sid} {v['compute']:.2f}/{v['send']:.2f}/{v['wait']:.2f}"
+            share = "  ".join(f"{sid} {v['compute']:.2f}/{v['cpu']:.2f}/{v['send']:.2f}"
                               for sid, v in sorted(r.get("shares", {}).items()))
-            overlap = f"  overlap {r['overlap']:.2f}" if "overlap" in r else ""
+            idle = f"{r['model_idle']:10.2f}" if "model_idle" in r else " " * 10
             print(f"{name:34s} {r['tok_s']:8.1f}  {r['tok_s'] / best_local:12.2f}x  {r['cpu_ms_per_token']:10.2f}  "
-                  f"{share}{overlap}")
+                  f"{idle}  {r['cores_busy']:10.2f}  {share}".rstrip())
         print(f"attention per layer, {args.batch} x {context}: worker core {attn['worker']:.2f} ms, "
               f"local engine {attn['engine']:.2f} ms ({attn['worker'] / attn['engine']:.2f}x)")
         targets = {"attention worker within 1.3x of the engine": attn["worker"] <= 1.3 * attn["engine"]}
@@ -240,7 +271,9 @@ def main() -> None:
             "stack_tok_s": {k: v["tok_s"] for k, v in stack.items()},
             "q_early_tok_s": {"on": q_on["tok_s"], "off": stack["mb2"]["tok_s"]} if q_on and "mb2" in stack else {},
             "attention_ms_per_layer": attn,
-            "overlap": {k: v["overlap"] for k, v in stack.items()},
+            "model_idle": {k: v["model_idle"] for k, v in stack.items()},
+            "cores_busy": {**{f"local-t{k}": v["cores_busy"] for k, v in local.items()},
+                           **{k: v["cores_busy"] for k, v in stack.items()}},
             "shares": {k: v["shares"] for k, v in stack.items()},
             "targets": targets,
         })

@@ -11,17 +11,26 @@ min_new_tokens = max_new_tokens.
 Lamina: every request is submitted at once to `lamina.engine.Engine` (continuous
 batching, token-major batches without padding, the split model), run to completion.
 
-transformers: how a user batches offline requests: sorted by output length (so a batch
-wastes few decode steps), in batches of --hf-batch, left-padded with an attention mask,
-max_new_tokens = the batch's largest out_len; only the tokens each request asked for
-count. Sorting by output length favours transformers; arrival order would pad more.
+transformers `generate`, in two forms: every request in one batch, as the engine gets
+them ("same batch"), and in batches of the size among --hf-batches (default 4,8,16,32)
+that ran fastest ("best batch": each size run once before the timed rounds, the one with
+the least CPU time then timed with the others; CPU time, since on a shared machine one
+run's wall time can be another process's). A batch is left-padded with an attention
+mask to its longest prompt and decodes max_new_tokens = min_new_tokens = its largest
+out_len; only the tokens each request asked for count. Requests are put in batches in
+order of output length (so a batch decodes few steps past its requests' ends; the same
+batch holds every request whatever the order).
 
 The engine runs once per --weights choice (`load_model(weights=...)`: float32, q8_0, q4,
-as_file; default float32 and as_file, side by side), --repeat times each, the choices
-interleaved; figures are medians over the repeats. transformers loads the float32 weights
-from the cache directory (`LoadedModel.weights_dir`, a Hugging Face layout with the GGUF's
-values dequantized, which is what `as_file` computes with too). A short warm-up runs on
-both before timing; engine start-up (the split) is reported apart.
+as_file; default float32 and as_file, side by side). --repeat rounds each run every
+contender once: each engine choice, transformers same batch, transformers best batch, in
+that order and reversed in every other round, so that load on the shared machine hits
+them alike; figures are medians over the rounds, and the ratios (engine over
+transformers, by wall time and by CPU time) are of the medians. transformers loads the
+float32 weights from the cache directory (`LoadedModel.weights_dir`, a Hugging Face
+layout with the GGUF's values dequantized, which is what `as_file` computes with too). A
+short warm-up runs on both before timing; engine start-up (the split) is reported apart.
+Exactness: the requests whose tokens equal transformers' (each form's first round).
 
 Decode step: the engine's steps in which every sequence decodes one token (no prefill),
 against the memory-bandwidth bound: bytes read per step (every weight the step reads, in
@@ -32,8 +41,9 @@ tensor copy, read + write bytes).
 --decode-batches adds pure-decode steps at fixed batch sizes (40-token random prompts,
 every weights choice in turn, CPU time).
 
-The last line printed is one JSON object with every number (the top-level engine figures
-are the first --weights choice's; "weights" holds each choice's).
+Prints the runs, a table of the contenders' medians, and last one JSON object with every
+number (the top-level engine figures are the first --weights choice's; "weights" holds
+each choice's).
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -135,38 +146,51 @@ def run_lamina(loaded, prompts: list[list[int]], outs: list[int]) -> dict:
     }
 
 
-def run_transformers(weights_dir: Path, prompts: list[list[int]], outs: list[int], batch: int, pad_id: int) -> dict:
+def load_transformers(weights_dir: Path, prompt: list[int], pad_id: int) -> Any:
+    """transformers' model on the float32 weights, warmed up with one short generate."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=torch.float32).eval()
+    generate_batch(hf, [prompt[:8]], [4], pad_id)
+    return hf
 
-    def generate(group: list[int]) -> list[list[int]]:
-        width = max(len(prompts[i]) for i in group)
-        new = max(outs[i] for i in group)
-        ids = torch.full((len(group), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(group), width), dtype=torch.long)
-        for row, i in enumerate(group):  # left padding
-            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[row, width - len(prompts[i]):] = 1
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                              do_sample=False, pad_token_id=pad_id)
-        return [out[row, width: width + outs[i]].tolist() for row, i in enumerate(group)]
 
-    warm = [0]
-    saved = outs[0]
-    outs[0] = 4
-    generate(warm)  # warm-up
-    outs[0] = saved
-    order = sorted(range(len(prompts)), key=lambda i: outs[i])
+def hf_batches(outs: list[int], batch: int) -> list[list[int]]:
+    """Request indices in batches of `batch`, in order of output length (a batch decodes
+    until its longest request ends)."""
+    order = sorted(range(len(outs)), key=lambda i: outs[i])
+    return [order[b: b + batch] for b in range(0, len(order), batch)]
+
+
+def generate_batch(hf: Any, prompts: list[list[int]], outs: list[int], pad_id: int) -> list[list[int]]:
+    """One `generate` over the prompts, left-padded; each request's first outs[i] tokens."""
+    width = max(len(p) for p in prompts)
+    new = max(outs)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, width]
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):  # left padding
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, pad_token_id=pad_id)
+    return [out[row, width: width + o].tolist() for row, o in enumerate(outs)]
+
+
+def run_transformers(hf: Any, prompts: list[list[int]], outs: list[int], batch: int,
+                     pad_id: int) -> dict:
     tokens: dict[int, list[int]] = {}
     t0, c0 = time.perf_counter(), time.process_time()
-    for b in range(0, len(order), batch):
-        group = order[b: b + batch]
-        for i, toks in zip(group, generate(group)):
-            tokens[i] = toks
+    for group in hf_batches(outs, batch):
+        got = generate_batch(hf, [prompts[i] for i in group], [outs[i] for i in group], pad_id)
+        tokens.update(zip(group, got))
     return {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
             "tokens": [tokens[i] for i in range(len(prompts))]}
+
+
+def same_tokens(a: list[list[int]], b: list[list[int]]) -> int:
+    """Requests whose tokens are identical in both runs."""
+    return sum(x == y for x, y in zip(a, b))
 
 
 def main() -> None:
@@ -176,11 +200,15 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--max-output", type=int, default=32)
-    ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--hf-batches", default="4,8,16,32",
+                    help="transformers' batch sizes to find its best among (each run once; the one with the least "
+                         "CPU time is then timed beside the engine and transformers with every request in one "
+                         "batch)")
     ap.add_argument("--weights", default="float32,as_file",
                     help="comma-separated weights choices for the engine, run side by side "
                          "(float32, q8_0, q4, as_file)")
-    ap.add_argument("--repeat", type=int, default=1, help="engine runs per weights choice, interleaved (medians)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds, each running every contender once, alternated (medians)")
     ap.add_argument("--decode-batches", default="1,10,64",
                     help="also time pure-decode steps at these batch sizes (40-token prompts), each weights "
                          "choice in turn; empty to skip")
@@ -197,6 +225,9 @@ def main() -> None:
     from lamina.model.packing import check_weights
 
     choices = [check_weights(w.strip()) for w in args.weights.split(",") if w.strip()]
+    sizes = sorted({int(x) for x in args.hf_batches.split(",") if x.strip()})
+    if not sizes or sizes[0] < 1:
+        ap.error("--hf-batches needs positive batch sizes")
     work = load_workload(args.requests, args.seed, args.scale, args.max_prompt, args.max_output)
     models = {}
     for w in choices:
@@ -220,10 +251,26 @@ def main() -> None:
         print(f"model: {loaded.source.name} with weights={w} {loaded.weight_formats} ({cfg.num_layers} layers, "
               f"hidden {cfg.hidden_size}); load {load_s:.1f} s (was_cached={loaded.was_cached})")
 
-    runs: dict[str, list[dict]] = {w: [] for w in choices}
-    for _ in range(args.repeat):  # interleaved, so that load on the machine hits every choice alike
-        for w in choices:
-            runs[w].append(run_lamina(models[w][0], prompts, outs))
+    pad_id = cfg.eos_token_ids[0]
+    hf_model = load_transformers(first.weights_dir, prompts[0], pad_id)
+    search: dict[int, dict] = {}
+    for b in sizes:  # once each, to pick the size the rounds time
+        search[b] = run_transformers(hf_model, prompts, outs, b, pad_id)
+    # By CPU time: on a shared machine one wall time can be another process's.
+    best = min(search, key=lambda b: search[b]["cpu_seconds"])
+    print("transformers generate, batch size search (float32, one run each, in order of output length, "
+          "left-padded; wall / CPU s): " + ", ".join(f"{b}: {r['seconds']:.2f} / {r['cpu_seconds']:.2f}"
+                                                    for b, r in search.items()) + f"; best by CPU time {best}")
+
+    hf_forms = {"same": len(prompts), "best": best}  # every request in one batch, as the engine; its best size
+    contenders = [("engine", w) for w in choices] + [("hf", f) for f in hf_forms]
+    runs: dict[tuple[str, str], list[dict]] = {c: [] for c in contenders}
+    for r in range(args.repeat):  # alternated, so that load on the machine hits every contender alike
+        for kind, name in contenders if r % 2 == 0 else contenders[::-1]:
+            if kind == "engine":
+                runs[kind, name].append(run_lamina(models[name][0], prompts, outs))
+            else:
+                runs[kind, name].append(run_transformers(hf_model, prompts, outs, hf_forms[name], pad_id))
 
     by_batch: dict[str, dict[int, float]] = {w: {} for w in choices}
     for b in (int(x) for x in args.decode_batches.split(",") if x.strip()):
@@ -236,20 +283,28 @@ def main() -> None:
         print(f"decode step CPU time at batch {b} (40-token prompts, median of 12 steps): "
               + ", ".join(f"{w} {by_batch[w][b] * 1e3:.1f} ms" for w in choices))
 
-    hf = run_transformers(first.weights_dir, prompts, outs, args.hf_batch, pad_id=cfg.eos_token_ids[0])
-    hf_tps = total_out / hf["seconds"]
-    print(f"transformers generate: {hf['seconds']:.2f} s, {hf_tps:.1f} output tok/s, {hf['cpu_seconds']:.2f} CPU s "
-          f"(float32, batches of {args.hf_batch} sorted by output length, left-padded)")
+    def medians(rs: list[dict]) -> tuple[float, float]:
+        return statistics.median(r["seconds"] for r in rs), statistics.median(r["cpu_seconds"] for r in rs)
+
+    hf: dict[str, dict] = {}
+    for form, size in hf_forms.items():
+        rs = runs["hf", form]
+        seconds, cpu = medians(rs)
+        hf[form] = {"seconds": seconds, "cpu_s": cpu, "tok_s": total_out / seconds, "batch": size,
+                    "tokens": rs[0]["tokens"], "runs_s": [round(r["seconds"], 3) for r in rs]}
+    label = {"same": f"all {len(prompts)} requests in one batch", "best": f"batches of {best}"}
+    for form, h in hf.items():
+        print(f"transformers generate, {label[form]}: {h['seconds']:.2f} s, {h['tok_s']:.1f} output tok/s, "
+              f"{h['cpu_s']:.2f} CPU s (median of {len(h['runs_s'])}: {h['runs_s']} s)")
+    print(f"  requests with identical tokens in both forms: {same_tokens(hf['same']['tokens'], hf['best']['tokens'])}"
+          f"/{len(work)}")
 
     bw = copy_bandwidth()
     results = {}
     for w in choices:
-        rs = runs[w]
-        seconds = statistics.median(r["seconds"] for r in rs)
-        cpu = statistics.median(r["cpu_seconds"] for r in rs)
+        rs = runs["engine", w]
+        seconds, cpu = medians(rs)
         tps = total_out / seconds
-        # The machine is shared: CPU seconds of this process are a steadier measure than wall time.
-        same = sum(a == b for a, b in zip(rs[0]["tokens"], hf["tokens"]))
         weight_bytes = weight_bytes_read(models[w][0].model)
         steps = [st for r in rs for st in r["decode_steps"]]
         if steps:
@@ -260,51 +315,74 @@ def main() -> None:
             bound_s = (weight_bytes + kv_bytes) / bw
         else:
             step_s = step_cpu_s = batch = kv_bytes = bound_s = float("nan")
-        print(f"lamina engine, weights={w}: {seconds:.2f} s, {tps:.1f} output tok/s, {cpu:.2f} CPU s, "
-              f"{rs[0]['steps']} steps, mean batch {rs[0]['mean_batch']:.1f}; engine start (split) "
-              f"{rs[0]['start_s']:.2f} s, not counted; ratio to transformers {tps / hf_tps:.2f}x wall, "
-              f"{hf['cpu_seconds'] / cpu:.2f}x by CPU time; requests with tokens identical to transformers: "
-              f"{same}/{len(work)}")
+        # The machine is shared: CPU seconds of each process are a steadier measure than wall time.
+        vs = {form: {"ratio": tps / h["tok_s"], "ratio_cpu_time": h["cpu_s"] / cpu,
+                     "identical_requests": same_tokens(rs[0]["tokens"], h["tokens"])} for form, h in hf.items()}
+        print(f"lamina engine, weights={w}: {seconds:.2f} s, {tps:.1f} output tok/s, {cpu:.2f} CPU s "
+              f"(median of {len(rs)}: {[round(r['seconds'], 3) for r in rs]} s), {rs[0]['steps']} steps, mean batch "
+              f"{rs[0]['mean_batch']:.1f}; engine start (split) {rs[0]['start_s']:.2f} s, not counted")
+        for form, v in vs.items():
+            print(f"  against transformers, {label[form]}: {v['ratio']:.2f}x wall, {v['ratio_cpu_time']:.2f}x by CPU "
+                  f"time; requests with identical tokens {v['identical_requests']}/{len(work)}")
         print(f"  decode step (median of {len(steps)} pure-decode steps, median batch {batch}): "
               f"{step_s * 1e3:.1f} ms ({step_cpu_s * 1e3:.1f} ms CPU); bandwidth bound {bound_s * 1e3:.1f} ms = "
               f"({weight_bytes / 2**20:.0f} MiB weights + {kv_bytes / 2**20:.1f} MiB KV) / {bw / 1e9:.1f} GB/s "
               f"copy bandwidth; {step_s / bound_s:.2f}x the bound")
         results[w] = {
             "tok_s": round(tps, 2), "seconds": round(seconds, 3), "cpu_s": round(cpu, 3),
-            "ratio": round(tps / hf_tps, 3), "ratio_cpu_time": round(hf["cpu_seconds"] / cpu, 3),
+            "runs_s": [round(r["seconds"], 3) for r in rs],
+            **{f"{k}_{form}_batch": round(x, 3) if isinstance(x, float) else x
+               for form, v in vs.items() for k, x in v.items()},
             "decode_step_ms": round(step_s * 1e3, 2), "decode_step_cpu_ms": round(step_cpu_s * 1e3, 2),
             "bandwidth_bound_ms": round(bound_s * 1e3, 2), "weight_bytes": weight_bytes,
-            "decode_batch_median": batch, "identical_requests": same, "engine_start_s": round(rs[0]["start_s"], 3),
+            "decode_batch_median": batch, "engine_start_s": round(rs[0]["start_s"], 3),
             "formats": models[w][0].weight_formats,
             "decode_step_cpu_ms_by_batch": {b: round(v * 1e3, 2) for b, v in by_batch[w].items()},
         }
+
+    # The table: every contender's medians, and the engine's ratios to each transformers form.
+    heads = [f"engine / tf {f} batch ({hf_forms[f]})" for f in hf]
+    print(f"\n{'contender, medians of ' + str(args.repeat) + ' round(s)':48s} {'s':>7s} {'tok/s':>7s} {'CPU s':>7s}  "
+          + "  ".join(f"{h:>24s}" for h in heads) + "  (wall / CPU time)")
+    for w in choices:
+        res = results[w]
+        ratios = (f"{res[f'ratio_{f}_batch']:.2f}x / {res[f'ratio_cpu_time_{f}_batch']:.2f}x" for f in hf)
+        print(f"{'lamina engine, weights=' + w:48s} {res['seconds']:7.2f} {res['tok_s']:7.1f} {res['cpu_s']:7.2f}  "
+              + "  ".join(f"{x:>24s}" for x in ratios))
+    for form, h in hf.items():
+        print(f"{'transformers (tf), ' + label[form]:48s} {h['seconds']:7.2f} {h['tok_s']:7.1f} {h['cpu_s']:7.2f}")
     print("(left padding changes transformers' float rounding, so a near-tie can flip a request; "
           f"load average {os.getloadavg()[0]:.1f})")
     head = results[choices[0]]
     print(json.dumps({
         "lamina_tok_s": head["tok_s"],
-        "transformers_tok_s": round(hf_tps, 2),
-        "ratio": head["ratio"],
+        "transformers_same_batch_tok_s": round(hf["same"]["tok_s"], 2),
+        "transformers_best_batch_tok_s": round(hf["best"]["tok_s"], 2),
+        "ratio_same_batch": head["ratio_same_batch"],
+        "ratio_best_batch": head["ratio_best_batch"],
+        "ratio_cpu_time_same_batch": head["ratio_cpu_time_same_batch"],
+        "ratio_cpu_time_best_batch": head["ratio_cpu_time_best_batch"],
         "decode_step_ms": head["decode_step_ms"],
         "bandwidth_bound_ms": head["bandwidth_bound_ms"],
         "decode_step_cpu_ms": head["decode_step_cpu_ms"],
-        "ratio_cpu_time": head["ratio_cpu_time"],
         "lamina_cpu_s": head["cpu_s"],
-        "transformers_cpu_s": round(hf["cpu_seconds"], 3),
+        "transformers": {form: {"batch": h["batch"], "seconds": round(h["seconds"], 3), "cpu_s": round(h["cpu_s"], 3),
+                                "tok_s": round(h["tok_s"], 2), "runs_s": h["runs_s"]} for form, h in hf.items()},
+        "hf_batch_search": {b: {"seconds": round(r["seconds"], 3), "cpu_s": round(r["cpu_seconds"], 3)}
+                            for b, r in search.items()},
         "weights": results,
         "load_avg_1min": round(os.getloadavg()[0], 2),
         "copy_bandwidth_gb_s": round(bw / 1e9, 2),
         "requests": len(work),
         "output_tokens": total_out,
         "prompt_tokens": sum(p for p, _ in work),
-        "transformers_s": round(hf["seconds"], 3),
         "repeat": args.repeat,
         "threads": torch.get_num_threads(),
         "cpu": cpu_model(),
         "seed": args.seed,
         "scale": args.scale,
-        "hf_batch": args.hf_batch,
     }))
+
 
 if __name__ == "__main__":
     main()

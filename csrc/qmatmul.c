@@ -29,9 +29,15 @@
  * decoded into a tile in L1 just before its products.
  *
  * Threads: a call with threads > 1 splits the panels (the outputs) into contiguous
- * ranges, one per thread: the caller computes the first, workers of a pool kept by this
- * module the others. Every output is computed by one thread in the same order as
- * without threads, so the result does not depend on the thread count. Workers spin for
+ * ranges, CHUNKS_PER_PART per taking part for a call of few rows (a decode step), one
+ * otherwise; the caller and workers of a pool kept by this module each claim the next
+ * range left until none is, and the caller returns once every range is done. On a host
+ * where another process holds a core, a worker that is not running claims nothing and
+ * is not waited for: the others compute what it would have, and only a range it was in
+ * the middle of, not a fixed share, is waited for (a worker that wakes after its job
+ * finds no range left; one that wakes into the next job takes its ranges). Every
+ * output is computed by one thread in the same order as without threads, so the result
+ * does not depend on the thread count or on who claimed what. Workers spin for
  * SPIN_NS after a range (a decode step calls this hundreds of times, microseconds
  * apart) and then sleep on a condition variable; a call too small to pay for the
  * hand-off (under MIN_MACS_PER_THREAD multiply-adds a thread), or made while another
@@ -376,6 +382,8 @@ static int run_range(const job_t *j, int force_scalar, int64_t p0, int64_t p1) {
 #define MAX_THREADS 64
 #define SPIN_NS 100000LL            /* how long an idle worker spins before it sleeps */
 #define MIN_MACS_PER_THREAD 131072  /* below this a thread's share is not worth handing off */
+#define CHUNKS_PER_PART 4           /* ranges per taking part of a call of at most FEW_ROWS rows */
+#define FEW_ROWS 16                 /* more rows: one range a part (each range re-reads x's chunks) */
 
 static struct {
     pthread_mutex_t dispatch; /* held by the one caller using the workers */
@@ -387,15 +395,32 @@ static struct {
      * read the next job's part count as the old one's: it would run its range twice) */
     atomic_ulong ticket;
     atomic_int sleepers;
-    atomic_int pending;       /* workers that have not finished the current job */
     atomic_int failed;
+    /* (ranges << 32) | the next range nobody has claimed, of the current job: one word, so
+     * that a claim sees its job's range count and never another job's */
+    atomic_ullong claims;
+    atomic_long done_ranges;  /* ranges of the current job computed */
     /* the current job, written before the ticket is published, read only by its parts */
     const job_t *job;
     int force_scalar;
     int64_t panels;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
-static inline int64_t part_start(int64_t panels, int parts, int i) { return panels * i / parts; }
+static inline int64_t range_start(int64_t panels, int64_t ranges, int64_t i) { return panels * i / ranges; }
+
+/* Claim and run ranges of the current job until none is left. The job's fields are read
+ * only after a claim succeeds: they were written before its claims were opened. */
+static void run_claimed(void) {
+    for (;;) {
+        const unsigned long long claim = atomic_fetch_add(&pool.claims, 1);
+        const int64_t ranges = (int64_t)(claim >> 32), r = (int64_t)(claim & 0xffffffffULL);
+        if (r >= ranges) return;
+        if (run_range(pool.job, pool.force_scalar, range_start(pool.panels, ranges, r),
+                      range_start(pool.panels, ranges, r + 1)))
+            atomic_store(&pool.failed, 1);
+        atomic_fetch_add(&pool.done_ranges, 1);
+    }
+}
 
 static long long now_ns(void) {
     struct timespec ts;
@@ -439,12 +464,7 @@ static void *worker_main(void *arg) {
         }
         seen = ticket;
         const int parts = (int)(ticket & 0xff);
-        if (index < parts) { /* the dispatcher waits for this part: the job's fields stay put */
-            const int64_t p0 = part_start(pool.panels, parts, index);
-            const int64_t p1 = part_start(pool.panels, parts, index + 1);
-            if (run_range(pool.job, pool.force_scalar, p0, p1)) atomic_store(&pool.failed, 1);
-            atomic_fetch_sub(&pool.pending, 1);
-        }
+        if (index < parts) run_claimed();
     }
     return NULL;
 }
@@ -456,7 +476,6 @@ static void pool_after_fork(void) {
     pthread_cond_init(&pool.cv, NULL);
     pool.started = 0;
     atomic_store(&pool.sleepers, 0);
-    atomic_store(&pool.pending, 0);
 }
 
 /* Workers 1 .. want - 1 running (the caller is part 0); returns how many parts can run. */
@@ -501,8 +520,13 @@ static int run(const job_t *j, int force_scalar, int threads) {
         pool.job = j;
         pool.force_scalar = force_scalar;
         pool.panels = panels;
+        int64_t ranges = parts * (j->m <= FEW_ROWS ? CHUNKS_PER_PART : 1);
+        if (ranges > panels) ranges = panels;
         atomic_store(&pool.failed, 0);
-        atomic_store(&pool.pending, (int)parts - 1);
+        atomic_store(&pool.done_ranges, 0);
+        /* opens the claims: after every field above (a late worker's claim on the last job's
+         * word is overwritten here, and it found no range left in it) */
+        atomic_store(&pool.claims, (unsigned long long)ranges << 32);
         /* publishes the job (sequentially consistent: its fields are visible to the parts) */
         const unsigned long generation = (atomic_load(&pool.ticket) >> 8) + 1;
         atomic_store(&pool.ticket, (generation << 8) | (unsigned long)parts);
@@ -511,9 +535,9 @@ static int run(const job_t *j, int force_scalar, int threads) {
             pthread_cond_broadcast(&pool.cv);
             pthread_mutex_unlock(&pool.mu);
         }
-        rc = run_range(j, force_scalar, 0, part_start(panels, (int)parts, 1));
+        run_claimed();
         int spins = 0;
-        while (atomic_load(&pool.pending) > 0)
+        while (atomic_load(&pool.done_ranges) < ranges)
             if (++spins % 1024 == 0) sched_yield(); else cpu_relax();
         if (atomic_load(&pool.failed)) rc = -1;
     }

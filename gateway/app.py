@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from lamina.gateway import handlers, pages
+from lamina.gateway import handlers, pages, responses_handler
 from lamina.gateway.backend import Backend
 from lamina.gateway.config import GatewayConfig
 from lamina.gateway.dashboard import ClusterReader, ClusterView
@@ -77,6 +77,7 @@ def create_app(
     app[JOURNAL_KEY] = journal
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/responses", responses_handler.create_response)
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/v1/models/{model}", handlers.get_model)
     app.router.add_get("/health", handlers.health)
@@ -128,6 +129,9 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        if isinstance(request.match_info.http_exception, web.HTTPNotFound):  # no route has this path
+            error = _not_served(request)
+            return web.json_response(error.body(), status=error.status)
         headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
         error = ApiError(exc.status, exc.reason, type=kind, code="request_too_large" if exc.status == 413 else None)
@@ -136,6 +140,21 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         log.exception("unhandled error in %s %s", request.method, request.path)
         error = ApiError(500, "The server had an error while processing your request.", type="server_error")
         return web.json_response(error.body(), status=500)
+
+
+def _not_served(request: web.Request) -> ApiError:
+    """The 404 of a path no route has (/v1/embeddings, /v1/audio/..., any method): it
+    names the request and what this server serves instead, read from the router so it
+    stays true as routes are added."""
+    served: dict[str, list[str]] = {}
+    for route in request.app.router.routes():
+        path = route.resource.canonical if route.resource is not None else ""
+        if path.startswith("/v1/") and route.method not in ("HEAD", "*"):
+            served.setdefault(path, []).append(route.method)
+    listed = [f"{'/'.join(methods)} {path}" for path, methods in served.items()]
+    serves = ", ".join(listed[:-1]) + " and " + listed[-1] if len(listed) > 1 else "".join(listed)
+    return ApiError(404, f"{request.method} {request.path[:200]} is not served by this server, "
+                         f"which serves {serves}.")
 
 
 @web.middleware

@@ -123,6 +123,7 @@ class Generation:
         self._start = time.monotonic() if arrived is None else arrived
         self._first_token_seen = False
         self.prompt_logprobs: list[TokenLogprobs] = []  # prompt tokens 1.., when asked for (echo)
+        self.num_cached_tokens = 0  # of the prompt's, those the backend's prefix cache served
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -200,6 +201,8 @@ class Generation:
             if not 0 <= event.index < len(self.choices):
                 raise BackendError(f"the backend sent tokens of choice {event.index} of {len(self.choices)}")
             choice = self.choices[event.index]
+            if event.cached_tokens is not None:
+                self.num_cached_tokens = event.cached_tokens
             ids = list(event.token_ids)
             reason = event.finish_reason
             if reason is not None:

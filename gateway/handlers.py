@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,16 +47,9 @@ Kind = Literal["chat", "completion"]
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     state = request.app[STATE_KEY]
-    req = parse_chat_request(await _read_json(request))
-    _check_model(state, req.model)
-    if not state.tokenizer.has_chat_template:
-        raise invalid("This model has no chat template; use /v1/completions instead.", "messages")
-    _check_text_size(state, sum(len(m["content"]) for m in req.messages), "messages")
-    try:
-        prompt_ids = state.tokenizer.encode_chat(list(req.messages))
-    except (jinja2.TemplateError, ValueError) as exc:
-        raise invalid(f"The messages could not be rendered with the model's chat template: {exc}",
-                      "messages") from exc
+    req = parse_chat_request(await read_json(request))
+    check_model(state, req.model)
+    prompt_ids = chat_prompt_ids(state, req.messages, "messages")
     _check_sampling_ids(state, req.sampling)
     sampling = resolve_sampling(req.sampling, len(prompt_ids), state.context_length,
                                 state.config.default_max_tokens, "messages")
@@ -67,10 +60,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     state = request.app[STATE_KEY]
-    req = parse_completion_request(await _read_json(request))
-    _check_model(state, req.model)
+    req = parse_completion_request(await read_json(request))
+    check_model(state, req.model)
     if isinstance(req.prompt, str):
-        _check_text_size(state, len(req.prompt), "prompt")
+        check_text_size(state, len(req.prompt), "prompt")
         prompt_ids = state.tokenizer.encode(req.prompt)
         if not prompt_ids:
             raise invalid("Invalid value for 'prompt': it encodes to no tokens.", "prompt", "invalid_value")
@@ -95,7 +88,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    _check_model(state, request.match_info["model"])
+    check_model(state, request.match_info["model"])
     return web.json_response(r.model_card(state.model_name, state.created, state.context_length))
 
 
@@ -111,10 +104,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=state.metrics.render(), headers={"Content-Type": state.metrics.content_type})
 
 
-# --- helpers ----------------------------------------------------------------
+# --- checks and errors the handlers share (responses_handler.py too) ------
 
 
-async def _read_json(request: web.Request) -> Any:
+async def read_json(request: web.Request) -> Any:
     """The request's JSON body; every way it can be unreadable is the client's 4xx."""
     if request.headers.get(hdrs.CONTENT_TYPE) is not None and not _is_json(request.content_type):
         raise ApiError(415, f"Unsupported Content-Type '{request.content_type}': send the request body as "
@@ -145,7 +138,7 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _check_text_size(state: GatewayState, num_chars: int, param: str) -> None:
+def check_text_size(state: GatewayState, num_chars: int, param: str) -> None:
     """Refuse, before tokenizing it, a text longer than the context window's tokens can
     spell: tokenizing megabytes holds the event loop, and every stream, for seconds."""
     limit = state.context_length * state.tokenizer.max_token_chars
@@ -156,36 +149,47 @@ def _check_text_size(state: GatewayState, num_chars: int, param: str) -> None:
             f"Please reduce the length of the {param}.", param, "context_length_exceeded")
 
 
+def chat_prompt_ids(state: GatewayState, messages: Sequence[dict[str, str]], param: str) -> list[int]:
+    """The prompt of chat `messages` (the client's `param`), in the model's chat template."""
+    if not state.tokenizer.has_chat_template:
+        raise invalid("This model has no chat template; use /v1/completions instead.", param)
+    check_text_size(state, sum(len(m["content"]) for m in messages), param)
+    try:
+        return state.tokenizer.encode_chat(list(messages))
+    except (jinja2.TemplateError, ValueError) as exc:
+        raise invalid(f"The {param} could not be rendered with the model's chat template: {exc}", param) from exc
+
+
 def _check_sampling_ids(state: GatewayState, sampling: SamplingFields) -> None:
     check_token_ids(sampling.stop_token_ids, state.vocab_size, "stop_token_ids")
     check_token_ids(tuple(t for t, _ in sampling.logit_bias), state.vocab_size, "logit_bias")
 
 
-def _check_model(state: GatewayState, model: str) -> None:
+def check_model(state: GatewayState, model: str) -> None:
     if model != state.model_name:
         raise ApiError(404, f"The model `{model}` does not exist or you do not have access to it.",
                        param="model", code="model_not_found")
 
 
-def _shutting_down() -> ApiError:
+def shutting_down() -> ApiError:
     return ApiError(503, "The server is shutting down; retry on another replica.", type="server_error",
                     code="shutting_down")
 
 
-def _check_admission(state: GatewayState) -> None:
+def check_admission(state: GatewayState) -> None:
     if state.is_draining:
-        raise _shutting_down()
+        raise shutting_down()
     limit = state.config.max_queue
     if limit is not None and state.backend.stats().num_waiting >= limit:
-        raise _queue_full()
+        raise queue_full()
 
 
-def _queue_full() -> ApiError:
+def queue_full() -> ApiError:
     return ApiError(429, "The server is busy: its request queue is full. Retry later.",
                     type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
 
 
-def _server_error(exc: BaseException) -> ApiError:
+def server_error(exc: BaseException) -> ApiError:
     return ApiError(500, f"The request failed in the backend: {exc}", type="server_error", code="backend_error")
 
 
@@ -204,43 +208,60 @@ async def _generate(
     n: int = 1,
     tool_use: ToolUse | None = None,
 ) -> web.StreamResponse:
-    _check_admission(state)
+    check_admission(state)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     gen_request = GenerateRequest(rid, tuple(prompt_ids), sampling, time.time(),
                                   prompt_logprobs=echo is not None and sampling.logprobs is not None, n=n,
                                   tool_use=tool_use)
     head = r.ResponseHead(rid, int(time.time()), state.model_name)
+
+    async def answer(gen: Generation) -> web.StreamResponse:
+        if stream:
+            return await _stream(request, state, gen, head, kind, include_usage, continuous_usage, return_token_ids)
+        return await _collect(state, gen, head, kind, return_token_ids, echo)
+
+    return await run_generation(state, gen_request, arrived, answer)
+
+
+async def run_generation(state: GatewayState, gen_request: GenerateRequest, arrived: float,
+                         answer: Callable[[Generation], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Run `gen_request` as a `Generation` in flight under its id (a shutdown ends it)
+    and answer with `answer`; the backend's refusals and failures become the API's errors."""
     task = asyncio.current_task()
     assert task is not None
     try:
         async with Generation(gen_request, state.backend, state.tokenizer, state.journal, state.metrics,
                               arrived) as gen:
-            state.in_flight[rid] = task
+            state.in_flight[gen_request.request_id] = task
             try:
-                if stream:
-                    return await _stream(request, state, gen, head, kind, include_usage, continuous_usage,
-                                         return_token_ids)
-                return await _collect(state, gen, head, kind, task, return_token_ids, echo)
+                return await answer(gen)
             finally:
-                state.in_flight.pop(rid, None)
+                state.in_flight.pop(gen_request.request_id, None)
     except QueueFullError:
-        raise _queue_full() from None
+        raise queue_full() from None
     except RequestRefusedError as exc:
         raise invalid(f"The request cannot be served: {exc}.", code="request_refused") from None
     except BackendError as exc:
-        raise _server_error(exc) from exc
+        raise server_error(exc) from exc
 
 
-async def _collect(state: GatewayState, gen: Generation, head: r.ResponseHead, kind: Kind,
-                   task: asyncio.Task, return_token_ids: bool = False, echo: Echo | None = None) -> web.Response:
+async def finish_generation(state: GatewayState, gen: Generation) -> None:
+    """Read `gen` to its end (a non-streamed answer); a shutdown meanwhile is a 503."""
     try:
         async for _ in gen:
             pass
     except asyncio.CancelledError:
         if not state.is_draining:
             raise  # the client went away; Generation aborts the backend request
+        task = asyncio.current_task()
+        assert task is not None
         task.uncancel()
-        raise _shutting_down() from None
+        raise shutting_down() from None
+
+
+async def _collect(state: GatewayState, gen: Generation, head: r.ResponseHead, kind: Kind,
+                   return_token_ids: bool = False, echo: Echo | None = None) -> web.Response:
+    await finish_generation(state, gen)
     bodies = [_choice_body(state, gen, head, kind, c, return_token_ids, echo) for c in gen.choices]
     body = bodies[0]
     body["choices"] = [b["choices"][0] for b in bodies]
@@ -267,13 +288,7 @@ def _choice_body(state: GatewayState, gen: Generation, head: r.ResponseHead, kin
 async def _stream(request: web.Request, state: GatewayState, gen: Generation, head: r.ResponseHead, kind: Kind,
                   include_usage: bool, continuous_usage: bool = False,
                   return_token_ids: bool = False) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={
-        "Content-Type": "text/event-stream",
-        "Cache-Control": "no-cache",
-        "X-Accel-Buffering": "no",
-        "X-Request-Id": head.id,
-    })
-    await resp.prepare(request)
+    resp = await open_event_stream(request, head.id)
     logprobs = [_logprobs_json(state, gen, kind) for _ in gen.choices]  # each choice's text offsets
     try:
         try:
@@ -294,14 +309,14 @@ async def _stream(request: web.Request, state: GatewayState, gen: Generation, he
                 build = r.chat_usage_chunk if kind == "chat" else r.text_usage_chunk
                 await resp.write(r.sse(build(head, _usage(gen))))
         except BackendError as exc:
-            await resp.write(r.sse(_server_error(exc).body()))
+            await resp.write(r.sse(server_error(exc).body()))
         except asyncio.CancelledError:
             if not state.is_draining:
                 raise  # the client went away; Generation aborts the backend request
             current = asyncio.current_task()
             assert current is not None
             current.uncancel()
-            await resp.write(r.sse(_shutting_down().body()))
+            await resp.write(r.sse(shutting_down().body()))
         await resp.write(r.DONE)
         await resp.write_eof()
     except ConnectionResetError:
@@ -311,8 +326,20 @@ async def _stream(request: web.Request, state: GatewayState, gen: Generation, he
     return resp
 
 
+async def open_event_stream(request: web.Request, request_id: str) -> web.StreamResponse:
+    """A server-sent event stream answering `request`, its headers sent."""
+    resp = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream",
+        "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no",  # no proxy buffering: each event as it is written
+        "X-Request-Id": request_id,
+    })
+    await resp.prepare(request)
+    return resp
+
+
 def _usage(gen: Generation) -> r.Usage:
-    return r.Usage(gen.num_prompt_tokens, gen.num_completion_tokens)
+    return r.Usage(gen.num_prompt_tokens, gen.num_completion_tokens, gen.num_cached_tokens)
 
 
 @dataclass(frozen=True)
@@ -335,7 +362,8 @@ def _echoed(state: GatewayState, gen: Generation, head: r.ResponseHead, echo: Ec
             generated = pieces.take(choice.logprobs)
             logprobs = {key: value + generated[key] for key, value in logprobs.items()}
     if echo.prompt_only:
-        return r.text_completion(head, echo.text, "length", r.Usage(gen.num_prompt_tokens, 0), logprobs)
+        return r.text_completion(head, echo.text, "length", r.Usage(gen.num_prompt_tokens, 0, gen.num_cached_tokens),
+                                 logprobs)
     return r.text_completion(head, echo.text + choice.text, choice.finish_reason or "stop", _usage(gen), logprobs)
 
 

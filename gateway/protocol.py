@@ -70,6 +70,9 @@ class TokenEvent:
     # With the first token, when GenerateRequest.prompt_logprobs: prompt tokens 1.. in order.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     index: int = 0  # the choice (of GenerateRequest.n) these tokens and this finish reason belong to
+    # Prompt tokens the prefix cache served (not computed), on the request's first event
+    # from a backend that knows; None elsewhere.
+    cached_tokens: int | None = None
 
 
 # --- errors -----------------------------------------------------------------

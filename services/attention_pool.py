@@ -10,6 +10,10 @@ future waiting for that tag, so replies are matched by id, never by order. The
 pool owns those reader tasks (`close()` cancels and awaits them); a connection
 that fails fails every future still waiting on it.
 
+Under the colocated layout (`StackConfig.layout`) the worker holding a model worker's
+sequences lives in the model worker's own process: the pool calls its core directly
+(`local`), with no frame and no copy, and sends nothing over the transport for it.
+
 With `q_early`, a layer's Q goes out in its own frame before K and V: the worker
 starts attention over the KV it already holds as soon as Q arrives and combines
 it with the new tokens' part when K and V follow (`lamina.services.attention.attention_core`).
@@ -20,9 +24,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import Protocol, overload
 
 import torch
 
@@ -38,6 +42,13 @@ log = logging.getLogger(__name__)
 
 # reconnect(worker) -> a new connection to that attention worker (wherever it now listens)
 Reconnect = Callable[[int], Awaitable[transports.Connection]]
+
+
+class LocalAttention(Protocol):
+    """An attention worker's core in this process (lamina.services.attention.attention_core)."""
+
+    def attend(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 @dataclass(frozen=True)
@@ -73,8 +84,11 @@ def _ended_reader() -> asyncio.Future:
 class AttentionPool:
     def __init__(self, conns: list[transports.Connection | None], partition: str, cfg: ModelConfig,
                  q_early: bool = False, reply_timeout_s: float | None = None,
-                 reconnect: Reconnect | None = None) -> None:
+                 reconnect: Reconnect | None = None, local: Mapping[int, LocalAttention] | None = None) -> None:
+        """`local`: workers whose core is in this process (index -> core), attended by a call."""
         self.conns = conns
+        self.local = dict(local or {})
+        self.local_s = 0.0  # CPU time attending on the local cores
         self.partition = partition
         self.cfg = cfg
         self.q_early = q_early
@@ -94,20 +108,22 @@ class AttentionPool:
     @classmethod
     async def connect(cls, addresses: list[str | None], partition: str, cfg: ModelConfig,
                       tcfg: transports.TransportConfig, q_early: bool = False, reply_timeout_s: float | None = None,
-                      reconnect: Reconnect | None = None) -> AttentionPool:
+                      reconnect: Reconnect | None = None,
+                      local: Mapping[int, LocalAttention] | None = None) -> AttentionPool:
         """One connection per address, in worker order; None: a worker not registered
-        now, connected (through `reconnect`) on its first use."""
+        now, connected (through `reconnect`) on its first use. The `local` workers get none."""
         conns: list[transports.Connection | None] = []
         try:
-            for a in addresses:
-                conns.append(None if a is None else await transports.connect(a, tcfg))
+            for w, a in enumerate(addresses):
+                conns.append(None if a is None or w in (local or {}) else await transports.connect(a, tcfg))
         except BaseException:
             await asyncio.gather(*(c.close() for c in conns if c is not None), return_exceptions=True)
             raise
-        return cls(conns, partition, cfg, q_early, reply_timeout_s, reconnect)
+        return cls(conns, partition, cfg, q_early, reply_timeout_s, reconnect, local)
 
     @classmethod
-    async def from_registry(cls, store: MetadataStore, config: StackConfig, cfg: ModelConfig) -> AttentionPool:
+    async def from_registry(cls, store: MetadataStore, config: StackConfig, cfg: ModelConfig,
+                            local: Mapping[int, LocalAttention] | None = None) -> AttentionPool:
         """Connect to the attention workers registered in Redis, each under its own index,
         once the configured number (`attention.workers`) is there.
 
@@ -129,7 +145,7 @@ class AttentionPool:
         size = max(ac.workers, max(endpoints, default=-1) + 1)
         return await cls.connect([endpoints.get(w) for w in range(size)], config.partition, cfg, tcfg,
                                  q_early=config.pipeline.q_early, reply_timeout_s=config.deadlines.reply_s,
-                                 reconnect=reconnect)
+                                 reconnect=reconnect, local=local)
 
     async def close(self) -> None:
         for t in self._readers:
@@ -305,16 +321,35 @@ class AttentionPool:
             return torch.cat(await self._gather(futures), dim=1)
         if len(route.parts) == 1:
             w, _, members = route.parts[0]
+            if w in self.local:
+                return self._attend_here(w, layer, members, q, k, v)
             fut = await self._send_attend(w, tag, layer, members, q, k, v)
             return (await self._gather([fut]))[0]
         for w, rows, members in route.parts:
-            futures.append(await self._send_attend(w, tag, layer, members, q[rows], k[rows], v[rows]))
-        outs = await self._gather(futures)
+            if w not in self.local:
+                futures.append(await self._send_attend(w, tag, layer, members, q[rows], k[rows], v[rows]))
+        # The local parts are computed while the others' frames travel.
+        here = {w: self._attend_here(w, layer, members, q[rows], k[rows], v[rows])
+                for w, rows, members in route.parts if w in self.local}
+        remote = iter(await self._gather(futures) if futures else [])
+        outs = [here[w] if w in here else next(remote) for w, _, _ in route.parts]
         if all(isinstance(rows, slice) for _, rows, _ in route.parts):
             return torch.cat(outs)  # rows grouped by worker: the parts are in row order
         out = torch.empty_like(q)
         for (_, rows, _), o in zip(route.parts, outs):
             out[rows] = o
+        return out
+
+    def _attend_here(self, w: int, layer: int, members: list[tuple[str, int]], q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+        """Attention on a core in this process: what its worker would answer to the frame
+        (a refusal raises the same RemoteError), with nothing sent."""
+        t0 = time.thread_time()
+        try:
+            out, _ = self.local[w].attend(layer, members, q.contiguous(), k.contiguous(), v.contiguous(),
+                                          need_lse=False)
+        finally:
+            self.local_s += time.thread_time() - t0
         return out
 
     async def _send_attend(self, w: int, tag: Tag, layer: int, members: list[tuple[str, int]],

@@ -8,6 +8,9 @@ clear message naming the setting.
     weights: as_file            # as_file | float32 | q8_0 | q4 (packed linears: docs/model.md)
     redis_url: null             # null = embedded redis-server (lamina up starts it)
     namespace: lamina           # prefix of every Redis key
+    layout: disaggregated       # disaggregated: attention workers of their own | colocated: each model
+                                # worker attends in its own process (its KV held there; no attention
+                                # worker processes, attention.workers = model_worker.workers); LAMINA_LAYOUT
     transport: tcp              # tcp | ucx | shm (data plane)
     partition: request          # request | head (how KV is spread over attention workers)
     cluster_token: null         # shared secret every gRPC call and data-plane connection between services
@@ -75,6 +78,7 @@ POLICIES = ("fcfs", "fpf", "relaxed_fpf")
 WEIGHT_CHOICES = ("float32", "q8_0", "q4", "as_file")  # lamina.model.packing.WEIGHT_CHOICES (tested equal)
 KV_QUANT_CHOICES = ("none", "q4")  # lamina.model.kv_quant.KV_QUANT_CHOICES (tested equal)
 PIPELINE_MODES = ("fixed", "rotational")
+LAYOUTS = ("disaggregated", "colocated")
 PREFILL_ROUTINGS = ("prefix", "round_robin")  # lamina.services.scheduler.prefill_routing
 PEER_FETCH_MODES = ("auto", "always", "off")  # lamina.services.scheduler.prefix_fetch_policy (tested equal)
 
@@ -224,6 +228,9 @@ class StackConfig:
     weights: str = "as_file"  # how model and prefill workers hold the linears (lamina.model.packing)
     redis_url: str | None = None
     namespace: str = "lamina"
+    # colocated: each model worker holds one attention worker's KV and attends in its own
+    # process (services/model/model_service.py); the layout sets attention.workers.
+    layout: str = "disaggregated"
     transport: str = "tcp"
     partition: str = "request"
     # Shared secret of the stack's services: gRPC calls carry it, data-plane handshakes
@@ -242,6 +249,7 @@ class StackConfig:
     deadlines: DeadlinesSection = field(default_factory=DeadlinesSection)
 
     def __post_init__(self) -> None:
+        self._check_layout()
         _check(self.weights in WEIGHT_CHOICES, "weights", f"must be one of {', '.join(WEIGHT_CHOICES)}",
                self.weights)
         _check(self.transport in TRANSPORTS, "transport", f"must be one of {', '.join(TRANSPORTS)}", self.transport)
@@ -322,6 +330,27 @@ class StackConfig:
         except ValueError as exc:
             raise ConfigError(f"configuration: data_plane: {exc}") from None
 
+    def _check_layout(self) -> None:
+        """Colocated: one attention worker in each model worker's process, so their counts
+        are one number (`model_worker.workers`, set here over `attention.workers`), and
+        what needs attention workers apart (head shares, rotation, a growing pool) is refused."""
+        _check(self.layout in LAYOUTS, "layout", f"must be one of {', '.join(LAYOUTS)}", self.layout)
+        if self.layout != "colocated":
+            return
+        _check(self.partition == "request", "partition", "must be request under layout colocated (each model "
+               "worker holds its own sequences' whole KV)", self.partition)
+        _check(self.pipeline.mode == "fixed", "pipeline.mode", "must be fixed under layout colocated (a model "
+               "worker attends only its own sequences)", self.pipeline.mode)
+        _check(self.attention.max_workers == 0, "attention.max_workers", "must be 0 under layout colocated "
+               "(the attention workers are the model workers)", self.attention.max_workers)
+        workers = self.model_worker.workers
+        if isinstance(workers, int) and self.attention.workers != workers:
+            object.__setattr__(self, "attention", dataclasses.replace(self.attention, workers=workers))
+
+    @property
+    def colocated(self) -> bool:
+        return self.layout == "colocated"
+
     def transport_config(self):
         """The ``transports.TransportConfig`` of every data-plane connection."""
         from lamina.transports import TransportConfig  # the transports package is imported by services anyway
@@ -355,7 +384,8 @@ class StackConfig:
     def data_plane_processes(self) -> int:
         """Processes that exchange frames and compute between them: attention workers,
         model workers and prefill workers (all on one host under `lamina up`)."""
-        return self.attention.workers + self.model_worker.workers + self.prefill.workers
+        attention = 0 if self.colocated else self.attention.workers
+        return attention + self.model_worker.workers + self.prefill.workers
 
     def data_address(self, service_id: str) -> str:
         """Where a service listens for data-plane frames (port 0: the system picks)."""
@@ -384,6 +414,7 @@ ENV_OVERRIDES = {
     "LAMINA_MODEL": "model",
     "LAMINA_WEIGHTS": "weights",
     "LAMINA_TRANSPORT": "transport",
+    "LAMINA_LAYOUT": "layout",
     "LAMINA_PARTITION": "partition",
     "LAMINA_CLUSTER_TOKEN": "cluster_token",
     "LAMINA_NAMESPACE": "namespace",

@@ -18,6 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-max-workers", type=int, default=None,
                    help="attention workers that may join the running stack, up to this many in all (default 0: "
                         "a fixed pool; request partitioning; docs/deploy.md)")
+    p.add_argument("--layout", default=None, choices=("disaggregated", "colocated"),
+                   help="disaggregated (default): attention workers in processes of their own; colocated: each "
+                        "model worker attends in its own process, no attention workers (layout)")
     p.add_argument("--model-workers", type=int, default=None, help="number of model-slice workers (default 1)")
     p.add_argument("--model-threads", type=int, default=None,
                    help="threads of each model worker's packed products; torch's ops run on one (default 1; "
@@ -55,7 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = stack_config(args, **{"gateway.port": args.port, "attention.workers": args.attention_workers,
+    if args.layout == "colocated" and (args.attention_workers or args.attention_max_workers):
+        print("lamina up: --layout colocated has no attention workers of its own (each model worker holds its "
+              "sequences' KV): set --model-workers instead of --attention-workers / --attention-max-workers",
+              file=sys.stderr)
+        return 2
+    config = stack_config(args, **{"layout": args.layout, "gateway.port": args.port,
+                                   "attention.workers": args.attention_workers,
                                    "attention.max_workers": args.attention_max_workers,
                                    "model_worker.workers": args.model_workers,
                                    "model_worker.threads": args.model_threads,
@@ -92,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     mode = " in all, rotational" if config.rotational else ""
     print(f"starting: {config.model_worker.workers} model worker(s) with {config.decode_micro_batches} "
           f"micro-batch(es){mode}{' and Q sent early' if config.pipeline.q_early else ''}, "
-          f"{config.attention.workers} attention workers, {config.prefill.workers} prefill worker(s), "
+          f"{_attention(config)}, {config.prefill.workers} prefill worker(s), "
           f"transport {config.transport}, "
           f"{config.partition}-level partitioning; {where}", file=sys.stderr)
     try:
@@ -119,6 +128,12 @@ def run(args: argparse.Namespace) -> int:
         print("stopping...", file=sys.stderr)
         stack.stop()
     return 0
+
+
+def _attention(config) -> str:
+    if config.colocated:
+        return "attention in each model worker (layout colocated)"
+    return f"{config.attention.workers} attention workers"
 
 
 def _ray_stack(args: argparse.Namespace, config):

@@ -6,7 +6,8 @@ openai client is not a dependency of the package): one short warm-up request, th
 sequences decoding S steps each (greedy, EOS ignored). The services' Prometheus
 counters are read when every sequence has its first token and again at the end, so
 prefill is not in the figures: per process, the CPU time spent computing, the wall time
-spent sending and the whole process's CPU, as shares of the decode's wall time.
+spent sending and the whole process's CPU, as shares of the decode's wall time, and from
+them the model worker's idle share and the cores the workers kept busy (`window_shares`).
 `lamina profile` calibrates the services' overheads with one small run (planner/profile.py);
 bench/decode_pipeline.py and bench/planner_validation.py compare configurations with it.
 """
@@ -115,10 +116,10 @@ def _free_port() -> int:
 
 def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batches: int, q_early: bool,
               model_workers: int, kv_bytes: int, weights: str, mode: str = "fixed", attention_workers: int = 2,
-              model_threads: int = 1) -> dict[str, Any]:
+              model_threads: int = 1, layout: str = "disaggregated") -> dict[str, Any]:
     """Decode `steps` tokens after the first for every prompt through a stack of that
-    configuration; its decode throughput, wall seconds and each model and attention
-    worker's time shares (compute, send, wait, and the whole process's CPU)."""
+    configuration; its decode throughput, wall seconds, each model and attention
+    worker's shares of that time and the run's figures from them (`window_shares`)."""
     from lamina.services.config import (
         AttentionSection,
         GatewaySection,
@@ -129,7 +130,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
     )
     from lamina.services.launch.launcher import Stack
 
-    config = StackConfig(transport=transport, weights=weights,
+    config = StackConfig(layout=layout, transport=transport, weights=weights,
                          scheduler=SchedulerSection(max_batch_size=len(prompts), max_queue=max(256, len(prompts))),
                          attention=AttentionSection(workers=attention_workers, kv_capacity_bytes=kv_bytes),
                          model_worker=ModelWorkerSection(workers=model_workers, threads=model_threads),
@@ -179,17 +180,45 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
     t0 = before["_t"]
     tokens = sum(sum(1 for x in t if x > t0) for t in times)
     wall = t_end - t0
+    figures = window_shares(before, after, wall, model_threads, colocated=layout == "colocated")
+    return {"tok_s": tokens / wall, "tokens": tokens, "seconds": wall, **figures,
+            "cpu_ms_per_token": 1e3 * figures["model_compute_s"] / tokens}
+
+
+def window_shares(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], wall: float,
+                  model_threads: int = 1, colocated: bool = False) -> dict[str, Any]:
+    """What the model and attention workers did in a window of `wall` seconds, from their
+    counters read at its start (`before`) and end (`after`), keyed by service id.
+
+    Each share is one counter's increase over `wall`, one kind of time each:
+    - compute: CPU seconds of the service's thread computing (the model worker's slices,
+      the attention worker's frames; `thread_time`): the share of the window that thread
+      computed on a core;
+    - send: wall seconds in send calls (an `await`: other micro-batches may compute meanwhile);
+    - cpu: CPU seconds of the whole process, every thread (`process_cpu_seconds_total`):
+      the mean number of cores it used. A colocated attention service reports its model
+      worker's process.
+    The run's figures, CPU seconds over wall seconds both:
+    - model_idle: the model workers' mean of max(0, 1 - cpu / model_threads), the share
+      of their compute threads' cores they left unused; with one thread, the share of the
+      window the process was off its core: waiting on attention replies or the scheduler,
+      or descheduled by other processes (the counters do not tell these apart);
+    - cores_busy: the sum of cpu over the distinct processes, model and attention workers
+      together: the mean number of cores they kept busy (over 1: two or more processes
+      ran at once, whichever they were; the counters do not say when each ran).
+    No share adds CPU time to wall time, or tells which work ran at the same time as which."""
+    def grew(sid: str, name: str) -> float:
+        return after[sid].get(name, 0.0) - before[sid].get(name, 0.0)
+
     shares = {}
     for sid in after:
         kind = "model" if sid.startswith("model") else "attention"
-        comp = after[sid].get(f"lamina_{kind}_compute_seconds_total", 0) - before[sid].get(
-            f"lamina_{kind}_compute_seconds_total", 0)
-        send = after[sid].get(f"lamina_{kind}_send_seconds_total", 0) - before[sid].get(
-            f"lamina_{kind}_send_seconds_total", 0)
-        cpu = after[sid].get("process_cpu_seconds_total", 0) - before[sid].get("process_cpu_seconds_total", 0)
-        shares[sid] = {"compute": comp / wall, "send": send / wall, "wait": max(0.0, 1 - (comp + send) / wall),
-                       "cpu": cpu / wall}  # cpu: the whole process (event loop, frames, sampling included)
-    model_c = sum(v["compute"] for k, v in shares.items() if k.startswith("model"))
-    attn_c = sum(v["compute"] for k, v in shares.items() if k.startswith("attention"))
-    return {"tok_s": tokens / wall, "tokens": tokens, "seconds": wall, "shares": shares,
-            "overlap": max(0.0, model_c + attn_c - 1.0), "cpu_ms_per_token": 1e3 * model_c * wall / tokens}
+        shares[sid] = {"compute": grew(sid, f"lamina_{kind}_compute_seconds_total") / wall,
+                       "send": grew(sid, f"lamina_{kind}_send_seconds_total") / wall,
+                       "cpu": grew(sid, "process_cpu_seconds_total") / wall}
+    models = [v for k, v in shares.items() if k.startswith("model")]
+    processes = models if colocated else list(shares.values())
+    return {"shares": shares,
+            "model_idle": sum(max(0.0, 1 - v["cpu"] / model_threads) for v in models) / max(1, len(models)),
+            "cores_busy": sum(v["cpu"] for v in processes),
+            "model_compute_s": sum(v["compute"] for v in models) * wall}

@@ -5,6 +5,8 @@ sends ATTEND (or ATTEND_Q then ATTEND_KV) and STORE_KV frames and gets RESULT, A
 or ERROR back, each echoing its request's tag (lamina.services.wire).
 Control plane: gRPC AttentionControl (Free, Stats, Fork) and health. Its occupancy is
 also written to the metadata store every second (`occupancy()`, NS:stats:attention:ID).
+Under the colocated layout the service runs inside a model worker's process, which
+attends on its core by a call (`count_local` keeps the figures of that work).
 """
 
 from __future__ import annotations
@@ -173,6 +175,13 @@ class AttentionService:
         except RemoteError as exc:
             held[tag] = exc  # answered (and counted) when K, V of the same tag arrive
         return None
+
+    def count_local(self, compute_s: float) -> None:
+        """Attention a model worker in this process computed on the core by a call
+        (colocated): its CPU time, and the KV it holds now."""
+        self.m_compute.inc(compute_s)
+        self.m_used.set(self.core.used_bytes)
+        self.m_seqs.set(self.core.num_sequences)
 
     def occupancy(self) -> dict:
         """KV held here, as published to the metadata store."""

@@ -144,7 +144,8 @@ class SchedulerBackend:
                 yield TokenEvent(list(chunk.token_ids), chunk.finish_reason or None,
                                  [logprobs_from_proto(t, lp) for t, lp in zip(chunk.token_ids, chunk.logprobs)],
                                  [logprobs_from_proto(t, lp) for t, lp in zip(prompt_ids[1:], chunk.prompt_logprobs)],
-                                 chunk.index)
+                                 chunk.index,
+                                 chunk.cached_tokens if chunk.HasField("cached_tokens") else None)
                 if chunk.finish_reason and not (remaining := remaining - 1):
                     return
                 try:

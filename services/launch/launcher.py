@@ -93,8 +93,9 @@ class ServiceProcess:
 
 def service_commands(config: StackConfig) -> list[tuple[str, str, list[str]]]:
     """(name, id in the metadata store, `lamina` arguments) of every service, in start order."""
-    names = [(f"attention-{i}", f"attention-{i}", ["attention", "--index", str(i)])
-             for i in range(config.attention.workers)]
+    # Colocated: each model worker runs its attention worker in its own process.
+    names = [] if config.colocated else [(f"attention-{i}", f"attention-{i}", ["attention", "--index", str(i)])
+                                         for i in range(config.attention.workers)]
     names += [(f"model-{i}", f"model-{i}", ["model", "--index", str(i)]) for i in range(config.model_worker.workers)]
     names += [(f"prefill-{i}", f"prefill-{i}", ["prefill", "--index", str(i)]) for i in range(config.prefill.workers)]
     return names + [(name, f"{name}-0", [name]) for name in ("scheduler", "gateway")]

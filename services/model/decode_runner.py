@@ -69,8 +69,10 @@ class DecodeSeq:
 class DecodeRunner:
     def __init__(self, forward: Forward, num_micro_batches: int, stop: lamina_pb2.StopRule,
                  on_step: Callable[[int, float], None] | None = None, min_micro_batch: int = 1,
-                 grammars: Grammars | None = None) -> None:
+                 grammars: Grammars | None = None, idle_s: float = 0.0) -> None:
+        """`idle_s`: how long the loop is left idle after each step (see `_run`)."""
         self._forward = forward
+        self._idle_s = idle_s
         self._stop_eos = set(stop.eos_token_ids)
         self._sampler = Sampler(grammars, self._stop_eos)
         self._max_model_len = stop.max_model_len or (1 << 30)
@@ -172,6 +174,10 @@ class DecodeRunner:
             self.results.put_nowait(result)
             if self._on_step is not None:
                 self._on_step(len(members), time.perf_counter() - start)
+            # A step whose attention is in this process (layout colocated) never waits on a
+            # peer, so the loop would not send its result (nor read an update) until the
+            # micro-batch ran out of sequences: `idle_s` leaves it a moment to.
+            await asyncio.sleep(self._idle_s)
 
     async def _step(self, mb: int, step: int, members: list[DecodeSeq]) -> lamina_pb2.DecodeResult:
         # Rows grouped by attention worker: each worker's share of Q, K, V is then a view.

@@ -14,11 +14,17 @@ lamina.services.model.slice_peers), and every worker serves slices to its peers
 The worker keeps each decoding sequence's latest token and position (sent whole
 when the sequence joins); its KV lives on the attention workers. When its stream
 ends, the worker drops them all.
+
+Under `layout: colocated` the worker runs attention worker `index` in its own process
+(an `AttentionService`: registered, fed prompt KV by the prefill workers and freed by the
+scheduler as any attention worker is); the scheduler decodes each sequence on the model
+worker whose attention worker holds its KV, and the pool attends there by a call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -35,8 +41,9 @@ from lamina.model.splitter import SliceOutput
 from lamina.model.threads import set_compute_threads
 from lamina.sampling.grammar import Grammars
 from lamina.services.addresses import with_host
+from lamina.services.attention.attention_service import AttentionService
 from lamina.services.attention_pool import AttentionPool, SeqRows
-from lamina.services.config import StackConfig
+from lamina.services.config import PortsSection, StackConfig
 from lamina.services.model.decode_runner import DecodeRunner
 from lamina.services.model.slice_peers import SliceExecutors
 from lamina.services.model.slice_server import SliceServer
@@ -45,6 +52,11 @@ from lamina.services.runtime import ServiceRuntime
 from lamina.services.wire import decode_tag, slice_tag
 
 log = logging.getLogger(__name__)
+
+# Colocated, a decode step never awaits a peer: after each one the loop is left idle this
+# long, so that gRPC sends the step's tokens at once (0.2 ms was too short here: tokens
+# reached the scheduler in bursts of 100 ms and more; 1 ms gave even 21 ms gaps at batch 1).
+COLOCATED_IDLE_S = 0.001
 
 
 class ModelSlices:
@@ -131,8 +143,10 @@ class ModelService:
         self.pool: AttentionPool | None = None
         self.executors: SliceExecutors | None = None  # rotational only
         self.slice_server = SliceServer(self.slices.split.slices, self._serve_slice)
+        self.attention = _colocated_attention(config, index, self.runtime.stopping) if config.colocated else None
         self._runner: DecodeRunner | None = None
-        self._reported = (0.0, 0.0, 0)  # compute and send seconds, remote slices already counted
+        # compute and send seconds, remote slices, local attention seconds already counted
+        self._reported = (0.0, 0.0, 0, 0.0)
 
     def _serve_slice(self, j, inputs, attn, context) -> SliceOutput:
         out = self.slices.run_slice(j, inputs, attn, context)
@@ -149,9 +163,11 @@ class ModelService:
     def _count_work(self) -> None:
         """Add what the slices, the pool and the executors did since the last count to the counters."""
         now = (self.slices.compute_s, self.pool.send_s if self.pool is not None else 0.0,
-               self.executors.remote_slices if self.executors else 0)
+               self.executors.remote_slices if self.executors else 0, self.pool.local_s if self.pool else 0.0)
         for counter, value, before in zip((self.m_compute, self.m_send, self.m_remote), now, self._reported):
             counter.inc(value - before)
+        if self.attention is not None:
+            self.attention.count_local(now[3] - self._reported[3])
         self._reported = now
 
     async def decode(self, updates):
@@ -172,7 +188,8 @@ class ModelService:
             return await self.slices.forward(mb, step, batch, rows, self.pool, self.executors)
 
         runner = DecodeRunner(forward, self.config.decode_micro_batches, first.stop, on_step=self._on_step,
-                              min_micro_batch=self.config.pipeline.min_micro_batch, grammars=self.slices.grammars)
+                              min_micro_batch=self.config.pipeline.min_micro_batch, grammars=self.slices.grammars,
+                              idle_s=COLOCATED_IDLE_S if self.attention is not None else 0.0)
         self._runner = runner
         runner.join(list(first.joins))
         runner.leave(list(first.leaves))
@@ -212,7 +229,22 @@ class ModelService:
         return found
 
     async def run(self) -> None:
-        self.pool = await AttentionPool.from_registry(self.runtime.store, self.config, self.slices.cfg)
+        if self.attention is None:
+            await self._serve()
+            return
+        # The colocated attention worker lives as long as this service: either ending
+        # (a signal sets their shared stop) ends the other.
+        attending = asyncio.create_task(self.attention.run(), name="colocated-attention")
+        attending.add_done_callback(lambda _: self.runtime.stopping.set())
+        try:
+            await self._serve()
+        finally:
+            self.runtime.stopping.set()
+            await attending
+
+    async def _serve(self) -> None:
+        local = {} if self.attention is None else {self.index: self.attention.core}
+        self.pool = await AttentionPool.from_registry(self.runtime.store, self.config, self.slices.cfg, local)
         meta: dict = {"index": self.index}
         listener = None
         try:
@@ -232,6 +264,17 @@ class ModelService:
             if listener is not None:
                 await listener.close()
             await self.pool.close()
+
+
+def _colocated_attention(config: StackConfig, index: int, stopping: asyncio.Event) -> AttentionService:
+    """Attention worker `index`, to run in this process beside its model worker. Fixed
+    ports (one service per host) are taken one above the model worker's: two servers
+    cannot share one."""
+    p = config.ports
+    ports = PortsSection(grpc=p.grpc + 1 if p.grpc else 0, metrics=p.metrics + 1 if p.metrics else 0)
+    service = AttentionService(dataclasses.replace(config, ports=ports), index)
+    service.runtime.stopping = stopping  # one process, one stop: a signal ends both
+    return service
 
 
 def serve(config: StackConfig, threads: int | None = None, index: int = 0) -> None:

@@ -161,7 +161,8 @@ class Admission:
             return
         if not await s.start_choices(req, result):
             return
-        await s.accept_token(req, result.token_id, logprobs_of(result), result.prompt_logprobs)
+        await s.accept_token(req, result.token_id, logprobs_of(result), result.prompt_logprobs,
+                             result.cached_tokens)
         if req.status is not Status.FINISHED:
             if req.abort_requested:
                 await s.finish(req, "abort")

@@ -79,17 +79,21 @@ class DecodeStreams:
     # -- joins and leaves -------------------------------------------------------------------
     def join(self, req: Request) -> None:
         """Hand a prefilled request to the least loaded live model worker's decode
-        stream (rotational: the coordinator's, lamina.services.model.rotation); with none live, it
-        waits (KV in place) for one to come back."""
+        stream (rotational: the coordinator's, lamina.services.model.rotation; colocated: the
+        one whose process holds its KV); with none live, it waits (KV in place) for one to
+        come back."""
         if req not in self._s.running:
             self._s.running.append(req)
+        config = self._s.config
         live = [i for i, m in enumerate(self.streams) if m.alive]
+        if config.colocated:
+            live = [i for i in live if i == req.workers[0]]
         if not live:
             req.status = Status.RECOVERING
             self.parked.append(req)
             return
         loads = [self.streams[i].num_sequences for i in live]
-        w = live[coordinator(loads) if self._s.config.rotational else join_target(loads)]
+        w = live[coordinator(loads) if config.rotational else join_target(loads)]
         req.status = Status.RUNNING
         req.model_worker = w
         self.decoding[req.kv_id] = req

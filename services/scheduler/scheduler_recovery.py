@@ -138,7 +138,9 @@ class Recovery:
         if first:
             if not await s.start_choices(req, result):
                 return
-            await s.accept_token(req, result.token_id, logprobs_of(result), result.prompt_logprobs)
+            # Its first prefill gave no result: this one's cache hit is what the prompt cost.
+            await s.accept_token(req, result.token_id, logprobs_of(result), result.prompt_logprobs,
+                                 result.cached_tokens)
             if req.status is Status.FINISHED:
                 return
         s.decode.join(req)

@@ -204,15 +204,19 @@ class SchedulerService:
                            slab_ranges={})
 
     async def accept_token(self, req: Request, token: int, logprobs: lamina_pb2.Logprobs | None = None,
-                           prompt_logprobs: Sequence[lamina_pb2.Logprobs] = ()) -> None:
-        """`token` is `req`'s next output: send it to the client, end `req` if it stops there."""
+                           prompt_logprobs: Sequence[lamina_pb2.Logprobs] = (), cached_tokens: int | None = None
+                           ) -> None:
+        """`token` is `req`'s next output: send it to the client, end `req` if it stops there.
+        `cached_tokens`: with the first token of the request (choice 0), the prompt tokens
+        its prefill took from the prefix cache (TokenChunk.cached_tokens)."""
         req.output_ids.append(token)
         self.journal.generated(req.request_id, token)
         reason = stop_reason(req.params, token, len(req.output_ids), req.num_tokens, self.eos_ids,
                              self.max_model_len)
         req.events.put_nowait(lamina_pb2.TokenChunk(token_ids=[token], finish_reason=reason or "",
                                                     logprobs=[logprobs] if logprobs is not None else [],
-                                                    prompt_logprobs=prompt_logprobs, index=req.index))
+                                                    prompt_logprobs=prompt_logprobs, index=req.index,
+                                                    cached_tokens=cached_tokens))
         if reason is not None:
             await self.finish(req, reason, notify=False)
 

@@ -34,11 +34,12 @@ def start_stack(transport: str = "tcp", partition: str = "request", workers: int
                 q_early: bool = False, model_workers: int = 1, weights: str = StackConfig.weights,
                 deadlines: DeadlinesSection | None = None, supervise: bool = False,
                 prefill: PrefillSection | None = None, pipeline_mode: str = "fixed",
-                prefill_workers: int | None = None, attention_max_workers: int = 0, **kw) -> Stack:
+                prefill_workers: int | None = None, attention_max_workers: int = 0,
+                layout: str = "disaggregated", **kw) -> Stack:
     prefill = prefill or PrefillSection()
     if prefill_workers is not None:
         prefill = dataclasses.replace(prefill, workers=prefill_workers)
-    config = StackConfig(transport=transport, partition=partition, weights=weights,
+    config = StackConfig(layout=layout, transport=transport, partition=partition, weights=weights,
                          deadlines=deadlines or DeadlinesSection(), prefill=prefill,
                          gateway=GatewaySection(port=free_port(), **kw),
                          attention=AttentionSection(workers=workers, max_workers=attention_max_workers,
@@ -77,6 +78,19 @@ async def attention_stats(stack: Stack) -> list:
 
 def service_metric(stack: Stack, kind: str, service_id: str, name: str) -> float:
     """One sample of a service's Prometheus metrics, read over HTTP."""
+    for line in _metric_lines(stack, kind, service_id):
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"the metrics of {service_id} lack {name}")
+
+
+def metric_total(stack: Stack, kind: str, service_id: str, name: str) -> float:
+    """The sum of every sample of metric `name` (each label's) a service exports; 0 with none."""
+    return sum(float(line.split()[-1]) for line in _metric_lines(stack, kind, service_id)
+               if line.startswith((name + " ", name + "{")))
+
+
+def _metric_lines(stack: Stack, kind: str, service_id: str) -> list[str]:
     from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 
     async def metrics_port() -> int:
@@ -90,10 +104,7 @@ def service_metric(stack: Stack, kind: str, service_id: str, name: str) -> float
 
     port = asyncio.run(metrics_port())
     with urllib.request.urlopen(f"http://{stack.config.host}:{port}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"the metrics of {service_id} lack {name}")
+        return r.read().decode().splitlines()
 
 
 def complete(stack: Stack, prompt: list[int], max_tokens: int, **extra) -> dict:

@@ -44,17 +44,19 @@ class StackSpec:
     pipeline_mode: str = "fixed"
     prefill_workers: int = 1
     api_key: str | None = None  # the gateway's; None: /v1/ needs none
+    layout: str = "disaggregated"
 
     @property
     def id(self) -> str:
         """A short name for test ids: tcp-2w-request-mb3-qearly, with what differs from
-        the defaults appended (-2mw-float32-rotational-2pw, -key)."""
+        the defaults appended (-2mw-float32-rotational-2pw-colocated, -key)."""
         name = f"{self.transport}-{self.workers}w-{self.partition}-mb{self.micro_batches}"
         name += "-qearly" if self.q_early else ""
         name += f"-{self.model_workers}mw" if self.model_workers != 1 else ""
         name += f"-{self.weights}" if self.weights != "as_file" else ""
         name += f"-{self.pipeline_mode}" if self.pipeline_mode != "fixed" else ""
         name += f"-{self.prefill_workers}pw" if self.prefill_workers != 1 else ""
+        name += f"-{self.layout}" if self.layout != "disaggregated" else ""
         return name + ("-key" if self.api_key else "")
 
     def start(self) -> Stack:
@@ -77,6 +79,8 @@ PIPELINE_ROTATIONAL = StackSpec(partition="head", micro_batches=3, model_workers
 # Q-early: prefix-aware routing, which needs it as started (test_stack_prefill_routing.py),
 # then the matrix's row of head partitioning over one worker (test_stack_matrix.py).
 PREFILL_ROUTING = StackSpec(partition="head", workers=1, micro_batches=1, q_early=True, prefill_workers=2)
+# Colocated: two model workers, each attending in its own process (test_stack_colocated.py).
+COLOCATED = StackSpec(model_workers=2, layout="colocated")
 
 
 class StackPool:

@@ -10,6 +10,7 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
+import uuid
 from typing import Literal
 
 import openai
@@ -181,7 +182,25 @@ def test_prefix_cache_hit_gives_the_same_tokens(stack):
     assert after - middle >= 64  # the second prefill read its shared prefix from the cache
     assert middle - before < after - middle
     assert second.choices[0].text == first.choices[0].text
-    assert second.usage == first.usage
+    assert (second.usage.prompt_tokens, second.usage.completion_tokens) == (
+        first.usage.prompt_tokens, first.usage.completion_tokens)  # (cached_tokens differ: the next test)
+
+
+def test_usage_names_the_prompt_tokens_the_prefix_cache_served(stack):
+    """usage.prompt_tokens_details.cached_tokens is the prefill worker's own count: 0 for a
+    prompt whose first token no cached block starts with; for the same prompt again, every
+    token but the last (computed for its logits), in full blocks of cache_block_tokens,
+    the last of them cut one short when the prompt fills its last block."""
+    client, model = _client(stack), _model(stack)
+    prompt = f"Quagga ledger {uuid.uuid4().hex}: " + " ".join(f"crate {i} holds {i * 7 % 50} jars;" for i in range(30))
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    again = chunks[-1].usage
+    n, block = first.usage.prompt_tokens, stack.config.prefill.cache_block_tokens
+    assert n > 8 * block and again.prompt_tokens == n
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.prompt_tokens_details.cached_tokens == min(n // block * block, n - 1)
 
 
 def _reference_logprobs(hf, prompt: list[int], outputs: list[int]):
@@ -494,6 +513,29 @@ def test_tool_calls_with_the_clients_typed_parsing(stack):
     r = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice="none",
                                        temperature=0, max_tokens=8)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+
+
+def test_responses_api_text_equals_the_chat_endpoints(stack):
+    """Greedy, POST /v1/responses gives the chat endpoint's text for the same messages
+    (`instructions` as the system message), created and streamed (`responses.stream`), and
+    counts the same tokens; the repeated prompt's cached tokens are reported, fewer than its input."""
+    client, model = _client(stack), _model(stack)
+    system, prompt = "Answer briefly.", CHAT_PROMPTS[0]
+    chat = client.chat.completions.create(model=model, max_tokens=MAX_TOKENS, temperature=0, messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": prompt}])
+    text, cut = chat.choices[0].message.content, chat.choices[0].finish_reason == "length"
+    assert text
+    r = client.responses.create(model=model, instructions=system, input=prompt, max_output_tokens=MAX_TOKENS,
+                                temperature=0)
+    assert r.output_text == text and r.status == ("incomplete" if cut else "completed")
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    with client.responses.stream(model=model, instructions=system, input=[{"role": "user", "content": prompt}],
+                                 max_output_tokens=MAX_TOKENS, temperature=0) as stream:
+        events = list(stream)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    last = events[-1]
+    assert last.type == ("response.incomplete" if cut else "response.completed") and last.response.output_text == text
+    assert 0 <= last.response.usage.input_tokens_details.cached_tokens < last.response.usage.input_tokens
 
 
 # --- lm-eval: log-likelihood scoring through the API (its local-completions model) ---------

@@ -56,6 +56,41 @@ def test_streams_survive_a_killed_worker(victim, after_chunks, options, referenc
         stack.stop()
 
 
+def test_a_killed_colocated_model_worker_is_rebuilt_on_the_other(references):
+    """Colocated: each model worker holds its own sequences' KV. One killed mid-decode
+    takes that KV with it; its requests are rebuilt (counted) on the other model worker,
+    and every stream ends as transformers' greedy continuation."""
+    from e2e_helpers import attention_stats, metric_total
+
+    stack = start_stack(model_workers=2, layout="colocated")
+    try:
+        assert not [sp for sp in stack.processes if sp.name.startswith("attention")]
+        pid = _pid(stack, "model-1")
+
+        async def kill_while_it_holds_sequences() -> int:
+            # Its decode outruns the streams' chunks on two cores: judged by the KV it holds.
+            while True:
+                held = (await attention_stats(stack))[1].num_sequences
+                if held:
+                    os.kill(pid, signal.SIGKILL)
+                    return held
+                await asyncio.sleep(0.05)
+
+        async def run() -> tuple[list, int]:
+            streams = asyncio.create_task(_stream_all(stack.base_url, lambda: None, None))
+            held = await kill_while_it_holds_sequences()
+            return await streams, held
+
+        texts, held = asyncio.run(run())
+        assert texts == references
+        assert held >= 1
+        assert [sp.name for sp in stack.processes if sp.proc.poll() is not None] == ["model-1"]
+        # Whatever stage each was at (its prompt's KV arriving, or decoding), those it held were rebuilt.
+        assert metric_total(stack, "scheduler", "scheduler-0", "lamina_scheduler_rebuilds_total") >= 1
+    finally:
+        stack.stop()
+
+
 def test_a_stopped_worker_is_failed_over_within_the_reply_deadline(references):
     """SIGSTOP: the worker is alive but answers nothing. Its requests move to the other
     worker once `deadlines.reply_s` passes, and still end with the right text."""

@@ -39,16 +39,21 @@ class ScriptedBackend:
     A request of n > 1 choices: choice i replays the script from its token i on, the
     choices' events interleaved one by one; aborting one choice is recorded in
     `aborted_choices` and its events go on (the gateway must ignore them).
+
+    `cached_tokens`: reported on the request's first event (choice 0's), as a backend
+    whose prefix cache served that many prompt tokens does.
     """
 
     def __init__(self, tokens: list[int], eos: int, *, chunk: int = 1, stall_after: int | None = None,
-                 fail_after: int | None = None, queue_full: bool = False, num_waiting: int = 0) -> None:
+                 fail_after: int | None = None, queue_full: bool = False, num_waiting: int = 0,
+                 cached_tokens: int | None = None) -> None:
         self.script = list(tokens) + [eos]
         self.chunk = chunk
         self.stall_after = stall_after
         self.fail_after = fail_after
         self.queue_full = queue_full
         self.num_waiting = num_waiting
+        self.cached_tokens = cached_tokens
         self.num_running = 0
         self.requests: list[GenerateRequest] = []
         self.aborted: list[str] = []
@@ -103,12 +108,15 @@ class ScriptedBackend:
             room = request.sampling.max_tokens - produced
             prompt = (scripted_logprobs(list(request.prompt_token_ids[1:]), request)
                       if request.prompt_logprobs and start == 0 and index == 0 else [])
+            cached = self.cached_tokens if start == 0 and index == 0 else None
             if len(piece) >= room and start + len(piece) < len(script):
-                yield TokenEvent(piece[:room], "length", scripted_logprobs(piece[:room], request), prompt, index)
+                yield TokenEvent(piece[:room], "length", scripted_logprobs(piece[:room], request), prompt, index,
+                                 cached)
                 return
             produced += len(piece)
             is_last = start + self.chunk >= len(script)
-            yield TokenEvent(piece, "stop" if is_last else None, scripted_logprobs(piece, request), prompt, index)
+            yield TokenEvent(piece, "stop" if is_last else None, scripted_logprobs(piece, request), prompt, index,
+                             cached)
 
     async def abort(self, request_id: str, index: int | None = None) -> None:
         await asyncio.sleep(0)

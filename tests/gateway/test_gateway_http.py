@@ -91,6 +91,31 @@ async def test_continuous_usage_stats_puts_the_counts_so_far_in_every_chunk(toke
     assert all(c.usage.total_tokens == num_prompt + c.usage.completion_tokens for c in chunks)
 
 
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+async def test_usage_names_the_prompt_tokens_the_prefix_cache_served(tokenizer, make_backend, kind):
+    """usage.prompt_tokens_details.cached_tokens: what the backend reported with the first
+    token, in the response, in the stream's usage chunk, and counted once for n choices;
+    0 from a backend that reports none."""
+    async def ask(srv, **kwargs):
+        client = srv.client()
+        if kind == "chat":
+            return await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, **kwargs)
+        return await client.completions.create(model=MODEL, prompt="Paris", max_tokens=6, **kwargs)
+
+    async with serve(make_backend(chunk=2, cached_tokens=16), tokenizer) as srv:
+        whole = await ask(srv)
+        two = await ask(srv, n=2)
+        stream = await ask(srv, stream=True, stream_options={"include_usage": True})
+        *_, usage_chunk = [c async for c in stream]
+    async with serve(make_backend(), tokenizer) as srv:
+        uncached = await ask(srv)
+    assert whole.usage.prompt_tokens_details.cached_tokens == 16
+    assert two.usage.prompt_tokens_details.cached_tokens == 16 and len(two.choices) == 2
+    assert usage_chunk.choices == [] and usage_chunk.usage.prompt_tokens_details.cached_tokens == 16
+    assert usage_chunk.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert uncached.usage.prompt_tokens_details.cached_tokens == 0
+
+
 async def test_chat_logprobs_parse_into_the_clients_types(tokenizer, make_backend, script_ids):
     async with serve(make_backend(chunk=3), tokenizer) as srv:
         client = srv.client()
@@ -269,6 +294,21 @@ async def test_unknown_model_is_404(tokenizer, make_backend):
         await client.close()
     assert info.value.code == "model_not_found" and info.value.param == "model"
     assert info.value.body["message"] == "The model `gpt-9` does not exist or you do not have access to it."
+
+
+async def test_a_path_the_server_does_not_serve_is_a_404_that_names_it(tokenizer, make_backend):
+    async with serve(make_backend(), tokenizer) as srv:
+        client = srv.client()
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.embeddings.create(model=MODEL, input="hello")
+        with pytest.raises(openai.NotFoundError) as images:
+            await client.images.generate(model=MODEL, prompt="a lighthouse")
+        await client.close()
+    message = info.value.body["message"]
+    assert message.startswith("POST /v1/embeddings is not served by this server, which serves ")
+    assert "POST /v1/chat/completions" in message and "POST /v1/completions" in message
+    assert "GET /v1/models" in message and info.value.body["type"] == "invalid_request_error"
+    assert images.value.body["message"].startswith("POST /v1/images/generations is not served by this server")
 
 
 async def test_prompt_over_the_context_is_400(tokenizer, make_backend):

@@ -64,9 +64,31 @@ async def test_oversized_body_is_413_in_the_openai_shape(tokenizer, make_backend
 async def test_unknown_route_and_method_use_the_openai_error_shape(tokenizer, make_backend):
     async with serve(make_backend(), tokenizer) as srv:
         status, _, text = await get(srv.url + "/v1/nothing")
-        status2, _, text2 = await get(srv.url + "/v1/chat/completions")
-    assert status == 404 and json.loads(text)["error"]["message"] == "Not Found"
-    assert status2 == 405 and json.loads(text2)["error"]["type"] == "invalid_request_error"
+        async with aiohttp.ClientSession() as session:
+            async with session.delete(srv.url + "/v1/audio/speech") as r:
+                status_delete, text_delete = r.status, await r.text()
+            async with session.get(srv.url + "/v1/chat/completions") as r:
+                status2, allow, text2 = r.status, r.headers.get("Allow"), await r.text()
+        missing, _, text3 = await get(srv.url + "/static/no-such-file.js")
+    error = json.loads(text)["error"]
+    assert status == 404 and error["type"] == "invalid_request_error" and error["code"] is None
+    assert error["message"].startswith("GET /v1/nothing is not served by this server, which serves ")
+    assert all(f" {route}" in error["message"] for route in (
+        "POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}"))
+    assert status_delete == 404
+    assert json.loads(text_delete)["error"]["message"].startswith("DELETE /v1/audio/speech is not served")
+    # A path that is served, with another method: 405 with the methods it takes.
+    assert status2 == 405 and allow == "POST" and json.loads(text2)["error"]["type"] == "invalid_request_error"
+    assert missing == 404 and "not served" not in text3  # a served route's own 404
+
+
+async def test_an_unknown_path_under_v1_wants_the_api_key_first(tokenizer, make_backend):
+    async with serve(make_backend(), tokenizer, GatewayConfig(port=0, api_key="k")) as srv:
+        status, body = await post(srv.url + "/v1/embeddings", {"model": MODEL, "input": "x"})
+        keyed, keyed_body = await post(srv.url + "/v1/embeddings", {"model": MODEL, "input": "x"},
+                                       {"Authorization": "Bearer k"})
+    assert status == 401 and body["error"]["code"] == "missing_api_key"
+    assert keyed == 404 and keyed_body["error"]["message"].startswith("POST /v1/embeddings is not served")
 
 
 async def test_missing_api_key_is_401_but_health_and_metrics_are_open(tokenizer, make_backend):

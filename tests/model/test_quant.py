@@ -150,6 +150,14 @@ def test_threads_split_the_outputs_without_changing_a_bit(fmt, scalar):
     assert torch.equal(_run(x, small, threads=4), _run(x, small))
     with pytest.raises(ValueError):
         _run(x, small, threads=0)
+    # Jobs of other shapes back to back, as a decode step makes them: a worker late for one
+    # job must find no range of it left, or take the next job's ranges, never mix the two.
+    other = _weight(fmt, 264, 256)
+    x7 = torch.randn(7, 256)
+    want = (_run(x7, pw, bias, scalar=scalar), _run(x7, other, scalar=scalar))
+    for _ in range(100):
+        assert torch.equal(_run(x7, pw, bias, scalar=scalar, threads=3), want[0])
+        assert torch.equal(_run(x7, other, scalar=scalar, threads=2), want[1])
 
 
 @native

@@ -368,3 +368,50 @@ async def test_a_full_queue_is_resource_exhausted_and_the_gateway_backend_calls_
                 assert isinstance(_error(info.value), error)
     finally:
         await server.stop(None)
+
+
+async def test_the_first_token_carries_the_prompts_cached_tokens_to_the_gateway():
+    """The prefill's count of prompt tokens its prefix cache served (PrefillResult.cached_tokens)
+    rides on the request's first chunk (TokenChunk.cached_tokens) over the scheduler's real
+    gRPC stream, and the gateway's backend maps it to TokenEvent.cached_tokens: once per
+    request (n = 2: choice 0's first token; choice 1 forks that prefill's KV), 0 kept as 0."""
+    import time
+
+    import grpc
+
+    from lamina.gateway.protocol import GenerateRequest
+    from lamina.sampling.params import SamplingParams
+    from lamina.services.config import StackConfig
+    from lamina.services.gateway.scheduler_client import SchedulerBackend
+    from lamina.services.protos import lamina_pb2_grpc
+    from lamina.services.scheduler.scheduler_service import SchedulerService, _SchedulerServicer
+
+    svc = SchedulerService(StackConfig(redis_url="redis://127.0.0.1:1"))  # no Redis call is made here
+    svc.attention.capacity_tokens = [10_000]
+    cached = {"two": 48, "one": 0}
+
+    async def prefill_call(req, token_ids):
+        return lamina_pb2.PrefillResult(token_id=5, cached_tokens=cached[req.group_id or req.request_id],
+                                        choice_token_ids=[6] * len(req.choice_seeds))
+
+    async def nothing(*args) -> None:
+        return None
+
+    svc.admission.prefill_call = prefill_call
+    svc.admission.enqueue = svc.admission.start_prefill  # admitted at once: no attention workers here
+    svc.record_placement = svc.free_kv = nothing
+    server = grpc.aio.server()
+    lamina_pb2_grpc.add_SchedulerServicer_to_server(_SchedulerServicer(svc), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    backend = SchedulerBackend(f"127.0.0.1:{port}")
+    try:
+        events = {}
+        for rid, n in (("two", 2), ("one", 1)):
+            request = GenerateRequest(rid, (1, 2, 3), SamplingParams(max_tokens=1), time.time(), n=n)
+            events[rid] = [e async for e in await backend.generate(request)]
+    finally:
+        await backend.close()
+        await server.stop(None)
+    assert sorted((e.index, e.token_ids, e.cached_tokens) for e in events["two"]) == [(0, [5], 48), (1, [6], None)]
+    assert [(e.token_ids, e.finish_reason, e.cached_tokens) for e in events["one"]] == [([5], "length", 0)]

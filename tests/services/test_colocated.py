@@ -1,0 +1,104 @@
+"""The colocated layout's parts without processes: its configuration rules, the services
+`lamina up` starts for it, and the attention pool attending on cores in its own process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from lamina.model.attention import batched_attention
+from lamina.model.config import ModelConfig
+from lamina.services.attention.attention_core import AttentionCore
+from lamina.services.attention_pool import AttentionPool, SeqRows
+from lamina.services.config import ConfigError, load_config
+from lamina.services.launch.launcher import service_commands
+from lamina.services.wire import RemoteError, StoreKV
+
+CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=6,
+                  num_kv_heads=3, head_dim=4)
+
+
+# -- configuration ---------------------------------------------------------------------------
+def test_each_model_worker_is_an_attention_worker():
+    config = load_config(env={"LAMINA_LAYOUT": "colocated"}, overrides={"model_worker.workers": 3})
+    assert config.colocated and config.attention.workers == 3
+    assert config.data_plane_processes == 3 + config.prefill.workers  # no attention processes
+    apart = load_config(env={}, overrides={"model_worker.workers": 3})
+    assert not apart.colocated and apart.attention.workers == 2
+    assert apart.data_plane_processes == 2 + 3 + apart.prefill.workers
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"layout": "shared"}, "layout must be one of disaggregated, colocated"),
+    ({"layout": "colocated", "partition": "head"}, "partition must be request under layout colocated"),
+    ({"layout": "colocated", "pipeline.mode": "rotational"}, "pipeline.mode must be fixed under layout colocated"),
+    ({"layout": "colocated", "attention.max_workers": 4}, "attention.max_workers must be 0 under layout colocated"),
+])
+def test_what_needs_attention_workers_apart_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(env={}, overrides=overrides)
+
+
+def test_lamina_up_starts_no_attention_processes():
+    names = [name for name, _, _ in service_commands(load_config(env={}, overrides={
+        "layout": "colocated", "model_worker.workers": 2}))]
+    assert names == ["model-0", "model-1", "prefill-0", "scheduler", "gateway"]
+    apart = [name for name, _, _ in service_commands(load_config(env={}))]
+    assert apart[:2] == ["attention-0", "attention-1"]
+
+
+# -- the pool's local path -------------------------------------------------------------------
+def _kv(n: int) -> torch.Tensor:
+    return torch.randn(n, 3, 4)
+
+
+def _prompted(core: AttentionCore, seq_id: str, n: int) -> tuple[list, list]:
+    ks, vs = [_kv(n) for _ in range(2)], [_kv(n) for _ in range(2)]
+    for layer in range(2):
+        core.store(StoreKV(seq_id, layer, 2, ks[layer], vs[layer]))
+    return ks, vs
+
+
+def test_local_cores_attend_in_row_order_with_nothing_sent():
+    """Two sequences on two local cores, their rows interleaved in the step: the pool
+    answers each layer as attention over each sequence's own prompt and new token."""
+    torch.manual_seed(0)
+    cores = [AttentionCore(CFG, capacity_bytes=1 << 20, num_kv_heads=3) for _ in range(2)]
+    prompts = {"a": _prompted(cores[0], "a", 5), "b": _prompted(cores[1], "b", 3)}
+
+    async def step() -> None:
+        pool = AttentionPool([None, None], "request", CFG, local=dict(enumerate(cores)))
+        try:
+            route = pool.route([SeqRows("b", 1, [1]), SeqRows("a", 1, [0])])
+            q, k, v = torch.randn(2, 6, 4), _kv(2), _kv(2)
+            for layer in range(2):
+                out = await pool.attend(("t", layer), layer, route, q, k, v)
+                for row, sid in enumerate(("b", "a")):
+                    pk, pv = prompts[sid][0][layer], prompts[sid][1][layer]
+                    ref, _ = batched_attention(q[row:row + 1], [1], [torch.cat([pk, k[row:row + 1]])],
+                                               [torch.cat([pv, v[row:row + 1]])])
+                    torch.testing.assert_close(out[row:row + 1], ref)
+            assert pool.send_s == 0.0 and pool.local_s > 0.0
+        finally:
+            await pool.close()
+
+    asyncio.run(step())
+    assert (cores[0].slabs.num_tokens("a"), cores[1].slabs.num_tokens("b")) == (6, 4)
+
+
+def test_a_local_refusal_is_the_remote_error_a_worker_would_send():
+    core = AttentionCore(CFG, capacity_bytes=1 << 20, num_kv_heads=3)
+
+    async def step() -> None:
+        pool = AttentionPool([None], "request", CFG, local={0: core})
+        try:
+            route = pool.route([SeqRows("never-stored", 1, [0])])
+            with pytest.raises(RemoteError, match="never-stored"):
+                await pool.attend(("t", 0), 0, route, torch.randn(1, 6, 4), _kv(1), _kv(1))
+        finally:
+            await pool.close()
+
+    asyncio.run(step())
+    assert core.num_sequences == 0
