@@ -84,7 +84,7 @@ from engine_throughput import cpu_model
 from serving import pct
 
 from lamina.lifetime import child_argv
-from lamina.planner.measure.stack_run import _counters, _metric_ports
+from lamina.planner.measure.stack_run import metric_ports, read_counters
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOT_MARGIN = 16  # tokens per llama-server slot beyond prompt and output
@@ -272,7 +272,7 @@ async def _stack_ports(url: str) -> dict[str, int]:
     if path is None:
         raise RuntimeError(f"no lamina up found for {url}")
     config = load_config(path, env={})  # the stack's own file, as its services read it
-    return await _metric_ports(config.redis_url, config.namespace)
+    return await metric_ports(config.redis_url, config.namespace)
 
 
 def cpu_seconds() -> tuple[float, float]:
@@ -476,7 +476,7 @@ def main() -> None:
 
             for c, p in rounds:
                 if c == 1 and p == 0:
-                    before = {key: _counters(ports[key]) for key in ports}
+                    before = {key: read_counters(ports[key]) for key in ports}
                 for key in pass_order(systems, p):
                     if key == ENGINE:
                         r = timed_run(run_engine, engine, prompts[(c, p)], args.output_tokens)
@@ -489,7 +489,7 @@ def main() -> None:
                           + (f" ({r['chunks']} chunks with text for {r['tokens']} tokens: TBT gaps span several)"
                              if r.get("chunks", r["tokens"]) != r["tokens"] else ""), flush=True)
                 if c == 1 and p == args.repeats - 1:
-                    counters = {key: (before[key], _counters(ports[key])) for key in ports}
+                    counters = {key: (before[key], read_counters(ports[key])) for key in ports}
             parts = engine_step_parts(engine, breakdown_prompt, args.breakdown_steps)
         except KeyboardInterrupt:
             print("interrupted: every process started here is stopped", file=sys.stderr)

@@ -192,7 +192,7 @@ _COMPLETION_FIELDS = _COMMON | {"prompt"} | _IGNORED | {
     "presence_penalty", "frequency_penalty", "logprobs", "logit_bias", "best_of", "echo", "suffix"}
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -210,12 +210,12 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
-def _wrong_type(param: str, expected: str, value: Any) -> ApiError:
-    return invalid(f"Invalid type for '{param}': expected {expected}, but got {_type_name(value)} instead.",
+def wrong_type(param: str, expected: str, value: Any) -> ApiError:
+    return invalid(f"Invalid type for '{param}': expected {expected}, but got {type_name(value)} instead.",
                    param, "invalid_type")
 
 
-def _bad_value(param: str, reason: str) -> ApiError:
+def bad_value(param: str, reason: str) -> ApiError:
     return invalid(f"Invalid value for '{param}': {reason}", param, "invalid_value")
 
 
@@ -228,12 +228,12 @@ def _is_number(value: Any) -> bool:
     return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
-def _get_bool(body: dict[str, Any], name: str, default: bool, prefix: str = "") -> bool:
+def get_bool(body: dict[str, Any], name: str, default: bool, prefix: str = "") -> bool:
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _wrong_type(prefix + name, "a boolean", value)
+        raise wrong_type(prefix + name, "a boolean", value)
     return value
 
 
@@ -242,10 +242,10 @@ def _get_number(body: dict[str, Any], name: str, default: float, lo: float, hi: 
     if value is None:
         return default
     if not _is_number(value):
-        raise _wrong_type(name, "a number", value)
+        raise wrong_type(name, "a number", value)
     if value > hi or value < lo or (lo_open and value == lo):
         bracket = "(" if lo_open else "["
-        raise _bad_value(name, f"must be in {bracket}{lo:g}, {hi:g}], got {value}.")
+        raise bad_value(name, f"must be in {bracket}{lo:g}, {hi:g}], got {value}.")
     return float(value)
 
 
@@ -254,11 +254,11 @@ def _get_int(body: dict[str, Any], name: str, minimum: int | None = None, maximu
     if value is None:
         return None
     if not _is_int(value):
-        raise _wrong_type(name, "an integer", value)
+        raise wrong_type(name, "an integer", value)
     if minimum is not None and value < minimum:
-        raise _bad_value(name, f"must be at least {minimum}, got {value}.")
+        raise bad_value(name, f"must be at least {minimum}, got {value}.")
     if maximum is not None and value > maximum:
-        raise _bad_value(name, f"must be at most {maximum}, got {value}.")
+        raise bad_value(name, f"must be at most {maximum}, got {value}.")
     return value
 
 
@@ -269,13 +269,13 @@ def _get_seed(body: dict[str, Any]) -> int | None:
     return None if seed is None else seed % (1 << 64)
 
 
-def _check_text(text: str, param: str) -> str:
+def check_text(text: str, param: str) -> str:
     """`text`, if it is valid Unicode: JSON's \\u escapes can spell an unpaired surrogate,
     which no tokenizer (or UTF-8) takes."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise _bad_value(param, f"the text holds an unpaired surrogate (\\u{ord(text[exc.start]):04x} at "
+        raise bad_value(param, f"the text holds an unpaired surrogate (\\u{ord(text[exc.start]):04x} at "
                                 f"position {exc.start}).") from None
     return text
 
@@ -289,32 +289,32 @@ def _check_fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
                           name, "unsupported_parameter")
 
 
-def _parse_model(body: dict[str, Any]) -> str:
+def parse_model(body: dict[str, Any]) -> str:
     if "model" not in body or body["model"] is None:
         raise invalid("Missing required parameter: 'model'.", "model", "missing_required_parameter")
     model = body["model"]
     if not isinstance(model, str):
-        raise _wrong_type("model", "a string", model)
+        raise wrong_type("model", "a string", model)
     return model
 
 
 def _parse_stream(body: dict[str, Any]) -> tuple[bool, bool, bool]:
     """(stream, include_usage, continuous_usage). `continuous_usage_stats` (vLLM's extension,
     sent by guidellm) counts only with `include_usage`, as in vLLM."""
-    stream = _get_bool(body, "stream", False)
+    stream = get_bool(body, "stream", False)
     options = body.get("stream_options")
     if options is None:
         return stream, False, False
     if not isinstance(options, dict):
-        raise _wrong_type("stream_options", "an object", options)
+        raise wrong_type("stream_options", "an object", options)
     if not stream:
         raise invalid("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
     for key in options:
         if key not in ("include_usage", "continuous_usage_stats"):
             raise invalid(f"Unrecognized request argument supplied: stream_options.{key}",
                           f"stream_options.{key}", "unknown_parameter")
-    include = _get_bool(options, "include_usage", False, "stream_options.")
-    continuous = _get_bool(options, "continuous_usage_stats", False, "stream_options.")
+    include = get_bool(options, "include_usage", False, "stream_options.")
+    continuous = get_bool(options, "continuous_usage_stats", False, "stream_options.")
     return stream, include, include and continuous
 
 
@@ -325,24 +325,24 @@ def _parse_stop(body: dict[str, Any]) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list):
-        raise _wrong_type("stop", "a string or an array of strings", value)
+        raise wrong_type("stop", "a string or an array of strings", value)
     if len(value) > MAX_STOP_STRINGS:
-        raise _bad_value("stop", f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(value)}.")
+        raise bad_value("stop", f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(value)}.")
     for i, s in enumerate(value):
         if not isinstance(s, str):
-            raise _wrong_type(f"stop[{i}]", "a string", s)
+            raise wrong_type(f"stop[{i}]", "a string", s)
         if not s:
-            raise _bad_value(f"stop[{i}]", "stop strings must not be empty.")
-        _check_text(s, f"stop[{i}]")
+            raise bad_value(f"stop[{i}]", "stop strings must not be empty.")
+        check_text(s, f"stop[{i}]")
     return tuple(dict.fromkeys(value))
 
 
 def _parse_chat_logprobs(body: dict[str, Any]) -> int | None:
     """Chat's `logprobs` (bool) and `top_logprobs` (alternatives, with logprobs only)."""
-    wanted = _get_bool(body, "logprobs", False)
+    wanted = get_bool(body, "logprobs", False)
     top = _get_int(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
     if top and not wanted:
-        raise _bad_value("top_logprobs", "'logprobs' must be true when 'top_logprobs' is used.")
+        raise bad_value("top_logprobs", "'logprobs' must be true when 'top_logprobs' is used.")
     return (top or 0) if wanted else None
 
 
@@ -358,23 +358,23 @@ def _parse_logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
-        raise _wrong_type("logit_bias", "an object", value)
+        raise wrong_type("logit_bias", "an object", value)
     if len(value) > MAX_LOGIT_BIAS:
-        raise _bad_value("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens may be biased, got {len(value)}.")
+        raise bad_value("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens may be biased, got {len(value)}.")
     out = {}
     for key, bias in value.items():
         param = f"logit_bias.{key}"
         if not (key.isascii() and key.isdigit()):
-            raise _bad_value("logit_bias", f"keys are token ids written as decimal strings, got {key!r}.")
+            raise bad_value("logit_bias", f"keys are token ids written as decimal strings, got {key!r}.")
         if not _is_number(bias):
-            raise _wrong_type(param, "a number", bias)
+            raise wrong_type(param, "a number", bias)
         if not -100 <= bias <= 100:
-            raise _bad_value(param, f"must be in [-100, 100], got {bias}.")
+            raise bad_value(param, f"must be in [-100, 100], got {bias}.")
         out[int(key)] = float(bias)
     return tuple(sorted(out.items()))
 
 
-def _parse_sampling(body: dict[str, Any], max_tokens_fields: tuple[str, ...],
+def parse_sampling(body: dict[str, Any], max_tokens_fields: tuple[str, ...],
                     logprobs: int | None = None) -> SamplingFields:
     # The later field in `max_tokens_fields` wins (max_completion_tokens replaces max_tokens).
     max_tokens, max_tokens_param = None, "max_tokens"
@@ -387,12 +387,12 @@ def _parse_sampling(body: dict[str, Any], max_tokens_fields: tuple[str, ...],
     if stop_token_ids is None:
         stop_token_ids = []
     if not isinstance(stop_token_ids, list):
-        raise _wrong_type("stop_token_ids", "an array of integers", stop_token_ids)
+        raise wrong_type("stop_token_ids", "an array of integers", stop_token_ids)
     for i, t in enumerate(stop_token_ids):
         if not _is_int(t):
-            raise _wrong_type(f"stop_token_ids[{i}]", "an integer", t)
+            raise wrong_type(f"stop_token_ids[{i}]", "an integer", t)
         if t < 0:
-            raise _bad_value(f"stop_token_ids[{i}]", f"token ids are non-negative, got {t}.")
+            raise bad_value(f"stop_token_ids[{i}]", f"token ids are non-negative, got {t}.")
     return SamplingFields(
         max_tokens=max_tokens,
         max_tokens_param=max_tokens_param,
@@ -402,15 +402,15 @@ def _parse_sampling(body: dict[str, Any], max_tokens_fields: tuple[str, ...],
         seed=_get_seed(body),
         stop=_parse_stop(body),
         stop_token_ids=tuple(stop_token_ids),
-        ignore_eos=_get_bool(body, "ignore_eos", False),
+        ignore_eos=get_bool(body, "ignore_eos", False),
         logprobs=logprobs,
         presence_penalty=_get_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_get_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_get_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
         min_tokens=_get_int(body, "min_tokens", minimum=0) or 0,
         logit_bias=_parse_logit_bias(body),
-        skip_special_tokens=_get_bool(body, "skip_special_tokens", True),
-        include_stop_str_in_output=_get_bool(body, "include_stop_str_in_output", False),
+        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
     )
 
 
@@ -418,31 +418,31 @@ def _parse_n(body: dict[str, Any]) -> int:
     return _get_int(body, "n", minimum=1, maximum=MAX_CHOICES) or 1
 
 
-def _require_object(body: Any) -> dict[str, Any]:
+def require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise invalid(f"The request body must be a JSON object, but got {_type_name(body)}.")
+        raise invalid(f"The request body must be a JSON object, but got {type_name(body)}.")
     return body
 
 
 def _parse_content(content: Any, param: str, role: str) -> str:
     if isinstance(content, str):
-        return _check_text(content, param)
+        return check_text(content, param)
     if content is None and role == "assistant":
         return ""
     if isinstance(content, list):
         texts = []
         for i, part in enumerate(content):
             if not isinstance(part, dict):
-                raise _wrong_type(f"{param}[{i}]", "an object", part)
+                raise wrong_type(f"{param}[{i}]", "an object", part)
             if part.get("type") != "text":
-                raise _bad_value(f"{param}[{i}].type",
+                raise bad_value(f"{param}[{i}].type",
                                  f"only 'text' content parts are supported, got {part.get('type')!r}.")
             text = part.get("text")
             if not isinstance(text, str):
-                raise _wrong_type(f"{param}[{i}].text", "a string", text)
-            texts.append(_check_text(text, f"{param}[{i}].text"))
+                raise wrong_type(f"{param}[{i}].text", "a string", text)
+            texts.append(check_text(text, f"{param}[{i}].text"))
         return "".join(texts)
-    raise _wrong_type(param, "a string or an array of content parts", content)
+    raise wrong_type(param, "a string or an array of content parts", content)
 
 
 def _parse_messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
@@ -450,18 +450,18 @@ def _parse_messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
         raise invalid("Missing required parameter: 'messages'.", "messages", "missing_required_parameter")
     messages = body["messages"]
     if not isinstance(messages, list):
-        raise _wrong_type("messages", "an array", messages)
+        raise wrong_type("messages", "an array", messages)
     if not messages:
-        raise _bad_value("messages", "expected at least one message.")
+        raise bad_value("messages", "expected at least one message.")
     out = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
-            raise _wrong_type(f"messages[{i}]", "an object", msg)
+            raise wrong_type(f"messages[{i}]", "an object", msg)
         role = msg.get("role")
         if not isinstance(role, str):
-            raise _wrong_type(f"messages[{i}].role", "a string", role)
+            raise wrong_type(f"messages[{i}].role", "a string", role)
         if role not in CHAT_ROLES:
-            raise _bad_value(f"messages[{i}].role", f"must be one of {', '.join(sorted(CHAT_ROLES))}; got {role!r}.")
+            raise bad_value(f"messages[{i}].role", f"must be one of {', '.join(sorted(CHAT_ROLES))}; got {role!r}.")
         if "content" not in msg and role != "assistant":
             raise invalid(f"Missing required parameter: 'messages[{i}].content'.", f"messages[{i}].content",
                           "missing_required_parameter")
@@ -486,24 +486,24 @@ def _parse_structured(body: dict[str, Any], sampling: SamplingFields) -> Structu
         # The grammar decides where EOS may come; these would hold it back.
         for name, value in (("ignore_eos", sampling.ignore_eos), ("min_tokens", sampling.min_tokens)):
             if value:
-                raise _bad_value(name, "it cannot be combined with 'response_format' or 'tools'.")
+                raise bad_value(name, "it cannot be combined with 'response_format' or 'tools'.")
     return structured
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
     """Validate a decoded `/v1/chat/completions` JSON body."""
-    body = _require_object(body)
+    body = require_object(body)
     _check_fields(body, _CHAT_FIELDS)
-    model = _parse_model(body)
+    model = parse_model(body)
     messages = _parse_messages(body)
     stream, include_usage, continuous_usage = _parse_stream(body)
-    sampling = _parse_sampling(body, ("max_tokens", "max_completion_tokens"), _parse_chat_logprobs(body))
+    sampling = parse_sampling(body, ("max_tokens", "max_completion_tokens"), _parse_chat_logprobs(body))
     structured = _parse_structured(body, sampling)
     if structured.tool_use is not None:
         messages = with_tools(messages, structured.tool_use.system_prompt)
     sampling = dataclasses.replace(sampling, grammar=structured.grammar)
     return ChatRequest(model, messages, stream, include_usage, sampling,
-                       _get_bool(body, "return_token_ids", False),
+                       get_bool(body, "return_token_ids", False),
                        continuous_usage, _parse_n(body), structured.tool_use)
 
 
@@ -516,45 +516,45 @@ def _parse_prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
-            raise _bad_value("prompt", "the prompt must not be empty.")
-        return _check_text(prompt, "prompt")
+            raise bad_value("prompt", "the prompt must not be empty.")
+        return check_text(prompt, "prompt")
     if isinstance(prompt, list):
         if not prompt:
-            raise _bad_value("prompt", "the prompt must not be empty.")
+            raise bad_value("prompt", "the prompt must not be empty.")
         if all(_is_int(t) for t in prompt):
             return tuple(prompt)
         if all(isinstance(p, (str, list)) for p in prompt):
-            raise _bad_value("prompt", "batched prompts are not supported; send one prompt per request "
+            raise bad_value("prompt", "batched prompts are not supported; send one prompt per request "
                                        f"(got {len(prompt)}).")
-        raise _wrong_type("prompt", "a string or an array of token ids", prompt)
-    raise _wrong_type("prompt", "a string or an array of token ids", prompt)
+        raise wrong_type("prompt", "a string or an array of token ids", prompt)
+    raise wrong_type("prompt", "a string or an array of token ids", prompt)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     """Validate a decoded `/v1/completions` JSON body."""
-    body = _require_object(body)
+    body = require_object(body)
     _check_fields(body, _COMPLETION_FIELDS)
-    model = _parse_model(body)
+    model = parse_model(body)
     prompt = _parse_prompt(body)
     stream, include_usage, continuous_usage = _parse_stream(body)
-    echo = _get_bool(body, "echo", False)
+    echo = get_bool(body, "echo", False)
     if echo and stream:
-        raise _bad_value("echo", "the prompt is echoed only when 'stream' is false.")
+        raise bad_value("echo", "the prompt is echoed only when 'stream' is false.")
     # With echo, max_tokens 0 asks for the prompt alone (log-likelihood scoring); the
     # backend still runs one step, whose token is not returned.
     prompt_only = echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
     if prompt_only:
         body = {**body, "max_tokens": 1}
-    sampling = _parse_sampling(body, ("max_tokens",), _parse_completion_logprobs(body))
+    sampling = parse_sampling(body, ("max_tokens",), _parse_completion_logprobs(body))
     return CompletionRequest(model, prompt, stream, include_usage, sampling,
-                             _get_bool(body, "return_token_ids", False),
+                             get_bool(body, "return_token_ids", False),
                              continuous_usage, echo, prompt_only, _parse_n(body))
 
 
 def check_token_ids(ids: tuple[int, ...], vocab_size: int, param: str = "prompt") -> None:
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:
-            raise _bad_value(f"{param}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size}).")
+            raise bad_value(f"{param}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size}).")
 
 
 def resolve_sampling(
@@ -590,7 +590,7 @@ def resolve_sampling(
     else:
         max_tokens = fields.max_tokens
     if fields.min_tokens > max_tokens:
-        raise _bad_value("min_tokens", f"must be at most max_tokens ({max_tokens}), got {fields.min_tokens}.")
+        raise bad_value("min_tokens", f"must be at most max_tokens ({max_tokens}), got {fields.min_tokens}.")
     return SamplingParams(
         temperature=fields.temperature,
         top_p=fields.top_p,

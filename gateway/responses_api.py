@@ -25,15 +25,15 @@ from typing import Any
 
 from lamina.gateway.protocol import (
     SamplingFields,
-    _bad_value,
-    _check_text,
-    _get_bool,
-    _parse_model,
-    _parse_sampling,
-    _require_object,
-    _type_name,
-    _wrong_type,
+    bad_value,
+    check_text,
+    get_bool,
     invalid,
+    parse_model,
+    parse_sampling,
+    require_object,
+    type_name,
+    wrong_type,
 )
 from lamina.gateway.structured import FieldError, ToolUse, parse_structured
 from lamina.gateway.tool_calls import history_content, with_tools
@@ -86,17 +86,17 @@ class ResponsesRequest:
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
     """Validate a decoded `/v1/responses` JSON body."""
-    body = _require_object(body)
+    body = require_object(body)
     _check_fields(body)
-    model = _parse_model(body)
+    model = parse_model(body)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
-        raise _wrong_type("instructions", "a string", instructions)
+        raise wrong_type("instructions", "a string", instructions)
     messages = _parse_input(body)
     if instructions:
-        messages = ({"role": "system", "content": _check_text(instructions, "instructions")}, *messages)
+        messages = ({"role": "system", "content": check_text(instructions, "instructions")}, *messages)
     stream = _parse_stream(body)
-    sampling = _parse_sampling(body, ("max_output_tokens",))
+    sampling = parse_sampling(body, ("max_output_tokens",))
     response_format, text_setting = _parse_text(body.get("text"))
     tools, tools_setting = _parse_tools(body.get("tools"))
     tool_choice = _parse_tool_choice(body.get("tool_choice"))
@@ -143,23 +143,23 @@ def _check_fields(body: dict[str, Any]) -> None:
                 raise invalid(f"'{name}' is not supported by this server: {reason}", name, "unsupported_parameter")
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
-        raise _wrong_type("metadata", "an object", metadata)
+        raise wrong_type("metadata", "an object", metadata)
     for name in ("user", "safety_identifier", "service_tier", "prompt_cache_key"):
         if body.get(name) is not None and not isinstance(body[name], str):
-            raise _wrong_type(name, "a string", body[name])
+            raise wrong_type(name, "a string", body[name])
 
 
 def _parse_stream(body: dict[str, Any]) -> bool:
-    stream = _get_bool(body, "stream", False)
+    stream = get_bool(body, "stream", False)
     options = body.get("stream_options")
     if options is None:
         return stream
     if not isinstance(options, dict):
-        raise _wrong_type("stream_options", "an object", options)
+        raise wrong_type("stream_options", "an object", options)
     if not stream:
         raise invalid("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
     _only_keys(options, frozenset({"include_obfuscation"}), "stream_options")
-    _get_bool(options, "include_obfuscation", False, "stream_options.")  # accepted: no event is padded
+    get_bool(options, "include_obfuscation", False, "stream_options.")  # accepted: no event is padded
     return stream
 
 
@@ -172,7 +172,7 @@ def _only_keys(value: dict[str, Any], allowed: frozenset[str], param: str) -> No
 
 def _object(value: Any, param: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise _wrong_type(param, "an object", value)
+        raise wrong_type(param, "an object", value)
     return value
 
 
@@ -181,8 +181,8 @@ def _string(item: dict[str, Any], key: str, param: str) -> str:
         raise invalid(f"Missing required parameter: '{param}.{key}'.", f"{param}.{key}", "missing_required_parameter")
     value = item[key]
     if not isinstance(value, str):
-        raise _wrong_type(f"{param}.{key}", "a string", value)
-    return _check_text(value, f"{param}.{key}")
+        raise wrong_type(f"{param}.{key}", "a string", value)
+    return check_text(value, f"{param}.{key}")
 
 
 # --- input --------------------------------------------------------------------------
@@ -201,12 +201,12 @@ def _parse_input(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
     value = body["input"]
     if isinstance(value, str):
         if not value:
-            raise _bad_value("input", "the input must not be empty.")
-        return ({"role": "user", "content": _check_text(value, "input")},)
+            raise bad_value("input", "the input must not be empty.")
+        return ({"role": "user", "content": check_text(value, "input")},)
     if not isinstance(value, list):
-        raise _wrong_type("input", "a string or an array of input items", value)
+        raise wrong_type("input", "a string or an array of input items", value)
     if not value:
-        raise _bad_value("input", "expected at least one input item.")
+        raise bad_value("input", "expected at least one input item.")
     turns: list[_Turn] = []
     call_ids: set[str] = set()
     for i, item in enumerate(value):
@@ -217,7 +217,7 @@ def _parse_input(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
             _only_keys(item, _MESSAGE_KEYS, param)
             role = _string(item, "role", param)
             if role not in INPUT_ROLES:
-                raise _bad_value(f"{param}.role", f"must be one of {', '.join(sorted(INPUT_ROLES))}; got {role!r}.")
+                raise bad_value(f"{param}.role", f"must be one of {', '.join(sorted(INPUT_ROLES))}; got {role!r}.")
             turns.append(_Turn(role, _content(item.get("content"), f"{param}.content")))
         elif kind == "function_call":
             _only_keys(item, _CALL_KEYS, param)
@@ -225,7 +225,7 @@ def _parse_input(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
             try:
                 arguments = json.loads(_string(item, "arguments", param))
             except ValueError:
-                raise _bad_value(f"{param}.arguments", "it is not valid JSON.") from None
+                raise bad_value(f"{param}.arguments", "it is not valid JSON.") from None
             call_ids.add(call_id)
             # The calls of one turn (and its text before them) are one assistant message, as in chat.
             if not (turns and turns[-1].role == "assistant"):
@@ -235,7 +235,7 @@ def _parse_input(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
             _only_keys(item, _CALL_OUTPUT_KEYS, param)
             call_id = _string(item, "call_id", param)
             if call_id not in call_ids:
-                raise _bad_value(f"{param}.call_id", f"no function_call item before it has call_id {call_id!r}.")
+                raise bad_value(f"{param}.call_id", f"no function_call item before it has call_id {call_id!r}.")
             if "output" not in item or item["output"] is None:
                 raise invalid(f"Missing required parameter: '{param}.output'.", f"{param}.output",
                               "missing_required_parameter")
@@ -245,7 +245,7 @@ def _parse_input(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
                           f"'function_call_output' items are supported, got {kind!r} (this server stores no "
                           f"items to refer to, and runs no built-in tools).", f"{param}.type", "unsupported_value")
         else:
-            raise _wrong_type(f"{param}.type", "a string", kind)
+            raise wrong_type(f"{param}.type", "a string", kind)
     return tuple(history_content(t.role, t.content, t.calls) for t in turns)
 
 
@@ -254,9 +254,9 @@ def _content(value: Any, param: str) -> str:
     if value is None:
         raise invalid(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
     if isinstance(value, str):
-        return _check_text(value, param)
+        return check_text(value, param)
     if not isinstance(value, list):
-        raise _wrong_type(param, "a string or an array of content parts", value)
+        raise wrong_type(param, "a string or an array of content parts", value)
     texts = []
     for j, part in enumerate(value):
         part = _object(part, f"{param}[{j}]")
@@ -291,7 +291,7 @@ def _parse_text(value: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
         _only_keys(fmt, frozenset({"type"}), "text.format")
         return {"type": kind}, {"format": {"type": kind}}
     if kind != "json_schema":
-        raise _bad_value("text.format.type", f"expected one of 'text', 'json_object', 'json_schema', got {kind!r}.")
+        raise bad_value("text.format.type", f"expected one of 'text', 'json_object', 'json_schema', got {kind!r}.")
     _only_keys(fmt, frozenset({"type", "name", "schema", "description", "strict"}), "text.format")
     spec = {k: v for k, v in fmt.items() if k != "type"}
     return {"type": "json_schema", "json_schema": spec}, {"format": dict(fmt)}
@@ -303,7 +303,7 @@ def _parse_tools(value: Any) -> tuple[list[dict[str, Any]] | None, list[dict[str
     if value is None:
         return None, []
     if not isinstance(value, list):
-        raise _wrong_type("tools", "an array of tools", value)
+        raise wrong_type("tools", "an array of tools", value)
     chat, setting = [], []
     for i, tool in enumerate(value):
         param = f"tools[{i}]"
@@ -334,10 +334,10 @@ def _parse_tool_choice(value: Any) -> str | dict[str, Any] | None:
                           f"{kind!r} (this server runs no built-in tools).", "tool_choice.type", "unsupported_value")
         _only_keys(value, frozenset({"type", "name"}), "tool_choice")
         if not isinstance(value.get("name"), str):
-            raise _wrong_type("tool_choice.name", "a string", value.get("name"))
+            raise wrong_type("tool_choice.name", "a string", value.get("name"))
         return {"type": "function", "name": value["name"]}
-    got = repr(value) if isinstance(value, str) else _type_name(value)
-    raise _bad_value("tool_choice", f"expected 'none', 'auto', 'required' or {{\"type\": \"function\", \"name\": "
+    got = repr(value) if isinstance(value, str) else type_name(value)
+    raise bad_value("tool_choice", f"expected 'none', 'auto', 'required' or {{\"type\": \"function\", \"name\": "
                                     f"...}}, got {got}.")
 
 

@@ -65,7 +65,7 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
-async def _metric_ports(redis_url: str, namespace: str) -> dict[str, int]:
+async def metric_ports(redis_url: str, namespace: str) -> dict[str, int]:
     from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 
     store = MetadataStore(MetadataConfig(url=redis_url, namespace=namespace))
@@ -79,7 +79,7 @@ async def _metric_ports(redis_url: str, namespace: str) -> dict[str, int]:
         await store.close()
 
 
-def _counters(ports: dict[str, int]) -> dict[str, dict[str, float]]:
+def read_counters(ports: dict[str, int]) -> dict[str, dict[str, float]]:
     return {sid: _scrape(p) for sid, p in ports.items()}
 
 
@@ -144,7 +144,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
         model = _model_id(stack.base_url)
         if stack.config.redis_url is None:  # start() sets it (the embedded Redis when none was given)
             raise RuntimeError("the stack started without a metadata store")
-        ports = asyncio.run(_metric_ports(stack.config.redis_url, stack.config.namespace))
+        ports = asyncio.run(metric_ports(stack.config.redis_url, stack.config.namespace))
         # Warm-up: one short request, so the first step's one-time costs are not timed.
         asyncio.run(_drive(stack.base_url, model, prompts[:1], 2))
         # The counters are read when every sequence has its first token, and at the end.
@@ -164,7 +164,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
 
             async def mark() -> None:
                 await all_first.wait()
-                before.update(await asyncio.to_thread(_counters, ports))
+                before.update(await asyncio.to_thread(read_counters, ports))
                 before["_t"] = time.perf_counter()
 
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
@@ -173,7 +173,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
             return times
 
         times = asyncio.run(drive_and_mark())
-        after = _counters(ports)
+        after = read_counters(ports)
         t_end = max(t[-1] for t in times)
     finally:
         stack.stop()
