@@ -275,7 +275,7 @@ def _choice_body(state: GatewayState, gen: Generation, head: r.ResponseHead, kin
         body = _echoed(state, gen, head, echo, choice)
     else:
         build = r.chat_completion if kind == "chat" else r.text_completion
-        body = build(head, choice.text, choice.finish_reason or "stop", _usage(gen),
+        body = build(head, choice.text, choice.finish_reason or "stop", usage_of(gen),
                      _logprobs_json(state, gen, kind)(choice.logprobs))
         if choice.tool_calls:
             r.add_tool_calls(body["choices"][0], choice.tool_calls)
@@ -290,40 +290,56 @@ async def _stream(request: web.Request, state: GatewayState, gen: Generation, he
                   return_token_ids: bool = False) -> web.StreamResponse:
     resp = await open_event_stream(request, head.id)
     logprobs = [_logprobs_json(state, gen, kind) for _ in gen.choices]  # each choice's text offsets
+
+    async def chunks() -> None:
+        if kind == "chat":
+            for c in gen.choices:
+                await resp.write(r.sse(_at(r.chat_chunk(head, {"role": "assistant", "content": ""}, None,
+                                                        include_usage, usage_of(gen) if continuous_usage else None),
+                                           c.index)))
+        async for delta in gen:
+            for i, call in enumerate(delta.tool_calls):  # before the chunk that finishes the choice
+                await resp.write(r.sse(_at(r.chat_chunk(head, r.tool_call_delta(i, call), None, include_usage,
+                                                        usage_of(gen) if continuous_usage else None), delta.index)))
+            await resp.write(_delta_chunks(head, kind, delta.text, delta.finish_reason, include_usage,
+                                           usage_of(gen) if continuous_usage else None,
+                                           logprobs[delta.index](delta.logprobs),
+                                           delta.token_ids if return_token_ids else None, delta.index))
+        if include_usage:
+            build = r.chat_usage_chunk if kind == "chat" else r.text_usage_chunk
+            await resp.write(r.sse(build(head, usage_of(gen))))
+
+    async def error(exc: ApiError) -> None:
+        await resp.write(r.sse(exc.body()))
+
+    await write_event_stream(resp, state, head.id, chunks, error, last=r.DONE)
+    return resp
+
+
+async def write_event_stream(resp: web.StreamResponse, state: GatewayState, request_id: str,
+                             events: Callable[[], Awaitable[None]], error: Callable[[ApiError], Awaitable[None]],
+                             last: bytes = b"") -> None:
+    """Write a generation's `events` to `resp`, then `last`, and end it. A backend failure,
+    or a shutdown, meanwhile is written as `error(...)` before the end; a client that went
+    away between two writes (servers run without handler cancellation notice it here) ends
+    it quietly, and leaving aborts the backend request."""
     try:
         try:
-            if kind == "chat":
-                for c in gen.choices:
-                    await resp.write(r.sse(_at(r.chat_chunk(head, {"role": "assistant", "content": ""}, None,
-                                                            include_usage, _usage(gen) if continuous_usage else None),
-                                               c.index)))
-            async for delta in gen:
-                for i, call in enumerate(delta.tool_calls):  # before the chunk that finishes the choice
-                    await resp.write(r.sse(_at(r.chat_chunk(head, r.tool_call_delta(i, call), None, include_usage,
-                                                            _usage(gen) if continuous_usage else None), delta.index)))
-                await resp.write(_delta_chunks(head, kind, delta.text, delta.finish_reason, include_usage,
-                                               _usage(gen) if continuous_usage else None,
-                                               logprobs[delta.index](delta.logprobs),
-                                               delta.token_ids if return_token_ids else None, delta.index))
-            if include_usage:
-                build = r.chat_usage_chunk if kind == "chat" else r.text_usage_chunk
-                await resp.write(r.sse(build(head, _usage(gen))))
+            await events()
         except BackendError as exc:
-            await resp.write(r.sse(server_error(exc).body()))
+            await error(server_error(exc))
         except asyncio.CancelledError:
             if not state.is_draining:
                 raise  # the client went away; Generation aborts the backend request
             current = asyncio.current_task()
             assert current is not None
             current.uncancel()
-            await resp.write(r.sse(shutting_down().body()))
-        await resp.write(r.DONE)
+            await error(shutting_down())
+        if last:
+            await resp.write(last)
         await resp.write_eof()
     except ConnectionResetError:
-        # The client went away between two writes (servers run without handler
-        # cancellation notice it here); leaving aborts the backend request.
-        log.debug("client of %s disconnected mid-stream", head.id)
-    return resp
+        log.debug("client of %s disconnected mid-stream", request_id)
 
 
 async def open_event_stream(request: web.Request, request_id: str) -> web.StreamResponse:
@@ -338,7 +354,7 @@ async def open_event_stream(request: web.Request, request_id: str) -> web.Stream
     return resp
 
 
-def _usage(gen: Generation) -> r.Usage:
+def usage_of(gen: Generation) -> r.Usage:
     return r.Usage(gen.num_prompt_tokens, gen.num_completion_tokens, gen.num_cached_tokens)
 
 
@@ -364,7 +380,7 @@ def _echoed(state: GatewayState, gen: Generation, head: r.ResponseHead, echo: Ec
     if echo.prompt_only:
         return r.text_completion(head, echo.text, "length", r.Usage(gen.num_prompt_tokens, 0, gen.num_cached_tokens),
                                  logprobs)
-    return r.text_completion(head, echo.text + choice.text, choice.finish_reason or "stop", _usage(gen), logprobs)
+    return r.text_completion(head, echo.text + choice.text, choice.finish_reason or "stop", usage_of(gen), logprobs)
 
 
 def _logprobs_json(state: GatewayState, gen: Generation, kind: Kind) -> Callable[[list], dict[str, Any] | None]:

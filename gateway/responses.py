@@ -33,6 +33,16 @@ class Usage:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
+    def to_responses_json(self) -> dict[str, Any]:
+        """The same counts as the Responses API names them (no reasoning tokens here)."""
+        return {
+            "input_tokens": self.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "output_tokens": self.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
 
 @dataclass(frozen=True)
 class ResponseHead:

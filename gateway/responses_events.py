@@ -28,23 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lamina.gateway.responses import Usage
 from lamina.gateway.tool_calls import ToolCall
-
-
-@dataclass(frozen=True)
-class ResponseUsage:
-    input_tokens: int
-    output_tokens: int
-    cached_tokens: int = 0  # of the input's, served by the prefix cache
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "input_tokens": self.input_tokens,
-            "input_tokens_details": {"cached_tokens": self.cached_tokens},
-            "output_tokens": self.output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": self.input_tokens + self.output_tokens,
-        }
 
 
 @dataclass(frozen=True)
@@ -68,7 +53,7 @@ def finish_status(finish_reason: str | None) -> str:
 
 
 def response_object(head: ResponseHead, status: str, output: Sequence[dict[str, Any]],
-                    usage: ResponseUsage | None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+                    usage: Usage | None, error: dict[str, Any] | None = None) -> dict[str, Any]:
     """`status`: "in_progress", "completed", "incomplete" (cut by max_output_tokens) or "failed"."""
     return {
         "id": head.id,
@@ -84,7 +69,7 @@ def response_object(head: ResponseHead, status: str, output: Sequence[dict[str, 
         "reasoning": {"effort": None, "summary": None},
         "store": False,
         "truncation": "disabled",
-        "usage": None if usage is None else usage.to_json(),
+        "usage": None if usage is None else usage.to_responses_json(),
         **head.settings,
     }
 
@@ -152,7 +137,7 @@ class ResponseEvents:
                                   output_index=len(self.output), content_index=0, delta=delta, logprobs=[]))
         return events
 
-    def finish(self, calls: Sequence[ToolCall], finish_reason: str | None, usage: ResponseUsage
+    def finish(self, calls: Sequence[ToolCall], finish_reason: str | None, usage: Usage
                ) -> list[dict[str, Any]]:
         status = finish_status(finish_reason)
         events = self._open_message() if not calls and self._message_id is None else []
@@ -174,7 +159,7 @@ class ResponseEvents:
         events.append(self._event(kind, response=response_object(self.head, status, self.output, usage)))
         return events
 
-    def fail(self, message: str, usage: ResponseUsage) -> list[dict[str, Any]]:
+    def fail(self, message: str, usage: Usage) -> list[dict[str, Any]]:
         """The response failed (the backend, or shutdown): its output so far, the open
         message as "incomplete", and the error."""
         output = list(self.output)

@@ -8,14 +8,11 @@ object or as the Responses API's event stream (gateway/responses_events.py).
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 
 from aiohttp import web
 
 from lamina.gateway import responses_events as ev
-from lamina.gateway.backend import BackendError
 from lamina.gateway.generation import Generation
 from lamina.gateway.handlers import (
     chat_prompt_ids,
@@ -25,14 +22,12 @@ from lamina.gateway.handlers import (
     open_event_stream,
     read_json,
     run_generation,
-    server_error,
-    shutting_down,
+    usage_of,
+    write_event_stream,
 )
-from lamina.gateway.protocol import GenerateRequest, resolve_sampling
+from lamina.gateway.protocol import ApiError, GenerateRequest, resolve_sampling
 from lamina.gateway.responses_api import parse_responses_request
 from lamina.gateway.state import STATE_KEY, GatewayState
-
-log = logging.getLogger(__name__)
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -55,15 +50,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     return await run_generation(state, gen_request, arrived, answer)
 
 
-def _usage(gen: Generation) -> ev.ResponseUsage:
-    return ev.ResponseUsage(gen.num_prompt_tokens, gen.num_completion_tokens, gen.num_cached_tokens)
-
-
 async def _collect(state: GatewayState, gen: Generation, head: ev.ResponseHead) -> web.Response:
     await finish_generation(state, gen)
     choice = gen.choices[0]
     status = ev.finish_status(choice.finish_reason)
-    body = ev.response_object(head, status, ev.output_items(choice.text, choice.tool_calls, status), _usage(gen))
+    body = ev.response_object(head, status, ev.output_items(choice.text, choice.tool_calls, status), usage_of(gen))
     return web.json_response(body, headers={"X-Request-Id": head.id})
 
 
@@ -71,27 +62,19 @@ async def _stream(request: web.Request, state: GatewayState, gen: Generation,
                   head: ev.ResponseHead) -> web.StreamResponse:
     resp = await open_event_stream(request, head.id)
     events = ev.ResponseEvents(head)
-    try:
-        try:
-            await _write(resp, events.start())
-            async for delta in gen:
-                out = events.text(delta.text)
-                if delta.finish_reason is not None:
-                    out += events.finish(delta.tool_calls, delta.finish_reason, _usage(gen))
-                await _write(resp, out)
-        except BackendError as exc:
-            await _write(resp, events.fail(server_error(exc).message, _usage(gen)))
-        except asyncio.CancelledError:
-            if not state.is_draining:
-                raise  # the client went away; Generation aborts the backend request
-            current = asyncio.current_task()
-            assert current is not None
-            current.uncancel()
-            await _write(resp, events.fail(shutting_down().message, _usage(gen)))
-        await resp.write_eof()
-    except ConnectionResetError:
-        # The client went away between two writes; leaving aborts the backend request.
-        log.debug("client of %s disconnected mid-stream", head.id)
+
+    async def written() -> None:
+        await _write(resp, events.start())
+        async for delta in gen:
+            out = events.text(delta.text)
+            if delta.finish_reason is not None:
+                out += events.finish(delta.tool_calls, delta.finish_reason, usage_of(gen))
+            await _write(resp, out)
+
+    async def failed(exc: ApiError) -> None:
+        await _write(resp, events.fail(exc.message, usage_of(gen)))
+
+    await write_event_stream(resp, state, head.id, written, failed)
     return resp
 
 

@@ -177,7 +177,8 @@ class DecodeRunner:
             # A step whose attention is in this process (layout colocated) never waits on a
             # peer, so the loop would not send its result (nor read an update) until the
             # micro-batch ran out of sequences: `idle_s` leaves it a moment to.
-            await asyncio.sleep(self._idle_s)
+            if self._idle_s:
+                await asyncio.sleep(self._idle_s)
 
     async def _step(self, mb: int, step: int, members: list[DecodeSeq]) -> lamina_pb2.DecodeResult:
         # Rows grouped by attention worker: each worker's share of Q, K, V is then a view.
