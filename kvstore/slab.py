@@ -239,8 +239,8 @@ class SlabAllocator:
         if not shared:
             return
         fresh = self._pop(len(shared))
-        old = torch.tensor([seq[p] for p in shared], dtype=torch.long)
-        new = torch.tensor(fresh, dtype=torch.long)
+        old = torch.tensor([seq[p] for p in shared], dtype=torch.long, device=self.config.device)
+        new = torch.tensor(fresh, dtype=torch.long, device=self.config.device)
         for k, v in zip(self.k_pools, self.v_pools):
             k[new] = k[old]
             v[new] = v[old]
@@ -254,7 +254,7 @@ class SlabAllocator:
         """k, v: [n, H, D] for positions [start, start + n) of layer `layer`."""
         n = k.shape[0]
         self.prepare_write(request_id, start, n)
-        idx = _int64_tensor([self._seqs[request_id][start:start + n]])
+        idx = _int64_tensor([self._seqs[request_id][start:start + n]]).to(self.config.device)
         self.k_pools[layer][idx] = k
         self.v_pools[layer][idx] = v
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from lamina.model import random_models
 from lamina.model.config import ModelConfig
 from lamina.model.errors import CheckpointError
 from lamina.model.llama import LlamaForCausalLM, checkpoint_names
@@ -52,6 +53,15 @@ class LoadedModel:
     was_cached: bool  # False when this load converted a GGUF file
     weights: str = "float32"  # the weights choice it was loaded with (lamina.model.packing.WEIGHT_CHOICES)
     weight_formats: dict[str, int] = field(default_factory=dict)  # packed format -> matrices in it
+
+
+def checkpoint_name(path: str | Path | None) -> str:
+    """What to call a checkpoint (the served model's name): a file's stem, a directory's
+    name, a random model's spec."""
+    if random_models.is_random(path):
+        return str(path)
+    source = resolve_checkpoint(path)[0]
+    return source.stem if source.is_file() else source.name
 
 
 def default_model_path() -> Path:
@@ -171,7 +181,18 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: Path, 
 
 
 def resolve_checkpoint(path: str | Path | None = None) -> tuple[Path, Path, bool]:
-    """(source, Hugging Face-layout directory, was_cached): converts a GGUF file once."""
+    """(source, Hugging Face-layout directory, was_cached): converts a GGUF file once, and
+    writes a `random:NAME[@SEED]` model's weights once (lamina.model.random_models; its
+    source is that directory)."""
+    if random_models.is_random(path):
+        assert isinstance(path, str)
+        random_models.parse_spec(path)  # a wrong name fails before the default model is converted
+        tokenizer_dir = resolve_checkpoint(None)[1]
+        done = random_models.written(path, cache_root())
+        if not done:
+            log.info("writing the weights of %s (once)", path)
+        weights_dir = random_models.materialize(path, cache_root(), tokenizer_dir)
+        return weights_dir, weights_dir, done
     source = Path(path) if path is not None else default_model_path()
     if not source.exists():
         raise CheckpointError(source, "no such file or directory")
@@ -199,13 +220,14 @@ def load_tokenizer(path: str | Path | None = None) -> tuple[Tokenizer, ModelConf
 
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
-               weights: str = "float32") -> LoadedModel:
+               weights: str = "float32", packed: bool = True) -> LoadedModel:
     """Load a checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct).
 
     weights: how the linears hold their weights (lamina.model.packing): "float32", "q8_0",
     "q4" (group-wise min-max 4-bit), or "as_file" (a GGUF's own Q8_0 / Q4_0 / Q4_1
     blocks kept as they are; float checkpoints stay float32). Packed weights compute
-    in float32: any other dtype needs weights="float32".
+    in float32: any other dtype needs weights="float32". packed=False keeps torch's own
+    linears (weights="float32" only): what runs on devices other than the CPU.
     """
     from lamina.model.packing import check_weights, pack_model
 
@@ -219,7 +241,9 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
     model = build_model(cfg, state, weights_dir, dtype)
     del state
     formats: dict[str, int] = {}
-    if dtype == torch.float32:
+    if not packed and weights != "float32":
+        raise ValueError(f"weights={weights!r} are packed; packed=False needs weights='float32'")
+    if dtype == torch.float32 and packed:
         with _one_thread():
             from_file = _file_packed(source, weights_dir, cfg) if weights == "as_file" else None
             formats = pack_model(model, weights, from_file)

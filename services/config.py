@@ -43,12 +43,20 @@ clear message naming the setting.
                                 # cache_quantize_4bit: host and disk tiers hold 4-bit blocks;
                                 # peer_fetch: auto (pull a peer's longer prefix when the measured
                                 # transfer beats recomputing it) | always | off (docs/kvstore.md)
-    model_worker: {threads: 1, workers: 1}   # threads: the packed products' (torch's ops run on one);
-                                # LAMINA_MODEL_THREADS
+    model_worker: {threads: 1, workers: 1, device: cpu, dtype: float32}
+                                # threads: the packed products' (torch's ops run on one);
+                                # LAMINA_MODEL_THREADS; device: cpu | cuda | cuda:N, where the slices
+                                # and sampling compute (LAMINA_MODEL_DEVICE); dtype: float32 |
+                                # bfloat16 | float16 of weights and activations (other than float32
+                                # needs weights: float32 on the CPU; LAMINA_MODEL_DTYPE)
     pipeline: {micro_batches: 2, min_micro_batch: 16, q_early: false,
                mode: fixed}     # fixed: micro-batches per model worker; rotational: M + 1 over M workers
     attention: {workers: 2, max_workers: 0, threads: 1, kv_capacity_bytes: 1073741824,
-                kv_quant: none}    # none | q4: KV rows stored 4-bit group-wise (docs/model.md);
+                kv_quant: none, device: cpu, dtype: float32}
+                                # kv_quant: none | q4: KV rows stored 4-bit group-wise (docs/model.md;
+                                # q4 on the CPU only); device, dtype: where the KV slab lives and
+                                # attention computes, and the KV's dtype (LAMINA_ATTENTION_DEVICE,
+                                # LAMINA_ATTENTION_DTYPE);
                                 # workers: LAMINA_ATTENTION_WORKERS, started with; max_workers
                                 # (0: = workers): more may join the running stack up to it, and
                                 # leave (request partitioning); LAMINA_ATTENTION_MAX_WORKERS
@@ -83,6 +91,10 @@ PREFILL_ROUTINGS = ("prefix", "round_robin")  # lamina.services.scheduler.prefil
 PEER_FETCH_MODES = ("auto", "always", "off")  # lamina.services.scheduler.prefix_fetch_policy (tested equal)
 
 
+# Dtypes a model or attention worker computes in (torch's names).
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def _is_device(name: str) -> bool:
     """cpu, cuda or cuda:N (a torch device name this configuration accepts)."""
     return name in ("cpu", "cuda") or (name.startswith("cuda:") and name[5:].isdigit())
@@ -113,6 +125,11 @@ class SchedulerSection:
 class ModelWorkerSection:
     threads: int = 1
     workers: int = 1  # model-slice worker processes; the scheduler spreads sequences over them
+    # Where the slices and sampling compute (cpu, cuda, cuda:N) and in which dtype: packed
+    # weights run on CPU kernels in float32, so elsewhere (or in another dtype) the
+    # linears are plain float32 or cast to `dtype`.
+    device: str = "cpu"
+    dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -181,6 +198,10 @@ class AttentionSection:
     threads: int = 1
     kv_capacity_bytes: int = 1 << 30
     kv_quant: str = "none"  # q4: the KV pools hold 4-bit group-wise rows (lamina.model.kv_quant)
+    # Where the KV slab lives and attention computes, and the dtype of its KV: the native
+    # kernel on cpu/float32, torch's operators elsewhere (lamina.model.device_attention).
+    device: str = "cpu"
+    dtype: str = "float32"
 
     @property
     def pool_limit(self) -> int:
@@ -262,8 +283,21 @@ class StackConfig:
                f"must be one of {', '.join(PREFILL_ROUTINGS)}", self.prefill.routing)
         _check(isinstance(self.prefill.routing_load_weight, (int, float)) and self.prefill.routing_load_weight >= 0,
                "prefill.routing_load_weight", "must be a non-negative number", self.prefill.routing_load_weight)
-        _check(isinstance(self.prefill.device, str) and _is_device(self.prefill.device), "prefill.device",
-               "must be cpu, cuda or cuda:N", self.prefill.device)
+        for name, device in (("prefill.device", self.prefill.device), ("model_worker.device", self.model_worker.device),
+                             ("attention.device", self.attention.device)):
+            _check(isinstance(device, str) and _is_device(device), name, "must be cpu, cuda or cuda:N", device)
+        for name, dtype in (("model_worker.dtype", self.model_worker.dtype), ("attention.dtype", self.attention.dtype)):
+            _check(dtype in COMPUTE_DTYPES, name, f"must be one of {', '.join(COMPUTE_DTYPES)}", dtype)
+        _check(self.model_worker.dtype == "float32" or self.weights == "float32"
+               or self.model_worker.device != "cpu", "weights", "must be float32 when model_worker.dtype is not "
+               "float32 on the CPU (packed weights compute in float32)", self.weights)
+        _check(self.pipeline.mode == "fixed" or self.model_worker.device == "cpu", "pipeline.mode",
+               "must be fixed when model_worker.device is not cpu (rotational slices reach peers as host "
+               "tensors, which only a CPU worker computes on as they arrive)", self.pipeline.mode)
+        _check(self.attention.kv_quant == "none" or (self.attention.device == "cpu"
+                                                     and self.attention.dtype == "float32"),
+               "attention.kv_quant", "must be none unless attention.device is cpu and attention.dtype float32 "
+               "(4-bit KV rows are decoded by the CPU kernel)", self.attention.kv_quant)
         _check(isinstance(self.prefill.routing_min_gain_tokens, int) and self.prefill.routing_min_gain_tokens >= 0,
                "prefill.routing_min_gain_tokens", "must be a non-negative integer",
                self.prefill.routing_min_gain_tokens)
@@ -431,6 +465,10 @@ ENV_OVERRIDES = {
     "LAMINA_MODEL_THREADS": "model_worker.threads",
     "LAMINA_PREFILL_ROUTING": "prefill.routing",
     "LAMINA_PREFILL_DEVICE": "prefill.device",
+    "LAMINA_MODEL_DEVICE": "model_worker.device",
+    "LAMINA_MODEL_DTYPE": "model_worker.dtype",
+    "LAMINA_ATTENTION_DEVICE": "attention.device",
+    "LAMINA_ATTENTION_DTYPE": "attention.dtype",
     "LAMINA_PEER_FETCH": "prefill.peer_fetch",
     "LAMINA_HOST": "host",
     "LAMINA_ADVERTISE_HOST": "advertise_host",

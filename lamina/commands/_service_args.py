@@ -12,7 +12,8 @@ from lamina.services.config import KV_QUANT_CHOICES, ConfigError, StackConfig, l
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="stack configuration file (YAML or TOML)")
-    p.add_argument("--model", default=None, help="checkpoint directory or .gguf file")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory, .gguf file or random:SHAPE (seeded random weights, docs/model.md)")
     p.add_argument("--redis-url", default=None, help="metadata store (default: REDIS_URL)")
     p.add_argument("--transport", default=None, choices=("tcp", "ucx", "shm"), help="data-plane transport")
     p.add_argument("--partition", default=None, choices=("request", "head"), help="KV partitioning")
@@ -30,6 +31,19 @@ def stack_config(args: argparse.Namespace, **extra: object) -> StackConfig | Non
     except ConfigError as exc:
         print(f"lamina: {exc}", file=sys.stderr)
         return None
+
+
+def devices_here(config: StackConfig, kinds: tuple[str, ...]) -> bool:
+    """Whether the devices those service kinds are configured for are on this host;
+    prints which is not."""
+    from lamina.services.devices import DEVICE_SETTINGS, check_devices
+
+    try:
+        check_devices(config, tuple(k for k in kinds if k in DEVICE_SETTINGS))
+    except ConfigError as exc:
+        print(f"lamina: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def add_kv_quant(p: argparse.ArgumentParser) -> None:
@@ -99,6 +113,9 @@ def run_indexed_service(args: argparse.Namespace, module: str, section: str, **e
 
     config = stack_config(args, **extra)
     if config is None:
+        return 2
+    colocated = section == "model_worker" and config.colocated  # its attention runs in its process
+    if not devices_here(config, (section, "attention") if colocated else (section,)):
         return 2
     count, limit_name = index_limit(config, section)
     serve = importlib.import_module(module).serve

@@ -14,7 +14,8 @@ from lamina.model.packing import WEIGHT_CHOICES
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="the prompt text (the user message with --chat)")
     p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template")
-    p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="checkpoint directory, .gguf file or random:SHAPE[@SEED] "
+                   "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--weights", default="as_file", choices=WEIGHT_CHOICES,
                    help="how the linears hold their weights: float32, q8_0, q4 (group-wise 4-bit) or as_file "
                         "(a GGUF's own quantized blocks, float32 for other checkpoints); default as_file")

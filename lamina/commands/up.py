@@ -8,7 +8,14 @@ import signal
 import sys
 import threading
 
-from lamina.commands._service_args import add_common, add_gateway_exposure, add_kv_quant, gateway_refused, stack_config
+from lamina.commands._service_args import (
+    add_common,
+    add_gateway_exposure,
+    add_kv_quant,
+    devices_here,
+    gateway_refused,
+    stack_config,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +40,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-device", default=None, metavar="DEVICE",
                    help="where prefill workers compute and keep their prefix cache's device tier: cpu "
                         "(default), cuda or cuda:N (float32 weights there; docs/kvstore.md)")
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="where every service computes: cpu (default), cuda or cuda:N; --prefill-device, "
+                        "--model-device and --attention-device override it for one kind (docs/services.md, Devices)")
+    p.add_argument("--model-device", default=None, metavar="DEVICE", help="where model workers compute")
+    p.add_argument("--attention-device", default=None, metavar="DEVICE",
+                   help="where attention workers keep KV and attend")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="model and attention workers' dtype (default float32; another needs --weights float32 "
+                        "on the CPU)")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="staggered micro-batches per model worker (default 2; 1 turns staggering off)")
     p.add_argument("--pipeline", default=None, choices=("fixed", "rotational"),
@@ -69,7 +85,10 @@ def run(args: argparse.Namespace) -> int:
                                    "model_worker.workers": args.model_workers,
                                    "model_worker.threads": args.model_threads,
                                    "prefill.workers": args.prefill_workers, "prefill.routing": args.prefill_routing,
-                                   "prefill.device": args.prefill_device,
+                                   "prefill.device": args.prefill_device or args.device,
+                                   "model_worker.device": args.model_device or args.device,
+                                   "attention.device": args.attention_device or args.device,
+                                   "model_worker.dtype": args.dtype, "attention.dtype": args.dtype,
                                    "pipeline.micro_batches": args.micro_batches, "pipeline.q_early": args.q_early,
                                    "pipeline.mode": args.pipeline,
                                    "weights": args.weights, "attention.kv_quant": args.kv_quant,
@@ -77,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
                                    "gateway.insecure": args.insecure})
     if config is None or gateway_refused(config):
         return 2
+    if args.ray is None and not devices_here(config, ("prefill", "model_worker", "attention")):
+        return 2  # before anything starts (under Ray each service checks on its own node)
     if config.ports.grpc or config.ports.metrics:  # every service of this stack shares the host
         print("lamina up: ports.grpc and ports.metrics must be 0 (one service per host only; "
               "LAMINA_GRPC_PORT / LAMINA_METRICS_PORT set?)", file=sys.stderr)

@@ -29,7 +29,7 @@ class KVShape:
     num_q_heads: int  # the query heads of this worker's KV heads
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtypes: tuple[torch.dtype, ...]  # what may arrive (the worker converts it to the dtype of its KV)
 
 
 @dataclass
@@ -51,9 +51,9 @@ def check_layer(shape: KVShape, layer: int) -> None:
 
 
 def check_tensor(shape: KVShape, name: str, t: torch.Tensor, rows: int, heads: int) -> None:
-    """`t` must be [rows, heads, head_dim] of the worker's dtype."""
-    if t.dtype != shape.dtype:
-        raise _bad(f"{name} is {t.dtype}; this worker takes {shape.dtype}")
+    """`t` must be [rows, heads, head_dim] of a dtype the worker takes."""
+    if t.dtype not in shape.dtypes:
+        raise _bad(f"{name} is {t.dtype}; this worker takes {', '.join(map(str, shape.dtypes))}")
     if t.shape != (rows, heads, shape.head_dim):
         raise _bad(f"{name} {tuple(t.shape)} for {rows} new tokens: this worker expects "
                    f"[{rows}, {heads}, {shape.head_dim}]")

@@ -32,6 +32,7 @@ break these rules or does not fit the model's shape.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
 
@@ -40,10 +41,14 @@ import torch
 from lamina.kvstore.slab import KVAllocationError, SlabAllocator, SlabConfig
 from lamina.model.attention import combine_partials
 from lamina.model.config import ModelConfig
+from lamina.model.device_attention import PaddedSlots, padded_attention
 from lamina.model.kv_attention import SlotBatch, buffer_attention, slot_attention
 from lamina.model.kv_quant import KV_QUANT_CHOICES, Q4Rows
 from lamina.services.attention.attention_checks import KVShape, PendingStore, check_attend, check_store
 from lamina.services.wire import RemoteError, StoreKV, short_repr
+
+# What Q, K and V may arrive as: each is converted to the worker's device and KV dtype.
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _STEP_SLOTS_KEPT = 8  # micro-batches in flight on one worker, with room to spare
 # Prompts whose layers may be arriving at once: a prefill worker sends a batch's few at a
@@ -56,27 +61,36 @@ _MAX_PENDING_STORES = 1024
 class _StepSlots:
     versions: tuple[int, ...]  # each sequence's slot_version when this was built
     batch: SlotBatch  # every slot of the micro-batch's sequences
-    new: torch.Tensor  # int64 [T]: the slots of the step's new tokens, in row order
+    new: torch.Tensor  # int64 [T]: the slots of the step's new tokens, in row order (on the pools' device)
+    padded: PaddedSlots | None  # the batch laid out for the torch path (None where the native kernel runs)
 
 
 class AttentionCore:
     def __init__(self, cfg: ModelConfig, capacity_bytes: int, num_kv_heads: int, tokens_per_slab: int = 64,
-                 kv_quant: str = "none") -> None:
+                 kv_quant: str = "none", device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+                 ) -> None:
         if kv_quant not in KV_QUANT_CHOICES:
             raise ValueError(f"attention.kv_quant must be one of {', '.join(KV_QUANT_CHOICES)}, got {kv_quant!r}")
         self.cfg = cfg
         self.num_kv_heads = num_kv_heads
+        self.device, self.dtype = torch.device(device), dtype
+        # The native kernel reads CPU float32 (or 4-bit) pools; anything else attends
+        # through torch's operators (lamina.model.device_attention).
+        self.native = self.device.type == "cpu" and dtype == torch.float32
         self.packed = Q4Rows(cfg.head_dim) if kv_quant == "q4" else None
+        if self.packed is not None and not self.native:
+            raise ValueError("attention.kv_quant q4 needs attention.device cpu and attention.dtype float32")
         # Packed pools are [S, Hkv, row_bytes] uint8: the slab allocator's rows are then
         # the packed bytes of a head, which is all it needs to know of the format.
-        row, dtype = (cfg.head_dim, torch.float32) if self.packed is None else (self.packed.row_bytes, torch.uint8)
+        row, pool_dtype = (cfg.head_dim, dtype) if self.packed is None else (self.packed.row_bytes, torch.uint8)
         try:
             self.slabs = SlabAllocator(SlabConfig(cfg.num_layers, num_kv_heads, row, capacity_bytes,
-                                                  tokens_per_slab=tokens_per_slab, dtype=dtype))
+                                                  tokens_per_slab=tokens_per_slab, dtype=pool_dtype,
+                                                  device=str(self.device)))
         except ValueError as exc:
             raise ValueError(f"attention.kv_capacity_bytes: {exc}") from exc
         self.shape = KVShape(cfg.num_layers, cfg.num_groups * num_kv_heads, num_kv_heads, cfg.head_dim,
-                             torch.float32)
+                             WIRE_DTYPES)
         self._storing: dict[str, PendingStore] = {}  # prefilled sequences whose layers are arriving
         # Per micro-batch (its sequence ids, in row order): the slots its layers read.
         self._step_slots: dict[tuple[str, ...], _StepSlots] = {}
@@ -105,18 +119,38 @@ class AttentionCore:
         # keeps each range inside its sequence there.)
         new_rows = array("q", chain.from_iterable(
             range(end - min(n, m), end) for end, m, (_, n) in zip(accumulate(lens), lens, seqs)))
-        entry = _StepSlots(versions, batch, batch.slots[torch.frombuffer(new_rows, dtype=torch.int64)]
-                           if new_rows else torch.empty(0, dtype=torch.int64))
+        new = (batch.slots[torch.frombuffer(new_rows, dtype=torch.int64)] if new_rows
+               else torch.empty(0, dtype=torch.int64))
+        entry = _StepSlots(versions, batch, new.to(self.device),
+                           None if self.native else PaddedSlots.of(batch, self.device))
         self._step_slots.pop(ids, None)
         if len(self._step_slots) >= _STEP_SLOTS_KEPT:
             self._step_slots.pop(next(iter(self._step_slots)))  # the oldest micro-batch
         self._step_slots[ids] = entry
         return entry
 
+    def _here(self, t: torch.Tensor) -> torch.Tensor:
+        """An arriving tensor on this worker's device, in its dtype."""
+        return t.to(self.device, self.dtype, non_blocking=True)
+
+    def _attention(self, layer: int, q: torch.Tensor, query_lens: list[int], step: _StepSlots,
+                   kv_lens: Sequence[int] | None = None, causal: bool = True, need_lse: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The native kernel on CPU float32 pools, torch's operators on any other; the
+        result on the CPU in q's dtype (what goes back on the wire)."""
+        k_pool, v_pool = self.slabs.k_pools[layer], self.slabs.v_pools[layer]
+        if step.padded is None:
+            return slot_attention(q.contiguous(), query_lens, k_pool, v_pool, step.batch, kv_lens, causal=causal,
+                                  need_lse=need_lse, packed=self.packed)
+        out, lse = padded_attention(q.to(self.device, non_blocking=True), query_lens, k_pool, v_pool, step.padded,
+                                    kv_lens, causal=causal, need_lse=need_lse)
+        return out.to("cpu", q.dtype), None if lse is None else lse.cpu()
+
     def _rows(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [T, Hkv, D] as the pools hold them: as they are, or packed [T, Hkv, row_bytes]."""
+        """K, V [T, Hkv, D] as the pools hold them: on the device in the KV's dtype, or
+        packed [T, Hkv, row_bytes]."""
         if self.packed is None:
-            return k, v
+            return self._here(k), self._here(v)
         return self.packed.quantize(k), self.packed.quantize(v)  # [T, Hkv, row_bytes] each
 
     def _append(self, layer: int, seqs: list[tuple[str, int]], k: torch.Tensor, v: torch.Tensor) -> _StepSlots:
@@ -143,8 +177,7 @@ class AttentionCore:
         sequence, reading the slab pools in place."""
         self._check(layer, seqs, q, (k, v))
         step = self._append(layer, seqs, k, v)
-        return slot_attention(q.contiguous(), [n for _, n in seqs], self.slabs.k_pools[layer],
-                              self.slabs.v_pools[layer], step.batch, need_lse=need_lse, packed=self.packed)
+        return self._attention(layer, q, [n for _, n in seqs], step, need_lse=need_lse)
 
     def attend_held(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,9 +189,7 @@ class AttentionCore:
         step = self._slots(seqs)
         # Layer 0 comes before the step extends the sequences: all they hold is old.
         held = step.batch.lens if layer == 0 else [m - n for m, (_, n) in zip(step.batch.lens, seqs)]
-        out, lse = slot_attention(q.contiguous(), [n for _, n in seqs], self.slabs.k_pools[layer],
-                                  self.slabs.v_pools[layer], step.batch, held, causal=False, need_lse=True,
-                                  packed=self.packed)
+        out, lse = self._attention(layer, q, [n for _, n in seqs], step, held, causal=False, need_lse=True)
         assert lse is not None  # asked for with need_lse=True
         return out, lse
 
@@ -168,8 +199,13 @@ class AttentionCore:
         (causally) and combine with the held part by log-sum-exp. Returns out [T, Hq, D]."""
         self._check(layer, seqs, q, (k, v))
         step = self._append(layer, seqs, k, v)
-        if self.packed is not None:  # the new tokens as the pools now hold them
-            k, v = (self.packed.dequantize(pool[layer][step.new]) for pool in (self.slabs.k_pools, self.slabs.v_pools))
+        # The new tokens as the pools now hold them (rounded to the KV's dtype, or packed),
+        # back on the CPU beside the held part.
+        k, v = (pool[layer][step.new] for pool in (self.slabs.k_pools, self.slabs.v_pools))
+        if self.packed is not None:
+            k, v = self.packed.dequantize(k), self.packed.dequantize(v)
+        k, v = k.to("cpu", torch.float32), v.to("cpu", torch.float32)
+        q = q.float()
         lens = [n for _, n in seqs]
         if all(n == 1 for n in lens):
             # One new token sees only itself: its output is its V, its lse its own score.
@@ -181,7 +217,7 @@ class AttentionCore:
             starts = [0, *accumulate(lens)]
             new_out, new_lse = buffer_attention(q.contiguous(), lens, [k[s : s + n] for s, n in zip(starts, lens)],
                                                 [v[s : s + n] for s, n in zip(starts, lens)])
-        return combine_partials(held_out, held_lse, new_out, new_lse)[0]
+        return combine_partials(held_out.float(), held_lse, new_out, new_lse)[0].to(held_out.dtype)
 
     # -- prompt KV from prefill -----------------------------------------------------------
     def store(self, msg: StoreKV) -> bool:

@@ -11,7 +11,7 @@ import socket
 from lamina.gateway.app import create_app, start_server
 from lamina.gateway.config import GatewayConfig
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore, ServiceRegistration
-from lamina.model.loader import load_tokenizer, resolve_checkpoint
+from lamina.model.loader import checkpoint_name, load_tokenizer
 from lamina.services import stack_dumps
 from lamina.services.addresses import host_port
 from lamina.services.cluster_status import read_status
@@ -23,8 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def model_display_name(config: StackConfig) -> str:
-    source = resolve_checkpoint(config.model)[0]
-    return source.stem if source.is_file() else source.name
+    return checkpoint_name(config.model)
 
 
 def gateway_config(config: StackConfig) -> GatewayConfig:

@@ -44,6 +44,7 @@ from lamina.services.addresses import with_host
 from lamina.services.attention.attention_service import AttentionService
 from lamina.services.attention_pool import AttentionPool, SeqRows
 from lamina.services.config import PortsSection, StackConfig
+from lamina.services.devices import compute_device, compute_dtype
 from lamina.services.model.decode_runner import DecodeRunner
 from lamina.services.model.slice_peers import SliceExecutors
 from lamina.services.model.slice_server import SliceServer
@@ -68,17 +69,27 @@ class ModelSlices:
         self.split = split_llama(self.loaded.model)
         self.grammars = Grammars(self.loaded.tokenizer)  # for the sequences that sample here with one
         self.compute_s = 0.0  # CPU time in the slices, every micro-batch together
+        self.device = torch.device("cpu")  # where the slices compute (load() moves them)
 
     @classmethod
-    def load(cls, model_path: str | None, weights: str = "float32", device: str = "cpu") -> ModelSlices:
-        """The model split into slices, on `device`. Packed weights (q8_0, q4, as_file)
-        run on CPU kernels: on another device the weights are float32."""
-        if torch.device(device).type == "cpu":
+    def load(cls, model_path: str | None, weights: str = "float32", device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.float32) -> ModelSlices:
+        """The model split into slices, on `device`, its weights in `dtype`. Packed weights
+        (q8_0, q4, as_file) run on CPU kernels in float32: on another device or in
+        another dtype the linears are plain."""
+        device = torch.device(device)
+        if device.type == "cpu" and dtype == torch.float32:
             return cls(load_model(model_path, weights=weights))
-        slices = cls(load_model(model_path, weights="float32"))  # split on CPU: its example inputs are there
-        slices.loaded.model.to(device)
-        for piece in slices.split.slices:  # each slice holds its own references to buffers (rope's inv_freq)
-            piece.module.to(device)
+        slices = cls(load_model(model_path, packed=False))  # split on CPU: its example inputs are there
+        slices.device = device
+        modules = [slices.loaded.model, *(piece.module for piece in slices.split.slices)]
+        for module in modules:  # each slice holds its own references to buffers (rope's inv_freq)
+            module.to(device)
+        # Parameters (shared by the slices) in `dtype`; buffers stay float32, as
+        # transformers keeps RoPE's frequencies whatever the weights' dtype.
+        params = {id(p): p for m in modules for p in m.parameters()}
+        for p in params.values():
+            p.data = p.data.to(dtype)
         return slices
 
     def run_slice(self, j: int, inputs: dict, attn: torch.Tensor | None = None,
@@ -99,8 +110,15 @@ class ModelSlices:
         slices here or, rotational, on whichever model worker `executors` finds free."""
         route = pool.route(seqs)
 
+        device = self.device
+        on_cpu = device.type == "cpu"
+
         async def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return await pool.attend(decode_tag(micro_batch, step, i), i, route, q, k, v)
+            if on_cpu:
+                return await pool.attend(decode_tag(micro_batch, step, i), i, route, q, k, v)
+            # Frames carry host memory: Q, K, V staged through it, the output moved back.
+            out = await pool.attend(decode_tag(micro_batch, step, i), i, route, q.cpu(), k.cpu(), v.cpu())
+            return out.to(device, non_blocking=True)
 
         async def run_slice(j: int, inputs: dict[str, Any], attn: torch.Tensor | None,
                             context: Sequence[torch.Tensor]) -> SliceOutput:
@@ -108,7 +126,11 @@ class ModelSlices:
                 return self.run_slice(j, inputs, attn, context)
             return await executors.run(slice_tag(micro_batch, step, j), j, inputs, attn, context)
 
-        return await self.split.run_async(batch.model_inputs(), attend, run_slice)
+        inputs = batch.model_inputs()
+        if not on_cpu:
+            inputs = {name: t.to(device, non_blocking=True) for name, t in inputs.items()}
+        logits = await self.split.run_async(inputs, attend, run_slice)  # [B, V] float32
+        return logits if on_cpu else logits.cpu()  # sampled on the CPU
 
 
 class _ModelServicer(lamina_pb2_grpc.ModelWorkerServicer):
@@ -124,7 +146,9 @@ class ModelService:
     def __init__(self, config: StackConfig, index: int = 0) -> None:
         self.config = config
         self.index = index
-        self.slices = ModelSlices.load(config.model, config.weights)
+        mw = config.model_worker
+        self.slices = ModelSlices.load(config.model, config.weights, compute_device("model_worker.device", mw.device),
+                                       compute_dtype(mw.dtype))
         self.runtime = ServiceRuntime("model", f"model-{index}", config)
         r = self.runtime.registry
         self.m_steps = prometheus_client.Counter("lamina_model_steps", "micro-batch decode steps run", registry=r)

@@ -52,6 +52,7 @@ from lamina.sampling.sampler import Sampler
 from lamina.services.addresses import with_host
 from lamina.services.attention_pool import AttentionPool
 from lamina.services.config import PrefillSection, StackConfig
+from lamina.services.devices import compute_device
 from lamina.services.model.model_service import ModelSlices
 from lamina.services.prefill.prefix_peers import PrefixFetcher, PrefixServer
 from lamina.services.prefill.prompt_logprobs import logit_rows
@@ -95,10 +96,7 @@ class _Prompt:
 class PrefillService:
     def __init__(self, config: StackConfig, index: int = 0) -> None:
         self.config = config
-        self.device = torch.device(config.prefill.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"prefill.device is {config.prefill.device}, but torch finds no CUDA device here "
-                               f"(torch {torch.__version__}); set prefill.device: cpu")
+        self.device = compute_device("prefill.device", config.prefill.device)
         self.slices = ModelSlices.load(config.model, config.weights, config.prefill.device)
         self.cfg = self.slices.cfg
         self.sampler = Sampler(self.slices.grammars, self.slices.loaded.tokenizer.eos_token_ids)

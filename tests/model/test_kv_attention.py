@@ -262,3 +262,33 @@ def test_device_attention_equals_the_engines_on_the_same_step():
         a, b = stores[0].get(s), stores[1].get(s)
         assert a.length == b.length
         torch.testing.assert_close(a.buf[:, :, :a.length], b.buf[:, :, :b.length])
+
+
+@pytest.mark.parametrize(("query_lens", "causal", "kv_lens"), [
+    ([1, 1, 0, 1], True, None),  # decode (an empty sequence among them)
+    ([3, 2, 0, 4], True, None),  # several new tokens each, causal
+    ([1, 1, 1, 1], False, [4, 16, 0, 39]),  # Q-early's held part: a prefix of each, one sequence holding none
+])
+def test_the_device_path_equals_the_kernel_over_scattered_slots(query_lens, causal, kv_lens):
+    """lamina.model.device_attention (torch's operators, the path of every device but the
+    CPU) gives the native kernel's out and lse on the same pools and slots."""
+    from lamina.model.device_attention import PaddedSlots, padded_attention
+
+    torch.manual_seed(0)
+    slots_total, hkv, d, hq = 200, 3, 64, 9
+    k_pool, v_pool = torch.randn(slots_total, hkv, d), torch.randn(slots_total, hkv, d)
+    k_pool[0], v_pool[0] = float("nan"), float("nan")  # a slot no sequence holds (the padding's): never read
+    order = torch.randperm(slots_total - 1).add(1).tolist()
+    lens, per_seq, start = [5, 17, 0, 40], [], 0
+    for n in lens:
+        per_seq.append(order[start:start + n])
+        start += n
+    batch = SlotBatch.build(per_seq, slots_total)
+    q = torch.randn(sum(query_lens), hq, d)
+    out, lse = slot_attention(q, query_lens, k_pool, v_pool, batch, kv_lens, causal=causal)
+    dev_out, dev_lse = padded_attention(q, query_lens, k_pool, v_pool, PaddedSlots.of(batch, "cpu"), kv_lens,
+                                        causal=causal)
+    torch.testing.assert_close(dev_out, out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(dev_lse, lse, atol=2e-6, rtol=1e-5)  # -inf where a query sees nothing, in both
+    with pytest.raises(ValueError, match="kv_lens must not exceed"):
+        padded_attention(q, query_lens, k_pool, v_pool, PaddedSlots.of(batch, "cpu"), [6, 17, 0, 40])

@@ -18,14 +18,16 @@ CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layer
 class History:
     """Every sequence's K and V per layer, as the reference sees them."""
 
-    def __init__(self, kv_heads: int) -> None:
+    def __init__(self, kv_heads: int, dtype: torch.dtype = torch.float32) -> None:
         self.kv_heads = kv_heads
+        self.dtype = dtype  # the cores' KV dtype: the history holds K, V as rounded to it
         self.kv: dict[str, list[list[torch.Tensor]]] = {}  # seq -> layer -> [K rows, V rows]
 
     def prompt(self, cores: list[AttentionCore], seq: str, n: int) -> None:
         self.kv[seq] = []
         for layer in range(CFG.num_layers):
-            k, v = torch.randn(n, self.kv_heads, 8), torch.randn(n, self.kv_heads, 8)
+            k, v = _rounded(torch.randn(n, self.kv_heads, 8), self.dtype), _rounded(torch.randn(n, self.kv_heads, 8),
+                                                                                     self.dtype)
             self.kv[seq].append([k, v])
             for core in cores:
                 core.store(StoreKV(seq, layer, CFG.num_layers, k, v))
@@ -42,26 +44,36 @@ class History:
                                  [self.kv[s][layer][1] for s, _ in seqs])
 
 
-def _step_inputs(seqs: list[tuple[str, int]], hq: int, kv_heads: int):
+def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a KV pool of `dtype` holds it, in float32 (exact for float32 itself)."""
+    return t.to(dtype).float()
+
+
+def _step_inputs(seqs: list[tuple[str, int]], hq: int, kv_heads: int, dtype: torch.dtype = torch.float32):
     rows = sum(n for _, n in seqs)
-    return torch.randn(rows, hq, 8), torch.randn(rows, kv_heads, 8), torch.randn(rows, kv_heads, 8)
+    return (torch.randn(rows, hq, 8), _rounded(torch.randn(rows, kv_heads, 8), dtype),
+            _rounded(torch.randn(rows, kv_heads, 8), dtype))
 
 
 @pytest.mark.parametrize("kv_heads", [3, 1])  # all of the model's KV heads (G = 3), or a head-level share
 @pytest.mark.parametrize("new_tokens", [[1, 1, 1], [2, 1, 3]])  # decode, or several new tokens per sequence
-def test_plain_and_q_early_steps_equal_attention_over_the_history(kv_heads, new_tokens):
+# float32: the native kernel; bfloat16: torch's operators over a bfloat16 slab (the path
+# of every device but the CPU), given K and V it holds exactly, so the same tolerance.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_and_q_early_steps_equal_attention_over_the_history(kv_heads, new_tokens, dtype):
     torch.manual_seed(0)
     hq = CFG.num_groups * kv_heads
     # Small slabs: sequences that grow in turn get slots scattered over the pool.
-    plain = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=kv_heads, tokens_per_slab=4)
-    early = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=kv_heads, tokens_per_slab=4)
-    history = History(kv_heads)
+    plain = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=kv_heads, tokens_per_slab=4, dtype=dtype)
+    early = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=kv_heads, tokens_per_slab=4, dtype=dtype)
+    assert plain.native == (dtype == torch.float32) and plain.slabs.k_pools[0].dtype == dtype
+    history = History(kv_heads, dtype)
     micro_batches = [["a", "b"], ["c", "d", "e"]]  # disjoint sets of sequences on one worker
     for i, s in enumerate("abcde"):
         history.prompt([plain, early], s, 3 + 5 * i)
     for _step in range(3):
         batches = [[(s, n) for s, n in zip(mb, new_tokens)] for mb in micro_batches]
-        inputs = [[_step_inputs(seqs, hq, kv_heads) for _ in range(CFG.num_layers)] for seqs in batches]
+        inputs = [[_step_inputs(seqs, hq, kv_heads, dtype) for _ in range(CFG.num_layers)] for seqs in batches]
         for layer in range(CFG.num_layers):
             for seqs, per_layer in zip(batches, inputs):  # layer l of one micro-batch, then of the other
                 q, k, v = per_layer[layer]

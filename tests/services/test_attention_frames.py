@@ -100,7 +100,7 @@ def _hostile_frames() -> list[tuple[str, Frame, str]]:
         ("STORE_KV K and V differ", Frame(Kind.STORE_KV, store.header, [store.tensors[0], torch.randn(3, HKV, D)]),
          "bad_request"),
         ("STORE_KV wrong heads", Frame(Kind.STORE_KV, store.header, [torch.randn(2, 1, D)] * 2), "bad_request"),
-        ("STORE_KV float16", Frame(Kind.STORE_KV, store.header, [t.half() for t in store.tensors]),
+        ("STORE_KV float64", Frame(Kind.STORE_KV, store.header, [t.double() for t in store.tensors]),
          "bad_request"),
         ("STORE_KV layer out of range", _with_header(store, layer=L + 3), "bad_request"),
         ("STORE_KV other layer count", _with_header(store, num_layers=L + 1), "bad_request"),

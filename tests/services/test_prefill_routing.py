@@ -273,7 +273,7 @@ def test_prefill_device_configuration(capsys):
     assert main(["up", "--attention-workers", "2", "--attention-max-workers", "1"]) == 2  # the pool's flag too
     assert "attention.max_workers must be 0 (a fixed pool) or at least attention.workers" in capsys.readouterr().err
     if not torch.cuda.is_available():  # a worker asked for a GPU it has not got says so before loading anything
-        with pytest.raises(RuntimeError, match=r"prefill\.device is cuda, but torch finds no CUDA device here"):
+        with pytest.raises(ConfigError, match=r"prefill\.device is cuda, but torch finds no CUDA device here"):
             PrefillService(load_config(env={"LAMINA_PREFILL_DEVICE": "cuda"}))
 
 

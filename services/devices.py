@@ -1,0 +1,46 @@
+"""Where a service computes, checked once at its start.
+
+Every compute service names its device and dtype in its section of the configuration
+(`prefill.device`, `model_worker.device`/`dtype`, `attention.device`/`dtype`). A
+device torch cannot reach here stops the service before it loads anything, with one
+line naming the setting: a stack asked for CUDA on a machine without it fails at once
+instead of deep inside the first step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lamina.services.config import ConfigError, StackConfig
+
+# The settings of each service kind that name a device (services/launch's kinds).
+DEVICE_SETTINGS = {"prefill": "prefill.device", "model_worker": "model_worker.device",
+                   "attention": "attention.device"}
+
+
+def compute_device(setting: str, name: str) -> torch.device:
+    """torch's device for `name` (cpu, cuda, cuda:N); ConfigError if this host has none such."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"configuration: {setting} is {name}, but torch finds no CUDA device here "
+                              f"(torch {torch.__version__}); set {setting}: cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"configuration: {setting} is {name}, but this host has {count} CUDA device(s)")
+    return device
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    """torch's dtype of a validated `*.dtype` setting (services.config.COMPUTE_DTYPES)."""
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def check_devices(config: StackConfig, kinds: tuple[str, ...] = tuple(DEVICE_SETTINGS)) -> None:
+    """Every device the named service kinds would compute on is here (ConfigError if not)."""
+    for kind in kinds:
+        setting = DEVICE_SETTINGS[kind]
+        section, _, key = setting.partition(".")
+        compute_device(setting, getattr(getattr(config, section), key))

@@ -1,0 +1,115 @@
+"""Devices and dtypes per service: validated settings, the flags and variables that set
+them, and a device torch cannot reach refused at start with one line naming it."""
+
+import pytest
+import torch
+
+from lamina.cli import main
+from lamina.services.config import ConfigError, load_config
+from lamina.services.devices import check_devices, compute_device, compute_dtype
+
+NO_CUDA = not torch.cuda.is_available()
+
+
+def test_each_service_kind_has_its_device_and_dtype_from_file_environment_and_flags():
+    cfg = load_config(env={})
+    assert (cfg.model_worker.device, cfg.model_worker.dtype, cfg.attention.device, cfg.attention.dtype) == (
+        "cpu", "float32", "cpu", "float32")
+    cfg = load_config(env={"LAMINA_MODEL_DEVICE": "cuda:1", "LAMINA_ATTENTION_DEVICE": "cuda",
+                           "LAMINA_MODEL_DTYPE": "bfloat16", "LAMINA_ATTENTION_DTYPE": "float16"})
+    assert (cfg.model_worker.device, cfg.model_worker.dtype, cfg.attention.device, cfg.attention.dtype) == (
+        "cuda:1", "bfloat16", "cuda", "float16")
+    cfg = load_config(env={}, overrides={"model_worker.dtype": "bfloat16", "weights": "float32"})
+    assert cfg.model_worker.dtype == "bfloat16" and compute_dtype(cfg.model_worker.dtype) is torch.bfloat16
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"LAMINA_MODEL_DEVICE": "gpu"}, r"model_worker\.device must be cpu, cuda or cuda:N \(got 'gpu'\)"),
+    ({"LAMINA_ATTENTION_DEVICE": "cuda:x"}, r"attention\.device must be cpu, cuda or cuda:N"),
+    ({"LAMINA_MODEL_DTYPE": "float64"}, r"model_worker\.dtype must be one of float32, bfloat16, float16"),
+    ({"LAMINA_ATTENTION_DTYPE": "half"}, r"attention\.dtype must be one of"),
+    # Packed weights run on CPU kernels in float32.
+    ({"LAMINA_MODEL_DTYPE": "bfloat16"}, r"weights must be float32 when model_worker\.dtype is not float32"),
+    ({"LAMINA_KV_QUANT": "q4", "LAMINA_ATTENTION_DTYPE": "bfloat16"}, r"attention\.kv_quant must be none unless"),
+    ({"LAMINA_KV_QUANT": "q4", "LAMINA_ATTENTION_DEVICE": "cuda"}, r"attention\.kv_quant must be none unless"),
+    ({"LAMINA_PIPELINE": "rotational", "LAMINA_MODEL_DEVICE": "cuda"}, r"pipeline\.mode must be fixed when"),
+])
+def test_a_bad_device_or_dtype_is_refused_naming_the_setting(env, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(env=env)
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="needs a host without CUDA (this one has a CUDA device)")
+def test_cuda_where_torch_finds_none_stops_each_service_and_lamina_up_before_anything_starts(capsys, monkeypatch):
+    with pytest.raises(ConfigError, match=r"attention\.device is cuda:0, but torch finds no CUDA device here"):
+        compute_device("attention.device", "cuda:0")
+    assert compute_device("model_worker.device", "cpu") == torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"model_worker\.device is cuda"):
+        check_devices(load_config(env={"LAMINA_MODEL_DEVICE": "cuda"}))
+
+    def refused(argv: list[str], setting: str) -> None:
+        """The command stops at once with one line (no model loaded, nothing started)."""
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{setting} is " in err and "torch finds no CUDA device here" in err and len(err.splitlines()) == 1
+
+    refused(["up", "--device", "cuda"], "prefill.device")  # --device sets every kind
+    refused(["up", "--attention-device", "cuda:1"], "attention.device")
+    monkeypatch.setenv("LAMINA_MODEL_DEVICE", "cuda")
+    refused(["model", "--index", "0"], "model_worker.device")
+    monkeypatch.setenv("LAMINA_MODEL_DEVICE", "cpu")
+    monkeypatch.setenv("LAMINA_ATTENTION_DEVICE", "cuda")
+    refused(["attention", "--index", "0"], "attention.device")
+    monkeypatch.setenv("LAMINA_LAYOUT", "colocated")  # a colocated model worker attends: its attention device too
+    refused(["model", "--index", "0"], "attention.device")
+
+
+def test_a_bfloat16_model_worker_and_attention_worker_agree_with_transformers_bfloat16(loaded_model):
+    """The model worker's slices with bfloat16 weights (RoPE's frequencies kept float32)
+    and an attention core holding bfloat16 KV (torch's operators, the path of every
+    device but the CPU), stepped token by token on transformers' own greedy tokens in
+    bfloat16: the next token agrees at nearly every position (rounding differs where two
+    logits are within bfloat16's precision)."""
+    from transformers import AutoModelForCausalLM
+
+    from lamina.model.attention import attention_with_lse
+    from lamina.model.batch import StepBatch
+    from lamina.services.attention.attention_core import AttentionCore
+    from lamina.services.model.model_service import ModelSlices
+    from lamina.services.wire import StoreKV
+
+    slices = ModelSlices.load(None, "as_file", "cpu", torch.bfloat16)
+    params = list(slices.loaded.model.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in params) and slices.loaded.model.model.inv_freq.dtype == torch.float32
+    cfg = slices.cfg
+    core = AttentionCore(cfg, 64 << 20, cfg.num_kv_heads, dtype=torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(str(loaded_model.weights_dir), dtype=torch.bfloat16).eval()
+    tok = loaded_model.tokenizer
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "My favourite colour is"]
+    agree = total = 0
+    for p, text in enumerate(prompts):
+        ids = tok.encode(text)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+        seq = f"s{p}"
+
+        def prompt_attend(layer: int, q, k, v, seq=seq):
+            core.store(StoreKV(seq, layer, cfg.num_layers, k, v))
+            return attention_with_lse(q, k.to(torch.bfloat16), v.to(torch.bfloat16))[0]
+
+        def decode_attend(layer: int, q, k, v, seq=seq):
+            return core.attend(layer, [(seq, 1)], q, k, v)[0]
+
+        fed, attend = ids, prompt_attend
+        for t in range(16):
+            batch = StepBatch.build([seq], [fed], [len(ids) + t - 1 if t else 0])
+            with torch.inference_mode():
+                logits = slices.split.run(batch.model_inputs(), attend)  # [1, V] float32
+            assert logits.dtype == torch.float32
+            agree += int(logits[0].argmax()) == ref[t]
+            total += 1
+            fed, attend = [ref[t]], decode_attend
+        core.free([seq])
+    assert agree >= 0.95 * total, f"{agree} of {total} positions agree"
+    assert core.num_sequences == 0
