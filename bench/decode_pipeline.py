@@ -95,12 +95,15 @@ def run_local(loaded, prompts: list[list[int]], steps: int, threads: int) -> dic
 
 
 # -- attention alone -----------------------------------------------------------------------------
-def attention_per_layer(cfg, batch: int, context: int, repeats: int) -> dict:
-    """ms per layer of one decode step over `batch` sequences of `context` tokens."""
+def attention_per_layer(cfg, batch: int, context: int, repeats: int, device: str = "cpu",
+                        dtype_name: str = "float32") -> dict:
+    """ms per layer of one decode step over `batch` sequences of `context` tokens: the
+    attention worker's core and the local engine's attention, on `device` in that dtype
+    (the native kernels on cpu/float32, torch's operators elsewhere)."""
     import torch
 
     from lamina.engine.kv import KVStore
-    from lamina.engine.step import LocalAttention
+    from lamina.engine.step import DeviceAttention, LocalAttention
     from lamina.model.batch import StepBatch
     from lamina.services.attention.attention_core import AttentionCore
     from lamina.services.wire import StoreKV
@@ -115,13 +118,17 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int) -> dict:
     v = torch.randn(batch, hkv, d)
     need = batch * (context + repeats + 128) * cfg.kv_bytes_per_token()  # with the engine's 64-token chunks
 
-    core = AttentionCore(cfg, need + (64 << 20), hkv)
+    dtype = getattr(torch, dtype_name)
+    native = device == "cpu" and dtype == torch.float32
+    prompt_k, prompt_v = prompt_k.to(dtype), prompt_v.to(dtype)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    core = AttentionCore(cfg, need + (64 << 20), hkv, device=device, dtype=dtype)
     for s in ids:
         for layer in range(cfg.num_layers):
             core.store(StoreKV(s, layer, cfg.num_layers, prompt_k, prompt_v))
     seqs = [(s, 1) for s in ids]
 
-    kv = KVStore(cfg, need + (64 << 20))
+    kv = KVStore(cfg, need + (64 << 20), dtype=dtype, device=torch.device(device))
     for s in ids:
         skv = kv.reserve(s, context + repeats + 1)
         for layer in range(cfg.num_layers):
@@ -137,9 +144,10 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int) -> dict:
         core.attend(layer, seqs, q, k, v, need_lse=False)
         worker.append(time.perf_counter() - t)
         batch_ = StepBatch.build(ids, [[0]] * batch, [context + r] * batch)
-        local = LocalAttention(kv, batch_)
+        local = LocalAttention(kv, batch_) if native else DeviceAttention(kv, batch_)
+        qd, kd, vd = (x.to(device) for x in (q, k, v))
         t = time.perf_counter()
-        local.attend(layer, q, k, v)
+        local.attend(layer, qd, kd, vd).cpu()  # .cpu(): waits for the device, as the worker's reply does
         engine.append(time.perf_counter() - t)
         local.commit()
     return {"worker": 1e3 * statistics.median(worker), "engine": 1e3 * statistics.median(engine)}

@@ -186,12 +186,10 @@ def resolve_checkpoint(path: str | Path | None = None) -> tuple[Path, Path, bool
     source is that directory)."""
     if random_models.is_random(path):
         assert isinstance(path, str)
-        random_models.parse_spec(path)  # a wrong name fails before the default model is converted
-        tokenizer_dir = resolve_checkpoint(None)[1]
         done = random_models.written(path, cache_root())
         if not done:
             log.info("writing the weights of %s (once)", path)
-        weights_dir = random_models.materialize(path, cache_root(), tokenizer_dir)
+        weights_dir = random_models.materialize(path, cache_root())
         return weights_dir, weights_dir, done
     source = Path(path) if path is not None else default_model_path()
     if not source.exists():

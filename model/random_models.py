@@ -6,8 +6,9 @@ planner's validation and the GPU benchmarks need models of real sizes. A `random
 `config.json` (layers, widths, heads, vocabulary, RoPE) and weights drawn from a seeded
 normal distribution, written once into the cache as a Hugging Face directory: every
 service, `lamina generate`, the benchmarks and transformers then read the very same
-weights. The tokenizer is SmolLM2's (the only one shipped here): ids past its 49,152
-entries exist in the model's vocabulary and decode to no text.
+weights. The tokenizer is SmolLM2's, shipped in this package (model/smollm2_tokenizer),
+so a random model needs no other download: ids past its 49,152 entries exist in the
+model's vocabulary and decode to no text.
 
 Each tensor is drawn from its own CPU generator seeded by the seed and the tensor's
 name, so the weights are the same on every machine whatever the device they end on,
@@ -16,6 +17,7 @@ and stored in bfloat16 (exact in float32 too): half the disk, and the GPU's dtyp
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import math
@@ -24,6 +26,7 @@ import shutil
 import tempfile
 import zlib
 from dataclasses import dataclass, replace
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -35,12 +38,15 @@ RANDOM_PREFIX = "random:"
 _VERSION = 3
 _MARKER = "lamina-random.json"
 INIT_STD = 0.02  # transformers' initializer_range for LLaMA models
+# SmolLM2's tokenizer's <|im_start|> and <|im_end|> (tests/model/test_random_models.py
+# checks them against the shipped tokenizer).
+BOS_ID, EOS_ID = 1, 2
 
 _LLAMA3_ROPE = RopeScaling(kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                            original_max_position_embeddings=8192)
 
 # The real checkpoints' config.json dimensions. bos/eos are SmolLM2's tokenizer's
-# (filled in when the directory is written), not the real models'.
+# (set when the directory is written), not the real models'.
 SHAPES: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                                 num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
@@ -140,7 +146,15 @@ def written(spec_text: str, root: Path) -> bool:
     return (_cache_dir(parse_spec(spec_text), root) / _MARKER).is_file()
 
 
-def materialize(spec_text: str, root: Path, tokenizer_dir: Path) -> Path:
+def write_tokenizer(out: Path) -> None:
+    """SmolLM2's tokenizer files, from this package, into `out`."""
+    shipped = resources.files("lamina.model") / "smollm2_tokenizer"
+    (out / "tokenizer.json").write_bytes(gzip.decompress((shipped / "tokenizer.json.gz").read_bytes()))
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        (out / name).write_bytes((shipped / name).read_bytes())
+
+
+def materialize(spec_text: str, root: Path) -> Path:
     """The Hugging Face directory of `random:NAME[@SEED]` under root, written on first use
     (one safetensors file per layer, so no more than a layer is held at once)."""
     from safetensors.torch import save_file
@@ -149,9 +163,7 @@ def materialize(spec_text: str, root: Path, tokenizer_dir: Path) -> Path:
     out = _cache_dir(spec, root)
     if (out / _MARKER).is_file():
         return out
-    base = json.loads((tokenizer_dir / "config.json").read_text())
-    cfg = replace(SHAPES[spec.shape], bos_token_id=base.get("bos_token_id"),
-                  eos_token_ids=_ids(base.get("eos_token_id")))
+    cfg = replace(SHAPES[spec.shape], bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
     try:
@@ -172,9 +184,7 @@ def materialize(spec_text: str, root: Path, tokenizer_dir: Path) -> Path:
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
         hf = cfg.to_hf_dict() | {"torch_dtype": "bfloat16"}
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
-        for f in tokenizer_dir.iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or f.name == "chat_template.jinja":
-                shutil.copy2(f, tmp / f.name)
+        write_tokenizer(tmp)
         (tmp / _MARKER).write_text(json.dumps({"spec": spec.name, "version": _VERSION,
                                                "parameters": parameter_count(cfg)}))
         try:
@@ -185,9 +195,3 @@ def materialize(spec_text: str, root: Path, tokenizer_dir: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def _ids(value: object) -> tuple[int, ...]:
-    if isinstance(value, list):
-        return tuple(int(v) for v in value)
-    return () if value is None else (int(value),)  # type: ignore[call-overload]

@@ -109,6 +109,9 @@ def measure_kv_quantize(tokens: int, repeats: int) -> float:
 
 
 TRANSPORTS = ("tcp", "shm", "ucx", "rdma", "fhbn")
+# How a scheme's frames travel, where that is not what its name suggests.
+TRANSPORT_PATHS = {"fhbn": "host-driven RDMA: frames go from host memory as rdma:// sends them; the GPU-initiated "
+                           "send (csrc/fhbn.cu) is not wired to connections yet"}
 
 
 def measure_transport(quick: bool = True, scheme: str = "tcp") -> dict[str, Any]:
@@ -127,6 +130,8 @@ def measure_transports(quick: bool = True) -> dict[str, dict[str, Any]]:
     for scheme in TRANSPORTS:
         why = transports.availability(scheme)
         out[scheme] = {"unavailable": why} if why is not None else measure_transport(quick, scheme)
+        if scheme in TRANSPORT_PATHS:
+            out[scheme]["path"] = TRANSPORT_PATHS[scheme]
     return out
 
 

@@ -19,6 +19,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="as_file", choices=WEIGHT_CHOICES,
                    help="how the linears hold their weights: float32, q8_0, q4 (group-wise 4-bit) or as_file "
                         "(a GGUF's own quantized blocks, float32 for other checkpoints); default as_file")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: where the engine computes")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="weights, activations and KV (default float32; another, or a device other than the CPU, "
+                        "uses torch's own linears instead of packed weights: --weights float32)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -32,9 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lamina.engine import Engine, SamplingParams
+    from lamina.engine import Engine, EngineConfig, SamplingParams
     from lamina.model.errors import CheckpointError
     from lamina.model.loader import load_model
+    from lamina.model.placement import runs_natively
+    from lamina.services.config import ConfigError
+    from lamina.services.devices import compute_device, compute_dtype
 
     try:
         params = SamplingParams(
@@ -52,7 +59,17 @@ def run(args: argparse.Namespace) -> int:
 
     set_compute_threads(threads)
     try:
-        loaded = load_model(args.model, weights=args.weights)
+        device = compute_device("--device", args.device)
+    except (ConfigError, RuntimeError) as exc:  # RuntimeError: a device name torch does not know
+        print(f"lamina generate: {exc}", file=sys.stderr)
+        return 2
+    native = runs_natively(device, compute_dtype(args.dtype))
+    if not native and args.weights not in ("float32", "as_file"):
+        print(f"lamina generate: --weights {args.weights} is packed for the CPU in float32; on {device} in "
+              f"{args.dtype} the weights are float32 (torch's linears)", file=sys.stderr)
+        return 2
+    try:
+        loaded = load_model(args.model, weights=args.weights if native else "float32", packed=native)
     except CheckpointError as exc:
         print(f"lamina generate: cannot load model: {exc}", file=sys.stderr)
         return 1
@@ -61,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
           f" {loaded.weight_formats})", file=sys.stderr)
     tok = loaded.tokenizer
     prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
-    engine = Engine(loaded)
+    engine = Engine(loaded, EngineConfig(device=str(device), dtype=args.dtype))
     start = time.perf_counter()
     try:
         (out,) = engine.generate([prompt_ids], params)

@@ -11,6 +11,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from lamina.engine.kv import KVStore
 from lamina.engine.scheduler import SchedulerLimits, schedule
 from lamina.engine.sequence import Sequence, SequenceStatus
@@ -18,6 +20,7 @@ from lamina.engine.step import run_step
 from lamina.model.batch import StepBatch
 from lamina.model.llama import split_llama
 from lamina.model.loader import LoadedModel
+from lamina.model.placement import place, runs_natively
 from lamina.sampling.grammar import Grammars
 from lamina.sampling.logprobs import TokenLogprobs
 from lamina.sampling.params import SamplingParams
@@ -30,10 +33,16 @@ class EngineConfig:
     kv_capacity_bytes: int = 2 << 30
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)
     max_model_len: int | None = None  # defaults to the model's context length
+    # Where the engine computes and in which dtype (weights, activations, KV). Other than
+    # cpu/float32, the model must be loaded with torch's own linears (load_model(packed=False)).
+    device: str = "cpu"
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.kv_capacity_bytes <= 0:
             raise ValueError("kv_capacity_bytes must be positive")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -54,7 +63,10 @@ class Engine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.split = split_llama(loaded.model)
-        self.kv = KVStore(loaded.config, self.config.kv_capacity_bytes)
+        self.device, self.dtype = torch.device(self.config.device), getattr(torch, self.config.dtype)
+        if not runs_natively(self.device, self.dtype):
+            place([loaded.model, *(piece.module for piece in self.split.slices)], self.device, self.dtype)
+        self.kv = KVStore(loaded.config, self.config.kv_capacity_bytes, dtype=self.dtype, device=self.device)
         self.max_model_len = self.config.max_model_len or loaded.config.max_position_embeddings
         self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
         self.sampler = Sampler(Grammars(loaded.tokenizer), self.eos_token_ids)

@@ -88,9 +88,15 @@ class DeviceAttention:
 
 
 def run_step(split: SplitModel, kv: KVStore, batch: StepBatch) -> torch.Tensor:
-    """Run the batch; its new K, V are stored. Returns logits [B, V] float32."""
-    attention = LocalAttention(kv, batch)
+    """Run the batch; its new K, V are stored. Returns logits [B, V] float32 on the CPU
+    (where sampling runs), whatever device the KV store is on."""
+    device = kv.device or torch.device("cpu")
+    native = device.type == "cpu" and kv.dtype == torch.float32
+    attention = LocalAttention(kv, batch) if native else DeviceAttention(kv, batch)
+    inputs = batch.model_inputs()
+    if device.type != "cpu":
+        inputs = {name: t.to(device, non_blocking=True) for name, t in inputs.items()}
     with torch.inference_mode():
-        logits = split.run(batch.model_inputs(), lambda i, q, k, v: attention.attend(i, q, k, v))
+        logits = split.run(inputs, lambda i, q, k, v: attention.attend(i, q, k, v))
     attention.commit()
-    return logits
+    return logits.cpu()

@@ -116,7 +116,8 @@ def _free_port() -> int:
 
 def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batches: int, q_early: bool,
               model_workers: int, kv_bytes: int, weights: str, mode: str = "fixed", attention_workers: int = 2,
-              model_threads: int = 1, layout: str = "disaggregated") -> dict[str, Any]:
+              model_threads: int = 1, layout: str = "disaggregated", model: str | None = None,
+              device: str = "cpu", dtype: str = "float32") -> dict[str, Any]:
     """Decode `steps` tokens after the first for every prompt through a stack of that
     configuration; its decode throughput, wall seconds, each model and attention
     worker's shares of that time and the run's figures from them (`window_shares`)."""
@@ -125,15 +126,19 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
         GatewaySection,
         ModelWorkerSection,
         PipelineSection,
+        PrefillSection,
         SchedulerSection,
         StackConfig,
     )
     from lamina.services.launch.launcher import Stack
 
-    config = StackConfig(layout=layout, transport=transport, weights=weights,
+    config = StackConfig(model=model, layout=layout, transport=transport, weights=weights,
                          scheduler=SchedulerSection(max_batch_size=len(prompts), max_queue=max(256, len(prompts))),
-                         attention=AttentionSection(workers=attention_workers, kv_capacity_bytes=kv_bytes),
-                         model_worker=ModelWorkerSection(workers=model_workers, threads=model_threads),
+                         attention=AttentionSection(workers=attention_workers, kv_capacity_bytes=kv_bytes,
+                                                    device=device, dtype=dtype),
+                         model_worker=ModelWorkerSection(workers=model_workers, threads=model_threads, device=device,
+                                                         dtype=dtype),
+                         prefill=PrefillSection(device=device),
                          # Exactly the micro-batches asked for, however small they get.
                          pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1,
                                                   mode=mode))

@@ -48,7 +48,7 @@ from lamina.services.attention.attention_checks import KVShape, PendingStore, ch
 from lamina.services.wire import RemoteError, StoreKV, short_repr
 
 # What Q, K and V may arrive as: each is converted to the worker's device and KV dtype.
-WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ACCEPTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _STEP_SLOTS_KEPT = 8  # micro-batches in flight on one worker, with room to spare
 # Prompts whose layers may be arriving at once: a prefill worker sends a batch's few at a
@@ -90,7 +90,7 @@ class AttentionCore:
         except ValueError as exc:
             raise ValueError(f"attention.kv_capacity_bytes: {exc}") from exc
         self.shape = KVShape(cfg.num_layers, cfg.num_groups * num_kv_heads, num_kv_heads, cfg.head_dim,
-                             WIRE_DTYPES)
+                             ACCEPTED_DTYPES)
         self._storing: dict[str, PendingStore] = {}  # prefilled sequences whose layers are arriving
         # Per micro-batch (its sequence ids, in row order): the slots its layers read.
         self._step_slots: dict[tuple[str, ...], _StepSlots] = {}
@@ -139,9 +139,10 @@ class AttentionCore:
         """The native kernel on CPU float32 pools, torch's operators on any other; the
         result on the CPU in q's dtype (what goes back on the wire)."""
         k_pool, v_pool = self.slabs.k_pools[layer], self.slabs.v_pools[layer]
-        if step.padded is None:
-            return slot_attention(q.contiguous(), query_lens, k_pool, v_pool, step.batch, kv_lens, causal=causal,
-                                  need_lse=need_lse, packed=self.packed)
+        if step.padded is None:  # the kernel reads float32 queries, whatever the sender computes in
+            out, lse = slot_attention(q.float().contiguous(), query_lens, k_pool, v_pool, step.batch, kv_lens,
+                                      causal=causal, need_lse=need_lse, packed=self.packed)
+            return out.to(q.dtype), lse
         out, lse = padded_attention(q.to(self.device, non_blocking=True), query_lens, k_pool, v_pool, step.padded,
                                     kv_lens, causal=causal, need_lse=need_lse)
         return out.to("cpu", q.dtype), None if lse is None else lse.cpu()

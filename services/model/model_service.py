@@ -37,6 +37,7 @@ from lamina import transports
 from lamina.model.batch import StepBatch
 from lamina.model.llama import split_llama
 from lamina.model.loader import LoadedModel, load_model
+from lamina.model.placement import place, runs_natively
 from lamina.model.splitter import SliceOutput
 from lamina.model.threads import set_compute_threads
 from lamina.sampling.grammar import Grammars
@@ -78,18 +79,11 @@ class ModelSlices:
         (q8_0, q4, as_file) run on CPU kernels in float32: on another device or in
         another dtype the linears are plain."""
         device = torch.device(device)
-        if device.type == "cpu" and dtype == torch.float32:
+        if runs_natively(device, dtype):
             return cls(load_model(model_path, weights=weights))
         slices = cls(load_model(model_path, packed=False))  # split on CPU: its example inputs are there
         slices.device = device
-        modules = [slices.loaded.model, *(piece.module for piece in slices.split.slices)]
-        for module in modules:  # each slice holds its own references to buffers (rope's inv_freq)
-            module.to(device)
-        # Parameters (shared by the slices) in `dtype`; buffers stay float32, as
-        # transformers keeps RoPE's frequencies whatever the weights' dtype.
-        params = {id(p): p for m in modules for p in m.parameters()}
-        for p in params.values():
-            p.data = p.data.to(dtype)
+        place([slices.loaded.model, *(piece.module for piece in slices.split.slices)], device, dtype)
         return slices
 
     def run_slice(self, j: int, inputs: dict, attn: torch.Tensor | None = None,

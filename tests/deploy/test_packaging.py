@@ -274,6 +274,10 @@ def test_the_wheel_runs_every_other_command(installed, tmp_path, loaded_model, h
     out = installed.run("lamina", "generate", "--chat", "--prompt", PROMPTS[0], "--max-tokens", str(MAX_TOKENS),
                         "--json", timeout=600)
     assert json.loads(out.stdout.splitlines()[-1])["text"] == greedy_references(loaded_model, hf_reference)[0]
+    # A random-weight model of a named shape: its tokenizer is the package's own data.
+    out = installed.run("lamina", "generate", "--model", "random:smollm2-135m@5", "--prompt", "Hello",
+                        "--max-tokens", "4", "--json", timeout=600)
+    assert len(json.loads(out.stdout.splitlines()[-1])["token_ids"]) == 4
 
     trace = REPO.parent / "shared" / "traces" / "azure_conv_2023.csv"
     workload = ["--trace", str(trace)] if trace.is_file() else ["--prompt-tokens", "1000", "--output-tokens", "200",

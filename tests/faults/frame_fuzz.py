@@ -15,12 +15,15 @@ import zlib
 
 import torch
 
+from lamina.services.attention.attention_core import ACCEPTED_DTYPES
 from lamina.services.wire import Attend, Kind, StoreKV
 from lamina.transports import Frame
 from lamina.transports.frame import PREAMBLE, WIRE_DTYPES, byte_view, encode
 
 L, HQ, HKV, D = 30, 9, 3, 64  # the default model (SmolLM2-135M), every KV head on each worker
-_OTHER_DTYPES = [d for d in WIRE_DTYPES if d != torch.float32]
+# What a frame can carry but an attention worker does not take (it converts the float
+# dtypes it takes to its own).
+_OTHER_DTYPES = [d for d in WIRE_DTYPES if d not in ACCEPTED_DTYPES]
 _NOT_AN_INT = ["0", 0.0, 1.5, None, [0], {"layer": 0}, True, b"\x00"]
 _NOT_SEQS = [{}, "s", [["s"]], [[1, 1]], [["s", "1"]], [["s", 1.0]], [["s", None]], None, [["s", 1, 2]], [[]]]
 _NOT_TAGS = [None, [], [{"a": 1}], [[1]], [1.5], list(range(9)), "tag", 5]

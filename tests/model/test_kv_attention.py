@@ -269,7 +269,9 @@ def test_device_attention_equals_the_engines_on_the_same_step():
     ([3, 2, 0, 4], True, None),  # several new tokens each, causal
     ([1, 1, 1, 1], False, [4, 16, 0, 39]),  # Q-early's held part: a prefix of each, one sequence holding none
 ])
-def test_the_device_path_equals_the_kernel_over_scattered_slots(query_lens, causal, kv_lens):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)"))])
+def test_the_device_path_equals_the_kernel_over_scattered_slots(query_lens, causal, kv_lens, device):
     """lamina.model.device_attention (torch's operators, the path of every device but the
     CPU) gives the native kernel's out and lse on the same pools and slots."""
     from lamina.model.device_attention import PaddedSlots, padded_attention
@@ -286,9 +288,11 @@ def test_the_device_path_equals_the_kernel_over_scattered_slots(query_lens, caus
     batch = SlotBatch.build(per_seq, slots_total)
     q = torch.randn(sum(query_lens), hq, d)
     out, lse = slot_attention(q, query_lens, k_pool, v_pool, batch, kv_lens, causal=causal)
-    dev_out, dev_lse = padded_attention(q, query_lens, k_pool, v_pool, PaddedSlots.of(batch, "cpu"), kv_lens,
-                                        causal=causal)
-    torch.testing.assert_close(dev_out, out, atol=2e-6, rtol=1e-5)
-    torch.testing.assert_close(dev_lse, lse, atol=2e-6, rtol=1e-5)  # -inf where a query sees nothing, in both
+    dev_out, dev_lse = padded_attention(q.to(device), query_lens, k_pool.to(device), v_pool.to(device),
+                                        PaddedSlots.of(batch, device), kv_lens, causal=causal)
+    assert dev_out.device.type == device
+    # (A GPU's float32 products may use TF32 when torch is told to allow it; by default they do not.)
+    torch.testing.assert_close(dev_out.cpu(), out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(dev_lse.cpu(), lse, atol=2e-6, rtol=1e-5)  # -inf where a query sees nothing, in both
     with pytest.raises(ValueError, match="kv_lens must not exceed"):
         padded_attention(q, query_lens, k_pool, v_pool, PaddedSlots.of(batch, "cpu"), [6, 17, 0, 40])

@@ -49,7 +49,10 @@ def test_the_weights_are_written_once_with_transformers_index_and_the_tokenizer(
     assert (weights_dir / "tokenizer.json").is_file()
     assert json.loads((weights_dir / "config.json").read_text())["num_hidden_layers"] == 30
     assert checkpoint_name(SPEC) == SPEC  # the served model's name is the spec, not the cache folder
-    assert random_model.config.eos_token_ids and random_model.tokenizer.eos_token_ids
+    tok = random_model.tokenizer.hf_tokenizer  # SmolLM2's, from this package: its BOS and EOS ids are the config's
+    assert random_model.config.bos_token_id == tok.convert_tokens_to_ids("<|im_start|>") == random_models.BOS_ID
+    assert random_model.config.eos_token_ids == (tok.convert_tokens_to_ids("<|im_end|>"),) == (random_models.EOS_ID,)
+    assert random_model.tokenizer.has_chat_template
 
 
 def test_the_weights_depend_on_name_and_seed_only():

@@ -99,3 +99,12 @@ def test_stack_overhead_terms_close_the_gap_to_the_run():
     # A faster run than the kernels allow: no negative overhead.
     assert stack_overhead_terms(shape, dev, StackRun(8, 70, 1e-4, 1e-4, 1e-5)) == \
         {"slice_s": 0.0, "frame_s": 0.0, "exchange_s": 0.0}
+
+
+def test_the_profile_says_fhbn_is_host_driven_rdma(monkeypatch):
+    """Measured or not, the fhbn entry names the path its frames take today."""
+    from lamina.planner import profile
+
+    monkeypatch.setattr(profile, "TRANSPORTS", ("fhbn",))
+    entry = profile.measure_transports(quick=True)["fhbn"]
+    assert entry["path"].startswith("host-driven RDMA") and "not wired" in entry["path"]

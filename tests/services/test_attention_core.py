@@ -59,14 +59,22 @@ def _step_inputs(seqs: list[tuple[str, int]], hq: int, kv_heads: int, dtype: tor
 @pytest.mark.parametrize("new_tokens", [[1, 1, 1], [2, 1, 3]])  # decode, or several new tokens per sequence
 # float32: the native kernel; bfloat16: torch's operators over a bfloat16 slab (the path
 # of every device but the CPU), given K and V it holds exactly, so the same tolerance.
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_plain_and_q_early_steps_equal_attention_over_the_history(kv_heads, new_tokens, dtype):
+@pytest.mark.parametrize(("device", "dtype"), [
+    ("cpu", torch.float32), ("cpu", torch.bfloat16),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)")),
+])
+def test_plain_and_q_early_steps_equal_attention_over_the_history(kv_heads, new_tokens, device, dtype):
     torch.manual_seed(0)
     hq = CFG.num_groups * kv_heads
     # Small slabs: sequences that grow in turn get slots scattered over the pool.
-    plain = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=kv_heads, tokens_per_slab=4, dtype=dtype)
-    early = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=kv_heads, tokens_per_slab=4, dtype=dtype)
-    assert plain.native == (dtype == torch.float32) and plain.slabs.k_pools[0].dtype == dtype
+    plain = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=kv_heads, tokens_per_slab=4, device=device,
+                          dtype=dtype)
+    early = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=kv_heads, tokens_per_slab=4, device=device,
+                          dtype=dtype)
+    native = device == "cpu" and dtype == torch.float32
+    assert plain.native == native and plain.slabs.k_pools[0].dtype == dtype
+    assert plain.slabs.k_pools[0].device.type == device
     history = History(kv_heads, dtype)
     micro_batches = [["a", "b"], ["c", "d", "e"]]  # disjoint sets of sequences on one worker
     for i, s in enumerate("abcde"):
@@ -151,3 +159,25 @@ def test_a_frame_that_does_not_fit_changes_nothing():
     assert core.slabs.num_tokens("a") == 4
     out, _ = core.attend(0, [("a", 1)], q, k, v)
     assert out.shape == (1, 3, 8) and core.slabs.num_tokens("a") == 5
+
+
+@pytest.mark.parametrize("sent", [torch.bfloat16, torch.float16])
+def test_a_float32_worker_serves_a_sender_of_another_dtype_in_its_dtype(sent):
+    """A bfloat16 model worker beside a float32 attention worker: its Q, K and V are
+    widened, attended by the native kernel (plain and Q-early), and the outputs go back in
+    the sender's dtype, equal to the float32 answer on the same (rounded) values."""
+    torch.manual_seed(0)
+    cores = [AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=3, tokens_per_slab=4) for _ in range(3)]
+    assert all(c.native for c in cores)
+    prompt_k, prompt_v = torch.randn(5, 3, 8).to(sent), torch.randn(5, 3, 8).to(sent)
+    for core in cores:
+        for layer in range(CFG.num_layers):
+            core.store(StoreKV("a", layer, CFG.num_layers, prompt_k, prompt_v))
+    q, k, v = torch.randn(1, 9, 8).to(sent), torch.randn(1, 3, 8).to(sent), torch.randn(1, 3, 8).to(sent)
+    out, _ = cores[0].attend(0, [("a", 1)], q, k, v)
+    ref, _ = cores[1].attend(0, [("a", 1)], q.float(), k.float(), v.float())
+    held_out, held_lse = cores[2].attend_held(0, [("a", 1)], q)
+    early = cores[2].append_and_combine(0, [("a", 1)], q, k, v, held_out, held_lse)
+    assert out.dtype == early.dtype == sent
+    torch.testing.assert_close(out, ref.to(sent), atol=0, rtol=0)
+    torch.testing.assert_close(early.float(), ref, atol=1e-2, rtol=1e-2)  # rounded once more on the way

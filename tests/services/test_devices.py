@@ -64,12 +64,18 @@ def test_cuda_where_torch_finds_none_stops_each_service_and_lamina_up_before_any
     refused(["model", "--index", "0"], "attention.device")
 
 
-def test_a_bfloat16_model_worker_and_attention_worker_agree_with_transformers_bfloat16(loaded_model):
-    """The model worker's slices with bfloat16 weights (RoPE's frequencies kept float32)
-    and an attention core holding bfloat16 KV (torch's operators, the path of every
-    device but the CPU), stepped token by token on transformers' own greedy tokens in
-    bfloat16: the next token agrees at nearly every position (rounding differs where two
-    logits are within bfloat16's precision)."""
+@pytest.mark.parametrize(("device", "dtype", "share"), [
+    ("cpu", torch.bfloat16, 0.95),
+    pytest.param("cuda", torch.float32, 1.0, marks=pytest.mark.skipif(NO_CUDA, reason="needs a CUDA device")),
+    pytest.param("cuda", torch.bfloat16, 0.95, marks=pytest.mark.skipif(NO_CUDA, reason="needs a CUDA device")),
+])
+def test_model_and_attention_workers_off_the_cpu_kernels_agree_with_transformers(loaded_model, device, dtype, share):
+    """The model worker's slices with torch's linears in `dtype` (RoPE's frequencies kept
+    float32) and an attention core holding `dtype` KV (torch's operators, the path of
+    every device but the CPU in float32), stepped token by token on transformers' own
+    greedy tokens in the same dtype: in float32 every next token equals transformers',
+    in bfloat16 nearly every one (rounding differs where two logits are within
+    bfloat16's precision)."""
     from transformers import AutoModelForCausalLM
 
     from lamina.model.attention import attention_with_lse
@@ -78,12 +84,14 @@ def test_a_bfloat16_model_worker_and_attention_worker_agree_with_transformers_bf
     from lamina.services.model.model_service import ModelSlices
     from lamina.services.wire import StoreKV
 
-    slices = ModelSlices.load(None, "as_file", "cpu", torch.bfloat16)
+    slices = ModelSlices.load(None, "as_file", device, dtype)
     params = list(slices.loaded.model.parameters())
-    assert all(p.dtype == torch.bfloat16 for p in params) and slices.loaded.model.model.inv_freq.dtype == torch.float32
+    assert all(p.dtype == dtype and p.device.type == device for p in params)
+    assert slices.loaded.model.model.inv_freq.dtype == torch.float32
     cfg = slices.cfg
-    core = AttentionCore(cfg, 64 << 20, cfg.num_kv_heads, dtype=torch.bfloat16)
-    hf = AutoModelForCausalLM.from_pretrained(str(loaded_model.weights_dir), dtype=torch.bfloat16).eval()
+    core = AttentionCore(cfg, 64 << 20, cfg.num_kv_heads, device=device, dtype=dtype)
+    assert not core.native
+    hf = AutoModelForCausalLM.from_pretrained(str(loaded_model.weights_dir), dtype=dtype).eval()
     tok = loaded_model.tokenizer
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "My favourite colour is"]
     agree = total = 0
@@ -96,20 +104,21 @@ def test_a_bfloat16_model_worker_and_attention_worker_agree_with_transformers_bf
 
         def prompt_attend(layer: int, q, k, v, seq=seq):
             core.store(StoreKV(seq, layer, cfg.num_layers, k, v))
-            return attention_with_lse(q, k.to(torch.bfloat16), v.to(torch.bfloat16))[0]
+            return attention_with_lse(q, k.to(dtype), v.to(dtype))[0]
 
         def decode_attend(layer: int, q, k, v, seq=seq):
-            return core.attend(layer, [(seq, 1)], q, k, v)[0]
+            return core.attend(layer, [(seq, 1)], q, k, v)[0].to(q.device)
 
         fed, attend = ids, prompt_attend
         for t in range(16):
             batch = StepBatch.build([seq], [fed], [len(ids) + t - 1 if t else 0])
+            inputs = {name: x.to(device) for name, x in batch.model_inputs().items()}
             with torch.inference_mode():
-                logits = slices.split.run(batch.model_inputs(), attend)  # [1, V] float32
+                logits = slices.split.run(inputs, attend)  # [1, V] float32
             assert logits.dtype == torch.float32
             agree += int(logits[0].argmax()) == ref[t]
             total += 1
             fed, attend = [ref[t]], decode_attend
         core.free([seq])
-    assert agree >= 0.95 * total, f"{agree} of {total} positions agree"
+    assert agree >= share * total, f"{agree} of {total} positions agree"
     assert core.num_sequences == 0

@@ -1,0 +1,89 @@
+"""The engine off its CPU kernels: torch's own linears in another dtype (the path of
+every device but the CPU, taken on the CPU in bfloat16), checked against transformers
+in the same dtype; and what it refuses."""
+
+import pytest
+import torch
+
+from lamina.engine import Engine, EngineConfig, SamplingParams
+from lamina.model.loader import load_model
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "My favourite colour is"]
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)")
+
+
+@pytest.fixture(scope="module")
+def unpacked():
+    return load_model(packed=False)
+
+
+def test_a_bfloat16_engine_decodes_as_transformers_bfloat16(unpacked):
+    """Greedy, 16 tokens: whole outputs equal where no two logits tie within bfloat16's
+    rounding (3 of these 4 prompts here), and every output's first tokens equal."""
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine(unpacked, EngineConfig(dtype="bfloat16"))
+    assert {p.dtype for p in unpacked.model.parameters()} == {torch.bfloat16}
+    assert unpacked.model.model.inv_freq.dtype == torch.float32  # RoPE's frequencies stay float32
+    hf = AutoModelForCausalLM.from_pretrained(str(unpacked.weights_dir), dtype=torch.bfloat16).eval()
+    ids = [unpacked.tokenizer.encode(p) for p in PROMPTS]
+    outs = engine.generate(ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    same = 0
+    for prompt, out in zip(ids, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+        assert out.output_token_ids[:2] == ref[:2]
+        same += out.output_token_ids == ref
+    assert same >= 3
+    assert engine.kv.num_sequences == 0 and engine.kv.dtype == torch.bfloat16
+
+
+def test_packed_weights_are_refused_off_the_cpu_kernels(loaded_model):
+    with pytest.raises(ValueError, match=r"packed weights run on the CPU in float32.*packed=False"):
+        Engine(loaded_model, EngineConfig(dtype="bfloat16"))
+    with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16"):
+        EngineConfig(dtype="float64")
+
+
+def test_lamina_generate_names_a_device_it_cannot_use(capsys):
+    from lamina.cli import main
+
+    assert main(["generate", "--prompt", "Hi", "--device", "gpu"]) == 2
+    assert "lamina generate:" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "Hi", "--dtype", "bfloat16", "--weights", "q4"]) == 2
+    assert "--weights q4 is packed for the CPU in float32" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["generate", "--prompt", "Hi", "--device", "cuda"]) == 2
+        assert "torch finds no CUDA device here" in capsys.readouterr().err
+
+
+def test_lamina_generate_in_bfloat16_prints_the_engines_tokens(unpacked, capsys):
+    import json
+
+    from lamina.cli import main
+    from lamina.model.threads import set_compute_threads
+
+    try:
+        assert main(["generate", "--prompt", PROMPTS[0], "--dtype", "bfloat16", "--max-tokens", "6", "--json"]) == 0
+    finally:
+        set_compute_threads(1)  # as the suite runs (tests/conftest.py)
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]
+    engine = Engine(load_model(packed=False), EngineConfig(dtype="bfloat16"))
+    (out,) = engine.generate([unpacked.tokenizer.encode(PROMPTS[0])], SamplingParams(max_tokens=6, temperature=0.0))
+    assert printed == out.output_token_ids
+
+
+@CUDA
+def test_the_engine_on_cuda_in_float32_equals_transformers_token_for_token(hf_reference):
+    engine = Engine(load_model(packed=False), EngineConfig(device="cuda"))
+    assert engine.kv.device == torch.device("cuda")
+    tok = engine.tokenizer
+    ids = [tok.encode(p) for p in PROMPTS]
+    outs = engine.generate(ids, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(ids, outs):
+        with torch.no_grad():
+            ref = hf_reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                                                                        dtype=torch.long),
+                                        max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        assert out.output_token_ids == ref[0, len(prompt):].tolist()
