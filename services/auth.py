@@ -3,7 +3,9 @@ in the `x-lamina-token` metadata entry (services/channels.py adds it), and every
 server of the stack refuses a call without it or with another value (UNAUTHENTICATED).
 
 The standard health service stays open, so probes need no secret. A service started
-without a token (cluster_token unset) serves every call and says so once in its log.
+without a token (cluster_token unset) serves every call and says so once in its log; on
+a host other than loopback it does not start at all unless `insecure` is set
+(`open_service_refusal`).
 The data plane checks the same token in its own handshake (transports/handshake.py).
 """
 
@@ -14,6 +16,8 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import grpc
+
+from lamina.services.config import StackConfig
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +33,19 @@ def token_matches(presented: str | bytes | None, token: str) -> bool:
     if isinstance(presented, str):
         presented = presented.encode()
     return hmac.compare_digest(presented, token.encode())
+
+
+def open_service_refusal(config: StackConfig, service: str) -> str | None:
+    """Why `service` (any but the gateway) must not start: it would serve on a host other
+    than loopback with no cluster token, so anyone who reaches the host could drive the
+    stack; None when it may (a token, a loopback host, or `insecure` set)."""
+    from lamina.gateway.config import is_loopback
+
+    if config.cluster_token is not None or config.insecure or is_loopback(config.host):
+        return None
+    return (f"configuration: the {service} would serve on {config.host!r}, which is not loopback, without a "
+            "cluster token (any host that reaches it could drive the stack): set cluster_token "
+            "(LAMINA_CLUSTER_TOKEN), or insecure: true (--insecure, LAMINA_INSECURE) to serve unauthenticated")
 
 
 def server_interceptors(token: str | None, service: str) -> list[grpc.aio.ServerInterceptor]:

@@ -15,7 +15,11 @@ clear message naming the setting.
     partition: request          # request | head (how KV is spread over attention workers)
     cluster_token: null         # shared secret every gRPC call and data-plane connection between services
                                 # must present; null: lamina up generates one, a service started alone
-                                # accepts everyone (and logs a warning). docs/security.md
+                                # accepts everyone on loopback (and logs a warning) and refuses to start
+                                # on any other host unless insecure. docs/security.md
+    insecure: false             # serve without cluster_token on a host other than loopback (every service
+                                # but the gateway, whose own rule is gateway.insecure); --insecure sets
+                                # both; LAMINA_INSECURE
     host: 127.0.0.1             # interface every service binds (0.0.0.0: all, as in a container); LAMINA_HOST
     advertise_host: null        # address registered for peers; null: host, or for 0.0.0.0 / :: the
                                 # address of this machine's hostname (services/addresses.py); LAMINA_ADVERTISE_HOST
@@ -63,7 +67,7 @@ clear message naming the setting.
     data_plane: {busy_poll_us: null, checksum_payloads: false, shm_ring_bytes: 16777216,
                  ucx_progress_mode: blocking, ucx_tls: null, native_frames: true}   # see docs/transports.md
     # deadlines: every wait on a peer (docs/reliability.md)
-    deadlines: {reply_s: 10, rpc_s: 30, step_s: 30, health_s: 2, recovery_s: 120}
+    deadlines: {reply_s: 10, rpc_s: 30, step_s: 30, health_s: 2, recovery_s: 120, startup_s: 60}
 """
 
 from __future__ import annotations
@@ -241,6 +245,9 @@ class DeadlinesSection:
     step_s: float = 30.0  # a model worker holding sequences that sends no step result for this long is lost
     health_s: float = 2.0  # a liveness probe of a peer during recovery
     recovery_s: float = 120.0  # a request waiting for its workers to be back before it ends with an error
+    # A service starting while its Redis does not answer retries this long, then exits non-zero
+    # (compose and Kubernetes may start Redis after the services).
+    startup_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -257,6 +264,9 @@ class StackConfig:
     # Shared secret of the stack's services: gRPC calls carry it, data-plane handshakes
     # prove it (services/auth.py, transports/handshake.py). None: not authenticated.
     cluster_token: str | None = None
+    # Services other than the gateway refuse to serve on a host other than loopback without
+    # cluster_token, unless this is set (services/auth.py).
+    insecure: bool = False
     host: str = "127.0.0.1"
     advertise_host: str | None = None  # what peers are given instead of host (services/addresses.py)
     ports: PortsSection = field(default_factory=PortsSection)
@@ -451,6 +461,7 @@ ENV_OVERRIDES = {
     "LAMINA_LAYOUT": "layout",
     "LAMINA_PARTITION": "partition",
     "LAMINA_CLUSTER_TOKEN": "cluster_token",
+    "LAMINA_INSECURE": "insecure",
     "LAMINA_NAMESPACE": "namespace",
     "LAMINA_API_KEY": "gateway.api_key",
     "LAMINA_PORT": "gateway.port",

@@ -18,6 +18,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default=None, choices=("tcp", "ucx", "shm"), help="data-plane transport")
     p.add_argument("--partition", default=None, choices=("request", "head"), help="KV partitioning")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="on a host other than loopback, serve without a cluster token (insecure) and the gateway's "
+                        "API without --api-key (gateway.insecure)")
 
 
 def stack_config(args: argparse.Namespace, **extra: object) -> StackConfig | None:
@@ -25,7 +28,7 @@ def stack_config(args: argparse.Namespace, **extra: object) -> StackConfig | Non
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     overrides = {"model": args.model, "redis_url": args.redis_url, "transport": args.transport,
-                 "partition": args.partition, **extra}
+                 "partition": args.partition, "insecure": args.insecure, **extra}
     try:
         return load_config(args.config, overrides=overrides)
     except ConfigError as exc:
@@ -54,8 +57,7 @@ def add_kv_quant(p: argparse.ArgumentParser) -> None:
 
 def add_gateway_exposure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require this bearer token on /v1/ requests")
-    p.add_argument("--insecure", action="store_true", default=None,
-                   help="serve the API without --api-key on a host other than loopback (gateway.insecure)")
+
 
 
 def gateway_refused(config: StackConfig) -> bool:
@@ -71,6 +73,27 @@ def gateway_refused(config: StackConfig) -> bool:
     return False
 
 
+def open_refused(config: StackConfig, service: str) -> bool:
+    """Whether `service` must not start without a cluster token on this host; prints why."""
+    from lamina.services.auth import open_service_refusal
+
+    why = open_service_refusal(config, service)
+    if why is not None:
+        print(f"lamina: {why}", file=sys.stderr)
+    return why is not None
+
+
+def store_reachable(config: StackConfig) -> bool:
+    """Whether the configured Redis answers within deadlines.startup_s (no URL: nothing
+    to wait for); says what it waits for, in one line each."""
+    from lamina.services.startup import wait_for_store
+
+    if not config.redis_url:
+        return True
+    return wait_for_store(config.redis_url, config.deadlines.startup_s,
+                          lambda line: print(f"lamina: {line}", file=sys.stderr, flush=True))
+
+
 def run_service(args: argparse.Namespace, module: str, **extra: object) -> int:
     """Validate the configuration, then run `module.serve(config[, threads])` until stopped."""
     import importlib
@@ -78,6 +101,11 @@ def run_service(args: argparse.Namespace, module: str, **extra: object) -> int:
     config = stack_config(args, **extra)
     if config is None:
         return 2
+    service = module.rsplit(".", 1)[-1].removesuffix("_service")
+    if service != "gateway" and open_refused(config, service):
+        return 2
+    if not store_reachable(config):
+        return 1
     serve = importlib.import_module(module).serve
     threads = getattr(args, "threads", None)
     if threads is not None:
@@ -114,9 +142,14 @@ def run_indexed_service(args: argparse.Namespace, module: str, section: str, **e
     config = stack_config(args, **extra)
     if config is None:
         return 2
+    if open_refused(config, {"model_worker": "model worker", "prefill": "prefill worker",
+                             "attention": "attention worker"}[section]):
+        return 2
     colocated = section == "model_worker" and config.colocated  # its attention runs in its process
     if not devices_here(config, (section, "attention") if colocated else (section,)):
         return 2
+    if not store_reachable(config):
+        return 1
     count, limit_name = index_limit(config, section)
     serve = importlib.import_module(module).serve
     if args.index == "auto":

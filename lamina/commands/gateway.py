@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from lamina.commands._service_args import add_common, add_gateway_exposure, gateway_refused, stack_config
+from lamina.commands._service_args import (
+    add_common,
+    add_gateway_exposure,
+    gateway_refused,
+    stack_config,
+    store_reachable,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,6 +24,8 @@ def run(args: argparse.Namespace) -> int:
                                    "gateway.insecure": args.insecure})
     if config is None or gateway_refused(config):
         return 2
+    if not store_reachable(config):
+        return 1
     from lamina.services.gateway.gateway_service import serve
 
     serve(config)

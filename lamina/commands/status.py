@@ -60,7 +60,10 @@ def _find_cluster(args: argparse.Namespace):
         port = config.gateway.port
     else:
         port = args.port
-    path = local_stacks.find(port)
+    try:
+        path = local_stacks.find(port)
+    except local_stacks.UnsafeDirectory as exc:
+        raise ConfigError(str(exc)) from None
     if path is None:
         hint = "" if args.port is not None else "; set REDIS_URL or --redis-url for a cluster elsewhere"
         raise ConfigError(f"no cluster found: no `lamina up` with its gateway on port {port} on this host"

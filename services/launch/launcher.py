@@ -136,6 +136,7 @@ class Stack:
 
     def start(self, timeout_s: float = 300.0) -> None:
         """Start everything and wait until the gateway answers /health."""
+        local_stacks.runtime_dir()  # where it will be found: refused (UnsafeDirectory) before anything starts
         # Convert the checkpoint once here, so the services do not race to do it.
         resolve_checkpoint(self.config.model)
         if not self.config.redis_url:
@@ -318,6 +319,17 @@ class Stack:
             self.redis = None
         if not self.keep_logs:
             shutil.rmtree(self.work_dir, ignore_errors=True)
+        else:
+            self._forget_token()
+
+    def _forget_token(self) -> None:
+        """The kept configuration file without the cluster token: the logs outlive the
+        stack, its secret does not (a stopped stack's token opens nothing, but a later
+        stack given the same file would reuse it)."""
+        cfg_path = self.work_dir / "stack.yaml"
+        if cfg_path.is_file():
+            kept = dataclasses.replace(self.config, cluster_token=None)
+            cfg_path.write_text("# cluster_token removed when the stack stopped\n" + yaml.safe_dump(kept.to_dict()))
 
     def __enter__(self) -> Stack:
         self.start()

@@ -9,16 +9,38 @@ killed outright cannot remove it, so a reader ignores a file whose pid is gone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 
+class UnsafeDirectory(RuntimeError):
+    """The runtime directory is not this user's own private directory."""
+
+
 def runtime_dir() -> Path:
+    """The directory, made 0700 if absent. One found there already must be a directory
+    (not a link: in a shared <tmp>, another user could point it anywhere), owned by this
+    user, and open to nobody else: anyone who can write in it could point `lamina status`
+    at a configuration of theirs (UnsafeDirectory, naming what is wrong)."""
     base = os.environ.get("XDG_RUNTIME_DIR")
     path = Path(base) / "lamina" if base else Path(tempfile.gettempdir()) / f"lamina-{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):  # what is there already is checked below
+        path.mkdir(mode=0o700)
+    st = os.lstat(path)
+    fix = "remove it, or set XDG_RUNTIME_DIR to a directory of your own"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectory(f"the runtime directory {path} is not a directory but a link or file: {fix}")
+    if st.st_uid != os.getuid():
+        raise UnsafeDirectory(f"the runtime directory {path} belongs to uid {st.st_uid}, not to you "
+                              f"(uid {os.getuid()}): {fix}")
+    if st.st_mode & 0o077:
+        raise UnsafeDirectory(f"the runtime directory {path} has mode {stat.S_IMODE(st.st_mode):04o}, open to "
+                              f"others: chmod 700 {path}")
     return path
 
 

@@ -198,3 +198,29 @@ def test_model_and_attention_workers_land_on_different_node_pools():
     pools = {c["args"][0]: doc["spec"]["template"]["spec"].get("nodeSelector")
              for doc, c in _lamina_containers(_k8s_documents())}
     assert pools["model"] and pools["attention"] and pools["model"] != pools["attention"]
+
+
+def test_prometheus_and_grafana_are_on_loopback_and_grafana_has_a_secret_password():
+    compose = _compose()
+    for name in ("prometheus", "grafana"):
+        (published,) = compose["services"][name]["ports"]
+        assert _interpolate(published).startswith("127.0.0.1:"), (name, published)
+    grafana = compose["services"]["grafana"]
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
+    assert grafana["secrets"] == ["grafana_admin_password"]
+    assert compose["secrets"]["grafana_admin_password"]["file"] == "./secrets/grafana_admin_password"
+
+
+def test_make_secrets_keeps_its_directory_to_its_user(tmp_path):
+    import stat
+
+    shutil.copy(COMPOSE_DIR / "make-secrets.sh", tmp_path)
+    subprocess.run(["sh", str(tmp_path / "make-secrets.sh")], check=True, capture_output=True, timeout=60)
+    secrets_dir = tmp_path / "secrets"
+    assert stat.S_IMODE(secrets_dir.stat().st_mode) == 0o700
+    made = sorted(p.name for p in secrets_dir.iterdir())
+    assert made == ["api_key", "cluster_token", "grafana_admin_password"]
+    assert all(len((secrets_dir / n).read_text().strip()) >= 40 for n in made)  # 32 random bytes, url-safe
+    first = (secrets_dir / "api_key").read_text()
+    subprocess.run(["sh", str(tmp_path / "make-secrets.sh")], check=True, capture_output=True, timeout=60)
+    assert (secrets_dir / "api_key").read_text() == first  # kept, not remade

@@ -75,15 +75,19 @@ def test_lamina_generate_in_bfloat16_prints_the_engines_tokens(unpacked, capsys)
 
 
 @CUDA
-def test_the_engine_on_cuda_in_float32_equals_transformers_token_for_token(hf_reference):
-    engine = Engine(load_model(packed=False), EngineConfig(device="cuda"))
+def test_the_engine_on_cuda_in_float32_equals_transformers_token_for_token():
+    """A random model of SmolLM2's shape (no GGUF file needed on a GPU machine), the
+    same weights directory read by transformers."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = load_model("random:smollm2-135m", packed=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(loaded.weights_dir), dtype=torch.float32).eval()
+    engine = Engine(loaded, EngineConfig(device="cuda"))
     assert engine.kv.device == torch.device("cuda")
-    tok = engine.tokenizer
-    ids = [tok.encode(p) for p in PROMPTS]
+    ids = [loaded.tokenizer.encode(p) for p in PROMPTS]
     outs = engine.generate(ids, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(ids, outs):
         with torch.no_grad():
-            ref = hf_reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                                                                                        dtype=torch.long),
-                                        max_new_tokens=32, min_new_tokens=32, do_sample=False)
+            ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=32, min_new_tokens=32, do_sample=False)
         assert out.output_token_ids == ref[0, len(prompt):].tolist()

@@ -238,3 +238,31 @@ async def test_shm_connects_the_same_user():
         async with await transports.connect(listener.address, transports.TransportConfig(auth_token=TOKEN)) as c:
             await c.send(transports.Frame(1, {"ok": True}))
             assert (await c.recv()).header == {"ok": True}
+
+
+# -- the other services beyond loopback ------------------------------------------------------
+def test_a_service_without_a_token_is_refused_beyond_loopback_unless_insecure():
+    from lamina.services.auth import open_service_refusal
+
+    why = open_service_refusal(StackConfig(host="0.0.0.0"), "scheduler")
+    assert why is not None and "scheduler would serve on '0.0.0.0'" in why and "cluster_token" in why
+    assert "--insecure" in why
+    assert open_service_refusal(StackConfig(host="0.0.0.0", cluster_token="t"), "scheduler") is None
+    assert open_service_refusal(StackConfig(host="0.0.0.0", insecure=True), "scheduler") is None
+    assert open_service_refusal(StackConfig(host="127.0.0.1"), "scheduler") is None
+    assert load_config(env={"LAMINA_INSECURE": "true"}).insecure
+
+
+@pytest.mark.parametrize("argv", [["scheduler"], ["model", "--index", "0"], ["attention", "--index", "0"],
+                                  ["prefill", "--index", "0"]])
+def test_each_service_refuses_to_start_open_beyond_loopback(tmp_path, argv):
+    """One line, exit 2, before the service loads a model or reaches Redis (whose URL
+    here answers nothing)."""
+    f = tmp_path / "stack.yaml"
+    f.write_text("host: 0.0.0.0\nredis_url: redis://127.0.0.1:1\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LAMINA_")}
+    out = subprocess.run([sys.executable, "-m", "lamina.cli", *argv, "--config", str(f)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "without a cluster token" in out.stderr and "--insecure" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr

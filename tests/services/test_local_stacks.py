@@ -1,0 +1,78 @@
+"""The per-user runtime directory where `lamina up` leaves what `lamina status --port`
+finds: made private, and refused when it is a link, another user's, or open to others."""
+
+import os
+
+import pytest
+
+from lamina.services.launch import local_stacks
+from lamina.services.launch.local_stacks import UnsafeDirectory
+
+
+@pytest.fixture
+def runtime(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    return tmp_path / "lamina"
+
+
+def test_a_stack_is_published_found_and_withdrawn_in_a_private_directory(runtime, tmp_path):
+    config = tmp_path / "stack.yaml"
+    local_stacks.publish(18000, config)
+    assert (runtime.stat().st_mode & 0o777) == 0o700
+    assert local_stacks.find(18000) == config
+    local_stacks.withdraw(18000)
+    assert local_stacks.find(18000) is None
+
+
+def test_a_directory_open_to_others_is_refused(runtime):
+    runtime.mkdir(mode=0o755)
+    runtime.chmod(0o755)
+    with pytest.raises(UnsafeDirectory, match=r"has mode 0755, open to others: chmod 700"):
+        local_stacks.publish(18000, runtime / "x")
+
+
+def test_a_link_is_not_followed(runtime, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    runtime.symlink_to(elsewhere)
+    with pytest.raises(UnsafeDirectory, match="not a directory but a link"):
+        local_stacks.find(18000)
+    assert not any(elsewhere.iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving the directory to another user needs root")
+def test_another_users_directory_is_refused(runtime):
+    runtime.mkdir(mode=0o700)
+    os.chown(runtime, 12345, 12345)
+    with pytest.raises(UnsafeDirectory, match=r"belongs to uid 12345, not to you"):
+        local_stacks.publish(18000, runtime / "x")
+
+
+def test_lamina_status_says_why_in_one_line(runtime, capsys):
+    from lamina.cli import main
+
+    runtime.mkdir(mode=0o777)
+    runtime.chmod(0o777)
+    assert main(["status", "--port", "18000"]) == 1
+    err = capsys.readouterr().err
+    assert "lamina status: the runtime directory" in err and "chmod 700" in err and len(err.splitlines()) == 1
+
+
+def test_kept_logs_do_not_keep_the_cluster_token(tmp_path):
+    import shutil
+
+    import yaml
+
+    from lamina.services.config import StackConfig
+    from lamina.services.launch.launcher import Stack
+
+    stack = Stack(StackConfig(cluster_token="sekret-token"), keep_logs=True)
+    try:
+        cfg = stack.work_dir / "stack.yaml"
+        cfg.write_text(yaml.safe_dump(stack.config.to_dict()))  # as start() writes it for the services
+        stack.stop()
+        text = cfg.read_text()
+        assert "sekret-token" not in text and yaml.safe_load(text)["cluster_token"] is None
+        assert text.startswith("# cluster_token removed when the stack stopped")
+    finally:
+        shutil.rmtree(stack.work_dir, ignore_errors=True)
