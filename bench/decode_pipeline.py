@@ -103,7 +103,7 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int, device: str
     import torch
 
     from lamina.engine.kv import KVStore
-    from lamina.engine.step import DeviceAttention, LocalAttention
+    from lamina.engine.step import in_process_attention
     from lamina.model.batch import StepBatch
     from lamina.services.attention.attention_core import AttentionCore
     from lamina.services.wire import StoreKV
@@ -119,7 +119,6 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int, device: str
     need = batch * (context + repeats + 128) * cfg.kv_bytes_per_token()  # with the engine's 64-token chunks
 
     dtype = getattr(torch, dtype_name)
-    native = device == "cpu" and dtype == torch.float32
     prompt_k, prompt_v = prompt_k.to(dtype), prompt_v.to(dtype)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     core = AttentionCore(cfg, need + (64 << 20), hkv, device=device, dtype=dtype)
@@ -144,7 +143,7 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int, device: str
         core.attend(layer, seqs, q, k, v, need_lse=False)
         worker.append(time.perf_counter() - t)
         batch_ = StepBatch.build(ids, [[0]] * batch, [context + r] * batch)
-        local = LocalAttention(kv, batch_) if native else DeviceAttention(kv, batch_)
+        local = in_process_attention(kv, batch_)
         qd, kd, vd = (x.to(device) for x in (q, k, v))
         t = time.perf_counter()
         local.attend(layer, qd, kd, vd).cpu()  # .cpu(): waits for the device, as the worker's reply does

@@ -5,9 +5,9 @@ shared) decoding S steps each, greedy, EOS ignored; decode throughput is measure
 the moment every sequence has its first token (transformers: its generate of 1 + S
 tokens minus its generate of 1, each with the static cache). Models are
 `NAME:DTYPE` (NAME: `smollm2`, the default GGUF's weights, or a `random:` shape,
-docs/model.md). A point runs only where its weights and KV (twice: the engine's and
-transformers' caches are never held at once, but the stack's is beside nothing else)
-fit in 80% of the device's free memory; others are listed as skipped.
+docs/model.md). A point runs only where twice its weights and KV (the engine's and
+transformers' copies) fit in 80% of the device's free memory, read before the engine
+moves the model there; others are listed as skipped.
 
 Contenders, for each model, batch and context, in one run on the same device:
 - transformers' `generate` with `cache_implementation="static"`;
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from lamina.planner.measure.stack_run import run_stack
 
 @dataclass(frozen=True)
 class Point:
-    model: str  # a --model value (None for the default) spelled as given
+    model: str  # the NAME of a --models entry: smollm2 (the default checkpoint) or a random: spec
     dtype: str
     batch: int
     context: int
@@ -85,8 +86,6 @@ def copy_bandwidth(device: torch.device) -> float:
 def free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    import os
-
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -183,7 +182,7 @@ def main() -> None:
         model, _, dtype = spec.rpartition(":")
         loaded = load_model(None if model == "smollm2" else model, packed=False)
         cfg, weights_dir = loaded.config, loaded.weights_dir
-        elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        elem = getattr(torch, dtype).itemsize
         weight_bytes = sum(p.numel() for p in loaded.model.parameters()) * elem
         points: list[tuple[Point, list[list[int]], int]] = []  # (point, prompts, KV bytes)
         for context in contexts:

@@ -35,5 +35,9 @@ class StepBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
-    def model_inputs(self) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids, "positions": self.positions, "logits_index": self.logits_index}
+    def model_inputs(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """The slices' inputs, on `device` (None or the CPU: where they were built)."""
+        inputs = {"input_ids": self.input_ids, "positions": self.positions, "logits_index": self.logits_index}
+        if device is None or device.type == "cpu":
+            return inputs
+        return {name: t.to(device, non_blocking=True) for name, t in inputs.items()}

@@ -18,6 +18,9 @@ from torch import nn
 
 from lamina.model.quant import QuantEmbedding, QuantLinear
 
+# Dtypes a model computes in off the packed kernels (torch's names).
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
 
 def is_packed(model: nn.Module) -> bool:
     return any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules())

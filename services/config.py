@@ -95,7 +95,8 @@ PREFILL_ROUTINGS = ("prefix", "round_robin")  # lamina.services.scheduler.prefil
 PEER_FETCH_MODES = ("auto", "always", "off")  # lamina.services.scheduler.prefix_fetch_policy (tested equal)
 
 
-# Dtypes a model or attention worker computes in (torch's names).
+# Dtypes a model or attention worker computes in (torch's names;
+# lamina.model.placement.COMPUTE_DTYPES, tested equal).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -59,7 +59,6 @@ def add_gateway_exposure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require this bearer token on /v1/ requests")
 
 
-
 def gateway_refused(config: StackConfig) -> bool:
     """Whether the gateway would refuse `config` (no API key on a host other than loopback,
     without gateway.insecure); prints why. Checked before anything starts."""

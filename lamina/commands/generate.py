@@ -9,6 +9,7 @@ import sys
 import time
 
 from lamina.model.packing import WEIGHT_CHOICES
+from lamina.services.config import COMPUTE_DTYPES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the linears hold their weights: float32, q8_0, q4 (group-wise 4-bit) or as_file "
                         "(a GGUF's own quantized blocks, float32 for other checkpoints); default as_file")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: where the engine computes")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+    p.add_argument("--dtype", default="float32", choices=COMPUTE_DTYPES,
                    help="weights, activations and KV (default float32; another, or a device other than the CPU, "
                         "uses torch's own linears instead of packed weights: --weights float32)")
     p.add_argument("--max-tokens", type=int, default=64)

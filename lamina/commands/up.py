@@ -16,6 +16,7 @@ from lamina.commands._service_args import (
     gateway_refused,
     stack_config,
 )
+from lamina.services.config import COMPUTE_DTYPES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-device", default=None, metavar="DEVICE", help="where model workers compute")
     p.add_argument("--attention-device", default=None, metavar="DEVICE",
                    help="where attention workers keep KV and attend")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+    p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="model and attention workers' dtype (default float32; another needs --weights float32 "
                         "on the CPU)")
     p.add_argument("--micro-batches", type=int, default=None,

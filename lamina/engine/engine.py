@@ -20,7 +20,7 @@ from lamina.engine.step import run_step
 from lamina.model.batch import StepBatch
 from lamina.model.llama import split_llama
 from lamina.model.loader import LoadedModel
-from lamina.model.placement import place, runs_natively
+from lamina.model.placement import COMPUTE_DTYPES, place, runs_natively
 from lamina.sampling.grammar import Grammars
 from lamina.sampling.logprobs import TokenLogprobs
 from lamina.sampling.params import SamplingParams
@@ -41,8 +41,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kv_capacity_bytes <= 0:
             raise ValueError("kv_capacity_bytes must be positive")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype must be {', '.join(COMPUTE_DTYPES[:-1])} or {COMPUTE_DTYPES[-1]}, "
+                             f"got {self.dtype!r}")
 
 
 @dataclass(frozen=True)

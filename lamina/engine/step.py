@@ -12,6 +12,7 @@ from lamina.engine.kv import KVStore
 from lamina.model.attention import causal_attention
 from lamina.model.batch import StepBatch
 from lamina.model.kv_attention import BufferBatch
+from lamina.model.placement import runs_natively
 from lamina.model.splitter import SplitModel
 
 # Sequences with at most this many new tokens attend through the batched kernel; longer
@@ -87,16 +88,17 @@ class DeviceAttention:
             seq.length += n
 
 
+def in_process_attention(kv: KVStore, batch: StepBatch) -> LocalAttention | DeviceAttention:
+    """The batched kernel where the KV store is CPU float32, fused SDPA anywhere else."""
+    native = runs_natively(kv.device or torch.device("cpu"), kv.dtype)
+    return LocalAttention(kv, batch) if native else DeviceAttention(kv, batch)
+
+
 def run_step(split: SplitModel, kv: KVStore, batch: StepBatch) -> torch.Tensor:
     """Run the batch; its new K, V are stored. Returns logits [B, V] float32 on the CPU
     (where sampling runs), whatever device the KV store is on."""
-    device = kv.device or torch.device("cpu")
-    native = device.type == "cpu" and kv.dtype == torch.float32
-    attention = LocalAttention(kv, batch) if native else DeviceAttention(kv, batch)
-    inputs = batch.model_inputs()
-    if device.type != "cpu":
-        inputs = {name: t.to(device, non_blocking=True) for name, t in inputs.items()}
+    attention = in_process_attention(kv, batch)
     with torch.inference_mode():
-        logits = split.run(inputs, lambda i, q, k, v: attention.attend(i, q, k, v))
+        logits = split.run(batch.model_inputs(kv.device), lambda i, q, k, v: attention.attend(i, q, k, v))
     attention.commit()
     return logits.cpu()

@@ -44,6 +44,7 @@ from lamina.model.config import ModelConfig
 from lamina.model.device_attention import PaddedSlots, padded_attention
 from lamina.model.kv_attention import SlotBatch, buffer_attention, slot_attention
 from lamina.model.kv_quant import KV_QUANT_CHOICES, Q4Rows
+from lamina.model.placement import runs_natively
 from lamina.services.attention.attention_checks import KVShape, PendingStore, check_attend, check_store
 from lamina.services.wire import RemoteError, StoreKV, short_repr
 
@@ -76,7 +77,7 @@ class AttentionCore:
         self.device, self.dtype = torch.device(device), dtype
         # The native kernel reads CPU float32 (or 4-bit) pools; anything else attends
         # through torch's operators (lamina.model.device_attention).
-        self.native = self.device.type == "cpu" and dtype == torch.float32
+        self.native = runs_natively(self.device, dtype)
         self.packed = Q4Rows(cfg.head_dim) if kv_quant == "q4" else None
         if self.packed is not None and not self.native:
             raise ValueError("attention.kv_quant q4 needs attention.device cpu and attention.dtype float32")

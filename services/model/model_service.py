@@ -105,12 +105,10 @@ class ModelSlices:
         route = pool.route(seqs)
 
         device = self.device
-        on_cpu = device.type == "cpu"
 
         async def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if on_cpu:
-                return await pool.attend(decode_tag(micro_batch, step, i), i, route, q, k, v)
-            # Frames carry host memory: Q, K, V staged through it, the output moved back.
+            # Frames carry host memory: off the CPU, Q, K, V are staged through it and the
+            # output moved back (on the CPU both moves return the tensors themselves).
             out = await pool.attend(decode_tag(micro_batch, step, i), i, route, q.cpu(), k.cpu(), v.cpu())
             return out.to(device, non_blocking=True)
 
@@ -120,11 +118,8 @@ class ModelSlices:
                 return self.run_slice(j, inputs, attn, context)
             return await executors.run(slice_tag(micro_batch, step, j), j, inputs, attn, context)
 
-        inputs = batch.model_inputs()
-        if not on_cpu:
-            inputs = {name: t.to(device, non_blocking=True) for name, t in inputs.items()}
-        logits = await self.split.run_async(inputs, attend, run_slice)  # [B, V] float32
-        return logits if on_cpu else logits.cpu()  # sampled on the CPU
+        logits = await self.split.run_async(batch.model_inputs(device), attend, run_slice)  # [B, V] float32
+        return logits.cpu()  # sampled on the CPU
 
 
 class _ModelServicer(lamina_pb2_grpc.ModelWorkerServicer):

@@ -41,7 +41,7 @@ import torch
 
 from lamina import transports
 from lamina.engine.kv import KVStore, SequenceKV
-from lamina.engine.step import DeviceAttention, LocalAttention
+from lamina.engine.step import in_process_attention
 from lamina.kvstore.block_publisher import BlockPublisher
 from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
 from lamina.model.batch import StepBatch
@@ -219,12 +219,11 @@ class PrefillService:
         computing = time.perf_counter()
         batch = StepBatch.build([p.seq_id for p in prompts], [p.token_ids[p.cached:] for p in prompts],
                                 [p.cached for p in prompts])
-        local = LocalAttention(kv, batch) if self.device.type == "cpu" else DeviceAttention(kv, batch)
+        local = in_process_attention(kv, batch)
         rows, last_rows, prompt_rows = logit_rows(batch.query_lens, [p.req.prompt_logprobs for p in prompts])
         for p, last, scoring in zip(prompts, last_rows, prompt_rows):
             p.sample_row, p.score_rows = last, scoring
-        inputs = {**batch.model_inputs(), "logits_index": rows}
-        inputs = {k: t.to(self.device) for k, t in inputs.items()}
+        inputs = {**batch.model_inputs(self.device), "logits_index": rows.to(self.device)}
 
         async def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             with torch.inference_mode():

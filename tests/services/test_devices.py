@@ -11,6 +11,13 @@ from lamina.services.devices import check_devices, compute_device, compute_dtype
 NO_CUDA = not torch.cuda.is_available()
 
 
+def test_the_configurations_dtypes_are_the_models():
+    from lamina.model.placement import COMPUTE_DTYPES as MODEL_DTYPES
+    from lamina.services.config import COMPUTE_DTYPES
+
+    assert COMPUTE_DTYPES == MODEL_DTYPES
+
+
 def test_each_service_kind_has_its_device_and_dtype_from_file_environment_and_flags():
     cfg = load_config(env={})
     assert (cfg.model_worker.device, cfg.model_worker.dtype, cfg.attention.device, cfg.attention.dtype) == (
@@ -116,7 +123,7 @@ def test_model_and_attention_workers_off_the_cpu_kernels_agree_with_transformers
         fed, attend = ids, prompt_attend
         for t in range(16):
             batch = StepBatch.build([seq], [fed], [len(ids) + t - 1 if t else 0])
-            inputs = {name: x.to(device) for name, x in batch.model_inputs().items()}
+            inputs = batch.model_inputs(torch.device(device))
             with torch.inference_mode():
                 logits = slices.split.run(inputs, attend)  # [1, V] float32
             assert logits.dtype == torch.float32
