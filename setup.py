@@ -8,7 +8,7 @@ its link). All are optional: where one cannot be compiled the install goes on wi
   in torch (lamina.model.kv_attention.NATIVE is then None).
 - model/_qmatmul (csrc/qmatmul.c): without it linears run in torch, quantized weights
   dequantized at each call (lamina.model.quant.NATIVE is then None).
-- model/_slice_ops (csrc/slice_ops.c): without it RMSNorm runs in torch.
+- model/_slice_ops (csrc/slice_ops.c): without it RMSNorm, RoPE and SiLU run in torch.
 """
 
 from setuptools import Extension, setup

@@ -30,7 +30,8 @@ Where a batch-1 decode step's time goes:
 - the engine in process, one sequence (a P-token prompt) decoding, three passes: the
   step's wall time (perf_counter around `Engine.step`, nothing instrumented); every call
   into the native kernels timed (the packed products of lamina.model.quant, the attention
-  kernel of lamina.model.kv_attention, RMSNorm of lamina.model.llama: a few hundred calls a
+  kernel of lamina.model.kv_attention, the slice operators of lamina.model.llama (RMSNorm,
+  RoPE, SiLU): a few hundred calls a
   step, cheap to time); torch.profiler recording the torch operators (the durations of the
   top-level ones: an op's children run inside it). Python and the rest is the second
   pass's step less the natives and the torch operators. The profiler adds its cost to
@@ -330,7 +331,7 @@ def native_calls_timed(totals: dict[str, float]) -> Iterator[None]:
     from lamina.model import kv_attention, llama, quant
 
     patched = [(quant, "NATIVE", "packed products (native)"), (kv_attention, "NATIVE", "attention kernel (native)"),
-               (llama, "_SLICE_OPS", "RMSNorm (native)")]
+               (llama, "_SLICE_OPS", "slice operators (native)")]
     saved = []
     for module, name, part in patched:
         totals.setdefault(part, 0.0)

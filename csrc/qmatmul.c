@@ -245,19 +245,29 @@ TARGET_AVX2 static inline void decode_group_avx2(const job_t *j, const uint8_t *
         }                                                            \
     } while (0)
 
-#define ROW_STORE(r)                                                 \
-    if (R > r) {                                                     \
-        float *y = j->y + (r0 + r) * j->n + p * NR;                  \
-        if (ncols == NR) {                                           \
-            _mm256_storeu_ps(y, a##r##0);                            \
-            _mm256_storeu_ps(y + 8, a##r##1);                        \
-        } else {                                                     \
-            float out[NR];                                           \
-            _mm256_storeu_ps(out, a##r##0);                          \
-            _mm256_storeu_ps(out + 8, a##r##1);                      \
-            memcpy(y, out, (size_t)ncols * sizeof(float));           \
-        }                                                            \
+/* Panel p's 16 biases (zeros past ncols, or all zeros without a bias). */
+TARGET_AVX2 static inline void load_bias(const job_t *j, int64_t p, int ncols, __m256 *lo, __m256 *hi) {
+    float bb[NR] = {0};
+    if (j->bias) memcpy(bb, j->bias + p * NR, (size_t)ncols * sizeof(float));
+    *lo = _mm256_loadu_ps(bb);
+    *hi = _mm256_loadu_ps(bb + 8);
+}
+
+/* A panel's 16 outputs of one row (ncols of them real: the last panel is padded). */
+TARGET_AVX2 static inline void store_outputs(float *y, __m256 lo, __m256 hi, int ncols) {
+    if (ncols == NR) {
+        _mm256_storeu_ps(y, lo);
+        _mm256_storeu_ps(y + 8, hi);
+    } else {
+        float out[NR];
+        _mm256_storeu_ps(out, lo);
+        _mm256_storeu_ps(out + 8, hi);
+        memcpy(y, out, (size_t)ncols * sizeof(float));
     }
+}
+
+#define ROW_STORE(r) \
+    if (R > r) store_outputs(j->y + (r0 + r) * j->n + p * NR, a##r##0, a##r##1, ncols);
 
 /* R rows starting at r0 against panel p: from the float panel wf when given (f32, or
  * a quantized panel decoded in advance), else decoding group by group into tile. */
@@ -265,13 +275,8 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void rows_avx2(const in
                                                                         int64_t p, const float *wf, float *tile) {
     const int64_t K = j->k, ldx = K;
     const int ncols = j->n - p * NR < NR ? (int)(j->n - p * NR) : NR;
-    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-    if (j->bias) {
-        float bb[NR] = {0};
-        memcpy(bb, j->bias + p * NR, (size_t)ncols * sizeof(float));
-        b0 = _mm256_loadu_ps(bb);
-        b1 = _mm256_loadu_ps(bb + 8);
-    }
+    __m256 b0, b1;
+    load_bias(j, p, ncols, &b0, &b1);
     __m256 a00 = b0, a01 = b1, a10 = b0, a11 = b1, a20 = b0, a21 = b1;
     /* rows 3-5 start at zero when they are row 0-2's spares (the bias is counted once) */
     const __m256 z = _mm256_setzero_ps();
@@ -301,6 +306,72 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void rows_avx2(const in
     ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)
 }
 
+/* One row of x against quantized panel p, each group's weights decoded in registers
+ * and multiplied at once (the matrix-vector product of a decode step at batch 1: no
+ * tile stored and read back). The sums are those of rows_avx2 with R = 1 in the same
+ * order (even k into a00/a01, odd k into the spares a30/a31, added at the end), so the
+ * result is bit for bit the same. */
+TARGET_AVX2 static void row1_quant_avx2(const job_t *j, int64_t r0, int64_t p) {
+    const int64_t G = groups(j);
+    const int ncols = j->n - p * NR < NR ? (int)(j->n - p * NR) : NR;
+    __m256 a00, a01;
+    load_bias(j, p, ncols, &a00, &a01);
+    __m256 a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
+    const float *x = j->x + r0 * j->k;
+    const uint8_t *q = panel_q(j, p);
+    const uint16_t *d = j->d + p * G * NR;
+    const uint16_t *mn = j->mn ? j->mn + p * G * NR : NULL;
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m256i eight = _mm256_set1_epi32(8);
+    const int64_t gb = group_bytes(j->fmt);
+    for (int64_t g = 0; g < G; g++, q += gb, d += NR, x += GS) {
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8)));
+        if (j->fmt == FMT_Q8_0) {
+            for (int kk = 0; kk < GS; kk += 2) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(q + kk * NR));
+                const __m128i c = _mm_loadu_si128((const __m128i *)(q + kk * NR + NR));
+                const __m256 w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+                const __m256 w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
+                const __m256 v0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)));
+                const __m256 v1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))));
+                const __m256 xb = _mm256_broadcast_ss(x + kk), xc = _mm256_broadcast_ss(x + kk + 1);
+                a00 = _mm256_fmadd_ps(xb, w0, a00);
+                a01 = _mm256_fmadd_ps(xb, w1, a01);
+                a30 = _mm256_fmadd_ps(xc, v0, a30);
+                a31 = _mm256_fmadd_ps(xc, v1, a31);
+            }
+            continue;
+        }
+        __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+        if (mn) {
+            m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * NR)));
+            m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * NR + 8)));
+        }
+        for (int kk = 0; kk < GS; kk += 2) {
+            __m256 w[4];
+            for (int h = 0; h < 2; h++) {
+                const __m128i b = _mm_loadl_epi64((const __m128i *)(q + (kk + h) * (NR / 2)));
+                __m256i lo = _mm256_cvtepu8_epi32(_mm_and_si128(b, mask));
+                __m256i hi = _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
+                if (j->fmt == FMT_Q4_0) {
+                    w[2 * h] = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_sub_epi32(lo, eight)));
+                    w[2 * h + 1] = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, eight)));
+                } else { /* d * q rounded, then + m: the reference's two roundings */
+                    w[2 * h] = _mm256_add_ps(_mm256_mul_ps(d0, _mm256_cvtepi32_ps(lo)), m0);
+                    w[2 * h + 1] = _mm256_add_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(hi)), m1);
+                }
+            }
+            const __m256 xb = _mm256_broadcast_ss(x + kk), xc = _mm256_broadcast_ss(x + kk + 1);
+            a00 = _mm256_fmadd_ps(xb, w[0], a00);
+            a01 = _mm256_fmadd_ps(xb, w[1], a01);
+            a30 = _mm256_fmadd_ps(xc, w[2], a30);
+            a31 = _mm256_fmadd_ps(xc, w[3], a31);
+        }
+    }
+    store_outputs(j->y + r0 * j->n + p * NR, _mm256_add_ps(a00, a30), _mm256_add_ps(a01, a31), ncols);
+}
+
 TARGET_AVX2 static void rows_dispatch(int R, const job_t *j, int64_t r0, int64_t p, const float *wf, float *tile) {
     switch (R) {
     case 1: rows_avx2(1, j, r0, p, wf, tile); break;
@@ -328,6 +399,10 @@ TARGET_AVX2 static void run_avx2(const job_t *j, float *buf, float *tile, int64_
                     decode_group_avx2(j, q + g * group_bytes(j->fmt), j->d + (p * G + g) * NR,
                                       j->mn ? j->mn + (p * G + g) * NR : NULL, buf + g * GS * NR);
                 wf = buf;
+            }
+            if (rows == 1 && !wf) {
+                row1_quant_avx2(j, c0, p);
+                continue;
             }
             for (int64_t r0 = c0; r0 < c0 + rows; r0 += MR) {
                 const int64_t left = c0 + rows - r0;

@@ -25,7 +25,7 @@ from torch import nn
 from lamina.model.attention import AttentionContext
 from lamina.model.config import ModelConfig
 from lamina.model.quant import QuantEmbedding, QuantLinear
-from lamina.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from lamina.model.rope import apply_rope, inverse_frequencies, rope_cos_sin, rope_table
 from lamina.model.splitter import SplitModel
 
 try:
@@ -63,22 +63,83 @@ def checkpoint_names(names: Iterable[str]) -> set[str]:
     return out
 
 
+def _native_rows(t: torch.Tensor) -> bool:
+    """Whether the native operators take t: built, CPU float32 [T, d] with rows of adjacent values."""
+    return _SLICE_OPS is not None and t.dtype == torch.float32 and t.is_cpu and t.dim() == 2 and t.stride(1) == 1
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x * rsqrt(mean(x^2) + eps)) over the last dimension; x: [T, d].
 
     One native call (csrc/slice_ops.c) for float32 rows, else torch's rms_norm, which
     computes Hugging Face's form with its rounding. A leaf for torch.fx (wrapped below).
     """
-    native = (_SLICE_OPS is not None and x.dtype == torch.float32 and weight.dtype == torch.float32
-              and x.dim() == 2 and x.stride(1) == 1 and x.is_cpu and weight.is_cpu and weight.is_contiguous())
-    if not native:
+    if not (_native_rows(x) and weight.dtype == torch.float32 and weight.is_cpu and weight.is_contiguous()):
         return F.rms_norm(x, weight.shape, weight, eps)
-    out = torch.empty(x.shape, dtype=torch.float32)  # [T, d]
+    out = x.new_empty(x.shape)  # [T, d] (new_empty: a third of torch.empty's cost with a dtype argument)
     _SLICE_OPS.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
     return out
 
 
-torch.fx.wrap("rms_norm")
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm: (x + h, rms_norm(x + h)); x, h: [T, d].
+
+    h is consumed: the native path (float32 rows, h contiguous; the same rounding as the
+    add, then `rms_norm`) writes the sum over h, a sublayer's fresh output read by
+    nothing else, instead of allocating it.
+    """
+    if not (_native_rows(x) and _native_rows(h) and h.is_contiguous() and x.shape == h.shape
+            and weight.dtype == torch.float32 and weight.is_cpu and weight.is_contiguous()):
+        total = x + h
+        return total, rms_norm(total, weight, eps)
+    out = torch.empty_like(h)  # [T, d]
+    _SLICE_OPS.add_rms_norm(x.data_ptr(), x.stride(0), h.data_ptr(), weight.data_ptr(), out.data_ptr(), h.shape[0],
+                            h.shape[1], eps)
+    return h, out
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] (heads of one token adjacent, rows may be wider: Q's and K's heads of
+    the fused projection); positions: [T] int64. Returns x rotated, [T, H, D].
+
+    For float32 on the CPU one native call reading cos and sin from `rope_table` (equal to
+    `apply_rope(x, *rope_cos_sin(positions, inv_freq))` bit for bit) that rotates x in
+    place (the projection's fresh output) and returns it; else those two, into a new tensor.
+    """
+    t, heads, d = x.shape
+    native = (_SLICE_OPS is not None and x.dtype == torch.float32 and x.is_cpu and x.stride(2) == 1
+              and x.stride(1) == d and positions.dtype == torch.int64 and positions.is_cpu
+              and positions.is_contiguous() and positions.shape == (t,) and inv_freq.is_cpu)
+    if not native:
+        return apply_rope(x, *rope_cos_sin(positions, inv_freq))
+    cos, sin = rope_table(inv_freq)  # [R, D] each
+    outside = _SLICE_OPS.rope(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                              cos.shape[0], t, heads, d)
+    if outside >= 0:  # a position past the table (checked before anything is rotated): grow it once
+        position = int(positions[outside])
+        if position < 0:
+            raise ValueError(f"negative position {position}")
+        cos, sin = rope_table(inv_freq, int(positions.max()) + 1)
+        _SLICE_OPS.rope(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                        cos.shape[0], t, heads, d)
+    return x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation: silu(gate) * up; gate_up: [T, 2F] (gate, then up) -> [T, F]."""
+    if not _native_rows(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, F] each (views)
+        return F.silu(gate) * up
+    f = gate_up.shape[1] // 2
+    out = gate_up.new_empty((gate_up.shape[0], f))  # [T, F]
+    _SLICE_OPS.silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], f)
+    return out
+
+
+# Leaves for torch.fx: each is one node of a traced slice, called as it is.
+for _leaf in ("rms_norm", "add_rms_norm", "rotary", "silu_mul"):
+    torch.fx.wrap(_leaf)
 
 
 class RMSNorm(nn.Module):
@@ -89,6 +150,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, d]
         return rms_norm(x, self.weight, self.eps)
+
+    def after_add(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, this norm of it): the residual add before the norm, in one operator."""
+        return add_rms_norm(x, h, self.weight, self.eps)
 
 
 class AttentionOp(nn.Module):
@@ -120,11 +185,11 @@ class SelfAttention(nn.Module):
         self.register_load_state_dict_pre_hook(_fuse_checkpoint_tensors)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:  # x: [T, d]
+        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:  # x: [T, d]; positions: [T]
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(-1, hq + 2 * hkv, self.head_dim)  # [T, Hq + 2 Hkv, D]
-        qk = apply_rope(qkv[:, : hq + hkv], cos, sin)  # [T, Hq + Hkv, D]: Q and K rotated at once
+        qk = rotary(qkv[:, : hq + hkv], positions, inv_freq)  # [T, Hq + Hkv, D]: Q and K rotated at once
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D] (views)
         v = qkv[:, hq + hkv :]  # [T, Hkv, D] (a view)
         o = self.attn(q, k, v, ctx)  # [T, Hq, D]
@@ -139,8 +204,7 @@ class MLP(nn.Module):
         self.register_load_state_dict_pre_hook(_fuse_checkpoint_tensors)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, d]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] each (views)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))  # gate_up: [T, 2F] -> [T, F] -> [T, d]
 
 
 class DecoderLayer(nn.Module):
@@ -152,10 +216,19 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:  # x: [T, d] residual stream
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, inv_freq: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [T, d], the previous layer's MLP output not yet added to the residual stream
+        (the embeddings, with residual None, for the first layer); residual: [T, d].
+        Returns this layer's (MLP output, residual stream before it): each add is fused
+        with the norm after it, as the sums equal the plain layer's (x + a, then + m)."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            residual, x = self.input_layernorm.after_add(residual, h)
+        residual, x = self.post_attention_layernorm.after_add(residual, self.self_attn(x, positions, inv_freq, ctx))
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -192,11 +265,11 @@ class LlamaForCausalLM(nn.Module):
 
         Returns logits [B, vocab] float32.
         """
-        cos, sin = rope_cos_sin(positions, self.model.inv_freq)  # [T, 1, D] each
-        x = self.model.embed_tokens(input_ids)  # [T, d]
+        h, residual = self.model.embed_tokens(input_ids), None  # [T, d]
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
-        x = self.model.norm(x[logits_index])  # [B, d]
+            h, residual = layer(h, residual, positions, self.model.inv_freq, ctx)
+        x = (residual + h)[logits_index] if residual is not None else h[logits_index]  # [B, d]
+        x = self.model.norm(x)
         return self.lm_head(x).float()  # [B, V]
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 
 import torch
 
@@ -57,3 +59,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [T, H, D]
     return x * cos.to(x.dtype) + swapped * sin.to(x.dtype)
+
+
+# Cos/sin tables per frequency tensor (model/llama.py's native RoPE reads its rows by
+# position): id(inv_freq) -> (inv_freq's version when built, cos [R, D], sin [R, D]).
+# Dropped with the frequencies.
+_TABLES: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+_TABLES_LOCK = threading.Lock()
+MIN_TABLE_ROWS = 1024
+
+
+def rope_table(inv_freq: torch.Tensor, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_cos_sin` of positions 0 .. R - 1 (R >= rows, a power of two, at least
+    MIN_TABLE_ROWS): cos, sin [R, D] float32 on inv_freq's device, computed once by the
+    same torch operations, so a row equals what `rope_cos_sin` gives its position bit for
+    bit. Grown when a longer one is asked for; rebuilt if inv_freq changed in place."""
+    key = id(inv_freq)
+    held = _TABLES.get(key)
+    if held is not None and held[0] == inv_freq._version and held[1].shape[0] >= rows:
+        return held[1], held[2]
+    with _TABLES_LOCK:
+        size = max(MIN_TABLE_ROWS, 1 << max(rows - 1, 0).bit_length())
+        positions = torch.arange(size, device=inv_freq.device)
+        cos, sin = rope_cos_sin(positions, inv_freq)  # [R, 1, D] each
+        if key not in _TABLES:
+            weakref.finalize(inv_freq, _TABLES.pop, key, None)
+        _TABLES[key] = (inv_freq._version, cos[:, 0], sin[:, 0])
+    return cos[:, 0], sin[:, 0]

@@ -70,3 +70,57 @@ def test_native_rms_norm_differs_from_torch_only_by_summation_order():
         ours, ref = rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5)
         torch.testing.assert_close(ours, ref, rtol=2e-6, atol=0)
     assert torch.equal(rms_norm(x.double(), w.double(), 1e-5), F.rms_norm(x.double(), (576,), w.double(), 1e-5))
+
+
+@pytest.mark.skipif(llama._SLICE_OPS is None, reason="model._slice_ops was not built (no C compiler at install)")
+def test_native_rotary_equals_the_torch_form_bit_for_bit_and_grows_its_table():
+    from lamina.model import rope
+
+    inv_freq = inverse_frequencies(64, 100000.0, RopeScaling())
+    qkv = torch.randn(6, 15, 64)  # the fused projection's rows: Q's 9 heads, K's 3, V's 3
+    # Positions past the first table (MIN_TABLE_ROWS) make it grow within the call.
+    pos = torch.tensor([0, 3, rope.MIN_TABLE_ROWS - 1, rope.MIN_TABLE_ROWS, 5000, 7000])
+    want = apply_rope(qkv[:, :12], *rope_cos_sin(pos, inv_freq))
+    v = qkv[:, 12:].clone()
+    ours = llama.rotary(qkv[:, :12], pos, inv_freq)  # in place over the projection's Q and K heads
+    assert torch.equal(ours, want) and ours.data_ptr() == qkv.data_ptr() and torch.equal(qkv[:, 12:], v)
+    assert rope.rope_table(inv_freq)[0].shape == (8192, 64)
+    # Frequencies changed in place get a new table (a loader fills them after allocating).
+    inv_freq.mul_(0.5)
+    want = apply_rope(qkv[:, :12], *rope_cos_sin(pos, inv_freq))
+    assert torch.equal(llama.rotary(qkv[:, :12], pos, inv_freq), want)
+    before = qkv.clone()
+    with pytest.raises(ValueError, match="negative position -1"):
+        llama.rotary(qkv[:2, :12], torch.tensor([5, -1]), inv_freq)
+    assert torch.equal(qkv, before)  # nothing rotated
+
+
+@pytest.mark.skipif(llama._SLICE_OPS is None, reason="model._slice_ops was not built (no C compiler at install)")
+def test_native_residual_add_and_norm_equal_the_two_operators():
+    w = torch.randn(576)
+    wide = torch.randn(7, 700)
+    for x in (torch.randn(7, 576), wide[:, 50:626]):  # contiguous rows, and rows of a wider tensor
+        h = torch.randn(7, 576)
+        want = x + h
+        total, normed = llama.add_rms_norm(x, h, w, 1e-5)
+        assert torch.equal(total, want) and total.data_ptr() == h.data_ptr()  # the sum over h, consumed
+        assert torch.equal(normed, rms_norm(want, w, 1e-5))
+
+
+@pytest.mark.skipif(llama._SLICE_OPS is None, reason="model._slice_ops was not built (no C compiler at install)")
+def test_native_silu_mul_is_torch_s_within_its_exp_rounding():
+    gate_up = torch.randn(9, 2 * 1536) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(llama.silu_mul(gate_up), F.silu(gate) * up, rtol=4e-7, atol=1e-7)
+
+
+def test_the_fused_operators_fall_back_to_torch_off_float32():
+    """bfloat16 (what runs on a GPU) takes torch's operators, as Hugging Face computes them."""
+    x, h, w = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16(), torch.randn(64).bfloat16()
+    total, normed = llama.add_rms_norm(x, h, w, 1e-5)
+    assert torch.equal(total, x + h) and torch.equal(normed, F.rms_norm(x + h, (64,), w, 1e-5))
+    gate_up = torch.randn(3, 32).bfloat16()
+    assert torch.equal(llama.silu_mul(gate_up), F.silu(gate_up[:, :16]) * gate_up[:, 16:])
+    qk = torch.randn(3, 4, 8).bfloat16()
+    inv_freq, pos = inverse_frequencies(8, 10000.0, RopeScaling()), torch.tensor([1, 2, 3])
+    assert torch.equal(llama.rotary(qk, pos, inv_freq), apply_rope(qk, *rope_cos_sin(pos, inv_freq)))

@@ -130,6 +130,23 @@ def test_kernel_matches_dequantize_then_matmul(fmt, m):
 
 
 @native
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_one_row_products_equal_the_register_blocks_bit_for_bit(fmt):
+    """A single row (a decode step at batch 1) decodes each group in registers instead of
+    through a tile; its sums are the blocked path's, in the same order: the row alone
+    equals the same row computed with others, and with the bias and a padded panel."""
+    if not quant.NATIVE.has_avx2():
+        pytest.skip("this CPU has no AVX2/FMA/F16C")
+    pw = _weight(fmt, 200, 1536)  # 13 panels, the last one padded
+    bias = torch.randn(200)
+    x = torch.randn(3, 1536)
+    together = _run(x, pw, bias)  # three rows: the register-block path
+    for r in range(3):
+        assert torch.equal(_run(x[r : r + 1].contiguous(), pw, bias), together[r : r + 1])
+        assert torch.equal(_run(x[r : r + 1].contiguous(), pw, bias, threads=2), together[r : r + 1])
+
+
+@native
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("scalar", [False, True], ids=["avx2", "portable"])
 def test_threads_split_the_outputs_without_changing_a_bit(fmt, scalar):
