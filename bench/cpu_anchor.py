@@ -5,8 +5,9 @@ Compared, in one run, each in turn:
   slot per request (`-np N`, `-c N x 128` so every slot holds prompt and output), over
   its OpenAI API; found or built by `bench/llama_cpp.py` (a build takes about 8 minutes on
   2 cores and is cached outside the checkout);
-- `lamina up` with its defaults (each `--weights` choice in turn, and each
-  `--up-model-threads` value: the model worker's threads), over the OpenAI API;
+- `lamina up` with its defaults (its layout the one `--layout auto` chooses; each
+  `--weights` choice in turn, and each `--up-model-threads` value: the model worker's
+  threads), over the OpenAI API;
 - Lamina's local engine in this process (`Engine` with its defaults) with 1 and 2 compute
   threads (the packed products' threads; torch's ops on one), for each `--weights` choice.
 

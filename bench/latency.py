@@ -4,8 +4,9 @@ Compared in one run, all started once and kept up, at concurrency 1, 4, 12 and 4
 - llama.cpp's `llama-server` on the model's GGUF file with --threads threads (and
   --threads-batch), one slot per request of the largest concurrency; found or built by
   `bench/llama_cpp.py`;
-- `lamina up --layout L --model-threads THREADS` for each layout (disaggregated, the
-  default, and colocated), weights as the file stores them (`as_file`, lamina up's default);
+- `lamina up --layout L --model-threads THREADS` for each layout (disaggregated and
+  colocated), weights as the file stores them (`as_file`, lamina up's default); the targets
+  are checked on the one `lamina up --layout auto`, its default, chooses on this machine;
 - the engine in this process (`Engine`, as_file weights, `set_compute_threads(THREADS)`):
   every request added at once, its step loop driven here, each token's arrival timed.
 
@@ -301,6 +302,16 @@ def timed_run(run, *args) -> dict:
     return {**row, "foreign_cores": max(0.0, (busy1 - busy0) - (ours1 - ours0)) / (t1 - t0)}
 
 
+def auto_layout() -> str:
+    """The layout `lamina up` starts here when nothing names one (lamina/commands/up.py)."""
+    from lamina.commands.plan import DEFAULT_PROFILE
+    from lamina.commands.up import choose_layout
+    from lamina.services.config import load_config
+
+    choice = choose_layout(load_config(env={}), None, DEFAULT_PROFILE)
+    return choice.layout if choice is not None else "disaggregated"
+
+
 # -- the engine's step, taken apart ---------------------------------------------------------------
 class _TimedNative:
     """A native module's stand-in whose functions add their wall time to `totals[part]`."""
@@ -450,8 +461,10 @@ def main() -> None:
     names = {LLAMA: f"llama-server, {args.threads} threads"}  # the tables' order
     names.update({f"up_{x}": f"lamina up, {x}" for x in layouts})
     names[ENGINE] = f"engine in process, {args.threads} threads"
-    # The targets are the default layout's (else the first one run).
-    up_key = "up_disaggregated" if "disaggregated" in layouts else (f"up_{layouts[0]}" if layouts else None)
+    # The targets are the default layout's: the one `lamina up --layout auto` chooses here
+    # (ranked on this machine's profile; measured first if there is none), else the first run.
+    default_layout = auto_layout()
+    up_key = f"up_{default_layout}" if default_layout in layouts else (f"up_{layouts[0]}" if layouts else None)
     runs: dict[tuple[int, str], list[dict]] = {}
     counters: dict[str, tuple[dict, dict]] = {}  # layout key -> (before, after) around the c=1 runs
     parts: dict = {}

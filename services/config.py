@@ -540,18 +540,7 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
                 overrides: Mapping[str, Any] | None = None) -> StackConfig:
     """Read the file (if any), then apply environment and flag overrides ("a.b" keys)."""
     env = os.environ if env is None else env
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"{p}: configuration file not found")
-        try:
-            text = p.read_text()
-            raw = tomllib.loads(text) if p.suffix == ".toml" else (yaml.safe_load(text) or {})
-        except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'YAML'}: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping")
+    raw = _read_file(path)
     source = str(path) if path else "configuration"
     merged = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
     for var, key in ENV_OVERRIDES.items():
@@ -564,6 +553,37 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         return _from_mapping(merged, source)
     except TypeError as exc:
         raise ConfigError(f"{source}: {exc}") from exc
+
+
+def _read_file(path: str | Path | None) -> dict[str, Any]:
+    """The file's mapping as written ({} without a file)."""
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: configuration file not found")
+    try:
+        text = p.read_text()
+        raw = tomllib.loads(text) if p.suffix == ".toml" else (yaml.safe_load(text) or {})
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'YAML'}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping")
+    return raw
+
+
+def set_outside_defaults(path: str | Path | None, dotted: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether the file at `path` or the environment sets `dotted` ("a" or "a.b"), so that
+    its value is not the default's."""
+    env = os.environ if env is None else env
+    if any(env.get(var) for var, key in ENV_OVERRIDES.items() if key == dotted):
+        return True
+    raw: Any = _read_file(path)
+    for part in dotted.split("."):
+        if not isinstance(raw, Mapping) or part not in raw:
+            return False
+        raw = raw[part]
+    return True
 
 
 def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:

@@ -1,6 +1,7 @@
 """`lamina profile`: measure this machine for the planner (linear layers, attention, a
 large copy, every transport it runs, a small decode through the stack) and write the
-profile that `lamina plan` reads as the catalogue's `this-machine` (docs/planner.md)."""
+profile that `lamina plan` reads as the catalogue's `this-machine` and `lamina up --layout
+auto` ranks its layouts on (docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lamina.planner.hardware import device_from_entry
+    from lamina.planner.local_layout import machine_fingerprint
     from lamina.planner.profile import profile
 
     result = profile(args.threads, args.usd_per_hour, args.quick, stack=not args.no_stack)
     device_from_entry("this-machine", result["device"])  # refuse to write what plan could not read
+    # What `lamina up --layout auto` checks before it reuses the profile instead of measuring.
+    result["fingerprint"] = machine_fingerprint()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     d = result["device"]

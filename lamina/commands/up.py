@@ -7,6 +7,7 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from lamina.commands._service_args import (
     add_common,
@@ -16,7 +17,13 @@ from lamina.commands._service_args import (
     gateway_refused,
     stack_config,
 )
-from lamina.services.config import COMPUTE_DTYPES
+from lamina.commands.plan import DEFAULT_PROFILE
+from lamina.services.config import COMPUTE_DTYPES, ConfigError, set_outside_defaults
+
+# Settings that name a layout, or that only the disaggregated one takes: set anywhere, they
+# leave --layout auto out.
+LAYOUT_SETTINGS = ("layout", "attention.workers", "attention.max_workers", "pipeline.micro_batches",
+                   "pipeline.mode", "partition")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,9 +33,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-max-workers", type=int, default=None,
                    help="attention workers that may join the running stack, up to this many in all (default 0: "
                         "a fixed pool; request partitioning; docs/deploy.md)")
-    p.add_argument("--layout", default=None, choices=("disaggregated", "colocated"),
-                   help="disaggregated (default): attention workers in processes of their own; colocated: each "
-                        "model worker attends in its own process, no attention workers (layout)")
+    p.add_argument("--layout", default=None, choices=("auto", "disaggregated", "colocated"),
+                   help="auto (default unless the configuration, LAMINA_LAYOUT, --attention-workers or "
+                        "--micro-batches names one; not under --ray): the layout the planner predicts fastest on "
+                        "this machine's profile, measured once (docs/services.md, Layouts); disaggregated: "
+                        "attention workers in processes of their own; colocated: each model worker attends in "
+                        "its own process, no attention workers (layout)")
+    p.add_argument("--workload", default=None, metavar="CONCURRENCY,PROMPT,OUTPUT",
+                   help="the serving load --layout auto ranks the layouts for: requests at once, prompt and output "
+                        "tokens each (default 8,512,256)")
+    p.add_argument("--profile", type=Path, default=None, metavar="PATH",
+                   help=f"this machine's profile for --layout auto (default {DEFAULT_PROFILE}; measured there by "
+                        "`lamina profile --quick` when missing, from another machine or another version)")
     p.add_argument("--model-workers", type=int, default=None, help="number of model-slice workers (default 1)")
     p.add_argument("--model-threads", type=int, default=None,
                    help="threads of each model worker's packed products; torch's ops run on one (default 1; "
@@ -80,21 +96,27 @@ def run(args: argparse.Namespace) -> int:
               "sequences' KV): set --model-workers instead of --attention-workers / --attention-max-workers",
               file=sys.stderr)
         return 2
-    config = stack_config(args, **{"layout": args.layout, "gateway.port": args.port,
-                                   "attention.workers": args.attention_workers,
-                                   "attention.max_workers": args.attention_max_workers,
-                                   "model_worker.workers": args.model_workers,
-                                   "model_worker.threads": args.model_threads,
-                                   "prefill.workers": args.prefill_workers, "prefill.routing": args.prefill_routing,
-                                   "prefill.device": args.prefill_device or args.device,
-                                   "model_worker.device": args.model_device or args.device,
-                                   "attention.device": args.attention_device or args.device,
-                                   "model_worker.dtype": args.dtype, "attention.dtype": args.dtype,
-                                   "pipeline.micro_batches": args.micro_batches, "pipeline.q_early": args.q_early,
-                                   "pipeline.mode": args.pipeline,
-                                   "weights": args.weights, "attention.kv_quant": args.kv_quant,
-                                   "gateway.api_key": args.api_key,
-                                   "gateway.insecure": args.insecure})
+    overrides: dict[str, object] = {"layout": args.layout, "gateway.port": args.port,
+                                    "attention.workers": args.attention_workers,
+                                    "attention.max_workers": args.attention_max_workers,
+                                    "model_worker.workers": args.model_workers,
+                                    "model_worker.threads": args.model_threads,
+                                    "prefill.workers": args.prefill_workers, "prefill.routing": args.prefill_routing,
+                                    "prefill.device": args.prefill_device or args.device,
+                                    "model_worker.device": args.model_device or args.device,
+                                    "attention.device": args.attention_device or args.device,
+                                    "model_worker.dtype": args.dtype, "attention.dtype": args.dtype,
+                                    "pipeline.micro_batches": args.micro_batches, "pipeline.q_early": args.q_early,
+                                    "pipeline.mode": args.pipeline,
+                                    "weights": args.weights, "attention.kv_quant": args.kv_quant,
+                                    "gateway.api_key": args.api_key,
+                                    "gateway.insecure": args.insecure}
+    auto = _auto_layout(args)
+    if auto is None:
+        return 2
+    if auto:
+        overrides["layout"] = None  # "auto" is lamina up's, not a layout the services know
+    config = stack_config(args, **overrides)
     if config is None or gateway_refused(config):
         return 2
     if args.ray is None and not devices_here(config, ("prefill", "model_worker", "attention")):
@@ -103,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
         print("lamina up: ports.grpc and ports.metrics must be 0 (one service per host only; "
               "LAMINA_GRPC_PORT / LAMINA_METRICS_PORT set?)", file=sys.stderr)
         return 2
+    if auto:  # only a configuration that can start is worth measuring the machine for
+        choice = choose_layout(config, args.workload, args.profile or DEFAULT_PROFILE)
+        config = None if choice is None else stack_config(args, **{**overrides, **choice.overrides()})
+        if config is None:
+            return 2
     from lamina.services.launch.launcher import Stack
     from lamina.services.launch.supervision import describe_exit
 
@@ -150,6 +177,57 @@ def run(args: argparse.Namespace) -> int:
         print("stopping...", file=sys.stderr)
         stack.stop()
     return 0
+
+
+def _auto_layout(args: argparse.Namespace) -> bool | None:
+    """Whether the layout is to be chosen by measurement (None after printing why the
+    request cannot be served): asked for, or no layout named anywhere."""
+    if args.layout == "auto":
+        if args.ray:
+            print("lamina up: --layout auto ranks the layouts of this machine; under --ray name one", file=sys.stderr)
+            return None
+        return True
+    # A flag or setting that only one layout takes names that one.
+    named = (args.layout, args.ray, args.attention_workers, args.attention_max_workers, args.micro_batches,
+             args.pipeline, args.partition)
+    if any(value is not None for value in named):
+        return False
+    try:
+        return not any(set_outside_defaults(args.config, key) for key in LAYOUT_SETTINGS)
+    except ConfigError as exc:
+        print(f"lamina: {exc}", file=sys.stderr)
+        return None
+
+
+def choose_layout(config, workload: str | None, profile_path: Path):
+    """The layout the planner ranks first for `config`'s model and weights on this
+    machine's profile (measured into `profile_path` when it holds none for this machine
+    and version); prints the three best with their predicted tokens/s. None after
+    printing why there is no choice."""
+    from lamina.model.loader import checkpoint_name, load_config
+    from lamina.planner.local_layout import (
+        LocalWorkload,
+        machine_profile,
+        rank_layouts,
+        shape_of,
+        weights_precision,
+    )
+    from lamina.planner.profile import profile
+
+    try:
+        load = LocalWorkload.parse(workload) if workload else LocalWorkload()
+    except ValueError as exc:
+        print(f"lamina up: {exc}", file=sys.stderr)
+        return None
+    say = lambda line: print(f"lamina up: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    measured = machine_profile(profile_path, lambda: profile(1, 0.1, quick=True), say)
+    shape = shape_of(load_config(config.model), checkpoint_name(config.model))
+    ranked = rank_layouts(measured["device"], shape, weights_precision(config.weights), load)
+    best = ranked[0]
+    say(f"layout auto: {best.describe()}; predicted for {load.describe()}: "
+        + "; ".join(f"{c.describe()} {c.tok_s:.0f} tok/s" for c in ranked[:3])
+        + f" (profile {profile_path}; `lamina profile` re-measures, --layout names one)")
+    return best
 
 
 def _attention(config) -> str:

@@ -200,7 +200,6 @@ def test_the_wheel_test_covers_every_command():
 def test_the_wheel_in_a_fresh_venv_serves_a_chat_request(installed, tmp_path, loaded_model, hf_reference):
     """`lamina up` from the wheel answers a chat request with transformers' greedy text;
     `lamina status` and `lamina health` (HTTP and gRPC) see its services healthy."""
-    import openai
     from fault_helpers import MAX_TOKENS, PROMPTS, greedy_references
 
     where = _run([str(installed.venv / "bin" / "python"), "-c", "import lamina.services, lamina.model.quant as q; "
@@ -213,16 +212,7 @@ def test_the_wheel_in_a_fresh_venv_serves_a_chat_request(installed, tmp_path, lo
     port = _free_port()
     log_path = tmp_path / "lamina-up.log"
     with _lamina_up(installed, port, log_path) as up:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-        deadline = time.monotonic() + 600
-        while True:
-            assert up.poll() is None, f"lamina up exited: {log_path.read_text()[-3000:]}"
-            try:
-                model = client.models.list().data[0].id
-                break
-            except openai.APIConnectionError:
-                assert time.monotonic() < deadline, "lamina up did not answer within 600 s"
-                time.sleep(1)  # polling a port that opens when the stack is up: nothing to wait on
+        client, model = _serving(up, port, log_path)
         reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
                                                max_tokens=MAX_TOKENS, temperature=0)
         assert reply.choices[0].message.content == greedy_references(loaded_model, hf_reference)[0]
@@ -240,11 +230,11 @@ def test_the_wheel_in_a_fresh_venv_serves_a_chat_request(installed, tmp_path, lo
 
 
 @contextlib.contextmanager
-def _lamina_up(installed: Installed, port: int, log_path: Path) -> Iterator[subprocess.Popen]:
+def _lamina_up(installed: Installed, port: int, log_path: Path,
+               options: tuple[str, ...] = ("--attention-workers", "1")) -> Iterator[subprocess.Popen]:
     """`lamina up` from the wheel, its output in `log_path`; stopped at the end if it still runs."""
     with open(log_path, "wb") as log:
-        up = subprocess.Popen([str(installed.venv / "bin" / "lamina"), "up", "--port", str(port),
-                               "--attention-workers", "1"],
+        up = subprocess.Popen([str(installed.venv / "bin" / "lamina"), "up", "--port", str(port), *options],
                               cwd=installed.cwd, env=installed.env, stdout=log, stderr=subprocess.STDOUT,
                               start_new_session=True)
         try:
@@ -265,7 +255,8 @@ def test_the_wheel_runs_every_other_command(installed, tmp_path, loaded_model, h
     """From the wheel, outside the checkout: every console script's --help; `lamina
     generate` gives transformers' greedy text; `lamina plan --json` ranks layouts for a
     trace; `lamina profile --quick` (its stack run included) writes a profile that `lamina
-    plan` reads as this-machine."""
+    plan` reads as this-machine and that `lamina up`, naming no layout, chooses its layout
+    on without measuring again."""
     from fault_helpers import MAX_TOKENS, PROMPTS, greedy_references
 
     for script in SCRIPTS_RUN:
@@ -295,6 +286,31 @@ def test_the_wheel_runs_every_other_command(installed, tmp_path, loaded_model, h
                                     "--profile", str(profile), "--prompt-tokens", "64", "--output-tokens", "16",
                                     "--rate", "0.5", "--json").stdout)
     assert plan["configurations"], plan
+
+    # `lamina up` naming no layout ranks them on that profile (written by this machine and
+    # version, so nothing is measured again) and starts the first.
+    port, log_path = _free_port(), tmp_path / "lamina-up-auto.log"
+    with _lamina_up(installed, port, log_path, ("--profile", str(profile))) as up:
+        client, model = _serving(up, port, log_path)
+        reply = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
+        assert reply.usage.completion_tokens == 4
+        log = log_path.read_text()
+        assert "layout auto: " in log and "measuring this machine" not in log, log[-3000:]
+
+
+def _serving(up: subprocess.Popen, port: int, log_path: Path):
+    """(an openai client of the `lamina up` on `port`, its model) once it answers."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    deadline = time.monotonic() + 600
+    while True:
+        assert up.poll() is None, f"lamina up exited: {log_path.read_text()[-3000:]}"
+        try:
+            return client, client.models.list().data[0].id
+        except openai.APIConnectionError:
+            assert time.monotonic() < deadline, "lamina up did not answer within 600 s"
+            time.sleep(1)  # polling a port that opens when the stack is up: nothing to wait on
 
 
 def _free_port() -> int:

@@ -1,0 +1,166 @@
+"""`lamina up --layout auto`: the layout this machine serves fastest, as the planner predicts.
+
+`lamina up` can start two layouts on one host: colocated (each model worker attends in
+its own process) and disaggregated (attention workers of their own, 1 or 2 here, with 1
+or 2 staggered micro-batches). `rank_layouts` ranks them by the planner's predicted
+decode tokens/s (lamina.planner.estimate.decode_step) for a serving workload on this
+machine's profile, every service sharing the host's cores (`Layout.shared_host`): a
+pure function of the profile, the model's shape and the workload. `machine_profile`
+gives the profile: the one `lamina profile` wrote when it was measured on this machine
+by this version of Lamina, else a new `lamina profile --quick`, written there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from lamina.planner.estimate import decode_step
+from lamina.planner.hardware import THIS_MACHINE, device_from_entry, load_catalogue
+from lamina.planner.layouts import Layout
+from lamina.planner.perf.quantization import FP32, INT4, Precision
+from lamina.planner.shapes import ModelShape
+
+ATTENTION_WORKER_CHOICES = (1, 2)
+MICRO_BATCH_CHOICES = (1, 2)
+
+
+@dataclass(frozen=True)
+class LocalWorkload:
+    """The serving load the layouts are ranked for: `concurrency` requests decoding at
+    once, each of `prompt_tokens` and `output_tokens` (a few people chatting by default)."""
+
+    concurrency: int = 8
+    prompt_tokens: int = 512
+    output_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.prompt_tokens < 1 or self.output_tokens < 1:
+            raise ValueError("the workload's concurrency, prompt and output tokens must be positive")
+
+    @property
+    def mean_context(self) -> float:
+        """Tokens a decoding request attends over, on average over its output."""
+        return self.prompt_tokens + self.output_tokens / 2
+
+    @classmethod
+    def parse(cls, text: str) -> LocalWorkload:
+        """"CONCURRENCY,PROMPT,OUTPUT", e.g. "8,512,256"."""
+        parts = text.split(",")
+        try:
+            if len(parts) != 3:
+                raise ValueError
+            return cls(*(int(p) for p in parts))
+        except ValueError:
+            raise ValueError(f"--workload takes CONCURRENCY,PROMPT_TOKENS,OUTPUT_TOKENS (positive integers, "
+                             f"e.g. 8,512,256), got {text!r}") from None
+
+    def describe(self) -> str:
+        return (f"{self.concurrency} request{'s' * (self.concurrency > 1)} at once, {self.prompt_tokens}-token "
+                f"prompts, {self.output_tokens} output tokens")
+
+
+@dataclass(frozen=True)
+class LocalChoice:
+    """One layout `lamina up` can start here, with its predicted decode tokens/s."""
+
+    layout: str  # "colocated" or "disaggregated"
+    attention_workers: int  # 0 colocated
+    micro_batches: int
+    tok_s: float
+    bottleneck: str
+
+    def describe(self) -> str:
+        if self.layout == "colocated":
+            return "colocated"
+        return (f"disaggregated, {self.attention_workers} attention worker{'s' * (self.attention_workers > 1)}, "
+                f"{self.micro_batches} micro-batch{'es' * (self.micro_batches > 1)}")
+
+    def overrides(self) -> dict[str, Any]:
+        """The stack configuration keys that start this layout."""
+        if self.layout == "colocated":
+            return {"layout": "colocated"}
+        return {"layout": "disaggregated", "attention.workers": self.attention_workers,
+                "pipeline.micro_batches": self.micro_batches}
+
+
+def weights_precision(weights: str) -> Precision:
+    """The planner's precision for `model.weights`: the 4-bit formats (q4, and as_file, whose
+    default GGUF holds Q4_1 blocks) as its min-max 4-bit, anything else as float32 (the
+    planner has no 8-bit weights: q8_0 is ranked by float32's figures)."""
+    return INT4 if weights in ("q4", "as_file") else FP32
+
+
+def rank_layouts(device_entry: Mapping[str, Any], shape: ModelShape, weights: Precision,
+                 workload: LocalWorkload) -> list[LocalChoice]:
+    """Every layout `lamina up` can start here, fastest first, for `workload` on the
+    machine `device_entry` describes (a profile's "device")."""
+    catalogue = dict(load_catalogue())
+    catalogue[THIS_MACHINE] = device_from_entry(THIS_MACHINE, device_entry)
+    candidates = [("colocated", 0, 1, Layout(THIS_MACHINE, 1, weights=weights, kv=FP32, shared_host=True))]
+    for workers in ATTENTION_WORKER_CHOICES:
+        for micro in MICRO_BATCH_CHOICES:
+            candidates.append(("disaggregated", workers, micro,
+                               Layout(THIS_MACHINE, 1, 1, THIS_MACHINE, workers, micro, "request", weights, FP32,
+                                      shared_host=True)))
+    batch = max(workload.concurrency, 1)
+    ranked = []
+    for name, workers, micro, layout in candidates:
+        step = decode_step(shape, layout, catalogue, batch, workload.mean_context)
+        ranked.append(LocalChoice(name, workers, micro, batch / step.step_s, step.bottleneck))
+    return sorted(ranked, key=lambda c: -c.tok_s)
+
+
+def shape_of(cfg: Any, name: str) -> ModelShape:
+    """A model's configuration (lamina.model.config.ModelConfig) as the planner's shape."""
+    return ModelShape(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, name=name)
+
+
+def machine_fingerprint() -> str:
+    """What a profile holds for: this CPU, its cores, its memory and this Lamina's version."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        memory = 0
+    try:
+        version = metadata.version("lamina")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    text = json.dumps([cpu, os.cpu_count(), memory >> 30, platform.system(), version])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def machine_profile(path: Path, measure: Callable[[], dict[str, Any]], say: Callable[[str], None]) -> dict[str, Any]:
+    """The profile at `path` when it was measured on this machine by this version (its
+    "fingerprint"), else `measure()`'s, written to `path` with the fingerprint."""
+    fingerprint = machine_fingerprint()
+    try:
+        held = json.loads(path.read_text())
+        if isinstance(held, dict) and held.get("fingerprint") == fingerprint and "device" in held:
+            return held
+        why = "measured on another machine or by another version"
+    except FileNotFoundError:
+        why = "none yet"
+    except (OSError, ValueError):
+        why = "unreadable"
+    say(f"measuring this machine for the layout choice ({why} in {path}; lamina profile --quick, "
+        f"about a minute, once)...")
+    result = dict(measure())
+    result["fingerprint"] = fingerprint
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return result

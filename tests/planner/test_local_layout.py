@@ -1,0 +1,118 @@
+"""`lamina up --layout auto`: the layouts of one host ranked on a profile, the profile reused
+only for the machine and version it was measured for, and lamina up's choice of when to rank."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from planner_helpers import figure, synthetic_entry
+
+from lamina.planner import local_layout
+from lamina.planner.local_layout import LocalChoice, LocalWorkload, machine_profile, rank_layouts
+from lamina.planner.perf.quantization import FP32, INT4
+from lamina.planner.shapes import BUILTIN
+
+SMOLLM2 = BUILTIN["smollm2-135m"]
+
+
+def _entry(cores: int, slice_us: float, frame_us: float, exchange_us: float) -> dict:
+    """The synthetic profile with a host of `cores` and the services' overheads of a stack run."""
+    entry = synthetic_entry(False)
+    entry.update(cores=figure(cores), host_cores=figure(cores), slice_overhead_us=figure(slice_us),
+                 frame_overhead_us=figure(frame_us), exchange_overhead_us=figure(exchange_us))
+    return entry
+
+
+def test_the_ranking_follows_the_machine_and_the_workload():
+    """One user on a host whose exchanges cost hundreds of microseconds: colocated first.
+    32 long requests, where attention dominates: two attention workers first. Every
+    layout lamina up can start is ranked, fastest first."""
+    few = rank_layouts(_entry(2, 50, 50, 300), SMOLLM2, FP32, LocalWorkload(1, 64, 32))
+    many = rank_layouts(_entry(2, 50, 50, 300), SMOLLM2, FP32, LocalWorkload(32, 2048, 256))
+    for ranked in (few, many):
+        assert len(ranked) == 5 and [c.tok_s for c in ranked] == sorted((c.tok_s for c in ranked), reverse=True)
+        assert {(c.layout, c.attention_workers, c.micro_batches) for c in ranked} == {
+            ("colocated", 0, 1), *(("disaggregated", a, m) for a in (1, 2) for m in (1, 2))}
+    assert few[0].layout == "colocated"
+    assert many[0].layout == "disaggregated" and many[0].attention_workers == 2
+    assert few[0].overrides() == {"layout": "colocated"}
+    assert many[0].overrides() == {"layout": "disaggregated", "attention.workers": 2,
+                                   "pipeline.micro_batches": many[0].micro_batches}
+
+
+def test_workloads_and_weights_are_read_as_the_flags_spell_them():
+    assert LocalWorkload.parse("4,128,64") == LocalWorkload(4, 128, 64)
+    assert LocalWorkload(4, 128, 64).mean_context == 160
+    for bad in ("4,128", "4,x,64", "0,128,64", "4,128,64,1"):
+        with pytest.raises(ValueError, match="CONCURRENCY,PROMPT_TOKENS,OUTPUT_TOKENS"):
+            LocalWorkload.parse(bad)
+    assert local_layout.weights_precision("as_file") is INT4 and local_layout.weights_precision("float32") is FP32
+    assert LocalChoice("disaggregated", 1, 2, 10.0, "x").describe() == \
+        "disaggregated, 1 attention worker, 2 micro-batches"
+
+
+def test_a_profile_is_reused_only_for_this_machine_and_version(tmp_path, monkeypatch):
+    path = tmp_path / "cache" / "profile.json"
+    measured, said = [], []
+
+    def measure():
+        measured.append(1)
+        return {"device": {"n": len(measured)}}
+
+    first = machine_profile(path, measure, said.append)  # none yet: measured, written
+    assert measured == [1] and "none yet" in said[0] and json.loads(path.read_text()) == first
+    assert machine_profile(path, measure, said.append) == first and measured == [1]  # reused
+    monkeypatch.setattr(local_layout, "machine_fingerprint", lambda: "another machine")
+    assert machine_profile(path, measure, said.append)["device"] == {"n": 2}
+    assert "another machine or by another version" in said[-1]
+    path.write_text("{not json")
+    assert machine_profile(path, measure, said.append)["device"] == {"n": 3} and "unreadable" in said[-1]
+
+
+def _up_args(*argv: str) -> argparse.Namespace:
+    from lamina.commands import up
+
+    p = argparse.ArgumentParser()
+    up.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_lamina_up_ranks_only_when_no_layout_is_named(tmp_path, monkeypatch, capsys):
+    from lamina.commands.up import _auto_layout
+
+    monkeypatch.delenv("LAMINA_LAYOUT", raising=False)
+    assert _auto_layout(_up_args()) is True
+    assert _auto_layout(_up_args("--layout", "auto")) is True
+    for named in (["--layout", "colocated"], ["--attention-workers", "1"], ["--micro-batches", "1"],
+                  ["--partition", "head"], ["--pipeline", "rotational"]):
+        assert _auto_layout(_up_args(*named)) is False, named
+    config = tmp_path / "stack.yaml"
+    config.write_text("pipeline:\n  micro_batches: 1\n")
+    assert _auto_layout(_up_args("--config", str(config))) is False
+    config.write_text("model_worker:\n  threads: 2\n")
+    assert _auto_layout(_up_args("--config", str(config))) is True
+    monkeypatch.setenv("LAMINA_LAYOUT", "disaggregated")
+    assert _auto_layout(_up_args()) is False
+    assert _auto_layout(_up_args("--layout", "auto", "--ray", "auto")) is None
+    assert "under --ray name one" in capsys.readouterr().err
+
+
+def test_lamina_up_chooses_on_the_cached_profile_without_measuring(tmp_path, monkeypatch, capsys):
+    """The profile for this machine is there: nothing is measured, the first of the
+    ranking is chosen and the three best are printed with their predictions."""
+    import lamina.planner.profile as prof
+    from lamina.commands.up import choose_layout
+    from lamina.services.config import load_config
+
+    monkeypatch.setattr(prof, "profile", lambda *a, **k: pytest.fail("measured although a profile was there"))
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"device": _entry(2, 50, 50, 300), "fingerprint": local_layout.machine_fingerprint()}))
+    choice = choose_layout(load_config(env={}), "1,64,32", path)
+    assert choice is not None and choice.layout == "colocated"
+    err = capsys.readouterr().err
+    assert "layout auto: colocated; predicted for 1 request at once, 64-token prompts, 32 output tokens" in err
+    assert err.count("tok/s") == 3
+    assert choose_layout(load_config(env={}), "1,64", path) is None
+    assert "CONCURRENCY,PROMPT_TOKENS,OUTPUT_TOKENS" in capsys.readouterr().err
