@@ -7,21 +7,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from lamina.aio import raise_if_cancelled
-
 
 async def write_batches(wake: asyncio.Event, flush: Callable[[], Awaitable[bool]], interval_s: float,
                         retry_s: float) -> None:
     """Forever: wait until `wake` is set, let a batch gather for `interval_s`, then
     `flush()` it. A flush that returns False (the store unreachable; it kept its
-    changes) is tried again `retry_s` later, not in a tight loop. A cancellation during
-    a flush ends the loop even if code under the flush caught it."""
+    changes) is tried again `retry_s` later, not in a tight loop. (A cancellation that a
+    flush's Redis command loses is raised again by the store's client: lamina/aio.py.)"""
     while True:
         await wake.wait()
         await asyncio.sleep(interval_s)
         wake.clear()
         flushed = await flush()
-        raise_if_cancelled()
         if not flushed:
             await asyncio.sleep(retry_s)
             wake.set()

@@ -175,13 +175,38 @@ return 1
 """
 
 
+class _Client(aioredis.Redis):
+    """redis-py's asyncio client, with a cancellation that a command lost raised again when
+    the command ends (lamina.aio.raise_if_cancelled): every loop around the store's calls
+    then ends at its cancellation, without a check of its own."""
+
+    async def execute_command(self, *args, **options):
+        try:
+            return await super().execute_command(*args, **options)
+        finally:
+            raise_if_cancelled()  # the cancellation wins over the command's result or error
+
+    def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> _Pipeline:
+        return _Pipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+
+
+class _Pipeline(aioredis.client.Pipeline):
+    """A pipeline of `_Client`: the same check when it executes."""
+
+    async def execute(self, raise_on_error: bool = True) -> list:
+        try:
+            return await super().execute(raise_on_error)
+        finally:
+            raise_if_cancelled()
+
+
 class MetadataStore:
     """Async access to the metadata keys. Owns its connection pool: `await close()`."""
 
     def __init__(self, config: MetadataConfig) -> None:
         self.config = config
         self.ns = config.namespace
-        self.redis = aioredis.Redis.from_url(
+        self.redis = _Client.from_url(
             config.url, decode_responses=True,
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 6),
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
@@ -580,4 +605,3 @@ class ServiceRegistration:
                 log.warning("heartbeat of %s failed: %s", self.service_id, e)
             except Exception:
                 log.exception("re-registration of %s failed", self.service_id)
-            raise_if_cancelled()

@@ -5,8 +5,9 @@ asyncio client (8.1 measured here) can end a command normally although the task 
 it was cancelled meanwhile: in a probe cancelling a loop of GETs at 0-3 ms, 1 to 16 of 20
 cancellations were lost. A loop around Redis calls that runs until cancelled would then
 go on forever, and whoever awaits it at shutdown with it. `Task.cancelling()` still
-counts the request, so the periodic loops around Redis calls check it after each call
-(the request paths do not).
+counts the request, so the metadata store's client (lamina.kvstore.metadata) checks it
+as each command and each pipeline ends, once for every caller, and the loops around
+Redis calls need no check of their own.
 
 `cancel_and_wait`: a shutdown's cancellation of its tasks that notices one that goes on
 (its stack logged, cancelled again). `task_stack`: a suspended task's stack as text, for

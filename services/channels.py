@@ -10,6 +10,8 @@ decode loop's hot path.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Hashable
 from typing import Any
 
 import grpc
@@ -26,6 +28,53 @@ def open_channel(address: str, token: str | None = None) -> grpc.aio.Channel:
     if token is None:
         return channel
     return _TokenChannel(channel, ((TOKEN_METADATA_KEY, token),))
+
+
+# How long a replaced channel stays open for the calls still on it. Its peer has moved (a
+# restart), so they fail by themselves or are cancelled then; short, since a service that
+# stops waits for it.
+RETIRE_GRACE_S = 2.0
+
+
+class Channels:
+    """A service's client channels, one per peer (a key: ("model", "model-2"), "scheduler"),
+    each closed when it is replaced or with the service.
+
+    A peer that comes back at another address gets a new channel; the one it replaces is
+    closed `grace_s` later (calls still on it end first, or are cancelled then), by a task
+    of this object, so that channels to peers that are gone do not accumulate over
+    restarts. Used from the service's event loop."""
+
+    def __init__(self, token: str | None, grace_s: float = RETIRE_GRACE_S) -> None:
+        self._token = token
+        self._grace_s = grace_s
+        self._open: dict[Hashable, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task] = set()
+
+    def open(self, key: Hashable, address: str) -> grpc.aio.Channel:
+        """A new channel to `address` for peer `key`; the peer's channel before it is retired."""
+        channel = open_channel(address, self._token)
+        self.replace(key, channel)
+        return channel
+
+    def replace(self, key: Hashable, channel: grpc.aio.Channel) -> None:
+        """`channel`, opened elsewhere, becomes peer `key`'s; the one before it is retired."""
+        old = self._open.get(key)
+        self._open[key] = channel
+        if old is not None and old is not channel:
+            task = asyncio.get_running_loop().create_task(old.close(self._grace_s), name=f"close-channel-{key}")
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    def __len__(self) -> int:
+        """Channels open and not retired."""
+        return len(self._open)
+
+    async def close(self) -> None:
+        """Every channel: the open ones now, the retired ones at the end of their grace
+        (a graceful close that is cancelled leaves grpc's channel open, so it is awaited)."""
+        channels, self._open = list(self._open.values()), {}
+        await asyncio.gather(*self._closing, *(c.close() for c in channels), return_exceptions=True)
 
 
 class _TokenChannel(grpc.aio.Channel):

@@ -22,7 +22,7 @@ import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from lamina.aio import cancel_and_wait, raise_if_cancelled
+from lamina.aio import cancel_and_wait
 from lamina.kvstore.metadata import (
     REDIS_ERRORS,
     MetadataConfig,
@@ -128,7 +128,6 @@ class ServiceRuntime:
                 await self.store.put_stats(self.kind, self.service_id, stats())
             except REDIS_ERRORS as exc:
                 log.debug("%s: figures not published (%s)", self.service_id, exc)
-            raise_if_cancelled()
             await asyncio.sleep(STATS_INTERVAL_S)
 
     def install_signal_handlers(self) -> None:
@@ -175,9 +174,8 @@ async def abort_for_remote_error(context: grpc.aio.ServicerContext, exc: Excepti
 async def refresh_every_half_ttl(store: MetadataStore, refresh: Callable[[], Awaitable[None]], what: str) -> None:
     """Run `refresh` every half service TTL for as long as the caller's task runs: a
     periodic timer, since leases expire on Redis's clock and nothing here signals it. A
-    failed round is logged; the next one tries again. A cancellation that arrives
-    during a round ends the loop even when code under `refresh` catches it and returns
-    (lamina/aio.py: the scheduler's prefill refresh lost one in its Redis reads)."""
+    failed round is logged; the next one tries again. (A cancellation that a Redis read
+    under `refresh` loses is raised again by the store's client: lamina/aio.py.)"""
     interval = max(store.config.service_ttl_s / 2, 0.5)
     while True:
         await asyncio.sleep(interval)
@@ -185,7 +183,6 @@ async def refresh_every_half_ttl(store: MetadataStore, refresh: Callable[[], Awa
             await refresh()
         except Exception as exc:  # noqa: BLE001 - the next round tries again
             log.warning("refreshing the %s failed: %s", what, exc)
-        raise_if_cancelled()
 
 
 async def workers_by_index(store: MetadataStore, kind: str, count: int, limit: int,

@@ -11,7 +11,7 @@ import grpc
 
 from lamina.gateway.backend import BackendError, BackendStats, QueueFullError, RequestRefusedError
 from lamina.gateway.protocol import GenerateRequest, TokenEvent
-from lamina.services.channels import open_channel
+from lamina.services.channels import Channels
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.sampling_wire import logprobs_from_proto, params_to_proto
 
@@ -34,11 +34,11 @@ class SchedulerBackend:
         self._stall_s = stall_s
         self._answered_at = time.monotonic()
         self._cut: dict[str, str] = {}  # request id -> why its call was cut
-        self._token = token
         self._resolve = resolve
         self._address = address
-        self._channel = open_channel(address, token)
-        self._old_channels: list[grpc.aio.Channel] = []
+        # The scheduler's channel; one to an address it left is closed after a short grace.
+        self._channels = Channels(token)
+        self._channel = self._channels.open("scheduler", address)
         self._stub = lamina_pb2_grpc.SchedulerStub(self._channel)
         self._calls: dict[str, grpc.aio.UnaryStreamCall] = {}
         self._stats = BackendStats(0, 0)
@@ -51,8 +51,7 @@ class SchedulerBackend:
         if self._stats_task is not None:
             self._stats_task.cancel()
             await asyncio.gather(self._stats_task, return_exceptions=True)
-        for channel in (self._channel, *self._old_channels):
-            await channel.close()
+        await self._channels.close()
 
     async def _follow(self) -> bool:
         """Move to the scheduler's registered address if it changed; True if it did."""
@@ -64,9 +63,8 @@ class SchedulerBackend:
             return False
         if not address or address == self._address:
             return False
-        self._old_channels.append(self._channel)  # calls in flight on it end by themselves
         self._address = address
-        self._channel = open_channel(address, self._token)
+        self._channel = self._channels.open("scheduler", address)
         self._stub = lamina_pb2_grpc.SchedulerStub(self._channel)
         return True
 

@@ -19,8 +19,9 @@ Routing reads the store's block holders together with `claims` (lamina.services.
 the blocks of prompts it routed that the store may not show yet, so a conversation's
 next turn sent while the turn before is still computing goes where that turn went.
 
-Ownership: channels are opened by the `open_channel` the scheduler passes (it closes
-them with its others). One asyncio loop uses this object; nothing here locks.
+Ownership: channels are opened by the `open_channel(key, address)` the scheduler passes
+(its lamina.services.channels.Channels: a worker's new channel retires its old one, and
+the rest close with the scheduler). One asyncio loop uses this object; nothing here locks.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import grpc
@@ -89,7 +90,7 @@ class _Worker:
 
 class PrefillClients:
     def __init__(self, config: StackConfig, store: MetadataStore,
-                 open_channel: Callable[[str], grpc.aio.Channel]) -> None:
+                 open_channel: Callable[[Hashable, str], grpc.aio.Channel]) -> None:
         self.config = config
         self.store = store
         self._open_channel = open_channel
@@ -108,7 +109,7 @@ class PrefillClients:
         w = self._by_name(info.service_id)
         if w is None:
             return  # an index past prefill.workers: not part of this stack's configuration
-        channel = self._open_channel(info.endpoint)
+        channel = self._open_channel(("prefill", w.name), info.endpoint)  # replaces its channel before
         w.endpoint = info.endpoint
         w.data_address = str(info.meta.get("data", ""))
         w.stub = lamina_pb2_grpc.PrefillStub(channel)

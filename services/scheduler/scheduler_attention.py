@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import grpc
 
@@ -35,7 +35,9 @@ from lamina.services.scheduler.scheduler_state import Request
 
 log = logging.getLogger(__name__)
 
-ChannelFactory = Callable[[str], grpc.aio.Channel]  # a channel to an address, closed with the scheduler
+# channel(key, address): a channel to a peer at an address, replacing the peer's before it
+# (lamina.services.channels.Channels.open)
+ChannelFactory = Callable[[Hashable, str], grpc.aio.Channel]
 
 
 class AttentionWorkers:
@@ -74,7 +76,7 @@ class AttentionWorkers:
     async def join(self, w: int, address: str, timeout_s: float) -> None:
         """Put worker `w`, at gRPC `address`, in the pool with the KV capacity it reports;
         raises the Stats call's error when it does not answer."""
-        stub = lamina_pb2_grpc.AttentionControlStub(self._channel(address))
+        stub = lamina_pb2_grpc.AttentionControlStub(self._channel(("attention", w), address))
         stats = await stub.Stats(lamina_pb2.Empty(), timeout=timeout_s)
         self.grow(w + 1)
         self.stubs[w], self.addresses[w] = stub, address
@@ -139,7 +141,7 @@ class AttentionWorkers:
             if w is not None and w < len(self.stubs) and self.stubs[w] is not None \
                     and address and address != self.addresses[w]:
                 self.addresses[w] = address
-                self.stubs[w] = lamina_pb2_grpc.AttentionControlStub(self._channel(address))
+                self.stubs[w] = lamina_pb2_grpc.AttentionControlStub(self._channel(("attention", w), address))
 
     # -- reservations -----------------------------------------------------------------------
     def placeable(self, healthy: Sequence[bool] | None = None) -> list[int]:

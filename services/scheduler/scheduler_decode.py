@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from lamina.aio import raise_if_cancelled
 from lamina.kvstore.metadata import REDIS_ERRORS
 from lamina.services.channels import open_channel
 from lamina.services.model.micro_batches import join_target
@@ -198,7 +197,6 @@ class DecodeStreams:
             await asyncio.sleep(delay)
             delay = min(2 * delay, 4.0)
             info = await s.runtime.store.get_service("model", f"model-{worker}")
-            raise_if_cancelled()
             if info is None:
                 continue
             channel = open_channel(info.endpoint, s.config.cluster_token)
@@ -207,7 +205,7 @@ class DecodeStreams:
             except TimeoutError:
                 await channel.close()
                 continue
-            s.keep_channel(channel)
+            s.channels.replace(("model", info.service_id), channel)  # the old one closes after its grace
             stream = self._stream(worker, channel)
             await old.close()
             self.streams[worker] = stream
@@ -237,4 +235,3 @@ class DecodeStreams:
                 written = held
             except REDIS_ERRORS as exc:
                 log.debug("placement tokens not written (%s)", exc)
-            raise_if_cancelled()

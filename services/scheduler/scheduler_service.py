@@ -46,7 +46,7 @@ from lamina.aio import cancel_and_wait
 from lamina.kvstore.metadata import REDIS_ERRORS, KVPlacement
 from lamina.model.loader import load_tokenizer
 from lamina.sampling.stop import stop_reason
-from lamina.services.channels import open_channel
+from lamina.services.channels import Channels
 from lamina.services.config import StackConfig
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime, refresh_every_half_ttl, wait_for_services, workers_by_index
@@ -75,11 +75,12 @@ class SchedulerService:
         self.by_id: dict[str, Request] = {}
         # Requests of n > 1 choices: their id -> the choices started so far (lamina.services.scheduler.choices).
         self.groups: dict[str, list[Request]] = {}
-        self._channels: list[grpc.aio.Channel] = []  # every channel opened: closed with the scheduler
+        # Its channels to workers, one per worker: a restarted worker's replaces its old one.
+        self.channels = Channels(config.cluster_token)
         self._tasks: list[asyncio.Task[None]] = []  # its loops, started by run(), cancelled at shutdown
-        self.attention = AttentionWorkers(config, self.runtime.store, self._channel)
+        self.attention = AttentionWorkers(config, self.runtime.store, self.channels.open)
         # One channel per prefill worker; each prompt goes to the one lamina.services.scheduler.prefill_routing picks.
-        self.prefills = PrefillClients(config, self.runtime.store, self._channel)
+        self.prefills = PrefillClients(config, self.runtime.store, self.channels.open)
         self.admission = Admission(self)
         self.decode = DecodeStreams(self, lamina_pb2.StopRule(eos_token_ids=sorted(self.eos_ids),
                                                               max_model_len=self.max_model_len))
@@ -264,15 +265,6 @@ class SchedulerService:
         self.m_running.set(len(self.running))
 
     # -- process ----------------------------------------------------------------------------
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        """A channel to a service of the stack, closed with the scheduler."""
-        return self.keep_channel(open_channel(address, self.config.cluster_token))
-
-    def keep_channel(self, channel: grpc.aio.Channel) -> grpc.aio.Channel:
-        """Close `channel` with the scheduler."""
-        self._channels.append(channel)
-        return channel
-
     async def run(self) -> None:
         rt = self.runtime
         store = rt.store
@@ -287,7 +279,7 @@ class SchedulerService:
         for w, address in registered.items():
             await self.attention.join(w, address, self.config.deadlines.rpc_s)
         self.prefills.connect(prefills)
-        model_channels = [self._channel(m.endpoint) for m in models]
+        model_channels = [self.channels.open(("model", m.service_id), m.endpoint) for m in models]
         await self.recovery.end_leftovers()
         self.decode.open(model_channels)
         self.journal.start()
@@ -310,8 +302,7 @@ class SchedulerService:
             except (TimeoutError, *REDIS_ERRORS) as exc:
                 # Shutdown goes on: the next scheduler's start frees what the journal still lists.
                 log.warning("journal not flushed at shutdown (%s)", str(exc) or type(exc).__name__)
-            for c in self._channels:
-                await c.close()
+            await self.channels.close()
 
 
 class _SchedulerServicer(lamina_pb2_grpc.SchedulerServicer):

@@ -46,10 +46,10 @@ class _Store:
 
 
 def _pool(workers: list[_Worker], store: _Store | None = None,
-          channels: list[str] | None = None) -> AttentionWorkers:
-    def channel(address: str) -> grpc.aio.Channel:
+          channels: list[tuple[object, str]] | None = None) -> AttentionWorkers:
+    def channel(key: object, address: str) -> grpc.aio.Channel:
         if channels is not None:
-            channels.append(address)
+            channels.append((key, address))
         return grpc.aio.insecure_channel(address)
 
     pool = AttentionWorkers(StackConfig(redis_url="redis://127.0.0.1:1"), store or _Store(), channel)  # type: ignore[arg-type]
@@ -108,5 +108,6 @@ async def test_a_probe_follows_a_restarted_worker_to_its_new_address():
     store.services = [ServiceInfo("attention", "attention-0", "e", 0.0, {"grpc": "127.0.0.1:1"}),  # unchanged
                       ServiceInfo("attention", "attention-1", "e", 0.0, {"grpc": "127.0.0.1:9"})]  # restarted
     healthy = await pool.probe()
-    assert opened == ["127.0.0.1:9"] and pool.addresses == ["127.0.0.1:1", "127.0.0.1:9"]
+    # The restarted worker's channel, under its key: it replaces (and retires) its old one.
+    assert opened == [(("attention", 1), "127.0.0.1:9")] and pool.addresses == ["127.0.0.1:1", "127.0.0.1:9"]
     assert healthy == [True, False]  # nothing listens at the new address

@@ -12,9 +12,12 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from lamina.aio import cancel_and_wait
 from lamina.kvstore.batches import write_batches
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore
+from lamina.kvstore.redis_server import EmbeddedRedis
 from lamina.services.config import StackConfig
 from lamina.services.launch.launcher import ServiceProcess, Stack
 from lamina.services.runtime import refresh_every_half_ttl
@@ -108,44 +111,65 @@ async def test_a_task_that_never_ends_is_given_up_on():
     assert task.done()
 
 
-async def test_a_refresh_that_swallows_the_cancellation_still_ends_its_loop():
-    """refresh_every_half_ttl ends when cancelled during a round even if the round
-    catches the CancelledError and returns (nothing connects: the store is only read
-    for its TTL)."""
-    in_round = asyncio.Event()
-    rounds = 0
+@pytest.fixture(scope="module")
+def redis_url():
+    with EmbeddedRedis() as server:
+        yield server.url
 
-    async def refresh() -> None:
-        nonlocal rounds
-        rounds += 1
-        in_round.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.sleep(3600)
 
-    store = MetadataStore(MetadataConfig(url="redis://127.0.0.1:1", service_ttl_s=1.0))
+async def _swallowed_then_redis(store: MetadataStore, in_round: asyncio.Event) -> None:
+    """What redis-py does at times: the cancellation lands under a command and is lost
+    (suppressed here, where the test can place it); then the next command."""
+    in_round.set()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.sleep(3600)
+    await store.list_services("model")
+
+
+async def test_a_lost_cancellation_is_raised_again_by_the_store_s_next_command(redis_url):
+    """The metadata store's client raises a cancellation its task lost once its next
+    command (or pipeline) ends; without one lost, commands return as they do."""
+    store = MetadataStore(MetadataConfig(url=redis_url, namespace="lost"))
     try:
-        task = asyncio.create_task(refresh_every_half_ttl(store, refresh, "test"))
-        await asyncio.wait_for(in_round.wait(), 5)
-        task.cancel()
-        done, _ = await asyncio.wait([task], timeout=2)
-        assert done == {task} and task.cancelled() and rounds == 1
+        assert await store.list_services("model") == []
+        for command in (lambda: store.list_services("model"), lambda: store.block_holders(["h1", "h2"])):
+            in_round = asyncio.Event()
+
+            async def round_(command=command, in_round=in_round) -> str:
+                in_round.set()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(3600)
+                await command()  # a plain command, then a pipeline
+                return "went on"
+
+            task = asyncio.create_task(round_())
+            await asyncio.wait_for(in_round.wait(), 5)
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=5)
+            assert done == {task} and task.cancelled()
     finally:
         await store.close()
 
 
-async def test_a_batch_writer_whose_flush_swallows_the_cancellation_still_ends():
-    in_flush = asyncio.Event()
-    wake = asyncio.Event()
+async def test_the_loops_around_store_calls_end_at_a_cancellation_lost_under_a_command(redis_url):
+    """refresh_every_half_ttl and the batch writer check nothing themselves: a round that
+    loses the cancellation still ends the loop at its next Redis command."""
+    store = MetadataStore(MetadataConfig(url=redis_url, namespace="loops", service_ttl_s=1.0))
+    try:
+        in_round, in_flush, wake = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
-    async def flush() -> bool:
-        in_flush.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.sleep(3600)
-        return True
+        async def flush() -> bool:
+            await _swallowed_then_redis(store, in_flush)
+            return True
 
-    task = asyncio.create_task(write_batches(wake, flush, 0.0, 0.0))
-    wake.set()
-    await asyncio.wait_for(in_flush.wait(), 5)
-    task.cancel()
-    done, _ = await asyncio.wait([task], timeout=2)
-    assert done == {task} and task.cancelled()
+        refresh = asyncio.create_task(refresh_every_half_ttl(store, lambda: _swallowed_then_redis(store, in_round),
+                                                             "test"))
+        writer = asyncio.create_task(write_batches(wake, flush, 0.0, 0.0))
+        wake.set()
+        await asyncio.wait_for(asyncio.gather(in_round.wait(), in_flush.wait()), 5)
+        for task in (refresh, writer):
+            task.cancel()
+        done, _ = await asyncio.wait([refresh, writer], timeout=5)
+        assert done == {refresh, writer} and refresh.cancelled() and writer.cancelled()
+    finally:
+        await store.close()
