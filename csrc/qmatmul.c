@@ -165,42 +165,62 @@ static void run_scalar(const job_t *j, float *buf, int64_t p0, int64_t p1) {
 
 #if HAVE_X86
 
-/* Group g of panel p as floats into out[kk * 16 + c] (64-byte aligned). */
-TARGET_AVX2 static inline void decode_group_avx2(const job_t *j, const uint8_t *q, const uint16_t *d,
-                                                 const uint16_t *mn, float *out) {
-    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));
-    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8)));
-    if (j->fmt == FMT_Q8_0) {
-        for (int kk = 0; kk < GS; kk++) {
-            const __m128i b = _mm_loadu_si128((const __m128i *)(q + kk * NR));
-            const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-            const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-            _mm256_store_ps(out + kk * NR, _mm256_mul_ps(d0, lo));
-            _mm256_store_ps(out + kk * NR + 8, _mm256_mul_ps(d1, hi));
-        }
+/* Weights k = kk of a group, its 16 outputs decoded with the reference's operations:
+ * lo = outputs 0-7, hi = 8-15. d0/d1: the group's scales; m0/m1: its mins (q4_1).
+ * Inlined where the format is fixed for a whole loop, so the branches go. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void decode_k_avx2(int fmt, const uint8_t *q, int kk,
+                                                                             __m256 d0, __m256 d1, __m256 m0,
+                                                                             __m256 m1, __m256 *lo, __m256 *hi) {
+    if (fmt == FMT_Q8_0) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(q + kk * NR));
+        *lo = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+        *hi = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
         return;
     }
     const __m128i mask = _mm_set1_epi8(0x0f);
-    if (j->fmt == FMT_Q4_0) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)(q + kk * (NR / 2)));
+    const __m256i vlo = _mm256_cvtepu8_epi32(_mm_and_si128(b, mask));
+    const __m256i vhi = _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
+    if (fmt == FMT_Q4_0) {
         const __m256i eight = _mm256_set1_epi32(8);
-        for (int kk = 0; kk < GS; kk++) {
-            const __m128i b = _mm_loadl_epi64((const __m128i *)(q + kk * (NR / 2)));
-            const __m256i vlo = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(b, mask)), eight);
-            const __m256i vhi = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)), eight);
-            _mm256_store_ps(out + kk * NR, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(vlo)));
-            _mm256_store_ps(out + kk * NR + 8, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(vhi)));
-        }
+        *lo = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_sub_epi32(vlo, eight)));
+        *hi = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_sub_epi32(vhi, eight)));
         return;
     }
-    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mn));
-    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + 8)));
+    /* d * q rounded, then + m: the reference's two roundings */
+    *lo = _mm256_add_ps(_mm256_mul_ps(d0, _mm256_cvtepi32_ps(vlo)), m0);
+    *hi = _mm256_add_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(vhi)), m1);
+}
+
+/* A group's scales (and mins, q4_1; zeros otherwise) as 8-float halves. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void group_scales_avx2(const uint16_t *d, const uint16_t *mn,
+                                                                                 __m256 *d0, __m256 *d1, __m256 *m0,
+                                                                                 __m256 *m1) {
+    *d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));
+    *d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8)));
+    *m0 = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mn)) : _mm256_setzero_ps();
+    *m1 = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + 8))) : _mm256_setzero_ps();
+}
+
+TARGET_AVX2 static inline __attribute__((always_inline)) void decode_group_as(const int fmt, const uint8_t *q,
+                                                                               const uint16_t *d, const uint16_t *mn,
+                                                                               float *out) {
+    __m256 d0, d1, m0, m1, lo, hi;
+    group_scales_avx2(d, mn, &d0, &d1, &m0, &m1);
     for (int kk = 0; kk < GS; kk++) {
-        const __m128i b = _mm_loadl_epi64((const __m128i *)(q + kk * (NR / 2)));
-        const __m256 vlo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, mask)));
-        const __m256 vhi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
-        /* d * q rounded, then + m: the reference's two roundings */
-        _mm256_store_ps(out + kk * NR, _mm256_add_ps(_mm256_mul_ps(d0, vlo), m0));
-        _mm256_store_ps(out + kk * NR + 8, _mm256_add_ps(_mm256_mul_ps(d1, vhi), m1));
+        decode_k_avx2(fmt, q, kk, d0, d1, m0, m1, &lo, &hi);
+        _mm256_store_ps(out + kk * NR, lo);
+        _mm256_store_ps(out + kk * NR + 8, hi);
+    }
+}
+
+/* Group g of panel p as floats into out[kk * 16 + c] (64-byte aligned). */
+TARGET_AVX2 static inline void decode_group_avx2(const job_t *j, const uint8_t *q, const uint16_t *d,
+                                                 const uint16_t *mn, float *out) {
+    switch (j->fmt) { /* one loop per format, its decode inlined */
+    case FMT_Q8_0: decode_group_as(FMT_Q8_0, q, d, mn, out); break;
+    case FMT_Q4_0: decode_group_as(FMT_Q4_0, q, d, mn, out); break;
+    default: decode_group_as(FMT_Q4_1, q, d, mn, out); break;
     }
 }
 
@@ -311,7 +331,8 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void rows_avx2(const in
  * tile stored and read back). The sums are those of rows_avx2 with R = 1 in the same
  * order (even k into a00/a01, odd k into the spares a30/a31, added at the end), so the
  * result is bit for bit the same. */
-TARGET_AVX2 static void row1_quant_avx2(const job_t *j, int64_t r0, int64_t p) {
+TARGET_AVX2 static inline __attribute__((always_inline)) void row1_avx2(const int fmt, const job_t *j, int64_t r0,
+                                                                         int64_t p) {
     const int64_t G = groups(j);
     const int ncols = j->n - p * NR < NR ? (int)(j->n - p * NR) : NR;
     __m256 a00, a01;
@@ -321,55 +342,29 @@ TARGET_AVX2 static void row1_quant_avx2(const job_t *j, int64_t r0, int64_t p) {
     const uint8_t *q = panel_q(j, p);
     const uint16_t *d = j->d + p * G * NR;
     const uint16_t *mn = j->mn ? j->mn + p * G * NR : NULL;
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m256i eight = _mm256_set1_epi32(8);
-    const int64_t gb = group_bytes(j->fmt);
-    for (int64_t g = 0; g < G; g++, q += gb, d += NR, x += GS) {
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8)));
-        if (j->fmt == FMT_Q8_0) {
-            for (int kk = 0; kk < GS; kk += 2) {
-                const __m128i b = _mm_loadu_si128((const __m128i *)(q + kk * NR));
-                const __m128i c = _mm_loadu_si128((const __m128i *)(q + kk * NR + NR));
-                const __m256 w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
-                const __m256 w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
-                const __m256 v0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)));
-                const __m256 v1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))));
-                const __m256 xb = _mm256_broadcast_ss(x + kk), xc = _mm256_broadcast_ss(x + kk + 1);
-                a00 = _mm256_fmadd_ps(xb, w0, a00);
-                a01 = _mm256_fmadd_ps(xb, w1, a01);
-                a30 = _mm256_fmadd_ps(xc, v0, a30);
-                a31 = _mm256_fmadd_ps(xc, v1, a31);
-            }
-            continue;
-        }
-        __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
-        if (mn) {
-            m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * NR)));
-            m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * NR + 8)));
-        }
+    const int64_t gb = group_bytes(fmt);
+    for (int64_t g = 0; g < G; g++, q += gb, d += NR, mn = mn ? mn + NR : NULL, x += GS) {
+        __m256 d0, d1, m0, m1, w0, w1, v0, v1;
+        group_scales_avx2(d, mn, &d0, &d1, &m0, &m1);
         for (int kk = 0; kk < GS; kk += 2) {
-            __m256 w[4];
-            for (int h = 0; h < 2; h++) {
-                const __m128i b = _mm_loadl_epi64((const __m128i *)(q + (kk + h) * (NR / 2)));
-                __m256i lo = _mm256_cvtepu8_epi32(_mm_and_si128(b, mask));
-                __m256i hi = _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
-                if (j->fmt == FMT_Q4_0) {
-                    w[2 * h] = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_sub_epi32(lo, eight)));
-                    w[2 * h + 1] = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, eight)));
-                } else { /* d * q rounded, then + m: the reference's two roundings */
-                    w[2 * h] = _mm256_add_ps(_mm256_mul_ps(d0, _mm256_cvtepi32_ps(lo)), m0);
-                    w[2 * h + 1] = _mm256_add_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(hi)), m1);
-                }
-            }
+            decode_k_avx2(fmt, q, kk, d0, d1, m0, m1, &w0, &w1);
+            decode_k_avx2(fmt, q, kk + 1, d0, d1, m0, m1, &v0, &v1);
             const __m256 xb = _mm256_broadcast_ss(x + kk), xc = _mm256_broadcast_ss(x + kk + 1);
-            a00 = _mm256_fmadd_ps(xb, w[0], a00);
-            a01 = _mm256_fmadd_ps(xb, w[1], a01);
-            a30 = _mm256_fmadd_ps(xc, w[2], a30);
-            a31 = _mm256_fmadd_ps(xc, w[3], a31);
+            a00 = _mm256_fmadd_ps(xb, w0, a00);
+            a01 = _mm256_fmadd_ps(xb, w1, a01);
+            a30 = _mm256_fmadd_ps(xc, v0, a30);
+            a31 = _mm256_fmadd_ps(xc, v1, a31);
         }
     }
     store_outputs(j->y + r0 * j->n + p * NR, _mm256_add_ps(a00, a30), _mm256_add_ps(a01, a31), ncols);
+}
+
+TARGET_AVX2 static void row1_quant_avx2(const job_t *j, int64_t r0, int64_t p) {
+    switch (j->fmt) { /* one copy per format, its decode inlined */
+    case FMT_Q8_0: row1_avx2(FMT_Q8_0, j, r0, p); break;
+    case FMT_Q4_0: row1_avx2(FMT_Q4_0, j, r0, p); break;
+    default: row1_avx2(FMT_Q4_1, j, r0, p); break;
+    }
 }
 
 TARGET_AVX2 static void rows_dispatch(int R, const job_t *j, int64_t r0, int64_t p, const float *wf, float *tile) {

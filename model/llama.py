@@ -68,13 +68,18 @@ def _native_rows(t: torch.Tensor) -> bool:
     return _SLICE_OPS is not None and t.dtype == torch.float32 and t.is_cpu and t.dim() == 2 and t.stride(1) == 1
 
 
+def _native_weight(w: torch.Tensor) -> bool:
+    """Whether a norm's weight is what the native operators read: CPU float32, contiguous."""
+    return w.dtype == torch.float32 and w.is_cpu and w.is_contiguous()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x * rsqrt(mean(x^2) + eps)) over the last dimension; x: [T, d].
 
     One native call (csrc/slice_ops.c) for float32 rows, else torch's rms_norm, which
     computes Hugging Face's form with its rounding. A leaf for torch.fx (wrapped below).
     """
-    if not (_native_rows(x) and weight.dtype == torch.float32 and weight.is_cpu and weight.is_contiguous()):
+    if not (_native_rows(x) and _native_weight(weight)):
         return F.rms_norm(x, weight.shape, weight, eps)
     out = x.new_empty(x.shape)  # [T, d] (new_empty: a third of torch.empty's cost with a dtype argument)
     _SLICE_OPS.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
@@ -90,7 +95,7 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
     nothing else, instead of allocating it.
     """
     if not (_native_rows(x) and _native_rows(h) and h.is_contiguous() and x.shape == h.shape
-            and weight.dtype == torch.float32 and weight.is_cpu and weight.is_contiguous()):
+            and _native_weight(weight)):
         total = x + h
         return total, rms_norm(total, weight, eps)
     out = torch.empty_like(h)  # [T, d]
@@ -113,17 +118,16 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> 
               and positions.is_contiguous() and positions.shape == (t,) and inv_freq.is_cpu)
     if not native:
         return apply_rope(x, *rope_cos_sin(positions, inv_freq))
-    cos, sin = rope_table(inv_freq)  # [R, D] each
-    outside = _SLICE_OPS.rope(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                              cos.shape[0], t, heads, d)
-    if outside >= 0:  # a position past the table (checked before anything is rotated): grow it once
-        position = int(positions[outside])
-        if position < 0:
-            raise ValueError(f"negative position {position}")
-        cos, sin = rope_table(inv_freq, int(positions.max()) + 1)
-        _SLICE_OPS.rope(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                        cos.shape[0], t, heads, d)
-    return x
+    rows = 0  # the table as it is, then (a position past it) one that holds every position
+    while True:
+        cos, sin = rope_table(inv_freq, rows)  # [R, D] each
+        outside = _SLICE_OPS.rope(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                  cos.shape[0], t, heads, d)  # checks every position before rotating any
+        if outside < 0:
+            return x
+        if int(positions[outside]) < 0:
+            raise ValueError(f"negative position {int(positions[outside])}")
+        rows = int(positions.max()) + 1
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@ by this version of Lamina, else a new `lamina profile --quick`, written there.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -27,6 +26,7 @@ from lamina.planner.estimate import decode_step
 from lamina.planner.hardware import THIS_MACHINE, device_from_entry, load_catalogue
 from lamina.planner.layouts import Layout
 from lamina.planner.perf.quantization import FP32, INT4, Precision
+from lamina.planner.profile import memory_bytes
 from lamina.planner.shapes import ModelShape
 
 ATTENTION_WORKER_CHOICES = (1, 2)
@@ -119,28 +119,21 @@ def rank_layouts(device_entry: Mapping[str, Any], shape: ModelShape, weights: Pr
     return sorted(ranked, key=lambda c: -c.tok_s)
 
 
-def shape_of(cfg: Any, name: str) -> ModelShape:
-    """A model's configuration (lamina.model.config.ModelConfig) as the planner's shape."""
-    return ModelShape(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, name=name)
+def _cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's on Linux, where profiles are measured)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def machine_fingerprint() -> str:
     """What a profile holds for: this CPU, its cores, its memory and this Lamina's version."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        memory = 0
     try:
         version = metadata.version("lamina")
     except metadata.PackageNotFoundError:
         version = "unknown"
-    text = json.dumps([cpu, os.cpu_count(), memory >> 30, platform.system(), version])
+    text = json.dumps([_cpu_model(), os.cpu_count(), int(memory_bytes()) >> 30, platform.system(), version])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

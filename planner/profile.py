@@ -144,8 +144,6 @@ def measure_engine_overhead(entry: dict[str, Any], steps: int) -> dict[str, Any]
     """The rest of a decode layer: the engine's pure-decode step (planner/measure/engine_step.py's
     decode_step_cpu, default model) at two batch sizes, less what the models predict from
     the kernel measurements in `entry`; the two gaps give a per-layer and a per-token term."""
-    from dataclasses import fields
-
     from lamina.model.loader import load_model
     from lamina.planner.estimate import decode_step
     from lamina.planner.hardware import THIS_MACHINE, device_from_entry
@@ -156,7 +154,7 @@ def measure_engine_overhead(entry: dict[str, Any], steps: int) -> dict[str, Any]
 
     loaded = load_model()
     cfg = loaded.config
-    shape = ModelShape(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, name="engine")
+    shape = ModelShape.of(cfg, "engine")
     catalogue = {THIS_MACHINE: device_from_entry(THIS_MACHINE, entry)}
     layout = Layout(THIS_MACHINE, 1, weights=FP32, kv=FP32)
     gaps = []
@@ -189,8 +187,6 @@ def measure_stack_overhead(entry: dict[str, Any]) -> dict[str, Any]:
     (planner/measure/stack_run.py's run_stack, TCP, float32 weights), whose model and attention
     workers' process CPU and wall step time, less what the models predict from the kernel
     measurements in `entry`, give the per-slice, per-frame and per-exchange terms."""
-    from dataclasses import fields
-
     from lamina.model.loader import load_model
     from lamina.planner.hardware import THIS_MACHINE, device_from_entry
     from lamina.planner.measure.stack_run import make_prompts, run_stack
@@ -199,7 +195,7 @@ def measure_stack_overhead(entry: dict[str, Any]) -> dict[str, Any]:
     batch, context, steps = STACK_POINT
     loaded = load_model(weights="float32")
     cfg = loaded.config
-    shape = ModelShape(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, name="engine")
+    shape = ModelShape.of(cfg, "engine")
     prompts = make_prompts(loaded.tokenizer, batch, context)
     kv_bytes = batch * (context + steps + 64) * cfg.kv_bytes_per_token() + (64 << 20)
     run = run_stack(prompts, steps, "tcp", 1, False, 1, kv_bytes, "float32", attention_workers=1)
@@ -248,7 +244,8 @@ def stack_overhead_terms(shape: ModelShape, device: Device, run: StackRun) -> di
     return {"slice_s": slice_s, "frame_s": frame_s, "exchange_s": exchange_s}
 
 
-def _memory_bytes() -> float:
+def memory_bytes() -> float:
+    """This machine's memory (Linux: MemTotal of /proc/meminfo)."""
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
             return float(line.split()[1]) * 1024
@@ -284,7 +281,7 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
     attention_bw = statistics.median(v["kv_bytes_s"] for v in attention.values())
     entry: dict[str, Any] = {
         "description": f"this machine ({os.cpu_count()} CPUs seen, {threads} threads measured)",
-        "memory_gb": {"value": round(_memory_bytes() / 1e9, 3), "source": "MemTotal in /proc/meminfo"},
+        "memory_gb": {"value": round(memory_bytes() / 1e9, 3), "source": "MemTotal in /proc/meminfo"},
         "memory_tb_s": {"value": stream_bw / 1e12,
                         "source": f"{src}: max of a tensor copy (read + write) and the batch-1 matmul kernel's "
                                   "weight stream"},

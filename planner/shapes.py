@@ -7,7 +7,7 @@ Counts are elements, not bytes: the precision lives in `perf.quantization`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from lamina.model.config import ModelConfig
@@ -19,6 +19,11 @@ class ModelShape(ModelConfig):
     the counts the performance models need."""
 
     name: str = "model"
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, name: str) -> ModelShape:
+        """A loaded model's configuration as a shape named `name`."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, name=name)
 
     @property
     def layer_matmul_params(self) -> int:

@@ -75,7 +75,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -572,18 +572,23 @@ def _read_file(path: str | Path | None) -> dict[str, Any]:
     return raw
 
 
-def set_outside_defaults(path: str | Path | None, dotted: str, env: Mapping[str, str] | None = None) -> bool:
-    """Whether the file at `path` or the environment sets `dotted` ("a" or "a.b"), so that
-    its value is not the default's."""
+def set_outside_defaults(path: str | Path | None, keys: Sequence[str], env: Mapping[str, str] | None = None) -> bool:
+    """Whether the file at `path` (read once) or the environment sets any of `keys` ("a"
+    or "a.b"), so that its value is not the default's."""
     env = os.environ if env is None else env
-    if any(env.get(var) for var, key in ENV_OVERRIDES.items() if key == dotted):
+    if any(env.get(var) for var, key in ENV_OVERRIDES.items() if key in keys):
         return True
-    raw: Any = _read_file(path)
-    for part in dotted.split("."):
-        if not isinstance(raw, Mapping) or part not in raw:
-            return False
-        raw = raw[part]
-    return True
+    raw = _read_file(path)
+
+    def in_file(dotted: str) -> bool:
+        node: Any = raw
+        for part in dotted.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                return False
+            node = node[part]
+        return True
+
+    return any(map(in_file, keys))
 
 
 def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:

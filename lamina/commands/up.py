@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default=None, metavar="CONCURRENCY,PROMPT,OUTPUT",
                    help="the serving load --layout auto ranks the layouts for: requests at once, prompt and output "
                         "tokens each (default 8,512,256)")
-    p.add_argument("--profile", type=Path, default=None, metavar="PATH",
+    p.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, metavar="PATH",
                    help=f"this machine's profile for --layout auto (default {DEFAULT_PROFILE}; measured there by "
                         "`lamina profile --quick` when missing, from another machine or another version)")
     p.add_argument("--model-workers", type=int, default=None, help="number of model-slice workers (default 1)")
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
               "LAMINA_GRPC_PORT / LAMINA_METRICS_PORT set?)", file=sys.stderr)
         return 2
     if auto:  # only a configuration that can start is worth measuring the machine for
-        choice = choose_layout(config, args.workload, args.profile or DEFAULT_PROFILE)
+        choice = choose_layout(config, args.workload, args.profile)
         config = None if choice is None else stack_config(args, **{**overrides, **choice.overrides()})
         if config is None:
             return 2
@@ -193,7 +193,7 @@ def _auto_layout(args: argparse.Namespace) -> bool | None:
     if any(value is not None for value in named):
         return False
     try:
-        return not any(set_outside_defaults(args.config, key) for key in LAYOUT_SETTINGS)
+        return not set_outside_defaults(args.config, LAYOUT_SETTINGS)
     except ConfigError as exc:
         print(f"lamina: {exc}", file=sys.stderr)
         return None
@@ -209,10 +209,10 @@ def choose_layout(config, workload: str | None, profile_path: Path):
         LocalWorkload,
         machine_profile,
         rank_layouts,
-        shape_of,
         weights_precision,
     )
     from lamina.planner.profile import profile
+    from lamina.planner.shapes import ModelShape
 
     try:
         load = LocalWorkload.parse(workload) if workload else LocalWorkload()
@@ -221,7 +221,7 @@ def choose_layout(config, workload: str | None, profile_path: Path):
         return None
     say = lambda line: print(f"lamina up: {line}", file=sys.stderr, flush=True)  # noqa: E731
     measured = machine_profile(profile_path, lambda: profile(1, 0.1, quick=True), say)
-    shape = shape_of(load_config(config.model), checkpoint_name(config.model))
+    shape = ModelShape.of(load_config(config.model), checkpoint_name(config.model))
     ranked = rank_layouts(measured["device"], shape, weights_precision(config.weights), load)
     best = ranked[0]
     say(f"layout auto: {best.describe()}; predicted for {load.describe()}: "

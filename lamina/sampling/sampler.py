@@ -131,7 +131,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -
     """One token from logits [V] under temperature, top-k and top-p, drawn with `gen`:
     one uniform number against the cumulative distribution of the kept tokens (float64
     sums), which draws each with its probability. torch.multinomial does the same job
-    in about 1 ms for 49,152 tokens; this in a few dozen microseconds."""
+    in about 1 ms for 49,152 tokens; this in about 0.1 ms (0.2-0.35 ms with top-p)."""
     scores = logits / p.temperature  # [V]
     if p.top_k:
         kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]

@@ -76,7 +76,7 @@ class AttentionWorkers:
     async def join(self, w: int, address: str, timeout_s: float) -> None:
         """Put worker `w`, at gRPC `address`, in the pool with the KV capacity it reports;
         raises the Stats call's error when it does not answer."""
-        stub = lamina_pb2_grpc.AttentionControlStub(self._channel(("attention", w), address))
+        stub = self._control(w, address)
         stats = await stub.Stats(lamina_pb2.Empty(), timeout=timeout_s)
         self.grow(w + 1)
         self.stubs[w], self.addresses[w] = stub, address
@@ -141,7 +141,7 @@ class AttentionWorkers:
             if w is not None and w < len(self.stubs) and self.stubs[w] is not None \
                     and address and address != self.addresses[w]:
                 self.addresses[w] = address
-                self.stubs[w] = lamina_pb2_grpc.AttentionControlStub(self._channel(("attention", w), address))
+                self.stubs[w] = self._control(w, address)
 
     # -- reservations -----------------------------------------------------------------------
     def placeable(self, healthy: Sequence[bool] | None = None) -> list[int]:
@@ -188,6 +188,10 @@ class AttentionWorkers:
         does not answer is not asked again."""
         await asyncio.gather(*(stub.Free(lamina_pb2.FreeRequest(seq_ids=seq_ids), timeout=self._config.deadlines.rpc_s)
                                for stub in self.stubs if stub is not None), return_exceptions=True)
+
+    def _control(self, w: int, address: str) -> lamina_pb2_grpc.AttentionControlStub:
+        """A control stub of worker `w` at `address`, on a new channel that replaces its last."""
+        return lamina_pb2_grpc.AttentionControlStub(self._channel(("attention", w), address))
 
     def _stub(self, w: int) -> lamina_pb2_grpc.AttentionControlStub:
         """The stub of a worker that holds a request's KV (it joined the pool before)."""
