@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import threading
+import time
 from pathlib import Path
 
 from lamina.commands._service_args import (
@@ -19,6 +19,9 @@ from lamina.commands._service_args import (
 )
 from lamina.commands.plan import DEFAULT_PROFILE
 from lamina.services.config import COMPUTE_DTYPES, ConfigError, set_outside_defaults
+
+# How often lamina up looks for a stop signal and at its processes.
+STOP_POLL_S = 0.5
 
 # Settings that name a layout, or that only the disaggregated one takes: set anywhere, they
 # leave --layout auto out.
@@ -144,9 +147,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         stack = Stack(config, supervise=args.supervise, keep_logs=True)  # its logs outlive it: "logs in"
         where = f"logs in {stack.log_dir}"
-    stopping = threading.Event()
+    # The handler only appends: it runs in the main thread between two bytecodes, also
+    # inside a wait that holds a lock (an Event.set() there took that lock again and
+    # hung lamina up on Ctrl-C).
+    stop_signals: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.set())
+        signal.signal(sig, lambda signum, _frame: stop_signals.append(signum))
     mode = " in all, rotational" if config.rotational else ""
     print(f"starting: {config.model_worker.workers} model worker(s) with {config.decode_micro_batches} "
           f"micro-batch(es){mode}{' and Q sent early' if config.pipeline.q_early else ''}, "
@@ -160,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"Lamina is serving the OpenAI API at {stack.base_url}/v1 (Ctrl-C to stop)", flush=True)
     try:
-        while not stopping.wait(1.0):
+        while not stop_signals:
+            time.sleep(STOP_POLL_S)
             # Supervised, a process that exits is restarted; the stack stops only when the
             # supervisor gives up on one (it keeps crashing).
             if stack.given_up is not None:
