@@ -37,8 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="attention workers that may join the running stack, up to this many in all (default 0: "
                         "a fixed pool; request partitioning; docs/deploy.md)")
     p.add_argument("--layout", default=None, choices=("auto", "disaggregated", "colocated"),
-                   help="auto (default unless the configuration, LAMINA_LAYOUT, --attention-workers or "
-                        "--micro-batches names one; not under --ray): the layout the planner predicts fastest on "
+                   help="auto (the default where nothing names a layout: none of --layout, --attention-workers, "
+                        "--attention-max-workers, --micro-batches, --pipeline, --partition, --ray, nor those "
+                        "settings in the configuration or environment): the layout the planner predicts fastest on "
                         "this machine's profile, measured once (docs/services.md, Layouts); disaggregated: "
                         "attention workers in processes of their own; colocated: each model worker attends in "
                         "its own process, no attention workers (layout)")
