@@ -7,7 +7,7 @@ NATIVE := $(VENV)/.native
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run lint test test-faults test-containers test-packaging install native bench clean csrc protos
+.PHONY: run lint test test-faults test-hosts test-containers test-packaging install native bench clean csrc protos
 
 $(STAMP): pyproject.toml constraints.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,12 +37,18 @@ run: $(NATIVE)
 # test folders off it), so the tests import `lamina` from the installed project as a user
 # does, and a bare `planner` or `services` fails there as it fails for a user.
 test: $(NATIVE)
-	$(BIN)/python -P -m pytest -q -rs -m "not faults and not containers and not packaging" --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -P -m pytest -q -rs -m "not faults and not containers and not packaging and not hosts" --durations=15 $(PYTEST_ARGS)
 
 # Fault injection (tests/faults: killed, stopped and restarted processes, fuzzed
 # input); slower, so apart from `make test`. CI runs both.
 test-faults: $(NATIVE)
 	$(BIN)/python -P -m pytest -q -rs -m faults tests/faults --durations=10 $(PYTEST_ARGS)
+
+# Every service on a network namespace of its own, links cut, slowed and partitioned
+# under load (tests/cluster); needs root and iproute2, else it skips and says which is
+# missing. Minutes, so apart from `make test`; CI runs it.
+test-hosts: $(NATIVE)
+	$(BIN)/python -P -m pytest -q -rs -m hosts tests/cluster --durations=10 $(PYTEST_ARGS)
 
 # deploy/compose/ built and run under podman (tests/deploy/test_compose_podman.py): needs
 # root, podman, podman-compose and debootstrap (.ci/run installs them), else it skips

@@ -1,8 +1,9 @@
 // FHBN: fully host-bypassed network primitives for the RDMA data path.
 //
 // 1. Device-side polling: fhbn_wait_seq launches a one-thread kernel that spins on a
-//    64-bit sequence number in GPU memory (written by the NIC after the payload, see
-//    transports/rdma.py) and returns when it reaches `expected`. Consumer kernels queued
+//    64-bit sequence number in GPU memory and returns when it reaches `expected`
+//    (nothing writes one there today: rdma:// connections take chunks from receive
+//    completions on the host, transports/rdma.py). Consumer kernels queued
 //    behind it on the same stream are launched before the data arrives and start as soon
 //    as it has landed: no host round trip.
 // 2. GPU-initiated sends on mlx5: the NIC's user access region (UAR, holding the

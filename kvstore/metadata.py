@@ -80,6 +80,10 @@ class MetadataConfig:
     namespace: str = "lamina"
     service_ttl_s: float = 10.0
     heartbeat_interval_s: float = 0.0  # 0: a third of the TTL
+    # A command's reply waited for at most this long: on a connection whose peer vanished
+    # without a word (a cut link, a partition) it fails then, and is retried on a new
+    # connection, instead of waiting the minutes TCP takes to give up.
+    socket_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.namespace or ":" in self.namespace:
@@ -88,6 +92,8 @@ class MetadataConfig:
             raise ValueError("service_ttl_s must be positive")
         if self.heartbeat_interval_s < 0 or self.heartbeat_interval_s >= self.service_ttl_s:
             raise ValueError("heartbeat_interval_s must be in [0, service_ttl_s)")
+        if self.socket_timeout_s <= 0:
+            raise ValueError("socket_timeout_s must be positive")
 
     @property
     def heartbeat_s(self) -> float:
@@ -210,7 +216,7 @@ class MetadataStore:
             config.url, decode_responses=True,
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 6),
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
-            socket_connect_timeout=2)
+            socket_connect_timeout=2, socket_timeout=config.socket_timeout_s, socket_keepalive=True)
 
     async def close(self) -> None:
         await self.redis.aclose()

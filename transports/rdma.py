@@ -1,35 +1,73 @@
-"""RDMA verbs building blocks (``pyverbs``) for the FHBN receive protocol.
+"""RDMA verbs building blocks (``pyverbs``) for the ``rdma://`` slot protocol.
 
-Protocol: each side registers a receive slab of ``num_slots`` fixed-size slots. The
-sender writes a frame into the peer's next free slot with RDMA WRITE WITH IMMEDIATE
-(immediate = slot index) and the last 8 bytes of the slot, the trailer, carry the frame's
-sequence number (+1, so a zeroed slab never looks written). RC queue pairs place a
-write's bytes in order, so a receiver that polls the trailer in memory (the CPU here,
-a CUDA kernel in FHBN) sees the whole payload once the sequence number appears: no
-completion-queue polling on the receive path. Credits (slots the receiver has consumed)
-flow back so the sender never overwrites an unread slot. Queue-pair parameters are
-exchanged out of band over TCP.
+Protocol: each side registers a receive slab of ``num_slots`` fixed-size slots and keeps
+one receive work request posted per slot. The sender writes a chunk into the peer's next
+free slot with one RDMA WRITE WITH IMMEDIATE of exactly the bytes used; the immediate
+names the slot (and the sender's lap round the slab). The receiver takes a chunk only
+from the completion that write produces on its receive queue (IBV_WC_RECV_RDMA_WITH_IMM:
+the immediate says which slot, ``byte_len`` how many bytes), never from the slot's bytes:
+the InfiniBand spec completes a message after all of its data is placed but does not
+order placement within it, so a marker written last may land first. Each completion
+uses up one receive request; it is re-posted as the completion is taken, so the receive
+queue stays full. Credits (slots the receiver has consumed) flow back so the sender never
+overwrites an unread slot. Queue pair parameters, each port's active MTU among them (the
+path MTU is the smaller), are exchanged out of band over TCP.
 
-What runs here: the parameter exchange format, slot layout, sequence and credit
-bookkeeping and the slot stream (``SlotStream``) (pure Python, unit-tested, the latter
-over an endpoint that places bytes in host memory). ``VerbsEndpoint`` drives a real
-device through pyverbs and is tested only where an RDMA device exists (these machines
-have none).
+What runs here: the parameter exchange format, MTU mapping, slot layout, immediate
+encoding, sequence, credit and work-queue bookkeeping and the slot stream
+(``SlotStream``) (pure Python, unit-tested, the stream over an endpoint that places bytes
+and completions in host memory). ``lamina.transports.rdma_verbs.VerbsEndpoint`` drives a
+real device through pyverbs.
 ``lamina.transports.rdma_transport`` turns it into the ``rdma://`` transport.
 """
 
 from __future__ import annotations
 
 import struct
+from collections import deque
 from dataclasses import dataclass
 
-from .errors import FrameError, TransportUnavailable
+from .errors import FrameError
 
-TRAILER_BYTES = 8
-CHUNK_HEADER = struct.Struct("<I")  # bytes of stream data in a slot (slot stream)
 _PARAMS = struct.Struct("<4sBxHII16sQIIII")  # magic ver lid qpn psn gid addr rkey slot nslots mtu
 _MAGIC = b"LMNQ"
-_VERSION = 1
+_VERSION = 2  # 2: completions carry the chunk (immediate + byte length), no trailer
+
+# enum ibv_mtu (infiniband/verbs.h) -> bytes; the values grow with the size.
+MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
+IMM_SLOT_BITS = 16  # the immediate's low half names the slot: num_slots <= 1 << 16
+
+
+def mtu_bytes(mtu: int) -> int:
+    """Bytes of an ``ibv_mtu`` value (a port's ``active_mtu``, a QP's ``path_mtu``)."""
+    if mtu not in MTU_BYTES:
+        raise ValueError(f"{mtu} is no ibv_mtu value (1..5 = 256..4096 bytes)")
+    return MTU_BYTES[mtu]
+
+
+def path_mtu(local_active: int, peer_active: int) -> int:
+    """The RTR transition's ``path_mtu``: the smaller of the two ports' active MTUs. A port
+    carries no more than its active MTU (on RoCE it follows the Ethernet MTU: 1024 under a
+    1500-byte network), so a larger path MTU loses packets."""
+    mtu_bytes(local_active)
+    mtu_bytes(peer_active)
+    return min(local_active, peer_active)
+
+
+def encode_imm(slot: int, lap: int) -> int:
+    """Immediate of a write into ``slot`` on the sender's ``lap``-th pass round the slab:
+    lap mod 2**16 in the high half, slot in the low half. Host order: the verbs calls
+    convert (``imm_data`` travels big-endian)."""
+    if not 0 <= slot < 1 << IMM_SLOT_BITS or lap < 0:
+        raise ValueError(f"no immediate for slot {slot}, lap {lap}")
+    return (lap & 0xFFFF) << IMM_SLOT_BITS | slot
+
+
+def decode_imm(imm: int) -> tuple[int, int]:
+    """(slot, lap mod 2**16) of an immediate."""
+    if not 0 <= imm < 1 << 32:
+        raise FrameError(f"immediate {imm} is not a 32-bit value")
+    return imm & (1 << IMM_SLOT_BITS) - 1, imm >> IMM_SLOT_BITS
 
 
 @dataclass(frozen=True)
@@ -44,13 +82,14 @@ class QpParams:
     rkey: int
     slot_bytes: int
     num_slots: int
-    mtu: int = 4  # IBV_MTU_4096
+    mtu: int  # the sender's port's active MTU, an ibv_mtu value
 
     def __post_init__(self) -> None:
         if len(self.gid) != 16:
             raise ValueError("gid must be 16 bytes")
         if not 0 <= self.lid < 1 << 16 or not 0 < self.qpn < 1 << 24 or not 0 <= self.psn < 1 << 24:
             raise ValueError(f"bad queue pair parameters lid={self.lid} qpn={self.qpn} psn={self.psn}")
+        mtu_bytes(self.mtu)  # validates
         SlabLayout(self.slot_bytes, self.num_slots)  # validates
 
     def pack(self) -> bytes:
@@ -74,7 +113,7 @@ class QpParams:
 
 @dataclass(frozen=True)
 class SlabLayout:
-    """A receive slab of ``num_slots`` slots of ``slot_bytes``; payload then 8-byte trailer."""
+    """A receive slab of ``num_slots`` slots of ``slot_bytes``; a chunk fills a slot's head."""
 
     slot_bytes: int
     num_slots: int
@@ -82,30 +121,32 @@ class SlabLayout:
     def __post_init__(self) -> None:
         if self.slot_bytes < 64 or self.slot_bytes % 64:
             raise ValueError(f"slot_bytes must be a positive multiple of 64, got {self.slot_bytes}")
-        if not 1 <= self.num_slots <= 1 << 16:
+        if not 1 <= self.num_slots <= 1 << IMM_SLOT_BITS:
             raise ValueError(f"num_slots must be in 1..65536, got {self.num_slots}")
 
     @property
     def slab_bytes(self) -> int:
         return self.slot_bytes * self.num_slots
 
-    @property
-    def max_payload(self) -> int:
-        return self.slot_bytes - TRAILER_BYTES
-
     def slot_of(self, seq: int) -> int:
         return seq % self.num_slots
 
-    def payload_offset(self, seq: int) -> int:
+    def offset_of(self, seq: int) -> int:
         return self.slot_of(seq) * self.slot_bytes
 
-    def trailer_offset(self, seq: int) -> int:
-        return self.payload_offset(seq) + self.max_payload
+    def imm_of(self, seq: int) -> int:
+        """The immediate that goes with chunk ``seq``."""
+        return encode_imm(self.slot_of(seq), seq // self.num_slots)
 
-    @staticmethod
-    def trailer_value(seq: int) -> int:
-        """What the sender writes after the payload of frame ``seq`` (never 0)."""
-        return (seq + 1) & 0xFFFF_FFFF_FFFF_FFFF or 1
+
+@dataclass(frozen=True)
+class SlotWrite:
+    """One RDMA WRITE WITH IMMEDIATE, everything its SGE and work request need."""
+
+    seq: int
+    offset: int  # of the slot, in the sender's staging slab and the peer's slab alike
+    length: int  # the SGE's length: the chunk's bytes, not the slot's
+    imm: int  # host order
 
 
 class SendWindow:
@@ -114,7 +155,7 @@ class SendWindow:
     def __init__(self, layout: SlabLayout) -> None:
         self.layout = layout
         self.next_seq = 0
-        self.acked = 0  # frames the receiver reported consumed
+        self.acked = 0  # chunks the receiver reported consumed
 
     @property
     def num_free(self) -> int:
@@ -123,52 +164,93 @@ class SendWindow:
     def can_send(self) -> bool:
         return self.num_free > 0
 
-    def reserve(self, nbytes: int) -> tuple[int, int, int]:
-        """(seq, payload offset, trailer offset) for a frame of ``nbytes``."""
-        if nbytes > self.layout.max_payload:
-            raise FrameError(f"frame of {nbytes} bytes exceeds the slot payload {self.layout.max_payload}")
+    def reserve(self, nbytes: int) -> SlotWrite:
+        """The write of the next chunk, ``nbytes`` long."""
+        if not 0 < nbytes <= self.layout.slot_bytes:
+            raise FrameError(f"a chunk of {nbytes} bytes does not fit a slot of {self.layout.slot_bytes}")
         if not self.can_send():
             raise RuntimeError("no free slot at the receiver: wait for credits")
         seq = self.next_seq
         self.next_seq += 1
-        return seq, self.layout.payload_offset(seq), self.layout.trailer_offset(seq)
+        return SlotWrite(seq, self.layout.offset_of(seq), nbytes, self.layout.imm_of(seq))
 
     def on_credit(self, consumed_total: int) -> None:
-        """The receiver reports how many frames it has consumed in all (monotonic)."""
+        """The receiver reports how many chunks it has consumed in all (monotonic)."""
         if consumed_total < self.acked or consumed_total > self.next_seq:
             raise FrameError(f"bad credit {consumed_total} (acked {self.acked}, sent {self.next_seq})")
         self.acked = consumed_total
 
 
 class RecvWindow:
-    """Receiver side: which slot and trailer value the next frame has."""
+    """Receiver side: chunks whose completion has been taken, in order, and the next to
+    consume. A chunk exists here only once its completion does, whatever the slab holds."""
 
     def __init__(self, layout: SlabLayout) -> None:
         self.layout = layout
-        self.next_seq = 0
+        self.next_seq = 0  # next chunk to consume
+        self.arrived = 0  # completions taken in all
+        self._lengths: deque[int] = deque()  # byte_len of arrived, unconsumed chunks
 
-    def expected(self) -> tuple[int, int]:
-        """(trailer offset, trailer value) that mark the next frame as complete."""
-        return self.layout.trailer_offset(self.next_seq), self.layout.trailer_value(self.next_seq)
+    def on_completion(self, imm: int, byte_len: int) -> int:
+        """Take the completion of the next write; returns its seq. RC completes writes in
+        order, so anything but the next slot and lap is a broken peer."""
+        seq = self.arrived
+        if imm != self.layout.imm_of(seq):
+            slot, lap = decode_imm(imm)
+            want_slot, want_lap = decode_imm(self.layout.imm_of(seq))
+            raise FrameError(f"write into slot {slot} (lap {lap}), expected slot {want_slot} (lap {want_lap})")
+        if not 0 < byte_len <= self.layout.slot_bytes:
+            raise FrameError(f"write of {byte_len} bytes into a slot of {self.layout.slot_bytes}")
+        if seq - self.next_seq >= self.layout.num_slots:
+            raise FrameError(f"peer wrote chunk {seq} over unconsumed chunk {self.next_seq}: no credit for it")
+        self._lengths.append(byte_len)
+        self.arrived += 1
+        return seq
 
-    def is_ready(self, trailer: int) -> bool:
-        return trailer == self.layout.trailer_value(self.next_seq)
+    def peek(self) -> tuple[int, int] | None:
+        """(slab offset, length) of the next chunk if its completion has arrived, else None."""
+        if not self._lengths:
+            return None
+        return self.layout.offset_of(self.next_seq), self._lengths[0]
 
-    def consume(self) -> tuple[int, int]:
-        """Mark the next frame consumed; returns (its seq, credit to report = frames consumed)."""
-        seq = self.next_seq
+    def consume(self) -> int:
+        """Release the next chunk; returns chunks consumed in all (the credit to report)."""
+        if not self._lengths:
+            raise RuntimeError("no completed chunk to consume")
+        self._lengths.popleft()
         self.next_seq += 1
-        return seq, self.next_seq
+        return self.next_seq
 
-    def check_immediate(self, imm: int) -> None:
-        """The immediate of a completion names the slot; it must be the expected one."""
-        if imm != self.layout.slot_of(self.next_seq):
-            raise FrameError(f"write into slot {imm}, expected slot {self.layout.slot_of(self.next_seq)}")
+
+class WorkQueue:
+    """Work requests outstanding on one verbs queue (posted, not yet completed), at most
+    ``depth``. The receive queue is topped up to ``depth`` after every batch of taken
+    completions (one re-post per completion); the send queue waits for ``room``."""
+
+    def __init__(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"a work queue needs a depth of at least 1, got {depth}")
+        self.depth = depth
+        self.outstanding = 0
+
+    @property
+    def room(self) -> int:
+        return self.depth - self.outstanding
+
+    def on_posted(self, n: int) -> None:
+        if not 0 <= n <= self.room:
+            raise RuntimeError(f"posting {n} work requests into a queue with room for {self.room}")
+        self.outstanding += n
+
+    def on_completed(self, n: int) -> None:
+        if not 0 <= n <= self.outstanding:
+            raise FrameError(f"{n} completions for {self.outstanding} outstanding work requests")
+        self.outstanding -= n
 
 
 def chunk_capacity(layout: SlabLayout) -> int:
-    """Stream bytes one slot carries: the payload area less the chunk length."""
-    return layout.max_payload - CHUNK_HEADER.size
+    """Stream bytes one slot carries: all of it (the length travels with the completion)."""
+    return layout.slot_bytes
 
 
 def split_chunks(views: list[memoryview], capacity: int) -> list[tuple[list[memoryview], int]]:
@@ -225,211 +307,78 @@ def device_availability() -> str | None:
 
 
 class SlotStream:
-    """The slot protocol of the ``rdma://`` byte stream, over any slab-placing endpoint.
+    """The slot protocol of the ``rdma://`` byte stream, over any endpoint that writes into
+    the peer's slab and reports receive completions.
 
-    A frame's bytes travel in chunks, one per slot: u32 chunk length, the chunk, and the
-    trailer (sequence number + 1) at the slot's end. The endpoint supplies
-    ``_place(offset, data, trailer_offset, trailer, seq)`` (stage the bytes and write them
-    into the peer's slab at ``offset``, the trailer landing last) and
-    ``_slab_read(nbytes, offset)`` (bytes of its own receive slab); the pure logic here is
-    tested with an endpoint that places bytes in host memory, the verbs one is
-    ``VerbsEndpoint``. Attributes used: ``layout``, ``send`` (SendWindow), ``recv``
-    (RecvWindow).
+    A frame's bytes travel in chunks, one per slot and write. The endpoint supplies the
+    only operations that touch a device:
+    ``_post_write(write, data)``: stage ``data`` (``write.length`` bytes) at ``write.offset``
+    of its staging slab and post one RDMA WRITE WITH IMMEDIATE of those bytes to the same
+    offset of the peer's slab, immediate ``write.imm``;
+    ``_poll_recv()``: the receive completions that arrived since the last call, oldest
+    first, as (immediate, byte length) pairs (an error completion raises);
+    ``_post_recv(n)``: post ``n`` receive work requests;
+    ``_slab_read(nbytes, offset)``: bytes of its own receive slab.
+    The logic here is tested with an endpoint that does this in host memory; the verbs
+    one is ``VerbsEndpoint``.
     """
 
-    layout: SlabLayout
-    send: SendWindow
-    recv: RecvWindow
+    def __init__(self, layout: SlabLayout) -> None:
+        self.layout = layout
+        self.send = SendWindow(layout)
+        self.recv = RecvWindow(layout)
+        # One receive request per slot is enough: the sender writes only into slots it
+        # has credit for, and a completion not yet taken holds its slot, so the writes
+        # that can still arrive never outnumber the posted requests.
+        self.rq = WorkQueue(layout.num_slots)
 
-    def _place(self, offset: int, data: bytes, trailer_offset: int, trailer: bytes, seq: int) -> None:
+    def _post_write(self, write: SlotWrite, data: bytes) -> None:
+        raise NotImplementedError  # the endpoint's: see the class docstring
+
+    def _poll_recv(self) -> list[tuple[int, int]]:
+        raise NotImplementedError  # the endpoint's: see the class docstring
+
+    def _post_recv(self, n: int) -> None:
         raise NotImplementedError  # the endpoint's: see the class docstring
 
     def _slab_read(self, nbytes: int, offset: int) -> bytes:
         raise NotImplementedError  # the endpoint's: see the class docstring
+
+    def fill_receive_queue(self) -> None:
+        """Post receive requests up to the queue's depth (before the peer may write, and
+        after taking completions)."""
+        n = self.rq.room
+        if n:
+            self._post_recv(n)
+            self.rq.on_posted(n)
 
     def post_slot(self, chunks: list[memoryview], nbytes: int) -> int:
         """Write ``chunks`` (``nbytes`` in all, at most ``chunk_capacity``) into the peer's
         next slot; returns its seq. Raises RuntimeError without a credit."""
-        seq, offset, trailer = self.send.reserve(CHUNK_HEADER.size + nbytes)
-        data = b"".join([CHUNK_HEADER.pack(nbytes), *chunks])
-        self._place(offset, data, trailer, struct.pack("<Q", self.layout.trailer_value(seq)), seq)
-        return seq
+        write = self.send.reserve(nbytes)
+        self._post_write(write, b"".join(chunks))
+        return write.seq
+
+    def take_completions(self) -> int:
+        """Take the receive completions that arrived and re-post as many receive requests;
+        returns how many."""
+        arrived = self._poll_recv()
+        self.rq.on_completed(len(arrived))
+        for imm, byte_len in arrived:
+            self.recv.on_completion(imm, byte_len)
+        self.fill_receive_queue()
+        return len(arrived)
 
     def peek_slot(self) -> bytes | None:
-        """The chunk of the next slot once its trailer shows it complete, else None."""
-        off, value = self.recv.expected()
-        (trailer,) = struct.unpack("<Q", self._slab_read(TRAILER_BYTES, off))
-        if trailer != value:
+        """The next chunk once its write's completion is taken, else None."""
+        if self.recv.peek() is None:
+            self.take_completions()
+        head = self.recv.peek()
+        if head is None:
             return None
-        base = self.layout.payload_offset(self.recv.next_seq)
-        (n,) = CHUNK_HEADER.unpack(self._slab_read(CHUNK_HEADER.size, base))
-        if n > chunk_capacity(self.layout):
-            raise FrameError(f"slot announces {n} bytes, more than a slot holds")
-        return self._slab_read(n, base + CHUNK_HEADER.size)
+        offset, nbytes = head
+        return self._slab_read(nbytes, offset)
 
     def consume_slot(self) -> int:
-        """Release the slot read by ``peek_slot``; returns frames consumed in all."""
-        return self.recv.consume()[1]
-
-
-class VerbsEndpoint(SlotStream):
-    """One RC queue pair with a registered receive slab and a send staging buffer.
-
-    Usage: ``a = VerbsEndpoint(dev, layout)``, exchange ``a.local_params()`` with the peer
-    (out of band, e.g. over a TCP connection), ``a.connect(peer_params)``, then
-    ``a.write_frame(data)`` / ``a.poll_frame()``.
-    """
-
-    def __init__(self, device: str, layout: SlabLayout, *, port: int = 1, gid_index: int = 0,
-                 cq_depth: int = 256) -> None:
-        reason = device_availability()
-        if reason is not None:
-            raise TransportUnavailable(reason)
-        import pyverbs.enums as e
-        from pyverbs.cq import CQ
-        from pyverbs.device import Context
-        from pyverbs.mr import MR
-        from pyverbs.pd import PD
-        from pyverbs.qp import QP, QPCap, QPInitAttr
-
-        self._e = e
-        self.layout = layout
-        self.port = port
-        self.gid_index = gid_index
-        self.ctx = Context(name=device)
-        self.pd = PD(self.ctx)
-        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
-        self.recv_mr = MR(self.pd, layout.slab_bytes, access)
-        # One staging slot per receive slot: slot s is rewritten only after the peer's
-        # credit shows frame s consumed, i.e. after the NIC has long finished reading it.
-        self.send_mr = MR(self.pd, layout.slab_bytes, e.IBV_ACCESS_LOCAL_WRITE)
-        cq_depth = max(cq_depth, 2 * layout.num_slots + 16)  # send and receive completions
-        self.cq = CQ(self.ctx, cq_depth, None, None, 0)  # pyverbs: every argument is positional
-        cap = QPCap(max_send_wr=layout.num_slots + 8, max_recv_wr=layout.num_slots,
-                    max_send_sge=1, max_recv_sge=1)
-        self.qp = QP(self.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap))
-        self.send = SendWindow(layout)
-        self.recv = RecvWindow(layout)
-        self.peer: QpParams | None = None
-
-    @property
-    def connected_peer(self) -> QpParams:
-        """The peer given to ``connect``."""
-        if self.peer is None:
-            raise RuntimeError("this RDMA endpoint is not connected yet: call connect() first")
-        return self.peer
-
-    def local_params(self) -> QpParams:
-        port_attr = self.ctx.query_port(self.port)
-        gid = self.ctx.query_gid(self.port, self.gid_index)
-        return QpParams(lid=port_attr.lid, qpn=self.qp.qp_num, psn=0, gid=bytes(gid.gid_bytes)
-                        if hasattr(gid, "gid_bytes") else bytes.fromhex(str(gid).replace(":", "")),
-                        slab_addr=self.recv_mr.buf, rkey=self.recv_mr.rkey,
-                        slot_bytes=self.layout.slot_bytes, num_slots=self.layout.num_slots)
-
-    def connect(self, peer: QpParams) -> None:
-        """Bring the queue pair to RTS towards ``peer`` and post receives for immediates."""
-        from pyverbs.addr import GID, AHAttr, GlobalRoute
-        from pyverbs.qp import QPAttr
-        from pyverbs.wr import RecvWR
-
-        e = self._e
-        if peer.slot_bytes != self.layout.slot_bytes:
-            raise FrameError("peer slab layout differs from ours")
-        self.peer = peer
-        attr = QPAttr(qp_state=e.IBV_QPS_INIT, cur_qp_state=e.IBV_QPS_RESET)
-        attr.pkey_index = 0
-        attr.port_num = self.port
-        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
-        self.qp.to_init(attr)
-        gid = GID()
-        gid.gid = ":".join(peer.gid.hex()[i:i + 4] for i in range(0, 32, 4))
-        gr = GlobalRoute(dgid=gid, sgid_index=self.gid_index)
-        attr.ah_attr = AHAttr(port_num=self.port, is_global=1, gr=gr, dlid=peer.lid)
-        attr.path_mtu = peer.mtu
-        attr.dest_qp_num = peer.qpn
-        attr.rq_psn = peer.psn
-        attr.max_dest_rd_atomic = 1
-        attr.min_rnr_timer = 12
-        self.qp.to_rtr(attr)
-        attr.sq_psn = 0
-        attr.timeout = 14
-        attr.retry_cnt = 7
-        attr.rnr_retry = 7
-        attr.max_rd_atomic = 1
-        self.qp.to_rts(attr)
-        for i in range(self.layout.num_slots):  # each WRITE WITH IMM consumes one
-            self.qp.post_recv(RecvWR(wr_id=i, num_sge=0))
-
-    def write_frame(self, data: bytes | memoryview) -> int:
-        """Copy ``data`` to the staging buffer and write it (payload + trailer) into the
-        peer's next slot with one RDMA WRITE WITH IMMEDIATE; returns its seq."""
-        from pyverbs.wr import SGE, SendWR
-
-        e = self._e
-        seq, offset, _trailer = self.send.reserve(len(data))
-        self.send_mr.write(bytes(data), len(data), 0)
-        # The trailer sits at the slot's end: write the whole slot so it lands last.
-        self.send_mr.write(struct.pack("<Q", self.layout.trailer_value(seq)), TRAILER_BYTES,
-                           self.layout.max_payload)
-        sge = SGE(self.send_mr.buf, self.layout.slot_bytes, self.send_mr.lkey)
-        wr = SendWR(wr_id=seq, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[sge],
-                    send_flags=e.IBV_SEND_SIGNALED)
-        wr.imm_data = self.layout.slot_of(seq)
-        peer = self.connected_peer
-        wr.set_wr_rdma(rkey=peer.rkey, addr=peer.slab_addr + offset)
-        self.qp.post_send(wr)
-        return seq
-
-    def post_write_imm(self, laddr: int, lkey: int, length: int, raddr: int, rkey: int,
-                       imm: int, wr_id: int = 0) -> None:
-        """Post one signaled RDMA WRITE WITH IMMEDIATE of registered local memory (used by
-        the FHBN host proxy, which gets these fields from GPU-enqueued requests)."""
-        from pyverbs.wr import SGE, SendWR
-
-        e = self._e
-        wr = SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1,
-                    sg=[SGE(laddr, length, lkey)], send_flags=e.IBV_SEND_SIGNALED)
-        wr.imm_data = imm
-        wr.set_wr_rdma(rkey=rkey, addr=raddr)
-        self.qp.post_send(wr)
-
-    def _place(self, offset: int, data: bytes, trailer_offset: int, trailer: bytes, seq: int) -> None:
-        # Staging slot = receive slot index, so one WRITE covers the whole slot and the
-        # trailer at its end is placed last (RC ordering).
-        self.send_mr.write(data, len(data), offset)
-        self.send_mr.write(trailer, TRAILER_BYTES, trailer_offset)
-        peer = self.connected_peer
-        self.post_write_imm(self.send_mr.buf + offset, self.send_mr.lkey, self.layout.slot_bytes,
-                            peer.slab_addr + offset, peer.rkey, self.layout.slot_of(seq), seq)
-
-    def _slab_read(self, nbytes: int, offset: int) -> bytes:
-        return self.recv_mr.read(nbytes, offset)
-
-    def poll_frame(self, nbytes: int) -> bytes | None:
-        """The next frame's first ``nbytes`` once its trailer shows it complete (memory
-        polling, no CQ), else None."""
-        off, value = self.recv.expected()
-        (trailer,) = struct.unpack("<Q", self.recv_mr.read(TRAILER_BYTES, off))
-        if trailer != value:
-            return None
-        data = self.recv_mr.read(nbytes, self.layout.payload_offset(self.recv.next_seq))
-        self.recv.consume()
-        return data
-
-    def drain_completions(self) -> int:
-        """Reap send completions and immediates (re-posting receives); returns how many."""
-        from pyverbs.wr import RecvWR
-
-        e = self._e
-        n, wcs = self.cq.poll(num_entries=64)
-        for wc in wcs:
-            if wc.status != e.IBV_WC_SUCCESS:
-                raise FrameError(f"RDMA work completion failed with status {wc.status}")
-            if wc.opcode == e.IBV_WC_RECV_RDMA_WITH_IMM:
-                self.qp.post_recv(RecvWR(wr_id=wc.wr_id, num_sge=0))
-        return n
-
-    def close(self) -> None:
-        for obj in (self.qp, self.cq, self.send_mr, self.recv_mr, self.pd, self.ctx):
-            obj.close()
+        """Release the slot read by ``peek_slot``; returns chunks consumed in all."""
+        return self.recv.consume()

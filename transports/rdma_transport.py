@@ -3,24 +3,26 @@
 A connection is two things:
 - the data path: an RC queue pair per side; a frame's bytes are cut into slot-sized chunks
   and each chunk is written into the peer's pre-registered receive slab with one RDMA
-  WRITE WITH IMMEDIATE (chunk length, chunk, then the sequence number in the slot's
-  trailer, placed last). The receiver polls the trailer in memory; no receive copy
-  through the kernel and no completion needed to see the data.
+  WRITE WITH IMMEDIATE of the chunk's bytes. The receiver takes a chunk when it takes
+  that write's receive completion (the immediate names the slot, the completion's byte
+  length is the chunk's), re-posting one receive request per completion; no receive copy
+  through the kernel.
 - an out-of-band TCP control socket: the handshake (wire version, cluster token), the
-  exchange of ``QpParams``, then 9-byte control messages: CREDIT(frames consumed in all,
-  receiver -> sender, so no unread slot is overwritten), SLEEP(seq) (the receiver found
-  slot ``seq`` empty after a bounded spin and is about to block) and BELL (the sender has
-  written at least that slot). Its EOF reports a vanished peer at once.
+  exchange of ``QpParams``, a ready byte each way once the queue pair can take writes,
+  then 9-byte control messages: CREDIT(chunks consumed in all, receiver -> sender, so no
+  unread slot is overwritten), SLEEP(seq) (the receiver found no completion for chunk
+  ``seq`` after a bounded spin and is about to block) and BELL (the sender has written at
+  least that chunk). Its EOF reports a vanished peer at once.
 
-Wake-up protocol (no lost wake-up, no timer): the receiver sends SLEEP(s), re-checks the
-trailer, then blocks on the control socket; the sender, on SLEEP(s), rings BELL at once if
-it has already posted slot s, else right after posting it. Spurious BELLs only cause a
-re-check.
+Wake-up protocol (no lost wake-up, no timer): the receiver sends SLEEP(s), polls its
+completion queue again, then blocks on the control socket; the sender, on SLEEP(s), rings
+BELL at once if it has already posted chunk s, else right after posting it. A BELL that
+outruns the write's completion only causes a re-check and another SLEEP, answered at once.
 
 The endpoint is duck-typed (``layout``, ``send``/``recv`` windows, ``post_slot``,
 ``peek_slot``, ``consume_slot``, ``drain_completions``, ``close``) so the connection logic
-is tested here over an endpoint that places bytes in host memory (tests/transports);
-``VerbsEndpoint`` is the real one and needs pyverbs and an RDMA device.
+is tested here over an endpoint that places bytes and completions in host memory
+(tests/transports); ``VerbsEndpoint`` is the real one and needs pyverbs and an RDMA device.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ log = logging.getLogger(__name__)
 
 CONTROL = struct.Struct("<BQ")
 CREDIT, SLEEP, BELL = 1, 2, 3
-# Poll the trailer this long before blocking. Short: on a cluster the receiver usually
+READY = b"\x01"  # each side's last handshake byte: its queue pair can take writes
+# Poll for a completion this long before blocking. Short: on a cluster the receiver usually
 # has a core to itself and could spin longer; on shared cores spinning steals the peer's.
 SPIN_NS = 20_000
 DEFAULT_LAYOUT = SlabLayout(slot_bytes=64 * 1024, num_slots=64)  # 4 MiB slab per side
@@ -64,7 +67,7 @@ class ControlChannel:
         self._waiters: list[asyncio.Future] = []
         self.eof = False
         self.error: TransportError | None = None
-        self.peer_credit = 0  # frames the peer has consumed in all
+        self.peer_credit = 0  # chunks the peer has consumed in all
         self.peer_sleeping_at: int | None = None  # the peer waits for our slot of this seq
         self.bells = 0
         self._loop.add_reader(sock.fileno(), self._on_readable)
@@ -206,7 +209,6 @@ class RdmaConnection(StreamConnection):
         ep, ctl = self._ep, self._ctl
         chunk = ep.peek_slot()
         if chunk is None:
-            ep.drain_completions()  # re-posts receive requests consumed by the writes
             deadline = time.perf_counter_ns() + SPIN_NS
             while (chunk := ep.peek_slot()) is None and time.perf_counter_ns() < deadline:
                 pass
@@ -225,8 +227,6 @@ class RdmaConnection(StreamConnection):
                 raise PeerClosed(f"peer {self._peer} closed the connection in the middle of a frame") from None
             await ctl.wait()
             chunk = ep.peek_slot()
-        if not chunk:
-            raise FrameError(f"empty slot {ep.recv.next_seq} from {self._peer}: writers never send one")
         self._chunk, self._chunk_pos = chunk, 0
 
     async def _read_exact(self, view: memoryview, *, first: bool = False) -> None:
@@ -279,6 +279,12 @@ async def establish(sock: socket.socket, endpoint, config: TransportConfig, *, i
     if (remote.slot_bytes, remote.num_slots) != (endpoint.layout.slot_bytes, endpoint.layout.num_slots):
         raise FrameError(f"peer slab layout {remote.slot_bytes}x{remote.num_slots} differs from ours")
     endpoint.connect(remote)
+    # Our receive requests are posted and the queue pair is ready; the peer's first write
+    # must wait for the same of its side, or it would meet a queue pair not yet in RTR
+    # (dropped packets, retries, and after seven of them a failed connection).
+    await send(READY)
+    if await recv(len(READY)) != READY:
+        raise FrameError(f"peer {peer} sent no ready byte after connecting its queue pair")
     control = ControlChannel(sock, peer, lambda: endpoint.send.next_seq)
     return RdmaConnection(endpoint, control, config, peer)
 
@@ -302,7 +308,7 @@ class RdmaListener(SocketListener):
             self._spawn(self._setup(sock, f"{addr[0]}:{addr[1]}"))
 
     async def _setup(self, sock: socket.socket, peer: str) -> None:
-        from .rdma import VerbsEndpoint
+        from .rdma_verbs import VerbsEndpoint
 
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -352,7 +358,7 @@ class RdmaTransport(Transport):
         return RdmaListener(sock, device, port, config, handler)
 
     async def connect(self, address: str, config: TransportConfig) -> RdmaConnection:
-        from .rdma import VerbsEndpoint
+        from .rdma_verbs import VerbsEndpoint
 
         device, port, host, tcp_port = parse_rdma_address(address)
         self._check()

@@ -14,8 +14,9 @@ What must hold:
 - A slot whose worker left the pool (its registration ended) or never joined is in
   `left`: no new request is placed there, but its stub stays, so what requests still
   hold on it can be freed and a step to it fails like any lost worker's.
-- A sequence whose Free did not reach its worker is kept in `orphans[w]` until a probe
-  finds `w` answering and frees it: KV is never leaked on a worker that comes back.
+- A sequence whose Free did not reach its worker is kept in `orphans[w]` until `w`
+  answers a later Free (tried every half service TTL, and at each probe): KV is never
+  leaked on a worker that comes back.
 """
 
 from __future__ import annotations
@@ -114,18 +115,27 @@ class AttentionWorkers:
         stats = await asyncio.gather(*(stub.Stats(lamina_pb2.Empty(), timeout=timeout_s) if stub is not None
                                        else _no_worker(w) for w, stub in enumerate(self.stubs)),
                                      return_exceptions=True)
-        healthy = []
-        for w, st in enumerate(stats):
-            ok = not isinstance(st, BaseException)
-            if ok and self.orphans.get(w):
-                seq_ids = sorted(self.orphans[w])
-                try:
-                    await self._stub(w).Free(lamina_pb2.FreeRequest(seq_ids=seq_ids), timeout=timeout_s)
-                    self.orphans[w].difference_update(seq_ids)
-                except grpc.aio.AioRpcError:
-                    ok = False
-            healthy.append(ok)
-        return healthy
+        return [not isinstance(st, BaseException) and await self._free_orphans(w) for w, st in enumerate(stats)]
+
+    async def free_orphans(self) -> None:
+        """Free orphans on every worker that answers now (the scheduler calls this every
+        half service TTL: a worker back from a partition holds no dead KV for long)."""
+        await asyncio.gather(*(self._free_orphans(w) for w, ids in list(self.orphans.items())
+                               if ids and self.stubs[w] is not None))
+
+    async def _free_orphans(self, w: int) -> bool:
+        """Free the sequences worker `w` still holds of requests freed or moved while it
+        did not answer; False when it does not answer now either."""
+        seq_ids = sorted(self.orphans.get(w, ()))
+        if not seq_ids:
+            return True
+        try:
+            await self._stub(w).Free(lamina_pb2.FreeRequest(seq_ids=seq_ids), timeout=self._config.deadlines.health_s)
+        except grpc.aio.AioRpcError:
+            return False
+        self.orphans[w].difference_update(seq_ids)
+        log.info("freed %d sequences left on attention worker %d while it did not answer", len(seq_ids), w)
+        return True
 
     async def _follow_addresses(self) -> None:
         """Move the stub of each joined worker registered at a new address (it restarted)

@@ -286,7 +286,9 @@ class SchedulerService:
         self._tasks = [asyncio.create_task(self.admission.run(), name="admit"),
                        asyncio.create_task(self.decode.watch(), name="model-watchdog"),
                        asyncio.create_task(self.decode.publish_placement_tokens(), name="placement-tokens"),
-                       asyncio.create_task(self.prefills.watch(), name="prefill-watch")]
+                       asyncio.create_task(self.prefills.watch(), name="prefill-watch"),
+                       asyncio.create_task(refresh_every_half_ttl(store, self.attention.free_orphans,
+                                                                  "orphaned sequences"), name="attention-orphans")]
         if ac.pool_limit > ac.workers:
             self._tasks.append(asyncio.create_task(
                 refresh_every_half_ttl(store, self.attention.refresh, "attention workers"), name="attention-watch"))

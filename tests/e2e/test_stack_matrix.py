@@ -22,7 +22,7 @@ import itertools
 
 import openai
 import pytest
-from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, api_key
+from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, api_key, metric_total
 from shared_stacks import API, PIPELINE_FIXED, PIPELINE_ROTATIONAL, PREFILL_ROUTING, StackSpec
 
 VALUES = {"transport": ("tcp", "shm", "ucx"), "partition": ("request", "head"), "micro_batches": (1, 2, 3),
@@ -66,10 +66,19 @@ def test_greedy_identity(spec, stack, reference_outputs):
             client.completions.create(model=model, prompt=COMPLETION_PROMPTS[1], max_tokens=MAX_TOKENS,
                                       temperature=0, extra_body={"return_token_ids": True}))
 
+    q_frames_before = _q_early_frames(spec, stack)
     chat, completion = asyncio.run(both())
+    # Q-early rows did send their queries early (and the others never do).
+    assert (_q_early_frames(spec, stack) > q_frames_before) == spec.q_early
     ref = reference_outputs[("chat", CHAT_PROMPTS[0])]
     assert chat.choices[0].model_extra["token_ids"] == ref["token_ids"]
     assert chat.choices[0].message.content == ref["text"]
     ref = reference_outputs[("completion", COMPLETION_PROMPTS[1])]
     assert completion.choices[0].model_extra["token_ids"] == ref["token_ids"]
     assert completion.choices[0].text == ref["text"]
+
+
+def _q_early_frames(spec: StackSpec, stack) -> float:
+    """ATTEND_Q frames (Q-early's first halves) the stack's attention workers have handled."""
+    return sum(metric_total(stack, "attention", f"attention-{w}", 'lamina_attention_frames_total{kind="ATTEND_Q"}')
+               for w in range(spec.workers))

@@ -13,7 +13,7 @@ import time
 
 import openai
 import pytest
-from e2e_helpers import start_stack
+from e2e_helpers import metric_total, start_stack
 from fault_helpers import MAX_TOKENS, PROMPTS
 from fault_helpers import pid as _pid
 from fault_helpers import stream_all as _stream_all
@@ -23,32 +23,40 @@ from lamina.services.config import DeadlinesSection
 
 pytestmark = pytest.mark.timeout(600)
 
-# (process killed, when: content chunks every stream has first, None: during prefill, stack options)
+# (process killed, when: content chunks every stream has first, None: during prefill, stack options,
+#  the proof the fault hit the requests: the scheduler's rebuilds at least this many, or a
+#  line the named service logged)
 CASES = [
-    ("attention-0", 3, {"workers": 2, "partition": "request"}),
-    ("attention-1", None, {"workers": 2, "partition": "request"}),
-    ("model-0", 3, {"model_workers": 2}),
+    ("attention-0", 3, {"workers": 2, "partition": "request"}, ("rebuilds", 1)),
+    ("attention-1", None, {"workers": 2, "partition": "request"}, ("rebuilds", 1)),
+    ("model-0", 3, {"model_workers": 2}, ("rebuilds", 1)),
     # Rotational: the peer running slices for the coordinator (model-0) dies; the
-    # coordinator runs them itself from then on.
-    ("model-1", 3, {"model_workers": 2, "pipeline_mode": "rotational"}),
+    # coordinator runs them itself from then on (nothing to rebuild: the KV is intact).
+    ("model-1", 3, {"model_workers": 2, "pipeline_mode": "rotational"},
+     ("model-0", "dropping peer model worker 1")),
     # Two prefill workers, one killed as the prompts arrive: its prefills fail, and they
     # and every later prompt go to the other one (it is never restarted here).
-    ("prefill-0", None, {"prefill_workers": 2}),
+    ("prefill-0", None, {"prefill_workers": 2}, ("rebuilds", 1)),
 ]
 
 
-def _case_id(victim: str, after_chunks: int | None, options: dict) -> str:
+def _case_id(victim: str, after_chunks: int | None, options: dict, proof: tuple) -> str:
     mode = f"-{options['pipeline_mode']}" if "pipeline_mode" in options else ""
     return f"{victim}-{'prefill' if after_chunks is None else 'decode'}{mode}"
 
 
-@pytest.mark.parametrize(("victim", "after_chunks", "options"), CASES, ids=[_case_id(*c) for c in CASES])
-def test_streams_survive_a_killed_worker(victim, after_chunks, options, references):
+@pytest.mark.parametrize(("victim", "after_chunks", "options", "proof"), CASES, ids=[_case_id(*c) for c in CASES])
+def test_streams_survive_a_killed_worker(victim, after_chunks, options, proof, references):
     stack = start_stack(**options)
     try:
         pid = _pid(stack, victim)
         texts = asyncio.run(_stream_all(stack.base_url, lambda: os.kill(pid, signal.SIGKILL), after_chunks))
         assert texts == references
+        if proof[0] == "rebuilds":
+            assert metric_total(stack, "scheduler", "scheduler-0", "lamina_scheduler_rebuilds_total") >= proof[1]
+        else:
+            service, line = proof
+            assert line in (stack.log_dir / f"{service}.log").read_text()
         # The stack still serves, and nothing is left behind on the attention workers
         # (the killed one, if it was one, is gone: its KV with it).
         assert stack.processes and [sp.name for sp in stack.processes if sp.proc.poll() is not None] == [victim]
@@ -60,7 +68,7 @@ def test_a_killed_colocated_model_worker_is_rebuilt_on_the_other(references):
     """Colocated: each model worker holds its own sequences' KV. One killed mid-decode
     takes that KV with it; its requests are rebuilt (counted) on the other model worker,
     and every stream ends as transformers' greedy continuation."""
-    from e2e_helpers import attention_stats, metric_total
+    from e2e_helpers import attention_stats
 
     stack = start_stack(model_workers=2, layout="colocated")
     try:
@@ -101,6 +109,7 @@ def test_a_stopped_worker_is_failed_over_within_the_reply_deadline(references):
         texts = asyncio.run(_stream_all(stack.base_url, lambda: os.kill(pid, signal.SIGSTOP), 3))
         assert texts == references
         assert time.monotonic() - start < 120
+        assert metric_total(stack, "scheduler", "scheduler-0", 'lamina_scheduler_rebuilds_total{stage="decode"}') >= 1
     finally:
         os.kill(pid, signal.SIGCONT)
         stack.stop()
@@ -115,6 +124,7 @@ def test_a_hung_model_worker_is_replaced_by_another(references):
     try:
         texts = asyncio.run(_stream_all(stack.base_url, lambda: os.kill(pid, signal.SIGSTOP), 3))
         assert texts == references
+        assert metric_total(stack, "scheduler", "scheduler-0", "lamina_scheduler_rebuilds_total") >= 1
         os.kill(pid, signal.SIGCONT)
         assert asyncio.run(_stream_all(stack.base_url, lambda: None, None)) == references
     finally:
@@ -181,13 +191,21 @@ def test_seeded_samples_are_the_same_with_and_without_a_failure():
         clean = asyncio.run(sample_all())
         pid = _pid(stack, "attention-0")
 
+        def steps() -> float:
+            return metric_total(stack, "model", "model-0", "lamina_model_steps_total")
+
         async def with_kill() -> list[str]:
+            before = await asyncio.to_thread(steps)
             task = asyncio.create_task(sample_all())
-            await asyncio.sleep(1.5)  # prefilled and decoding (each sample is 40 tokens)
-            os.kill(pid, signal.SIGKILL)
-            return await task
+            # Killed once the samples are decoding (each is 40 tokens): a few steps run.
+            while True:
+                if await asyncio.to_thread(steps) >= before + 3:
+                    os.kill(pid, signal.SIGKILL)
+                    return await task
+                await asyncio.sleep(0.05)  # polls another process's counter: nothing to wait on
 
         assert asyncio.run(with_kill()) == clean
+        assert metric_total(stack, "scheduler", "scheduler-0", "lamina_scheduler_rebuilds_total") >= 1
     finally:
         stack.stop()
 

@@ -32,6 +32,8 @@ def test_config_validation():
     with pytest.raises(ValueError):
         MetadataConfig("redis://x", service_ttl_s=1.0, heartbeat_interval_s=2.0)
     assert MetadataConfig("redis://x", service_ttl_s=3.0).heartbeat_s == 1.0
+    with pytest.raises(ValueError):
+        MetadataConfig("redis://x", socket_timeout_s=0)
 
 
 async def test_keys_live_under_the_namespace(store, namespace):
@@ -172,6 +174,31 @@ async def test_survives_redis_restart_and_rebuilds(namespace):
         assert [s.service_id for s in await store.list_services("prefill")] == ["p0"]
         assert set(await store.get_block("h1")) == {"p0"}
         await reg.stop()
+        await store.close()
+
+
+async def test_a_command_to_a_server_that_went_silent_fails_in_bounded_time(namespace):
+    """A Redis that stops answering on an open connection (SIGSTOP: as a cut link looks
+    from this side, no reset) fails a command after its socket timeouts and retries,
+    instead of waiting for TCP to give up; once it answers again the same store works."""
+    import os
+    import signal
+    import time
+
+    from lamina.kvstore.metadata import REDIS_ERRORS
+
+    with EmbeddedRedis() as server:
+        store = MetadataStore(MetadataConfig(server.url, namespace, socket_timeout_s=0.3))
+        await store.register_service("model", "m0", "tcp://127.0.0.1:7")  # the connection is open
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(REDIS_ERRORS):
+                await store.heartbeat("model", "m0")
+            assert time.monotonic() - start < 15  # 7 tries of 0.3 s and their backoff, not minutes
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert await store.heartbeat("model", "m0")
         await store.close()
 
 

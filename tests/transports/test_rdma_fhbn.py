@@ -11,21 +11,21 @@ import pytest
 
 from lamina.transports import FrameError, fhbn
 from lamina.transports.rdma import (
-    TRAILER_BYTES,
     QpParams,
     RecvWindow,
     SendWindow,
     SlabLayout,
-    VerbsEndpoint,
+    SlotWrite,
     device_availability,
 )
+from lamina.transports.rdma_verbs import VerbsEndpoint
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def params(**kw) -> QpParams:
     base = dict(lid=7, qpn=0x1234, psn=0x42, gid=bytes(range(16)), slab_addr=0x7F00_0000_1000,
-                rkey=0xABCD, slot_bytes=4096, num_slots=8)
+                rkey=0xABCD, slot_bytes=4096, num_slots=8, mtu=3)
     base.update(kw)
     return QpParams(**base)
 
@@ -49,10 +49,9 @@ def test_qp_params_round_trip_and_validation():
 
 def test_slab_layout_offsets():
     layout = SlabLayout(slot_bytes=256, num_slots=4)
-    assert layout.slab_bytes == 1024 and layout.max_payload == 256 - TRAILER_BYTES
-    assert [layout.payload_offset(s) for s in range(6)] == [0, 256, 512, 768, 0, 256]
-    assert layout.trailer_offset(5) == 256 + 248
-    assert layout.trailer_value(0) == 1 and layout.trailer_value(2**64 - 1) == 1
+    assert layout.slab_bytes == 1024
+    assert [layout.offset_of(s) for s in range(6)] == [0, 256, 512, 768, 0, 256]
+    assert [layout.imm_of(s) for s in (0, 3, 4, 5)] == [0, 3, 1 << 16, 1 << 16 | 1]  # lap | slot
     with pytest.raises(ValueError):
         SlabLayout(100, 4)
     with pytest.raises(ValueError):
@@ -61,39 +60,34 @@ def test_slab_layout_offsets():
 
 def test_send_window_credits():
     w = SendWindow(SlabLayout(128, 2))
-    assert w.reserve(10) == (0, 0, 120)
-    assert w.reserve(120) == (1, 128, 248)
+    assert w.reserve(10) == SlotWrite(seq=0, offset=0, length=10, imm=0)
+    assert w.reserve(128) == SlotWrite(seq=1, offset=128, length=128, imm=1)
     assert not w.can_send()
     with pytest.raises(RuntimeError):
         w.reserve(1)
     w.on_credit(1)
-    assert w.num_free == 1 and w.reserve(1) == (2, 0, 120)  # slot 0 reused after credit
+    assert w.num_free == 1 and w.reserve(1) == SlotWrite(2, 0, 1, 1 << 16)  # slot 0 reused after credit
     with pytest.raises(FrameError):
-        w.reserve(121)  # larger than a slot's payload
+        w.reserve(129)  # larger than a slot
     with pytest.raises(FrameError):
         w.on_credit(0)  # credits never go back
     with pytest.raises(FrameError):
         w.on_credit(4)  # more than was sent
 
 
-def test_recv_window_polls_trailer_in_order():
+def test_recv_window_takes_chunks_from_completions_in_order():
     layout = SlabLayout(128, 2)
     send, recv = SendWindow(layout), RecvWindow(layout)
-    slab = bytearray(layout.slab_bytes)
-    for _ in range(5):  # wraps the slab twice
-        seq, off, toff = send.reserve(4)
-        slab[off:off + 4] = seq.to_bytes(4, "little")
-        expected_off, _value = recv.expected()
-        assert expected_off == toff
-        assert not recv.is_ready(int.from_bytes(slab[toff:toff + 8], "little"))  # not yet
-        slab[toff:toff + 8] = layout.trailer_value(seq).to_bytes(8, "little")
-        assert recv.is_ready(int.from_bytes(slab[toff:toff + 8], "little"))
-        recv.check_immediate(layout.slot_of(seq))
-        got_seq, credit = recv.consume()
-        assert got_seq == seq and int.from_bytes(slab[off:off + 4], "little") == seq
-        send.on_credit(credit)
+    for n in range(1, 6):  # wraps the slab twice
+        write = send.reserve(n)
+        assert recv.peek() is None  # whatever the slab holds, no completion, no chunk
+        assert recv.on_completion(write.imm, write.length) == write.seq
+        assert recv.peek() == (write.offset, n)
+        send.on_credit(recv.consume())
     with pytest.raises(FrameError):
-        recv.check_immediate(layout.slot_of(recv.next_seq) + 1)
+        recv.on_completion(layout.imm_of(recv.arrived + 1), 1)  # a chunk skipped
+    with pytest.raises(RuntimeError):
+        recv.consume()  # nothing completed
 
 
 @pytest.mark.skipif(device_availability() is not None, reason=f"RDMA verbs: {device_availability()}")
@@ -107,14 +101,15 @@ def test_verbs_loopback_write_with_imm():
         a.connect(b.local_params())
         b.connect(a.local_params())
         for i in range(8):
-            a.write_frame(f"frame {i}".encode())
+            data = f"frame {i}".encode()
+            a.post_slot([memoryview(data)], len(data))
             deadline = time.monotonic() + 5
-            while (data := b.poll_frame(7)) is None:
-                assert time.monotonic() < deadline, "frame never arrived"
-            assert data == f"frame {i}".encode()
-            a.send.on_credit(b.recv.next_seq)
+            while (got := b.peek_slot()) is None:
+                assert time.monotonic() < deadline, "no completion for the write"
+            assert got == data
+            a.send.on_credit(b.consume_slot())
             a.drain_completions()
-            b.drain_completions()
+        assert b.rq.outstanding == layout.num_slots  # every completion's receive re-posted
     finally:
         a.close()
         b.close()

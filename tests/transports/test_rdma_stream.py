@@ -1,8 +1,9 @@
 """The rdma:// connection logic (slot stream, credits, SLEEP/BELL wake-ups, control socket,
-QP parameter exchange) without a device: ``HostSlabEndpoint`` places each slot in the
-peer's slab in host memory the way one RDMA WRITE WITH IMMEDIATE would (payload, then
-the trailer last); everything else is the production code. The FHBN host proxy drains a
-real descriptor ring in host memory and "posts" by copying bytes between buffers."""
+QP parameter exchange) without a device: ``HostSlabEndpoint`` does in host memory what
+the NIC does for one RDMA WRITE WITH IMMEDIATE (the bytes into the peer's slab, then a
+completion on the peer's receive queue that uses up one of its posted receive requests);
+everything else is the production code. The FHBN host proxy drains a real descriptor
+ring in host memory and "posts" by copying bytes between buffers."""
 
 from __future__ import annotations
 
@@ -21,10 +22,9 @@ from lamina.transports import AuthError, Frame, PeerClosed, TransportConfig, Tra
 from lamina.transports.fhbn import PROXY_REQ, HostProxy, ProxyRing
 from lamina.transports.rdma import (
     QpParams,
-    RecvWindow,
-    SendWindow,
     SlabLayout,
     SlotStream,
+    SlotWrite,
     chunk_capacity,
     parse_rdma_address,
     split_chunks,
@@ -37,38 +37,62 @@ _next_qpn = iter(range(1, 1 << 20))
 
 
 class HostSlabEndpoint(SlotStream):
-    """A slab-placing endpoint in host memory (the NIC's part of one WRITE WITH IMM)."""
+    """A slot-stream endpoint in host memory (the NIC's part of one WRITE WITH IMM).
+
+    ``hold_completions``: writes into this endpoint place their bytes at once but keep
+    their completions in ``held`` until a test releases them (placement before
+    completion, as a NIC may do)."""
 
     def __init__(self, layout: SlabLayout) -> None:
-        self.layout = layout
+        super().__init__(layout)
         self.slab = bytearray(layout.slab_bytes)
-        self.send, self.recv = SendWindow(layout), RecvWindow(layout)
         self.peer: HostSlabEndpoint | None = None
         self.qpn = next(_next_qpn)
-        self.immediates: list[int] = []
+        self.completions: list[tuple[int, int]] = []  # (immediate, byte length), not yet polled
+        self.held: list[tuple[int, int]] = []
+        self.hold_completions = False
+        self.posted_recvs = 0  # receive requests the "NIC" holds for this endpoint
+        self.writes: list[int] = []  # lengths of the writes this endpoint posted
         self.closed = False
 
     # What establish() needs: parameters out, connect to the peer's.
     def local_params(self) -> QpParams:
         return QpParams(lid=1, qpn=self.qpn, psn=0, gid=bytes(16), slab_addr=id(self.slab),
-                        rkey=self.qpn, slot_bytes=self.layout.slot_bytes, num_slots=self.layout.num_slots)
+                        rkey=self.qpn, slot_bytes=self.layout.slot_bytes, num_slots=self.layout.num_slots,
+                        mtu=5)
 
     def connect(self, peer: QpParams) -> None:
         self.peer = _REGISTRY[peer.qpn]
+        self.fill_receive_queue()
 
-    def _place(self, offset, data, trailer_offset, trailer, seq) -> None:
-        slab = self.peer.slab
-        slab[offset:offset + len(data)] = data
-        slab[trailer_offset:trailer_offset + len(trailer)] = trailer
-        self.peer.immediates.append(self.layout.slot_of(seq))
+    def _post_write(self, write: SlotWrite, data: bytes) -> None:
+        peer = self.peer
+        assert peer is not None and len(data) == write.length
+        self.writes.append(write.length)
+        peer.slab[write.offset:write.offset + write.length] = data
+        # The protocol keeps a receive request posted for every write that may arrive:
+        # a write that found none would be a receiver-not-ready retry on a real NIC.
+        assert peer.posted_recvs > 0, "write with immediate found no posted receive request"
+        peer.posted_recvs -= 1
+        (peer.held if peer.hold_completions else peer.completions).append((write.imm, write.length))
+
+    def _poll_recv(self) -> list[tuple[int, int]]:
+        out, self.completions = self.completions, []
+        return out
+
+    def _post_recv(self, n: int) -> None:
+        self.posted_recvs += n
+        assert self.posted_recvs <= self.layout.num_slots  # the receive queue's depth
+
+    def release_held(self) -> None:
+        self.completions += self.held
+        self.held.clear()
 
     def _slab_read(self, nbytes: int, offset: int) -> bytes:
         return bytes(self.slab[offset:offset + nbytes])
 
     def drain_completions(self) -> int:
-        n = len(self.immediates)
-        self.immediates.clear()
-        return n
+        return 0  # sends complete at once here
 
     def close(self) -> None:
         self.closed = True
@@ -106,7 +130,7 @@ def test_address_and_chunking():
     chunks = split_chunks(views, 4)
     assert [n for _, n in chunks] == [4, 4, 4]
     assert b"".join(b"".join(bytes(v) for v in c) for c, _ in chunks) == b"a" * 5 + b"b" * 7
-    assert chunk_capacity(SlabLayout(128, 2)) == 128 - 8 - 4
+    assert chunk_capacity(SlabLayout(128, 2)) == 128  # the length travels with the completion
 
 
 async def test_unavailable_schemes_say_why():
@@ -124,7 +148,7 @@ async def test_unavailable_schemes_say_why():
 async def test_frames_of_every_size_cross_slots_in_order():
     server, client = await rdma_pair()
     try:
-        payloads = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in (1, 1000, 4085, 100_000)]
+        payloads = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in (1, 1000, 4085, 4096, 100_000)]
         payloads.append(torch.randn(64, 33))
         sent = []
         for i, p in enumerate(payloads):  # the 100 kB frame needs 25 slots of an 8-slot slab:
@@ -160,6 +184,11 @@ async def test_pipelined_small_frames_with_sleeping_receiver():
             assert f.header["i"] == i and bytes(f.tensors[0]) == b"x" * (i % 300)
         await producer
         assert server._ep.recv.next_seq == client._ep.send.next_seq  # every slot consumed
+        # One receive request re-posted per completion taken: the queue is full again.
+        assert server._ep.posted_recvs == server._ep.rq.outstanding == 4
+        # Each write carries the chunk's bytes, not the slot: a frame of a few bytes is a
+        # short write, a frame of more than a slot fills whole slots and then a short one.
+        assert min(client._ep.writes) < 64 and max(client._ep.writes) == 256
     finally:
         await client.close()
         await server.close()
@@ -189,6 +218,22 @@ async def test_peer_close_is_reported_and_recv_timeout_keeps_connection():
         await client.close()
         with pytest.raises(PeerClosed):
             await asyncio.wait_for(waiting, 5)
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_a_frame_is_delivered_by_its_completion_not_by_its_bytes():
+    server, client = await rdma_pair(server_cfg=TransportConfig(recv_timeout=0.2))
+    try:
+        server._ep.hold_completions = True
+        await client.send(Frame(3, {"held": True}, [b"payload"]))
+        assert b"payload" in server._ep.slab  # placed...
+        with pytest.raises(TransportTimeout):
+            await server.recv()  # ...but not complete: nothing is delivered
+        server._ep.release_held()
+        got = await server.recv()
+        assert got.header == {"held": True} and bytes(got.tensors[0]) == b"payload"
     finally:
         await client.close()
         await server.close()

@@ -1,0 +1,162 @@
+"""The stack with every service, Redis included, on a host of its own (netns.Hosts).
+
+`HostsStack` is the launcher's Stack with each process started on the host named after
+it (attention-0, model-0, prefill-0, scheduler, gateway, redis), with `host` set to that
+host's address (so it binds and advertises it), the cluster token, an API key and a
+password on Redis. Everything this process does over the network (starting it, health
+probes, clients, metrics) runs on the gateway's host through `Hosts.inside`: this
+machine's own network never carries the cluster's addresses."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import TypeVar
+
+from netns import Hosts
+
+from lamina.kvstore.metadata import MetadataConfig, MetadataStore
+from lamina.kvstore.redis_server import EmbeddedRedis
+from lamina.lifetime import spawn_logged
+from lamina.services.config import (
+    AttentionSection,
+    DeadlinesSection,
+    GatewaySection,
+    ModelWorkerSection,
+    PipelineSection,
+    StackConfig,
+)
+from lamina.services.launch.launcher import ServiceProcess, Stack, service_commands
+
+T = TypeVar("T")
+
+
+def until(check: Callable[[], T], timeout_s: float, every_s: float = 0.5) -> T:
+    """Poll `check()` until it returns something true (another process's state: nothing
+    here to wait on); its result."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"not so after {timeout_s:g} s"
+        time.sleep(every_s)
+    return result
+
+API_KEY = "hosts-test-key"
+GATEWAY_PORT = 8000
+REDIS_PORT = 6379
+
+
+def host_names(config: StackConfig) -> list[str]:
+    """One host per service process of `config`, and Redis's."""
+    return ["redis", *(name for name, _, _ in service_commands(config))]
+
+
+def hosts_config(attention_workers: int = 2, model_workers: int = 1, micro_batches: int = 1,
+                 deadlines: DeadlinesSection | None = None) -> StackConfig:
+    return StackConfig(
+        host="127.0.0.1",  # each process gets its host's address (HostsStack._spawn)
+        deadlines=deadlines or DeadlinesSection(),
+        gateway=GatewaySection(port=GATEWAY_PORT, api_key=API_KEY),
+        attention=AttentionSection(workers=attention_workers, kv_capacity_bytes=256 << 20),
+        model_worker=ModelWorkerSection(workers=model_workers),
+        pipeline=PipelineSection(micro_batches=micro_batches, min_micro_batch=1))
+
+
+class HostsStack(Stack):
+    def __init__(self, config: StackConfig, hosts: Hosts) -> None:
+        super().__init__(dataclasses.replace(config, host=hosts.address("gateway")))
+        self.hosts = hosts
+
+    def inside(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the gateway's host."""
+        return self.hosts.inside("gateway", fn)
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        self.inside(lambda: Stack.start(self, timeout_s))
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        self.inside(lambda: Stack.stop(self, timeout_s))
+
+    def _start_redis(self) -> None:
+        self.redis = EmbeddedRedis(port=REDIS_PORT, bind=self.hosts.address("redis"),
+                                   password=secrets.token_urlsafe(16),
+                                   launcher=self.hosts.argv("redis", [])).start()
+        self.config = dataclasses.replace(self.config, redis_url=self.redis.url)
+
+    def _spawn(self, sp: ServiceProcess, restart: bool = False) -> None:
+        note = f"restart {len(sp.runs)} of {sp.name}" if restart else None
+        env = {**self._env, "LAMINA_HOST": self.hosts.address(sp.name)}
+        sp.proc = spawn_logged(self.hosts.argv(sp.name, sp.argv), self.log_dir / f"{sp.name}.log", env, note)
+        sp.started_at = time.monotonic()
+
+    # -- what the tests read, from the gateway's host ------------------------------------------
+    def metrics(self, name: str) -> list[str]:
+        """The Prometheus lines of service `name` (attention-0, scheduler, ...)."""
+        kind = name.split("-")[0]
+        service_id = name if "-" in name else f"{name}-0"
+
+        async def port() -> int:
+            store = MetadataStore(MetadataConfig(url=self.config.redis_url, namespace=self.config.namespace))
+            try:
+                info = await store.get_service(kind, service_id)
+            finally:
+                await store.close()
+            assert info is not None, f"{service_id} is not registered"
+            return int(info.meta["metrics_port"])
+
+        def read() -> list[str]:
+            url = f"http://{self.hosts.address(name)}:{asyncio.run(port())}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as r:
+                return r.read().decode().splitlines()
+
+        return self.inside(read)
+
+    def metric(self, name: str, metric: str) -> float:
+        """The sum of every sample of `metric` (with labels: that one) service `name` exports."""
+        return sum(float(line.split()[-1]) for line in self.metrics(name)
+                   if line.startswith((metric + " ", metric + "{")))
+
+    def registered(self) -> set[str]:
+        """The ids of the services registered in the metadata store now."""
+        async def ids() -> set[str]:
+            store = MetadataStore(MetadataConfig(url=self.config.redis_url, namespace=self.config.namespace))
+            try:
+                return {info.service_id for kind in ("attention", "model", "prefill", "scheduler", "gateway")
+                        for info in await store.list_services(kind)}
+            finally:
+                await store.close()
+
+        return self.inside(lambda: asyncio.run(ids()))
+
+    def kv_held(self) -> dict[str, int]:
+        """Sequences each registered attention worker holds (asked over gRPC)."""
+        from lamina.services.channels import open_channel
+        from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
+
+        async def held() -> dict[str, int]:
+            store = MetadataStore(MetadataConfig(url=self.config.redis_url, namespace=self.config.namespace))
+            try:
+                services = await store.list_services("attention")
+            finally:
+                await store.close()
+            out = {}
+            for info in services:
+                async with open_channel(info.meta["grpc"], self.config.cluster_token) as ch:
+                    stats = await lamina_pb2_grpc.AttentionControlStub(ch).Stats(lamina_pb2.Empty(), timeout=10)
+                out[info.service_id] = stats.num_sequences
+            return out
+
+        return self.inside(lambda: asyncio.run(held()))
+
+    def alive(self) -> dict[str, int]:
+        """Each service process's pid, asserting none has exited (none was restarted either:
+        the stack is not supervised)."""
+        gone = [sp.name for sp in self.processes if sp.proc is None or sp.proc.poll() is not None]
+        assert not gone, f"exited: {gone}"
+        return {sp.name: sp.proc.pid for sp in self.processes if sp.proc is not None}
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
