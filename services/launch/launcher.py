@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 # How often the supervisor looks for exited processes. Popen offers no wait on "any of
 # these children"; polling a handful of processes twice a second costs nothing.
 SUPERVISE_POLL_S = 0.5
+# A restart that fails to start anything (e.g. Ray still holds a dead actor's name, or
+# its node is not placed yet) is tried again this much later, not given up on.
+RESTART_RETRY_S = 2.0
 
 
 def health_ok(base_url: str, timeout_s: float = 2.0) -> bool:
@@ -234,7 +237,12 @@ class Stack:
                     if sp.name in due:
                         if now >= due[sp.name]:
                             del due[sp.name]
-                            self._restart(sp)
+                            try:
+                                self._restart(sp)
+                            except Exception:
+                                log.exception("restarting %s failed; trying again in %.0f s", sp.name,
+                                              RESTART_RETRY_S)
+                                due[sp.name] = now + RESTART_RETRY_S
                         continue
                     code = sp.proc.poll() if sp.proc is not None else None
                     if code is None:

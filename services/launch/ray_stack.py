@@ -239,17 +239,24 @@ class RayStack(Stack):
                 f" {self.config.host}, which only their own host reaches: set host: 0.0.0.0 (LAMINA_HOST) and"
                 f" gateway.api_key (--api-key)")
 
-    def _create(self, cls, name: str, kind: str, *args):
-        """A new actor of `cls` named `name`, placed by `kind`'s resource."""
+    def _create(self, cls, name: str, kind: str, *args, replacing: int = 0):
+        """A new actor of `cls` named `name`, placed by `kind`'s resource. `replacing`: the
+        number of the replacement of a dead actor of that name, which may hold the name
+        still (an actor lost with its node keeps it for minutes): the new one is then
+        named `NAME~N`."""
         import ray
 
         # num_cpus=0: only the custom resource decides placement (lamina.services.launch.ray_placement);
         # max_restarts=0: the launcher's supervision restarts, not Ray.
-        options = ray.remote(cls).options(name=name, num_cpus=0, max_restarts=0,
-                                          resources=self.placement.resources(kind))
+        def create(actor_name: str):
+            return ray.remote(cls).options(name=actor_name, num_cpus=0, max_restarts=0,
+                                           resources=self.placement.resources(kind)).remote(*args)
+
         try:
-            return options.remote(*args)
+            return create(name)
         except ray.exceptions.ActorAlreadyExistsError as exc:
+            if replacing:
+                return create(f"{name}~{replacing}")
             raise RuntimeError(f"{exc} (another stack with namespace {self.config.namespace!r} on this "
                                f"Ray cluster? Give this one another `namespace`)") from None
 
@@ -279,7 +286,7 @@ class RayStack(Stack):
             if not self._config_yaml:  # the configuration is complete (Redis URL, token) by the first spawn
                 self._config_yaml = yaml.safe_dump(self.config.to_dict())
             handle = self._create(ServiceHost, sp.name, sp.command[0], sp.name, sp.command, self._config_yaml,
-                                  self.config.host)
+                                  self.config.host, replacing=len(sp.runs))
             self._actors.append(handle)
             sp.proc = ActorProcess(sp.name, handle, note)
         sp.started_at = time.monotonic()

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
@@ -42,10 +43,14 @@ class RayCluster:
         self._nodes: list[subprocess.Popen] = []
         self._seen: dict[int, psutil.Process] = {}  # every process of the cluster seen so far
 
-    def add_node(self, resources: dict[str, float], timeout_s: float = 120.0) -> None:
-        """Start a node declaring `resources`; the first one is the head."""
-        argv = [RAY, "start", "--block", "--num-cpus", "0", "--object-store-memory", str(OBJECT_STORE_BYTES),
-                "--resources", json.dumps(resources), "--disable-usage-stats"]
+    def add_node(self, resources: dict[str, float], timeout_s: float = 120.0, launcher: Sequence[str] = (),
+                 node_ip: str | None = None) -> None:
+        """Start a node declaring `resources`; the first one is the head. `launcher`: an
+        argv prefix it runs under (`ip netns exec NS`: a host of its own), with `node_ip`
+        the address it has there."""
+        argv = [*launcher, RAY, "start", "--block", "--num-cpus", "0", "--object-store-memory",
+                str(OBJECT_STORE_BYTES), "--resources", json.dumps(resources), "--disable-usage-stats"]
+        argv += ["--node-ip-address", node_ip] if node_ip else []
         if self._nodes:
             argv += ["--address", self.address]
         else:

@@ -62,9 +62,11 @@ def test_status_json_shape(stack):
     assert [s["name"] for s in status["services"]] == ["attention-0", "model-0", "prefill-0", "scheduler-0",
                                                        "gateway-0"]
     for s in status["services"]:
-        assert set(s) == {"kind", "name", "index", "pid", "host", "endpoint", "healthy", "restarts"}
+        assert set(s) == {"kind", "name", "index", "pid", "host", "endpoint", "grpc", "healthy", "restarts"}
         assert s["healthy"] is True and s["restarts"] == 0 and s["index"] == 0
         assert isinstance(s["host"], str) and s["endpoint"]
+        # Every gRPC service's control-plane address beside its data-plane endpoint.
+        assert s["kind"] == "gateway" or s["grpc"].startswith(f"{stack.config.host}:"), s
     assert service(status, "attention-0")["pid"] == pid_of(stack, "attention-0")
     assert service(status, "gateway-0")["pid"] == pid_of(stack, "gateway")
     (occupancy,) = status["attention"]
