@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import secrets
 import time
-import urllib.request
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -93,31 +92,14 @@ class HostsStack(Stack):
         sp.started_at = time.monotonic()
 
     # -- what the tests read, from the gateway's host ------------------------------------------
-    def metrics(self, name: str) -> list[str]:
-        """The Prometheus lines of service `name` (attention-0, scheduler, ...)."""
-        kind = name.split("-")[0]
-        service_id = name if "-" in name else f"{name}-0"
-
-        async def port() -> int:
-            store = MetadataStore(MetadataConfig(url=self.config.redis_url, namespace=self.config.namespace))
-            try:
-                info = await store.get_service(kind, service_id)
-            finally:
-                await store.close()
-            assert info is not None, f"{service_id} is not registered"
-            return int(info.meta["metrics_port"])
-
-        def read() -> list[str]:
-            url = f"http://{self.hosts.address(name)}:{asyncio.run(port())}/metrics"
-            with urllib.request.urlopen(url, timeout=10) as r:
-                return r.read().decode().splitlines()
-
-        return self.inside(read)
-
     def metric(self, name: str, metric: str) -> float:
-        """The sum of every sample of `metric` (with labels: that one) service `name` exports."""
-        return sum(float(line.split()[-1]) for line in self.metrics(name)
-                   if line.startswith((metric + " ", metric + "{")))
+        """The sum of every sample of `metric` (with labels: that one) service `name`
+        (attention-0, scheduler, ...) exports, read at its host's address."""
+        from e2e_helpers import metric_total
+
+        service_id = name if "-" in name else f"{name}-0"
+        return self.inside(lambda: metric_total(self, name.split("-")[0], service_id, metric,
+                                                self.hosts.address(name)))
 
     def registered(self) -> set[str]:
         """The ids of the services registered in the metadata store now."""
@@ -154,9 +136,6 @@ class HostsStack(Stack):
     def alive(self) -> dict[str, int]:
         """Each service process's pid, asserting none has exited (none was restarted either:
         the stack is not supervised)."""
-        gone = [sp.name for sp in self.processes if sp.proc is None or sp.proc.poll() is not None]
-        assert not gone, f"exited: {gone}"
+        dead = self.dead_process()
+        assert dead is None, f"{dead.name} exited"
         return {sp.name: sp.proc.pid for sp in self.processes if sp.proc is not None}
-
-    def log(self, name: str) -> str:
-        return (self.log_dir / f"{name}.log").read_text(errors="replace")

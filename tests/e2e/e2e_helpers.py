@@ -84,13 +84,14 @@ def service_metric(stack: Stack, kind: str, service_id: str, name: str) -> float
     raise AssertionError(f"the metrics of {service_id} lack {name}")
 
 
-def metric_total(stack: Stack, kind: str, service_id: str, name: str) -> float:
-    """The sum of every sample of metric `name` (each label's) a service exports; 0 with none."""
-    return sum(float(line.split()[-1]) for line in _metric_lines(stack, kind, service_id)
+def metric_total(stack: Stack, kind: str, service_id: str, name: str, host: str | None = None) -> float:
+    """The sum of every sample of metric `name` (each label's) a service exports; 0 with none.
+    `host`: the service's address where it is not the stack's `host` (a host of its own)."""
+    return sum(float(line.split()[-1]) for line in _metric_lines(stack, kind, service_id, host)
                if line.startswith((name + " ", name + "{")))
 
 
-def _metric_lines(stack: Stack, kind: str, service_id: str) -> list[str]:
+def _metric_lines(stack: Stack, kind: str, service_id: str, host: str | None = None) -> list[str]:
     from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 
     async def metrics_port() -> int:
@@ -103,7 +104,7 @@ def _metric_lines(stack: Stack, kind: str, service_id: str) -> list[str]:
         return int(info.meta["metrics_port"])
 
     port = asyncio.run(metrics_port())
-    with urllib.request.urlopen(f"http://{stack.config.host}:{port}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://{host or stack.config.host}:{port}/metrics", timeout=10) as r:
         return r.read().decode().splitlines()
 
 
