@@ -17,8 +17,11 @@ tokens saved" counts the prompt tokens a hit let prefill skip.
 Cluster mode (--cluster, bench/prefix_cache_cluster.py): the Kimi trace's conversations
 through `lamina up`'s stack with two prefill workers, routed by prefix, round robin, round
 robin with no prefix cache, and round robin fetching prefixes from the peer; prefill
-tokens computed, hit ratio, TTFT p50/p99 of each, and their ratios. It runs alone (parts 1
-and 2 are skipped) and stops every process it started on exit, Ctrl-C or SIGTERM.
+tokens computed, hit ratio, TTFT p50/p99 of each, and their ratios. With --cluster-prefetch
+it compares instead the prefill workers' prefetcher on and off (prefix routing, device tiers
+of --cluster-device-blocks blocks, host tiers of --cluster-host-bytes; --cluster-rounds
+alternating rounds): TTFT p50/p99 of each, their ratio, and hits by tier. It runs alone
+(parts 1 and 2 are skipped) and stops every process it started on exit, Ctrl-C or SIGTERM.
 
 The last line printed is one JSON object with every number.
 """
@@ -144,9 +147,11 @@ def replay(prompts, device_blocks, host_blocks, disk_blocks, policy, lookahead) 
         start = time.perf_counter()
         for i, p in enumerate(prompts):
             if prefetcher is not None:
-                prefetcher.run(prompts[i:i + lookahead])
+                prefetcher.run([(j, prompts[j]) for j in range(i, min(i + lookahead, len(prompts)))])
             with cache.acquire(p) as h:
                 hit += h.num_tokens
+            if prefetcher is not None:
+                prefetcher.release(i)  # prompt i has taken its prefix: its blocks may move again
             total += len(p)
             cache.insert(p, kv)
         s = cache.stats
@@ -184,31 +189,50 @@ def main() -> None:
                     help="prefill.routing_min_gain_tokens of the stacks (default: the configuration's, 32)")
     ap.add_argument("--cluster-arms", default=",".join(("aware", "round_robin", "none", "round_robin_fetch")),
                     help="comma-separated arms to run (ratios need aware, round_robin and none)")
+    ap.add_argument("--cluster-prefetch", action="store_true",
+                    help="cluster mode, but instead of the routing arms: prefix routing with the prefill workers' "
+                         "prefetcher on against off, device tiers of --cluster-device-blocks blocks")
+    ap.add_argument("--cluster-device-blocks", type=int, default=96,
+                    help="--cluster-prefetch: each prefill worker's device tier, in cache blocks; at least the "
+                         "longest prompt's (a prefill takes no more of its prefix than the device holds)")
+    ap.add_argument("--cluster-host-bytes", type=int, default=512 << 20,
+                    help="--cluster-prefetch: each prefill worker's host tier (bytes)")
+    ap.add_argument("--cluster-rounds", type=int, default=1,
+                    help="--cluster-prefetch: rounds of both settings, alternating which runs first")
     args = ap.parse_args()
     from prefix_cache_cluster import ARMS
     unknown = set(args.cluster_arms.split(",")) - ARMS.keys()
     if unknown:
         ap.error(f"--cluster-arms: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(ARMS)}")
+    if args.cluster_rounds < 1 or args.cluster_device_blocks < 1:
+        ap.error("--cluster-rounds and --cluster-device-blocks must be at least 1")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out: dict = {}
-    if args.cluster:
+    if args.cluster or args.cluster_prefetch:
         import os
         import platform
         import signal
         import sys
 
         from engine_throughput import cpu_model
-        from prefix_cache_cluster import run_cluster
+        from prefix_cache_cluster import run_cluster, run_prefetch
 
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwinds to the stack's stop()
         load = os.getloadavg()
         print(f"machine: {cpu_model()}, {os.cpu_count()} cores, {platform.python_implementation()} "
               f"{platform.python_version()}, torch {torch.__version__}, load average {load[0]:.1f}")
-        out["cluster"] = run_cluster(args.cluster_requests, args.cluster_offset, args.cluster_scale,
-                                     args.cluster_max_prompt, args.cluster_concurrency,
-                                     sample=args.cluster_sample, min_turns=args.cluster_min_turns,
-                                     load_weight=args.cluster_load_weight, min_gain=args.cluster_min_gain,
-                                     arms=tuple(args.cluster_arms.split(",")))
+        if args.cluster_prefetch:
+            out["cluster_prefetch"] = run_prefetch(
+                args.cluster_requests, args.cluster_offset, args.cluster_scale, args.cluster_max_prompt,
+                args.cluster_concurrency, sample=args.cluster_sample, min_turns=args.cluster_min_turns,
+                device_blocks=args.cluster_device_blocks, host_bytes=args.cluster_host_bytes,
+                rounds=args.cluster_rounds)
+        else:
+            out["cluster"] = run_cluster(args.cluster_requests, args.cluster_offset, args.cluster_scale,
+                                         args.cluster_max_prompt, args.cluster_concurrency,
+                                         sample=args.cluster_sample, min_turns=args.cluster_min_turns,
+                                         load_weight=args.cluster_load_weight, min_gain=args.cluster_min_gain,
+                                         arms=tuple(args.cluster_arms.split(",")))
         out["machine"] = {"cpu": cpu_model(), "cores": os.cpu_count(), "load_before": load,
                           "load_after": os.getloadavg()}
         print(json.dumps(out))

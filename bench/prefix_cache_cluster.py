@@ -9,6 +9,12 @@ stack with two prefill workers, one stack after the other with the same requests
 
 The first three run with peer fetching off, so each is what its routing alone gives.
 
+`run_prefetch` compares instead the prefill workers' prefetcher on and off
+(`prefill.prefetch`; lamina.kvstore.prefetch) under prefix routing, with device tiers of
+`device_blocks` blocks (fewer than the sample's, at least the longest prompt's) and host
+tiers that hold the sample: the stacks run alternately, on then off, then off then on in
+the next round, and each setting's TTFT percentiles are of all its rounds' requests.
+
 Workload (`sample`): `conversations` (default) takes the trace's conversations (its
 requests grouped by their second block id: the first, hash id 0, begins every request)
 with at least `min_turns` requests, in the order they begin, until about `n` requests,
@@ -135,8 +141,9 @@ ARMS = {"aware": ("prefix", True, "off"), "round_robin": ("round_robin", True, "
 
 
 def run_arm(arm: str, prompts: list[list[int]], concurrency: int, workers: int,
-            load_weight: float | None = None, min_gain: int | None = None) -> dict:
-    """One stack with `workers` prefill workers set up as `arm`; the replay's figures."""
+            load_weight: float | None = None, min_gain: int | None = None, prefill: dict | None = None) -> dict:
+    """One stack with `workers` prefill workers set up as `arm` (then `prefill`'s settings
+    of the prefill section); the replay's figures."""
     from serving import summary
 
     from lamina.services.config import AttentionSection, GatewaySection, PrefillSection, StackConfig
@@ -150,6 +157,7 @@ def run_arm(arm: str, prompts: list[list[int]], concurrency: int, workers: int,
         section = dataclasses.replace(section, routing_min_gain_tokens=min_gain)
     if not cached:
         section = PrefillSection(workers=workers, routing=routing, peer_fetch=fetch, cache_device_bytes=0)
+    section = dataclasses.replace(section, **(prefill or {}))
     config = StackConfig(prefill=section,
                          attention=AttentionSection(workers=1, kv_capacity_bytes=512 << 20),
                          gateway=GatewaySection(port=_free_port()))
@@ -165,12 +173,25 @@ def run_arm(arm: str, prompts: list[list[int]], concurrency: int, workers: int,
     prompt_tokens = sum(f["prompt_tokens"] for f in figures.values())
     hit_tokens = sum(f["hit_tokens"] for f in figures.values())
     fetched = sum(f["fetched_tokens"] for f in figures.values())
+    by_tier = {tier: sum(f.get("hit_tokens_by_tier", {}).get(tier, 0) for f in figures.values())
+               for tier in ("device", "host", "disk")}
     t = summary(ttft)
     return {"hit_ratio": hit_tokens / prompt_tokens, "computed_tokens": prompt_tokens - hit_tokens - fetched,
             "hit_tokens": hit_tokens, "fetched_tokens": fetched, "prompt_tokens": prompt_tokens,
-            "ttft_p50_s": t["p50"], "ttft_p99_s": t["p99"], "seconds": seconds,
+            "hit_tokens_by_tier": by_tier, "prefetched_blocks": sum(f.get("prefetched_blocks", 0)
+                                                                    for f in figures.values()),
+            "ttft_p50_s": t["p50"], "ttft_p99_s": t["p99"], "seconds": seconds, "ttft_s": ttft,
             "per_worker": {n: {"prompt_tokens": f["prompt_tokens"], "hit_tokens": f["hit_tokens"],
                                "fetched_tokens": f["fetched_tokens"]} for n, f in figures.items()}}
+
+
+def _workload_line(prompts: list[list[int]], sample: str, min_turns: int, offset: int, scale: int,
+                   max_prompt: int, concurrency: int) -> str:
+    what = (f"conversations with at least {min_turns} requests" if sample == "conversations"
+            else f"requests {offset}..{offset + len(prompts) - 1}")
+    total = sum(len(p) for p in prompts)
+    return (f"Kimi trace, {len(prompts)} requests ({what}), lengths / {scale} (at most {max_prompt} tokens; "
+            f"{total} prompt tokens, mean {total / len(prompts):.0f}), 1 output token, {concurrency} in flight")
 
 
 def _free_port() -> int:
@@ -193,16 +214,14 @@ def run_cluster(n: int, offset: int, scale: int, max_prompt: int, concurrency: i
     # everything (as with the defaults here): one cache's computed tokens over round
     # robin's with one unbounded cache per worker.
     bound = (total - ideal) / (total - ideal_hit_tokens(prompts, block, workers))
-    what = (f"conversations with at least {min_turns} requests" if sample == "conversations"
-            else f"requests {offset}..{offset + len(prompts) - 1}")
-    print(f"\n== cluster: Kimi trace, {len(prompts)} requests ({what}), lengths / {scale} "
-          f"(at most {max_prompt} tokens; {total} prompt tokens, mean {total / len(prompts):.0f}), "
-          f"1 output token, {concurrency} in flight; {workers} prefill workers, 1 attention worker, "
-          f"1 model worker; ideal (one unbounded cache) hit ratio {ideal / total:.4f}; with unbounded caches no "
-          f"router computes less than {bound:.3f}x round robin's prefill tokens", flush=True)
+    print(f"\n== cluster: {_workload_line(prompts, sample, min_turns, offset, scale, max_prompt, concurrency)}; "
+          f"{workers} prefill workers, 1 attention worker, 1 model worker; ideal (one unbounded cache) hit ratio "
+          f"{ideal / total:.4f}; with unbounded caches no router computes less than {bound:.3f}x round robin's "
+          f"prefill tokens", flush=True)
     results = {}
     for arm in arms:
         r = run_arm(arm, prompts, concurrency, workers, load_weight, min_gain)
+        del r["ttft_s"]  # its percentiles are kept
         results[arm] = r
         print(f"  {arm:17s} computed {r['computed_tokens']:6d} of {r['prompt_tokens']} prompt tokens, hit ratio "
               f"{r['hit_ratio']:.4f}, fetched {r['fetched_tokens']}, TTFT p50 {r['ttft_p50_s']:.2f} s "
@@ -223,3 +242,57 @@ def run_cluster(n: int, offset: int, scale: int, max_prompt: int, concurrency: i
           f"{ratio['computed_tokens_vs_none']:.3f}x")
     return {"workload": workload, **results, "ratio": ratio,
             "targets_met": {"computed_0_6x": ratio["computed_tokens"] <= 0.6, "ttft_p50_lower": ratio["ttft_p50"] < 1}}
+
+
+def run_prefetch(n: int, offset: int, scale: int, max_prompt: int, concurrency: int, workers: int = 2,
+                 sample: str = "conversations", min_turns: int = 6, device_blocks: int = 96,
+                 host_bytes: int = 512 << 20, rounds: int = 1) -> dict:
+    """The prefetcher on against off (prefix routing), with device tiers of `device_blocks`
+    cache blocks and host tiers of `host_bytes`; prints and returns each setting's figures
+    and their ratio (on / off)."""
+    from serving import summary
+
+    from lamina.model.loader import load_config
+
+    prompts = load_prompts(n, offset, scale, max_prompt, sample, min_turns)
+    block = 512 // scale
+    total = sum(len(p) for p in prompts)
+    block_bytes = block * load_config(None).kv_bytes_per_token()
+    ideal = ideal_hit_tokens(prompts, block)
+    tiers = {"cache_block_tokens": block, "cache_device_bytes": device_blocks * block_bytes,
+             "cache_host_bytes": host_bytes}
+    print(f"\n== cluster, prefetch on against off: "
+          f"{_workload_line(prompts, sample, min_turns, offset, scale, max_prompt, concurrency)}; {workers} prefill "
+          f"workers routed by prefix, each cache {device_blocks} blocks of {block} tokens on device and "
+          f"{host_bytes / 2**20:.0f} MiB on host (about {host_bytes // block_bytes} blocks); "
+          f"{rounds} round(s), alternating; ideal hit ratio {ideal / total:.4f}", flush=True)
+    runs: dict[str, list[dict]] = {"prefetch": [], "no_prefetch": []}
+    for i in range(rounds):
+        order = ("prefetch", "no_prefetch") if i % 2 == 0 else ("no_prefetch", "prefetch")
+        for name in order:
+            r = run_arm("aware", prompts, concurrency, workers, prefill={**tiers, "prefetch": name == "prefetch"})
+            runs[name].append(r)
+            print(f"  round {i + 1} {name:11s} TTFT p50 {r['ttft_p50_s']:.3f} s p99 {r['ttft_p99_s']:.3f} s, "
+                  f"hits by tier {r['hit_tokens_by_tier']}, blocks prefetched {r['prefetched_blocks']}, "
+                  f"computed {r['computed_tokens']} of {r['prompt_tokens']}, {r['seconds']:.1f} s", flush=True)
+    results: dict = {}
+    for name, rs in runs.items():
+        t = summary([x for r in rs for x in r["ttft_s"]])
+        results[name] = {"ttft_p50_s": t["p50"], "ttft_p99_s": t["p99"], "ttft_mean_s": t["mean"],
+                         "hit_tokens_by_tier": {k: sum(r["hit_tokens_by_tier"][k] for r in rs)
+                                                for k in ("device", "host", "disk")},
+                         "prefetched_blocks": sum(r["prefetched_blocks"] for r in rs),
+                         "computed_tokens": [r["computed_tokens"] for r in rs],
+                         "seconds": [round(r["seconds"], 1) for r in rs]}
+    on, off = results["prefetch"], results["no_prefetch"]
+    ratio = {"ttft_p50": on["ttft_p50_s"] / off["ttft_p50_s"], "ttft_p99": on["ttft_p99_s"] / off["ttft_p99_s"]}
+    for name, r in results.items():
+        print(f"  {name:11s} all rounds: TTFT p50 {r['ttft_p50_s']:.3f} s p99 {r['ttft_p99_s']:.3f} s, "
+              f"hits by tier {r['hit_tokens_by_tier']}, blocks prefetched {r['prefetched_blocks']}")
+    print(f"  prefetch / no prefetch: TTFT p50 {ratio['ttft_p50']:.3f}x, p99 {ratio['ttft_p99']:.3f}x")
+    workload = {"trace": "kimi_conversation_trace", "sample": sample, "min_turns": min_turns, "offset": offset,
+                "requests": len(prompts), "scale": scale, "max_prompt": max_prompt, "prompt_tokens": total,
+                "concurrency": concurrency, "prefill_workers": workers, "routing": "prefix",
+                "device_blocks": device_blocks, "host_bytes": host_bytes, "rounds": rounds,
+                "ideal_hit_ratio": ideal / total}
+    return {"workload": workload, **results, "ratio": ratio}

@@ -10,7 +10,9 @@ and indexed by a trie (prefix_index.py). Every block is in exactly one tier:
 
 Swapping down goes one tier at a time (device -> host -> disk -> dropped), skipping a
 tier where no room can be made (everything there locked); swapping up goes straight to
-device. A block's `tier` is the fastest tier holding it; the disk keeps
+device. A new block goes to device, or, where the device holds only locked blocks and
+blocks protected for a waiting request (`protect`), to the tier below, as if swapped down
+at once. A block's `tier` is the fastest tier holding it; the disk keeps
 its copy when a block is promoted (so what was on disk survives a restart, and swapping
 that block down again writes nothing) until disk space is needed. Rules that must hold:
 - a block with lock_count > 0 (held by a PrefixHandle) or a transfer in flight is never
@@ -149,7 +151,7 @@ class PrefixCache:
         self._entries: dict[str, _Entry] = {}
         self._clock = 0
         self._policy = make_policy(config.eviction, config.seed)
-        self._protected: frozenset[str] = frozenset()
+        self._protected: dict[str, int] = {}  # block hash -> protect calls not yet ended by unprotect
         self._on_event = on_event
         self.stats = CacheStats()
         self._tiers: dict[Tier, MemoryTier | DiskTier] = {
@@ -309,29 +311,74 @@ class PrefixCache:
                     parent = h
                     continue
                 block = kv[:, :, i * bs:(i + 1) * bs].detach().clone()  # [L, 2, bs, H, D]
-                nbytes = payload_nbytes(block)
                 # Making room may move the parent down a tier (fine) or, as a leaf, drop
                 # it; then this block would be unreachable, and so would the rest.
-                if not self._make_room(Tier.DEVICE, nbytes):
+                room = self._room_for_new(block)
+                if room is None:
                     break
                 if parent != ROOT_HASH and parent not in self._entries:
                     break
+                tier, payload = room
                 self._index.insert(parent, block_tokens)
-                self._memory(Tier.DEVICE).put(h, block)
-                self._entries[h] = _Entry(h, Tier.DEVICE, nbytes, now, now, last_used_at=time.time())
+                if tier == Tier.DISK:
+                    self._disk().put(h, payload, parent, block_tokens)
+                    nbytes = self._disk().file_size(h)
+                else:
+                    self._memory(tier).put(h, payload)
+                    nbytes = payload_nbytes(payload)
+                self._entries[h] = _Entry(h, tier, nbytes, now, now, is_on_disk=tier == Tier.DISK,
+                                          last_used_at=time.time())
                 self.stats.num_inserted += 1
-                self._emit("stored", h, Tier.DEVICE)
+                self._emit("stored", h, tier)
                 stored += 1
                 parent = h
         return stored
+
+    def _room_for_new(self, block: torch.Tensor) -> tuple[Tier, Payload] | None:
+        """Where a new block goes, room made there, and its payload for that tier: device;
+        or, when the device holds only blocks locked or protected for a waiting request
+        (which stay: that request needs them, this block may never be asked for again),
+        the fastest lower tier with room, as a demotion would store it."""
+        nbytes = payload_nbytes(block)
+        if self._make_room(Tier.DEVICE, nbytes, may_evict_protected=False):
+            return Tier.DEVICE, block
+        if nbytes > self._tiers[Tier.DEVICE].capacity_bytes:
+            return None  # no acquire could bring it up
+        payload: Payload = block
+        if self.config.quantize_4bit:
+            payload = quantize_4bit(block, self.config.quant_group_size)
+        lower = self._lower(Tier.DEVICE)
+        while lower is not None:
+            if self._make_room(lower, payload_nbytes(payload)):
+                return lower, payload
+            lower = self._lower(lower)
+        return None
 
     # ---- prefetch support ----
 
     def protect(self, block_hashes: Iterable[str]) -> None:
         """Blocks an upcoming request needs: eviction picks them only when nothing else
-        can go. Replaces the previous set."""
+        can go, and never moves them off the device tier to make room for an `insert` or
+        a `promote` (an `acquire` may: the request being prefilled now comes first).
+        Counted: a block stays protected until `unprotect` has named it as often as
+        `protect` did (two waiting requests may need it)."""
         with self._lock:
-            self._protected = frozenset(block_hashes)
+            for h in block_hashes:
+                self._protected[h] = self._protected.get(h, 0) + 1
+
+    def unprotect(self, block_hashes: Iterable[str]) -> None:
+        """Ends one `protect` of each block (its request has taken its prefix)."""
+        with self._lock:
+            for h in block_hashes:
+                count = self._protected.get(h, 0) - 1
+                if count > 0:
+                    self._protected[h] = count
+                else:
+                    self._protected.pop(h, None)
+
+    def is_protected(self, block_hash: str) -> bool:
+        with self._lock:
+            return block_hash in self._protected
 
     def promote(self, block_hash: str) -> bool:
         """Moves a cached block to device ahead of use (a prefetch); False if absent or

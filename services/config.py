@@ -35,7 +35,7 @@ clear message naming the setting.
               routing_max_queue_gap_tokens: 4096,
               max_batch_tokens: 2048, batch_window_ms: 5.0,
               cache_quantize_4bit: false, cache_quant_group_size: 64, peer_fetch: auto,
-              peer_fetch_prior_gbps: 1.0}
+              peer_fetch_prior_gbps: 1.0, prefetch: true}
                                 # workers: prefill processes prefill-0..P-1, each with its own cache
                                 # (cache_dir/prefill-I when P > 1); device: cpu | cuda | cuda:N, where
                                 # the prefill workers compute and their cache's device tier lives
@@ -46,7 +46,9 @@ clear message naming the setting.
                                 # nothing: the worker sent the least work lately) | round_robin;
                                 # cache_quantize_4bit: host and disk tiers hold 4-bit blocks;
                                 # peer_fetch: auto (pull a peer's longer prefix when the measured
-                                # transfer beats recomputing it) | always | off (docs/kvstore.md)
+                                # transfer beats recomputing it) | always | off (docs/kvstore.md);
+                                # prefetch: waiting prompts' prefixes move up to the device tier
+                                # while a forward computes (LAMINA_PREFILL_PREFETCH)
     model_worker: {threads: 1, workers: 1, device: cpu, dtype: float32}
                                 # threads: the packed products' (torch's ops run on one);
                                 # LAMINA_MODEL_THREADS; device: cpu | cuda | cuda:N, where the slices
@@ -67,7 +69,8 @@ clear message naming the setting.
     data_plane: {busy_poll_us: null, checksum_payloads: false, shm_ring_bytes: 16777216,
                  ucx_progress_mode: blocking, ucx_tls: null, native_frames: true}   # see docs/transports.md
     # deadlines: every wait on a peer (docs/reliability.md)
-    deadlines: {reply_s: 10, rpc_s: 30, step_s: 30, health_s: 2, recovery_s: 120, startup_s: 60}
+    deadlines: {reply_s: 10, rpc_s: 30, step_s: 30, health_s: 2, recovery_s: 120, startup_s: 60,
+                kv_reclaim_s: 60}
 """
 
 from __future__ import annotations
@@ -184,6 +187,11 @@ class PrefillSection:
     peer_fetch: str = "auto"
     # The bandwidth assumed for a fetch until fetches have been measured (GB/s).
     peer_fetch_prior_gbps: float = 1.0
+    # While a forward computes, the cached prefixes of the prompts waiting in the worker's
+    # queue (the next 8) move up from host and disk to the device tier, and stay there
+    # until their prompt has taken them (lamina.kvstore.prefetch); false: a prefix moves
+    # up only when its own prefill asks for it.
+    prefetch: bool = True
 
     def worker_cache_dir(self, index: int) -> str | None:
         """Prefill worker `index`'s disk tier: cache_dir itself with one worker, else a
@@ -249,6 +257,10 @@ class DeadlinesSection:
     # A service starting while its Redis does not answer retries this long, then exits non-zero
     # (compose and Kubernetes may start Redis after the services).
     startup_s: float = 60.0
+    # KV on an attention worker that no request holds (a Free that never reached it, a
+    # prompt's KV a partition held back until after its request's Free) is freed once
+    # untouched this long (the scheduler's reconciliation, every half service TTL).
+    kv_reclaim_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -356,6 +368,8 @@ class StackConfig:
                "must be a positive number", prior_gbps)
         _check(isinstance(self.prefill.cache_quantize_4bit, bool), "prefill.cache_quantize_4bit",
                "must be true or false", self.prefill.cache_quantize_4bit)
+        _check(isinstance(self.prefill.prefetch, bool), "prefill.prefetch", "must be true or false",
+               self.prefill.prefetch)
         _check(isinstance(self.prefill.cache_quant_group_size, int) and self.prefill.cache_quant_group_size > 0
                and self.prefill.cache_quant_group_size % 2 == 0, "prefill.cache_quant_group_size",
                "must be a positive even integer", self.prefill.cache_quant_group_size)
@@ -482,6 +496,7 @@ ENV_OVERRIDES = {
     "LAMINA_ATTENTION_DEVICE": "attention.device",
     "LAMINA_ATTENTION_DTYPE": "attention.dtype",
     "LAMINA_PEER_FETCH": "prefill.peer_fetch",
+    "LAMINA_PREFILL_PREFETCH": "prefill.prefetch",
     "LAMINA_HOST": "host",
     "LAMINA_ADVERTISE_HOST": "advertise_host",
     "LAMINA_GRPC_PORT": "ports.grpc",

@@ -35,6 +35,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
+from time import monotonic
 
 import torch
 
@@ -93,6 +94,9 @@ class AttentionCore:
         self.shape = KVShape(cfg.num_layers, cfg.num_groups * num_kv_heads, num_kv_heads, cfg.head_dim,
                              ACCEPTED_DTYPES)
         self._storing: dict[str, PendingStore] = {}  # prefilled sequences whose layers are arriving
+        # Every held sequence's last store message, step or fork (time.monotonic): what
+        # `retain` frees once no request holds it.
+        self._touched: dict[str, float] = {}
         # Per micro-batch (its sequence ids, in row order): the slots its layers read.
         self._step_slots: dict[tuple[str, ...], _StepSlots] = {}
 
@@ -162,8 +166,10 @@ class AttentionCore:
             needed = sum(n for _, n in seqs)
             if not self.slabs.can_allocate(needed):
                 raise RemoteError("kv_full", f"{needed} more tokens asked, {self.slabs.num_free_tokens} free")
+            now = monotonic()
             for seq_id, n in seqs:
                 self.slabs.extend(seq_id, n)
+                self._touched[seq_id] = now
         step = self._slots(seqs)
         k, v = self._rows(k, v)
         self.slabs.k_pools[layer][step.new] = k  # [T, Hkv, D] (or packed rows) into the pool's rows
@@ -233,6 +239,7 @@ class AttentionCore:
         """
         seq_id = msg.seq_id
         pending = self._storing.get(seq_id)
+        self._touched[seq_id] = monotonic()
         try:
             check_store(self.shape, msg, pending)
         except RemoteError as exc:
@@ -287,16 +294,30 @@ class AttentionCore:
         if taken or len(set(seq_ids)) != len(seq_ids) or source in seq_ids:
             raise RemoteError("bad_request", f"fork of {short_repr(source)} into sequences that exist or repeat: "
                                              f"{short_repr(seq_ids)}")
+        now = monotonic()
         for s in seq_ids:
             self.slabs.fork(source, s, num_tokens)
+            self._touched[s] = now
+        self._touched[source] = now
 
     def free(self, seq_ids: list[str]) -> None:
         """Forget sequences: their KV, and a store of theirs in progress (whose later
         layers are then refused as unknown)."""
         for s in seq_ids:
             self._storing.pop(s, None)
+            self._touched.pop(s, None)
             if self.slabs.has_request(s):
                 self.slabs.free(s)
+
+    def retain(self, live: set[str], idle_s: float) -> list[str]:
+        """Free every sequence not in `live` untouched for `idle_s` or more (the
+        scheduler's reconciliation: KV no request holds); the ids freed."""
+        now = monotonic()
+        # A refused store message touches an id that holds nothing: forget those too.
+        self._touched = {s: t for s, t in self._touched.items() if self.slabs.has_request(s) or s in self._storing}
+        stale = [s for s, t in self._touched.items() if s not in live and now - t >= idle_s]
+        self.free(stale)
+        return stale
 
     # -- accounting -----------------------------------------------------------------------
     @property

@@ -3,7 +3,7 @@
 Data plane: a transport listener; each connection (a model or prefill worker)
 sends ATTEND (or ATTEND_Q then ATTEND_KV) and STORE_KV frames and gets RESULT, ACK
 or ERROR back, each echoing its request's tag (lamina.services.wire).
-Control plane: gRPC AttentionControl (Free, Stats, Fork) and health. Its occupancy is
+Control plane: gRPC AttentionControl (Free, Stats, Fork, Retain) and health. Its occupancy is
 also written to the metadata store every second (`occupancy()`, NS:stats:attention:ID).
 Under the colocated layout the service runs inside a model worker's process, which
 attends on its core by a call (`count_local` keeps the figures of that work).
@@ -65,6 +65,13 @@ class _Control(lamina_pb2_grpc.AttentionControlServicer):
     async def Free(self, request, context):  # noqa: N802 (gRPC method names)
         self.core.free(list(request.seq_ids))
         return lamina_pb2.Empty()
+
+    async def Retain(self, request, context):  # noqa: N802
+        freed = self.core.retain(set(request.seq_ids), request.idle_s)
+        if freed:
+            log.warning("freed %d sequence(s) no request holds (untouched for %g s or more): %s", len(freed),
+                        request.idle_s, short_repr(freed))
+        return lamina_pb2.RetainReply(freed=freed)
 
     async def Stats(self, request, context):  # noqa: N802
         c = self.core

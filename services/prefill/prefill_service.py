@@ -15,7 +15,10 @@ BlockPublisher (lamina.kvstore.block_publisher), and withdrawn when the worker s
 the scheduler names a peer that caches a longer prefix (PrefillRequest.peer), the
 tokens past this worker's own prefix are fetched from that peer over the data plane
 (lamina.services.prefill.prefix_peers) instead of computed; this worker's data-plane listener
-answers its peers' fetches the same way. Prompt
+answers its peers' fetches the same way. While a forward computes, the cached prefixes of
+the prompts still waiting move up from host and disk to the cache's device tier on a
+worker thread (`prefill.prefetch`, lamina.kvstore.prefetch), protected from eviction until
+their own forward has taken them. Prompt
 attention runs here, over a local token-granular store that lives only for the
 request; the KV of layer i is on its way to the attention workers while layer
 i + 1 computes.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +47,7 @@ from lamina import transports
 from lamina.engine.kv import KVStore, SequenceKV
 from lamina.engine.step import in_process_attention
 from lamina.kvstore.block_publisher import BlockPublisher
+from lamina.kvstore.prefetch import Prefetcher, PrefetchResult
 from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
 from lamina.model.batch import StepBatch
 from lamina.model.threads import set_compute_threads
@@ -121,6 +126,7 @@ class PrefillService:
         self.num_prompt_tokens = 0  # prompt tokens of the prompts prefilled
         self.num_cached_tokens = 0  # of which the prefix cache served (not computed)
         self.num_fetched_tokens = 0  # of which fetched from peers (not computed)
+        self.num_prefetched_blocks = 0  # cache blocks the prefetcher moved up to device (m_prefetched)
         self.m_batch = prometheus_client.Histogram(
             "lamina_prefill_batch_prompts", "prompts per prefill forward", buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=r)
@@ -130,12 +136,25 @@ class PrefillService:
         self.pool: AttentionPool | None = None
         self._queue: list[tuple[lamina_pb2.PrefillRequest, asyncio.Future]] = []
         self._wake = asyncio.Event()
+        self._num_queued = 0  # prompts ever queued: a prefetch run knows whether more came since it began
+        # The prefetcher keys each waiting prompt by id(request): the request object lives
+        # in the queue, then in its batch, until its protection is released (_prepare).
+        self.prefetcher = Prefetcher(self.cache) if self.cache is not None and pc.prefetch else None
+        self.m_prefetched = prometheus_client.Counter(
+            "lamina_prefill_prefetched_blocks", "prefix-cache blocks moved up from host or disk to the device tier "
+            "ahead of a waiting prompt's prefill (prefill.prefetch)", registry=r)
+        self._prefetch: asyncio.Future[PrefetchResult] | None = None  # the run in flight, on a worker thread
+        self._prefetch_stop = threading.Event()  # asks that run to end at its next block
+        self._prefetch_seen = 0  # _num_queued when that run took its snapshot of the queue
+        self._is_prefetch_open = False  # runs may start: a forward computes, no batch is being taken
 
     async def prefill(self, req: lamina_pb2.PrefillRequest) -> lamina_pb2.PrefillResult:
         """Queue one prompt for the next forward and wait for its first token."""
         fut = asyncio.get_running_loop().create_future()
         self._queue.append((req, fut))
+        self._num_queued += 1
         self._wake.set()
+        self._start_prefetch()  # its prefix moves up while the forward in progress computes
         return await fut
 
     async def _batch_loop(self) -> None:
@@ -148,6 +167,9 @@ class PrefillService:
                 # still in the RPC server: give them a moment to join this batch.
                 if window:
                     await asyncio.sleep(window)
+                # Requests leave the queue only while no prefetch run is in flight, so a
+                # request taken is never named by a run after its release (Prefetcher).
+                await self._end_prefetch()
                 batch = take_batch(self._queue, self.config.prefill.max_batch_tokens,
                                    self._waits if self.cache is not None else None)
                 reqs = [r for r, _ in batch]
@@ -156,9 +178,12 @@ class PrefillService:
                     results = await self._prefill_batch(reqs)
                 except Exception as exc:  # e.g. an attention worker's connection failed
                     log.warning("a prefill forward of %d prompts failed", len(batch), exc_info=True)
+                    drop_frames(exc)
                     results = [exc] * len(batch)
                     for r in reqs:
                         self._pool.forget_stored(r.seq_id)
+                finally:
+                    self._is_prefetch_open = False  # opened by _prepare, once the batch's prefixes are in
                 for (_, fut), res in zip(batch, results):
                     if fut.done():  # the caller went away (RPC cancelled)
                         continue
@@ -166,6 +191,53 @@ class PrefillService:
                         fut.set_exception(res)
                     else:
                         fut.set_result(res)
+
+    # Thread safety of the prefetch: the prefix cache guards its structures with one lock and
+    # reads disk outside it (the block locked and marked in flight, one transfer per block),
+    # as its peer server's thread already relies on; so a run on a worker thread may promote
+    # while this loop looks up, acquires and inserts, and a prefill asking for a block in
+    # transfer waits for that transfer. Running the prefetch between batches instead (or
+    # under a lock of its own) would give up the overlap with the forward it is for. What
+    # the cache cannot order is the protection's bookkeeping, which these three keep: a run
+    # names only requests still queued (a snapshot taken on this loop), at most one runs at
+    # a time, and a batch is taken only once the run in flight has ended (`_end_prefetch`),
+    # so a request's release (in `_prepare`, after its prefix is in the forward's KV) comes
+    # after every run that protected it.
+    def _start_prefetch(self) -> None:
+        """Start a prefetch run over the prompts waiting (on a worker thread), unless
+        runs are closed or one is in flight (which starts another as it ends if more came)."""
+        if self.prefetcher is None or not self._is_prefetch_open or self._prefetch is not None:
+            return
+        upcoming = [(id(r), list(r.token_ids[:-1])) for r, _ in self._queue
+                    if not r.prompt_logprobs and len(r.token_ids) > 1]  # the prompts `_install_prefix` looks up
+        if not upcoming:
+            return
+        self._prefetch_stop = threading.Event()
+        self._prefetch_seen = self._num_queued
+        run = asyncio.ensure_future(asyncio.to_thread(self.prefetcher.run, upcoming, self._prefetch_stop))
+        self._prefetch = run
+        run.add_done_callback(self._prefetched)
+
+    def _prefetched(self, run: asyncio.Future[PrefetchResult]) -> None:
+        if self._prefetch is run:
+            self._prefetch = None
+        if run.cancelled():
+            return
+        if (exc := run.exception()) is not None:  # the prefill itself moves what it needs
+            log.warning("a prefix prefetch failed", exc_info=exc)
+        else:
+            self.m_prefetched.inc(run.result().num_promoted)
+            self.num_prefetched_blocks += run.result().num_promoted
+        if self._num_queued != self._prefetch_seen:
+            self._start_prefetch()
+
+    async def _end_prefetch(self) -> None:
+        """Stop the run in flight at its next block and wait for it (a thread cannot be
+        cancelled; its next block is the longest wait)."""
+        run = self._prefetch
+        if run is not None:
+            self._prefetch_stop.set()
+            await asyncio.wait({run})
 
     def _waits(self, req: lamina_pb2.PrefillRequest, taken: list[lamina_pb2.PrefillRequest]) -> bool:
         """Whether `req` waits for the next forward: a prompt of this one computes a block
@@ -196,14 +268,22 @@ class PrefillService:
     async def _prepare(self, reqs: list[lamina_pb2.PrefillRequest]) -> tuple[KVStore, list[_Prompt]]:
         """The forward's KV store, and each prompt's KV reserved there, holding the
         longest prefix the cache or a named peer has of it."""
-        kv = KVStore(self.cfg, capacity_bytes=sum(len(r.token_ids) + 64 for r in reqs) * self.cfg.kv_bytes_per_token(),
-                     device=self.device)
-        prompts = [_Prompt(r, params_from_proto(r.params), list(r.token_ids), kv.reserve(r.seq_id, len(r.token_ids)))
-                   for r in reqs]
-        for p in prompts:
-            # A prompt that wants its own tokens' logprobs is computed whole: no cached prefix.
-            if not p.req.prompt_logprobs:
-                p.cached = self._install_prefix(p.token_ids, p.kv)
+        try:
+            kv = KVStore(self.cfg, device=self.device,
+                         capacity_bytes=sum(len(r.token_ids) + 64 for r in reqs) * self.cfg.kv_bytes_per_token())
+            prompts = [_Prompt(r, params_from_proto(r.params), list(r.token_ids),
+                               kv.reserve(r.seq_id, len(r.token_ids))) for r in reqs]
+            for p in prompts:
+                # A prompt that wants its own tokens' logprobs is computed whole: no cached prefix.
+                if not p.req.prompt_logprobs:
+                    p.cached = self._install_prefix(p.token_ids, p.kv)
+        finally:
+            if self.prefetcher is not None:  # their prefixes are in the forward's KV now (or never will be)
+                for r in reqs:
+                    self.prefetcher.release(id(r))
+        # The prompts left waiting: their prefixes move up while this batch computes.
+        self._is_prefetch_open = True
+        self._start_prefetch()
         asks = [p for p in prompts if p.req.HasField("peer") and not p.req.prompt_logprobs
                 and min(p.req.peer.tokens, len(p.token_ids) - 1) > p.cached]
         got = await asyncio.gather(*(self._fetch_prefix(p.req.peer, p.token_ids, p.kv, p.cached)
@@ -341,7 +421,9 @@ class PrefillService:
                 "fetched_tokens": self.num_fetched_tokens,
                 "served_tokens": self.peer_server.num_served_tokens if self.peer_server else 0,
                 "compute_tokens_per_s": self.compute_tokens_per_s, "fetch_bytes_per_s": self.fetcher.bytes_per_s,
-                "kv_bytes_per_token": self.cfg.kv_bytes_per_token()}
+                "kv_bytes_per_token": self.cfg.kv_bytes_per_token(), "prefetched_blocks": self.num_prefetched_blocks,
+                # the cache's hits by the tier each block was in when its prompt asked
+                "hit_tokens_by_tier": dict(self.cache.stats.hit_tokens_by_tier) if self.cache is not None else {}}
 
     async def run(self) -> None:
         self.pool = await AttentionPool.from_registry(self.runtime.store, self.config, self.cfg)
@@ -361,12 +443,31 @@ class PrefillService:
             await self.publisher.close()
             batcher.cancel()
             await asyncio.gather(batcher, return_exceptions=True)
+            self._is_prefetch_open = False
+            await self._end_prefetch()  # the batch loop's last run, if it was cancelled during a forward
             for _, fut in self._queue:
                 fut.cancel()
             await self.fetcher.close()
             if self.peer_server is not None:
                 await self.peer_server.stop()
             await self.pool.close()
+
+
+def drop_frames(exc: BaseException) -> None:
+    """Drop the traceback of `exc` and of each exception it was raised from or during.
+    A failed forward's frames hold its whole KV (megabytes a prompt) and are reachable
+    only through those tracebacks, in reference cycles that only Python's rare full
+    collection frees: under partitions each failed forward's KV piled up
+    (bench/soak.py --hosts: +190 MiB of tensors after 10 partitions, all freed by one
+    gc.collect()). Without their tracebacks the frames go at once. (Clearing the frames
+    instead would also finalize any coroutine still suspended in one of them.) Call it
+    once the traceback is logged."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
 
 
 def cache_config(pc: PrefillSection, index: int) -> PrefixCacheConfig:

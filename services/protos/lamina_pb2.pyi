@@ -269,6 +269,20 @@ class FreeRequest(_message.Message):
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class RetainRequest(_message.Message):
+    __slots__ = ("seq_ids", "idle_s")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    idle_s: float
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., idle_s: _Optional[float] = ...) -> None: ...
+
+class RetainReply(_message.Message):
+    __slots__ = ("freed",)
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    freed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, freed: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ForkRequest(_message.Message):
     __slots__ = ("source", "seq_ids", "num_tokens")
     SOURCE_FIELD_NUMBER: _ClassVar[int]

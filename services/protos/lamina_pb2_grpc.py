@@ -394,6 +394,11 @@ class AttentionControlStub:
                 request_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.ForkRequest.SerializeToString,
                 response_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Retain = channel.unary_unary(
+                '/lamina.v1.AttentionControl/Retain',
+                request_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.RetainRequest.SerializeToString,
+                response_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.RetainReply.FromString,
+                _registered_method=True)
 
 
 class AttentionControlServicer:
@@ -417,6 +422,12 @@ class AttentionControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Retain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -434,6 +445,11 @@ def add_AttentionControlServicer_to_server(servicer, server):
                     servicer.Fork,
                     request_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.ForkRequest.FromString,
                     response_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.SerializeToString,
+            ),
+            'Retain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Retain,
+                    request_deserializer=lamina_dot_services_dot_protos_dot_lamina__pb2.RetainRequest.FromString,
+                    response_serializer=lamina_dot_services_dot_protos_dot_lamina__pb2.RetainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -517,6 +533,33 @@ class AttentionControl:
             '/lamina.v1.AttentionControl/Fork',
             lamina_dot_services_dot_protos_dot_lamina__pb2.ForkRequest.SerializeToString,
             lamina_dot_services_dot_protos_dot_lamina__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Retain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lamina.v1.AttentionControl/Retain',
+            lamina_dot_services_dot_protos_dot_lamina__pb2.RetainRequest.SerializeToString,
+            lamina_dot_services_dot_protos_dot_lamina__pb2.RetainReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,6 +17,10 @@ What must hold:
 - A sequence whose Free did not reach its worker is kept in `orphans[w]` until `w`
   answers a later Free (tried every half service TTL, and at each probe): KV is never
   leaked on a worker that comes back.
+- What no Free can name (a prompt's KV that a partition held back until after its
+  request's Free, a store cut off halfway) is reclaimed by `retain`: every half service
+  TTL each worker is told the sequences requests hold on it and frees any other it has
+  not touched for `deadlines.kv_reclaim_s`.
 """
 
 from __future__ import annotations
@@ -192,6 +196,21 @@ class AttentionWorkers:
         for w, r in zip(workers, results):
             if isinstance(r, BaseException):
                 self.orphans.setdefault(w, set()).update(seq_ids)
+
+    async def retain(self, live: dict[int, set[str]], idle_s: float) -> int:
+        """Tell each joined worker the sequences requests hold on it (`live`, by index):
+        it frees the others untouched for `idle_s`. The number freed (a worker that does
+        not answer is told next time)."""
+        joined = [w for w, stub in enumerate(self.stubs) if stub is not None]
+        replies = await asyncio.gather(*(self._stub(w).Retain(
+            lamina_pb2.RetainRequest(seq_ids=sorted(live.get(w, ())), idle_s=idle_s),
+            timeout=self._config.deadlines.health_s) for w in joined), return_exceptions=True)
+        freed = 0
+        for w, reply in zip(joined, replies):
+            if not isinstance(reply, BaseException) and reply.freed:
+                freed += len(reply.freed)
+                log.warning("attention worker %d freed %d sequence(s) no request held", w, len(reply.freed))
+        return freed
 
     async def free_everywhere(self, seq_ids: list[str]) -> None:
         """Free sequences on every joined worker, whichever holds them; a worker that

@@ -88,6 +88,9 @@ class SchedulerService:
         self.recovery = Recovery(self, r)
         self.m_waiting = prometheus_client.Gauge("lamina_scheduler_waiting", "requests waiting", registry=r)
         self.m_running = prometheus_client.Gauge("lamina_scheduler_running", "requests decoding", registry=r)
+        self.m_reclaimed = prometheus_client.Counter(
+            "lamina_scheduler_kv_reclaimed", "sequences attention workers freed because no request held them",
+            registry=r)
         self.m_finished = prometheus_client.Counter("lamina_scheduler_finished", "requests finished", ["reason"],
                                                     registry=r)
         self.m_attention = prometheus_client.Gauge(
@@ -248,6 +251,22 @@ class SchedulerService:
         self.admission.wake()
         self.update_gauges()
 
+    def live_kv(self) -> dict[int, set[str]]:
+        """The KV ids requests hold, by attention worker: every request here and every
+        one a model worker has not released yet (finished or not)."""
+        live: dict[int, set[str]] = {}
+        for req in [*self.by_id.values(), *self.decode.decoding.values()]:
+            for w in req.workers:
+                live.setdefault(w, set()).add(req.kv_id)
+        return live
+
+    async def reconcile_kv(self) -> None:
+        """Every half service TTL: Frees that did not reach their worker, then KV no
+        request holds, untouched for deadlines.kv_reclaim_s (AttentionWorkers.retain)."""
+        await self.attention.free_orphans()
+        freed = await self.attention.retain(self.live_kv(), self.config.deadlines.kv_reclaim_s)
+        self.m_reclaimed.inc(freed)
+
     async def free_kv(self, req: Request) -> None:
         """Free `req`'s KV and reservation on its attention workers, and its placement record."""
         self.attention.release(req)
@@ -287,7 +306,7 @@ class SchedulerService:
                        asyncio.create_task(self.decode.watch(), name="model-watchdog"),
                        asyncio.create_task(self.decode.publish_placement_tokens(), name="placement-tokens"),
                        asyncio.create_task(self.prefills.watch(), name="prefill-watch"),
-                       asyncio.create_task(refresh_every_half_ttl(store, self.attention.free_orphans,
+                       asyncio.create_task(refresh_every_half_ttl(store, self.reconcile_kv,
                                                                   "orphaned sequences"), name="attention-orphans")]
         if ac.pool_limit > ac.workers:
             self._tasks.append(asyncio.create_task(

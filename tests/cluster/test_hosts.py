@@ -26,10 +26,11 @@ from lamina.services.config import DeadlinesSection
 
 pytestmark = pytest.mark.timeout(900)
 
-DEADLINES = DeadlinesSection(reply_s=4.0, step_s=8.0, health_s=1.0, rpc_s=8.0)
+DEADLINES = DeadlinesSection(reply_s=4.0, step_s=8.0, health_s=1.0, rpc_s=8.0, kv_reclaim_s=5.0)
 # The half of the cluster the partition test cuts off: a model and an attention worker.
 APART = ("model-1", "attention-1")
 REBUILDS = "lamina_scheduler_rebuilds_total"
+RECLAIMED = "lamina_scheduler_kv_reclaimed_total"
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +260,50 @@ def test_a_partition_splits_the_cluster_for_thirty_seconds(cluster, references):
     assert sum(isinstance(o, str) for o in outcomes) >= len(outcomes) // 2, outcomes
     until(lambda: cluster.kv_held() == {"attention-0": 0, "attention-1": 0}, 90)
     assert cluster.metric("scheduler", "lamina_scheduler_finished_total") - finished == len(outcomes)
+
+
+def test_prompt_kv_held_back_by_a_cut_link_is_reclaimed_after_the_heal(cluster, references):
+    """A prompt's KV sent to attention-1 while its link is cut arrives after the heal, for
+    a sequence no request holds (as when its request's Free came first): the worker frees
+    it once untouched for deadlines.kv_reclaim_s, on the scheduler's word, and says so;
+    requests decoding meanwhile stay exact."""
+    import torch
+
+    from lamina import transports
+    from lamina.kvstore.metadata import MetadataConfig, MetadataStore
+    from lamina.services.wire import Kind, StoreKV
+
+    reclaimed = cluster.metric("scheduler", RECLAIMED)
+    layers, held = 30, 24  # the default model (SmolLM2-135M): 30 layers, 3 KV heads of 64
+
+    async def late_store() -> Kind:
+        store = MetadataStore(MetadataConfig(url=cluster.config.redis_url, namespace=cluster.config.namespace))
+        try:
+            info = await store.get_service("attention", "attention-1")
+        finally:
+            await store.close()
+        conn = await transports.connect(info.endpoint, cluster.config.transport_config())
+        try:
+            cluster.hosts.cut("attention-1")
+            try:
+                async def send() -> None:
+                    for layer in range(layers):
+                        await conn.send(StoreKV("held-back", layer, layers, torch.randn(held, 3, 64),
+                                                torch.randn(held, 3, 64)).to_frame())
+
+                sending = asyncio.create_task(send())
+                await asyncio.sleep(2.0)  # the frames wait in this host's socket, then retransmissions
+            finally:
+                cluster.hosts.heal("attention-1")
+            await sending
+            return (await asyncio.wait_for(conn.recv(), 60)).kind
+        finally:
+            await conn.close()
+
+    assert cluster.inside(lambda: asyncio.run(late_store())) == Kind.ACK
+    assert cluster.kv_held()["attention-1"] == 1  # held for no request
+    start = time.monotonic()
+    assert stream_all(cluster) == references
+    until(lambda: cluster.kv_held() == {"attention-0": 0, "attention-1": 0}, DEADLINES.kv_reclaim_s + 30)
+    assert time.monotonic() - start < DEADLINES.kv_reclaim_s + 30
+    assert cluster.metric("scheduler", RECLAIMED) - reclaimed == 1

@@ -100,6 +100,17 @@ def test_every_container_is_healthy_and_the_replicas_claimed_distinct_indexes(st
     assert sorted(claims) == [0, 1] and {holder.split(":")[0] for holder in claims.values()} == hosts
 
 
+def test_services_run_as_their_user_with_secrets_only_root_reads(stack):
+    """The entrypoint starts as root, reads the 0600 secret files, and runs the service
+    (the container's process 1) as uid 10001, which cannot read them."""
+    for service in LAMINA_SERVICES:
+        container = stack.containers(service)[0]
+        seen = podman_stack.run("podman", "exec", "--user", "10001", container, "sh", "-c",
+                                "stat -c %a /run/secrets/cluster_token; awk '/^Uid:/{print $2}' /proc/1/status; "
+                                "cat /run/secrets/cluster_token >/dev/null 2>&1 && echo readable || echo refused")
+        assert seen.stdout.split() == ["600", "10001", "refused"], (service, seen.stdout)
+
+
 def test_prometheus_scrapes_every_service_and_each_replica(stack):
     def targets() -> list[dict] | None:
         with urllib.request.urlopen(f"{stack.prometheus_url}/api/v1/targets", timeout=10) as reply:

@@ -65,6 +65,8 @@ def test_compose_file_validates():
     if cli is None:
         pytest.skip("neither docker-compose nor the docker compose plugin is installed (.ci/run installs "
                     "Debian's docker-compose when it runs as root)")
+    # As a user does first (docs/deploy.md): Grafana's env_file must exist for `config`.
+    subprocess.run(["sh", str(COMPOSE_DIR / "make-secrets.sh")], check=True, capture_output=True, timeout=60)
     result = subprocess.run([*cli, "-f", str(COMPOSE_DIR / "compose.yaml"), "config", "-q"],
                             capture_output=True, text=True, timeout=60, cwd=COMPOSE_DIR)
     assert result.returncode == 0, result.stderr
@@ -90,7 +92,8 @@ def test_compose_commands_are_accepted_by_the_cli():
         env = {k: _interpolate(v) for k, v in service["environment"].items() if not k.endswith("_FILE")}
         config = load_config(COMPOSE_DIR / "stack.yaml", env=env)
         assert config.host == "0.0.0.0" and config.redis_url == "redis://redis:6379/0"
-        assert service["healthcheck"]["test"] == "lamina health"  # as the image's HEALTHCHECK
+        # The image's HEALTHCHECK, through the entrypoint (which leaves root).
+        assert service["healthcheck"]["test"] == "lamina-entrypoint health"
         if service["command"][0] in WORKER_SECTIONS and args.index == "auto":
             # Replicas claim indexes 0..replicas-1; the same variable sets the count the stack waits for.
             replicas = int(_interpolate(service["deploy"]["replicas"]))
@@ -206,9 +209,8 @@ def test_prometheus_and_grafana_are_on_loopback_and_grafana_has_a_secret_passwor
         (published,) = compose["services"][name]["ports"]
         assert _interpolate(published).startswith("127.0.0.1:"), (name, published)
     grafana = compose["services"]["grafana"]
-    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
-    assert grafana["secrets"] == ["grafana_admin_password"]
-    assert compose["secrets"]["grafana_admin_password"]["file"] == "./secrets/grafana_admin_password"
+    assert grafana["env_file"] == ["./secrets/grafana.env"]  # make-secrets.sh writes it (below)
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in grafana.get("environment", {})
 
 
 def test_make_secrets_keeps_its_directory_to_its_user(tmp_path):
@@ -219,8 +221,22 @@ def test_make_secrets_keeps_its_directory_to_its_user(tmp_path):
     secrets_dir = tmp_path / "secrets"
     assert stat.S_IMODE(secrets_dir.stat().st_mode) == 0o700
     made = sorted(p.name for p in secrets_dir.iterdir())
-    assert made == ["api_key", "cluster_token", "grafana_admin_password"]
-    assert all(len((secrets_dir / n).read_text().strip()) >= 40 for n in made)  # 32 random bytes, url-safe
+    assert made == ["api_key", "cluster_token", "grafana.env", "grafana_admin_password"]
+    assert all(stat.S_IMODE((secrets_dir / n).stat().st_mode) == 0o600 for n in made)
+    tokens = [n for n in made if "." not in n]
+    assert all(len((secrets_dir / n).read_text().strip()) >= 40 for n in tokens)  # 32 random bytes, url-safe
+    password = (secrets_dir / "grafana_admin_password").read_text().strip()
+    assert (secrets_dir / "grafana.env").read_text() == f"GF_SECURITY_ADMIN_PASSWORD={password}\n"
     first = (secrets_dir / "api_key").read_text()
+    (secrets_dir / "grafana_admin_password").write_text("changed\n")
     subprocess.run(["sh", str(tmp_path / "make-secrets.sh")], check=True, capture_output=True, timeout=60)
     assert (secrets_dir / "api_key").read_text() == first  # kept, not remade
+    assert (secrets_dir / "grafana.env").read_text() == "GF_SECURITY_ADMIN_PASSWORD=changed\n"  # follows it
+
+
+def test_compose_reads_secrets_as_root_and_runs_services_as_the_image_user():
+    compose = _compose()
+    assert compose["x-lamina"]["user"] == "0:0"
+    assert compose["x-lamina"]["healthcheck"]["test"] == "lamina-entrypoint health"
+    entrypoint = (COMPOSE_DIR / "entrypoint.sh").read_text()
+    assert "setpriv --reuid=lamina --regid=lamina --init-groups lamina" in entrypoint

@@ -181,3 +181,38 @@ def test_a_float32_worker_serves_a_sender_of_another_dtype_in_its_dtype(sent):
     assert out.dtype == early.dtype == sent
     torch.testing.assert_close(out, ref.to(sent), atol=0, rtol=0)
     torch.testing.assert_close(early.float(), ref, atol=1e-2, rtol=1e-2)  # rounded once more on the way
+
+
+def test_retain_frees_what_no_request_holds_once_untouched_for_idle_s(monkeypatch):
+    """The scheduler's reconciliation: sequences outside `live` go once untouched for
+    idle_s (a whole prompt, a store cut off after its first layer); live ones, and any
+    touched more recently (a step, a store still arriving), stay and keep working."""
+    import lamina.services.attention.attention_core as attention_core
+
+    now = [100.0]
+    monkeypatch.setattr(attention_core, "monotonic", lambda: now[0])
+    torch.manual_seed(3)
+    core = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=3, tokens_per_slab=4)
+    history = History(3)
+    for seq in ("live", "leaked", "stepped"):
+        history.prompt([core], seq, 4)
+    k = v = torch.randn(2, 3, 8)
+    core.store(StoreKV("half", 0, CFG.num_layers, k, v))  # its other layers never came
+    core.fork("live", ["child"], 4)
+    now[0] = 110.0
+    q, sk, sv = _step_inputs([("stepped", 1)], 9, 3)
+    core.attend(0, [("stepped", 1)], q, sk, sv)  # a step at 110 s: touched then
+    live = {"live", "child"}
+    assert core.retain(live, idle_s=20.0) == [] and core.num_sequences == 5  # nothing 20 s old yet
+    now[0] = 125.0
+    assert sorted(core.retain(live, idle_s=20.0)) == ["half", "leaked"]  # 25 s untouched; "stepped": 15 s
+    assert core.num_sequences == 3
+    with pytest.raises(RemoteError, match="without its layer 0"):
+        core.store(StoreKV("half", 1, CFG.num_layers, k, v))  # the rest of the freed store is refused
+    now[0] = 131.0
+    assert core.retain(live, idle_s=20.0) == ["stepped"]
+    for layer in range(CFG.num_layers):  # the live ones are whole
+        q, sk, sv = _step_inputs([("live", 1), ("child", 1)], 9, 3)
+        out, _ = core.attend(layer, [("live", 1), ("child", 1)], q, sk, sv)
+        assert out.shape == (2, 9, 8)
+    assert core.retain(set(), idle_s=1000.0) == []  # just stepped

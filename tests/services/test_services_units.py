@@ -415,3 +415,43 @@ async def test_the_first_token_carries_the_prompts_cached_tokens_to_the_gateway(
         await server.stop(None)
     assert sorted((e.index, e.token_ids, e.cached_tokens) for e in events["two"]) == [(0, [5], 48), (1, [6], None)]
     assert [(e.token_ids, e.finish_reason, e.cached_tokens) for e in events["one"]] == [([5], "length", 0)]
+
+
+def test_drop_frames_frees_what_a_failed_forward_held_at_once():
+    """The frames an exception went through, with their tensors, go as soon as its
+    tracebacks (its own and its cause's) are dropped, without a garbage collection."""
+    import gc
+    import weakref
+
+    import torch
+
+    from lamina import transports
+    from lamina.services.prefill.prefill_service import drop_frames
+
+    held: list[weakref.ref] = []
+
+    def send() -> None:
+        kv = torch.zeros(1 << 16)  # the forward's KV
+        held.append(weakref.ref(kv))
+        raise OSError("link down")
+
+    def forward() -> None:
+        kv = torch.zeros(1 << 16)
+        held.append(weakref.ref(kv))
+        try:
+            send()
+        except OSError as exc:
+            raise transports.TransportError("attention worker 1 unreachable") from exc
+
+    gc.disable()
+    try:
+        try:
+            forward()
+        except transports.TransportError as exc:
+            failure = exc
+        assert all(r() is not None for r in held)  # kept alive by the tracebacks
+        drop_frames(failure)
+        assert all(r() is None for r in held)
+        assert str(failure) == "attention worker 1 unreachable" and isinstance(failure.__cause__, OSError)
+    finally:
+        gc.enable()
