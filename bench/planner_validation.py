@@ -17,22 +17,35 @@ micro-batches, decode tokens/s against the planner's disaggregated layout on
 per-slice, per-frame and per-exchange overheads, calibrated on a smaller stack run, and
 the host's CPU work over its cores).
 
+--out-of-sample adds cases the calibration never touched (OUT_OF_SAMPLE, 22 of them), in
+families: the engine with other model shapes (seeded random-weight SmolLM2-360M- and
+-1.7B-shaped models, SmolLM2's vocabulary), with contexts up to 4,096 tokens, with two
+threads (against a profile measured with two); and the stack, colocated against
+disaggregated with 1-2 attention workers and 1-3 micro-batches, for SmolLM2-135M and the
+360M shape. Every prediction is made and printed (and written to --predictions) before
+any of them is measured. It reports their median and largest error apart from the
+in-sample cases above, and, for each stack family, the decision error: how much less
+the layout the planner ranks first measured than the best measured one.
+
 Prints the table and, last, one JSON line: {"cases", "median_abs_rel_error",
-"max_abs_rel_error", ...}.
+"max_abs_rel_error", ...} (with --out-of-sample also "out_of_sample": {...}).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lamina.planner.estimate import decode_step
 from lamina.planner.hardware import THIS_MACHINE, device_from_entry, load_catalogue
 from lamina.planner.layouts import Layout
-from lamina.planner.measure.engine_step import decode_step_cpu
+from lamina.planner.measure.engine_step import decode_step_cpu, decode_step_wall
 from lamina.planner.measure.stack_run import make_prompts, run_stack
 from lamina.planner.perf.quantization import FP32
 from lamina.planner.profile import profile
@@ -66,6 +79,138 @@ def stack_cases(loaded, shape, catalogue, steps: int, batch: int = 32, context: 
     return rows
 
 
+@dataclass(frozen=True)
+class Case:
+    """One out-of-sample point: the engine (colocated, in one process) or the stack as
+    `lamina up` starts it; the planner's choice is among the cases of one family."""
+
+    family: str
+    model: str | None  # None: SmolLM2-135M-Instruct; else a random:NAME model
+    kind: str  # "engine" | "stack"
+    batch: int
+    prompt: int
+    threads: int = 1
+    layout: str = "colocated"  # stack: colocated | disaggregated
+    attention_workers: int = 0
+    micro_batches: int = 1
+
+    def name(self) -> str:
+        where = (f"engine, {self.threads} thread{'s' * (self.threads > 1)}" if self.kind == "engine" else
+                 "stack colocated" if self.layout == "colocated" else
+                 f"stack {self.attention_workers} attention, {self.micro_batches} micro-batch")
+        return f"{self.model or 'smollm2-135m'}: {where}, batch {self.batch}, prompt {self.prompt}"
+
+
+M360, M1700 = "random:smollm2-360m", "random:smollm2-1.7b"
+_STACK_LAYOUTS = (("colocated", 0, 1), *(("disaggregated", a, m) for a in (1, 2) for m in (1, 2, 3)))
+# None at the calibration points: the engine's overhead points are 16-token prompts at batch
+# 1 and 16 (planner.profile.OVERHEAD_POINTS), the stack's run batch 8 x 64 tokens with one
+# attention worker and one micro-batch (STACK_POINT); the profile's kernels are timed alone.
+OUT_OF_SAMPLE = (
+    *(Case("engine, 360M shape", M360, "engine", b, p) for b, p in ((1, 128), (4, 512), (16, 256), (2, 2048))),
+    *(Case("engine, 1.7B shape", M1700, "engine", b, p) for b, p in ((1, 128), (4, 128))),
+    *(Case("engine, long contexts", None, "engine", b, p) for b, p in ((1, 4096), (2, 2048), (24, 128))),
+    *(Case("engine, 2 threads", None, "engine", b, p, threads=2) for b, p in ((1, 256), (8, 512), (32, 128))),
+    *(Case("stack, 135M, batch 16 x 512", None, "stack", 16, 512, layout=lay, attention_workers=a, micro_batches=m)
+      for lay, a, m in _STACK_LAYOUTS),
+    *(Case("stack, 360M shape, batch 8 x 256", M360, "stack", 8, 256, layout=lay, attention_workers=a,
+           micro_batches=m) for lay, a, m in (_STACK_LAYOUTS[0], ("disaggregated", 1, 1), ("disaggregated", 2, 2))),
+)
+ENGINE_STEPS, STACK_STEPS = 5, 16
+
+
+def predict(case: Case, shapes: dict, catalogues: dict) -> tuple[float, str]:
+    """The planner's decode tokens/s for `case` and its bottleneck."""
+    shape, catalogue = shapes[case.model], catalogues[case.threads]
+    if case.kind == "engine":
+        layout = Layout(THIS_MACHINE, 1, weights=FP32, kv=FP32)
+        context = case.prompt + 1 + ENGINE_STEPS / 2
+    elif case.layout == "colocated":
+        layout = Layout(THIS_MACHINE, 1, weights=FP32, kv=FP32, shared_host=True)
+        context = case.prompt + STACK_STEPS / 2
+    else:
+        layout = Layout(THIS_MACHINE, 1, 1, THIS_MACHINE, case.attention_workers, case.micro_batches, "request", FP32,
+                        FP32, shared_host=True)
+        context = case.prompt + STACK_STEPS / 2
+    step = decode_step(shape, layout, catalogue, case.batch, context)
+    return case.batch / step.step_s, step.bottleneck
+
+
+def measure(case: Case, models: dict) -> float:
+    """Decode tokens/s of `case`, measured now."""
+    import torch
+
+    from lamina.model.loader import load_model
+    from lamina.model.quant import set_kernel_threads
+
+    if case.model not in models:
+        models.clear()  # one model in memory at a time (the 1.7B shape's weights are 6.8 GB)
+        gc.collect()
+        models[case.model] = load_model(case.model, weights="float32")
+    loaded = models[case.model]
+    if case.kind == "engine":
+        torch.set_num_threads(case.threads)
+        set_kernel_threads(case.threads)
+        # Several threads: wall time (their CPU time adds up); one: CPU time, as the in-sample cases.
+        timed = decode_step_wall if case.threads > 1 else decode_step_cpu
+        return case.batch / timed(loaded, case.batch, case.prompt, ENGINE_STEPS, seed=case.batch * 1000 + case.prompt)
+    prompts = make_prompts(loaded.tokenizer, case.batch, case.prompt)
+    kv_bytes = 2 * case.batch * (case.prompt + STACK_STEPS + 64) * loaded.config.kv_bytes_per_token() + (256 << 20)
+    return run_stack(prompts, STACK_STEPS, "tcp", case.micro_batches, False, 1, kv_bytes, "float32",
+                     attention_workers=max(1, case.attention_workers), layout=case.layout, model=case.model)["tok_s"]
+
+
+def out_of_sample(prof1: dict, predictions_path: Path | None, family: str | None = None) -> dict:
+    """Every OUT_OF_SAMPLE prediction first (a two-thread profile measured for it), then
+    every measurement; errors and each stack family's decision error. `family`: only the
+    families whose name holds it."""
+    from lamina.model.loader import checkpoint_name, load_config
+    from lamina.planner.shapes import ModelShape
+
+    print("out of sample: a profile with 2 threads (for the 2-thread cases)...", flush=True)
+    prof2 = profile(threads=2, usd_per_hour=0.1, quick=True, stack=False)
+    catalogues = {}
+    for threads, prof in ((1, prof1), (2, prof2)):
+        catalogues[threads] = dict(load_catalogue())
+        catalogues[threads][THIS_MACHINE] = device_from_entry(THIS_MACHINE, prof["device"])
+    cases = [c for c in OUT_OF_SAMPLE if family is None or family in c.family]
+    shapes = {m: ModelShape.of(load_config(m), checkpoint_name(m)) for m in {c.model for c in cases}}
+    predicted = [predict(c, shapes, catalogues) for c in cases]
+    print(f"\npredictions, written before any measurement ({time.strftime('%H:%M:%S')}):")
+    for c, (tok_s, neck) in zip(cases, predicted):
+        print(f"  {c.family:<34} {c.name():<72} {tok_s:>9.1f} tok/s  {neck}")
+    if predictions_path is not None:
+        predictions_path.write_text(json.dumps([{**asdict(c), "predicted_tok_s": p, "bottleneck": n}
+                                                for c, (p, n) in zip(cases, predicted)], indent=1) + "\n")
+    print(f"\n{'case':<72} {'predicted':>10} {'measured':>10} {'error':>8}  (tok/s)", flush=True)
+    rows, models = [], {}
+    for c, (tok_s, neck) in zip(cases, predicted):
+        got = measure(c, models)
+        err = (tok_s - got) / got
+        rows.append({**asdict(c), "predicted_tok_s": round(tok_s, 2), "measured_tok_s": round(got, 2),
+                     "rel_error": round(err, 3), "bottleneck": neck})
+        print(f"{c.name():<72} {tok_s:>10.1f} {got:>10.1f} {err:>+8.1%}", flush=True)
+    models.clear()
+    errors = [abs(r["rel_error"]) for r in rows]
+    decisions = {}
+    for family in dict.fromkeys(r["family"] for r in rows if r["kind"] == "stack"):
+        members = [r for r in rows if r["family"] == family]
+        first = max(members, key=lambda r: r["predicted_tok_s"])
+        best = max(members, key=lambda r: r["measured_tok_s"])
+        decisions[family] = {"planner_first": Case(**{k: first[k] for k in Case.__dataclass_fields__}).name(),
+                             "best_measured": Case(**{k: best[k] for k in Case.__dataclass_fields__}).name(),
+                             "decision_error": round(1 - first["measured_tok_s"] / best["measured_tok_s"], 3)}
+    for family, d in decisions.items():
+        print(f"{family}: the planner's first, {d['planner_first']}, measured {1 - d['decision_error']:.1%} of the "
+              f"best, {d['best_measured']}")
+    print(f"out of sample: {len(rows)} cases, median |error| {statistics.median(errors):.1%}, largest "
+          f"{max(errors):.1%}", flush=True)
+    return {"cases": len(rows), "median_abs_rel_error": round(statistics.median(errors), 3),
+            "max_abs_rel_error": round(max(errors), 3), "decisions": decisions, "rows": rows,
+            "profile_2_threads": {"memory_gb_s": prof2["device"]["memory_tb_s"]["value"] * 1e3,
+                                  "matmul_gflop_s": prof2["device"]["tflops"]["fp32"]["value"] * 1e3}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps per case (within 10 minutes)")
@@ -73,6 +218,11 @@ def main() -> None:
     ap.add_argument("--stack", action="store_true",
                     help="also the stack at 1 and 2 micro-batches with 1 and 2 attention workers")
     ap.add_argument("--save-profile", type=Path, default=None, help="write the measured profile here (JSON)")
+    ap.add_argument("--out-of-sample", action="store_true",
+                    help="also the 22 cases the calibration never touched (OUT_OF_SAMPLE; about 25 minutes here)")
+    ap.add_argument("--predictions", type=Path, default=None,
+                    help="--out-of-sample: write its predictions here (JSON) before measuring any")
+    ap.add_argument("--family", default=None, help="--out-of-sample: only the families whose name holds this")
     args = ap.parse_args()
     steps = args.steps or (5 if args.quick else 12)
 
@@ -80,7 +230,7 @@ def main() -> None:
 
     from lamina.model.loader import load_model
 
-    prof = profile(threads=1, usd_per_hour=0.1, quick=args.quick, stack=args.stack)
+    prof = profile(threads=1, usd_per_hour=0.1, quick=args.quick, stack=args.stack or args.out_of_sample)
     if args.save_profile:
         args.save_profile.write_text(json.dumps(prof, indent=2) + "\n")
     catalogue = dict(load_catalogue())
@@ -103,6 +253,8 @@ def main() -> None:
               f"{predicted.bottleneck}")
     if args.stack:
         rows += stack_cases(loaded, shape, catalogue, steps=16)
+    del loaded
+    oos = out_of_sample(prof, args.predictions, args.family) if args.out_of_sample else None
     errors = [abs(r["rel_error"]) for r in rows]
     d = prof["device"]
     print(f"profile: memory {d['memory_tb_s']['value'] * 1e3:.2f} GB/s, "
@@ -117,7 +269,8 @@ def main() -> None:
                       "max_abs_rel_error": round(max(errors), 3), "rows": rows,
                       "load_avg_1min": round(os.getloadavg()[0], 2),
                       "profile": {"memory_gb_s": d["memory_tb_s"]["value"] * 1e3,
-                                  "matmul_gflop_s": d["tflops"]["fp32"]["value"] * 1e3}}))
+                                  "matmul_gflop_s": d["tflops"]["fp32"]["value"] * 1e3},
+                      **({"out_of_sample": oos} if oos is not None else {})}))
 
 
 if __name__ == "__main__":

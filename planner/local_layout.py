@@ -5,7 +5,10 @@ its own process) and disaggregated (attention workers of their own, 1 or 2 here,
 or 2 staggered micro-batches). `rank_layouts` ranks them by the planner's predicted
 decode tokens/s (lamina.planner.estimate.decode_step) for a serving workload on this
 machine's profile, every service sharing the host's cores (`Layout.shared_host`): a
-pure function of the profile, the model's shape and the workload. `machine_profile`
+pure function of the profile, the model's shape and the workload. A workload is either
+closed (so many requests decoding at once) or open (requests arriving at a rate: given,
+or a trace's); for an open one each layout decodes as many at once as it needs to keep
+up (`concurrency_at_rate`), and the layouts that keep up rank by their time per token. `machine_profile`
 gives the profile: the one `lamina profile` wrote when it was measured on this machine
 by this version of Lamina, else a new `lamina profile --quick`, written there.
 """
@@ -28,23 +31,35 @@ from lamina.planner.layouts import Layout
 from lamina.planner.perf.quantization import FP32, INT4, Precision
 from lamina.planner.profile import memory_bytes
 from lamina.planner.shapes import ModelShape
+from lamina.planner.workload import load_trace
 
 ATTENTION_WORKER_CHOICES = (1, 2)
 MICRO_BATCH_CHOICES = (1, 2)
+# An open workload's requests decoding at once are at most this many (the scheduler's
+# default max_batch_size): a layout that needs more to keep up falls behind.
+RATE_MAX_CONCURRENCY = 256
+WORKLOAD_FORMS = ("CONCURRENCY,PROMPT_TOKENS,OUTPUT_TOKENS (e.g. 8,512,256), PROMPT_TOKENS,OUTPUT_TOKENS@RATE "
+                  "(requests per second, e.g. 512,256@2.5) or a trace file (Azure CSV or Kimi JSONL)")
 
 
 @dataclass(frozen=True)
 class LocalWorkload:
     """The serving load the layouts are ranked for: `concurrency` requests decoding at
-    once, each of `prompt_tokens` and `output_tokens` (a few people chatting by default)."""
+    once, each of `prompt_tokens` and `output_tokens` (a few people chatting by default);
+    or, with `rate`, requests arriving at `rate` a second, at most `concurrency` of them
+    decoding at once (a trace's mean lengths and rate: `source` names it)."""
 
     concurrency: int = 8
     prompt_tokens: int = 512
     output_tokens: int = 256
+    rate: float | None = None
+    source: str = ""
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.prompt_tokens < 1 or self.output_tokens < 1:
             raise ValueError("the workload's concurrency, prompt and output tokens must be positive")
+        if self.rate is not None and not self.rate > 0:
+            raise ValueError("the workload's rate must be positive")
 
     @property
     def mean_context(self) -> float:
@@ -53,17 +68,33 @@ class LocalWorkload:
 
     @classmethod
     def parse(cls, text: str) -> LocalWorkload:
-        """"CONCURRENCY,PROMPT,OUTPUT", e.g. "8,512,256"."""
-        parts = text.split(",")
+        """"CONCURRENCY,PROMPT,OUTPUT" ("8,512,256"), "PROMPT,OUTPUT@RATE" ("512,256@2.5"),
+        or the path of a trace (its mean prompt and output lengths and its arrival rate)."""
+        if Path(text).is_file():
+            try:
+                stats = load_trace(text).stats()
+            except (OSError, ValueError, KeyError) as exc:
+                raise ValueError(f"--workload {text}: not a trace this reads ({exc})") from None
+            return cls(RATE_MAX_CONCURRENCY, max(1, round(stats.mean_prompt)), max(1, round(stats.mean_output)),
+                       stats.rate, Path(text).name)
+        lengths, at, rate = text.partition("@")
+        parts = lengths.split(",")
         try:
+            if at:
+                if len(parts) != 2:
+                    raise ValueError
+                return cls(RATE_MAX_CONCURRENCY, int(parts[0]), int(parts[1]), float(rate))
             if len(parts) != 3:
                 raise ValueError
-            return cls(*(int(p) for p in parts))
+            concurrency, prompt, output = (int(p) for p in parts)
+            return cls(concurrency, prompt, output)
         except ValueError:
-            raise ValueError(f"--workload takes CONCURRENCY,PROMPT_TOKENS,OUTPUT_TOKENS (positive integers, "
-                             f"e.g. 8,512,256), got {text!r}") from None
+            raise ValueError(f"--workload takes {WORKLOAD_FORMS}, with positive numbers; got {text!r}") from None
 
     def describe(self) -> str:
+        if self.rate is not None:
+            return (f"{self.rate:.3g} requests/s of {self.prompt_tokens}-token prompts and {self.output_tokens} "
+                    f"output tokens" + (f" (the means of {self.source})" if self.source else ""))
         return (f"{self.concurrency} request{'s' * (self.concurrency > 1)} at once, {self.prompt_tokens}-token "
                 f"prompts, {self.output_tokens} output tokens")
 
@@ -77,6 +108,17 @@ class LocalChoice:
     micro_batches: int
     tok_s: float
     bottleneck: str
+    batch: int = 0  # requests decoding at once
+    step_s: float = 0.0  # time per token of each
+    keeps_up: bool | None = None  # an open workload's rate: whether it is served (None: a closed one)
+
+    def predicted(self) -> str:
+        """What the planner predicts of it, in words."""
+        if self.keeps_up is None:
+            return f"{self.tok_s:.0f} tok/s"
+        if self.keeps_up:
+            return f"{self.step_s * 1e3:.0f} ms/token with {self.batch} decoding"
+        return f"falls behind ({self.tok_s:.0f} tok/s with {self.batch} decoding)"
 
     def describe(self) -> str:
         if self.layout == "colocated":
@@ -111,12 +153,35 @@ def rank_layouts(device_entry: Mapping[str, Any], shape: ModelShape, weights: Pr
             candidates.append(("disaggregated", workers, micro,
                                Layout(THIS_MACHINE, 1, 1, THIS_MACHINE, workers, micro, "request", weights, FP32,
                                       shared_host=True)))
-    batch = max(workload.concurrency, 1)
     ranked = []
     for name, workers, micro, layout in candidates:
+        def step_s(c: int, layout: Layout = layout) -> float:
+            return decode_step(shape, layout, catalogue, c, workload.mean_context).step_s
+
+        keeps_up = None
+        batch = workload.concurrency
+        if workload.rate is not None:
+            batch, keeps_up = concurrency_at_rate(step_s, workload.rate, workload.output_tokens, workload.concurrency)
         step = decode_step(shape, layout, catalogue, batch, workload.mean_context)
-        ranked.append(LocalChoice(name, workers, micro, batch / step.step_s, step.bottleneck))
-    return sorted(ranked, key=lambda c: -c.tok_s)
+        ranked.append(LocalChoice(name, workers, micro, batch / step.step_s, step.bottleneck, batch, step.step_s,
+                                  keeps_up))
+    if workload.rate is None:
+        return sorted(ranked, key=lambda c: -c.tok_s)
+    # Those that keep up serve the same tokens/s: the shortest time per token first; then
+    # those that fall behind, the most tokens/s first.
+    return sorted(ranked, key=lambda c: (not c.keeps_up, c.step_s if c.keeps_up else -c.tok_s))
+
+
+def concurrency_at_rate(step_s: Callable[[int], float], rate: float, output_tokens: int,
+                        cap: int) -> tuple[int, bool]:
+    """How many requests decode at once when `rate` arrive a second, each for
+    `output_tokens` steps of `step_s(c)` seconds with c decoding: by Little's law the
+    least c with rate x output_tokens x step_s(c) <= c (the layout's c / step_s(c) tokens/s
+    at least the rate's). (cap, False) when none up to `cap` keeps up."""
+    for c in range(1, cap + 1):
+        if rate * output_tokens * step_s(c) <= c:
+            return c, True
+    return cap, False
 
 
 def _cpu_model() -> str:

@@ -140,15 +140,16 @@ def measure_transports(quick: bool = True) -> dict[str, dict[str, Any]]:
 OVERHEAD_POINTS = ((1, 16), (16, 16))
 
 
-def measure_engine_overhead(entry: dict[str, Any], steps: int) -> dict[str, Any]:
+def measure_engine_overhead(entry: dict[str, Any], steps: int, threads: int = 1) -> dict[str, Any]:
     """The rest of a decode layer: the engine's pure-decode step (planner/measure/engine_step.py's
-    decode_step_cpu, default model) at two batch sizes, less what the models predict from
-    the kernel measurements in `entry`; the two gaps give a per-layer and a per-token term."""
+    decode_step_cpu, default model; with several threads decode_step_wall, since their CPU
+    time adds up) at two batch sizes, less what the models predict from the kernel
+    measurements in `entry`; the two gaps give a per-layer and a per-token term."""
     from lamina.model.loader import load_model
     from lamina.planner.estimate import decode_step
     from lamina.planner.hardware import THIS_MACHINE, device_from_entry
     from lamina.planner.layouts import Layout
-    from lamina.planner.measure.engine_step import decode_step_cpu
+    from lamina.planner.measure.engine_step import decode_step_cpu, decode_step_wall
     from lamina.planner.perf.quantization import FP32
     from lamina.planner.shapes import ModelShape
 
@@ -159,7 +160,7 @@ def measure_engine_overhead(entry: dict[str, Any], steps: int) -> dict[str, Any]
     layout = Layout(THIS_MACHINE, 1, weights=FP32, kv=FP32)
     gaps = []
     for batch, prompt in OVERHEAD_POINTS:
-        measured = decode_step_cpu(loaded, batch, prompt, steps, seed=batch)
+        measured = (decode_step_wall if threads > 1 else decode_step_cpu)(loaded, batch, prompt, steps, seed=batch)
         predicted = decode_step(shape, layout, catalogue, batch, prompt + 1 + steps / 2).step_s
         gaps.append((batch, measured, predicted))
     layer_s, token_s = overhead_terms(gaps, shape.num_layers)
@@ -315,7 +316,7 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
         "kv_q4_quantize_ns_per_element": {
             "value": kv_quantize * 1e9, "source": f"{src}: lamina.model.kv_quant's quantization of new K or V rows"},
     }
-    overhead = measure_engine_overhead(entry, steps=3 if quick else 8)
+    overhead = measure_engine_overhead(entry, steps=3 if quick else 8, threads=threads)
     where = ", ".join(f"batch {b} x prompt {p}" for b, p in OVERHEAD_POINTS)
     entry["layer_overhead_us"] = {"value": overhead["layer_s"] * 1e6,
                                   "source": f"{src}: the engine's decode step at {where}, "

@@ -43,9 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "this machine's profile, measured once (docs/services.md, Layouts); disaggregated: "
                         "attention workers in processes of their own; colocated: each model worker attends in "
                         "its own process, no attention workers (layout)")
-    p.add_argument("--workload", default=None, metavar="CONCURRENCY,PROMPT,OUTPUT",
+    p.add_argument("--workload", default=None, metavar="CONCURRENCY,PROMPT,OUTPUT | PROMPT,OUTPUT@RATE | TRACE",
                    help="the serving load --layout auto ranks the layouts for: requests at once, prompt and output "
-                        "tokens each (default 8,512,256)")
+                        "tokens each (default 8,512,256); or prompt and output tokens of requests arriving at RATE "
+                        "a second; or a trace file (Azure CSV, Kimi JSONL: its mean lengths and rate). With a "
+                        "rate, the layouts that keep up rank by time per token")
     p.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, metavar="PATH",
                    help=f"this machine's profile for --layout auto (default {DEFAULT_PROFILE}; measured there by "
                         "`lamina profile --quick` when missing, from another machine or another version)")
@@ -233,7 +235,7 @@ def choose_layout(config, workload: str | None, profile_path: Path):
     ranked = rank_layouts(measured["device"], shape, weights_precision(config.weights), load)
     best = ranked[0]
     say(f"layout auto: {best.describe()}; predicted for {load.describe()}: "
-        + "; ".join(f"{c.describe()} {c.tok_s:.0f} tok/s" for c in ranked[:3])
+        + "; ".join(f"{c.describe()} {c.predicted()}" for c in ranked[:3])
         + f" (profile {profile_path}; `lamina profile` re-measures, --layout names one)")
     return best
 

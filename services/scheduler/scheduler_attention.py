@@ -130,14 +130,16 @@ class AttentionWorkers:
     async def _free_orphans(self, w: int) -> bool:
         """Free the sequences worker `w` still holds of requests freed or moved while it
         did not answer; False when it does not answer now either."""
-        seq_ids = sorted(self.orphans.get(w, ()))
+        # Taken out while the Free is in flight: the probes of several rebuilds at once
+        # would each send it (and log it) again.
+        seq_ids = sorted(self.orphans.pop(w, ()))
         if not seq_ids:
             return True
         try:
             await self._stub(w).Free(lamina_pb2.FreeRequest(seq_ids=seq_ids), timeout=self._config.deadlines.health_s)
         except grpc.aio.AioRpcError:
+            self.orphans.setdefault(w, set()).update(seq_ids)
             return False
-        self.orphans[w].difference_update(seq_ids)
         log.info("freed %d sequences left on attention worker %d while it did not answer", len(seq_ids), w)
         return True
 

@@ -10,9 +10,17 @@ import pytest
 from planner_helpers import figure, synthetic_entry
 
 from lamina.planner import local_layout
-from lamina.planner.local_layout import LocalChoice, LocalWorkload, machine_profile, rank_layouts
+from lamina.planner.local_layout import (
+    RATE_MAX_CONCURRENCY,
+    LocalChoice,
+    LocalWorkload,
+    concurrency_at_rate,
+    machine_profile,
+    rank_layouts,
+)
 from lamina.planner.perf.quantization import FP32, INT4
 from lamina.planner.shapes import BUILTIN
+from lamina.planner.workload import load_trace
 
 SMOLLM2 = BUILTIN["smollm2-135m"]
 
@@ -45,12 +53,52 @@ def test_the_ranking_follows_the_machine_and_the_workload():
 def test_workloads_and_weights_are_read_as_the_flags_spell_them():
     assert LocalWorkload.parse("4,128,64") == LocalWorkload(4, 128, 64)
     assert LocalWorkload(4, 128, 64).mean_context == 160
-    for bad in ("4,128", "4,x,64", "0,128,64", "4,128,64,1"):
+    assert LocalWorkload.parse("512,256@2.5") == LocalWorkload(RATE_MAX_CONCURRENCY, 512, 256, 2.5)
+    for bad in ("4,128", "4,x,64", "0,128,64", "4,128,64,1", "4,128,64@1", "512,256@0", "512,256@x", "512@2"):
         with pytest.raises(ValueError, match="CONCURRENCY,PROMPT_TOKENS,OUTPUT_TOKENS"):
             LocalWorkload.parse(bad)
     assert local_layout.weights_precision("as_file") is INT4 and local_layout.weights_precision("float32") is FP32
     assert LocalChoice("disaggregated", 1, 2, 10.0, "x").describe() == \
         "disaggregated, 1 attention worker, 2 micro-batches"
+
+
+def test_a_trace_is_read_as_its_mean_lengths_and_rate(request):
+    path = request.config.rootpath.parent / "shared" / "traces" / "azure_conv_2023.csv"
+    if not path.is_file():
+        pytest.skip(f"{path} is not here (the traces sit in ../shared beside the checkout)")
+    stats = load_trace(path).stats()
+    load = LocalWorkload.parse(str(path))
+    assert load == LocalWorkload(RATE_MAX_CONCURRENCY, round(stats.mean_prompt), round(stats.mean_output), stats.rate,
+                                 "azure_conv_2023.csv")
+    assert load.describe().endswith("(the means of azure_conv_2023.csv)")
+
+
+def test_an_open_workload_decodes_as_many_at_once_as_keeping_up_takes():
+    """Little's law: c requests at once, each `output` steps of step_s(c), serve c /
+    (output x step_s(c)) requests a second; the least c that serves the rate."""
+    def step_s(c: int) -> float:
+        return 0.01 + 0.001 * c  # 10 ms plus 1 ms a request
+
+    # 5 requests/s of 100 tokens: c >= 5 x 100 x (0.01 + 0.001 c) = 5 + 0.5 c, so c = 10.
+    assert concurrency_at_rate(step_s, 5.0, 100, 256) == (10, True)
+    assert concurrency_at_rate(step_s, 0.001, 100, 256) == (1, True)
+    # 10 requests/s would need c >= 10 + c: never.
+    assert concurrency_at_rate(step_s, 10.0, 100, 256) == (256, False)
+
+
+def test_an_open_workload_ranks_who_keeps_up_by_time_per_token():
+    """A slow rate every layout keeps up with: the shortest time per token first (one
+    user on a host whose exchanges are dear: colocated). A rate none keeps up with: the
+    most tokens/s first, each at the cap."""
+    entry = _entry(2, 50, 50, 300)
+    slow = rank_layouts(entry, SMOLLM2, FP32, LocalWorkload(RATE_MAX_CONCURRENCY, 64, 32, 0.01))
+    assert all(c.keeps_up for c in slow) and [c.step_s for c in slow] == sorted(c.step_s for c in slow)
+    assert slow[0].layout == "colocated" and slow[0].batch == 1
+    assert slow[0].predicted().endswith("ms/token with 1 decoding")
+    flood = rank_layouts(entry, SMOLLM2, FP32, LocalWorkload(RATE_MAX_CONCURRENCY, 2048, 256, 1e6))
+    assert not any(c.keeps_up for c in flood) and {c.batch for c in flood} == {RATE_MAX_CONCURRENCY}
+    assert [c.tok_s for c in flood] == sorted((c.tok_s for c in flood), reverse=True)
+    assert flood[0].predicted().startswith("falls behind")
 
 
 def test_a_profile_is_reused_only_for_this_machine_and_version(tmp_path, monkeypatch):
@@ -116,3 +164,8 @@ def test_lamina_up_chooses_on_the_cached_profile_without_measuring(tmp_path, mon
     assert err.count("tok/s") == 3
     assert choose_layout(load_config(env={}), "1,64", path) is None
     assert "CONCURRENCY,PROMPT_TOKENS,OUTPUT_TOKENS" in capsys.readouterr().err
+    choice = choose_layout(load_config(env={}), "64,32@0.01", path)  # an open workload: time per token
+    assert choice is not None and choice.layout == "colocated"
+    err = capsys.readouterr().err
+    assert "predicted for 0.01 requests/s of 64-token prompts and 32 output tokens: colocated " in err
+    assert err.count("ms/token with 1 decoding") == 3

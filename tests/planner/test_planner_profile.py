@@ -39,7 +39,8 @@ def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
                         lambda b, layers, repeats, fmt="f32": measure_linear((1, 2), 1, 1, fmt))
     monkeypatch.setattr(prof, "measure_attention", lambda cases, repeats: measure_attention(((1, 32),), 1))
     # Loading the engine's model takes seconds; the overhead's arithmetic is tested below.
-    monkeypatch.setattr(prof, "measure_engine_overhead", lambda entry, steps: {"layer_s": 1e-4, "token_s": 0.0})
+    monkeypatch.setattr(prof, "measure_engine_overhead",
+                        lambda entry, steps, threads: {"layer_s": 1e-4, "token_s": 0.0})
     # The stack run starts every service; its arithmetic is tested below.
     monkeypatch.setattr(prof, "measure_stack_overhead",
                         lambda entry: {"slice_s": 2e-4, "frame_s": 3e-4, "exchange_s": 5e-4})
@@ -108,3 +109,22 @@ def test_the_profile_says_fhbn_is_host_driven_rdma(monkeypatch):
     monkeypatch.setattr(profile, "TRANSPORTS", ("fhbn",))
     entry = profile.measure_transports(quick=True)["fhbn"]
     assert entry["path"].startswith("host-driven RDMA") and "not wired" in entry["path"]
+
+
+def test_the_engine_overhead_is_timed_in_wall_seconds_with_more_than_one_thread(monkeypatch):
+    """CPU seconds count every thread's: with two, the overhead terms came out about double
+    (bench/planner_validation.py --out-of-sample's two-thread cases, 33-56% slow)."""
+    from planner_helpers import synthetic_entry
+
+    import lamina.planner.measure.engine_step as engine_step
+    from lamina.planner import profile as prof
+
+    timed: list[str] = []
+    monkeypatch.setattr(engine_step, "decode_step_cpu", lambda *a, **k: timed.append("cpu") or 0.03)
+    monkeypatch.setattr(engine_step, "decode_step_wall", lambda *a, **k: timed.append("wall") or 0.03)
+    entry = synthetic_entry(False)
+    prof.measure_engine_overhead(entry, 2, threads=2)
+    assert timed == ["wall", "wall"]
+    timed.clear()
+    prof.measure_engine_overhead(entry, 2)
+    assert timed == ["cpu", "cpu"]

@@ -21,6 +21,8 @@ class _Worker:
         self.capacity = capacity
         self.answers = True
         self.held: set[str] = set()
+        self.frees = 0
+        self.retained: list[tuple[list[str], float]] = []
 
     def _check(self) -> None:
         if not self.answers:
@@ -33,8 +35,17 @@ class _Worker:
 
     async def Free(self, request: lamina_pb2.FreeRequest, **call: float) -> lamina_pb2.Empty:  # noqa: N802
         self._check()
+        self.frees += 1
+        await asyncio.sleep(0)  # in flight a moment, as over the network
         self.held.difference_update(request.seq_ids)
         return lamina_pb2.Empty()
+
+    async def Retain(self, request: lamina_pb2.RetainRequest, **call: float) -> lamina_pb2.RetainReply:  # noqa: N802
+        self._check()
+        self.retained.append((list(request.seq_ids), request.idle_s))
+        freed = sorted(self.held - set(request.seq_ids))
+        self.held.intersection_update(request.seq_ids)
+        return lamina_pb2.RetainReply(freed=freed)
 
 
 class _Store:
@@ -88,8 +99,26 @@ async def test_sequences_a_worker_could_not_free_are_freed_when_a_probe_finds_it
     assert up.held == set() and down.held == {"a"} and pool.orphans == {1: {"a"}}
     assert await pool.probe() == [True, False]
     down.answers = True
-    assert await pool.probe() == [True, True]
-    assert down.held == set() and pool.orphans == {1: set()}
+    frees = down.frees
+    assert await asyncio.gather(pool.probe(), pool.probe(), pool.probe()) == [[True, True]] * 3
+    assert down.held == set() and pool.orphans == {}
+    assert down.frees == frees + 1  # three probes at once (rebuilds): one Free
+
+
+async def test_retain_tells_each_joined_worker_what_its_requests_hold():
+    """The reconciliation: each joined worker gets the sequences requests hold on it (none:
+    an empty list) and the idle time; what they freed is counted; one that does not answer
+    is told next time."""
+    a, b, c = _Worker(), _Worker(), _Worker()
+    a.held, b.held, c.held = {"x", "stray"}, {"y"}, {"z"}
+    c.answers = False
+    pool = _pool([a, b, c])
+    assert await pool.retain({0: {"x"}, 1: {"y"}}, 60.0) == 1
+    assert a.retained == [(["x"], 60.0)] and b.retained == [(["y"], 60.0)] and c.retained == []
+    assert a.held == {"x"} and b.held == {"y"}
+    c.answers = True
+    assert await pool.retain({0: {"x"}}, 60.0) == 2  # b's "y" (no request holds it now) and c's "z"
+    assert b.retained[-1] == ([], 60.0) and c.held == set()
 
 
 async def test_a_slot_no_worker_joined_is_not_healthy():
