@@ -45,6 +45,7 @@ from pathlib import Path
 from lamina.planner.estimate import decode_step
 from lamina.planner.hardware import THIS_MACHINE, device_from_entry, load_catalogue
 from lamina.planner.layouts import Layout
+from lamina.planner.local_layout import host_layout
 from lamina.planner.measure.engine_step import decode_step_cpu, decode_step_wall
 from lamina.planner.measure.stack_run import make_prompts, run_stack
 from lamina.planner.perf.quantization import FP32
@@ -125,12 +126,8 @@ def predict(case: Case, shapes: dict, catalogues: dict) -> tuple[float, str]:
     if case.kind == "engine":
         layout = Layout(THIS_MACHINE, 1, weights=FP32, kv=FP32)
         context = case.prompt + 1 + ENGINE_STEPS / 2
-    elif case.layout == "colocated":
-        layout = Layout(THIS_MACHINE, 1, weights=FP32, kv=FP32, shared_host=True)
-        context = case.prompt + STACK_STEPS / 2
-    else:
-        layout = Layout(THIS_MACHINE, 1, 1, THIS_MACHINE, case.attention_workers, case.micro_batches, "request", FP32,
-                        FP32, shared_host=True)
+    else:  # as lamina up's ranking predicts it (colocated: attention_workers 0)
+        layout = host_layout(case.attention_workers, case.micro_batches, FP32)
         context = case.prompt + STACK_STEPS / 2
     step = decode_step(shape, layout, catalogue, case.batch, context)
     return case.batch / step.step_s, step.bottleneck

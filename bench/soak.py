@@ -388,21 +388,22 @@ def tcp_ports(pid: int) -> dict[str, tuple[int, int]]:
     return ports
 
 
-def rss_kib(pid: int) -> int:
+def status_kib(pid: int, keys: tuple[str, ...] = ("VmRSS", "RssAnon")) -> dict[str, int]:
+    """Those fields of /proc/PID/status (KiB)."""
+    mem = {}
     with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in keys:
+                mem[key] = int(value.split()[0])
+    return mem
 
 
 def proc_figures(pid: int, redis_port: int) -> dict:
     """RSS, open descriptors, and how many of them are connections to Redis (or, for Redis,
     from its clients)."""
     ports = tcp_ports(pid)
-    mem = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon"):
-                mem[key] = int(value.split()[0])
+    mem = status_kib(pid)
     fds, redis_conns = 0, 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -521,7 +522,8 @@ async def partitions(args, stack, start: float, stop: asyncio.Event) -> list[Par
         part = Partition(round(cut_at - start, 1), round(healed - cut_at, 1))
         done.append(part)
         await recovery(args, stack, healed, part, stop)
-        part.rss_mib = {sp.name: rss_kib(sp.proc.pid) >> 10 for sp in stack.processes if sp.proc is not None}
+        part.rss_mib = {sp.name: status_kib(sp.proc.pid, ("VmRSS",))["VmRSS"] >> 10 for sp in stack.processes
+                        if sp.proc is not None}
         print(f"partition {len(done)} at {part.cut_at_s} s for {part.cut_s} s, after the heal: serving "
               f"{part.serving_after_s} s, every service back {part.whole_after_s} s, far side working "
               f"{part.rejoined_after_s} s; RSS MiB {part.rss_mib}", flush=True)
@@ -763,17 +765,14 @@ def hosts_stack():
 
     repo = Path(__file__).resolve().parent.parent
     sys.path[:0] = [str(repo / "tests" / "cluster"), str(repo / "tests" / "e2e")]
-    from hosts_stack import HostsStack, host_names, hosts_config
+    from hosts_stack import DEADLINES, HostsStack, host_names, hosts_config
     from netns import Hosts, missing
-
-    from lamina.services.config import DeadlinesSection
 
     why = missing()
     if why is not None:
         raise SystemExit(f"--hosts: {why}")
     config = hosts_config(attention_workers=2, model_workers=2,
-                          deadlines=DeadlinesSection(reply_s=4.0, step_s=8.0, health_s=1.0, rpc_s=8.0,
-                                                     kv_reclaim_s=KV_RECLAIM_S))
+                          deadlines=dataclasses.replace(DEADLINES, kv_reclaim_s=KV_RECLAIM_S))
     config = dataclasses.replace(config, prefill=dataclasses.replace(
         config.prefill, cache_device_bytes=CACHE_BYTES, cache_host_bytes=CACHE_BYTES))
     hosts = Hosts(host_names(config), apart=APART).up()

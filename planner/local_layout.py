@@ -147,12 +147,10 @@ def rank_layouts(device_entry: Mapping[str, Any], shape: ModelShape, weights: Pr
     machine `device_entry` describes (a profile's "device")."""
     catalogue = dict(load_catalogue())
     catalogue[THIS_MACHINE] = device_from_entry(THIS_MACHINE, device_entry)
-    candidates = [("colocated", 0, 1, Layout(THIS_MACHINE, 1, weights=weights, kv=FP32, shared_host=True))]
+    candidates = [("colocated", 0, 1, host_layout(0, 1, weights))]
     for workers in ATTENTION_WORKER_CHOICES:
         for micro in MICRO_BATCH_CHOICES:
-            candidates.append(("disaggregated", workers, micro,
-                               Layout(THIS_MACHINE, 1, 1, THIS_MACHINE, workers, micro, "request", weights, FP32,
-                                      shared_host=True)))
+            candidates.append(("disaggregated", workers, micro, host_layout(workers, micro, weights)))
     ranked = []
     for name, workers, micro, layout in candidates:
         def step_s(c: int, layout: Layout = layout) -> float:
@@ -170,6 +168,15 @@ def rank_layouts(device_entry: Mapping[str, Any], shape: ModelShape, weights: Pr
     # Those that keep up serve the same tokens/s: the shortest time per token first; then
     # those that fall behind, the most tokens/s first.
     return sorted(ranked, key=lambda c: (not c.keeps_up, c.step_s if c.keeps_up else -c.tok_s))
+
+
+def host_layout(attention_workers: int, micro_batches: int, weights: Precision) -> Layout:
+    """A layout `lamina up` starts on this host, every service sharing its cores:
+    colocated (`attention_workers` 0) or disaggregated (request partitioning), float32 KV."""
+    if attention_workers == 0:
+        return Layout(THIS_MACHINE, 1, weights=weights, kv=FP32, shared_host=True)
+    return Layout(THIS_MACHINE, 1, 1, THIS_MACHINE, attention_workers, micro_batches, "request", weights, FP32,
+                  shared_host=True)
 
 
 def concurrency_at_rate(step_s: Callable[[int], float], rate: float, output_tokens: int,

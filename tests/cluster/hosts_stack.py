@@ -43,6 +43,8 @@ def until(check: Callable[[], T], timeout_s: float, every_s: float = 0.5) -> T:
         time.sleep(every_s)
     return result
 
+# Short deadlines, so that a cut link is noticed and rebuilt around within seconds.
+DEADLINES = DeadlinesSection(reply_s=4.0, step_s=8.0, health_s=1.0, rpc_s=8.0, kv_reclaim_s=5.0)
 API_KEY = "hosts-test-key"
 GATEWAY_PORT = 8000
 REDIS_PORT = 6379

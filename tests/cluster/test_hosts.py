@@ -19,14 +19,11 @@ import openai
 import pytest
 from fault_helpers import MAX_TOKENS, PROMPTS
 from fault_helpers import stream_all as _stream_all
-from hosts_stack import API_KEY, HostsStack, host_names, hosts_config, until
+from hosts_stack import API_KEY, DEADLINES, HostsStack, host_names, hosts_config, until
 from netns import Hosts
-
-from lamina.services.config import DeadlinesSection
 
 pytestmark = pytest.mark.timeout(900)
 
-DEADLINES = DeadlinesSection(reply_s=4.0, step_s=8.0, health_s=1.0, rpc_s=8.0, kv_reclaim_s=5.0)
 # The half of the cluster the partition test cuts off: a model and an attention worker.
 APART = ("model-1", "attention-1")
 REBUILDS = "lamina_scheduler_rebuilds_total"
