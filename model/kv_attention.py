@@ -158,6 +158,78 @@ def slot_attention(q: torch.Tensor, query_lens: Sequence[int], k_pool: torch.Ten
     return out, lse
 
 
+class SlotStep:
+    """One step of an attention worker's decode path, checked and addressed once for all
+    its layers: each layer then takes one write of the new rows and one kernel call,
+    `slot_attention` (causal, no lse) over float32 pools.
+
+    k_pools[l], v_pools[l]: layer l's pools, [S, Hkv, D] contiguous float32 CPU, one shape;
+    batch: every slot of the step's sequences; query_lens: each sequence's new tokens, the
+    last of its slots; new: int64 [T], their slots in row order. Needs the native kernel.
+    The pools and the batch must not change until the step ends (the attention core
+    builds one per step and checks its sequences' slot versions before reusing it)."""
+
+    def __init__(self, k_pools: Sequence[torch.Tensor], v_pools: Sequence[torch.Tensor], batch: SlotBatch,
+                 query_lens: Sequence[int], new: torch.Tensor) -> None:
+        if NATIVE is None:
+            raise ValueError("SlotStep needs the native attention kernel")
+        if not k_pools or len(k_pools) != len(v_pools):
+            raise ValueError(f"{len(k_pools)} K pools and {len(v_pools)} V pools: one of each per layer")
+        shapes = {_check_pools(k, v, None) for k, v in zip(k_pools, v_pools)}
+        if len(shapes) != 1:
+            raise ValueError(f"pools of several shapes: {sorted(shapes)}")
+        (num_slots, self.hkv, self.d), = shapes
+        if batch.num_slots > num_slots:
+            raise ValueError(f"a slot batch for a pool of {batch.num_slots} does not fit a pool of {num_slots}")
+        self.query_lens = tuple(query_lens)
+        if len(self.query_lens) != len(batch.lens) or any(not 0 <= n <= m for n, m in zip(self.query_lens, batch.lens)):
+            raise ValueError("query_lens must give each sequence at most as many queries as it has slots")
+        rows = sum(self.query_lens)
+        if new.dtype != torch.int64 or new.device.type != "cpu" or new.shape != (rows,):
+            raise ValueError(f"new must be the int64 [{rows}] CPU slots of the new tokens, got {new.dtype} "
+                             f"{tuple(new.shape)} on {new.device}")
+        if rows and (int(new.min()) < 0 or int(new.max()) >= num_slots):
+            raise ValueError(f"new slots outside the pool of {num_slots}")
+        self._pools = (list(k_pools), list(v_pools))  # keeps the memory the addresses point to alive
+        self._batch = batch
+        b = len(batch.lens)
+        self._rows = rows
+        self._q_start = _offsets(self.query_lens)
+        self._kv_len = array("q", batch.lens)
+        self._k_base = [array("q", [t.data_ptr()]) * b for t in k_pools]
+        self._v_base = [array("q", [t.data_ptr()]) * b for t in v_pools]
+        # The new rows' writes: row r of K goes to row new[r] of the pool (append_rows
+        # with every "sequence" a single row whose base is the pool).
+        self._at = array("q", new.tolist())
+        self._one_each = _offsets([1] * rows)
+        self._k_dst = [array("q", [t.data_ptr()]) * rows for t in k_pools]
+        self._v_dst = [array("q", [t.data_ptr()]) * rows for t in v_pools]
+
+    def _check(self, layer: int, t: torch.Tensor, heads: int | None) -> None:
+        if not 0 <= layer < len(self._k_base):
+            raise ValueError(f"layer {layer} of {len(self._k_base)}")
+        want = (self._rows, heads or self.hkv, self.d)
+        if t.shape != want or not _is_cpu_float32(t) or (heads is not None and heads % self.hkv):
+            raise ValueError(f"expected a contiguous float32 {list(want)} CPU tensor, got {t.dtype} {tuple(t.shape)}")
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [T, Hkv, D], the new tokens' rows, written to their slots."""
+        self._check(layer, k, None)
+        self._check(layer, v, None)
+        for src, dst in ((k, self._k_dst[layer]), (v, self._v_dst[layer])):
+            NATIVE.append_rows(src.data_ptr(), _addr(dst), _addr(self._at), _addr(self._one_each), self._rows,
+                               self.hkv * self.d)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D] -> out [T, Hq, D]: each query over its sequence's keys up to its own."""
+        self._check(layer, q, q.shape[1] if q.dim() == 3 and q.shape[1] else None)
+        out = torch.empty_like(q)
+        NATIVE.attend(q.data_ptr(), out.data_ptr(), 0, _addr(self._k_base[layer]), _addr(self._v_base[layer]),
+                      self._batch.slots.data_ptr(), _addr(self._q_start), _addr(self._batch.starts),
+                      _addr(self._kv_len), len(self._kv_len), q.shape[1], self.hkv, self.d, True, self.d**-0.5, 0)
+        return out
+
+
 def buffer_attention(q: torch.Tensor, query_lens: Sequence[int], keys: Sequence[torch.Tensor],
                      values: Sequence[torch.Tensor], *, causal: bool = True,
                      need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:

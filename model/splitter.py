@@ -335,9 +335,16 @@ class _SliceBuilder:
             g.output(fx.node.map_arg(results[0], copy))
         else:
             g.output(tuple(copy(a) for a in results) + tuple(copy(a) for a in ctx_out))
+        module = fx.GraphModule(self._flatten_targets(g), g)
+        # The generated code calls each submodule as `self.name(x)`. Its bound forward in
+        # the instance's dict is found first: no nn.Module.__getattr__ and no hook machinery,
+        # a few microseconds four times a layer (slices have no hooks; their submodules are
+        # only ever changed in place, by .to() and state-dict loads, so the binding holds).
+        for name, sub in module.named_children():
+            module.__dict__[name] = sub.forward
         return Slice(
             index=j,
-            module=fx.GraphModule(self._flatten_targets(g), g),
+            module=module,
             graph_inputs=[str(p.target) for p in graph_inputs],
             context_in=[a.name for a in ordered_ctx_in],
             context_out=[a.name for a in ctx_out],

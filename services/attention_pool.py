@@ -33,6 +33,7 @@ import torch
 from lamina import transports
 from lamina.kvstore.metadata import MetadataStore
 from lamina.model.config import ModelConfig
+from lamina.model.splitter import Attend as AttendCall
 from lamina.services.config import StackConfig
 from lamina.services.placement import head_range
 from lamina.services.runtime import workers_by_index
@@ -339,6 +340,15 @@ class AttentionPool:
         for (_, rows, _), o in zip(route.parts, outs):
             out[rows] = o
         return out
+
+    def attend_here(self, route: Route) -> AttendCall | None:
+        """A step's attention as a plain call, when all of it is on one core in this
+        process (layout colocated): attend(layer, q, k, v) -> out, what `attend` would
+        return, with no task switch per layer. None when a part is elsewhere."""
+        if self.partition == "head" or len(route.parts) != 1 or route.parts[0][0] not in self.local:
+            return None
+        w, _, members = route.parts[0]
+        return lambda layer, q, k, v: self._attend_here(w, layer, members, q, k, v)
 
     def _attend_here(self, w: int, layer: int, members: list[tuple[str, int]], q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> torch.Tensor:

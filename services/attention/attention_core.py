@@ -43,7 +43,7 @@ from lamina.kvstore.slab import KVAllocationError, SlabAllocator, SlabConfig
 from lamina.model.attention import combine_partials
 from lamina.model.config import ModelConfig
 from lamina.model.device_attention import PaddedSlots, padded_attention
-from lamina.model.kv_attention import SlotBatch, buffer_attention, slot_attention
+from lamina.model.kv_attention import NATIVE, SlotBatch, SlotStep, buffer_attention, slot_attention
 from lamina.model.kv_quant import KV_QUANT_CHOICES, Q4Rows
 from lamina.model.placement import runs_natively
 from lamina.services.attention.attention_checks import KVShape, PendingStore, check_attend, check_store
@@ -65,6 +65,8 @@ class _StepSlots:
     batch: SlotBatch  # every slot of the micro-batch's sequences
     new: torch.Tensor  # int64 [T]: the slots of the step's new tokens, in row order (on the pools' device)
     padded: PaddedSlots | None  # the batch laid out for the torch path (None where the native kernel runs)
+    # The native kernel's decode path (float32 pools), addressed once for every layer.
+    fast: SlotStep | None = None
 
 
 class AttentionCore:
@@ -126,8 +128,12 @@ class AttentionCore:
             range(end - min(n, m), end) for end, m, (_, n) in zip(accumulate(lens), lens, seqs)))
         new = (batch.slots[torch.frombuffer(new_rows, dtype=torch.int64)] if new_rows
                else torch.empty(0, dtype=torch.int64))
+        fast = None
+        if self.native and self.packed is None and NATIVE is not None:
+            fast = SlotStep(self.slabs.k_pools, self.slabs.v_pools, batch,
+                            [min(n, m) for m, (_, n) in zip(lens, seqs)], new)
         entry = _StepSlots(versions, batch, new.to(self.device),
-                           None if self.native else PaddedSlots.of(batch, self.device))
+                           None if self.native else PaddedSlots.of(batch, self.device), fast)
         self._step_slots.pop(ids, None)
         if len(self._step_slots) >= _STEP_SLOTS_KEPT:
             self._step_slots.pop(next(iter(self._step_slots)))  # the oldest micro-batch
@@ -143,6 +149,10 @@ class AttentionCore:
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The native kernel on CPU float32 pools, torch's operators on any other; the
         result on the CPU in q's dtype (what goes back on the wire)."""
+        fast = step.fast
+        if (fast is not None and kv_lens is None and causal and not need_lse and q.dtype == torch.float32
+                and fast.query_lens == tuple(query_lens)):
+            return fast.attend(layer, q.contiguous()), None
         k_pool, v_pool = self.slabs.k_pools[layer], self.slabs.v_pools[layer]
         if step.padded is None:  # the kernel reads float32 queries, whatever the sender computes in
             out, lse = slot_attention(q.float().contiguous(), query_lens, k_pool, v_pool, step.batch, kv_lens,
@@ -171,6 +181,11 @@ class AttentionCore:
                 self.slabs.extend(seq_id, n)
                 self._touched[seq_id] = now
         step = self._slots(seqs)
+        fast = step.fast
+        if (fast is not None and k.dtype == v.dtype == torch.float32
+                and fast.query_lens == tuple(n for _, n in seqs)):
+            fast.append(layer, k.contiguous(), v.contiguous())
+            return step
         k, v = self._rows(k, v)
         self.slabs.k_pools[layer][step.new] = k  # [T, Hkv, D] (or packed rows) into the pool's rows
         self.slabs.v_pools[layer][step.new] = v

@@ -69,10 +69,12 @@ class DecodeSeq:
 class DecodeRunner:
     def __init__(self, forward: Forward, num_micro_batches: int, stop: lamina_pb2.StopRule,
                  on_step: Callable[[int, float], None] | None = None, min_micro_batch: int = 1,
-                 grammars: Grammars | None = None, idle_s: float = 0.0) -> None:
-        """`idle_s`: how long the loop is left idle after each step (see `_run`)."""
+                 grammars: Grammars | None = None, hand_off_s: float = 0.0) -> None:
+        """`hand_off_s`: after each step, how long at most to wait for the stream to take
+        the step's result (see `_run`); 0: not at all."""
         self._forward = forward
-        self._idle_s = idle_s
+        self._hand_off_s = hand_off_s
+        self._handing_off: set[asyncio.Future[None]] = set()  # steps waiting for `taken`
         self._stop_eos = set(stop.eos_token_ids)
         self._sampler = Sampler(grammars, self._stop_eos)
         self._max_model_len = stop.max_model_len or (1 << 30)
@@ -108,6 +110,13 @@ class DecodeRunner:
                 self._wake[seq.micro_batch].set()
         if unknown:
             self.results.put_nowait(lamina_pb2.DecodeResult(left=unknown))
+
+    def taken(self) -> None:
+        """The stream took a result from `results` and hands it to gRPC now."""
+        for waiting in self._handing_off:
+            if not waiting.done():
+                waiting.set_result(None)
+        self._handing_off.clear()
 
     @property
     def num_sequences(self) -> int:
@@ -171,14 +180,22 @@ class DecodeRunner:
                 self._drop(mb, {s.seq_id for s in members})
                 result = lamina_pb2.DecodeResult(micro_batch=mb, step=step, failed=[
                     lamina_pb2.DecodeFailure(seq_id=s.seq_id, code=code, message=str(exc)) for s in members])
+            handed = asyncio.get_running_loop().create_future() if self._hand_off_s else None
+            if handed is not None:
+                self._handing_off.add(handed)
             self.results.put_nowait(result)
             if self._on_step is not None:
                 self._on_step(len(members), time.perf_counter() - start)
             # A step whose attention is in this process (layout colocated) never waits on a
             # peer, so the loop would not send its result (nor read an update) until the
-            # micro-batch ran out of sequences: `idle_s` leaves it a moment to.
-            if self._idle_s:
-                await asyncio.sleep(self._idle_s)
+            # micro-batch ran out of sequences: the step waits until the stream took the
+            # result (`taken`), a few loop turns, which starts its gRPC write. (A fixed
+            # sleep instead either cost a millisecond a step or, shorter, let tokens reach
+            # the scheduler in bursts.) asyncio.wait, not wait_for: Python 3.11's wait_for
+            # loses a cancellation that lands as its future completes, and close() would wait forever.
+            if handed is not None:
+                await asyncio.wait({handed}, timeout=self._hand_off_s)
+                self._handing_off.discard(handed)
 
     async def _step(self, mb: int, step: int, members: list[DecodeSeq]) -> lamina_pb2.DecodeResult:
         # Rows grouped by attention worker: each worker's share of Q, K, V is then a view.

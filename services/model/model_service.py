@@ -18,7 +18,10 @@ ends, the worker drops them all.
 Under `layout: colocated` the worker runs attention worker `index` in its own process
 (an `AttentionService`: registered, fed prompt KV by the prefill workers and freed by the
 scheduler as any attention worker is); the scheduler decodes each sequence on the model
-worker whose attention worker holds its KV, and the pool attends there by a call.
+worker whose attention worker holds its KV, and the pool attends there by a call: a step
+runs its slices and their attention in turn with no await between layers, and then waits
+until the decode stream took its result (DecodeRunner's hand-off), so that gRPC sends it
+at once.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from lamina.model.batch import StepBatch
 from lamina.model.llama import split_llama
 from lamina.model.loader import LoadedModel, load_model
 from lamina.model.placement import place, runs_natively
-from lamina.model.splitter import SliceOutput
+from lamina.model.splitter import Attend, SliceOutput
 from lamina.model.threads import set_compute_threads
 from lamina.sampling.grammar import Grammars
 from lamina.services.addresses import with_host
@@ -55,10 +58,10 @@ from lamina.services.wire import decode_tag, slice_tag
 
 log = logging.getLogger(__name__)
 
-# Colocated, a decode step never awaits a peer: after each one the loop is left idle this
-# long, so that gRPC sends the step's tokens at once (0.2 ms was too short here: tokens
-# reached the scheduler in bursts of 100 ms and more; 1 ms gave even 21 ms gaps at batch 1).
-COLOCATED_IDLE_S = 0.001
+# Colocated, a decode step never awaits a peer: after each one it waits until the decode
+# stream took its result (DecodeRunner's hand-off), at most this long (a scheduler that
+# reads slowly then holds the steps back by no more).
+COLOCATED_HAND_OFF_S = 0.005
 
 
 class ModelSlices:
@@ -98,13 +101,31 @@ class ModelSlices:
         self.compute_s += time.thread_time() - t0
         return out
 
+    def _forward_here(self, batch: StepBatch, pool: AttentionPool, attend: Attend) -> torch.Tensor:
+        """Logits [B, V] of a step whose attention is all in this process (colocated): the
+        slices and attention called in turn, in one inference-mode block, with no await
+        (no other task runs mid-step, so none sees the grad mode)."""
+        device = self.device
+        t0, attending = time.thread_time(), pool.local_s
+
+        def attend_staged(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return attend(i, q.cpu(), k.cpu(), v.cpu()).to(device, non_blocking=True)  # as `forward` stages them
+
+        with torch.inference_mode():
+            logits = self.split.run(batch.model_inputs(device), attend_staged)  # [B, V] float32
+        # This thread's CPU time, less the attention's (counted apart by the pool).
+        self.compute_s += time.thread_time() - t0 - (pool.local_s - attending)
+        return logits.cpu()
+
     async def forward(self, micro_batch: int, step: int, batch: StepBatch, seqs: list[SeqRows],
                       pool: AttentionPool, executors: SliceExecutors | None = None) -> torch.Tensor:
         """Logits [B, V] of the batch; attention runs on the pool's workers, and the
         slices here or, rotational, on whichever model worker `executors` finds free."""
         route = pool.route(seqs)
-
         device = self.device
+        here = pool.attend_here(route) if executors is None else None
+        if here is not None:
+            return self._forward_here(batch, pool, here)
 
         async def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # Frames carry host memory: off the CPU, Q, K, V are staged through it and the
@@ -202,7 +223,7 @@ class ModelService:
 
         runner = DecodeRunner(forward, self.config.decode_micro_batches, first.stop, on_step=self._on_step,
                               min_micro_batch=self.config.pipeline.min_micro_batch, grammars=self.slices.grammars,
-                              idle_s=COLOCATED_IDLE_S if self.attention is not None else 0.0)
+                              hand_off_s=COLOCATED_HAND_OFF_S if self.attention is not None else 0.0)
         self._runner = runner
         runner.join(list(first.joins))
         runner.leave(list(first.leaves))
@@ -219,6 +240,7 @@ class ModelService:
             while True:
                 done, _ = await asyncio.wait({reader, next_result}, return_when=asyncio.FIRST_COMPLETED)
                 if next_result in done:
+                    runner.taken()
                     yield next_result.result()
                     next_result = asyncio.ensure_future(runner.results.get())
                 elif reader in done:

@@ -296,3 +296,55 @@ def test_the_device_path_equals_the_kernel_over_scattered_slots(query_lens, caus
     torch.testing.assert_close(dev_lse.cpu(), lse, atol=2e-6, rtol=1e-5)  # -inf where a query sees nothing, in both
     with pytest.raises(ValueError, match="kv_lens must not exceed"):
         padded_attention(q, query_lens, k_pool, v_pool, PaddedSlots.of(batch, "cpu"), [6, 17, 0, 40])
+
+
+def _layers(num_layers, lens, hkv, d, seed):
+    """Pools of several layers sharing one slot layout (scattered), and each sequence's slots."""
+    pools = [_pool(lens, hkv, d, shuffle=True, seed=seed)[:2] for _ in range(num_layers)]
+    per_seq = _pool(lens, hkv, d, shuffle=True, seed=seed)[2]
+    return [k for k, _ in pools], [v for _, v in pools], per_seq
+
+
+@pytest.mark.parametrize(("query_lens", "lens"), [([1, 1, 1], [5, 70, 33]), ([1, 3, 2], [9, 3, 200])])
+def test_a_slot_step_writes_and_attends_as_the_plain_path_does(query_lens, lens):
+    """SlotStep (addressed once per step) against index_put and slot_attention, layer by layer."""
+    if kv_attention.NATIVE is None:
+        pytest.skip(NOT_BUILT)
+    k_pools, v_pools, per_seq = _layers(3, lens, 3, 64, seed=11)
+    plain_k, plain_v = [k.clone() for k in k_pools], [v.clone() for v in v_pools]
+    batch = SlotBatch.build(per_seq, k_pools[0].shape[0])
+    new = torch.tensor([s for seq, n in zip(per_seq, query_lens) for s in seq[len(seq) - n:]], dtype=torch.int64)
+    step = kv_attention.SlotStep(k_pools, v_pools, batch, query_lens, new)
+    rows = sum(query_lens)
+    for layer in (2, 0, 1):
+        q, k, v = torch.randn(rows, 9, 64), torch.randn(rows, 3, 64), torch.randn(rows, 3, 64)
+        step.append(layer, k, v)
+        plain_k[layer][new], plain_v[layer][new] = k, v
+        assert torch.equal(k_pools[layer], plain_k[layer]) and torch.equal(v_pools[layer], plain_v[layer])
+        out = step.attend(layer, q)
+        assert torch.equal(out, slot_attention(q, query_lens, plain_k[layer], plain_v[layer], batch,
+                                               need_lse=False)[0])
+
+
+def test_a_slot_step_refuses_what_its_kernel_cannot_take():
+    if kv_attention.NATIVE is None:
+        pytest.skip(NOT_BUILT)
+    k_pools, v_pools, per_seq = _layers(2, [4, 6], 3, 8, seed=2)
+    batch = SlotBatch.build(per_seq, k_pools[0].shape[0])
+    new = torch.tensor([per_seq[0][-1], per_seq[1][-1]])
+    step = kv_attention.SlotStep(k_pools, v_pools, batch, [1, 1], new)
+    refused = [
+        ("layer 2 of 2", lambda: step.attend(2, torch.randn(2, 9, 8))),
+        ("contiguous float32 \\[2, 3, 8\\]", lambda: step.append(0, torch.randn(3, 3, 8), torch.randn(3, 3, 8))),
+        ("contiguous float32", lambda: step.attend(0, torch.randn(2, 9, 8).double())),
+        ("contiguous float32", lambda: step.attend(0, torch.randn(2, 9, 16)[:, :, :8])),
+        ("contiguous float32", lambda: step.attend(0, torch.randn(2, 4, 8))),  # 4 query heads on 3 KV heads
+        ("at most as many queries", lambda: kv_attention.SlotStep(k_pools, v_pools, batch, [5, 1], new)),
+        ("int64 \\[2\\]", lambda: kv_attention.SlotStep(k_pools, v_pools, batch, [1, 1], new[:1])),
+        ("outside the pool", lambda: kv_attention.SlotStep(k_pools, v_pools, batch, [1, 1], torch.tensor([0, 99]))),
+        ("several shapes", lambda: kv_attention.SlotStep([k_pools[0], torch.zeros(20, 3, 8)],
+                                                         [v_pools[0], torch.zeros(20, 3, 8)], batch, [1, 1], new)),
+    ]
+    for match, call in refused:
+        with pytest.raises(ValueError, match=match):
+            call()

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lamina.model import kv_attention
 from lamina.model.attention import batched_attention
 from lamina.model.config import ModelConfig
+from lamina.services.attention import attention_core
 from lamina.services.attention.attention_core import AttentionCore
 from lamina.services.wire import RemoteError, StoreKV
 
@@ -216,3 +218,34 @@ def test_retain_frees_what_no_request_holds_once_untouched_for_idle_s(monkeypatc
         out, _ = core.attend(layer, [("live", 1), ("child", 1)], q, sk, sv)
         assert out.shape == (2, 9, 8)
     assert core.retain(set(), idle_s=1000.0) == []  # just stepped
+
+
+@pytest.mark.parametrize("new_tokens", [[1, 1, 1], [2, 1, 3]])
+def test_the_decode_path_attends_through_one_addressed_step_per_micro_batch(monkeypatch, new_tokens):
+    """Without lse (what a model worker asks), CPU float32: every layer writes and attends
+    through the step's SlotStep, built once per step and micro-batch, equal to attention
+    over the history, whatever the other micro-batch did in between."""
+    if kv_attention.NATIVE is None:
+        pytest.skip("model/_kv_attention is not built on this machine (no C compiler at install)")
+    built, attended = [], []
+    monkeypatch.setattr(attention_core, "SlotStep", lambda *a: built.append(kv_attention.SlotStep(*a)) or built[-1])
+    real_attend = kv_attention.SlotStep.attend
+    monkeypatch.setattr(kv_attention.SlotStep, "attend", lambda self, *a: attended.append(1) or real_attend(self, *a))
+    torch.manual_seed(1)
+    core = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=3, tokens_per_slab=4)
+    history = History(3)
+    micro_batches = [["a", "b"], ["c", "d", "e"]]
+    for i, s in enumerate("abcde"):
+        history.prompt([core], s, 3 + 5 * i)
+    steps = 3
+    for _step in range(steps):
+        batches = [[(s, n) for s, n in zip(mb, new_tokens)] for mb in micro_batches]
+        inputs = [[_step_inputs(seqs, 9, 3) for _ in range(CFG.num_layers)] for seqs in batches]
+        for layer in range(CFG.num_layers):
+            for seqs, per_layer in zip(batches, inputs):
+                q, k, v = per_layer[layer]
+                out, lse = core.attend(layer, seqs, q, k, v)
+                history.append(layer, seqs, k, v)
+                assert lse is None
+                torch.testing.assert_close(out, history.attention(layer, seqs, q)[0], atol=1e-5, rtol=1e-4)
+    assert len(built) == steps * len(micro_batches) and len(attended) == steps * len(micro_batches) * CFG.num_layers

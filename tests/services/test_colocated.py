@@ -102,3 +102,35 @@ def test_a_local_refusal_is_the_remote_error_a_worker_would_send():
 
     asyncio.run(step())
     assert core.num_sequences == 0
+
+
+def test_a_step_on_one_local_core_is_a_plain_call_equal_to_the_awaited_one():
+    """What the colocated model worker calls per layer (no task switch): the pool's own
+    answer, on a twin core; None where part of the step is on another core."""
+    torch.manual_seed(3)
+    cores = [AttentionCore(CFG, capacity_bytes=1 << 20, num_kv_heads=3) for _ in range(2)]
+    prompt = _prompted(cores[0], "a", 5)
+    for layer in range(2):
+        cores[1].store(StoreKV("a", layer, 2, prompt[0][layer], prompt[1][layer]))
+
+    async def step() -> None:
+        pools = [AttentionPool([None], "request", CFG, local={0: core}) for core in cores]
+        two = AttentionPool([None, None], "request", CFG, local=dict(enumerate(cores)))
+        try:
+            route = pools[0].route([SeqRows("a", 1, [0])])
+            here = pools[0].attend_here(route)
+            assert here is not None
+            assert two.attend_here(two.route([SeqRows("a", 1, [0]), SeqRows("b", 1, [1])])) is None
+            remote = AttentionPool([None, None], "request", CFG, local={0: cores[0]})
+            assert remote.attend_here(remote.route([SeqRows("b", 1, [1])])) is None
+            await remote.close()
+            for layer in range(2):
+                q, k, v = torch.randn(1, 6, 4), _kv(1), _kv(1)
+                awaited = await pools[1].attend(("t", layer), layer, route, q, k, v)
+                assert torch.equal(here(layer, q, k, v), awaited)
+            assert pools[0].local_s > 0.0
+        finally:
+            await asyncio.gather(*(p.close() for p in (*pools, two)))
+
+    asyncio.run(step())
+    assert cores[0].slabs.num_tokens("a") == cores[1].slabs.num_tokens("a") == 6

@@ -9,6 +9,7 @@ micro-batch steps, and when.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -267,3 +268,35 @@ def test_penalties_use_the_history_sent_at_join():
 
     assert _run(main([10])) == [11]  # 11 has not appeared: the fake's choice
     assert _run(main([11])) == [0]  # 11 has: 1 - 2 < 0, and token 0 is the first of the rest
+
+
+def test_a_step_that_awaits_nothing_waits_for_its_result_to_be_taken():
+    """Colocated (hand_off_s): a step that never awaits a peer gives the loop to the
+    stream until it took the result, and not longer; with nobody taking results, each
+    step waits the whole hand_off_s. Either way the runner closes."""
+
+    async def steps_in(seconds: float, take: bool) -> int:
+        fake = FakeSlices(layers=0)  # awaits nothing: the loop is the step's alone
+        runner = DecodeRunner(fake.forward, 1, lamina_pb2.StopRule(max_model_len=100_000), hand_off_s=0.05)
+        runner.join([_seq("s", 0, max_tokens=100_000)])
+        taken = []
+
+        async def consume() -> None:
+            while True:
+                await runner.results.get()
+                runner.taken()
+                taken.append(time.monotonic())
+
+        consumer = asyncio.create_task(consume()) if take else None
+        runner.start()
+        await asyncio.sleep(seconds)
+        await asyncio.wait_for(runner.close(), 5)  # a cancellation lost in the hand-off would hang here
+        if consumer is not None:
+            consumer.cancel()
+            await asyncio.gather(consumer, return_exceptions=True)
+            assert len(taken) >= len(fake.steps) - 1  # every result taken as it came
+        return len(fake.steps)
+
+    untaken = _run(steps_in(0.5, take=False))
+    assert 5 <= untaken <= 11  # one step per hand_off_s
+    assert _run(steps_in(0.5, take=True)) > 10 * untaken

@@ -46,6 +46,9 @@ class DensePool:
     def route(self, seqs):
         return None
 
+    def attend_here(self, route):
+        return None  # no core in this process: every layer awaits its reply
+
     async def attend(self, tag, layer, route, q, k, v):
         await asyncio.sleep(0)
         return attention_with_lse(q, k, v)[0]
