@@ -158,29 +158,54 @@ def slot_attention(q: torch.Tensor, query_lens: Sequence[int], k_pool: torch.Ten
     return out, lse
 
 
-class SlotStep:
-    """One step of an attention worker's decode path, checked and addressed once for all
-    its layers: each layer then takes one write of the new rows and one kernel call,
-    `slot_attention` (causal, no lse) over float32 pools.
+class SlotPools:
+    """An attention worker's pools for `SlotStep`, checked once: k_pools[l], v_pools[l] are
+    layer l's [S, Hkv, D] contiguous float32 CPU pools, all of one shape, never replaced.
+    Needs the native kernel.
 
-    k_pools[l], v_pools[l]: layer l's pools, [S, Hkv, D] contiguous float32 CPU, one shape;
-    batch: every slot of the step's sequences; query_lens: each sequence's new tokens, the
-    last of its slots; new: int64 [T], their slots in row order. Needs the native kernel.
-    The pools and the batch must not change until the step ends (the attention core
-    builds one per step and checks its sequences' slot versions before reusing it)."""
+    The kernel takes a base address per sequence (and `append_rows` one per row): here one
+    array per layer repeats the pool's address, long enough for any step so far (grown, as
+    new arrays, when a step is larger; a step keeps the arrays it was built with)."""
 
-    def __init__(self, k_pools: Sequence[torch.Tensor], v_pools: Sequence[torch.Tensor], batch: SlotBatch,
-                 query_lens: Sequence[int], new: torch.Tensor) -> None:
+    def __init__(self, k_pools: Sequence[torch.Tensor], v_pools: Sequence[torch.Tensor]) -> None:
         if NATIVE is None:
-            raise ValueError("SlotStep needs the native attention kernel")
+            raise ValueError("SlotPools needs the native attention kernel")
         if not k_pools or len(k_pools) != len(v_pools):
             raise ValueError(f"{len(k_pools)} K pools and {len(v_pools)} V pools: one of each per layer")
         shapes = {_check_pools(k, v, None) for k, v in zip(k_pools, v_pools)}
         if len(shapes) != 1:
             raise ValueError(f"pools of several shapes: {sorted(shapes)}")
-        (num_slots, self.hkv, self.d), = shapes
-        if batch.num_slots > num_slots:
-            raise ValueError(f"a slot batch for a pool of {batch.num_slots} does not fit a pool of {num_slots}")
+        (self.num_slots, self.hkv, self.d), = shapes
+        self._pools = (list(k_pools), list(v_pools))  # keeps the memory the addresses point to alive
+        self.bases: tuple[list[array], list[array]] = ([], [])
+        self._repeat = 0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._pools[0])
+
+    def repeated(self, n: int) -> tuple[list[array], list[array]]:
+        """Per layer, K's and V's pool address at least n times."""
+        if n > self._repeat:
+            self._repeat = max(n, 2 * self._repeat, 16)
+            self.bases = tuple([array("q", [t.data_ptr()]) * self._repeat for t in pools]  # type: ignore[assignment]
+                               for pools in self._pools)
+        return self.bases
+
+
+class SlotStep:
+    """One step of an attention worker's decode path, checked and addressed once for all
+    its layers: each layer then takes one write of the new rows and one kernel call,
+    `slot_attention` (causal, no lse) over `pools`.
+
+    batch: every slot of the step's sequences; query_lens: each sequence's new tokens, the
+    last of its slots; new: int64 [T], their slots in row order. The batch must not change
+    until the step ends (the attention core builds one per step and checks its sequences'
+    slot versions before reusing it)."""
+
+    def __init__(self, pools: SlotPools, batch: SlotBatch, query_lens: Sequence[int], new: torch.Tensor) -> None:
+        if batch.num_slots > pools.num_slots:
+            raise ValueError(f"a slot batch for a pool of {batch.num_slots} does not fit a pool of {pools.num_slots}")
         self.query_lens = tuple(query_lens)
         if len(self.query_lens) != len(batch.lens) or any(not 0 <= n <= m for n, m in zip(self.query_lens, batch.lens)):
             raise ValueError("query_lens must give each sequence at most as many queries as it has slots")
@@ -188,26 +213,22 @@ class SlotStep:
         if new.dtype != torch.int64 or new.device.type != "cpu" or new.shape != (rows,):
             raise ValueError(f"new must be the int64 [{rows}] CPU slots of the new tokens, got {new.dtype} "
                              f"{tuple(new.shape)} on {new.device}")
-        if rows and (int(new.min()) < 0 or int(new.max()) >= num_slots):
-            raise ValueError(f"new slots outside the pool of {num_slots}")
-        self._pools = (list(k_pools), list(v_pools))  # keeps the memory the addresses point to alive
+        self._at = array("q", new.tolist())  # the new rows' slots
+        if rows and (min(self._at) < 0 or max(self._at) >= pools.num_slots):
+            raise ValueError(f"new slots outside the pool of {pools.num_slots}")
+        self.hkv, self.d, self._layers = pools.hkv, pools.d, pools.num_layers
         self._batch = batch
-        b = len(batch.lens)
         self._rows = rows
         self._q_start = _offsets(self.query_lens)
         self._kv_len = array("q", batch.lens)
-        self._k_base = [array("q", [t.data_ptr()]) * b for t in k_pools]
-        self._v_base = [array("q", [t.data_ptr()]) * b for t in v_pools]
-        # The new rows' writes: row r of K goes to row new[r] of the pool (append_rows
-        # with every "sequence" a single row whose base is the pool).
-        self._at = array("q", new.tolist())
+        # Base addresses: per sequence for the kernel, per row for the writes (append_rows
+        # with every "sequence" a single row of the pool, at its slot).
+        self._k_base, self._v_base = pools.repeated(max(len(batch.lens), rows))
         self._one_each = _offsets([1] * rows)
-        self._k_dst = [array("q", [t.data_ptr()]) * rows for t in k_pools]
-        self._v_dst = [array("q", [t.data_ptr()]) * rows for t in v_pools]
 
     def _check(self, layer: int, t: torch.Tensor, heads: int | None) -> None:
-        if not 0 <= layer < len(self._k_base):
-            raise ValueError(f"layer {layer} of {len(self._k_base)}")
+        if not 0 <= layer < self._layers:
+            raise ValueError(f"layer {layer} of {self._layers}")
         want = (self._rows, heads or self.hkv, self.d)
         if t.shape != want or not _is_cpu_float32(t) or (heads is not None and heads % self.hkv):
             raise ValueError(f"expected a contiguous float32 {list(want)} CPU tensor, got {t.dtype} {tuple(t.shape)}")
@@ -216,7 +237,7 @@ class SlotStep:
         """k, v: [T, Hkv, D], the new tokens' rows, written to their slots."""
         self._check(layer, k, None)
         self._check(layer, v, None)
-        for src, dst in ((k, self._k_dst[layer]), (v, self._v_dst[layer])):
+        for src, dst in ((k, self._k_base[layer]), (v, self._v_base[layer])):
             NATIVE.append_rows(src.data_ptr(), _addr(dst), _addr(self._at), _addr(self._one_each), self._rows,
                                self.hkv * self.d)
 

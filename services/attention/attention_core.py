@@ -6,8 +6,10 @@ rows it is sent: per frame, the new tokens' K and V go into the pools in one
 indexed write each, and one call of the batched kernel (lamina.model.kv_attention)
 attends every sequence of the frame, reading the pools in place. The slots a
 micro-batch reads are concatenated once per step and kept while its sequences'
-slots do not change. The service wraps it in a transport listener and a gRPC
-control server.
+slots do not change; over float32 CPU pools, the decode path (no lse: a model worker's
+frames) is addressed once per step too (lamina.model.kv_attention.SlotStep), so each
+layer takes one native write of the new rows and one kernel call. The service wraps it
+in a transport listener and a gRPC control server.
 
 With `kv_quant="q4"` the pools hold 4-bit packed rows (lamina.model.kv_quant: codes and a
 float16 min and scale per group of a token's head) instead of float32: every K and V
@@ -43,7 +45,7 @@ from lamina.kvstore.slab import KVAllocationError, SlabAllocator, SlabConfig
 from lamina.model.attention import combine_partials
 from lamina.model.config import ModelConfig
 from lamina.model.device_attention import PaddedSlots, padded_attention
-from lamina.model.kv_attention import NATIVE, SlotBatch, SlotStep, buffer_attention, slot_attention
+from lamina.model.kv_attention import NATIVE, SlotBatch, SlotPools, SlotStep, buffer_attention, slot_attention
 from lamina.model.kv_quant import KV_QUANT_CHOICES, Q4Rows
 from lamina.model.placement import runs_natively
 from lamina.services.attention.attention_checks import KVShape, PendingStore, check_attend, check_store
@@ -101,6 +103,9 @@ class AttentionCore:
         self._touched: dict[str, float] = {}
         # Per micro-batch (its sequence ids, in row order): the slots its layers read.
         self._step_slots: dict[tuple[str, ...], _StepSlots] = {}
+        # The native kernel's decode path over float32 pools (SlotStep), its pools checked once.
+        self._slot_pools = (SlotPools(self.slabs.k_pools, self.slabs.v_pools)
+                            if self.native and self.packed is None and NATIVE is not None else None)
 
     # -- decode ---------------------------------------------------------------------------
     def _check(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor,
@@ -129,9 +134,8 @@ class AttentionCore:
         new = (batch.slots[torch.frombuffer(new_rows, dtype=torch.int64)] if new_rows
                else torch.empty(0, dtype=torch.int64))
         fast = None
-        if self.native and self.packed is None and NATIVE is not None:
-            fast = SlotStep(self.slabs.k_pools, self.slabs.v_pools, batch,
-                            [min(n, m) for m, (_, n) in zip(lens, seqs)], new)
+        if self._slot_pools is not None:
+            fast = SlotStep(self._slot_pools, batch, [min(n, m) for m, (_, n) in zip(lens, seqs)], new)
         entry = _StepSlots(versions, batch, new.to(self.device),
                            None if self.native else PaddedSlots.of(batch, self.device), fast)
         self._step_slots.pop(ids, None)

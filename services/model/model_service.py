@@ -52,7 +52,7 @@ from lamina.services.devices import compute_device, compute_dtype
 from lamina.services.model.decode_runner import DecodeRunner
 from lamina.services.model.slice_peers import SliceExecutors
 from lamina.services.model.slice_server import SliceServer
-from lamina.services.protos import lamina_pb2_grpc
+from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime
 from lamina.services.wire import decode_tag, slice_tag
 
@@ -234,22 +234,20 @@ class ModelService:
                 runner.join(list(u.joins))
                 runner.leave(list(u.leaves))
 
+        # The scheduler closing its side (or the stream breaking) ends the reader, which
+        # queues `end` behind the results already made. Results are awaited straight from
+        # the queue: a step's result reaches gRPC in one loop turn (see DecodeRunner's hand-off).
+        end = lamina_pb2.DecodeResult()
         reader = asyncio.create_task(read_updates(), name="decode-updates")
-        next_result = asyncio.ensure_future(runner.results.get())
+        reader.add_done_callback(lambda _: runner.results.put_nowait(end))
         try:
-            while True:
-                done, _ = await asyncio.wait({reader, next_result}, return_when=asyncio.FIRST_COMPLETED)
-                if next_result in done:
-                    runner.taken()
-                    yield next_result.result()
-                    next_result = asyncio.ensure_future(runner.results.get())
-                elif reader in done:
-                    reader.result()  # the scheduler closed its side (or the stream broke): end here
-                    return
+            while (result := await runner.results.get()) is not end:
+                runner.taken()
+                yield result
+            reader.result()  # what ended the stream, raised here
         finally:
-            for t in (reader, next_result):
-                t.cancel()
-            await asyncio.gather(reader, next_result, return_exceptions=True)
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
             await runner.close()
             if self._runner is runner:
                 self._runner = None

@@ -314,7 +314,7 @@ def test_a_slot_step_writes_and_attends_as_the_plain_path_does(query_lens, lens)
     plain_k, plain_v = [k.clone() for k in k_pools], [v.clone() for v in v_pools]
     batch = SlotBatch.build(per_seq, k_pools[0].shape[0])
     new = torch.tensor([s for seq, n in zip(per_seq, query_lens) for s in seq[len(seq) - n:]], dtype=torch.int64)
-    step = kv_attention.SlotStep(k_pools, v_pools, batch, query_lens, new)
+    step = kv_attention.SlotStep(kv_attention.SlotPools(k_pools, v_pools), batch, query_lens, new)
     rows = sum(query_lens)
     for layer in (2, 0, 1):
         q, k, v = torch.randn(rows, 9, 64), torch.randn(rows, 3, 64), torch.randn(rows, 3, 64)
@@ -332,19 +332,40 @@ def test_a_slot_step_refuses_what_its_kernel_cannot_take():
     k_pools, v_pools, per_seq = _layers(2, [4, 6], 3, 8, seed=2)
     batch = SlotBatch.build(per_seq, k_pools[0].shape[0])
     new = torch.tensor([per_seq[0][-1], per_seq[1][-1]])
-    step = kv_attention.SlotStep(k_pools, v_pools, batch, [1, 1], new)
+    pools = kv_attention.SlotPools(k_pools, v_pools)
+    step = kv_attention.SlotStep(pools, batch, [1, 1], new)
     refused = [
         ("layer 2 of 2", lambda: step.attend(2, torch.randn(2, 9, 8))),
         ("contiguous float32 \\[2, 3, 8\\]", lambda: step.append(0, torch.randn(3, 3, 8), torch.randn(3, 3, 8))),
         ("contiguous float32", lambda: step.attend(0, torch.randn(2, 9, 8).double())),
         ("contiguous float32", lambda: step.attend(0, torch.randn(2, 9, 16)[:, :, :8])),
         ("contiguous float32", lambda: step.attend(0, torch.randn(2, 4, 8))),  # 4 query heads on 3 KV heads
-        ("at most as many queries", lambda: kv_attention.SlotStep(k_pools, v_pools, batch, [5, 1], new)),
-        ("int64 \\[2\\]", lambda: kv_attention.SlotStep(k_pools, v_pools, batch, [1, 1], new[:1])),
-        ("outside the pool", lambda: kv_attention.SlotStep(k_pools, v_pools, batch, [1, 1], torch.tensor([0, 99]))),
-        ("several shapes", lambda: kv_attention.SlotStep([k_pools[0], torch.zeros(20, 3, 8)],
-                                                         [v_pools[0], torch.zeros(20, 3, 8)], batch, [1, 1], new)),
+        ("at most as many queries", lambda: kv_attention.SlotStep(pools, batch, [5, 1], new)),
+        ("int64 \\[2\\]", lambda: kv_attention.SlotStep(pools, batch, [1, 1], new[:1])),
+        ("outside the pool", lambda: kv_attention.SlotStep(pools, batch, [1, 1], torch.tensor([0, 99]))),
+        ("several shapes", lambda: kv_attention.SlotPools([k_pools[0], torch.zeros(20, 3, 8)],
+                                                          [v_pools[0], torch.zeros(20, 3, 8)])),
+        ("pool of 17 does not fit a pool of 10", lambda: kv_attention.SlotStep(
+            kv_attention.SlotPools([k[:10] for k in k_pools], [v[:10] for v in v_pools]), batch, [1, 1], new)),
     ]
     for match, call in refused:
         with pytest.raises(ValueError, match=match):
             call()
+
+
+def test_a_step_built_before_the_pools_addresses_grew_still_attends_right():
+    """A larger step makes new address arrays; a step of another micro-batch built before
+    keeps the ones it was built with."""
+    if kv_attention.NATIVE is None:
+        pytest.skip(NOT_BUILT)
+    lens = [3] * 20
+    k_pools, v_pools, per_seq = _layers(2, lens, 3, 8, seed=4)
+    pools = kv_attention.SlotPools(k_pools, v_pools)
+    small = SlotBatch.build(per_seq[:2], k_pools[0].shape[0])
+    first = kv_attention.SlotStep(pools, small, [1, 1], torch.tensor([per_seq[0][-1], per_seq[1][-1]]))
+    before = pools.bases
+    whole = SlotBatch.build(per_seq, k_pools[0].shape[0])
+    kv_attention.SlotStep(pools, whole, [1] * 20, torch.tensor([s[-1] for s in per_seq]))
+    assert pools.bases is not before
+    q = torch.randn(2, 9, 8)
+    assert torch.equal(first.attend(1, q), slot_attention(q, [1, 1], k_pools[1], v_pools[1], small, need_lse=False)[0])
