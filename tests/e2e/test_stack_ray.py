@@ -54,7 +54,10 @@ for name in sys.argv[2:]:
 actors = {}
 for a in ray.util.list_named_actors(all_namespaces=True):
     if a["namespace"] == "lamina":
-        p = ray.get(ray.get_actor(a["name"]).placement.remote())
+        try:
+            p = ray.get(ray.get_actor(a["name"]).placement.remote())
+        except (ray.exceptions.RayActorError, ValueError):
+            continue  # dying (one just killed is still listed for a moment) or gone since the listing
         actors[a["name"]] = dataclasses.asdict(p) if p is not None else None
 print(json.dumps({"nodes": {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]},
                   "available": ray.available_resources(), "actors": actors}))
@@ -63,7 +66,8 @@ print(json.dumps({"nodes": {n["NodeID"]: n["Resources"] for n in ray.nodes() if 
 
 def _query(address: str, *kill: str) -> dict:
     out = subprocess.run([sys.executable, "-c", QUERY, address, *kill], capture_output=True, text=True,
-                         timeout=120, check=True)
+                         timeout=120)
+    assert out.returncode == 0, f"the cluster query failed (exit {out.returncode}): {out.stderr[-2000:]}"
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
