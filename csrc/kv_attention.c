@@ -33,6 +33,12 @@
  * takes the block's scores, softmax update and weighted sum of V in turn: the block's
  * K and V rows come from memory once and are then read from cache by the other rows.
  * A causal row's visible keys are a prefix of the block, so nothing is masked.
+ *
+ * Threads: `attend(..., threads)` with threads > 1 shares the call out over
+ * lamina.model._qmatmul's worker pool (handed over once by `use_pool`): units of one
+ * sequence, or of a run of one sequence's KV heads when there are few sequences, each
+ * claimed by one thread. Every output row is computed by one thread in the same order as
+ * with one, so the results do not depend on the thread count.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -242,22 +248,25 @@ INLINE void prefetch_block(const job_t *job, int64_t b, int64_t j0, int64_t kh) 
     }
 }
 
-/* One sequence. Row r of the sequence's queries is query i = r / hq, head h = r % hq,
- * which reads KV head h / g. m, l: [n * hq] running maximum and sum; acc: [n * hq, d];
+/* Query heads h0 .. h1 of one sequence (every head of it, or a piece when the sequence is
+ * split over threads). Local row r is query i = r / nh, head h = h0 + r % nh (nh = h1 - h0),
+ * which reads KV head h / g. m, l: [n * nh] running maximum and sum; acc: [n * nh, d];
  * s: [BLOCK]; dq: [2, BLOCK, d], a block of one head's K and V decoded (packed rows
- * only). d is a constant in the specialized copies below, so loops unroll. */
-INLINE void one_sequence(const job_t *job, int64_t b, int64_t d, float *acc, float *m, float *l, float *s,
-                         float *dq) {
-    const int64_t hq = job->hq, hkv = job->hkv, g = hq / hkv;
+ * only). d is a constant in the specialized copies below, so loops unroll. A row's
+ * output depends on nothing but its own query and keys, so any split gives the same
+ * bits. */
+INLINE void one_piece(const job_t *job, int64_t b, int64_t h0, int64_t h1, int64_t d, float *acc, float *m,
+                      float *l, float *s, float *dq) {
+    const int64_t hq = job->hq, hkv = job->hkv, g = hq / hkv, nh = h1 - h0;
     const int64_t n = job->q_start[b + 1] - job->q_start[b];
     const int64_t len = job->kv_len ? job->kv_len[b] : job->kv_start[b + 1] - job->kv_start[b];
-    const int64_t rows = n * hq;
+    const int64_t rows = n * nh;
     const char *kb = (const char *)(intptr_t)job->k_base[b];
     const char *vb = (const char *)(intptr_t)job->v_base[b];
     const int64_t *slots = job->slots ? job->slots + job->kv_start[b] : NULL;
     const int64_t group = job->group, hb = group ? d / 2 + 4 * (d / group) : d * (int64_t)sizeof(float);
     const int64_t row_stride = hkv * hb; /* bytes */
-    const float *q = job->q + job->q_start[b] * hq * d; /* [n * hq, d] */
+    const float *q = job->q + job->q_start[b] * hq * d; /* [n, hq, d] */
 
     for (int64_t r = 0; r < rows; r++) {
         m[r] = NONE;
@@ -276,7 +285,7 @@ INLINE void one_sequence(const job_t *job, int64_t b, int64_t d, float *acc, flo
             krow[j] = group ? dq + j * d : (const float *)kat[j];
             vrow[j] = group ? dq + (BLOCK + j) * d : (const float *)vat[j];
         }
-        for (int64_t kh = 0; kh < hkv; kh++) {
+        for (int64_t kh = h0 / g; kh * g < h1; kh++) {
             prefetch_block(job, b, j0 + BLOCK, kh);
             /* float rows are read at head kh's offset; packed ones are decoded to offset 0 */
             const int64_t off = group ? 0 : kh * d;
@@ -286,14 +295,15 @@ INLINE void one_sequence(const job_t *job, int64_t b, int64_t d, float *acc, flo
                     decode_q4((const uint8_t *)vat[j] + kh * hb, d, group, dq + (BLOCK + j) * d);
                 }
             }
+            const int64_t first = kh * g > h0 ? kh * g : h0, last = kh * g + g < h1 ? kh * g + g : h1;
             for (int64_t i = 0; i < n; i++) {
                 /* keys this query sees in the block: all, or up to its own position */
                 int64_t seen = job->causal ? len - n + i + 1 - j0 : jn;
                 if (seen > jn) seen = jn;
                 if (seen <= 0) continue;
-                for (int64_t gg = 0; gg < g; gg++) {
-                    const int64_t r = i * hq + kh * g + gg;
-                    scores(q + r * d, krow, off, seen, d, job->scale, s);
+                for (int64_t h = first; h < last; h++) {
+                    const int64_t r = i * nh + h - h0;
+                    scores(q + (i * hq + h) * d, krow, off, seen, d, job->scale, s);
                     float bmax = s[0];
                     for (int64_t j = 1; j < seen; j++) bmax = s[j] > bmax ? s[j] : bmax;
                     const float mnew = bmax > m[r] ? bmax : m[r];
@@ -310,64 +320,137 @@ INLINE void one_sequence(const job_t *job, int64_t b, int64_t d, float *acc, flo
             }
         }
     }
-    float *out = job->out + job->q_start[b] * hq * d;
     for (int64_t r = 0; r < rows; r++) {
+        const int64_t i = r / nh, h = h0 + r % nh, at = (job->q_start[b] + i) * hq + h; /* [T, Hq] row */
         const float *a = acc + r * d;
+        float *o = job->out + at * d;
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int64_t x = 0; x < d; x++) out[r * d + x] = a[x] * inv;
-        if (job->lse) job->lse[job->q_start[b] * hq + r] = l[r] > 0.0f ? m[r] + logf(l[r]) : minus_infinity();
+        for (int64_t x = 0; x < d; x++) o[x] = a[x] * inv;
+        if (job->lse) job->lse[at] = l[r] > 0.0f ? m[r] + logf(l[r]) : minus_infinity();
     }
 }
 
+/* The work of one call, split into units: sequence u / pieces, KV heads piece u % pieces
+ * of it (pieces equal runs of the hkv heads) with the query heads that read them. Never
+ * finer than a KV head: each K and V row then still comes from memory once, for every
+ * query head that reads it (split by query heads, a batch-1 step read each row G times
+ * and ran no faster on two threads than on one). */
+typedef struct {
+    const job_t *job;
+    int64_t pieces;
+} split_t;
+
+typedef void (*pieces_fn)(const split_t *, int64_t, int64_t, float *, float *, float *, float *, float *);
+
 /* Head sizes 64 and 128 get copies with d constant (unrolled, accumulators in registers). */
-#define SEQUENCES(name, attr, dim)                                                   \
-    attr static void name(const job_t *job, float *acc, float *m, float *l, float *s, float *dq) { \
-        for (int64_t b = 0; b < job->batch; b++) one_sequence(job, b, dim, acc, m, l, s, dq); \
+#define PIECES(name, attr, dim)                                                                                \
+    attr static void name(const split_t *sp, int64_t u0, int64_t u1, float *acc, float *m, float *l, float *s,   \
+                          float *dq) {                                                                          \
+        const job_t *job = sp->job;                                                                             \
+        for (int64_t u = u0; u < u1; u++) {                                                                     \
+            const int64_t b = u / sp->pieces, p = u % sp->pieces, g = job->hq / job->hkv;                       \
+            one_piece(job, b, g * (job->hkv * p / sp->pieces), g * (job->hkv * (p + 1) / sp->pieces), dim, acc, m,  \
+                      l, s, dq);                                                                                \
+        }                                                                                                       \
     }
-SEQUENCES(sequences_d64, , 64)
-SEQUENCES(sequences_d128, , 128)
-SEQUENCES(sequences_any, , job->d)
+PIECES(pieces_d64, , 64)
+PIECES(pieces_d128, , 128)
+PIECES(pieces_any, , job->d)
 #if X86
-SEQUENCES(sequences_d64_avx2, AVX2, 64)
-SEQUENCES(sequences_d128_avx2, AVX2, 128)
-SEQUENCES(sequences_any_avx2, AVX2, job->d)
+PIECES(pieces_d64_avx2, AVX2, 64)
+PIECES(pieces_d128_avx2, AVX2, 128)
+PIECES(pieces_any_avx2, AVX2, job->d)
 #endif
 
-typedef void (*sequences_fn)(const job_t *, float *, float *, float *, float *, float *);
-
-static sequences_fn pick(int64_t d) {
+static pieces_fn pick(int64_t d) {
 #if X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return d == 64 ? sequences_d64_avx2 : d == 128 ? sequences_d128_avx2 : sequences_any_avx2;
+        return d == 64 ? pieces_d64_avx2 : d == 128 ? pieces_d128_avx2 : pieces_any_avx2;
 #endif
-    return d == 64 ? sequences_d64 : d == 128 ? sequences_d128 : sequences_any;
+    return d == 64 ? pieces_d64 : d == 128 ? pieces_d128 : pieces_any;
 }
 
-static int run(const job_t *job) {
+/* Scratch of the calling thread (the caller's, or a pool worker's), kept between calls:
+ * a decode step makes one call a layer. Above SCRATCH_KEPT floats (a long prompt's
+ * rows) it is given back after the call. */
+#define SCRATCH_KEPT (256 * 1024)
+static __thread float *scratch;
+static __thread size_t scratch_floats;
+
+/* Units [u0, u1) on this thread. */
+static int run_units(const void *ctx, int64_t u0, int64_t u1) {
+    const split_t *sp = ctx;
+    const job_t *job = sp->job;
     int64_t max_rows = 0;
-    for (int64_t b = 0; b < job->batch; b++) {
-        const int64_t rows = (job->q_start[b + 1] - job->q_start[b]) * job->hq;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t b = u / sp->pieces, p = u % sp->pieces;
+        const int64_t nh = job->hq / job->hkv * (job->hkv * (p + 1) / sp->pieces - job->hkv * p / sp->pieces);
+        const int64_t rows = (job->q_start[b + 1] - job->q_start[b]) * nh;
         if (rows > max_rows) max_rows = rows;
     }
     if (max_rows == 0) return 0;
     const size_t decoded = job->group ? (size_t)2 * BLOCK * job->d : 0;
-    float *scratch = malloc(((size_t)max_rows * (job->d + 2) + BLOCK + decoded) * sizeof(float));
-    if (!scratch) return -1;
+    const size_t need = (size_t)max_rows * (job->d + 2) + BLOCK + decoded;
+    if (need > scratch_floats) {
+        float *mem = malloc(need * sizeof(float));
+        if (!mem) return -1;
+        free(scratch);
+        scratch = mem;
+        scratch_floats = need;
+    }
     float *acc = scratch, *m = acc + max_rows * job->d, *l = m + max_rows, *s = l + max_rows, *dq = s + BLOCK;
-    pick(job->d)(job, acc, m, l, s, dq);
-    free(scratch);
+    pick(job->d)(sp, u0, u1, acc, m, l, s, dq);
+    if (scratch_floats > SCRATCH_KEPT) {
+        free(scratch);
+        scratch = NULL;
+        scratch_floats = 0;
+    }
     return 0;
+}
+
+/* lamina.model._qmatmul's worker pool (use_pool), or NULL: every call on its caller. */
+typedef int (*range_fn)(const void *ctx, int64_t u0, int64_t u1);
+typedef int (*parallel_fn)(range_fn, const void *ctx, int64_t units, int64_t ranges, int parts);
+#define PARALLEL_CAPSULE "lamina.model._qmatmul.parallel_for"
+static parallel_fn parallel;
+
+/* Multiply-adds of Q.K (n * L * Hq * D) a thread must get for a split to pay for handing
+ * work to the pool: a batch-1 step over about 30 keys and up. */
+#define MIN_MACS_PER_PART 16384
+/* Units per taking part: the sequences (and, when there are few, pieces of their heads)
+ * are claimed one by one, so uneven lengths even out over several per thread. */
+#define UNITS_PER_PART 4
+
+static int run(const job_t *job, int threads) {
+    if (job->batch == 0) return 0;
+    int64_t macs = 0;
+    for (int64_t b = 0; b < job->batch; b++) {
+        const int64_t len = job->kv_len ? job->kv_len[b] : job->kv_start[b + 1] - job->kv_start[b];
+        macs += (job->q_start[b + 1] - job->q_start[b]) * len * job->hq * job->d;
+    }
+    int64_t parts = parallel ? threads : 1;
+    if (parts > macs / MIN_MACS_PER_PART) parts = macs / MIN_MACS_PER_PART;
+    if (parts <= 1) {
+        const split_t whole = {job, 1};
+        return run_units(&whole, 0, job->batch);
+    }
+    /* Few sequences: each split into up to hkv pieces of its heads, so every part has work. */
+    int64_t pieces = (UNITS_PER_PART * parts + job->batch - 1) / job->batch;
+    if (pieces > job->hkv) pieces = job->hkv;
+    const split_t sp = {job, pieces};
+    const int64_t units = job->batch * pieces;
+    return parallel(run_units, &sp, units, units, (int)parts);
 }
 
 static PyObject *attend(PyObject *self, PyObject *args) {
     long long q, out, lse, k_base, v_base, slots, q_start, kv_start, kv_len, batch, hq, hkv, d, group;
-    int causal;
+    int causal, threads = 1;
     float scale;
-    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLpfL", &q, &out, &lse, &k_base, &v_base, &slots, &q_start, &kv_start,
-                          &kv_len, &batch, &hq, &hkv, &d, &causal, &scale, &group))
+    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLpfL|i", &q, &out, &lse, &k_base, &v_base, &slots, &q_start, &kv_start,
+                          &kv_len, &batch, &hq, &hkv, &d, &causal, &scale, &group, &threads))
         return NULL;
-    if (batch < 0 || hq <= 0 || hkv <= 0 || d <= 0 || hq % hkv || group < 0 ||
+    if (batch < 0 || hq <= 0 || hkv <= 0 || d <= 0 || hq % hkv || group < 0 || threads < 1 ||
         (group && (group % 2 || d % group))) {
         PyErr_SetString(PyExc_ValueError, "bad attention dimensions");
         return NULL;
@@ -379,7 +462,7 @@ static PyObject *attend(PyObject *self, PyObject *args) {
                  scale, group};
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = run(&job);
+    rc = run(&job, threads);
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -474,10 +557,22 @@ static PyObject *quantize(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Takes lamina.model._qmatmul's pool (its parallel_pool() capsule) for calls with threads > 1. */
+static PyObject *use_pool(PyObject *self, PyObject *capsule) {
+    const parallel_fn *fn = PyCapsule_GetPointer(capsule, PARALLEL_CAPSULE);
+    if (!fn) return NULL;
+    parallel = *fn;
+    Py_RETURN_NONE;
+}
+
+static PyObject *pooled(PyObject *self, PyObject *unused) { return PyBool_FromLong(parallel != NULL); }
+
 static PyMethodDef methods[] = {
     {"attend", attend, METH_VARARGS,
-     "attend(q, out, lse, k_base, v_base, slots, q_start, kv_start, kv_len, batch, hq, hkv, d, causal, scale, group): "
-     "addresses of checked buffers; see model/kv_attention.py"},
+     "attend(q, out, lse, k_base, v_base, slots, q_start, kv_start, kv_len, batch, hq, hkv, d, causal, scale, group"
+     "[, threads]): addresses of checked buffers; see model/kv_attention.py"},
+    {"use_pool", use_pool, METH_O, "use_pool(capsule): lamina.model._qmatmul.parallel_pool(), for threads > 1"},
+    {"pooled", pooled, METH_NOARGS, "whether calls with threads > 1 have a pool to run on"},
     {"append_rows", append_rows, METH_VARARGS,
      "append_rows(src, base, at, src_start, batch, row): addresses of checked buffers; see model/kv_attention.py"},
     {"quantize", quantize, METH_VARARGS,

@@ -41,7 +41,9 @@
  * SPIN_NS after a range (a decode step calls this hundreds of times, microseconds
  * apart) and then sleep on a condition variable; a call too small to pay for the
  * hand-off (under MIN_MACS_PER_THREAD multiply-adds a thread), or made while another
- * thread's call holds the pool, runs on the caller alone.
+ * thread's call holds the pool, runs on the caller alone. The pool runs any job of
+ * ranges (`parallel_for`); lamina.model._kv_attention takes it through the capsule that
+ * `parallel_pool()` returns, so the products and attention share one set of workers.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -455,6 +457,13 @@ static int run_range(const job_t *j, int force_scalar, int64_t p0, int64_t p1) {
 #define CHUNKS_PER_PART 4           /* ranges per taking part of a call of at most FEW_ROWS rows */
 #define FEW_ROWS 16                 /* more rows: one range a part (each range re-reads x's chunks) */
 
+/* A job for the pool: units [0, units) in `ranges` contiguous ranges, each run by one
+ * thread as fn(ctx, u0, u1) (non-zero: failed). The products' job is the panels of one
+ * matmul; lamina.model._kv_attention hands its sequences and heads to the same pool
+ * (through the capsule `parallel_pool`), so one set of workers serves every kernel and
+ * none of them spins while another pool's threads need the core. */
+typedef int (*range_fn)(const void *ctx, int64_t u0, int64_t u1);
+
 static struct {
     pthread_mutex_t dispatch; /* held by the one caller using the workers */
     pthread_mutex_t mu;       /* with cv: sleeping workers */
@@ -471,12 +480,12 @@ static struct {
     atomic_ullong claims;
     atomic_long done_ranges;  /* ranges of the current job computed */
     /* the current job, written before the ticket is published, read only by its parts */
-    const job_t *job;
-    int force_scalar;
-    int64_t panels;
+    range_fn fn;
+    const void *ctx;
+    int64_t units;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
-static inline int64_t range_start(int64_t panels, int64_t ranges, int64_t i) { return panels * i / ranges; }
+static inline int64_t range_start(int64_t units, int64_t ranges, int64_t i) { return units * i / ranges; }
 
 /* Claim and run ranges of the current job until none is left. The job's fields are read
  * only after a claim succeeds: they were written before its claims were opened. */
@@ -485,8 +494,7 @@ static void run_claimed(void) {
         const unsigned long long claim = atomic_fetch_add(&pool.claims, 1);
         const int64_t ranges = (int64_t)(claim >> 32), r = (int64_t)(claim & 0xffffffffULL);
         if (r >= ranges) return;
-        if (run_range(pool.job, pool.force_scalar, range_start(pool.panels, ranges, r),
-                      range_start(pool.panels, ranges, r + 1)))
+        if (pool.fn(pool.ctx, range_start(pool.units, ranges, r), range_start(pool.units, ranges, r + 1)))
             atomic_store(&pool.failed, 1);
         atomic_fetch_add(&pool.done_ranges, 1);
     }
@@ -575,23 +583,23 @@ static int pool_grow(int want) {
     return pool.started + 1;
 }
 
-static int run(const job_t *j, int force_scalar, int threads) {
-    const int64_t panels = (j->n + NR - 1) / NR;
-    int64_t parts = threads < MAX_THREADS ? threads : MAX_THREADS;
-    const int64_t by_work = j->m * j->k * j->n / MIN_MACS_PER_THREAD;
-    if (parts > by_work) parts = by_work;
-    if (parts > panels) parts = panels;
-    if (parts <= 1 || pthread_mutex_trylock(&pool.dispatch) != 0) return run_range(j, force_scalar, 0, panels);
-    parts = pool_grow((int)parts);
+/* fn over units [0, units) in `ranges` ranges (at most units) on up to `parts` threads, the
+ * caller one of them; returns once every range is done (-1 if one failed). With one
+ * part, or while another thread's job holds the pool, the caller runs them all alone. */
+static int parallel_for(range_fn fn, const void *ctx, int64_t units, int64_t ranges, int parts) {
+    if (units <= 0) return 0;
+    if (parts > MAX_THREADS) parts = MAX_THREADS;
+    if (ranges > units) ranges = units;
+    if (parts > ranges) parts = (int)ranges;
+    if (parts <= 1 || pthread_mutex_trylock(&pool.dispatch) != 0) return fn(ctx, 0, units);
+    parts = pool_grow(parts);
     int rc = 0;
     if (parts <= 1) {
-        rc = run_range(j, force_scalar, 0, panels);
+        rc = fn(ctx, 0, units);
     } else {
-        pool.job = j;
-        pool.force_scalar = force_scalar;
-        pool.panels = panels;
-        int64_t ranges = parts * (j->m <= FEW_ROWS ? CHUNKS_PER_PART : 1);
-        if (ranges > panels) ranges = panels;
+        pool.fn = fn;
+        pool.ctx = ctx;
+        pool.units = units;
         atomic_store(&pool.failed, 0);
         atomic_store(&pool.done_ranges, 0);
         /* opens the claims: after every field above (a late worker's claim on the last job's
@@ -613,6 +621,26 @@ static int run(const job_t *j, int force_scalar, int threads) {
     }
     pthread_mutex_unlock(&pool.dispatch);
     return rc;
+}
+
+typedef struct {
+    const job_t *job;
+    int force_scalar;
+} matmul_ctx_t;
+
+static int matmul_range(const void *ctx, int64_t p0, int64_t p1) {
+    const matmul_ctx_t *c = ctx;
+    return run_range(c->job, c->force_scalar, p0, p1);
+}
+
+static int run(const job_t *j, int force_scalar, int threads) {
+    const int64_t panels = (j->n + NR - 1) / NR;
+    int64_t parts = threads < MAX_THREADS ? threads : MAX_THREADS;
+    const int64_t by_work = j->m * j->k * j->n / MIN_MACS_PER_THREAD;
+    if (parts > by_work) parts = by_work;
+    if (parts < 1) parts = 1;
+    const matmul_ctx_t ctx = {j, force_scalar};
+    return parallel_for(matmul_range, &ctx, panels, parts * (j->m <= FEW_ROWS ? CHUNKS_PER_PART : 1), (int)parts);
 }
 
 /* ---------------------------------------------------------------- entry points */
@@ -648,7 +676,19 @@ static PyObject *has_avx2(PyObject *self, PyObject *unused) {
 #endif
 }
 
+/* The pool for other native modules: a capsule holding a pointer to a
+ * `int (*)(range_fn, const void *ctx, int64_t units, int64_t ranges, int parts)`, named
+ * PARALLEL_CAPSULE (lamina.model._kv_attention checks the name before using it). */
+#define PARALLEL_CAPSULE "lamina.model._qmatmul.parallel_for"
+static int (*const parallel_for_ptr)(range_fn, const void *, int64_t, int64_t, int) = parallel_for;
+
+static PyObject *parallel_pool(PyObject *self, PyObject *unused) {
+    return PyCapsule_New((void *)&parallel_for_ptr, PARALLEL_CAPSULE, NULL);
+}
+
 static PyMethodDef methods[] = {
+    {"parallel_pool", parallel_pool, METH_NOARGS,
+     "a capsule of this module's worker pool, for the other native kernels (see csrc/qmatmul.c)"},
     {"matmul", matmul, METH_VARARGS,
      "matmul(x, y, m, fmt, k, n, w, d, mn, bias[, force_scalar[, threads]]): addresses of checked buffers; "
      "see model/quant.py"},

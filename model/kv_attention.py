@@ -28,7 +28,11 @@ without, every key (Q-early's part over the KV held before the step).
 The kernel makes one pass over each sequence's keys with an online softmax; every query
 head of a sequence is served from each K and V row while it is in cache, so a row comes
 from memory once; it accumulates in float32 like the reference, so the two agree to
-float rounding (tests/model/test_kv_attention.py). Everything the kernel relies on
+float rounding (tests/model/test_kv_attention.py). It runs on the products' threads
+(lamina.model.quant.kernel_threads, the native products' worker pool): the sequences,
+and when there are few of them pieces of their query heads, are shared out, each row
+computed by one thread in the same order whatever the thread count, so the results
+do not depend on it. Everything the kernel relies on
 (dtypes, shapes, contiguity, the CPU, slots inside the pool, lengths) is checked here
 first: a bad argument raises ValueError, never reaches the C code.
 """
@@ -42,6 +46,7 @@ from itertools import accumulate
 
 import torch
 
+from lamina.model import quant
 from lamina.model.attention import attention_with_lse
 from lamina.model.kv_quant import Q4Rows
 
@@ -49,6 +54,9 @@ try:
     import lamina.model._kv_attention as NATIVE  # noqa: N812 (a module constant: the native kernel, or None)
 except ImportError:  # not built (no C compiler at install): the torch reference runs
     NATIVE = None
+if NATIVE is not None and quant.NATIVE is not None:
+    # One pool of worker threads for every native kernel: the products' (csrc/qmatmul.c).
+    NATIVE.use_pool(quant.NATIVE.parallel_pool())
 
 
 def _offsets(lens: Sequence[int]) -> array:
@@ -154,7 +162,8 @@ def slot_attention(q: torch.Tensor, query_lens: Sequence[int], k_pool: torch.Ten
     k_base, v_base = array("q", [k_pool.data_ptr()]) * b, array("q", [v_pool.data_ptr()]) * b
     NATIVE.attend(q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0, _addr(k_base),
                   _addr(v_base), batch.slots.data_ptr(), _addr(q_start), _addr(batch.starts), _addr(kv_len), b,
-                  q.shape[1], hkv, d, causal, d**-0.5, 0 if packed is None else packed.group)
+                  q.shape[1], hkv, d, causal, d**-0.5, 0 if packed is None else packed.group,
+                  quant.kernel_threads())
     return out, lse
 
 
@@ -188,8 +197,9 @@ class SlotPools:
         """Per layer, K's and V's pool address at least n times."""
         if n > self._repeat:
             self._repeat = max(n, 2 * self._repeat, 16)
-            self.bases = tuple([array("q", [t.data_ptr()]) * self._repeat for t in pools]  # type: ignore[assignment]
-                               for pools in self._pools)
+            k_pools, v_pools = self._pools
+            self.bases = ([array("q", [t.data_ptr()]) * self._repeat for t in k_pools],
+                          [array("q", [t.data_ptr()]) * self._repeat for t in v_pools])
         return self.bases
 
 
@@ -217,6 +227,7 @@ class SlotStep:
         if rows and (min(self._at) < 0 or max(self._at) >= pools.num_slots):
             raise ValueError(f"new slots outside the pool of {pools.num_slots}")
         self.hkv, self.d, self._layers = pools.hkv, pools.d, pools.num_layers
+        self._pools = pools  # keeps the pools' memory alive while the step holds their addresses
         self._batch = batch
         self._rows = rows
         self._q_start = _offsets(self.query_lens)
@@ -247,7 +258,8 @@ class SlotStep:
         out = torch.empty_like(q)
         NATIVE.attend(q.data_ptr(), out.data_ptr(), 0, _addr(self._k_base[layer]), _addr(self._v_base[layer]),
                       self._batch.slots.data_ptr(), _addr(self._q_start), _addr(self._batch.starts),
-                      _addr(self._kv_len), len(self._kv_len), q.shape[1], self.hkv, self.d, True, self.d**-0.5, 0)
+                      _addr(self._kv_len), len(self._kv_len), q.shape[1], self.hkv, self.d, True, self.d**-0.5, 0,
+                      quant.kernel_threads())
         return out
 
 
@@ -274,7 +286,7 @@ def buffer_attention(q: torch.Tensor, query_lens: Sequence[int], keys: Sequence[
     q_start, kv_start = _offsets(query_lens), _offsets(kv_lens)
     NATIVE.attend(q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0, _addr(k_ptrs),
                   _addr(v_ptrs), 0, _addr(q_start), _addr(kv_start), 0, len(keys), q.shape[1], hkv, d, causal,
-                  d**-0.5, 0)
+                  d**-0.5, 0, quant.kernel_threads())
     return out, lse
 
 
@@ -357,7 +369,8 @@ class BufferBatch:
             return _reference(q, self.query_lens, keys, values, causal, need_lse)
         NATIVE.attend(q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else 0,
                       self._layer(self._k_base, layer), self._layer(self._v_base, layer), 0, _addr(self._q_start), 0,
-                      _addr(self.kv_lens), len(self._buffers), q.shape[1], self.hkv, self.d, causal, self.d**-0.5, 0)
+                      _addr(self.kv_lens), len(self._buffers), q.shape[1], self.hkv, self.d, causal, self.d**-0.5, 0,
+                      quant.kernel_threads())
         return out, lse
 
 

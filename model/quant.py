@@ -44,13 +44,15 @@ GROUP = 32  # inputs per quantization group
 FORMATS = ("f32", "q8_0", "q4_0", "q4_1")
 _FORMAT_CODE = {name: i for i, name in enumerate(FORMATS)}  # the kernel's numbering
 
-# Threads the native products split their outputs over: process-wide, like torch's own
-# intra-op setting; set through model.threads.set_compute_threads.
+# Threads the native products split their outputs over, and the native attention kernel
+# its sequences (lamina.model.kv_attention, on the same worker pool): process-wide, like
+# torch's own intra-op setting; set through model.threads.set_compute_threads.
 _kernel_threads = 1
 
 
 def set_kernel_threads(n: int) -> None:
-    """The native products use n threads (the calling one and n - 1 workers of the kernel)."""
+    """The native products and attention use n threads (the calling one and n - 1
+    workers of the products' pool)."""
     global _kernel_threads
     if n < 1:
         raise ValueError(f"threads must be at least 1, got {n}")

@@ -51,6 +51,8 @@ class LocalAttention(Protocol):
     def attend(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
+    def local_step(self, seqs: list[tuple[str, int]]) -> AttendCall: ...
+
 
 @dataclass(frozen=True)
 class SeqRows:
@@ -344,11 +346,22 @@ class AttentionPool:
     def attend_here(self, route: Route) -> AttendCall | None:
         """A step's attention as a plain call, when all of it is on one core in this
         process (layout colocated): attend(layer, q, k, v) -> out, what `attend` would
-        return, with no task switch per layer. None when a part is elsewhere."""
+        return, with no task switch per layer (the core's `local_step`: the caller
+        calls the layers in order with no await between them). None when a part is
+        elsewhere."""
         if self.partition == "head" or len(route.parts) != 1 or route.parts[0][0] not in self.local:
             return None
         w, _, members = route.parts[0]
-        return lambda layer, q, k, v: self._attend_here(w, layer, members, q, k, v)
+        step = self.local[w].local_step(members)
+
+        def call(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            t0 = time.thread_time()
+            try:
+                return step(layer, q, k, v)
+            finally:
+                self.local_s += time.thread_time() - t0
+
+        return call
 
     def _attend_here(self, w: int, layer: int, members: list[tuple[str, int]], q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ break these rules or does not fit the model's shape.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
 from time import monotonic
@@ -205,6 +205,38 @@ class AttentionCore:
         self._check(layer, seqs, q, (k, v))
         step = self._append(layer, seqs, k, v)
         return self._attention(layer, q, [n for _, n in seqs], step, need_lse=need_lse)
+
+    def local_step(self, seqs: list[tuple[str, int]]) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor],
+                                                                   torch.Tensor]:
+        """A decode step's attention for a caller in this process that calls it for layers
+        0, 1, ... in turn with nothing else using this core in between (a colocated
+        model worker's step, which never awaits): call(layer, q, k, v) -> out, what
+        `attend` returns. Layer 0 is `attend` itself, checked whole, and extends the
+        sequences; on the native decode path the later layers write and attend through
+        the step's SlotStep, which checks their shapes, skipping the checks of the
+        sequences' state that only layer 0 could fail. Any other call is `attend`."""
+        lens = tuple(n for _, n in seqs)
+        fast: SlotStep | None = None
+        expected = 1  # the layer after the last one served
+
+        def call(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            nonlocal fast, expected
+            if (fast is not None and layer == expected and q.dtype == k.dtype == v.dtype == torch.float32
+                    and layer < self.shape.num_layers):
+                expected += 1
+                fast.append(layer, k.contiguous(), v.contiguous())
+                return fast.attend(layer, q.contiguous())
+            out, _ = self.attend(layer, seqs, q, k, v)
+            if layer == 0:
+                step = self._step_slots.get(tuple(s for s, _ in seqs))
+                fast = step.fast if step is not None and step.fast is not None and step.fast.query_lens == lens \
+                    else None
+                expected = 1
+            else:
+                fast = None  # out of order: every later layer checked whole
+            return out
+
+        return call
 
     def attend_held(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -111,8 +111,9 @@ class ModelSlices:
         def attend_staged(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return attend(i, q.cpu(), k.cpu(), v.cpu()).to(device, non_blocking=True)  # as `forward` stages them
 
+        call = attend if device.type == "cpu" else attend_staged  # on the CPU the moves are no-ops
         with torch.inference_mode():
-            logits = self.split.run(batch.model_inputs(device), attend_staged)  # [B, V] float32
+            logits = self.split.run(batch.model_inputs(device), call)  # [B, V] float32
         # This thread's CPU time, less the attention's (counted apart by the pool).
         self.compute_s += time.thread_time() - t0 - (pool.local_s - attending)
         return logits.cpu()

@@ -113,6 +113,34 @@ def test_the_native_kernel_and_the_torch_path_agree(monkeypatch):
     torch.testing.assert_close(native, torch_path, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_kernel_gives_the_same_bits_on_any_number_of_threads(monkeypatch, packed):
+    """The kernel shares sequences (and, when there are few, pieces of their query heads)
+    out over the products' worker pool: every row is still computed by one thread in
+    the same order, so the results are those of one thread, bit for bit."""
+    from lamina.model import quant
+    from lamina.model.kv_quant import Q4Rows
+
+    if kv_attention.NATIVE is None or quant.NATIVE is None:
+        pytest.skip(NOT_BUILT + ", or model/_qmatmul (its worker pool) is not")
+    assert kv_attention.NATIVE.pooled()  # the pool is attached: threads > 1 really split
+    cases = [*CASES, ([1], [900], 9, 3, 64, True, True), ([1] * 12, [300] * 6 + [7] * 6, 9, 3, 64, False, True),
+             ([5, 1], [2000, 40], 32, 8, 128, True, False)]
+    for query_lens, kv_lens, hq, hkv, d, shuffle, causal in cases:
+        k_pool, v_pool, per_seq = _pool(kv_lens, hkv, d, shuffle)
+        layout = Q4Rows(d) if packed and d % 32 == 0 else None
+        if layout is not None:
+            k_pool, v_pool = layout.quantize(k_pool), layout.quantize(v_pool)
+        batch = SlotBatch.build(per_seq, k_pool.shape[0])
+        q = torch.randn(sum(query_lens), hq, d)
+        results = []
+        for threads in (1, 2, 3):
+            monkeypatch.setattr(quant, "_kernel_threads", threads)
+            results.append(slot_attention(q, query_lens, k_pool, v_pool, batch, causal=causal, packed=layout))
+        for out, lse in results[1:]:
+            assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1]), (query_lens, kv_lens)
+
+
 def test_bad_arguments_are_refused_before_the_kernel_runs(path):
     k_pool, v_pool, per_seq = _pool([4], 3, 8, shuffle=False)
     batch = SlotBatch.build(per_seq, k_pool.shape[0])
@@ -324,6 +352,28 @@ def test_a_slot_step_writes_and_attends_as_the_plain_path_does(query_lens, lens)
         out = step.attend(layer, q)
         assert torch.equal(out, slot_attention(q, query_lens, plain_k[layer], plain_v[layer], batch,
                                                need_lse=False)[0])
+
+
+def test_a_slot_step_keeps_the_pools_it_addresses_alive():
+    """A step holds its pools' addresses: the pools must outlive every other reference
+    to them (their memory freed under it would be read by the kernel)."""
+    if kv_attention.NATIVE is None:
+        pytest.skip(NOT_BUILT)
+    import gc
+    import weakref
+
+    k_pools, v_pools, per_seq = _layers(2, [40, 7], 3, 64, seed=5)
+    copies = [k.clone() for k in k_pools], [v.clone() for v in v_pools]
+    batch = SlotBatch.build(per_seq, k_pools[0].shape[0])
+    new = torch.tensor([seq[-1] for seq in per_seq], dtype=torch.int64)
+    step = kv_attention.SlotStep(kv_attention.SlotPools(k_pools, v_pools), batch, [1, 1], new)
+    gone = weakref.ref(k_pools[1])
+    del k_pools, v_pools
+    gc.collect()
+    assert gone() is not None
+    q = torch.randn(2, 9, 64)
+    expected = slot_attention(q, [1, 1], copies[0][1], copies[1][1], batch, need_lse=False)[0]
+    assert torch.equal(step.attend(1, q), expected)
 
 
 def test_a_slot_step_refuses_what_its_kernel_cannot_take():

@@ -249,3 +249,35 @@ def test_the_decode_path_attends_through_one_addressed_step_per_micro_batch(monk
                 assert lse is None
                 torch.testing.assert_close(out, history.attention(layer, seqs, q)[0], atol=1e-5, rtol=1e-4)
     assert len(built) == steps * len(micro_batches) and len(attended) == steps * len(micro_batches) * CFG.num_layers
+
+
+def test_a_local_step_equals_attend_and_checks_its_first_layer_whole(monkeypatch):
+    """local_step (a colocated model worker's step): every layer's output bit-equal to
+    `attend` on a twin core; its later layers go through the step's SlotStep without
+    `attend`'s frame checks, a layer out of order goes through `attend` again, and a
+    frame `attend` refuses is refused at layer 0 with nothing changed."""
+    if kv_attention.NATIVE is None:
+        pytest.skip("model/_kv_attention is not built on this machine (no C compiler at install)")
+    torch.manual_seed(3)
+    cores = [AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=3, tokens_per_slab=4) for _ in range(2)]
+    history = History(3)
+    for i, s in enumerate("ab"):
+        history.prompt(cores, s, 5 + 7 * i)
+    checked = []
+    real_check = cores[0]._check
+    monkeypatch.setattr(cores[0], "_check", lambda *a: checked.append(a[0]) or real_check(*a))
+    seqs = [("a", 1), ("b", 1)]
+    for order in ([0, 1, 2], [0, 2, 1]):
+        step = cores[0].local_step(seqs)
+        checked.clear()
+        for layer in order:
+            q, k, v = _step_inputs(seqs, 9, 3)
+            out = step(layer, q, k, v)
+            assert torch.equal(out, cores[1].attend(layer, seqs, q, k, v)[0])
+        # In order, only layer 0 is checked; out of order, every layer from the jump on.
+        assert checked == ([0] if order == [0, 1, 2] else [0, 2, 1])
+    assert cores[0].slabs.num_tokens("a") == cores[1].slabs.num_tokens("a") == 7
+    q, k, v = _step_inputs(seqs, 9, 3)
+    with pytest.raises(RemoteError, match="unknown_sequence"):
+        cores[0].local_step([("a", 1), ("nobody", 1)])(0, q, k, v)
+    assert cores[0].slabs.num_tokens("a") == 7
