@@ -134,6 +134,24 @@ class LocalChoice:
                 "pipeline.micro_batches": self.micro_batches}
 
 
+# The most threads `lamina up --layout auto` gives a colocated model worker's products: a
+# decode step's products split at most a handful of ways at small batches (the kernel's
+# minimum work per thread), so more would only spin.
+MAX_AUTO_MODEL_THREADS = 8
+
+
+def auto_model_threads(choice: LocalChoice, cores: int, model_workers: int) -> int | None:
+    """The compute threads `lamina up --layout auto` gives each model worker when nothing
+    sets them: colocated, the host's `cores` shared among the model workers (at most
+    MAX_AUTO_MODEL_THREADS each), as the model workers are then the only processes that
+    decode; None (the configured default, one) for a disaggregated layout, whose
+    attention workers need cores of their own. A rule, not a prediction: the profile is
+    measured on one thread, so the planner cannot rank thread counts."""
+    if choice.layout != "colocated":
+        return None
+    return max(1, min(MAX_AUTO_MODEL_THREADS, cores // max(1, model_workers)))
+
+
 def weights_precision(weights: str) -> Precision:
     """The planner's precision for `model.weights`: the 4-bit formats (q4, and as_file, whose
     default GGUF holds Q4_1 blocks) as its min-max 4-bit, anything else as float32 (the

@@ -4,6 +4,7 @@ child processes of this one, or, with `--ray ADDRESS`, as actors on a Ray cluste
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -53,8 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "`lamina profile --quick` when missing, from another machine or another version)")
     p.add_argument("--model-workers", type=int, default=None, help="number of model-slice workers (default 1)")
     p.add_argument("--model-threads", type=int, default=None,
-                   help="threads of each model worker's packed products; torch's ops run on one (default 1; "
-                        "docs/model.md, Threads)")
+                   help="threads of each model worker's packed products and attention; torch's ops run on one "
+                        "(default 1, or, where --layout auto chooses colocated, the host's cores shared among the "
+                        "model workers, at most 8 each; docs/model.md, Threads)")
     p.add_argument("--prefill-workers", type=int, default=None,
                    help="number of prefill workers, each with its own prefix cache (default 1)")
     p.add_argument("--prefill-routing", default=None, choices=("prefix", "round_robin"),
@@ -133,7 +135,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if auto:  # only a configuration that can start is worth measuring the machine for
         choice = choose_layout(config, args.workload, args.profile)
-        config = None if choice is None else stack_config(args, **{**overrides, **choice.overrides()})
+        if choice is None:
+            return 2
+        chosen = {**overrides, **choice.overrides()}
+        threads = _auto_threads(args, choice, config.model_worker.workers)
+        if threads is None:
+            return 2
+        if threads:
+            chosen["model_worker.threads"] = threads
+            print(f"lamina up: layout auto: {threads} compute thread(s) per model worker (colocated: the host's "
+                  f"cores; --model-threads sets them)", file=sys.stderr, flush=True)
+        config = stack_config(args, **chosen)
         if config is None:
             return 2
     from lamina.services.launch.launcher import Stack
@@ -207,6 +219,23 @@ def _auto_layout(args: argparse.Namespace) -> bool | None:
     except ConfigError as exc:
         print(f"lamina: {exc}", file=sys.stderr)
         return None
+
+
+def _auto_threads(args: argparse.Namespace, choice, model_workers: int) -> int | None:
+    """The model workers' threads for the layout auto chose (lamina.planner.local_layout.
+    auto_model_threads), 0 where they are set anywhere (flag, configuration, environment)
+    or the rule keeps the default; None after printing why the configuration is unreadable."""
+    from lamina.planner.local_layout import auto_model_threads
+
+    if args.model_threads is not None:
+        return 0
+    try:
+        if set_outside_defaults(args.config, ("model_worker.threads",)):
+            return 0
+    except ConfigError as exc:
+        print(f"lamina: {exc}", file=sys.stderr)
+        return None
+    return auto_model_threads(choice, len(os.sched_getaffinity(0)), model_workers) or 0
 
 
 def choose_layout(config, workload: str | None, profile_path: Path):

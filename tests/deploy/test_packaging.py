@@ -296,6 +296,8 @@ def test_the_wheel_runs_every_other_command(installed, tmp_path, loaded_model, h
         assert reply.usage.completion_tokens == 4
         log = log_path.read_text()
         assert "layout auto: " in log and "measuring this machine" not in log, log[-3000:]
+        if "layout auto: colocated" in log:  # the model worker gets the host's cores
+            assert "compute thread(s) per model worker (colocated" in log, log[-3000:]
 
 
 def _serving(up: subprocess.Popen, port: int, log_path: Path):

@@ -169,3 +169,31 @@ def test_lamina_up_chooses_on_the_cached_profile_without_measuring(tmp_path, mon
     err = capsys.readouterr().err
     assert "predicted for 0.01 requests/s of 64-token prompts and 32 output tokens: colocated " in err
     assert err.count("ms/token with 1 decoding") == 3
+
+
+def test_a_colocated_choice_gives_the_model_workers_the_hosts_cores_unless_set(tmp_path, monkeypatch):
+    """The rule (auto_model_threads): colocated, the host's cores shared among the model
+    workers, at least 1 and at most MAX_AUTO_MODEL_THREADS each; disaggregated, the default.
+    lamina up applies it only where neither the flag, the file nor the environment sets
+    the threads."""
+    from lamina.commands.up import _auto_threads
+    from lamina.planner.local_layout import MAX_AUTO_MODEL_THREADS, auto_model_threads
+
+    colocated = LocalChoice("colocated", 0, 1, 100.0, "compute")
+    disaggregated = LocalChoice("disaggregated", 1, 2, 90.0, "compute")
+    assert auto_model_threads(colocated, 2, 1) == 2
+    assert auto_model_threads(colocated, 8, 3) == 2
+    assert auto_model_threads(colocated, 2, 4) == 1
+    assert auto_model_threads(colocated, 96, 1) == MAX_AUTO_MODEL_THREADS
+    assert auto_model_threads(disaggregated, 8, 1) is None
+
+    monkeypatch.delenv("LAMINA_MODEL_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2})
+    assert _auto_threads(_up_args(), colocated, 1) == 3
+    assert _auto_threads(_up_args(), disaggregated, 1) == 0
+    assert _auto_threads(_up_args("--model-threads", "1"), colocated, 1) == 0
+    config = tmp_path / "stack.yaml"
+    config.write_text("model_worker:\n  threads: 1\n")
+    assert _auto_threads(_up_args("--config", str(config)), colocated, 1) == 0
+    monkeypatch.setenv("LAMINA_MODEL_THREADS", "1")
+    assert _auto_threads(_up_args(), colocated, 1) == 0
