@@ -342,15 +342,23 @@ typedef struct {
 
 typedef void (*pieces_fn)(const split_t *, int64_t, int64_t, float *, float *, float *, float *, float *);
 
+/* Piece p's query heads [*h0, *h1): KV heads hkv * p / pieces .. hkv * (p + 1) / pieces and
+ * the G query heads of each. */
+INLINE void piece_heads(const split_t *sp, int64_t p, int64_t *h0, int64_t *h1) {
+    const int64_t hkv = sp->job->hkv, g = sp->job->hq / hkv;
+    *h0 = g * (hkv * p / sp->pieces);
+    *h1 = g * (hkv * (p + 1) / sp->pieces);
+}
+
 /* Head sizes 64 and 128 get copies with d constant (unrolled, accumulators in registers). */
 #define PIECES(name, attr, dim)                                                                                \
     attr static void name(const split_t *sp, int64_t u0, int64_t u1, float *acc, float *m, float *l, float *s,   \
                           float *dq) {                                                                          \
         const job_t *job = sp->job;                                                                             \
         for (int64_t u = u0; u < u1; u++) {                                                                     \
-            const int64_t b = u / sp->pieces, p = u % sp->pieces, g = job->hq / job->hkv;                       \
-            one_piece(job, b, g * (job->hkv * p / sp->pieces), g * (job->hkv * (p + 1) / sp->pieces), dim, acc, m,  \
-                      l, s, dq);                                                                                \
+            int64_t h0, h1;                                                                                     \
+            piece_heads(sp, u % sp->pieces, &h0, &h1);                                                          \
+            one_piece(job, u / sp->pieces, h0, h1, dim, acc, m, l, s, dq);                                      \
         }                                                                                                       \
     }
 PIECES(pieces_d64, , 64)
@@ -384,9 +392,10 @@ static int run_units(const void *ctx, int64_t u0, int64_t u1) {
     const job_t *job = sp->job;
     int64_t max_rows = 0;
     for (int64_t u = u0; u < u1; u++) {
-        const int64_t b = u / sp->pieces, p = u % sp->pieces;
-        const int64_t nh = job->hq / job->hkv * (job->hkv * (p + 1) / sp->pieces - job->hkv * p / sp->pieces);
-        const int64_t rows = (job->q_start[b + 1] - job->q_start[b]) * nh;
+        const int64_t b = u / sp->pieces;
+        int64_t h0, h1;
+        piece_heads(sp, u % sp->pieces, &h0, &h1);
+        const int64_t rows = (job->q_start[b + 1] - job->q_start[b]) * (h1 - h0);
         if (rows > max_rows) max_rows = rows;
     }
     if (max_rows == 0) return 0;

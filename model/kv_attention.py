@@ -30,7 +30,7 @@ head of a sequence is served from each K and V row while it is in cache, so a ro
 from memory once; it accumulates in float32 like the reference, so the two agree to
 float rounding (tests/model/test_kv_attention.py). It runs on the products' threads
 (lamina.model.quant.kernel_threads, the native products' worker pool): the sequences,
-and when there are few of them pieces of their query heads, are shared out, each row
+and when there are few of them runs of their KV heads, are shared out, each row
 computed by one thread in the same order whatever the thread count, so the results
 do not depend on it. Everything the kernel relies on
 (dtypes, shapes, contiguity, the CPU, slots inside the pool, lengths) is checked here

@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, overload
+from typing import Any, Protocol, TypeVar, overload
 
 import torch
 
@@ -40,6 +40,8 @@ from lamina.services.runtime import workers_by_index
 from lamina.services.wire import Attend, Kind, RemoteError, StoreKV, Tag, expect, frame_tag, result_tensor
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # reconnect(worker) -> a new connection to that attention worker (wherever it now listens)
 Reconnect = Callable[[int], Awaitable[transports.Connection]]
@@ -353,27 +355,23 @@ class AttentionPool:
             return None
         w, _, members = route.parts[0]
         step = self.local[w].local_step(members)
-
-        def call(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            t0 = time.thread_time()
-            try:
-                return step(layer, q, k, v)
-            finally:
-                self.local_s += time.thread_time() - t0
-
-        return call
+        return lambda layer, q, k, v: self._timed(step, layer, q, k, v)
 
     def _attend_here(self, w: int, layer: int, members: list[tuple[str, int]], q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> torch.Tensor:
         """Attention on a core in this process: what its worker would answer to the frame
         (a refusal raises the same RemoteError), with nothing sent."""
+        out, _ = self._timed(lambda: self.local[w].attend(layer, members, q.contiguous(), k.contiguous(),
+                                                          v.contiguous(), need_lse=False))
+        return out
+
+    def _timed(self, call: Callable[..., T], *args: Any) -> T:
+        """call(*args), its CPU time in this thread added to `local_s`."""
         t0 = time.thread_time()
         try:
-            out, _ = self.local[w].attend(layer, members, q.contiguous(), k.contiguous(), v.contiguous(),
-                                          need_lse=False)
+            return call(*args)
         finally:
             self.local_s += time.thread_time() - t0
-        return out
 
     async def _send_attend(self, w: int, tag: Tag, layer: int, members: list[tuple[str, int]],
                            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> asyncio.Future:

@@ -70,6 +70,12 @@ class _StepSlots:
     # The native kernel's decode path (float32 pools), addressed once for every layer.
     fast: SlotStep | None = None
 
+    def decode_path(self, query_lens: Sequence[int]) -> SlotStep | None:
+        """The step's SlotStep when it serves these new tokens per sequence (it was built
+        for the step's own), else None."""
+        fast = self.fast
+        return fast if fast is not None and fast.query_lens == tuple(query_lens) else None
+
 
 class AttentionCore:
     def __init__(self, cfg: ModelConfig, capacity_bytes: int, num_kv_heads: int, tokens_per_slab: int = 64,
@@ -153,9 +159,8 @@ class AttentionCore:
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The native kernel on CPU float32 pools, torch's operators on any other; the
         result on the CPU in q's dtype (what goes back on the wire)."""
-        fast = step.fast
-        if (fast is not None and kv_lens is None and causal and not need_lse and q.dtype == torch.float32
-                and fast.query_lens == tuple(query_lens)):
+        fast = step.decode_path(query_lens)
+        if fast is not None and kv_lens is None and causal and not need_lse and q.dtype == torch.float32:
             return fast.attend(layer, q.contiguous()), None
         k_pool, v_pool = self.slabs.k_pools[layer], self.slabs.v_pools[layer]
         if step.padded is None:  # the kernel reads float32 queries, whatever the sender computes in
@@ -185,9 +190,8 @@ class AttentionCore:
                 self.slabs.extend(seq_id, n)
                 self._touched[seq_id] = now
         step = self._slots(seqs)
-        fast = step.fast
-        if (fast is not None and k.dtype == v.dtype == torch.float32
-                and fast.query_lens == tuple(n for _, n in seqs)):
+        fast = step.decode_path([n for _, n in seqs])
+        if fast is not None and k.dtype == v.dtype == torch.float32:
             fast.append(layer, k.contiguous(), v.contiguous())
             return step
         k, v = self._rows(k, v)
@@ -215,7 +219,7 @@ class AttentionCore:
         sequences; on the native decode path the later layers write and attend through
         the step's SlotStep, which checks their shapes, skipping the checks of the
         sequences' state that only layer 0 could fail. Any other call is `attend`."""
-        lens = tuple(n for _, n in seqs)
+        ids, lens = tuple(s for s, _ in seqs), [n for _, n in seqs]
         fast: SlotStep | None = None
         expected = 1  # the layer after the last one served
 
@@ -228,9 +232,8 @@ class AttentionCore:
                 return fast.attend(layer, q.contiguous())
             out, _ = self.attend(layer, seqs, q, k, v)
             if layer == 0:
-                step = self._step_slots.get(tuple(s for s, _ in seqs))
-                fast = step.fast if step is not None and step.fast is not None and step.fast.query_lens == lens \
-                    else None
+                step = self._step_slots.get(ids)  # what that attend built or reused
+                fast = None if step is None else step.decode_path(lens)
                 expected = 1
             else:
                 fast = None  # out of order: every later layer checked whole

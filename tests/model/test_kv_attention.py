@@ -115,7 +115,7 @@ def test_the_native_kernel_and_the_torch_path_agree(monkeypatch):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_kernel_gives_the_same_bits_on_any_number_of_threads(monkeypatch, packed):
-    """The kernel shares sequences (and, when there are few, pieces of their query heads)
+    """The kernel shares sequences (and, when there are few, runs of their KV heads)
     out over the products' worker pool: every row is still computed by one thread in
     the same order, so the results are those of one thread, bit for bit."""
     from lamina.model import quant
