@@ -339,10 +339,11 @@ class _TimedNative:
 @contextlib.contextmanager
 def native_calls_timed(totals: dict[str, float]) -> Iterator[None]:
     """Every call into the native kernels the engine's step makes is timed, by part."""
-    from lamina.model import kv_attention, llama, quant
+    from lamina.model import fused_slice, kv_attention, llama, quant
 
     patched = [(quant, "NATIVE", "packed products (native)"), (kv_attention, "NATIVE", "attention kernel (native)"),
-               (llama, "_SLICE_OPS", "slice operators (native)")]
+               (llama, "_SLICE_OPS", "slice operators (native)"),
+               (fused_slice, "NATIVE", "fused middle slices (native products and operators)")]
     saved = []
     for module, name, part in patched:
         totals.setdefault(part, 0.0)

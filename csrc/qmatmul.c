@@ -686,9 +686,29 @@ static PyObject *parallel_pool(PyObject *self, PyObject *unused) {
     return PyCapsule_New((void *)&parallel_for_ptr, PARALLEL_CAPSULE, NULL);
 }
 
+/* The products for other native modules (csrc/slice_ops.c's fused slice): a capsule
+ * holding a pointer to a `products_fn`, named PRODUCTS_CAPSULE. Arguments as `matmul`'s,
+ * already checked by the caller; returns -1 when out of memory. */
+typedef int (*products_fn)(int fmt, const float *x, float *y, int64_t m, int64_t k, int64_t n, const void *w,
+                           const uint16_t *d, const uint16_t *mn, const float *bias, int threads);
+#define PRODUCTS_CAPSULE "lamina.model._qmatmul.products"
+
+static int products(int fmt, const float *x, float *y, int64_t m, int64_t k, int64_t n, const void *w,
+                    const uint16_t *d, const uint16_t *mn, const float *bias, int threads) {
+    const job_t job = {fmt, x, y, m, k, n, w, d, mn, bias};
+    return m > 0 ? run(&job, 0, threads) : 0;
+}
+static const products_fn products_ptr = products;
+
+static PyObject *products_capsule(PyObject *self, PyObject *unused) {
+    return PyCapsule_New((void *)&products_ptr, PRODUCTS_CAPSULE, NULL);
+}
+
 static PyMethodDef methods[] = {
     {"parallel_pool", parallel_pool, METH_NOARGS,
      "a capsule of this module's worker pool, for the other native kernels (see csrc/qmatmul.c)"},
+    {"products", products_capsule, METH_NOARGS,
+     "a capsule of this module's packed products, for the other native kernels (see csrc/qmatmul.c)"},
     {"matmul", matmul, METH_VARARGS,
      "matmul(x, y, m, fmt, k, n, w, d, mn, bias[, force_scalar[, threads]]): addresses of checked buffers; "
      "see model/quant.py"},

@@ -288,6 +288,7 @@ def is_packed_module(module: nn.Module) -> bool:
 
 def split_llama(model: LlamaForCausalLM, example_tokens: int = 8) -> SplitModel:
     """Split at every layer's attention. Slices take input_ids, positions, logits_index."""
+    from lamina.model import fused_slice
     from lamina.model.attention import attention_with_lse
     from lamina.model.splitter import split_model
 
@@ -302,4 +303,6 @@ def split_llama(model: LlamaForCausalLM, example_tokens: int = 8) -> SplitModel:
         "ctx": _Dense(),
     }
     with torch.no_grad():
-        return split_model(model, example, is_attention_op, is_packed_module)
+        split = split_model(model, example, is_attention_op, is_packed_module)
+    fused_slice.attach(model, split)
+    return split

@@ -355,8 +355,13 @@ class QuantLinear(nn.Module):
         if x.dtype != torch.float32 or x.shape[-1] != self.in_features or not x.is_cpu:
             raise ValueError(f"x must be a CPU float32 [..., {self.in_features}] tensor, got {x.dtype} "
                              f"{tuple(x.shape)} on {x.device}")
-        # The kernel's arguments are looked up once (a decode step makes hundreds of calls);
-        # the buffers only change through _apply (.to() and the like) and state-dict loads.
+        return _run_native(x, self._native_args or self.native_args())
+
+    def native_args(self) -> tuple[int, ...]:
+        """The kernel's arguments: (format code, k, n, values, scale, minimum, bias
+        addresses, 0 where absent). Looked up once (a decode step makes hundreds of calls)
+        and cached: the buffers only change through _apply (.to() and the like) and
+        state-dict loads, which drop the cached tuple, so a new one means new addresses."""
         args = self._native_args
         if args is None:
             p = self.packed
@@ -364,7 +369,7 @@ class QuantLinear(nn.Module):
                 _FORMAT_CODE[p.fmt], p.k, p.n, p.values.data_ptr(),
                 0 if p.scale is None else p.scale.data_ptr(), 0 if p.minimum is None else p.minimum.data_ptr(),
                 0 if self.bias is None else self.bias.data_ptr())
-        return _run_native(x, args)
+        return args
 
     def _apply(self, fn, recurse=True):
         self._native_args = None

@@ -45,6 +45,9 @@ class Slice:
     context_out: list[str]  # names of the context values it hands on
     takes_attention: bool  # whether it receives the previous attention output
     is_last: bool
+    # The same computation in one native call where it takes the step (a LLaMA model's
+    # middle slices: lamina.model.fused_slice); it returns None to leave a step to `module`.
+    fused: Callable[[dict[str, Any], torch.Tensor | None, Sequence[torch.Tensor]], SliceOutput | None] | None = None
 
     def __call__(
         self,
@@ -52,6 +55,10 @@ class Slice:
         attn_out: torch.Tensor | None = None,
         context: Sequence[torch.Tensor] = (),
     ) -> SliceOutput:
+        if self.fused is not None:
+            out = self.fused(inputs, attn_out, context)
+            if out is not None:
+                return out
         args: list[Any] = [inputs[name] for name in self.graph_inputs]
         if self.takes_attention:
             args.append(attn_out)
