@@ -86,6 +86,7 @@ from engine_throughput import cpu_model
 from serving import pct
 
 from lamina.lifetime import child_argv
+from lamina.planner.measure.host_load import ForeignCpu
 from lamina.planner.measure.stack_run import metric_ports, read_counters
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -277,29 +278,12 @@ async def _stack_ports(url: str) -> dict[str, int]:
     return await metric_ports(config.redis_url, config.namespace)
 
 
-def cpu_seconds() -> tuple[float, float]:
-    """(the host's busy CPU seconds, steal included; CPU seconds of this process and every
-    process under it: the servers started here)."""
-    import psutil
-
-    host = psutil.cpu_times()
-    busy = sum(host) - host.idle - getattr(host, "iowait", 0.0)
-    me = psutil.Process()
-    ours = 0.0
-    for p in [me, *me.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            t = p.cpu_times()
-            ours += t.user + t.system
-    return busy, ours
-
-
 def timed_run(run, *args) -> dict:
     """run(*args)'s row, with the CPU that processes not started here took meanwhile
     (cores on average: other users of this shared host, and the hypervisor's steal)."""
-    (busy0, ours0), t0 = cpu_seconds(), time.perf_counter()
+    others = ForeignCpu()
     row = run(*args)
-    (busy1, ours1), t1 = cpu_seconds(), time.perf_counter()
-    return {**row, "foreign_cores": max(0.0, (busy1 - busy0) - (ours1 - ours0)) / (t1 - t0)}
+    return {**row, "foreign_cores": others.cores()}
 
 
 def auto_layout() -> str:

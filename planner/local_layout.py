@@ -227,15 +227,42 @@ def machine_fingerprint() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+# Other processes taking more than this many cores (on average) while the profile was
+# measured make it suspect: its figures are partly the neighbours'.
+BUSY_FOREIGN_CORES = 0.5
+# How many measurements in a row may be suspect before the last one is kept anyway (a
+# host that is always busy must not pay the measurement at every start).
+BUSY_MEASUREMENTS = 2
+
+
+def foreign_cores(profile: Mapping[str, Any]) -> float:
+    """The cores other processes took while `profile` was measured (0 where not recorded)."""
+    measurements = profile.get("measurements")
+    value = measurements.get("foreign_cores") if isinstance(measurements, Mapping) else None
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def remeasure_busy(profile: Mapping[str, Any]) -> bool:
+    """Whether a profile measured while other processes were busy is measured again: yes
+    until BUSY_MEASUREMENTS in a row were (`busy_measurements` counts them)."""
+    return foreign_cores(profile) > BUSY_FOREIGN_CORES and int(profile.get("busy_measurements", 1)) < BUSY_MEASUREMENTS
+
+
 def machine_profile(path: Path, measure: Callable[[], dict[str, Any]], say: Callable[[str], None]) -> dict[str, Any]:
     """The profile at `path` when it was measured on this machine by this version (its
-    "fingerprint"), else `measure()`'s, written to `path` with the fingerprint."""
+    "fingerprint") and not while other processes were busy (`remeasure_busy`), else
+    `measure()`'s, written to `path` with the fingerprint."""
     fingerprint = machine_fingerprint()
+    busy_before = 0
     try:
         held = json.loads(path.read_text())
-        if isinstance(held, dict) and held.get("fingerprint") == fingerprint and "device" in held:
+        if not (isinstance(held, dict) and held.get("fingerprint") == fingerprint and "device" in held):
+            why = "measured on another machine or by another version"
+        elif remeasure_busy(held):
+            why = f"measured while other processes took {foreign_cores(held):.1f} cores"
+            busy_before = int(held.get("busy_measurements", 1))
+        else:
             return held
-        why = "measured on another machine or by another version"
     except FileNotFoundError:
         why = "none yet"
     except (OSError, ValueError):
@@ -244,6 +271,13 @@ def machine_profile(path: Path, measure: Callable[[], dict[str, Any]], say: Call
         f"about a minute, once)...")
     result = dict(measure())
     result["fingerprint"] = fingerprint
+    busy = foreign_cores(result)
+    if busy > BUSY_FOREIGN_CORES:
+        result["busy_measurements"] = busy_before + 1
+        again = ("the next start measures again" if remeasure_busy(result)
+                 else f"kept: {result['busy_measurements']} measurements in a row were")
+        say(f"other processes took {busy:.1f} cores while this machine was measured: the figures, and the layout "
+            f"chosen from them, may be off ({again}; `lamina profile` re-measures when the machine is quiet)")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -258,8 +258,10 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
     import torch
 
     from lamina.model.quant import set_kernel_threads
+    from lamina.planner.measure.host_load import ForeignCpu
     from lamina.planner.measure.kernels import copy_bandwidth
 
+    others = ForeignCpu()  # what the neighbours take meanwhile, recorded with the figures
     torch.set_num_threads(threads)
     set_kernel_threads(threads)
     repeats = 3 if quick else 7
@@ -336,4 +338,5 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
         "copy_bytes_s": copy_bw, "services": services, "linear": {str(k): v for k, v in linear.items()},
         "packed_linear": {fmt: {str(k): v for k, v in table.items()} for fmt, table in packed.items()},
         "kv_q4_quantize_s_per_element": kv_quantize,
-        "attention": attention, "transport": transport, "transports": by_transport, "overhead": overhead}}
+        "attention": attention, "transport": transport, "transports": by_transport, "overhead": overhead,
+        "foreign_cores": others.cores()}}

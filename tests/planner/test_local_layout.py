@@ -119,6 +119,57 @@ def test_a_profile_is_reused_only_for_this_machine_and_version(tmp_path, monkeyp
     assert machine_profile(path, measure, said.append)["device"] == {"n": 3} and "unreadable" in said[-1]
 
 
+def test_a_profile_measured_while_the_host_was_busy_is_measured_again_once(tmp_path):
+    """Other processes busy during the measurement: the next start measures again; two busy
+    measurements in a row: the second is kept, so a host that is always busy does not pay
+    the measurement at every start. A quiet measurement is kept at once."""
+    path = tmp_path / "profile.json"
+    loads, said = [1.6, 1.2, 0.1], []
+
+    def measure():
+        return {"device": {"n": len(said)}, "measurements": {"foreign_cores": loads.pop(0)}}
+
+    first = machine_profile(path, measure, said.append)
+    assert first["busy_measurements"] == 1 and "took 1.6 cores" in said[-1] and "measures again" in said[-1]
+    second = machine_profile(path, measure, said.append)
+    assert "measured while other processes took 1.6 cores" in said[-2]
+    assert second["busy_measurements"] == 2 and "kept: 2 measurements in a row" in said[-1]
+    assert machine_profile(path, measure, said.append) == second and loads == [0.1]  # kept: not measured
+    path.write_text(json.dumps({**second, "busy_measurements": 1}))  # as `lamina profile` writes a busy one
+    quiet = machine_profile(path, measure, said.append)
+    assert loads == [] and "busy_measurements" not in quiet and "cores while" not in said[-1]
+    assert machine_profile(path, measure, said.append) == quiet
+    assert not local_layout.remeasure_busy({"device": {}})  # a profile without the figure: as measured quiet
+
+
+def test_the_foreign_cpu_meter_sees_a_neighbour_and_not_its_own_work():
+    """This process's own spinning does not count; a busy process this test did not start
+    (about one core) does."""
+    import subprocess
+    import sys
+    import time
+
+    from lamina.planner.measure.host_load import ForeignCpu
+
+    meter = ForeignCpu()
+    t = time.perf_counter()
+    while time.perf_counter() - t < 1.0:
+        pass
+    alone = meter.cores()
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 30: pass"
+    # Started by a shell that exits at once: the spinner is nobody's child here.
+    subprocess.run(["sh", "-c", f"{sys.executable} -c '{spin}' >/dev/null 2>&1 &"], check=True)
+    try:
+        time.sleep(0.3)
+        meter = ForeignCpu()
+        time.sleep(1.0)
+        neighbour = meter.cores()
+    finally:
+        subprocess.run(["pkill", "-f", "while time.time\\(\\) - t < 30"], check=False)
+    assert neighbour > 0.5, neighbour
+    assert neighbour > alone + 0.5, (alone, neighbour)
+
+
 def _up_args(*argv: str) -> argparse.Namespace:
     from lamina.commands import up
 
