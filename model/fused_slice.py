@@ -23,7 +23,7 @@ import torch
 
 from lamina.model import quant
 from lamina.model.quant import QuantLinear
-from lamina.model.rope import rope_table
+from lamina.model.rope import with_rope_table
 from lamina.model.splitter import SliceOutput, SplitModel
 
 try:
@@ -47,8 +47,7 @@ class FusedSlice:
     def __init__(self, model: Any, j: int) -> None:
         cfg = model.config
         before, after = model.model.layers[j - 1], model.model.layers[j]
-        self._linears: tuple[QuantLinear, ...] = (before.self_attn.o_proj, before.mlp.gate_up_proj,
-                                                  before.mlp.down_proj, after.self_attn.qkv_proj)
+        self._linears: tuple[QuantLinear, ...] = _linears(model, j)
         self._norms = (before.post_attention_layernorm, after.input_layernorm)
         self._inv_freq = model.model.inv_freq
         self._eps = before.post_attention_layernorm.eps
@@ -88,19 +87,18 @@ class FusedSlice:
         h, hkv = self._heads, self._kv_heads
         qkv = residual.new_empty((t, (h + 2 * hkv) * self._head_dim))  # [T, (Hq + 2 Hkv) D]
         out = residual.new_empty((t, self._d))  # [T, d]
-        rows = 0  # the rope table as it is, then (a position past it) one that holds every position
-        while True:
-            cos, sin = rope_table(self._inv_freq, rows)  # [R, D] each
-            outside = NATIVE.layer(plan, attn_out.data_ptr(), residual.data_ptr(), positions.data_ptr(),
-                                   cos.data_ptr(), sin.data_ptr(), cos.shape[0], qkv.data_ptr(), out.data_ptr(), t,
-                                   quant.kernel_threads())  # checks every position before computing
-            if outside < 0:
-                break
-            if int(positions[outside]) < 0:
-                raise ValueError(f"negative position {int(positions[outside])}")
-            rows = int(positions.max()) + 1
+        with_rope_table(self._inv_freq, positions, lambda cos, sin: NATIVE.layer(  # checks every position first
+            plan, attn_out.data_ptr(), residual.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            cos.shape[0], qkv.data_ptr(), out.data_ptr(), t, quant.kernel_threads()))
         heads = qkv.view(t, h + 2 * hkv, self._head_dim)  # [T, Hq + 2 Hkv, D]
         return SliceOutput((heads[:, :h], heads[:, h:h + hkv], heads[:, h + hkv:]), [out], None)
+
+
+def _linears(model: Any, j: int) -> tuple[Any, ...]:
+    """Slice j's products in order: layer j - 1's output projection, gate/up and down,
+    layer j's QKV projection."""
+    before, after = model.model.layers[j - 1], model.model.layers[j]
+    return before.self_attn.o_proj, before.mlp.gate_up_proj, before.mlp.down_proj, after.self_attn.qkv_proj
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -125,9 +123,7 @@ def attach(model: Any, split: SplitModel) -> int:
                 and len(piece.context_in) == 1 and len(piece.context_out) == 1
                 and split.attention_modules[j - 1] == f"model.layers.{j - 1}.self_attn.attn"):
             continue
-        before, after = layers[j - 1], layers[j]
-        linears = (before.self_attn.o_proj, before.mlp.gate_up_proj, before.mlp.down_proj, after.self_attn.qkv_proj)
-        if all(isinstance(m, QuantLinear) for m in linears):
+        if all(isinstance(m, QuantLinear) for m in _linears(model, j)):
             piece.fused = FusedSlice(model, j)
             attached += 1
     return attached

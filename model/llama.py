@@ -25,7 +25,7 @@ from torch import nn
 from lamina.model.attention import AttentionContext
 from lamina.model.config import ModelConfig
 from lamina.model.quant import QuantEmbedding, QuantLinear
-from lamina.model.rope import apply_rope, inverse_frequencies, rope_cos_sin, rope_table
+from lamina.model.rope import apply_rope, inverse_frequencies, rope_cos_sin, with_rope_table
 from lamina.model.splitter import SplitModel
 
 try:
@@ -118,16 +118,9 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> 
               and positions.is_contiguous() and positions.shape == (t,) and inv_freq.is_cpu)
     if not native:
         return apply_rope(x, *rope_cos_sin(positions, inv_freq))
-    rows = 0  # the table as it is, then (a position past it) one that holds every position
-    while True:
-        cos, sin = rope_table(inv_freq, rows)  # [R, D] each
-        outside = _SLICE_OPS.rope(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                  cos.shape[0], t, heads, d)  # checks every position before rotating any
-        if outside < 0:
-            return x
-        if int(positions[outside]) < 0:
-            raise ValueError(f"negative position {int(positions[outside])}")
-        rows = int(positions.max()) + 1
+    with_rope_table(inv_freq, positions, lambda cos, sin: _SLICE_OPS.rope(  # checks every position before rotating
+        x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], t, heads, d))
+    return x
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -86,3 +87,20 @@ def rope_table(inv_freq: torch.Tensor, rows: int = 0) -> tuple[torch.Tensor, tor
             weakref.finalize(inv_freq, _TABLES.pop, key, None)
         _TABLES[key] = (inv_freq._version, cos[:, 0], sin[:, 0])
     return cos[:, 0], sin[:, 0]
+
+
+def with_rope_table(inv_freq: torch.Tensor, positions: torch.Tensor,
+                    rotate: Callable[[torch.Tensor, torch.Tensor], int]) -> None:
+    """Calls rotate(cos, sin) with `rope_table`'s tables ([R, D] each): first the table as
+    it is, then, when rotate returns the row of `positions` ([T] int64) that fell outside
+    it (it must rotate nothing then), once more with one that holds every position; a
+    negative return means done. A negative position raises ValueError."""
+    rows = 0
+    while True:
+        cos, sin = rope_table(inv_freq, rows)
+        outside = rotate(cos, sin)
+        if outside < 0:
+            return
+        if int(positions[outside]) < 0:
+            raise ValueError(f"negative position {int(positions[outside])}")
+        rows = int(positions.max()) + 1
