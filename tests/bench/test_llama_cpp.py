@@ -78,3 +78,23 @@ def test_anchor_prompts_are_distinct_and_of_the_asked_length():
     long = make_prompts(Words(), 3, 200)  # extended past the text
     assert all(len(p) == 200 for p in long)
     assert len({tuple(p) for p in make_prompts(Words(), 12, 40)}) == 12
+
+
+def test_anchor_rounds_alternate_and_ratios_pair_passes_of_the_same_round():
+    from cpu_anchor import Contender, paired_ratio, round_order
+
+    # Every system once a round, a different one first each round.
+    orders = [round_order(3, r) for r in range(3)]
+    assert all(sorted(o) == [0, 1, 2] for o in orders)
+    assert [o[0] for o in orders] == [0, 1, 2]
+
+    def contender(*tok_s: float) -> Contender:
+        return Contender("x", "lamina_up", lambda: {}, passes=[{"tok_s": t} for t in tok_s])
+
+    # The machine slowed by half in round 2: pairing by round keeps the ratio at 2, where a
+    # ratio of the medians (200 / 50) would say 4.
+    fast, slow = contender(200.0, 100.0, 200.0), contender(100.0, 50.0, 25.0)
+    assert fast.tok_s == 200.0 and slow.tok_s == 50.0
+    assert paired_ratio(fast, slow) == 2.0
+    with pytest.raises(ValueError):  # passes of different rounds are never paired
+        paired_ratio(fast, contender(1.0))

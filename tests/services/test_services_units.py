@@ -82,6 +82,9 @@ def test_the_rotational_pipeline_steps_one_more_micro_batch_than_model_workers()
     assert (rotational.rotational, rotational.decode_micro_batches) == (True, 4)
     fixed = load_config(env={}, overrides={"model_worker.workers": 3, "pipeline.micro_batches": 2})
     assert (fixed.rotational, fixed.decode_micro_batches) == (False, 2)
+    # Colocated, a step attends itself: no wait for other micro-batches to fill.
+    colocated = load_config(env={}, overrides={"layout": "colocated", "pipeline.micro_batches": 2})
+    assert (colocated.colocated, colocated.decode_micro_batches) == (True, 1)
     with pytest.raises(ConfigError, match=r"pipeline\.mode must be one of fixed, rotational"):
         load_config(env={"LAMINA_PIPELINE": "round-robin"})
 
