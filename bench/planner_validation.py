@@ -17,12 +17,14 @@ micro-batches, decode tokens/s against the planner's disaggregated layout on
 per-slice, per-frame and per-exchange overheads, calibrated on a smaller stack run, and
 the host's CPU work over its cores).
 
---out-of-sample adds cases the calibration never touched (OUT_OF_SAMPLE, 22 of them), in
+--out-of-sample adds cases the calibration never touched (OUT_OF_SAMPLE, 26 of them), in
 families: the engine with other model shapes (seeded random-weight SmolLM2-360M- and
 -1.7B-shaped models, SmolLM2's vocabulary), with contexts up to 4,096 tokens, with two
-threads (against a profile measured with two); and the stack, colocated against
+threads (against a profile measured with two); the stack, colocated against
 disaggregated with 1-2 attention workers and 1-3 micro-batches, for SmolLM2-135M and the
-360M shape. Every prediction is made and printed (and written to --predictions) before
+360M shape; and the stack colocated on 1 and 2 model threads at two points (predicted
+from the one-thread profile and its measured speedup on two threads, as `lamina up`
+ranks them). Every prediction is made and printed (and written to --predictions) before
 any of them is measured. It reports their median and largest error apart from the
 in-sample cases above, and, for each stack family, the decision error: how much less
 the layout the planner ranks first measured than the best measured one.
@@ -96,8 +98,9 @@ class Case:
     micro_batches: int = 1
 
     def name(self) -> str:
-        where = (f"engine, {self.threads} thread{'s' * (self.threads > 1)}" if self.kind == "engine" else
-                 "stack colocated" if self.layout == "colocated" else
+        threads = f"{self.threads} thread{'s' * (self.threads > 1)}"
+        where = (f"engine, {threads}" if self.kind == "engine" else
+                 f"stack colocated, {threads}" if self.layout == "colocated" else
                  f"stack {self.attention_workers} attention, {self.micro_batches} micro-batch")
         return f"{self.model or 'smollm2-135m'}: {where}, batch {self.batch}, prompt {self.prompt}"
 
@@ -116,18 +119,24 @@ OUT_OF_SAMPLE = (
       for lay, a, m in _STACK_LAYOUTS),
     *(Case("stack, 360M shape, batch 8 x 256", M360, "stack", 8, 256, layout=lay, attention_workers=a,
            micro_batches=m) for lay, a, m in (_STACK_LAYOUTS[0], ("disaggregated", 1, 1), ("disaggregated", 2, 2))),
+    # lamina up's choice of a colocated model worker's threads, predicted from the one-thread
+    # profile and its measured speedup on two (Device.linear_speedup).
+    *(Case(f"stack colocated threads, batch {b} x {p}", None, "stack", b, p, threads=t)
+      for b, p in ((4, 256), (16, 512)) for t in (1, 2)),
 )
 ENGINE_STEPS, STACK_STEPS = 5, 16
 
 
 def predict(case: Case, shapes: dict, catalogues: dict) -> tuple[float, str]:
     """The planner's decode tokens/s for `case` and its bottleneck."""
-    shape, catalogue = shapes[case.model], catalogues[case.threads]
-    if case.kind == "engine":
+    shape = shapes[case.model]
+    if case.kind == "engine":  # on the profile measured with the case's threads
+        catalogue = catalogues[case.threads]
         layout = Layout(THIS_MACHINE, 1, weights=FP32, kv=FP32)
         context = case.prompt + 1 + ENGINE_STEPS / 2
-    else:  # as lamina up's ranking predicts it (colocated: attention_workers 0)
-        layout = host_layout(case.attention_workers, case.micro_batches, FP32)
+    else:  # as lamina up's ranking predicts it (colocated: attention_workers 0), on the one-thread profile
+        catalogue = catalogues[1]
+        layout = host_layout(case.attention_workers, case.micro_batches, FP32, case.threads)
         context = case.prompt + STACK_STEPS / 2
     step = decode_step(shape, layout, catalogue, case.batch, context)
     return case.batch / step.step_s, step.bottleneck
@@ -154,7 +163,8 @@ def measure(case: Case, models: dict) -> float:
     prompts = make_prompts(loaded.tokenizer, case.batch, case.prompt)
     kv_bytes = 2 * case.batch * (case.prompt + STACK_STEPS + 64) * loaded.config.kv_bytes_per_token() + (256 << 20)
     return run_stack(prompts, STACK_STEPS, "tcp", case.micro_batches, False, 1, kv_bytes, "float32",
-                     attention_workers=max(1, case.attention_workers), layout=case.layout, model=case.model)["tok_s"]
+                     attention_workers=max(1, case.attention_workers), layout=case.layout, model=case.model,
+                     model_threads=case.threads)["tok_s"]
 
 
 def out_of_sample(prof1: dict, predictions_path: Path | None, family: str | None = None) -> dict:
@@ -216,7 +226,7 @@ def main() -> None:
                     help="also the stack at 1 and 2 micro-batches with 1 and 2 attention workers")
     ap.add_argument("--save-profile", type=Path, default=None, help="write the measured profile here (JSON)")
     ap.add_argument("--out-of-sample", action="store_true",
-                    help="also the 22 cases the calibration never touched (OUT_OF_SAMPLE; about 25 minutes here)")
+                    help="also the 26 cases the calibration never touched (OUT_OF_SAMPLE; about 27 minutes here)")
     ap.add_argument("--predictions", type=Path, default=None,
                     help="--out-of-sample: write its predictions here (JSON) before measuring any")
     ap.add_argument("--family", default=None, help="--out-of-sample: only the families whose name holds this")

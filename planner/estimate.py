@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lamina.planner.hardware import Device
 from lamina.planner.layouts import Layout
@@ -115,6 +115,12 @@ def decode_step(shape: ModelShape, layout: Layout, catalogue: Mapping[str, Devic
         att_s, threads = att.seconds, None
         if md.is_cpu:
             att_s, threads = _cpu_attention(shape, md, batch, context, layout.tp, layout.kv, att)
+        if layout.threads > 1:
+            # The products and attention split over the threads by their measured speedup;
+            # the rest of a layer (the overhead terms: Python, small operators) runs on one.
+            speedup = md.linear_speedup(layout.threads, batch)
+            sl = replace(sl, layer=sl.layer.scaled(1 / speedup), head=sl.head.scaled(1 / speedup))
+            att_s /= md.attention_speedup(layout.threads)
         step = colocated_step(sl.layer_s(), att_s, sl.head.seconds, num_layers)
         if sl.layer_s() >= att_s:
             neck = "model " + ("memory" if sl.layer.is_memory_bound else "compute")

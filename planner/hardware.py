@@ -73,6 +73,11 @@ class Device:
     frame_overhead_s: float = 0.0
     exchange_overhead_s: float = 0.0
     host_cores: int | None = None
+    # Measured too: how many times faster the packed products run on T compute threads than
+    # on one (wall time), by T and batch size, and the attention kernel's speedup by T.
+    # Empty in the catalogue and in a one-core profile: one thread only.
+    linear_thread_speedup: Mapping[int, Mapping[int, float]] = field(default_factory=dict)
+    attention_thread_speedup: Mapping[int, float] = field(default_factory=dict)
 
     @property
     def is_cpu(self) -> bool:
@@ -98,6 +103,39 @@ class Device:
     @property
     def achieved_bw(self) -> float:
         return self.memory_bw * self.memory_efficiency
+
+    @property
+    def measured_threads(self) -> tuple[int, ...]:
+        """The compute-thread counts this device's figures hold for: 1, and each T with a
+        measured speedup."""
+        return (1, *sorted(t for t in self.linear_thread_speedup if t > 1 and t in self.attention_thread_speedup))
+
+    def linear_speedup(self, threads: int, batch: int) -> float:
+        """How many times faster the products run on `threads` threads at `batch` (1 for
+        one thread): linear between measured batch sizes, the nearest one beyond them."""
+        if threads <= 1:
+            return 1.0
+        table = self.linear_thread_speedup.get(threads)
+        if not table:
+            raise ValueError(f"{self.name}: no measured speedup for {threads} threads")
+        sizes = sorted(table)
+        if batch <= sizes[0]:
+            return table[sizes[0]]
+        if batch >= sizes[-1]:
+            return table[sizes[-1]]
+        hi = next(b for b in sizes if b >= batch)
+        lo = max(b for b in sizes if b <= batch)
+        if hi == lo:
+            return table[lo]
+        return table[lo] + (batch - lo) / (hi - lo) * (table[hi] - table[lo])
+
+    def attention_speedup(self, threads: int) -> float:
+        """How many times faster the attention kernel runs on `threads` threads (1 for one)."""
+        if threads <= 1:
+            return 1.0
+        if threads not in self.attention_thread_speedup:
+            raise ValueError(f"{self.name}: no measured attention speedup for {threads} threads")
+        return self.attention_thread_speedup[threads]
 
     def measured_linear_s(self, params: float, batch: int, packed: str | None = None) -> float | None:
         """Seconds for a decode matmul over `params` weights at `batch` from the measured
@@ -176,6 +214,7 @@ def device_from_entry(name: str, entry: Mapping[str, Any]) -> Device:
         if key in entry:
             ns, sources[key] = _figure(entry, key, name)
             per_element[key] = ns * 1e-9
+    linear_speedup, attention_speedup = _thread_speedups(entry, name, sources)
     attention_bw = None
     if "attention_tb_s" in entry:
         tb_s, sources["attention_tb_s"] = _figure(entry, "attention_tb_s", name)
@@ -200,7 +239,33 @@ def device_from_entry(name: str, entry: Mapping[str, Any]) -> Device:
         frame_overhead_s=overheads.get("frame_overhead_us", 0.0),
         exchange_overhead_s=overheads.get("exchange_overhead_us", 0.0),
         host_cores=int(_figure(entry, "host_cores", name)[0]) if "host_cores" in entry else None,
+        linear_thread_speedup=linear_speedup, attention_thread_speedup=attention_speedup,
     )
+
+
+def _thread_speedups(entry: Mapping[str, Any], name: str, sources: dict[str, str]
+                     ) -> tuple[dict[int, dict[int, float]], dict[int, float]]:
+    """A profile's `thread_speedup` ({value: {threads: {linear: {batch: x}, attention: x}},
+    source}) as (the products' speedup by threads and batch, attention's by threads)."""
+    if "thread_speedup" not in entry:
+        return {}, {}
+    fig = entry["thread_speedup"]
+    shape = f"{name}: thread_speedup must be {{value: {{threads: {{linear: {{batch: x}}, attention: x}}}}, source}}"
+    if not isinstance(fig, Mapping) or not isinstance(fig.get("value"), Mapping) or not fig.get("source"):
+        raise CatalogueError(shape)
+    linear: dict[int, dict[int, float]] = {}
+    attention: dict[int, float] = {}
+    for threads, figures in fig["value"].items():
+        if not isinstance(figures, Mapping) or not isinstance(figures.get("linear"), Mapping) \
+                or not figures["linear"] or "attention" not in figures:
+            raise CatalogueError(shape)
+        values = [float(x) for x in figures["linear"].values()] + [float(figures["attention"])]
+        if any(x <= 0 for x in values):
+            raise CatalogueError(f"{name}: thread_speedup figures must be positive")
+        linear[int(threads)] = {int(b): float(x) for b, x in figures["linear"].items()}
+        attention[int(threads)] = float(figures["attention"])
+    sources["thread_speedup"] = fig["source"]
+    return linear, attention
 
 
 def load_catalogue(profile: Path | None = None) -> dict[str, Device]:

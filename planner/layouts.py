@@ -43,10 +43,13 @@ class Layout:
     # Every service on one host, sharing its cores (`lamina up` on one machine, as the
     # validation runs it); never a planner candidate, whose workers are devices of their own.
     shared_host: bool = False
+    # A CPU model worker's compute threads (its products and, colocated, its attention),
+    # each thread count with its measured speedup (Device.linear_speedup); 1 on a GPU.
+    threads: int = 1
 
     def __post_init__(self) -> None:
-        if self.tp < 1 or self.model_workers < 1 or self.micro_batches < 1:
-            raise ValueError("tp, model workers and micro-batches must be positive")
+        if self.tp < 1 or self.model_workers < 1 or self.micro_batches < 1 or self.threads < 1:
+            raise ValueError("tp, model workers, micro-batches and threads must be positive")
         if (self.attention_device is None) != (self.attention_workers == 0):
             raise ValueError("an attention device needs attention workers, and only then")
 
@@ -67,7 +70,8 @@ class Layout:
         tp = f"(tp{self.tp})" if self.tp > 1 else ""
         quant = f"w={self.weights.name} kv={self.kv.name}"
         if not self.is_disaggregated:
-            return f"colocated {self.model_device}{tp} {quant}"
+            threads = f" T={self.threads}" if self.threads > 1 else ""
+            return f"colocated {self.model_device}{tp}{threads} {quant}"
         return (f"disagg M={self.model_workers}x{self.model_device}{tp} "
                 f"A={self.attention_workers}x{self.attention_device} N={self.micro_batches} "
                 f"{self.partition} {quant}")

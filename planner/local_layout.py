@@ -1,7 +1,8 @@
 """`lamina up --layout auto`: the layout this machine serves fastest, as the planner predicts.
 
 `lamina up` can start two layouts on one host: colocated (each model worker attends in
-its own process) and disaggregated (attention workers of their own, 1 or 2 here, with 1
+its own process, on 1 up to the host's cores of compute threads, each thread count the
+profile measured) and disaggregated (attention workers of their own, 1 or 2 here, with 1
 or 2 staggered micro-batches). `rank_layouts` ranks them by the planner's predicted
 decode tokens/s (lamina.planner.estimate.decode_step) for a serving workload on this
 machine's profile, every service sharing the host's cores (`Layout.shared_host`): a
@@ -111,6 +112,7 @@ class LocalChoice:
     batch: int = 0  # requests decoding at once
     step_s: float = 0.0  # time per token of each
     keeps_up: bool | None = None  # an open workload's rate: whether it is served (None: a closed one)
+    threads: int = 1  # the model worker's compute threads (ranked for colocated; 1 disaggregated)
 
     def predicted(self) -> str:
         """What the planner predicts of it, in words."""
@@ -122,7 +124,7 @@ class LocalChoice:
 
     def describe(self) -> str:
         if self.layout == "colocated":
-            return "colocated"
+            return f"colocated, {self.threads} thread{'s' * (self.threads > 1)}"
         return (f"disaggregated, {self.attention_workers} attention worker{'s' * (self.attention_workers > 1)}, "
                 f"{self.micro_batches} micro-batch{'es' * (self.micro_batches > 1)}")
 
@@ -134,22 +136,27 @@ class LocalChoice:
                 "pipeline.micro_batches": self.micro_batches}
 
 
-# The most threads `lamina up --layout auto` gives a colocated model worker's products: a
-# decode step's products split at most a handful of ways at small batches (the kernel's
-# minimum work per thread), so more would only spin.
+# The most threads `lamina up --layout auto` ranks for a colocated model worker's products
+# (and `lamina profile` measures): a decode step's products split at most a handful of
+# ways at small batches (the kernel's minimum work per thread), so more would only spin.
 MAX_AUTO_MODEL_THREADS = 8
+
+
+def thread_choices(host_cores: int) -> tuple[int, ...]:
+    """The compute-thread counts measured and ranked on a host of `host_cores`: 1, the
+    powers of two below the cores, and the cores themselves (at most MAX_AUTO_MODEL_THREADS)."""
+    top = max(1, min(MAX_AUTO_MODEL_THREADS, host_cores))
+    return tuple(sorted({1, top, *(t for t in (2, 4) if t < top)}))
 
 
 def auto_model_threads(choice: LocalChoice, cores: int, model_workers: int) -> int | None:
     """The compute threads `lamina up --layout auto` gives each model worker when nothing
-    sets them: colocated, the host's `cores` shared among the model workers (at most
-    MAX_AUTO_MODEL_THREADS each), as the model workers are then the only processes that
-    decode; None (the configured default, one) for a disaggregated layout, whose
-    attention workers need cores of their own. A rule, not a prediction: the profile is
-    measured on one thread, so the planner cannot rank thread counts."""
+    sets them: colocated, the thread count the planner ranked first (`choice.threads`),
+    within the host's `cores` shared among the model workers; None (the configured default,
+    one) for a disaggregated layout, whose attention workers need cores of their own."""
     if choice.layout != "colocated":
         return None
-    return max(1, min(MAX_AUTO_MODEL_THREADS, cores // max(1, model_workers)))
+    return max(1, min(choice.threads, cores // max(1, model_workers)))
 
 
 def weights_precision(weights: str) -> Precision:
@@ -164,8 +171,10 @@ def rank_layouts(device_entry: Mapping[str, Any], shape: ModelShape, weights: Pr
     """Every layout `lamina up` can start here, fastest first, for `workload` on the
     machine `device_entry` describes (a profile's "device")."""
     catalogue = dict(load_catalogue())
-    catalogue[THIS_MACHINE] = device_from_entry(THIS_MACHINE, device_entry)
-    candidates = [("colocated", 0, 1, host_layout(0, 1, weights))]
+    device = catalogue[THIS_MACHINE] = device_from_entry(THIS_MACHINE, device_entry)
+    host_cores = device.host_cores or 1
+    candidates = [("colocated", 0, 1, host_layout(0, 1, weights, threads))
+                  for threads in device.measured_threads if threads <= host_cores]
     for workers in ATTENTION_WORKER_CHOICES:
         for micro in MICRO_BATCH_CHOICES:
             candidates.append(("disaggregated", workers, micro, host_layout(workers, micro, weights)))
@@ -180,7 +189,7 @@ def rank_layouts(device_entry: Mapping[str, Any], shape: ModelShape, weights: Pr
             batch, keeps_up = concurrency_at_rate(step_s, workload.rate, workload.output_tokens, workload.concurrency)
         step = decode_step(shape, layout, catalogue, batch, workload.mean_context)
         ranked.append(LocalChoice(name, workers, micro, batch / step.step_s, step.bottleneck, batch, step.step_s,
-                                  keeps_up))
+                                  keeps_up, layout.threads))
     if workload.rate is None:
         return sorted(ranked, key=lambda c: -c.tok_s)
     # Those that keep up serve the same tokens/s: the shortest time per token first; then
@@ -188,11 +197,12 @@ def rank_layouts(device_entry: Mapping[str, Any], shape: ModelShape, weights: Pr
     return sorted(ranked, key=lambda c: (not c.keeps_up, c.step_s if c.keeps_up else -c.tok_s))
 
 
-def host_layout(attention_workers: int, micro_batches: int, weights: Precision) -> Layout:
+def host_layout(attention_workers: int, micro_batches: int, weights: Precision, threads: int = 1) -> Layout:
     """A layout `lamina up` starts on this host, every service sharing its cores:
-    colocated (`attention_workers` 0) or disaggregated (request partitioning), float32 KV."""
+    colocated (`attention_workers` 0; its model worker on `threads` compute threads) or
+    disaggregated (request partitioning), float32 KV."""
     if attention_workers == 0:
-        return Layout(THIS_MACHINE, 1, weights=weights, kv=FP32, shared_host=True)
+        return Layout(THIS_MACHINE, 1, weights=weights, kv=FP32, shared_host=True, threads=threads)
     return Layout(THIS_MACHINE, 1, 1, THIS_MACHINE, attention_workers, micro_batches, "request", weights, FP32,
                   shared_host=True)
 
@@ -217,13 +227,20 @@ def _cpu_model() -> str:
     return names[0] if names else platform.processor() or platform.machine()
 
 
+# What a profile holds, in its fingerprint: a profile of an earlier format is measured
+# again (2: the compute threads' speedup, `thread_speedup`).
+PROFILE_FORMAT = 2
+
+
 def machine_fingerprint() -> str:
-    """What a profile holds for: this CPU, its cores, its memory and this Lamina's version."""
+    """What a profile holds for: this CPU, its cores, its memory, this Lamina's version and the
+    profile's format."""
     try:
         version = metadata.version("lamina")
     except metadata.PackageNotFoundError:
         version = "unknown"
-    text = json.dumps([_cpu_model(), os.cpu_count(), int(memory_bytes()) >> 30, platform.system(), version])
+    text = json.dumps([_cpu_model(), os.cpu_count(), int(memory_bytes()) >> 30, platform.system(), version,
+                       PROFILE_FORMAT])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -7,7 +7,9 @@ Measured: the engine's matmul kernel over float32 and packed Q8_0, Q4_0 and Q4_1
 several batch sizes (each layer its own weights, so they are read from memory as in a
 decode step), decode attention over float32 and q4 KV at several batch sizes and contexts
 with the engine's kernel (lamina.model.kv_attention), the q4 quantization of new KV rows, a
-large tensor copy, and every transport's round trip and bandwidth (TCP's feed the models);
+large tensor copy, how many times faster the packed products and attention run on each
+thread count `lamina up` ranks (2 up to the host's cores) than on one (wall time, measured
+alternately), and every transport's round trip and bandwidth (TCP's feed the models);
 then the engine's own decode step at two batch sizes, whose gap to the models' prediction
 from those kernels is the overhead of everything else in a layer (a per-layer and a
 per-token term). The result is a
@@ -59,6 +61,57 @@ def measure_linear(batches: tuple[int, ...], layers: int, repeats: int,
         t = median_cpu_time(functools.partial(run_native, xs), repeats)
         out[b] = {"seconds": t, "flops": 2 * params * b / t, "weight_bytes_s": nbytes / t,
                   "s_per_param": t / params}
+    return out
+
+
+# The batch sizes and attention cases the compute threads' speedup is measured at, and
+# the packed format it is measured over (the default GGUF's Q4_1 blocks).
+SPEEDUP_BATCHES = (1, 4, 16, 64)
+SPEEDUP_ATTENTION = ((4, 256), (16, 512))
+SPEEDUP_FORMAT = "q4_1"
+
+
+def measure_thread_speedup(thread_counts: tuple[int, ...], layers: int, repeats: int) -> dict[int, dict[str, Any]]:
+    """Per thread count T above 1: how many times faster the packed products (by batch
+    size) and the attention kernel (the median over SPEEDUP_ATTENTION's cases) run on T
+    compute threads than on one, in wall time, the two measured alternately (two rounds,
+    the median of each figure's), so a drift of the machine's speed meets both."""
+    import torch
+
+    from lamina.model.kv_attention import buffer_attention
+    from lamina.model.quant import kernel_threads, set_kernel_threads
+    from lamina.planner.measure.kernels import LAYER, make_layers, median_wall_time, native_run
+
+    gen = torch.Generator().manual_seed(0)
+    run_native = native_run(make_layers(SPEEDUP_FORMAT, layers, gen))
+    xs = {b: {i: torch.randn(b, i, generator=gen) for _, i in LAYER} for b in SPEEDUP_BATCHES}
+    cases = []
+    for batch, context in SPEEDUP_ATTENTION:
+        keys = [torch.randn(context, _KV_HEADS, _HEAD_DIM, generator=gen) for _ in range(batch)]
+        values = [torch.randn(context, _KV_HEADS, _HEAD_DIM, generator=gen) for _ in range(batch)]
+        q = torch.randn(batch, _HEADS, _HEAD_DIM, generator=gen)
+        cases.append(functools.partial(buffer_attention, q, [1] * batch, keys, values, need_lse=False))
+
+    def timed(threads: int) -> tuple[dict[int, float], list[float]]:
+        set_kernel_threads(threads)
+        linear = {b: median_wall_time(functools.partial(run_native, x), repeats) for b, x in xs.items()}
+        return linear, [median_wall_time(case, repeats) for case in cases]
+
+    before = kernel_threads()
+    out: dict[int, dict[str, Any]] = {}
+    try:
+        for threads in (t for t in thread_counts if t > 1):
+            linear: dict[int, list[float]] = {b: [] for b in SPEEDUP_BATCHES}
+            attention: list[float] = []
+            for _ in range(2):
+                (one_linear, one_att), (many_linear, many_att) = timed(1), timed(threads)
+                for b in SPEEDUP_BATCHES:
+                    linear[b].append(one_linear[b] / many_linear[b])
+                attention.extend(a / m for a, m in zip(one_att, many_att, strict=True))
+            out[threads] = {"linear": {b: statistics.median(v) for b, v in linear.items()},
+                            "attention": statistics.median(attention)}
+    finally:
+        set_kernel_threads(before)
     return out
 
 
@@ -258,6 +311,7 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
     import torch
 
     from lamina.model.quant import set_kernel_threads
+    from lamina.planner.local_layout import thread_choices
     from lamina.planner.measure.host_load import ForeignCpu
     from lamina.planner.measure.kernels import copy_bandwidth
 
@@ -326,6 +380,14 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
     entry["token_overhead_us"] = {"value": overhead["token_s"] * 1e6, "source": entry["layer_overhead_us"]["source"]}
     cores = len(os.sched_getaffinity(0))
     entry["host_cores"] = {"value": cores, "source": "the CPUs this process may run on (sched_getaffinity)"}
+    speedup = measure_thread_speedup(thread_choices(cores), layers, repeats)
+    if speedup:
+        entry["thread_speedup"] = {
+            "value": {str(t): {"linear": {str(b): x for b, x in v["linear"].items()}, "attention": v["attention"]}
+                      for t, v in speedup.items()},
+            "source": f"measured by lamina profile, {when}: wall time of the packed ({SPEEDUP_FORMAT}) products "
+                      f"by batch size and of the attention kernel on one compute thread over that on T, "
+                      "measured alternately"}
     services = None
     if stack:  # last: it starts the stack's processes
         services = measure_stack_overhead(entry)
@@ -337,6 +399,6 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
     return {"device": entry, "measurements": {
         "copy_bytes_s": copy_bw, "services": services, "linear": {str(k): v for k, v in linear.items()},
         "packed_linear": {fmt: {str(k): v for k, v in table.items()} for fmt, table in packed.items()},
-        "kv_q4_quantize_s_per_element": kv_quantize,
+        "kv_q4_quantize_s_per_element": kv_quantize, "thread_speedup": {str(t): v for t, v in speedup.items()},
         "attention": attention, "transport": transport, "transports": by_transport, "overhead": overhead,
         "foreign_cores": others.cores()}}

@@ -55,8 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-workers", type=int, default=None, help="number of model-slice workers (default 1)")
     p.add_argument("--model-threads", type=int, default=None,
                    help="threads of each model worker's packed products and attention; torch's ops run on one "
-                        "(default 1, or, where --layout auto chooses colocated, the host's cores shared among the "
-                        "model workers, at most 8 each; docs/model.md, Threads)")
+                        "(default 1, or, where --layout auto chooses colocated, the thread count its planner ranks "
+                        "first, within the host's cores shared among the model workers; docs/services.md, Layouts)")
     p.add_argument("--prefill-workers", type=int, default=None,
                    help="number of prefill workers, each with its own prefix cache (default 1)")
     p.add_argument("--prefill-routing", default=None, choices=("prefix", "round_robin"),
@@ -143,8 +143,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         if threads:
             chosen["model_worker.threads"] = threads
-            print(f"lamina up: layout auto: {threads} compute thread(s) per model worker (colocated: the host's "
-                  f"cores; --model-threads sets them)", file=sys.stderr, flush=True)
+            print(f"lamina up: layout auto: {threads} compute thread(s) per model worker (colocated: the "
+                  f"planner's choice within the host's cores; --model-threads sets them)", file=sys.stderr, flush=True)
         config = stack_config(args, **chosen)
         if config is None:
             return 2
@@ -223,8 +223,9 @@ def _auto_layout(args: argparse.Namespace) -> bool | None:
 
 def _auto_threads(args: argparse.Namespace, choice, model_workers: int) -> int | None:
     """The model workers' threads for the layout auto chose (lamina.planner.local_layout.
-    auto_model_threads), 0 where they are set anywhere (flag, configuration, environment)
-    or the rule keeps the default; None after printing why the configuration is unreadable."""
+    auto_model_threads: colocated, the thread count the planner ranked first), 0 where they
+    are set anywhere (flag, configuration, environment) or the layout keeps the default;
+    None after printing why the configuration is unreadable."""
     from lamina.planner.local_layout import auto_model_threads
 
     if args.model_threads is not None:

@@ -2,7 +2,7 @@
 
 A large tensor copy's bandwidth; SmolLM2-135M's decoder layers with each layer's own
 weights packed as the engine holds them (so that a step reads them from memory, not from
-cache) and the engine's matmul kernel over them; and the median CPU time of a call.
+cache) and the engine's matmul kernel over them; and the median CPU or wall time of a call.
 `lamina profile` (planner/profile.py), bench/packed_matmul.py and bench/engine_throughput.py
 measure with these.
 """
@@ -30,6 +30,18 @@ def median_cpu_time(fn: Callable[[], object], repeats: int) -> float:
         t = time.process_time()
         fn()
         times.append(time.process_time() - t)
+    return statistics.median(times)
+
+
+def median_wall_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall seconds over `repeats` calls of `fn`, after one warm-up: what a call on
+    several threads takes (their CPU time adds up)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 

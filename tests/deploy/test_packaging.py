@@ -281,7 +281,10 @@ def test_the_wheel_runs_every_other_command(installed, tmp_path, loaded_model, h
     t0 = time.monotonic()
     installed.run("lamina", "profile", "--quick", "--out", str(profile), timeout=900)
     print(f"\nlamina profile --quick from the wheel: {time.monotonic() - t0:.0f} s")
-    assert json.loads(profile.read_text())["measurements"]["services"]["run"]["tok_s"] > 0  # the stack run ran
+    measured = json.loads(profile.read_text())
+    assert measured["measurements"]["services"]["run"]["tok_s"] > 0  # the stack run ran
+    if len(os.sched_getaffinity(0)) > 1:  # the colocated thread counts lamina up ranks are measured
+        assert set(measured["device"]["thread_speedup"]["value"]) >= {"2"}, measured["device"]
     plan = json.loads(installed.run("lamina", "plan", "--model", "smollm2-135m", "--hardware", "this-machine",
                                     "--profile", str(profile), "--prompt-tokens", "64", "--output-tokens", "16",
                                     "--rate", "0.5", "--json").stdout)
@@ -296,7 +299,7 @@ def test_the_wheel_runs_every_other_command(installed, tmp_path, loaded_model, h
         assert reply.usage.completion_tokens == 4
         log = log_path.read_text()
         assert "layout auto: " in log and "measuring this machine" not in log, log[-3000:]
-        if "layout auto: colocated" in log:  # the model worker gets the host's cores
+        if "layout auto: colocated" in log:  # the model worker gets the thread count ranked first
             assert "compute thread(s) per model worker (colocated" in log, log[-3000:]
 
 

@@ -10,6 +10,7 @@ import pytest
 from planner_helpers import figure, synthetic_entry
 
 from lamina.planner import local_layout
+from lamina.planner.hardware import CatalogueError
 from lamina.planner.local_layout import (
     RATE_MAX_CONCURRENCY,
     LocalChoice,
@@ -211,36 +212,84 @@ def test_lamina_up_chooses_on_the_cached_profile_without_measuring(tmp_path, mon
     choice = choose_layout(load_config(env={}), "1,64,32", path)
     assert choice is not None and choice.layout == "colocated"
     err = capsys.readouterr().err
-    assert "layout auto: colocated; predicted for 1 request at once, 64-token prompts, 32 output tokens" in err
+    assert "layout auto: colocated, 1 thread; predicted for 1 request at once, 64-token prompts, 32 output tokens" \
+        in err
     assert err.count("tok/s") == 3
     assert choose_layout(load_config(env={}), "1,64", path) is None
     assert "CONCURRENCY,PROMPT_TOKENS,OUTPUT_TOKENS" in capsys.readouterr().err
     choice = choose_layout(load_config(env={}), "64,32@0.01", path)  # an open workload: time per token
     assert choice is not None and choice.layout == "colocated"
     err = capsys.readouterr().err
-    assert "predicted for 0.01 requests/s of 64-token prompts and 32 output tokens: colocated " in err
+    assert "predicted for 0.01 requests/s of 64-token prompts and 32 output tokens: colocated, 1 thread " in err
     assert err.count("ms/token with 1 decoding") == 3
 
 
-def test_a_colocated_choice_gives_the_model_workers_the_hosts_cores_unless_set(tmp_path, monkeypatch):
-    """The rule (auto_model_threads): colocated, the host's cores shared among the model
-    workers, at least 1 and at most MAX_AUTO_MODEL_THREADS each; disaggregated, the default.
-    lamina up applies it only where neither the flag, the file nor the environment sets
-    the threads."""
-    from lamina.commands.up import _auto_threads
-    from lamina.planner.local_layout import MAX_AUTO_MODEL_THREADS, auto_model_threads
+def _speedups(entry: dict, linear: dict[int, float], attention: float, threads: int = 2) -> dict:
+    """`entry` with a measured speedup on `threads` compute threads (linear: by batch)."""
+    return {**entry, "thread_speedup": figure({str(threads): {"linear": {str(b): x for b, x in linear.items()},
+                                                               "attention": attention}})}
 
-    colocated = LocalChoice("colocated", 0, 1, 100.0, "compute")
+
+def test_a_colocated_model_workers_threads_are_ranked_by_their_measured_speedup():
+    """Each thread count the profile measured is a colocated candidate, predicted by its
+    speedup: threads that pay rank first, threads that do not (a host whose second core
+    is taken) rank below one thread; a profile without speedups ranks one thread only."""
+    from lamina.planner.hardware import device_from_entry
+
+    base = _entry(2, 50, 50, 300)
+    assert [c.threads for c in rank_layouts(base, SMOLLM2, FP32, LocalWorkload(4, 64, 32))
+            if c.layout == "colocated"] == [1]
+    paying = rank_layouts(_speedups(base, {1: 1.6, 64: 1.9}, 1.5), SMOLLM2, FP32, LocalWorkload(4, 64, 32))
+    colocated = [c for c in paying if c.layout == "colocated"]
+    assert [c.threads for c in colocated] == [2, 1] and paying[0].threads == 2
+    # The products sped up by their speedup at batch 4, attention by its own: in between.
+    assert 1.5 < colocated[0].tok_s / colocated[1].tok_s <= 1.6 + (4 - 1) / (64 - 1) * 0.3 + 1e-9
+    # Overheads (one thread's) do not speed up: with a per-layer one the gain is smaller.
+    overhead = {**base, "layer_overhead_us": figure(500.0)}
+    slowed = [c for c in rank_layouts(_speedups(overhead, {1: 1.6, 64: 1.9}, 1.5), SMOLLM2, FP32,
+                                      LocalWorkload(4, 64, 32)) if c.layout == "colocated"]
+    assert 1.0 < slowed[0].tok_s / slowed[1].tok_s < 1.5
+    assert paying[0].describe() == "colocated, 2 threads" and colocated[1].describe() == "colocated, 1 thread"
+    slower = rank_layouts(_speedups(base, {1: 0.8, 64: 0.9}, 0.9), SMOLLM2, FP32, LocalWorkload(4, 64, 32))
+    assert [c.threads for c in slower if c.layout == "colocated"] == [1, 2]
+    # Disaggregated model workers keep one thread; a count beyond the host's cores is not ranked.
+    assert all(c.threads == 1 for c in paying if c.layout == "disaggregated")
+    beyond = rank_layouts(_speedups(base, {1: 1.6}, 1.5, threads=4), SMOLLM2, FP32, LocalWorkload(4, 64, 32))
+    assert [c.threads for c in beyond if c.layout == "colocated"] == [1]
+
+    device = device_from_entry("m", _speedups(base, {1: 1.2, 16: 1.8}, 1.4))
+    assert device.measured_threads == (1, 2)
+    assert device.linear_speedup(1, 8) == 1.0 and device.linear_speedup(2, 1) == 1.2
+    assert device.linear_speedup(2, 64) == 1.8 and abs(device.linear_speedup(2, 8) - (1.2 + 7 / 15 * 0.6)) < 1e-9
+    assert device.attention_speedup(2) == 1.4
+    with pytest.raises(ValueError, match="no measured speedup for 4 threads"):
+        device.linear_speedup(4, 1)
+    for bad in ({"2": {"linear": {}, "attention": 1.0}}, {"2": {"linear": {"1": 0}, "attention": 1.0}},
+                {"2": {"linear": {"1": 1.0}}}):
+        with pytest.raises(CatalogueError, match="thread_speedup"):
+            device_from_entry("m", {**base, "thread_speedup": figure(bad)})
+    assert local_layout.thread_choices(1) == (1,) and local_layout.thread_choices(2) == (1, 2)
+    assert local_layout.thread_choices(6) == (1, 2, 4, 6) and local_layout.thread_choices(64) == (1, 2, 4, 8)
+
+
+def test_a_colocated_choice_gives_the_model_workers_its_threads_unless_set(tmp_path, monkeypatch):
+    """auto_model_threads: colocated, the thread count the planner ranked first, within the
+    host's cores shared among the model workers; disaggregated, the default. lamina up
+    applies it only where neither the flag, the file nor the environment sets the threads."""
+    from lamina.commands.up import _auto_threads
+    from lamina.planner.local_layout import auto_model_threads
+
+    colocated = LocalChoice("colocated", 0, 1, 100.0, "compute", threads=2)
     disaggregated = LocalChoice("disaggregated", 1, 2, 90.0, "compute")
     assert auto_model_threads(colocated, 2, 1) == 2
     assert auto_model_threads(colocated, 8, 3) == 2
     assert auto_model_threads(colocated, 2, 4) == 1
-    assert auto_model_threads(colocated, 96, 1) == MAX_AUTO_MODEL_THREADS
+    assert auto_model_threads(LocalChoice("colocated", 0, 1, 100.0, "compute"), 96, 1) == 1
     assert auto_model_threads(disaggregated, 8, 1) is None
 
     monkeypatch.delenv("LAMINA_MODEL_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2})
-    assert _auto_threads(_up_args(), colocated, 1) == 3
+    assert _auto_threads(_up_args(), colocated, 1) == 2
     assert _auto_threads(_up_args(), disaggregated, 1) == 0
     assert _auto_threads(_up_args("--model-threads", "1"), colocated, 1) == 0
     config = tmp_path / "stack.yaml"

@@ -41,6 +41,9 @@ def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
     # Loading the engine's model takes seconds; the overhead's arithmetic is tested below.
     monkeypatch.setattr(prof, "measure_engine_overhead",
                         lambda entry, steps, threads: {"layer_s": 1e-4, "token_s": 0.0})
+    monkeypatch.setattr(prof, "measure_thread_speedup", lambda counts, layers, repeats: {
+        t: {"linear": {1: 1.5, 64: 1.8}, "attention": 1.4} for t in counts if t > 1})
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     # The stack run starts every service; its arithmetic is tested below.
     monkeypatch.setattr(prof, "measure_stack_overhead",
                         lambda entry: {"slice_s": 2e-4, "frame_s": 3e-4, "exchange_s": 5e-4})
@@ -60,11 +63,23 @@ def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
     assert dev.layer_overhead_s == pytest.approx(1e-4) and dev.token_overhead_s == 0.0
     assert set(dev.packed_linear_s_per_param) == {"q8_0", "q4_0", "q4_1"}
     assert (dev.slice_overhead_s, dev.frame_overhead_s, dev.exchange_overhead_s) == pytest.approx((2e-4, 3e-4, 5e-4))
-    assert dev.host_cores >= 1
+    assert dev.host_cores == 2 and dev.measured_threads == (1, 2) and dev.linear_speedup(2, 64) == 1.8
     assert dev.attention_q4_s_per_element > 0 and dev.kv_q4_quantize_s_per_element > 0
     assert main(["plan", "--model", "smollm2-135m", "--hardware", "this-machine", "--profile", str(out),
                  "--prompt-tokens", "64", "--output-tokens", "16", "--rate", "0.5", "--json"]) == 0
     assert "this-machine" in capsys.readouterr().out
+
+
+def test_thread_speedup_is_measured_for_each_count_above_one_and_leaves_the_threads_as_they_were():
+    from lamina.model.quant import kernel_threads
+    from lamina.planner.profile import SPEEDUP_BATCHES, measure_thread_speedup
+
+    before = kernel_threads()
+    speedup = measure_thread_speedup((1, 2), layers=1, repeats=1)
+    assert set(speedup) == {2} and set(speedup[2]["linear"]) == set(SPEEDUP_BATCHES)
+    assert all(x > 0 for x in speedup[2]["linear"].values()) and speedup[2]["attention"] > 0
+    assert kernel_threads() == before
+    assert measure_thread_speedup((1,), layers=1, repeats=1) == {}
 
 
 def test_overhead_terms_meet_both_points():
