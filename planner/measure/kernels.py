@@ -24,24 +24,22 @@ def median_cpu_time(fn: Callable[[], object], repeats: int) -> float:
     """Median CPU seconds of this process over `repeats` calls of `fn`, after one warm-up:
     on shared cores wall time counts the neighbours' turns too, and with one thread CPU
     time is the compute."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.process_time()
-        fn()
-        times.append(time.process_time() - t)
-    return statistics.median(times)
+    return _median_time(fn, repeats, time.process_time)
 
 
 def median_wall_time(fn: Callable[[], object], repeats: int) -> float:
     """Median wall seconds over `repeats` calls of `fn`, after one warm-up: what a call on
     several threads takes (their CPU time adds up)."""
+    return _median_time(fn, repeats, time.perf_counter)
+
+
+def _median_time(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return statistics.median(times)
 
 
