@@ -2,6 +2,8 @@
 every device but the CPU, taken on the CPU in bfloat16), checked against transformers
 in the same dtype; and what it refuses."""
 
+import math
+
 import pytest
 import torch
 
@@ -18,8 +20,12 @@ def unpacked():
 
 
 def test_a_bfloat16_engine_decodes_as_transformers_bfloat16(unpacked):
-    """Greedy, 16 tokens: whole outputs equal where no two logits tie within bfloat16's
-    rounding (3 of these 4 prompts here), and every output's first tokens equal."""
+    """Greedy, 16 tokens: every output's first tokens equal, and where an output parts from
+    transformers' it is at a tie: transformers' own logits for the two tokens there are
+    within two bfloat16 steps of each other and of the best. (How many outputs part depends
+    on the CPU's bfloat16 kernels: 1 of these 4 prompts on an AMD EPYC, 2 on an Intel Xeon
+    with AVX512-BF16, where transformers' cached generate and its own full forward disagree
+    at one of them.)"""
     from transformers import AutoModelForCausalLM
 
     engine = Engine(unpacked, EngineConfig(dtype="bfloat16"))
@@ -28,14 +34,21 @@ def test_a_bfloat16_engine_decodes_as_transformers_bfloat16(unpacked):
     hf = AutoModelForCausalLM.from_pretrained(str(unpacked.weights_dir), dtype=torch.bfloat16).eval()
     ids = [unpacked.tokenizer.encode(p) for p in PROMPTS]
     outs = engine.generate(ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-    same = 0
     for prompt, out in zip(ids, outs):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                               max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-        assert out.output_token_ids[:2] == ref[:2]
-        same += out.output_token_ids == ref
-    assert same >= 3
+        ours = out.output_token_ids
+        assert ours[:2] == ref[:2]
+        if ours == ref:
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + ref[:i]])).logits[0, -1].float()  # [V]
+        best = float(logits.max())
+        step = 2.0 ** (math.floor(math.log2(abs(best))) - 7)  # bfloat16's spacing there (8 significant bits)
+        mine, theirs = float(logits[ours[i]]), float(logits[ref[i]])
+        assert abs(mine - theirs) <= 2 * step and min(mine, theirs) >= best - 2 * step, (i, mine, theirs, best)
     assert engine.kv.num_sequences == 0 and engine.kv.dtype == torch.bfloat16
 
 
