@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import http.client
 import logging
 import os
 import secrets
@@ -60,6 +61,8 @@ def health_ok(base_url: str, timeout_s: float = 2.0) -> bool:
         with urllib.request.urlopen(base_url + "/health", timeout=timeout_s) as r:
             return r.status == 200
     except OSError:  # refused, reset, timed out, or an HTTP error status (URLError, HTTPError)
+        return False
+    except http.client.HTTPException:  # something that is not an HTTP server holds the port
         return False
 
 
