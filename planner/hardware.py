@@ -118,16 +118,7 @@ class Device:
         table = self.linear_thread_speedup.get(threads)
         if not table:
             raise ValueError(f"{self.name}: no measured speedup for {threads} threads")
-        sizes = sorted(table)
-        if batch <= sizes[0]:
-            return table[sizes[0]]
-        if batch >= sizes[-1]:
-            return table[sizes[-1]]
-        hi = next(b for b in sizes if b >= batch)
-        lo = max(b for b in sizes if b <= batch)
-        if hi == lo:
-            return table[lo]
-        return table[lo] + (batch - lo) / (hi - lo) * (table[hi] - table[lo])
+        return _by_batch(table, batch)
 
     def attention_speedup(self, threads: int) -> float:
         """How many times faster the attention kernel runs on `threads` threads (1 for one)."""
@@ -145,17 +136,25 @@ class Device:
         table = self.linear_s_per_param if packed is None else self.packed_linear_s_per_param.get(packed)
         if not table:
             return None
-        sizes = sorted(table)
-        if batch <= sizes[0]:
-            return params * table[sizes[0]]
-        if batch >= sizes[-1]:
-            return params * table[sizes[-1]] * batch / sizes[-1]
-        hi = next(b for b in sizes if b >= batch)
-        lo = max(b for b in sizes if b <= batch)
-        if hi == lo:
-            return params * table[lo]
-        frac = (batch - lo) / (hi - lo)
-        return params * (table[lo] + frac * (table[hi] - table[lo]))
+        largest = max(table)
+        if batch >= largest:
+            return params * table[largest] * batch / largest
+        return params * _by_batch(table, batch)
+
+
+def _by_batch(table: Mapping[int, float], batch: int) -> float:
+    """A figure measured at several batch sizes, at `batch`: linear between the measured
+    sizes, the nearest one's beyond them."""
+    sizes = sorted(table)
+    if batch <= sizes[0]:
+        return table[sizes[0]]
+    if batch >= sizes[-1]:
+        return table[sizes[-1]]
+    hi = next(b for b in sizes if b >= batch)
+    lo = max(b for b in sizes if b <= batch)
+    if hi == lo:
+        return table[lo]
+    return table[lo] + (batch - lo) / (hi - lo) * (table[hi] - table[lo])
 
 
 def _figure(entry: Mapping[str, Any], key: str, where: str, minimum_exclusive: bool = True) -> tuple[float, str]:

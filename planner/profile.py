@@ -87,9 +87,7 @@ def measure_thread_speedup(thread_counts: tuple[int, ...], layers: int, repeats:
     xs = {b: {i: torch.randn(b, i, generator=gen) for _, i in LAYER} for b in SPEEDUP_BATCHES}
     cases = []
     for batch, context in SPEEDUP_ATTENTION:
-        keys = [torch.randn(context, _KV_HEADS, _HEAD_DIM, generator=gen) for _ in range(batch)]
-        values = [torch.randn(context, _KV_HEADS, _HEAD_DIM, generator=gen) for _ in range(batch)]
-        q = torch.randn(batch, _HEADS, _HEAD_DIM, generator=gen)
+        q, keys, values = _attention_inputs(batch, context, gen)
         cases.append(functools.partial(buffer_attention, q, [1] * batch, keys, values, need_lse=False))
 
     def timed(threads: int) -> tuple[dict[int, float], list[float]]:
@@ -119,6 +117,16 @@ def measure_thread_speedup(thread_counts: tuple[int, ...], layers: int, repeats:
 _HEADS, _KV_HEADS, _HEAD_DIM = 9, 3, 64
 
 
+def _attention_inputs(batch: int, context: int, generator=None):
+    """One decode step's attention inputs for `batch` sequences of `context` tokens:
+    Q [batch, heads, d], and each sequence's K and V [context, kv_heads, d]."""
+    import torch
+
+    keys = [torch.randn(context, _KV_HEADS, _HEAD_DIM, generator=generator) for _ in range(batch)]
+    values = [torch.randn(context, _KV_HEADS, _HEAD_DIM, generator=generator) for _ in range(batch)]
+    return torch.randn(batch, _HEADS, _HEAD_DIM, generator=generator), keys, values
+
+
 def measure_attention(cases: tuple[tuple[int, int], ...], repeats: int) -> dict[str, dict[str, float]]:
     """Per (batch, context): one layer of decode attention with the engine's kernel over
     float32 KV (the local engine's buffers) and over q4 KV (an attention worker's packed
@@ -129,13 +137,11 @@ def measure_attention(cases: tuple[tuple[int, int], ...], repeats: int) -> dict[
     from lamina.model.kv_quant import Q4Rows
     from lamina.planner.measure.kernels import median_cpu_time
 
-    heads, kv_heads, d = _HEADS, _KV_HEADS, _HEAD_DIM
+    kv_heads, d = _KV_HEADS, _HEAD_DIM
     rows = Q4Rows(d)
     out: dict[str, dict[str, float]] = {}
     for batch, context in cases:
-        keys = [torch.randn(context, kv_heads, d) for _ in range(batch)]
-        values = [torch.randn(context, kv_heads, d) for _ in range(batch)]
-        q = torch.randn(batch, heads, d)
+        q, keys, values = _attention_inputs(batch, context)
         lens = [1] * batch
         t = median_cpu_time(functools.partial(buffer_attention, q, lens, keys, values, need_lse=False), repeats)
         k_pool, v_pool = rows.quantize(torch.cat(keys)), rows.quantize(torch.cat(values))  # [S, Hkv, row_bytes]

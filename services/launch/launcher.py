@@ -60,9 +60,9 @@ def health_ok(base_url: str, timeout_s: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(base_url + "/health", timeout=timeout_s) as r:
             return r.status == 200
-    except OSError:  # refused, reset, timed out, or an HTTP error status (URLError, HTTPError)
-        return False
-    except http.client.HTTPException:  # something that is not an HTTP server holds the port
+    # Refused, reset, timed out, an HTTP error status (URLError, HTTPError: OSErrors), or a
+    # reply that is not HTTP (HTTPException: something else holds the port).
+    except (OSError, http.client.HTTPException):
         return False
 
 
