@@ -337,7 +337,7 @@ def main() -> None:
     up_threads = [None if t.strip() == "default" else int(t) for t in args.up_model_threads.split(",")]
     raise_on_sigterm()
 
-    from lamina.model.loader import load_tokenizer, resolve_checkpoint
+    from lamina.model.checkpoints import load_tokenizer, resolve_checkpoint
 
     gguf = resolve_checkpoint(None)[0]
     tokenizer, _ = load_tokenizer(gguf)

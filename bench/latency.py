@@ -421,7 +421,8 @@ def main() -> None:
     raise_on_sigterm()
 
     from lamina.engine import Engine
-    from lamina.model.loader import load_model, load_tokenizer, resolve_checkpoint
+    from lamina.model.checkpoints import load_tokenizer, resolve_checkpoint
+    from lamina.model.loader import load_model
     from lamina.model.threads import set_compute_threads
 
     gguf = resolve_checkpoint(None)[0]

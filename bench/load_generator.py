@@ -36,7 +36,7 @@ torch pinned as the Makefile pins it, e.g.
 A tool that is not found is skipped with a message naming it and where it was looked
 for; with none found the run is skipped (exit status 0, a JSON line with "skipped"). No
 model hub is needed: each tool's tokenizer is the Hugging Face directory Lamina
-converted the GGUF checkpoint into (lamina.model.loader.resolve_checkpoint); guidellm runs
+converted the GGUF checkpoint into (lamina.model.checkpoints.resolve_checkpoint); guidellm runs
 with HF_HUB_OFFLINE=1, aiperf with the hub's address a closed local port (aiperf 0.13
 cannot read a tokenizer directory with HF_HUB_OFFLINE set: bench/aiperf_client.py).
 Every process started here (lamina up and its services, each tool
@@ -290,7 +290,7 @@ def main() -> None:
         if t.version != tested[t.name]:
             print(f"note: {t.name} {t.version}; this script reads the command line and report of {tested[t.name]}")
 
-    from lamina.model.loader import load_tokenizer, resolve_checkpoint
+    from lamina.model.checkpoints import load_tokenizer, resolve_checkpoint
 
     gguf, hf_dir, _ = resolve_checkpoint(None)
     tokenizer, _ = load_tokenizer(gguf)

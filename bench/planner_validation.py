@@ -17,14 +17,15 @@ micro-batches, decode tokens/s against the planner's disaggregated layout on
 per-slice, per-frame and per-exchange overheads, calibrated on a smaller stack run, and
 the host's CPU work over its cores).
 
---out-of-sample adds cases the calibration never touched (OUT_OF_SAMPLE, 26 of them), in
+--out-of-sample adds cases the calibration never touched (OUT_OF_SAMPLE, 30 of them), in
 families: the engine with other model shapes (seeded random-weight SmolLM2-360M- and
 -1.7B-shaped models, SmolLM2's vocabulary), with contexts up to 4,096 tokens, with two
 threads (against a profile measured with two); the stack, colocated against
 disaggregated with 1-2 attention workers and 1-3 micro-batches, for SmolLM2-135M and the
 360M shape; and the stack colocated on 1 and 2 model threads at two points (predicted
 from the one-thread profile and its measured speedup on two threads, as `lamina up`
-ranks them). Every prediction is made and printed (and written to --predictions) before
+ranks them); and the stack colocated with the default GGUF's own Q4_1 blocks against the
+same values in float32 at two points (as `lamina up` ranks its weights). Every prediction is made and printed (and written to --predictions) before
 any of them is measured. It reports their median and largest error apart from the
 in-sample cases above, and, for each stack family, the decision error: how much less
 the layout the planner ranks first measured than the best measured one.
@@ -47,7 +48,7 @@ from pathlib import Path
 from lamina.planner.estimate import decode_step
 from lamina.planner.hardware import THIS_MACHINE, device_from_entry, load_catalogue
 from lamina.planner.layouts import Layout
-from lamina.planner.local_layout import host_layout
+from lamina.planner.local_layout import host_layout, weights_precision
 from lamina.planner.measure.engine_step import decode_step_cpu, decode_step_wall
 from lamina.planner.measure.stack_run import make_prompts, run_stack
 from lamina.planner.perf.quantization import FP32
@@ -96,13 +97,15 @@ class Case:
     layout: str = "colocated"  # stack: colocated | disaggregated
     attention_workers: int = 0
     micro_batches: int = 1
+    weights: str = "float32"  # stack: model.weights
 
     def name(self) -> str:
         threads = f"{self.threads} thread{'s' * (self.threads > 1)}"
         where = (f"engine, {threads}" if self.kind == "engine" else
                  f"stack colocated, {threads}" if self.layout == "colocated" else
                  f"stack {self.attention_workers} attention, {self.micro_batches} micro-batch")
-        return f"{self.model or 'smollm2-135m'}: {where}, batch {self.batch}, prompt {self.prompt}"
+        weights = f", weights {self.weights}" if self.weights != "float32" else ""
+        return f"{self.model or 'smollm2-135m'}: {where}{weights}, batch {self.batch}, prompt {self.prompt}"
 
 
 M360, M1700 = "random:smollm2-360m", "random:smollm2-1.7b"
@@ -123,12 +126,17 @@ OUT_OF_SAMPLE = (
     # profile and its measured speedup on two (Device.linear_speedup).
     *(Case(f"stack colocated threads, batch {b} x {p}", None, "stack", b, p, threads=t)
       for b, p in ((4, 256), (16, 512)) for t in (1, 2)),
+    # lamina up's choice of the weights precision: the GGUF file's own Q4_1 blocks or the same
+    # values in float32, each predicted on its kernel's measured cost per weight.
+    *(Case(f"stack colocated weights, batch {b} x {p}", None, "stack", b, p, weights=w)
+      for b, p in ((4, 256), (32, 128)) for w in ("as_file", "float32")),
 )
 ENGINE_STEPS, STACK_STEPS = 5, 16
 
 
-def predict(case: Case, shapes: dict, catalogues: dict) -> tuple[float, str]:
-    """The planner's decode tokens/s for `case` and its bottleneck."""
+def predict(case: Case, shapes: dict, catalogues: dict, formats: dict) -> tuple[float, str]:
+    """The planner's decode tokens/s for `case` and its bottleneck (`formats`: each model's
+    file_weight_formats, for its as_file weights)."""
     shape = shapes[case.model]
     if case.kind == "engine":  # on the profile measured with the case's threads
         catalogue = catalogues[case.threads]
@@ -136,7 +144,8 @@ def predict(case: Case, shapes: dict, catalogues: dict) -> tuple[float, str]:
         context = case.prompt + 1 + ENGINE_STEPS / 2
     else:  # as lamina up's ranking predicts it (colocated: attention_workers 0), on the one-thread profile
         catalogue = catalogues[1]
-        layout = host_layout(case.attention_workers, case.micro_batches, FP32, case.threads)
+        weights = weights_precision(case.weights, formats[case.model])
+        layout = host_layout(case.attention_workers, case.micro_batches, weights, case.threads)
         context = case.prompt + STACK_STEPS / 2
     step = decode_step(shape, layout, catalogue, case.batch, context)
     return case.batch / step.step_s, step.bottleneck
@@ -162,7 +171,7 @@ def measure(case: Case, models: dict) -> float:
         return case.batch / timed(loaded, case.batch, case.prompt, ENGINE_STEPS, seed=case.batch * 1000 + case.prompt)
     prompts = make_prompts(loaded.tokenizer, case.batch, case.prompt)
     kv_bytes = 2 * case.batch * (case.prompt + STACK_STEPS + 64) * loaded.config.kv_bytes_per_token() + (256 << 20)
-    return run_stack(prompts, STACK_STEPS, "tcp", case.micro_batches, False, 1, kv_bytes, "float32",
+    return run_stack(prompts, STACK_STEPS, "tcp", case.micro_batches, False, 1, kv_bytes, case.weights,
                      attention_workers=max(1, case.attention_workers), layout=case.layout, model=case.model,
                      model_threads=case.threads)["tok_s"]
 
@@ -171,7 +180,7 @@ def out_of_sample(prof1: dict, predictions_path: Path | None, family: str | None
     """Every OUT_OF_SAMPLE prediction first (a two-thread profile measured for it), then
     every measurement; errors and each stack family's decision error. `family`: only the
     families whose name holds it."""
-    from lamina.model.loader import checkpoint_name, load_config
+    from lamina.model.checkpoints import checkpoint_name, file_weight_formats, load_config
     from lamina.planner.shapes import ModelShape
 
     print("out of sample: a profile with 2 threads (for the 2-thread cases)...", flush=True)
@@ -182,7 +191,8 @@ def out_of_sample(prof1: dict, predictions_path: Path | None, family: str | None
         catalogues[threads][THIS_MACHINE] = device_from_entry(THIS_MACHINE, prof["device"])
     cases = [c for c in OUT_OF_SAMPLE if family is None or family in c.family]
     shapes = {m: ModelShape.of(load_config(m), checkpoint_name(m)) for m in {c.model for c in cases}}
-    predicted = [predict(c, shapes, catalogues) for c in cases]
+    formats = {m: file_weight_formats(m) for m in shapes}
+    predicted = [predict(c, shapes, catalogues, formats) for c in cases]
     print(f"\npredictions, written before any measurement ({time.strftime('%H:%M:%S')}):")
     for c, (tok_s, neck) in zip(cases, predicted):
         print(f"  {c.family:<34} {c.name():<72} {tok_s:>9.1f} tok/s  {neck}")
@@ -226,7 +236,8 @@ def main() -> None:
                     help="also the stack at 1 and 2 micro-batches with 1 and 2 attention workers")
     ap.add_argument("--save-profile", type=Path, default=None, help="write the measured profile here (JSON)")
     ap.add_argument("--out-of-sample", action="store_true",
-                    help="also the 26 cases the calibration never touched (OUT_OF_SAMPLE; about 27 minutes here)")
+                    help=f"also the {len(OUT_OF_SAMPLE)} cases the calibration never touched (OUT_OF_SAMPLE; "
+                         "about 30 minutes here)")
     ap.add_argument("--predictions", type=Path, default=None,
                     help="--out-of-sample: write its predictions here (JSON) before measuring any")
     ap.add_argument("--family", default=None, help="--out-of-sample: only the families whose name holds this")

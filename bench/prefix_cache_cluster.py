@@ -252,7 +252,7 @@ def run_prefetch(n: int, offset: int, scale: int, max_prompt: int, concurrency: 
     and their ratio (on / off)."""
     from serving import summary
 
-    from lamina.model.loader import load_config
+    from lamina.model.checkpoints import load_config
 
     prompts = load_prompts(n, offset, scale, max_prompt, sample, min_turns)
     block = 512 // scale

@@ -193,7 +193,7 @@ def main() -> None:
     if args.decode_heavy:
         args.num_requests, args.time_scale, args.min_output, args.max_output = 32, 1000.0, 32, 96
 
-    from lamina.model.loader import load_tokenizer
+    from lamina.model.checkpoints import load_tokenizer
 
     tokenizer, _ = load_tokenizer()
     workload = load_trace(args.num_requests, args.offset, args.scale, args.time_scale, args.max_prompt,

@@ -12,6 +12,8 @@ Redis calls need no check of their own.
 `cancel_and_wait`: a shutdown's cancellation of its tasks that notices one that goes on
 (its stack logged, cancelled again). `task_stack`: a suspended task's stack as text, for
 that warning and for services/stack_dumps.py's report of every task.
+
+`install_uvloop`: every service's event loop is uvloop's where it is installed.
 """
 
 from __future__ import annotations
@@ -74,3 +76,13 @@ async def cancel_and_wait(tasks: Sequence[asyncio.Task[Any]], grace_s: float = 2
         if t.done() and not t.cancelled():
             t.exception()  # marked retrieved, as gather(return_exceptions=True) does: a shutdown ignores them
     return pending
+
+
+def install_uvloop() -> bool:
+    """Use uvloop's event loop policy when uvloop is installed; returns whether it is."""
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True

@@ -28,11 +28,13 @@ import zlib
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from lamina.model.config import ModelConfig, RopeScaling
 from lamina.model.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 RANDOM_PREFIX = "random:"
 _VERSION = 3
@@ -130,6 +132,8 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """One weight, bfloat16: norms are ones, everything else N(0, INIT_STD), drawn from a
     generator of its own so that no tensor depends on the order they are made in."""
+    import torch  # here: the services that only read a random model's configuration never import it
+
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.bfloat16)
     # The CPU generator keeps 32 bits of its seed: the seed and name are hashed into them.
@@ -157,12 +161,12 @@ def write_tokenizer(out: Path) -> None:
 def materialize(spec_text: str, root: Path) -> Path:
     """The Hugging Face directory of `random:NAME[@SEED]` under root, written on first use
     (one safetensors file per layer, so no more than a layer is held at once)."""
-    from safetensors.torch import save_file
-
     spec = parse_spec(spec_text)
     out = _cache_dir(spec, root)
     if (out / _MARKER).is_file():
         return out
+    from safetensors.torch import save_file  # imports torch: only to write the weights
+
     cfg = replace(SHAPES[spec.shape], bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,10 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, directory: Path, cfg: ModelConfig) -> Tokenizer:
-        from transformers import AutoTokenizer
-
         if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             raise CheckpointError(directory, "no tokenizer.json or tokenizer_config.json in the checkpoint directory")
         try:
-            tok = AutoTokenizer.from_pretrained(str(directory))
+            tok = _tokenizer_class(directory).from_pretrained(str(directory))
         except Exception as exc:
             raise CheckpointError(directory, f"tokenizer could not be loaded: {exc}") from exc
         eos = list(cfg.eos_token_ids)
@@ -76,6 +75,30 @@ class Tokenizer:
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+# The classes AutoTokenizer maps to transformers' generic tokenizers.json backend (one class
+# under two names), which carries no model-specific behaviour.
+_GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def _tokenizer_class(directory: Path) -> Any:
+    """The class AutoTokenizer would load `directory` with. A checkpoint that names the
+    generic backend (every GGUF conversion and random model here does) gets it directly:
+    AutoTokenizer's module imports torch, which costs the gateway and the scheduler, which
+    hold no tensors, about 3 s of CPU at every start. Any other class goes through
+    AutoTokenizer."""
+    try:
+        named = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        named = None
+    if named in _GENERIC_CLASSES:
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
 
 
 class IncrementalDetokenizer:

@@ -3,7 +3,9 @@
 `lamina up` can start two layouts on one host: colocated (each model worker attends in
 its own process, on 1 up to the host's cores of compute threads, each thread count the
 profile measured) and disaggregated (attention workers of their own, 1 or 2 here, with 1
-or 2 staggered micro-batches). `rank_layouts` ranks them by the planner's predicted
+or 2 staggered micro-batches), each with the weights in any of the precisions that keep
+the checkpoint's values (`lossless_weights`: a GGUF file's own blocks or float32) unless
+one is set. `rank_layouts` ranks them by the planner's predicted
 decode tokens/s (lamina.planner.estimate.decode_step) for a serving workload on this
 machine's profile, every service sharing the host's cores (`Layout.shared_host`): a
 pure function of the profile, the model's shape and the workload. A workload is either
@@ -29,7 +31,7 @@ from typing import Any
 from lamina.planner.estimate import decode_step
 from lamina.planner.hardware import THIS_MACHINE, device_from_entry, load_catalogue
 from lamina.planner.layouts import Layout
-from lamina.planner.perf.quantization import FP32, INT4, Precision
+from lamina.planner.perf.quantization import FP32, INT4, PACKED_PRECISIONS, Q8_0, Precision
 from lamina.planner.profile import memory_bytes
 from lamina.planner.shapes import ModelShape
 from lamina.planner.workload import load_trace
@@ -113,6 +115,7 @@ class LocalChoice:
     step_s: float = 0.0  # time per token of each
     keeps_up: bool | None = None  # an open workload's rate: whether it is served (None: a closed one)
     threads: int = 1  # the model worker's compute threads (ranked for colocated; 1 disaggregated)
+    weights: str = ""  # the `model.weights` choice, where it was ranked ("": the configured one)
 
     def predicted(self) -> str:
         """What the planner predicts of it, in words."""
@@ -123,17 +126,19 @@ class LocalChoice:
         return f"falls behind ({self.tok_s:.0f} tok/s with {self.batch} decoding)"
 
     def describe(self) -> str:
+        weights = f", weights {self.weights}" if self.weights else ""
         if self.layout == "colocated":
-            return f"colocated, {self.threads} thread{'s' * (self.threads > 1)}"
+            return f"colocated, {self.threads} thread{'s' * (self.threads > 1)}{weights}"
         return (f"disaggregated, {self.attention_workers} attention worker{'s' * (self.attention_workers > 1)}, "
-                f"{self.micro_batches} micro-batch{'es' * (self.micro_batches > 1)}")
+                f"{self.micro_batches} micro-batch{'es' * (self.micro_batches > 1)}{weights}")
 
     def overrides(self) -> dict[str, Any]:
         """The stack configuration keys that start this layout."""
+        weights = {"weights": self.weights} if self.weights else {}
         if self.layout == "colocated":
-            return {"layout": "colocated"}
+            return {"layout": "colocated", **weights}
         return {"layout": "disaggregated", "attention.workers": self.attention_workers,
-                "pipeline.micro_batches": self.micro_batches}
+                "pipeline.micro_batches": self.micro_batches, **weights}
 
 
 # The most threads `lamina up --layout auto` ranks for a colocated model worker's products
@@ -159,27 +164,44 @@ def auto_model_threads(choice: LocalChoice, cores: int, model_workers: int) -> i
     return max(1, min(choice.threads, cores // max(1, model_workers)))
 
 
-def weights_precision(weights: str) -> Precision:
-    """The planner's precision for `model.weights`: the 4-bit formats (q4, and as_file, whose
-    default GGUF holds Q4_1 blocks) as its min-max 4-bit, anything else as float32 (the
-    planner has no 8-bit weights: q8_0 is ranked by float32's figures)."""
-    return INT4 if weights in ("q4", "as_file") else FP32
+def weights_precision(weights: str, file_formats: Mapping[str, int]) -> Precision:
+    """The planner's precision for `model.weights`: q4 is its min-max 4-bit (the engine's
+    Q4_1 blocks), q8_0 Q8_0's blocks, float32 float32; as_file the packed format most of
+    the checkpoint's matrices are in (`file_formats`, lamina.model.checkpoints.
+    file_weight_formats: none for a float checkpoint, whose as_file weights are float32)."""
+    if weights == "as_file":
+        packed = sorted((n, fmt) for fmt, n in file_formats.items() if fmt in PACKED_PRECISIONS)
+        return PACKED_PRECISIONS[packed[-1][1]] if packed else FP32
+    return {"q4": INT4, "q8_0": Q8_0}.get(weights, FP32)
 
 
-def rank_layouts(device_entry: Mapping[str, Any], shape: ModelShape, weights: Precision,
+def lossless_weights(file_formats: Mapping[str, int]) -> tuple[str, ...]:
+    """The `model.weights` choices `lamina up --layout auto` ranks when none is set: those
+    that compute with the checkpoint's own values. A checkpoint in packed blocks has two,
+    its blocks as they are (as_file) and the same values as float32, and which is faster
+    depends on the machine and the batch (the products' measured cost per weight in each
+    format); any other has one (as_file, float32 there). q8_0 and q4 round the weights again,
+    so they are the user's to ask for."""
+    return ("as_file", "float32") if any(fmt in PACKED_PRECISIONS for fmt in file_formats) else ("as_file",)
+
+
+def rank_layouts(device_entry: Mapping[str, Any], shape: ModelShape, weights: Mapping[str, Precision],
                  workload: LocalWorkload) -> list[LocalChoice]:
-    """Every layout `lamina up` can start here, fastest first, for `workload` on the
-    machine `device_entry` describes (a profile's "device")."""
+    """Every layout `lamina up` can start here with each of `weights` (a `model.weights`
+    choice -> its precision), fastest first, for `workload` on the machine `device_entry`
+    describes (a profile's "device")."""
     catalogue = dict(load_catalogue())
     device = catalogue[THIS_MACHINE] = device_from_entry(THIS_MACHINE, device_entry)
     host_cores = device.host_cores or 1
-    candidates = [("colocated", 0, 1, host_layout(0, 1, weights, threads))
-                  for threads in device.measured_threads if threads <= host_cores]
-    for workers in ATTENTION_WORKER_CHOICES:
-        for micro in MICRO_BATCH_CHOICES:
-            candidates.append(("disaggregated", workers, micro, host_layout(workers, micro, weights)))
+    candidates = []
+    for choice, precision in weights.items():
+        candidates += [("colocated", 0, 1, choice, host_layout(0, 1, precision, threads))
+                       for threads in device.measured_threads if threads <= host_cores]
+        for workers in ATTENTION_WORKER_CHOICES:
+            for micro in MICRO_BATCH_CHOICES:
+                candidates.append(("disaggregated", workers, micro, choice, host_layout(workers, micro, precision)))
     ranked = []
-    for name, workers, micro, layout in candidates:
+    for name, workers, micro, choice, layout in candidates:
         def step_s(c: int, layout: Layout = layout) -> float:
             return decode_step(shape, layout, catalogue, c, workload.mean_context).step_s
 
@@ -189,7 +211,7 @@ def rank_layouts(device_entry: Mapping[str, Any], shape: ModelShape, weights: Pr
             batch, keeps_up = concurrency_at_rate(step_s, workload.rate, workload.output_tokens, workload.concurrency)
         step = decode_step(shape, layout, catalogue, batch, workload.mean_context)
         ranked.append(LocalChoice(name, workers, micro, batch / step.step_s, step.bottleneck, batch, step.step_s,
-                                  keeps_up, layout.threads))
+                                  keeps_up, layout.threads, choice if len(weights) > 1 else ""))
     if workload.rate is None:
         return sorted(ranked, key=lambda c: -c.tok_s)
     # Those that keep up serve the same tokens/s: the shortest time per token first; then

@@ -412,7 +412,7 @@ class StackConfig:
 
     def transport_config(self):
         """The ``transports.TransportConfig`` of every data-plane connection."""
-        from lamina.transports import TransportConfig  # the transports package is imported by services anyway
+        from lamina.transports import TransportConfig  # torch-free: the package imports its frames on first use
         from lamina.transports.polling import default_budget_us
         dp = self.data_plane
         busy_poll = dp.busy_poll_us

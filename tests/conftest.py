@@ -47,7 +47,7 @@ def _transformers_load(gguf: Path):
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
-    from lamina.model.loader import cache_root
+    from lamina.model.checkpoints import cache_root
 
     st = gguf.stat()
     key = f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"

@@ -12,7 +12,9 @@ says why one cannot run here.
 
 from __future__ import annotations
 
-from .base import Connection, Handler, Listener, Transport
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .config import TransportConfig
 from .errors import (
     AuthError,
@@ -22,13 +24,29 @@ from .errors import (
     TransportTimeout,
     TransportUnavailable,
 )
-from .frame import Frame
-from .registry import availability, get_transport, schemes
+
+if TYPE_CHECKING:
+    from .base import Connection, Handler, Listener, Transport
+    from .frame import Frame
+    from .registry import availability, get_transport, schemes
+
+# Imported on first use: frames hold torch tensors, and a service that only reads a
+# TransportConfig (the scheduler, the gateway: through StackConfig) does not import torch.
+_LAZY = {"Connection": "base", "Handler": "base", "Listener": "base", "Transport": "base", "Frame": "frame",
+         "availability": "registry", "get_transport": "registry", "schemes": "registry"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
 
 __all__ = [
     "AuthError", "Connection", "Frame", "FrameError", "Handler", "Listener", "PeerClosed",
     "Transport", "TransportConfig", "TransportError", "TransportTimeout",
-    "TransportUnavailable", "availability", "connect", "get_transport", "install_uvloop",
+    "TransportUnavailable", "availability", "connect", "get_transport",
     "listen", "schemes",
 ]
 
@@ -38,20 +56,13 @@ _DEFAULT = TransportConfig()
 async def listen(address: str, handler: Handler | None = None,
                  config: TransportConfig | None = None) -> Listener:
     """Listen at ``address``; each connection goes to ``handler(conn)`` or to ``accept()``."""
+    from .registry import get_transport
+
     return await get_transport(address).listen(address, handler, config or _DEFAULT)
 
 
 async def connect(address: str, config: TransportConfig | None = None) -> Connection:
     """Connect to a listener at ``address`` (handshake and auth included)."""
+    from .registry import get_transport
+
     return await get_transport(address).connect(address, config or _DEFAULT)
-
-
-def install_uvloop() -> bool:
-    """Use uvloop's event loop policy when uvloop is installed; returns whether it is."""
-    try:
-        import uvloop
-    except ImportError:
-        return False
-    import asyncio
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    return True

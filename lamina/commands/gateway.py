@@ -7,6 +7,7 @@ import argparse
 from lamina.commands._service_args import (
     add_common,
     add_gateway_exposure,
+    exit_served,
     gateway_refused,
     stack_config,
     store_reachable,
@@ -29,4 +30,4 @@ def run(args: argparse.Namespace) -> int:
     from lamina.services.gateway.gateway_service import serve
 
     serve(config)
-    return 0
+    exit_served()

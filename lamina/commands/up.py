@@ -134,7 +134,12 @@ def run(args: argparse.Namespace) -> int:
               "LAMINA_GRPC_PORT / LAMINA_METRICS_PORT set?)", file=sys.stderr)
         return 2
     if auto:  # only a configuration that can start is worth measuring the machine for
-        choice = choose_layout(config, args.workload, args.profile)
+        try:
+            weights_set = args.weights is not None or bool(set_outside_defaults(args.config, ("weights",)))
+        except ConfigError as exc:
+            print(f"lamina: {exc}", file=sys.stderr)
+            return 2
+        choice = choose_layout(config, args.workload, args.profile, weights_set)
         if choice is None:
             return 2
         chosen = {**overrides, **choice.overrides()}
@@ -239,14 +244,16 @@ def _auto_threads(args: argparse.Namespace, choice, model_workers: int) -> int |
     return auto_model_threads(choice, len(os.sched_getaffinity(0)), model_workers) or 0
 
 
-def choose_layout(config, workload: str | None, profile_path: Path):
-    """The layout the planner ranks first for `config`'s model and weights on this
-    machine's profile (measured into `profile_path` when it holds none for this machine
-    and version); prints the three best with their predicted tokens/s. None after
-    printing why there is no choice."""
-    from lamina.model.loader import checkpoint_name, load_config
+def choose_layout(config, workload: str | None, profile_path: Path, weights_set: bool = False):
+    """The layout the planner ranks first for `config`'s model on this machine's profile
+    (measured into `profile_path` when it holds none for this machine and version), with
+    `config`'s weights where `weights_set`, else with the weights precision it ranks first
+    among those that keep the checkpoint's values; prints the three best with their
+    predicted tokens/s. None after printing why there is no choice."""
+    from lamina.model.checkpoints import checkpoint_name, file_weight_formats, load_config
     from lamina.planner.local_layout import (
         LocalWorkload,
+        lossless_weights,
         machine_profile,
         rank_layouts,
         weights_precision,
@@ -262,7 +269,11 @@ def choose_layout(config, workload: str | None, profile_path: Path):
     say = lambda line: print(f"lamina up: {line}", file=sys.stderr, flush=True)  # noqa: E731
     measured = machine_profile(profile_path, lambda: profile(1, 0.1, quick=True), say)
     shape = ModelShape.of(load_config(config.model), checkpoint_name(config.model))
-    ranked = rank_layouts(measured["device"], shape, weights_precision(config.weights), load)
+    formats = file_weight_formats(config.model)
+    # Off the CPU the linears are torch's whatever the choice: nothing to rank there.
+    ranked_here = not weights_set and config.model_worker.device == "cpu"
+    names = lossless_weights(formats) if ranked_here else (config.weights,)
+    ranked = rank_layouts(measured["device"], shape, {w: weights_precision(w, formats) for w in names}, load)
     best = ranked[0]
     say(f"layout auto: {best.describe()}; predicted for {load.describe()}: "
         + "; ".join(f"{c.describe()} {c.predicted()}" for c in ranked[:3])

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # The most alternatives a request may ask for (OpenAI's top_logprobs bound; vLLM's default max_logprobs).
 MAX_TOP_LOGPROBS = 20
@@ -31,6 +33,8 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
                    num_top: Sequence[int | None]) -> list[TokenLogprobs | None]:
     """logits: [B, V], the raw logits of the step; tokens: the B sampled ids; num_top: per
     row, how many alternatives to report (None: that row wants no logprobs)."""
+    import torch  # here: the gateway reads this module's types and never imports torch
+
     wanted = [(b, k) for b, k in enumerate(num_top) if k is not None]
     out: list[TokenLogprobs | None] = [None] * len(tokens)
     if not wanted:

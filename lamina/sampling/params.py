@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
-
-import torch
 
 from lamina.sampling.logprobs import MAX_TOP_LOGPROBS
 
@@ -72,4 +71,4 @@ class SamplingParams:
 
 def new_seed() -> int:
     """A random 63-bit seed for a request that did not ask for one."""
-    return int(torch.randint(0, 2**63 - 1, (1,)).item())
+    return secrets.randbits(63)

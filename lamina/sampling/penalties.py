@@ -17,10 +17,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from lamina.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 def needs_state(p: SamplingParams) -> bool:
@@ -58,6 +60,8 @@ class PenaltyState:
 def apply_penalties(row: torch.Tensor, p: SamplingParams, state: PenaltyState, num_output: int) -> None:
     """Change one sequence's logits `row` ([V], float32) in place before it samples its
     output number `num_output` (0-based)."""
+    import torch  # here: the gateway and the scheduler read this module's predicates, never its tensors
+
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias])
         row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype))

@@ -113,6 +113,7 @@ def _serve(address: str, ready: Queue[Any], native: bool) -> None:
 
     one_thread()
     from lamina import transports
+    from lamina.aio import install_uvloop
 
     async def main() -> None:
         done = asyncio.Event()
@@ -136,7 +137,7 @@ def _serve(address: str, ready: Queue[Any], native: bool) -> None:
         await done.wait()
         await listener.close()
 
-    transports.install_uvloop()
+    install_uvloop()
     asyncio.run(main())
 
 
@@ -147,6 +148,7 @@ def pingpong(name: str, sizes: list[int], quick: bool) -> dict[str, dict[str, fl
 
     one_thread()
     from lamina import transports
+    from lamina.aio import install_uvloop
     from lamina.transports import Frame
 
     scheme, _, codec = name.partition("+")
@@ -182,7 +184,7 @@ def pingpong(name: str, sizes: list[int], quick: bool) -> dict[str, dict[str, fl
         await conn.close()
         return rtts
 
-    transports.install_uvloop()
+    install_uvloop()
     rtts = asyncio.run(main())
     server.join(30)
     if server.is_alive():

@@ -31,6 +31,7 @@ class Precision:
     # The packed weight format of lamina.model.quant whose measured kernel stands for this
     # precision's weights on a machine profiled by `lamina profile` (None: not measured).
     weight_kernel: str | None = None
+    group_bytes: float = 4.0  # each group's scale and minimum (a scale alone: 2)
 
     @property
     def is_quantized(self) -> bool:
@@ -38,7 +39,7 @@ class Precision:
 
     @property
     def bytes_per_element(self) -> float:
-        per_group = 4.0 / self.group_size if self.group_size else 0.0  # fp16 scale + fp16 min
+        per_group = self.group_bytes / self.group_size if self.group_size else 0.0
         return self.bits / 8 + per_group
 
     @property
@@ -52,6 +53,12 @@ FP32 = Precision("fp32", 32)  # the local CPU engine's weights and KV
 # counterpart is the attention workers' q4 KV (lamina.model.kv_quant).
 INT4 = Precision("int4", 4, group_size=64, weight_kernel="q4_1")
 PRECISIONS = {p.name: p for p in (FP16, FP32, INT4)}
+# The GGUF block formats a checkpoint's own weights can stay in (`model.weights: as_file`)
+# besides Q4_1: 32 elements to a block with one fp16 scale each, on their measured kernels.
+Q8_0 = Precision("q8_0", 8, group_size=32, weight_kernel="q8_0", group_bytes=2.0)
+Q4_0 = Precision("q4_0", 4, group_size=32, weight_kernel="q4_0", group_bytes=2.0)
+# The precision of each packed format a checkpoint's linears are held in.
+PACKED_PRECISIONS = {"q4_1": INT4, "q4_0": Q4_0, "q8_0": Q8_0}
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ import prometheus_client
 import torch
 
 from lamina import transports
-from lamina.model.loader import load_config
+from lamina.aio import install_uvloop
+from lamina.model.checkpoints import load_config
 from lamina.services.addresses import with_host
 from lamina.services.attention.attention_core import AttentionCore
 from lamina.services.config import StackConfig
@@ -214,5 +215,5 @@ class AttentionService:
 
 def serve(config: StackConfig, threads: int | None = None, index: int = 0) -> None:
     torch.set_num_threads(threads or config.attention.threads)
-    transports.install_uvloop()
+    install_uvloop()
     asyncio.run(AttentionService(config, index).run())

@@ -8,10 +8,11 @@ import os
 import signal
 import socket
 
+from lamina.aio import install_uvloop
 from lamina.gateway.app import create_app, start_server
 from lamina.gateway.config import GatewayConfig
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore, ServiceRegistration
-from lamina.model.loader import checkpoint_name, load_tokenizer
+from lamina.model.checkpoints import checkpoint_name, load_tokenizer
 from lamina.services import stack_dumps
 from lamina.services.addresses import host_port
 from lamina.services.cluster_status import read_status
@@ -81,7 +82,5 @@ async def run_gateway(config: StackConfig, ready: asyncio.Event | None = None) -
 
 
 def serve(config: StackConfig) -> None:
-    from lamina import transports
-
-    transports.install_uvloop()
+    install_uvloop()
     asyncio.run(run_gateway(config))

@@ -37,6 +37,7 @@ import prometheus_client
 import torch
 
 from lamina import transports
+from lamina.aio import install_uvloop
 from lamina.model.batch import StepBatch
 from lamina.model.llama import split_llama
 from lamina.model.loader import LoadedModel, load_model
@@ -313,5 +314,5 @@ def _colocated_attention(config: StackConfig, index: int, stopping: asyncio.Even
 
 def serve(config: StackConfig, threads: int | None = None, index: int = 0) -> None:
     set_compute_threads(threads or config.model_worker.threads)
-    transports.install_uvloop()
+    install_uvloop()
     asyncio.run(ModelService(config, index).run())

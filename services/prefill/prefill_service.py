@@ -44,6 +44,7 @@ import prometheus_client
 import torch
 
 from lamina import transports
+from lamina.aio import install_uvloop
 from lamina.engine.kv import KVStore, SequenceKV
 from lamina.engine.step import in_process_attention
 from lamina.kvstore.block_publisher import BlockPublisher
@@ -533,5 +534,5 @@ class _PrefillServicer(lamina_pb2_grpc.PrefillServicer):
 
 def serve(config: StackConfig, threads: int | None = None, index: int = 0) -> None:
     set_compute_threads(threads or config.prefill.threads)
-    transports.install_uvloop()
+    install_uvloop()
     asyncio.run(PrefillService(config, index).run())

@@ -36,15 +36,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import prometheus_client
-import torch
 
-from lamina.aio import cancel_and_wait
+from lamina.aio import cancel_and_wait, install_uvloop
 from lamina.kvstore.metadata import REDIS_ERRORS, KVPlacement
-from lamina.model.loader import load_tokenizer
+from lamina.model.checkpoints import load_tokenizer
 from lamina.sampling.stop import stop_reason
 from lamina.services.channels import Channels
 from lamina.services.config import StackConfig
@@ -113,7 +113,7 @@ class SchedulerService:
         params = lamina_pb2.SamplingParams()
         params.CopyFrom(request.params)
         if not request.has_seed:
-            params.seed = int(torch.randint(0, 2**62, (1,)).item())
+            params.seed = secrets.randbits(62)
         req = Request(choice_id(rid, 0, n), list(request.prompt_token_ids), params, asyncio.Queue(),
                       max_model_len=self.max_model_len, prompt_logprobs=request.prompt_logprobs,
                       group_id=rid if n > 1 else "", choice_seeds=[choice_seed(params.seed, i) for i in range(1, n)])
@@ -374,8 +374,5 @@ def _with_seed(params: lamina_pb2.SamplingParams, seed: int) -> lamina_pb2.Sampl
 
 
 def serve(config: StackConfig) -> None:
-    torch.set_num_threads(1)
-    from lamina import transports
-
-    transports.install_uvloop()
+    install_uvloop()
     asyncio.run(SchedulerService(config).run())

@@ -14,7 +14,7 @@ from e2e_helpers import complete, service_metric, start_stack, until
 from lamina.kvstore.block_hash import block_hashes
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 from lamina.kvstore.tiers import Tier
-from lamina.model.loader import load_config
+from lamina.model.checkpoints import load_config
 from lamina.services.config import PrefillSection
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)"),

@@ -30,7 +30,7 @@ from e2e_helpers import complete, service_metric, start_stack, until
 
 from lamina.kvstore.block_hash import ROOT_HASH, block_hashes
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore
-from lamina.model.loader import load_config
+from lamina.model.checkpoints import load_config
 from lamina.services.config import PrefillSection
 
 pytestmark = pytest.mark.timeout(600)

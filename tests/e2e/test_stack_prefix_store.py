@@ -19,7 +19,7 @@ from e2e_helpers import attention_stats, complete, start_stack, until
 
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
-from lamina.model.loader import load_config
+from lamina.model.checkpoints import load_config
 from lamina.services.config import PrefillSection
 
 pytestmark = pytest.mark.timeout(300)

@@ -108,7 +108,7 @@ async def _no_server_errors(url: str) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from lamina.model.loader import load_tokenizer
+    from lamina.model.checkpoints import load_tokenizer
 
     return load_tokenizer(None)[0]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
-from lamina.model.loader import load_tokenizer
+from lamina.model.checkpoints import load_tokenizer
 from lamina.sampling.grammar import Grammars, apply_grammars
 from lamina.sampling.params import SamplingParams
 from lamina.sampling.sampler import sample

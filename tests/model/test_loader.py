@@ -20,8 +20,9 @@ from gguf import GGMLQuantizationType as QT  # noqa: N814 (gguf's enum, named on
 
 from lamina.model import gguf_file
 from lamina.model.attention import attention_with_lse
+from lamina.model.checkpoints import convert_gguf
 from lamina.model.errors import CheckpointError
-from lamina.model.loader import convert_gguf, load_model
+from lamina.model.loader import load_model
 from lamina.model.quant import QuantLinear, float_weight
 
 # -- the tiny GGUF checkpoint -------------------------------------------------------------

@@ -9,8 +9,9 @@ import torch
 
 from lamina.engine import Engine, SamplingParams
 from lamina.model import random_models
+from lamina.model.checkpoints import checkpoint_name, resolve_checkpoint
 from lamina.model.errors import CheckpointError
-from lamina.model.loader import checkpoint_name, load_model, resolve_checkpoint
+from lamina.model.loader import load_model
 from lamina.model.tokenizer import Tokenizer
 
 SPEC = "random:smollm2-135m"

@@ -19,11 +19,12 @@ from lamina.planner.local_layout import (
     machine_profile,
     rank_layouts,
 )
-from lamina.planner.perf.quantization import FP32, INT4
+from lamina.planner.perf.quantization import FP32, INT4, Q8_0
 from lamina.planner.shapes import BUILTIN
 from lamina.planner.workload import load_trace
 
 SMOLLM2 = BUILTIN["smollm2-135m"]
+F32 = {"as_file": FP32}  # the weights of a float checkpoint: one choice, not ranked
 
 
 def _entry(cores: int, slice_us: float, frame_us: float, exchange_us: float) -> dict:
@@ -38,8 +39,8 @@ def test_the_ranking_follows_the_machine_and_the_workload():
     """One user on a host whose exchanges cost hundreds of microseconds: colocated first.
     32 long requests, where attention dominates: two attention workers first. Every
     layout lamina up can start is ranked, fastest first."""
-    few = rank_layouts(_entry(2, 50, 50, 300), SMOLLM2, FP32, LocalWorkload(1, 64, 32))
-    many = rank_layouts(_entry(2, 50, 50, 300), SMOLLM2, FP32, LocalWorkload(32, 2048, 256))
+    few = rank_layouts(_entry(2, 50, 50, 300), SMOLLM2, F32, LocalWorkload(1, 64, 32))
+    many = rank_layouts(_entry(2, 50, 50, 300), SMOLLM2, F32, LocalWorkload(32, 2048, 256))
     for ranked in (few, many):
         assert len(ranked) == 5 and [c.tok_s for c in ranked] == sorted((c.tok_s for c in ranked), reverse=True)
         assert {(c.layout, c.attention_workers, c.micro_batches) for c in ranked} == {
@@ -58,9 +59,43 @@ def test_workloads_and_weights_are_read_as_the_flags_spell_them():
     for bad in ("4,128", "4,x,64", "0,128,64", "4,128,64,1", "4,128,64@1", "512,256@0", "512,256@x", "512@2"):
         with pytest.raises(ValueError, match="CONCURRENCY,PROMPT_TOKENS,OUTPUT_TOKENS"):
             LocalWorkload.parse(bad)
-    assert local_layout.weights_precision("as_file") is INT4 and local_layout.weights_precision("float32") is FP32
+    gguf = {"q4_1": 210, "q8_0": 1}
+    assert local_layout.weights_precision("as_file", gguf) is INT4
+    assert local_layout.weights_precision("as_file", {"q8_0": 200, "q4_0": 12}) is Q8_0
+    assert local_layout.weights_precision("as_file", {}) is FP32  # a float checkpoint's as_file
+    assert local_layout.weights_precision("float32", gguf) is FP32
+    assert local_layout.weights_precision("q4", {}) is INT4 and local_layout.weights_precision("q8_0", {}) is Q8_0
+    assert local_layout.lossless_weights(gguf) == ("as_file", "float32")
+    assert local_layout.lossless_weights({}) == ("as_file",)
     assert LocalChoice("disaggregated", 1, 2, 10.0, "x").describe() == \
         "disaggregated, 1 attention worker, 2 micro-batches"
+
+
+def test_the_weights_precision_is_ranked_by_its_measured_products():
+    """A GGUF checkpoint's own 4-bit blocks against the same values in float32, each on
+    the cost per weight its kernel measured: where the 4-bit kernel is the cheaper at one
+    sequence but float32's is at many (it computes, where the 4-bit one also unpacks),
+    the ranking follows the batch; the choice starts that precision."""
+    entry = _entry(2, 50, 50, 300)
+    entry["packed_linear_s_per_param"] = figure({"q4_1": {"1": 1.5e-10, "64": 3e-11}})
+    entry["linear_s_per_param"] = figure({"1": 4e-10, "64": 5e-12})
+    both = {"as_file": INT4, "float32": FP32}
+    one = rank_layouts(entry, SMOLLM2, both, LocalWorkload(1, 64, 32))
+    many = rank_layouts(entry, SMOLLM2, both, LocalWorkload(64, 64, 32))
+    assert len(one) == 2 * 5 and {c.weights for c in one} == {"as_file", "float32"}
+    assert one[0].weights == "as_file" and many[0].weights == "float32"
+    assert one[0].overrides()["weights"] == "as_file" and many[0].overrides()["weights"] == "float32"
+    assert one[0].describe().endswith(", weights as_file")
+    # For every layout of one micro-batch (its products at the whole batch), the float32
+    # weights' prediction against the 4-bit ones' follows the kernels.
+    for ranked, float_wins in ((one, False), (many, True)):
+        by = {(c.layout, c.attention_workers, c.micro_batches, c.threads, c.weights): c.tok_s for c in ranked}
+        for (lay, a, m, t, w), tok_s in by.items():
+            if w == "as_file" and m == 1:
+                assert (by[(lay, a, m, t, "float32")] > tok_s) == float_wins
+    # One choice (a float checkpoint, or weights set): not ranked, nothing overridden.
+    (single,) = {c.weights for c in rank_layouts(entry, SMOLLM2, F32, LocalWorkload(1, 64, 32))}
+    assert single == "" and "weights" not in rank_layouts(entry, SMOLLM2, F32, LocalWorkload(1, 64, 32))[0].overrides()
 
 
 def test_a_trace_is_read_as_its_mean_lengths_and_rate(request):
@@ -92,11 +127,11 @@ def test_an_open_workload_ranks_who_keeps_up_by_time_per_token():
     user on a host whose exchanges are dear: colocated). A rate none keeps up with: the
     most tokens/s first, each at the cap."""
     entry = _entry(2, 50, 50, 300)
-    slow = rank_layouts(entry, SMOLLM2, FP32, LocalWorkload(RATE_MAX_CONCURRENCY, 64, 32, 0.01))
+    slow = rank_layouts(entry, SMOLLM2, F32, LocalWorkload(RATE_MAX_CONCURRENCY, 64, 32, 0.01))
     assert all(c.keeps_up for c in slow) and [c.step_s for c in slow] == sorted(c.step_s for c in slow)
     assert slow[0].layout == "colocated" and slow[0].batch == 1
     assert slow[0].predicted().endswith("ms/token with 1 decoding")
-    flood = rank_layouts(entry, SMOLLM2, FP32, LocalWorkload(RATE_MAX_CONCURRENCY, 2048, 256, 1e6))
+    flood = rank_layouts(entry, SMOLLM2, F32, LocalWorkload(RATE_MAX_CONCURRENCY, 2048, 256, 1e6))
     assert not any(c.keeps_up for c in flood) and {c.batch for c in flood} == {RATE_MAX_CONCURRENCY}
     assert [c.tok_s for c in flood] == sorted((c.tok_s for c in flood), reverse=True)
     assert flood[0].predicted().startswith("falls behind")
@@ -212,15 +247,16 @@ def test_lamina_up_chooses_on_the_cached_profile_without_measuring(tmp_path, mon
     choice = choose_layout(load_config(env={}), "1,64,32", path)
     assert choice is not None and choice.layout == "colocated"
     err = capsys.readouterr().err
-    assert "layout auto: colocated, 1 thread; predicted for 1 request at once, 64-token prompts, 32 output tokens" \
-        in err
+    assert ("layout auto: colocated, 1 thread, weights as_file; predicted for 1 request at once, 64-token prompts, "
+            "32 output tokens") in err
     assert err.count("tok/s") == 3
     assert choose_layout(load_config(env={}), "1,64", path) is None
     assert "CONCURRENCY,PROMPT_TOKENS,OUTPUT_TOKENS" in capsys.readouterr().err
     choice = choose_layout(load_config(env={}), "64,32@0.01", path)  # an open workload: time per token
     assert choice is not None and choice.layout == "colocated"
     err = capsys.readouterr().err
-    assert "predicted for 0.01 requests/s of 64-token prompts and 32 output tokens: colocated, 1 thread " in err
+    assert ("predicted for 0.01 requests/s of 64-token prompts and 32 output tokens: colocated, 1 thread, "
+            "weights as_file ") in err
     assert err.count("ms/token with 1 decoding") == 3
 
 
@@ -237,24 +273,24 @@ def test_a_colocated_model_workers_threads_are_ranked_by_their_measured_speedup(
     from lamina.planner.hardware import device_from_entry
 
     base = _entry(2, 50, 50, 300)
-    assert [c.threads for c in rank_layouts(base, SMOLLM2, FP32, LocalWorkload(4, 64, 32))
+    assert [c.threads for c in rank_layouts(base, SMOLLM2, F32, LocalWorkload(4, 64, 32))
             if c.layout == "colocated"] == [1]
-    paying = rank_layouts(_speedups(base, {1: 1.6, 64: 1.9}, 1.5), SMOLLM2, FP32, LocalWorkload(4, 64, 32))
+    paying = rank_layouts(_speedups(base, {1: 1.6, 64: 1.9}, 1.5), SMOLLM2, F32, LocalWorkload(4, 64, 32))
     colocated = [c for c in paying if c.layout == "colocated"]
     assert [c.threads for c in colocated] == [2, 1] and paying[0].threads == 2
     # The products sped up by their speedup at batch 4, attention by its own: in between.
     assert 1.5 < colocated[0].tok_s / colocated[1].tok_s <= 1.6 + (4 - 1) / (64 - 1) * 0.3 + 1e-9
     # Overheads (one thread's) do not speed up: with a per-layer one the gain is smaller.
     overhead = {**base, "layer_overhead_us": figure(500.0)}
-    slowed = [c for c in rank_layouts(_speedups(overhead, {1: 1.6, 64: 1.9}, 1.5), SMOLLM2, FP32,
+    slowed = [c for c in rank_layouts(_speedups(overhead, {1: 1.6, 64: 1.9}, 1.5), SMOLLM2, F32,
                                       LocalWorkload(4, 64, 32)) if c.layout == "colocated"]
     assert 1.0 < slowed[0].tok_s / slowed[1].tok_s < 1.5
     assert paying[0].describe() == "colocated, 2 threads" and colocated[1].describe() == "colocated, 1 thread"
-    slower = rank_layouts(_speedups(base, {1: 0.8, 64: 0.9}, 0.9), SMOLLM2, FP32, LocalWorkload(4, 64, 32))
+    slower = rank_layouts(_speedups(base, {1: 0.8, 64: 0.9}, 0.9), SMOLLM2, F32, LocalWorkload(4, 64, 32))
     assert [c.threads for c in slower if c.layout == "colocated"] == [1, 2]
     # Disaggregated model workers keep one thread; a count beyond the host's cores is not ranked.
     assert all(c.threads == 1 for c in paying if c.layout == "disaggregated")
-    beyond = rank_layouts(_speedups(base, {1: 1.6}, 1.5, threads=4), SMOLLM2, FP32, LocalWorkload(4, 64, 32))
+    beyond = rank_layouts(_speedups(base, {1: 1.6}, 1.5, threads=4), SMOLLM2, F32, LocalWorkload(4, 64, 32))
     assert [c.threads for c in beyond if c.layout == "colocated"] == [1]
 
     device = device_from_entry("m", _speedups(base, {1: 1.2, 16: 1.8}, 1.4))

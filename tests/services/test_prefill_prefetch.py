@@ -17,7 +17,7 @@ import pytest
 from lamina import transports
 from lamina.kvstore.block_hash import block_hashes
 from lamina.kvstore.tiers import Tier
-from lamina.model.loader import load_config as load_model_config
+from lamina.model.checkpoints import load_config as load_model_config
 from lamina.services.attention.attention_service import AttentionService
 from lamina.services.attention_pool import AttentionPool
 from lamina.services.config import AttentionSection, ConfigError, PrefillSection, StackConfig, load_config

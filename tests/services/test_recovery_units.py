@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lamina import transports
-from lamina.model.loader import load_config
+from lamina.model.checkpoints import load_config
 from lamina.services.attention_pool import AttentionPool, SeqRows
 from lamina.services.config import ConfigError
 from lamina.services.config import load_config as load_stack_config

@@ -52,7 +52,7 @@ def test_a_joining_sequence_rebuilds_its_grammar_state_from_its_outputs():
     failure) masks its next token as the worker that sampled its outputs would have."""
     from llguidance import LLMatcher
 
-    from lamina.model.loader import load_tokenizer
+    from lamina.model.checkpoints import load_tokenizer
     from lamina.sampling.grammar import Grammars
     from lamina.sampling.sampler import Sampler
     from lamina.services.model.decode_runner import DecodeSeq

@@ -19,7 +19,7 @@ from lamina.kvstore.batches import write_batches
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 from lamina.kvstore.redis_server import EmbeddedRedis
 from lamina.services.config import StackConfig
-from lamina.services.launch.launcher import ServiceProcess, Stack
+from lamina.services.launch.launcher import ServiceProcess, Stack, stop_stages
 from lamina.services.runtime import refresh_every_half_ttl
 
 # A process with the services' dump handlers whose event loop ignores SIGTERM and waits
@@ -173,3 +173,53 @@ async def test_the_loops_around_store_calls_end_at_a_cancellation_lost_under_a_c
         assert done == {refresh, writer} and refresh.cancelled() and writer.cancelled()
     finally:
         await store.close()
+
+
+# A stand-in service: on SIGTERM it notes when, takes a moment to drain, notes its exit.
+DRAINS = textwrap.dedent("""
+    import signal, sys, time
+    path = sys.argv[1]
+    def stop(*_):
+        with open(path, "a") as f:
+            f.write(f"term {time.monotonic()}\\n")
+        time.sleep(0.3)
+        with open(path, "a") as f:
+            f.write(f"exit {time.monotonic()}\\n")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    open(path, "a").write("ready\\n")
+    while True:
+        time.sleep(1)
+""")
+
+
+def test_stop_stages_gateway_then_scheduler_then_every_worker():
+    names = ["attention-0", "attention-1", "model-0", "prefill-0", "scheduler", "gateway"]
+    stages = stop_stages([ServiceProcess(n, []) for n in names])
+    assert [[sp.name for sp in stage] for stage in stages] == [
+        ["gateway"], ["scheduler"], ["attention-0", "attention-1", "model-0", "prefill-0"]]
+
+
+def test_stop_signals_the_workers_together_after_the_gateway_and_the_scheduler(tmp_path):
+    names = ["attention-0", "model-0", "prefill-0", "scheduler", "gateway"]
+    procs = {n: subprocess.Popen([sys.executable, "-c", DRAINS, str(tmp_path / n)]) for n in names}
+    stack = Stack(StackConfig(), log_dir=tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / n).is_file() for n in names) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until each has its handler: it says so in its file, nothing to wait on
+        stack.processes = [ServiceProcess(n, [], proc=p) for n, p in procs.items()]
+        stack.stop(timeout_s=10.0)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    at = {n: dict(line.split() for line in (tmp_path / n).read_text().split("\n")[1:] if line) for n in names}
+    term = {n: float(t["term"]) for n, t in at.items()}
+    exit_ = {n: float(t["exit"]) for n, t in at.items()}
+    assert exit_["gateway"] < term["scheduler"]
+    workers = ["attention-0", "model-0", "prefill-0"]
+    assert exit_["scheduler"] < min(term[w] for w in workers)
+    assert max(term[w] for w in workers) < min(exit_[w] for w in workers)  # signalled together
+    assert all(p.returncode == 0 for p in procs.values())

