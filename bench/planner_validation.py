@@ -25,10 +25,11 @@ disaggregated with 1-2 attention workers and 1-3 micro-batches, for SmolLM2-135M
 360M shape; and the stack colocated on 1 and 2 model threads at two points (predicted
 from the one-thread profile and its measured speedup on two threads, as `lamina up`
 ranks them); and the stack colocated with the default GGUF's own Q4_1 blocks against the
-same values in float32 at two points (as `lamina up` ranks its weights). Every prediction is made and printed (and written to --predictions) before
-any of them is measured. It reports their median and largest error apart from the
-in-sample cases above, and, for each stack family, the decision error: how much less
-the layout the planner ranks first measured than the best measured one.
+same values in float32 at two points (as `lamina up` ranks its weights). Every prediction
+is made and printed (and written to --predictions) before any of them is measured. It
+reports their median and largest error apart from the in-sample cases above, and, for
+each stack family, the decision error: how much less the layout the planner ranks first
+measured than the best measured one.
 
 Prints the table and, last, one JSON line: {"cases", "median_abs_rel_error",
 "max_abs_rel_error", ...} (with --out-of-sample also "out_of_sample": {...}).

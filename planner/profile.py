@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from lamina.planner.shapes import ModelShape
 
 
+# The rounds the products are measured in (measure_linears: the fastest kept).
+LINEAR_ROUNDS = 2
 # The packed weight formats of lamina.model.quant that `model.weights` chooses from (q8_0; q4 is
 # Q4_1; as_file is the GGUF's own Q4_0, Q4_1 or Q8_0 blocks), measured beside float32.
 PACKED_FORMATS = ("q8_0", "q4_0", "q4_1")
@@ -45,23 +47,35 @@ def measure_linear(batches: tuple[int, ...], layers: int, repeats: int,
     with the engine's own kernel over weights packed as `fmt` (bench/packed_matmul.py's
     "native" variant), each layer its own weights; the FLOP/s, weight bytes/s and seconds
     per weight that implies."""
+    return measure_linears((fmt,), batches, layers, repeats)[fmt]
+
+
+def measure_linears(formats: tuple[str, ...], batches: tuple[int, ...], layers: int, repeats: int,
+                    rounds: int = 1) -> dict[str, dict[int, dict[str, float]]]:
+    """measure_linear's figures for each of `formats`, measured in `rounds` rounds (each
+    round every format at every batch size, in turn) and the fastest round's kept: a
+    neighbour that slows the machine for a few seconds (these cores, their caches and
+    memory are shared) inflates one round's times, never deflates them, and in one
+    validation run an inflated profile predicted the engine's batch-1 step 28% slow."""
     import torch
 
     from lamina.planner.measure.kernels import LAYER, make_layers, median_cpu_time, native_run
 
     shapes = LAYER  # (outputs, inputs) of one decoder layer
     gen = torch.Generator().manual_seed(0)
-    weights = make_layers(fmt, layers, gen)
-    run_native = native_run(weights)
+    weights = {fmt: make_layers(fmt, layers, gen) for fmt in formats}
+    runs = {fmt: native_run(w) for fmt, w in weights.items()}
+    xs = {b: {i: torch.randn(b, i, generator=gen) for _, i in shapes} for b in batches}
+    seconds: dict[str, dict[int, float]] = {fmt: {} for fmt in formats}
+    for _ in range(rounds):
+        for fmt, run in runs.items():
+            for b in batches:
+                t = median_cpu_time(functools.partial(run, xs[b]), repeats)
+                seconds[fmt][b] = min(t, seconds[fmt].get(b, t))
     params = layers * sum(o * i for o, i in shapes)
-    nbytes = sum(pw.nbytes for layer in weights for pw in layer)
-    out: dict[int, dict[str, float]] = {}
-    for b in batches:
-        xs = {i: torch.randn(b, i, generator=gen) for _, i in shapes}
-        t = median_cpu_time(functools.partial(run_native, xs), repeats)
-        out[b] = {"seconds": t, "flops": 2 * params * b / t, "weight_bytes_s": nbytes / t,
-                  "s_per_param": t / params}
-    return out
+    nbytes = {fmt: sum(pw.nbytes for layer in w for pw in layer) for fmt, w in weights.items()}
+    return {fmt: {b: {"seconds": t, "flops": 2 * params * b / t, "weight_bytes_s": nbytes[fmt] / t,
+                      "s_per_param": t / params} for b, t in by_batch.items()} for fmt, by_batch in seconds.items()}
 
 
 # The batch sizes and attention cases the compute threads' speedup is measured at, and
@@ -328,8 +342,9 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
     copy_bw = copy_bandwidth(64 << 20 if quick else 256 << 20, repeats)
     batches = (1, 2, 4, 8, 16, 32, 64)
     layers = 8 if quick else 30
-    linear = measure_linear(batches, layers, repeats)
-    packed = {fmt: measure_linear(batches, layers, repeats, fmt) for fmt in PACKED_FORMATS}
+    tables = measure_linears(("f32", *PACKED_FORMATS), batches, layers, repeats, rounds=LINEAR_ROUNDS)
+    linear = tables.pop("f32")
+    packed = tables
     attention = measure_attention(((1, 256), (16, 256), (16, 1024), (64, 512)), repeats)
     kv_quantize = measure_kv_quantize(64, repeats * 10)
     by_transport = measure_transports(quick=True)

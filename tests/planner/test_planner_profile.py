@@ -7,7 +7,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from lamina.planner.hardware import THIS_MACHINE, device_from_entry  # noqa: E402
-from lamina.planner.profile import measure_attention, measure_linear, overhead_terms  # noqa: E402
+from lamina.planner.profile import (  # noqa: E402
+    measure_attention,
+    measure_linear,
+    measure_linears,
+    overhead_terms,
+)
 
 
 def test_linear_and_attention_measurements_are_positive_and_ordered():
@@ -19,6 +24,20 @@ def test_linear_and_attention_measurements_are_positive_and_ordered():
     assert attention["2x64"]["kv_bytes_s"] > 0 and attention["2x64"]["q4_s_per_element"] > 0
     q4 = measure_linear((1,), layers=1, repeats=1, fmt="q4_1")
     assert q4[1]["weight_bytes_s"] < linear[1]["weight_bytes_s"] * 10  # packed bytes, not float32's
+
+
+def test_the_fastest_of_the_rounds_is_kept(monkeypatch):
+    """Each format is timed once a round, the rounds in turn; a round slowed (here the
+    first, by a neighbour) is not the one kept."""
+    import lamina.planner.measure.kernels as kernels
+
+    clock = iter([5.0, 1.0, 5.0, 1.0, 2.0, 2.0, 2.0, 2.0])  # round 1: f32 b1, b2, q4_1 b1, b2; round 2
+    calls = []
+    monkeypatch.setattr(kernels, "median_cpu_time", lambda fn, repeats: (calls.append(fn), next(clock))[1])
+    tables = measure_linears(("f32", "q4_1"), (1, 2), layers=1, repeats=1, rounds=2)
+    assert {fmt: {b: v["seconds"] for b, v in t.items()} for fmt, t in tables.items()} == {
+        "f32": {1: 2.0, 2: 1.0}, "q4_1": {1: 2.0, 2: 1.0}}
+    assert len(calls) == 8
 
 
 def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
@@ -35,8 +54,8 @@ def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
         return fake
 
     monkeypatch.setattr(prof, "measure_transport", fake_transport)
-    monkeypatch.setattr(prof, "measure_linear",
-                        lambda b, layers, repeats, fmt="f32": measure_linear((1, 2), 1, 1, fmt))
+    monkeypatch.setattr(prof, "measure_linears", lambda formats, b, layers, repeats, rounds=1:
+                        measure_linears(formats, (1, 2), 1, 1, rounds))
     monkeypatch.setattr(prof, "measure_attention", lambda cases, repeats: measure_attention(((1, 32),), 1))
     # Loading the engine's model takes seconds; the overhead's arithmetic is tested below.
     monkeypatch.setattr(prof, "measure_engine_overhead",
