@@ -59,7 +59,7 @@ def measure_linears(formats: tuple[str, ...], batches: tuple[int, ...], layers: 
     validation run an inflated profile predicted the engine's batch-1 step 28% slow."""
     import torch
 
-    from lamina.planner.measure.kernels import LAYER, make_layers, median_cpu_time, native_run
+    from lamina.planner.measure.kernels import LAYER, make_layers, median_compute_time, native_run
 
     shapes = LAYER  # (outputs, inputs) of one decoder layer
     gen = torch.Generator().manual_seed(0)
@@ -70,7 +70,7 @@ def measure_linears(formats: tuple[str, ...], batches: tuple[int, ...], layers: 
     for _ in range(rounds):
         for fmt, run in runs.items():
             for b in batches:
-                t = median_cpu_time(functools.partial(run, xs[b]), repeats)
+                t = median_compute_time(functools.partial(run, xs[b]), repeats)
                 seconds[fmt][b] = min(t, seconds[fmt].get(b, t))
     params = layers * sum(o * i for o, i in shapes)
     nbytes = {fmt: sum(pw.nbytes for layer in w for pw in layer) for fmt, w in weights.items()}
@@ -149,7 +149,7 @@ def measure_attention(cases: tuple[tuple[int, int], ...], repeats: int) -> dict[
 
     from lamina.model.kv_attention import SlotBatch, buffer_attention, slot_attention
     from lamina.model.kv_quant import Q4Rows
-    from lamina.planner.measure.kernels import median_cpu_time
+    from lamina.planner.measure.kernels import median_compute_time
 
     kv_heads, d = _KV_HEADS, _HEAD_DIM
     rows = Q4Rows(d)
@@ -157,11 +157,11 @@ def measure_attention(cases: tuple[tuple[int, int], ...], repeats: int) -> dict[
     for batch, context in cases:
         q, keys, values = _attention_inputs(batch, context)
         lens = [1] * batch
-        t = median_cpu_time(functools.partial(buffer_attention, q, lens, keys, values, need_lse=False), repeats)
+        t = median_compute_time(functools.partial(buffer_attention, q, lens, keys, values, need_lse=False), repeats)
         k_pool, v_pool = rows.quantize(torch.cat(keys)), rows.quantize(torch.cat(values))  # [S, Hkv, row_bytes]
         slots = SlotBatch.build([range(i * context, (i + 1) * context) for i in range(batch)], batch * context)
         q4_attention = functools.partial(slot_attention, q, lens, k_pool, v_pool, slots, need_lse=False, packed=rows)
-        t_q4 = median_cpu_time(q4_attention, repeats)
+        t_q4 = median_compute_time(q4_attention, repeats)
         elements = 2 * batch * context * kv_heads * d
         out[f"{batch}x{context}"] = {"seconds": t, "kv_bytes_s": elements * 4 / t, "s_per_element": t / elements,
                                      "q4_seconds": t_q4, "q4_s_per_element": t_q4 / elements}
@@ -174,11 +174,11 @@ def measure_kv_quantize(tokens: int, repeats: int) -> float:
     import torch
 
     from lamina.model.kv_quant import Q4Rows
-    from lamina.planner.measure.kernels import median_cpu_time
+    from lamina.planner.measure.kernels import median_compute_time
 
     rows = Q4Rows(_HEAD_DIM)
     x = torch.randn(tokens, _KV_HEADS, _HEAD_DIM)
-    return median_cpu_time(lambda: rows.quantize(x), repeats) / x.numel()
+    return median_compute_time(lambda: rows.quantize(x), repeats) / x.numel()
 
 
 TRANSPORTS = ("tcp", "shm", "ucx", "rdma", "fhbn")

@@ -33,6 +33,17 @@ def median_wall_time(fn: Callable[[], object], repeats: int) -> float:
     return _median_time(fn, repeats, time.perf_counter)
 
 
+def median_compute_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `fn` as the profile counts a kernel: CPU seconds where it computes
+    on one thread (on shared cores wall time also counts the neighbours' turns), wall
+    seconds on more (their CPU seconds add up: on two threads a kernel's CPU time was about
+    twice its wall time, and a two-thread profile predicted the engine 33-45% slow)."""
+    from lamina.model.quant import kernel_threads
+
+    one = kernel_threads() <= 1 and torch.get_num_threads() <= 1
+    return (median_cpu_time if one else median_wall_time)(fn, repeats)
+
+
 def _median_time(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) -> float:
     fn()
     times = []

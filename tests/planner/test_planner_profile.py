@@ -33,11 +33,31 @@ def test_the_fastest_of_the_rounds_is_kept(monkeypatch):
 
     clock = iter([5.0, 1.0, 5.0, 1.0, 2.0, 2.0, 2.0, 2.0])  # round 1: f32 b1, b2, q4_1 b1, b2; round 2
     calls = []
-    monkeypatch.setattr(kernels, "median_cpu_time", lambda fn, repeats: (calls.append(fn), next(clock))[1])
+    monkeypatch.setattr(kernels, "median_compute_time", lambda fn, repeats: (calls.append(fn), next(clock))[1])
     tables = measure_linears(("f32", "q4_1"), (1, 2), layers=1, repeats=1, rounds=2)
     assert {fmt: {b: v["seconds"] for b, v in t.items()} for fmt, t in tables.items()} == {
         "f32": {1: 2.0, 2: 1.0}, "q4_1": {1: 2.0, 2: 1.0}}
     assert len(calls) == 8
+
+
+def test_a_kernel_on_several_threads_is_timed_in_wall_seconds(monkeypatch):
+    """On one thread a kernel's CPU seconds are its compute; on two they add up to about
+    twice its wall time, so there the profile counts wall seconds."""
+    import lamina.planner.measure.kernels as kernels
+    from lamina.model.quant import kernel_threads, set_kernel_threads
+
+    monkeypatch.setattr(kernels, "median_cpu_time", lambda fn, repeats: "cpu")
+    monkeypatch.setattr(kernels, "median_wall_time", lambda fn, repeats: "wall")
+    before, torch_before = kernel_threads(), torch.get_num_threads()
+    try:
+        set_kernel_threads(1)
+        torch.set_num_threads(1)
+        assert kernels.median_compute_time(lambda: None, 1) == "cpu"
+        set_kernel_threads(2)
+        assert kernels.median_compute_time(lambda: None, 1) == "wall"
+    finally:
+        set_kernel_threads(before)
+        torch.set_num_threads(torch_before)
 
 
 def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
