@@ -250,8 +250,9 @@ def _cpu_model() -> str:
 
 
 # What a profile holds, in its fingerprint: a profile of an earlier format is measured
-# again (2: the compute threads' speedup, `thread_speedup`).
-PROFILE_FORMAT = 2
+# again (2: the compute threads' speedup, `thread_speedup`; 3: the products and that
+# speedup each the fastest of their rounds).
+PROFILE_FORMAT = 3
 
 
 def machine_fingerprint() -> str:

@@ -83,13 +83,18 @@ def measure_linears(formats: tuple[str, ...], batches: tuple[int, ...], layers: 
 SPEEDUP_BATCHES = (1, 4, 16, 64)
 SPEEDUP_ATTENTION = ((4, 256), (16, 512))
 SPEEDUP_FORMAT = "q4_1"
+SPEEDUP_ROUNDS = 3
 
 
 def measure_thread_speedup(thread_counts: tuple[int, ...], layers: int, repeats: int) -> dict[int, dict[str, Any]]:
     """Per thread count T above 1: how many times faster the packed products (by batch
     size) and the attention kernel (the median over SPEEDUP_ATTENTION's cases) run on T
-    compute threads than on one, in wall time, the two measured alternately (two rounds,
-    the median of each figure's), so a drift of the machine's speed meets both."""
+    compute threads than on one, in wall time, the two measured alternately in
+    SPEEDUP_ROUNDS rounds and each time the fastest of its rounds (as measure_linears): a
+    neighbour that slows one core for a moment inflates a round, and a profile whose one
+    slowed round made two threads look slower than one (0.73-0.99x, where the next profile
+    measured 1.66-1.86x) started the model worker on one thread, at about half the
+    tokens/s for one user."""
     import torch
 
     from lamina.model.kv_attention import buffer_attention
@@ -113,15 +118,13 @@ def measure_thread_speedup(thread_counts: tuple[int, ...], layers: int, repeats:
     out: dict[int, dict[str, Any]] = {}
     try:
         for threads in (t for t in thread_counts if t > 1):
-            linear: dict[int, list[float]] = {b: [] for b in SPEEDUP_BATCHES}
-            attention: list[float] = []
-            for _ in range(2):
-                (one_linear, one_att), (many_linear, many_att) = timed(1), timed(threads)
-                for b in SPEEDUP_BATCHES:
-                    linear[b].append(one_linear[b] / many_linear[b])
-                attention.extend(a / m for a, m in zip(one_att, many_att, strict=True))
-            out[threads] = {"linear": {b: statistics.median(v) for b, v in linear.items()},
-                            "attention": statistics.median(attention)}
+            rounds = [(timed(1), timed(threads)) for _ in range(SPEEDUP_ROUNDS)]
+            one_linear = {b: min(one[0][b] for one, _ in rounds) for b in SPEEDUP_BATCHES}
+            many_linear = {b: min(many[0][b] for _, many in rounds) for b in SPEEDUP_BATCHES}
+            one_att = [min(one[1][i] for one, _ in rounds) for i in range(len(cases))]
+            many_att = [min(many[1][i] for _, many in rounds) for i in range(len(cases))]
+            out[threads] = {"linear": {b: one_linear[b] / many_linear[b] for b in SPEEDUP_BATCHES},
+                            "attention": statistics.median(a / m for a, m in zip(one_att, many_att, strict=True))}
     finally:
         set_kernel_threads(before)
     return out

@@ -121,6 +121,22 @@ def test_thread_speedup_is_measured_for_each_count_above_one_and_leaves_the_thre
     assert measure_thread_speedup((1,), layers=1, repeats=1) == {}
 
 
+def test_thread_speedup_keeps_each_side_fastest_round(monkeypatch):
+    """One thread and two are timed alternately in SPEEDUP_ROUNDS rounds; two slowed rounds
+    of the two-thread side (a neighbour) do not make two threads look slower than one."""
+    import lamina.planner.measure.kernels as kernels
+    from lamina.model.quant import kernel_threads
+    from lamina.planner.profile import SPEEDUP_ATTENTION, SPEEDUP_BATCHES, SPEEDUP_ROUNDS, measure_thread_speedup
+
+    per_side = len(SPEEDUP_BATCHES) + len(SPEEDUP_ATTENTION)
+    assert SPEEDUP_ROUNDS == 3
+    two = iter([1.0] * per_side + [4.0] * per_side + [4.0] * per_side)
+    monkeypatch.setattr(kernels, "median_wall_time",
+                        lambda fn, repeats: 2.0 if kernel_threads() == 1 else next(two))
+    speedup = measure_thread_speedup((1, 2), layers=1, repeats=1)
+    assert speedup[2] == {"linear": dict.fromkeys(SPEEDUP_BATCHES, 2.0), "attention": 2.0}
+
+
 def test_overhead_terms_meet_both_points():
     # 10 layers; gaps of 1 ms per layer at batch 1 and 2.5 ms at batch 16.
     layer, token = overhead_terms([(1, 0.030, 0.020), (16, 0.060, 0.035)], num_layers=10)
