@@ -91,10 +91,11 @@ def measure_thread_speedup(thread_counts: tuple[int, ...], layers: int, repeats:
     size) and the attention kernel (the median over SPEEDUP_ATTENTION's cases) run on T
     compute threads than on one, in wall time, the two measured alternately in
     SPEEDUP_ROUNDS rounds and each time the fastest of its rounds (as measure_linears): a
-    neighbour that slows one core for a moment inflates a round, and a profile whose one
-    slowed round made two threads look slower than one (0.73-0.99x, where the next profile
-    measured 1.66-1.86x) started the model worker on one thread, at about half the
-    tokens/s for one user."""
+    neighbour that slows one core for a moment inflates a round. A profile measured here
+    with two rounds, each ratio's median kept, had two threads slower than one (0.73-0.99x,
+    where later profiles measured 1.66-1.86x; a neighbour during it is the likely cause,
+    not proven) and started the model worker on one thread, at about half the tokens/s
+    for one user."""
     import torch
 
     from lamina.model.kv_attention import buffer_attention
