@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from lamina.model import random_models
@@ -179,7 +180,4 @@ def file_weight_formats(path: str | Path | None = None) -> dict[str, int]:
         file_packed(source, weights_dir, read_hf_config(weights_dir))
     with safe_open(str(cached), framework="numpy") as f:  # the header only: no tensor is read
         shapes = json.loads((f.metadata() or {}).get("weights", "{}"))
-    counts: dict[str, int] = {}
-    for fmt, _n, _k in shapes.values():
-        counts[fmt] = counts.get(fmt, 0) + 1
-    return counts
+    return dict(Counter(fmt for fmt, _n, _k in shapes.values()))

@@ -269,9 +269,11 @@ def choose_layout(config, workload: str | None, profile_path: Path, weights_set:
     say = lambda line: print(f"lamina up: {line}", file=sys.stderr, flush=True)  # noqa: E731
     measured = machine_profile(profile_path, lambda: profile(1, 0.1, quick=True), say)
     shape = ModelShape.of(load_config(config.model), checkpoint_name(config.model))
-    formats = file_weight_formats(config.model)
     # Off the CPU the linears are torch's whatever the choice: nothing to rank there.
     ranked_here = not weights_set and config.model_worker.device == "cpu"
+    # Only as_file's precision depends on the file's blocks; reading them repacks a GGUF
+    # file's blocks the first time, which set float weights never need.
+    formats = file_weight_formats(config.model) if ranked_here or config.weights == "as_file" else {}
     names = lossless_weights(formats) if ranked_here else (config.weights,)
     ranked = rank_layouts(measured["device"], shape, {w: weights_precision(w, formats) for w in names}, load)
     best = ranked[0]
