@@ -1,0 +1,22 @@
+"""bench/planner_validation.py's order of measurement: the out-of-sample run itself takes
+most of an hour, so the benchmark runs it, not this suite."""
+
+from collections import Counter
+
+# bench/planner_validation.py (bench/ is on the tests' path: pyproject.toml)
+from planner_validation import OUT_OF_SAMPLE, Case, schedule
+
+
+def test_cases_alternate_within_their_family_family_by_family():
+    cases = [Case("e", None, "engine", 1, 32), Case("s", None, "stack", 4, 64, layout="colocated"),
+             Case("s", None, "stack", 4, 64, layout="disaggregated", attention_workers=1),
+             Case("e", None, "engine", 2, 32), Case("t", None, "stack", 4, 64, threads=2)]
+    # Family "e" in three rounds, each member once a round, a different one first each
+    # round; then family "s" likewise; then "t", alone in its family.
+    assert schedule(cases, 3) == [0, 3, 3, 0, 0, 3, 1, 2, 2, 1, 1, 2, 4, 4, 4]
+    assert schedule(cases, 1) == [0, 3, 1, 2, 4]
+
+
+def test_every_out_of_sample_case_is_measured_rounds_times():
+    assert Counter(schedule(list(OUT_OF_SAMPLE), 3)) == Counter({i: 3 for i in range(len(OUT_OF_SAMPLE))})
+    assert len({c.family for c in OUT_OF_SAMPLE if c.kind == "stack"}) == 6 and len(OUT_OF_SAMPLE) >= 20
