@@ -251,8 +251,8 @@ def out_of_sample(prof1: dict, predictions_path: Path | None, family: str | None
                      "passes_tok_s": [round(p["tok_s"], 2) for p in passes],
                      "foreign_cores": [round(p["foreign_cores"], 3) for p in passes]})
         each = ", ".join(f"{p['tok_s']:.1f}" for p in passes)
-        rounds = f"  (rounds: {each})" if len(passes) > 1 else ""
-        print(f"{c.name():<72} {tok_s:>10.1f} {got:>10.1f} {err:>+8.1%}{rounds}", flush=True)
+        spread = f"  (rounds: {each})" if len(passes) > 1 else ""
+        print(f"{c.name():<72} {tok_s:>10.1f} {got:>10.1f} {err:>+8.1%}{spread}", flush=True)
     errors = [abs(r["rel_error"]) for r in rows]
     decisions = {}
     for family in dict.fromkeys(r["family"] for r in rows if r["kind"] == "stack"):

@@ -95,7 +95,9 @@ def measure_thread_speedup(thread_counts: tuple[int, ...], layers: int, repeats:
     with two rounds, each ratio's median kept, had two threads slower than one (0.73-0.99x,
     where later profiles measured 1.66-1.86x; a neighbour during it is the likely cause,
     not proven) and started the model worker on one thread, at about half the tokens/s
-    for one user."""
+    for one user. Measured this way it is still not robust on that VM: a profile had
+    0.82-1.36x for the products (2026-11-29), where the same measurement minutes later gave
+    1.24-2.45x and colocated on two threads measured faster than on one."""
     import torch
 
     from lamina.model.kv_attention import buffer_attention
