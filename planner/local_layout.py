@@ -251,8 +251,8 @@ def _cpu_model() -> str:
 
 # What a profile holds, in its fingerprint: a profile of an earlier format is measured
 # again (2: the compute threads' speedup, `thread_speedup`; 3: the products and that
-# speedup each the fastest of their rounds).
-PROFILE_FORMAT = 3
+# speedup each the fastest of their rounds; 4: the speedup measured until it settles).
+PROFILE_FORMAT = 4
 
 
 def machine_fingerprint() -> str:
@@ -282,10 +282,33 @@ def foreign_cores(profile: Mapping[str, Any]) -> float:
     return float(value) if isinstance(value, (int, float)) else 0.0
 
 
+def unsettled_speedups(profile: Mapping[str, Any]) -> list[str]:
+    """The thread counts whose speedup did not settle in its rounds (planner/profile.py's
+    speedup_settled: a neighbour on a core for all of them, or threads that barely pay)."""
+    measurements = profile.get("measurements")
+    table = measurements.get("thread_speedup") if isinstance(measurements, Mapping) else None
+    if not isinstance(table, Mapping):
+        return []
+    return [t for t, v in table.items() if isinstance(v, Mapping) and v.get("settled") is False]
+
+
+def suspect(profile: Mapping[str, Any]) -> str | None:
+    """Why `profile`'s figures are suspect, or None: other processes were busy while it was
+    measured, or the compute threads' speedup did not settle."""
+    busy = foreign_cores(profile)
+    if busy > BUSY_FOREIGN_CORES:
+        return f"other processes took {busy:.1f} cores while this machine was measured"
+    unsettled = unsettled_speedups(profile)
+    if unsettled:
+        return (f"the speedup on {', '.join(unsettled)} compute threads did not settle while this machine was "
+                "measured (a neighbour on a core?)")
+    return None
+
+
 def remeasure_busy(profile: Mapping[str, Any]) -> bool:
-    """Whether a profile measured while other processes were busy is measured again: yes
-    until BUSY_MEASUREMENTS in a row were (`busy_measurements` counts them)."""
-    return foreign_cores(profile) > BUSY_FOREIGN_CORES and int(profile.get("busy_measurements", 1)) < BUSY_MEASUREMENTS
+    """Whether a profile whose figures are suspect (`suspect`) is measured again: yes until
+    BUSY_MEASUREMENTS in a row were (`busy_measurements` counts them)."""
+    return suspect(profile) is not None and int(profile.get("busy_measurements", 1)) < BUSY_MEASUREMENTS
 
 
 def machine_profile(path: Path, measure: Callable[[], dict[str, Any]], say: Callable[[str], None]) -> dict[str, Any]:
@@ -299,7 +322,7 @@ def machine_profile(path: Path, measure: Callable[[], dict[str, Any]], say: Call
         if not (isinstance(held, dict) and held.get("fingerprint") == fingerprint and "device" in held):
             why = "measured on another machine or by another version"
         elif remeasure_busy(held):
-            why = f"measured while other processes took {foreign_cores(held):.1f} cores"
+            why = f"suspect: {suspect(held)}"
             busy_before = int(held.get("busy_measurements", 1))
         else:
             return held
@@ -311,13 +334,13 @@ def machine_profile(path: Path, measure: Callable[[], dict[str, Any]], say: Call
         f"about a minute, once)...")
     result = dict(measure())
     result["fingerprint"] = fingerprint
-    busy = foreign_cores(result)
-    if busy > BUSY_FOREIGN_CORES:
+    why_suspect = suspect(result)
+    if why_suspect is not None:
         result["busy_measurements"] = busy_before + 1
         again = ("the next start measures again" if remeasure_busy(result)
                  else f"kept: {result['busy_measurements']} measurements in a row were")
-        say(f"other processes took {busy:.1f} cores while this machine was measured: the figures, and the layout "
-            f"chosen from them, may be off ({again}; `lamina profile` re-measures when the machine is quiet)")
+        say(f"{why_suspect}: the figures, and the layout chosen from them, may be off ({again}; "
+            "`lamina profile` re-measures when the machine is quiet)")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     return result

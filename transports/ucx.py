@@ -57,6 +57,9 @@ def _ucxx(config: TransportConfig):
         os.environ["UCX_TLS"] = config.ucx_tls  # read by UCX when it first initializes
     # Read by ucxx when its context starts; an explicit environment setting wins.
     os.environ.setdefault("UCXPY_PROGRESS_MODE", config.ucx_progress_mode)
+    # ucxx sets UCX_MEMTYPE_CACHE, which this UCX no longer reads and warns of on every
+    # process's stderr (`lamina profile` printed four such lines); other warnings stay.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx
     return ucxx
 

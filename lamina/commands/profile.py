@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lamina.planner.hardware import device_from_entry
-    from lamina.planner.local_layout import BUSY_FOREIGN_CORES, foreign_cores, machine_fingerprint
+    from lamina.planner.local_layout import machine_fingerprint, suspect
     from lamina.planner.profile import profile
 
     result = profile(args.threads, args.usd_per_hour, args.quick, stack=not args.no_stack)
@@ -40,9 +40,8 @@ def run(args: argparse.Namespace) -> int:
           f"matmul {d['tflops']['fp32']['value'] * 1e3:.1f} GFLOP/s, "
           f"TCP round trip {2 * d['network_latency_us']['value']:.0f} us, "
           f"{2 * d['network_gbit_s']['value']:.2f} Gb/s at 1 MiB")
-    busy = foreign_cores(result)
-    if busy > BUSY_FOREIGN_CORES:
-        print(f"warning: other processes took {busy:.1f} cores while this machine was measured, so these figures "
-              "are partly theirs; `lamina up --layout auto` measures again at its next start (run `lamina profile` "
-              "when the machine is quiet)", file=sys.stderr)
+    why = suspect(result)
+    if why is not None:
+        print(f"warning: {why}, so these figures may be off; `lamina up --layout auto` measures again at its "
+              "next start (run `lamina profile` when the machine is quiet)", file=sys.stderr)
     return 0

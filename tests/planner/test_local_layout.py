@@ -168,14 +168,35 @@ def test_a_profile_measured_while_the_host_was_busy_is_measured_again_once(tmp_p
     first = machine_profile(path, measure, said.append)
     assert first["busy_measurements"] == 1 and "took 1.6 cores" in said[-1] and "measures again" in said[-1]
     second = machine_profile(path, measure, said.append)
-    assert "measured while other processes took 1.6 cores" in said[-2]
+    assert "suspect: other processes took 1.6 cores" in said[-2]
     assert second["busy_measurements"] == 2 and "kept: 2 measurements in a row" in said[-1]
     assert machine_profile(path, measure, said.append) == second and loads == [0.1]  # kept: not measured
     path.write_text(json.dumps({**second, "busy_measurements": 1}))  # as `lamina profile` writes a busy one
     quiet = machine_profile(path, measure, said.append)
-    assert loads == [] and "busy_measurements" not in quiet and "cores while" not in said[-1]
+    assert loads == [] and "busy_measurements" not in quiet and said[-1].startswith("measuring this machine")
     assert machine_profile(path, measure, said.append) == quiet
     assert not local_layout.remeasure_busy({"device": {}})  # a profile without the figure: as measured quiet
+
+
+def test_a_profile_whose_thread_speedup_did_not_settle_is_measured_again_once(tmp_path):
+    """The compute threads' speedup still suspect after its last round (a neighbour on a
+    core all along): measured again at the next start, kept the second time; a settled
+    one, or one measured before `settled` was recorded, is kept at once."""
+    path = tmp_path / "profile.json"
+    settles, said = [False, False, True], []
+
+    def measure():
+        return {"device": {"n": len(said)}, "measurements": {
+            "foreign_cores": 0.0, "thread_speedup": {"2": {"linear": {"1": 0.8}, "attention": 0.9, "rounds": 12,
+                                                           "settled": settles.pop(0)}}}}
+
+    first = machine_profile(path, measure, said.append)
+    assert first["busy_measurements"] == 1 and "speedup on 2 compute threads did not settle" in said[-1]
+    assert "the next start measures again" in said[-1]
+    second = machine_profile(path, measure, said.append)
+    assert "suspect: the speedup on 2" in said[-2] and "kept: 2 measurements in a row" in said[-1]
+    assert machine_profile(path, measure, said.append) == second and settles == [True]
+    assert local_layout.suspect({"measurements": {"thread_speedup": {"2": {"linear": {}, "attention": 1.5}}}}) is None
 
 
 def test_the_foreign_cpu_meter_sees_a_neighbour_and_not_its_own_work():

@@ -81,7 +81,8 @@ def test_profile_command_writes_what_plan_reads(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(prof, "measure_engine_overhead",
                         lambda entry, steps, threads: {"layer_s": 1e-4, "token_s": 0.0})
     monkeypatch.setattr(prof, "measure_thread_speedup", lambda counts, layers, repeats: {
-        t: {"linear": {1: 1.5, 64: 1.8}, "attention": 1.4} for t in counts if t > 1})
+        t: {"linear": {1: 1.5, 64: 1.8}, "attention": 1.4, "rounds": 3, "settled": True}
+        for t in counts if t > 1})
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     # The stack run starts every service; its arithmetic is tested below.
     monkeypatch.setattr(prof, "measure_stack_overhead",
@@ -121,20 +122,75 @@ def test_thread_speedup_is_measured_for_each_count_above_one_and_leaves_the_thre
     assert measure_thread_speedup((1,), layers=1, repeats=1) == {}
 
 
-def test_thread_speedup_keeps_each_side_fastest_round(monkeypatch):
-    """One thread and two are timed alternately in SPEEDUP_ROUNDS rounds; two slowed rounds
-    of the two-thread side (a neighbour) do not make two threads look slower than one."""
+def _timed_speedup(monkeypatch, two_thread_times):
+    """measure_thread_speedup((1, 2)) where one thread takes 2 s at every case and two take
+    the next of `two_thread_times` (one per case, in each round's order); how many
+    two-thread timings it took."""
     import lamina.planner.measure.kernels as kernels
     from lamina.model.quant import kernel_threads
-    from lamina.planner.profile import SPEEDUP_ATTENTION, SPEEDUP_BATCHES, SPEEDUP_ROUNDS, measure_thread_speedup
+    from lamina.planner.profile import measure_thread_speedup
 
-    per_side = len(SPEEDUP_BATCHES) + len(SPEEDUP_ATTENTION)
+    two = iter(two_thread_times)
+    taken = []
+
+    def timed(fn, repeats):
+        if kernel_threads() == 1:
+            return 2.0
+        taken.append(next(two))
+        return taken[-1]
+
+    monkeypatch.setattr(kernels, "median_wall_time", timed)
+    return measure_thread_speedup((1, 2), layers=1, repeats=1), len(taken)
+
+
+def test_thread_speedup_keeps_each_side_fastest_round(monkeypatch):
+    """One thread and two are timed alternately, case by case, in SPEEDUP_ROUNDS rounds;
+    two slowed rounds of the two-thread side (a neighbour) do not make two threads look
+    slower than one."""
+    from lamina.planner.profile import SPEEDUP_ATTENTION, SPEEDUP_BATCHES, SPEEDUP_ROUNDS
+
+    per_round = len(SPEEDUP_BATCHES) + len(SPEEDUP_ATTENTION)
     assert SPEEDUP_ROUNDS == 3
-    two = iter([1.0] * per_side + [4.0] * per_side + [4.0] * per_side)
-    monkeypatch.setattr(kernels, "median_wall_time",
-                        lambda fn, repeats: 2.0 if kernel_threads() == 1 else next(two))
-    speedup = measure_thread_speedup((1, 2), layers=1, repeats=1)
-    assert speedup[2] == {"linear": dict.fromkeys(SPEEDUP_BATCHES, 2.0), "attention": 2.0}
+    speedup, taken = _timed_speedup(monkeypatch, [1.0] * per_round + [4.0] * per_round * 2)
+    assert speedup[2] == {"linear": dict.fromkeys(SPEEDUP_BATCHES, 2.0), "attention": 2.0, "rounds": 3,
+                          "settled": True}
+    assert taken == 3 * per_round
+
+
+def test_thread_speedup_goes_on_until_its_figures_settle(monkeypatch):
+    """Two threads slowed in every one of the first rounds (a neighbour on one core for
+    seconds: 0.8x) are measured again, round after round, until a quiet round gives a
+    plausible figure and the next one confirms it; so is a round that still moves the
+    figures by more than a tenth; a machine slowed throughout keeps its figure after
+    SPEEDUP_MAX_ROUNDS rounds."""
+    from lamina.planner.profile import (
+        SPEEDUP_ATTENTION,
+        SPEEDUP_BATCHES,
+        SPEEDUP_MAX_ROUNDS,
+        SPEEDUP_ROUNDS,
+        fastest_ratios,
+        speedup_suspect,
+    )
+
+    per_round = len(SPEEDUP_BATCHES) + len(SPEEDUP_ATTENTION)
+    slowed = [2.5] * per_round * (SPEEDUP_ROUNDS + 1)
+    speedup, taken = _timed_speedup(monkeypatch, slowed + [1.1] * per_round * SPEEDUP_MAX_ROUNDS)
+    assert speedup[2]["rounds"] == SPEEDUP_ROUNDS + 3 and taken == (SPEEDUP_ROUNDS + 3) * per_round
+    assert speedup[2]["linear"] == pytest.approx(dict.fromkeys(SPEEDUP_BATCHES, 2 / 1.1))
+    # 1.33x, then 1.67x in the third round: plausible, but moved; a fourth round confirms.
+    moving = [1.5] * per_round * 2 + [1.2] * per_round * SPEEDUP_MAX_ROUNDS
+    speedup, taken = _timed_speedup(monkeypatch, moving)
+    assert speedup[2]["rounds"] == 4 and speedup[2]["attention"] == pytest.approx(2 / 1.2)
+    assert speedup[2]["settled"]
+    speedup, taken = _timed_speedup(monkeypatch, [2.5] * per_round * SPEEDUP_MAX_ROUNDS)
+    assert speedup[2]["rounds"] == SPEEDUP_MAX_ROUNDS and speedup[2]["attention"] == pytest.approx(0.8)
+    assert not speedup[2]["settled"]
+    # Suspect: barely faster on T threads than on one at some case.
+    assert not speedup_suspect({("linear", 1): 1.3, ("attention", 0): 2.2})
+    assert speedup_suspect({("linear", 1): 1.2, ("attention", 0): 1.8})
+    # Each side's fastest round, whichever rounds they came from.
+    rounds = [{("linear", 1): (2.0, 3.0)}, {("linear", 1): (4.0, 1.0)}]
+    assert fastest_ratios(rounds) == {("linear", 1): 2.0}
 
 
 def test_overhead_terms_meet_both_points():
