@@ -7,7 +7,12 @@ Python-level calls (each product's checks and output tensor, each small operator
 50 us a layer at batch 1 on one core, which is 1.5 ms of a 30-layer step of SmolLM2 whose
 products take 6-10. `FusedSlice` runs the same operators in csrc/slice_ops.c's `layer`:
 the same functions on the same rows in the same order (so the same bits; tested against
-the traced slice), intermediates in the native side's scratch, two output tensors a call.
+the traced slice), intermediates in the native side's scratch. Its two outputs (Q, K, V
+and the residual stream) are new tensors a call, or, where the step's inputs carry
+`REUSE_OUTPUTS` (`SplitModel.run(..., reuse_outputs=True)`: a whole step in one call
+whose attention copies K and V away), the slice's own, kept from the last step with as
+many tokens (at most `REUSED_MAX_TOKENS`) with their Q, K, V views: a decode step then
+makes no tensor in the middle slices.
 
 It takes a step of at most `FUSED_MAX_TOKENS` tokens on CPU float32 tensors and packed
 linears; anything else (a long prompt, a model placed on a GPU, a native part not built)
@@ -24,7 +29,7 @@ import torch
 from lamina.model import quant
 from lamina.model.quant import QuantLinear
 from lamina.model.rope import with_rope_table
-from lamina.model.splitter import SliceOutput, SplitModel
+from lamina.model.splitter import REUSE_OUTPUTS, SliceOutput, SplitModel
 
 try:
     import lamina.model._slice_ops as _SLICE_OPS  # noqa: N812 (a module constant: the native kernel, or None)
@@ -38,6 +43,9 @@ if NATIVE is not None:
 # scratch they need is (2 d + 3 F) floats a token, about 20 KB for SmolLM2. Longer steps
 # spend their time in the products, where a dozen Python calls do not matter.
 FUSED_MAX_TOKENS = 256
+# The most tokens a step may have for the slices to keep its outputs (REUSE_OUTPUTS):
+# decode batches; the outputs of one [64 tokens] step are 0.4 MB a layer for SmolLM2.
+REUSED_MAX_TOKENS = 64
 
 
 class FusedSlice:
@@ -56,6 +64,9 @@ class FusedSlice:
         self._q_size = cfg.num_heads * cfg.head_dim
         self._key: tuple | None = None  # the addresses the plan was made from
         self._plan: Any = None  # the native plan, or None where the weights are not what it reads
+        # Outputs kept for steps of `_kept_tokens` tokens: (qkv, out, (q, k, v) views of qkv).
+        self._kept_tokens = 0
+        self._kept: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def _current_plan(self) -> Any:
         """The native plan of the weights as they are now (remade when an address moved)."""
@@ -84,14 +95,25 @@ class FusedSlice:
         plan = self._current_plan()
         if plan is None:
             return None
-        h, hkv = self._heads, self._kv_heads
-        qkv = residual.new_empty((t, (h + 2 * hkv) * self._head_dim))  # [T, (Hq + 2 Hkv) D]
-        out = residual.new_empty((t, self._d))  # [T, d]
+        if inputs.get(REUSE_OUTPUTS) and t <= REUSED_MAX_TOKENS:
+            if self._kept is None or self._kept_tokens != t:
+                self._kept, self._kept_tokens = self._outputs(residual, t), t
+            qkv, out, heads = self._kept
+        else:
+            qkv, out, heads = self._outputs(residual, t)
         with_rope_table(self._inv_freq, positions, lambda cos, sin: NATIVE.layer(  # checks every position first
             plan, attn_out.data_ptr(), residual.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             cos.shape[0], qkv.data_ptr(), out.data_ptr(), t, quant.kernel_threads()))
+        return SliceOutput(heads, [out], None)
+
+    def _outputs(self, residual: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                 tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """New outputs for a step of t tokens: QKV [T, (Hq + 2 Hkv) D], the residual stream
+        [T, d], and Q [T, Hq, D], K and V [T, Hkv, D] as views of QKV."""
+        h, hkv = self._heads, self._kv_heads
+        qkv = residual.new_empty((t, (h + 2 * hkv) * self._head_dim))
         heads = qkv.view(t, h + 2 * hkv, self._head_dim)  # [T, Hq + 2 Hkv, D]
-        return SliceOutput((heads[:, :h], heads[:, h:h + hkv], heads[:, h + hkv:]), [out], None)
+        return qkv, residual.new_empty((t, self._d)), (heads[:, :h], heads[:, h:h + hkv], heads[:, h + hkv:])
 
 
 def _linears(model: Any, j: int) -> tuple[Any, ...]:

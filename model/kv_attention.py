@@ -83,13 +83,27 @@ def _check_q(q: torch.Tensor, query_lens: Sequence[int], hkv: int, d: int) -> No
 
 
 def _outputs(q: torch.Tensor, query_lens: Sequence[int], kv_lens: Sequence[int], causal: bool,
-             need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+             need_lse: bool, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     if len(query_lens) != len(kv_lens):
         raise ValueError(f"{len(query_lens)} query lengths for {len(kv_lens)} sequences of keys")
     if causal and any(n > length for n, length in zip(query_lens, kv_lens)):
         raise ValueError("a sequence has more queries than keys (causal queries are its last keys)")
-    out = torch.empty_like(q)  # [T, Hq, D]
+    out = _into(out, q)  # [T, Hq, D]
     return out, torch.empty(q.shape[:2], dtype=torch.float32) if need_lse else None  # [T, Hq]
+
+
+def _into(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """`out` where the kernel may write an attention output of q's shape into it (the
+    kernel reads q while it writes: they must not share memory), else a new tensor."""
+    if out is None:
+        return torch.empty_like(q)
+    if not (out.shape == q.shape and out.dtype == torch.float32 and out.is_cpu and out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous float32 CPU tensor of q's shape {tuple(q.shape)}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    o, a, n = out.data_ptr(), q.data_ptr(), q.numel() * 4  # both contiguous float32
+    if o < a + n and a < o + n:
+        raise ValueError("out must not share memory with q")
+    return out
 
 
 @dataclass(frozen=True)
@@ -252,10 +266,12 @@ class SlotStep:
             NATIVE.append_rows(src.data_ptr(), _addr(dst), _addr(self._at), _addr(self._one_each), self._rows,
                                self.hkv * self.d)
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D] -> out [T, Hq, D]: each query over its sequence's keys up to its own."""
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, Hq, D] -> out [T, Hq, D]: each query over its sequence's keys up to its own,
+        written into `out` when given (a contiguous float32 tensor of q's shape, none of it
+        q), else into a new tensor."""
         self._check(layer, q, q.shape[1] if q.dim() == 3 and q.shape[1] else None)
-        out = torch.empty_like(q)
+        out = _into(out, q)
         NATIVE.attend(q.data_ptr(), out.data_ptr(), 0, _addr(self._k_base[layer]), _addr(self._v_base[layer]),
                       self._batch.slots.data_ptr(), _addr(self._q_start), _addr(self._batch.starts),
                       _addr(self._kv_len), len(self._kv_len), q.shape[1], self.hkv, self.d, True, self.d**-0.5, 0,
@@ -357,13 +373,15 @@ class BufferBatch:
         """Sequence b's keys and values of one layer, held and new: [L_b, Hkv, D] views."""
         return self._buffers[b][layer, 0, : self.kv_lens[b]], self._buffers[b][layer, 1, : self.kv_lens[b]]
 
-    def attend(self, layer: int, q: torch.Tensor, *, causal: bool = True,
-               need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def attend(self, layer: int, q: torch.Tensor, *, causal: bool = True, need_lse: bool = False,
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of the new tokens' queries (q: [T, Hq, D]) over every token of their
-        sequence, the new ones appended first. Returns out [T, Hq, D] and lse [T, Hq]."""
+        sequence, the new ones appended first. Returns out [T, Hq, D] (written into `out`
+        when given and the native kernel is built: a contiguous float32 tensor of q's
+        shape, none of it q) and lse [T, Hq]."""
         self._check_layer(layer)
         _check_q(q, self.query_lens, self.hkv, self.d)
-        out, lse = _outputs(q, self.query_lens, self.kv_lens, causal, need_lse)
+        out, lse = _outputs(q, self.query_lens, self.kv_lens, causal, need_lse, out)
         if NATIVE is None:
             keys, values = zip(*(self.keys_values(layer, b) for b in range(len(self._buffers))))
             return _reference(q, self.query_lens, keys, values, causal, need_lse)

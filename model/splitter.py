@@ -20,6 +20,7 @@ For n attention operators this yields n + 1 slices:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +73,11 @@ class Slice:
         return SliceOutput((q, k, v), list(ctx), None)
 
 
+# The key of a step's inputs that lets the middle slices write into outputs they keep
+# from step to step (SplitModel.run's reuse_outputs; lamina.model.fused_slice).
+REUSE_OUTPUTS = "reuse_outputs"
+
+
 @dataclass
 class SliceOutput:
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # inputs of the next attention
@@ -91,19 +97,34 @@ class SplitModel:
     slices: list[Slice]
     attention_modules: list[str]  # qualified names of the attention operators, in order
     cut_bytes: list[int] = field(default_factory=list)  # context bytes per cut, for the example input
+    # Held by the run whose slices write into the outputs they keep (run's reuse_outputs).
+    _reuse: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def num_attention(self) -> int:
         return len(self.attention_modules)
 
-    def run(self, inputs: dict[str, Any], attend: Attend) -> Any:
+    def run(self, inputs: dict[str, Any], attend: Attend, *, reuse_outputs: bool = False) -> Any:
         """Compose the slices with an attention function; equals the unsplit model.
-        Grad mode is the caller's."""
-        out = self.slices[0](inputs)
-        for i in range(self.num_attention):
-            q, k, v = out.qkv  # type: ignore[misc]
-            out = self.slices[i + 1](inputs, attend(i, q, k, v), out.context)
-        return out.output
+        Grad mode is the caller's.
+
+        reuse_outputs: the middle slices may write into outputs they keep from step to step
+        (lamina.model.fused_slice's REUSE_OUTPUTS), so no Q, K, V or context outlives the
+        step: only for an `attend` that keeps no K or V it is given (it copies them into
+        its KV store) and a caller that keeps nothing but the model's output. A run beside
+        another that reuses (another thread) makes new outputs."""
+        reusing = reuse_outputs and self._reuse.acquire(blocking=False)
+        try:
+            if reusing:
+                inputs = {**inputs, REUSE_OUTPUTS: True}
+            out = self.slices[0](inputs)
+            for i in range(self.num_attention):
+                q, k, v = out.qkv  # type: ignore[misc]
+                out = self.slices[i + 1](inputs, attend(i, q, k, v), out.context)
+            return out.output
+        finally:
+            if reusing:
+                self._reuse.release()
 
     async def run_async(self, inputs: dict[str, Any], attend: AsyncAttend, run_slice: RunSlice | None = None) -> Any:
         """`run` where attention (and, with `run_slice`, a slice) is awaited: attention on

@@ -38,6 +38,7 @@ class LocalAttention:
         self._small = self._all if len(small) == len(lens) else None
         self._small_rows = None  # the rows of q that belong to the small sequences, when not all are
         self._large: list[tuple[int, int, int]] = []  # (sequence, first row, rows) of the others
+        self._out: torch.Tensor | None = None  # [T, Hq, D], every layer's output when all are small
         if self._small is None:
             starts = [0, *accumulate(lens)]
             if small:
@@ -47,11 +48,15 @@ class LocalAttention:
             self._large = [(b, starts[b], n) for b, n in enumerate(lens) if n > KERNEL_MAX_QUERIES]
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Layer `layer_id`'s attention output. It is the step's one output tensor where every
+        sequence is decoding: the caller reads each layer's before it asks for the next
+        (run_step's SplitModel.run)."""
         # q: [T, Hq, D]; k, v: [T, Hkv, D]. Nothing here combines partials, so no lse.
         self._all.append(layer_id, k.contiguous(), v.contiguous())
         q = q.contiguous()
         if self._small is self._all:
-            return self._all.attend(layer_id, q)[0]
+            self._out = self._all.attend(layer_id, q, out=self._out)[0]
+            return self._out
         out = torch.empty_like(q)
         if self._small is not None:
             out[self._small_rows] = self._small.attend(layer_id, q[self._small_rows])[0]
@@ -99,6 +104,8 @@ def run_step(split: SplitModel, kv: KVStore, batch: StepBatch) -> torch.Tensor:
     (where sampling runs), whatever device the KV store is on."""
     attention = in_process_attention(kv, batch)
     with torch.inference_mode():
-        logits = split.run(batch.model_inputs(kv.device), lambda i, q, k, v: attention.attend(i, q, k, v))
+        # Attention copies each layer's K and V into the store: the slices may keep their outputs.
+        logits = split.run(batch.model_inputs(kv.device), lambda i, q, k, v: attention.attend(i, q, k, v),
+                           reuse_outputs=True)
     attention.commit()
     return logits.cpu()

@@ -218,18 +218,22 @@ class AttentionCore:
         `attend` returns. Layer 0 is `attend` itself, checked whole, and extends the
         sequences; on the native decode path the later layers write and attend through
         the step's SlotStep, which checks their shapes, skipping the checks of the
-        sequences' state that only layer 0 could fail. Any other call is `attend`."""
+        sequences' state that only layer 0 could fail. Any other call is `attend`. The
+        later layers' outputs are one tensor, written again by each: the caller reads each
+        layer's output before it calls the next (SplitModel.run)."""
         ids, lens = tuple(s for s, _ in seqs), [n for _, n in seqs]
         fast: SlotStep | None = None
         expected = 1  # the layer after the last one served
+        out: torch.Tensor | None = None  # [T, Hq, D], the fast path's outputs
 
         def call(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            nonlocal fast, expected
+            nonlocal fast, expected, out
             if (fast is not None and layer == expected and q.dtype == k.dtype == v.dtype == torch.float32
                     and layer < self.shape.num_layers):
                 expected += 1
                 fast.append(layer, k.contiguous(), v.contiguous())
-                return fast.attend(layer, q.contiguous())
+                out = fast.attend(layer, q.contiguous(), out)
+                return out
             out, _ = self.attend(layer, seqs, q, k, v)
             if layer == 0:
                 step = self._step_slots.get(ids)  # what that attend built or reused

@@ -114,7 +114,9 @@ class ModelSlices:
 
         call = attend if device.type == "cpu" else attend_staged  # on the CPU the moves are no-ops
         with torch.inference_mode():
-            logits = self.split.run(batch.model_inputs(device), call)  # [B, V] float32
+            # The attention core copies each layer's K and V into its slabs: the slices may
+            # keep their outputs from step to step.
+            logits = self.split.run(batch.model_inputs(device), call, reuse_outputs=True)  # [B, V] float32
         # This thread's CPU time, less the attention's (counted apart by the pool).
         self.compute_s += time.thread_time() - t0 - (pool.local_s - attending)
         return logits.cpu()

@@ -132,3 +132,63 @@ def test_the_plan_follows_weights_replaced_after_the_split():
 def test_no_fused_slices_for_torch_linears():
     model = LlamaForCausalLM(SMALL).eval()  # nn.Linear weights: what runs on other devices
     assert all(piece.fused is None for piece in split_llama(model).slices)
+
+
+def test_a_step_marked_for_reuse_writes_into_the_slices_kept_outputs():
+    """With REUSE_OUTPUTS a slice writes each step of the same token count into the same
+    tensors (no new ones), with the traced slice's bits; another token count, or a step
+    over REUSED_MAX_TOKENS, gets new ones; an unmarked step always new ones."""
+    from lamina.model.splitter import REUSE_OUTPUTS
+
+    piece = split_llama(_small("q4")).slices[2]
+    with torch.inference_mode():
+        first_case, second_case = _case(SMALL, 3, 100, seed=5), _case(SMALL, 3, 100, seed=6)
+        kept = piece.fused({**first_case[0], REUSE_OUTPUTS: True}, *first_case[1:])
+        _assert_same(kept, _traced(piece, *first_case))
+        again = piece.fused({**second_case[0], REUSE_OUTPUTS: True}, *second_case[1:])
+        _assert_same(again, _traced(piece, *second_case))
+        assert [t.data_ptr() for t in (*again.qkv, *again.context)] == [t.data_ptr() for t in
+                                                                       (*kept.qkv, *kept.context)]
+        assert all(x is y for x, y in zip(again.qkv, kept.qkv))  # the views are kept too
+        fresh = piece.fused(*second_case)
+        assert fresh.context[0].data_ptr() != kept.context[0].data_ptr()
+        _assert_same(fresh, again)
+        other = _case(SMALL, 4, 100, seed=7)
+        resized = piece.fused({**other[0], REUSE_OUTPUTS: True}, *other[1:])
+        assert resized.context[0].shape == (4, SMALL.hidden_size)
+        _assert_same(resized, _traced(piece, *other))
+        big = _case(SMALL, fused_slice.REUSED_MAX_TOKENS + 1, 100, seed=8)
+        first_big = piece.fused({**big[0], REUSE_OUTPUTS: True}, *big[1:])
+        assert piece.fused({**big[0], REUSE_OUTPUTS: True}, *big[1:]).context[0].data_ptr() \
+            != first_big.context[0].data_ptr()
+
+
+def test_a_run_that_reuses_outputs_equals_one_that_does_not():
+    """SplitModel.run with reuse_outputs: the same logits, step after step; while another
+    run holds the outputs (another thread), a run makes new ones."""
+    from lamina.model.splitter import REUSE_OUTPUTS
+
+    model = _small("q8_0")
+    split = split_llama(model)
+    seen = []
+
+    def attend(i, q, k, v):  # a stand-in attention that keeps nothing it is given
+        seen.append(k.data_ptr())
+        return (q[:, : SMALL.num_heads] * 0.5).contiguous()
+
+    with torch.inference_mode():
+        for tokens in (1, 1, 5):
+            inputs = {"input_ids": torch.arange(tokens) % SMALL.vocab_size, "positions": torch.arange(tokens),
+                      "logits_index": torch.tensor([tokens - 1])}
+            plain = split.run(inputs, attend)
+            seen.clear()
+            reused = split.run(inputs, attend, reuse_outputs=True)
+            assert torch.equal(plain, reused) and REUSE_OUTPUTS not in inputs
+        kept = list(seen)
+        seen.clear()
+        split.run(inputs, attend, reuse_outputs=True)
+        assert seen[1:] == kept[1:]  # the middle slices' K tensors of the step before (slice 0 is traced)
+        with split._reuse:  # held by a run on another thread
+            seen.clear()
+            assert torch.equal(split.run(inputs, attend, reuse_outputs=True), plain)
+            assert seen[1:] != kept[1:]

@@ -202,6 +202,9 @@ def test_a_buffer_batch_appends_every_sequence_and_attends_over_its_buffer(path)
         ref_out, ref_lse = _reference(q, new, keys, values)
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+        if kv_attention.NATIVE is not None:  # into a given output: the same values, that tensor
+            given = torch.full_like(q, float("nan"))
+            assert batch.attend(layer, q, out=given)[0] is given and torch.equal(given, out)
 
 
 def test_a_buffer_batch_refuses_what_does_not_fit(path):
@@ -217,6 +220,7 @@ def test_a_buffer_batch_refuses_what_does_not_fit(path):
         ("new K and V", lambda: batch.append(0, torch.randn(1, 3, 64), torch.randn(1, 3, 64).half())),
         ("layer 2 of 2", lambda: batch.append(2, torch.randn(1, 3, 64), torch.randn(1, 3, 64))),
         ("do not add up", lambda: batch.attend(0, torch.randn(2, 9, 64))),
+        ("out must be a contiguous float32", lambda: batch.attend(0, torch.randn(1, 9, 64), out=torch.zeros(2, 9, 64))),
     ]
     for message, call in refused:
         with pytest.raises(ValueError, match=message):
@@ -352,6 +356,8 @@ def test_a_slot_step_writes_and_attends_as_the_plain_path_does(query_lens, lens)
         out = step.attend(layer, q)
         assert torch.equal(out, slot_attention(q, query_lens, plain_k[layer], plain_v[layer], batch,
                                                need_lse=False)[0])
+        given = torch.full_like(q, float("nan"))
+        assert step.attend(layer, q, given) is given and torch.equal(given, out)
 
 
 def test_a_slot_step_keeps_the_pools_it_addresses_alive():
@@ -384,12 +390,16 @@ def test_a_slot_step_refuses_what_its_kernel_cannot_take():
     new = torch.tensor([per_seq[0][-1], per_seq[1][-1]])
     pools = kv_attention.SlotPools(k_pools, v_pools)
     step = kv_attention.SlotStep(pools, batch, [1, 1], new)
+    overlapping = torch.randn(3, 9, 8)
+    shared = (overlapping[:2], overlapping[1:])  # q and an output that overlap by a row
     refused = [
         ("layer 2 of 2", lambda: step.attend(2, torch.randn(2, 9, 8))),
         ("contiguous float32 \\[2, 3, 8\\]", lambda: step.append(0, torch.randn(3, 3, 8), torch.randn(3, 3, 8))),
         ("contiguous float32", lambda: step.attend(0, torch.randn(2, 9, 8).double())),
         ("contiguous float32", lambda: step.attend(0, torch.randn(2, 9, 16)[:, :, :8])),
         ("contiguous float32", lambda: step.attend(0, torch.randn(2, 4, 8))),  # 4 query heads on 3 KV heads
+        ("out must not share memory with q", lambda: step.attend(0, shared[0], shared[1])),
+        ("out must be a contiguous", lambda: step.attend(0, torch.randn(2, 9, 8), torch.zeros(2, 9, 16)[:, :, ::2])),
         ("at most as many queries", lambda: kv_attention.SlotStep(pools, batch, [5, 1], new)),
         ("int64 \\[2\\]", lambda: kv_attention.SlotStep(pools, batch, [1, 1], new[:1])),
         ("outside the pool", lambda: kv_attention.SlotStep(pools, batch, [1, 1], torch.tensor([0, 99]))),
