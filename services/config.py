@@ -29,7 +29,7 @@ clear message naming the setting.
     gateway: {port: 8000, api_key: null, max_queue: 256, served_model_name: null,
               insecure: false}   # insecure: serve without api_key on a host other than loopback
     scheduler: {max_batch_size: 64, max_queue: 256, policy: fcfs}   # policy: fcfs | fpf | relaxed_fpf
-    prefill: {workers: 1, threads: 1, device: cpu, cache_block_tokens: 16, cache_device_bytes: 268435456,
+    prefill: {workers: 1, threads: 0, device: cpu, cache_block_tokens: 16, cache_device_bytes: 268435456,
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru,
               routing: prefix, routing_load_weight: 0.0, routing_min_gain_tokens: 32,
               routing_max_queue_gap_tokens: 4096,
@@ -37,7 +37,9 @@ clear message naming the setting.
               cache_quantize_4bit: false, cache_quant_group_size: 64, peer_fetch: auto,
               peer_fetch_prior_gbps: 1.0, prefetch: true}
                                 # workers: prefill processes prefill-0..P-1, each with its own cache
-                                # (cache_dir/prefill-I when P > 1); device: cpu | cuda | cuda:N, where
+                                # (cache_dir/prefill-I when P > 1); threads: at most this many compute
+                                # threads a forward (0: model_worker.threads), each forward taking the
+                                # host's cores other processes' threads leave; device: cpu | cuda | cuda:N, where
                                 # the prefill workers compute and their cache's device tier lives
                                 # (float32 weights off CPU; LAMINA_PREFILL_DEVICE); routing: prefix (the
                                 # worker holding the longest prefix among those queued at most
@@ -154,7 +156,9 @@ class PipelineSection:
 @dataclass(frozen=True)
 class PrefillSection:
     workers: int = 1  # prefill worker processes (prefill-0..P-1), each with its own prefix cache
-    threads: int = 1
+    # At most this many compute threads a forward (0: model_worker.threads); each forward
+    # takes the host's cores that other processes' threads leave (services/prefill/free_cores.py).
+    threads: int = 0
     # Where the prefill workers compute and their prefix cache's device tier lives: cpu, or
     # cuda / cuda:N (the host tier is then pinned CPU memory; weights float32, since the
     # packed ones run on CPU kernels). KV goes to the attention workers from CPU memory.
@@ -340,7 +344,6 @@ class StackConfig:
                             ("scheduler.max_batch_size", self.scheduler.max_batch_size),
                             ("scheduler.max_queue", self.scheduler.max_queue),
                             ("prefill.workers", self.prefill.workers),
-                            ("prefill.threads", self.prefill.threads),
                             ("prefill.max_batch_tokens", self.prefill.max_batch_tokens),
                             ("model_worker.threads", self.model_worker.threads),
                             ("model_worker.workers", self.model_worker.workers),
@@ -351,7 +354,8 @@ class StackConfig:
                             ("attention.kv_capacity_bytes", self.attention.kv_capacity_bytes),
                             ("prefill.cache_block_tokens", self.prefill.cache_block_tokens)):
             _check(isinstance(value, int) and value > 0, name, "must be a positive integer", value)
-        for name, value in (("prefill.cache_device_bytes", self.prefill.cache_device_bytes),
+        for name, value in (("prefill.threads", self.prefill.threads),
+                            ("prefill.cache_device_bytes", self.prefill.cache_device_bytes),
                             ("prefill.cache_host_bytes", self.prefill.cache_host_bytes),
                             ("prefill.cache_disk_bytes", self.prefill.cache_disk_bytes)):
             _check(isinstance(value, int) and value >= 0, name, "must be a non-negative integer", value)

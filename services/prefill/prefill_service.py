@@ -33,6 +33,7 @@ choices, by lamina.sampling's Sampler), reply.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -51,6 +52,7 @@ from lamina.kvstore.block_publisher import BlockPublisher
 from lamina.kvstore.prefetch import Prefetcher, PrefetchResult
 from lamina.kvstore.prefix_cache import PrefixCache, PrefixCacheConfig
 from lamina.model.batch import StepBatch
+from lamina.model.quant import set_kernel_threads
 from lamina.model.threads import set_compute_threads
 from lamina.sampling.logprobs import TokenLogprobs, token_logprobs
 from lamina.sampling.params import SamplingParams
@@ -60,6 +62,7 @@ from lamina.services.attention_pool import AttentionPool
 from lamina.services.config import PrefillSection, StackConfig
 from lamina.services.devices import compute_device
 from lamina.services.model.model_service import ModelSlices
+from lamina.services.prefill.free_cores import forward_threads, host_cores, others_runnable
 from lamina.services.prefill.prefix_peers import PrefixFetcher, PrefixServer
 from lamina.services.prefill.prompt_logprobs import logit_rows
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
@@ -148,6 +151,11 @@ class PrefillService:
         self._prefetch_stop = threading.Event()  # asks that run to end at its next block
         self._prefetch_seen = 0  # _num_queued when that run took its snapshot of the queue
         self._is_prefetch_open = False  # runs may start: a forward computes, no batch is being taken
+        # Each forward's compute threads: the host's cores other threads leave, at most this many.
+        self.max_threads = pc.threads or config.model_worker.threads
+        self.m_threads = prometheus_client.Counter(
+            "lamina_prefill_forwards", "prefill forwards by their compute threads: the host's cores that other "
+            "processes' threads left free, at most prefill.threads", ["threads"], registry=r)
 
     async def prefill(self, req: lamina_pb2.PrefillRequest) -> lamina_pb2.PrefillResult:
         """Queue one prompt for the next forward and wait for its first token."""
@@ -165,9 +173,15 @@ class PrefillService:
             self._wake.clear()
             while self._queue:
                 # A forward holds this event loop, so requests that came meanwhile are
-                # still in the RPC server: give them a moment to join this batch.
-                if window:
+                # still in the RPC server: give them a moment to join this batch, and
+                # see meanwhile how many threads of other processes want the cores.
+                threads = 1
+                if self.max_threads > 1:
+                    threads = forward_threads(self.max_threads, host_cores(), await others_runnable(window))
+                    set_kernel_threads(threads)
+                elif window:
                     await asyncio.sleep(window)
+                self.m_threads.labels(threads=str(threads)).inc()
                 # Requests leave the queue only while no prefetch run is in flight, so a
                 # request taken is never named by a run after its release (Prefetcher).
                 await self._end_prefetch()
@@ -533,6 +547,8 @@ class _PrefillServicer(lamina_pb2_grpc.PrefillServicer):
 
 
 def serve(config: StackConfig, threads: int | None = None, index: int = 0) -> None:
-    set_compute_threads(threads or config.prefill.threads)
+    if threads:  # `lamina prefill --threads`: the limit of every forward's threads
+        config = dataclasses.replace(config, prefill=dataclasses.replace(config.prefill, threads=threads))
+    set_compute_threads(config.prefill.threads or config.model_worker.threads)
     install_uvloop()
     asyncio.run(PrefillService(config, index).run())

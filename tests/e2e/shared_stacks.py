@@ -45,6 +45,7 @@ class StackSpec:
     prefill_workers: int = 1
     api_key: str | None = None  # the gateway's; None: /v1/ needs none
     layout: str = "disaggregated"
+    prefill_threads: int = 0  # prefill.threads (0: the model workers')
 
     @property
     def id(self) -> str:
@@ -57,6 +58,7 @@ class StackSpec:
         name += f"-{self.pipeline_mode}" if self.pipeline_mode != "fixed" else ""
         name += f"-{self.prefill_workers}pw" if self.prefill_workers != 1 else ""
         name += f"-{self.layout}" if self.layout != "disaggregated" else ""
+        name += f"-{self.prefill_threads}pt" if self.prefill_threads else ""
         return name + ("-key" if self.api_key else "")
 
     def start(self) -> Stack:
@@ -79,8 +81,9 @@ PIPELINE_ROTATIONAL = StackSpec(partition="head", micro_batches=3, model_workers
 # Q-early: prefix-aware routing, which needs it as started (test_stack_prefill_routing.py),
 # then the matrix's row of head partitioning over one worker (test_stack_matrix.py).
 PREFILL_ROUTING = StackSpec(partition="head", workers=1, micro_batches=1, q_early=True, prefill_workers=2)
-# Colocated: two model workers, each attending in its own process (test_stack_colocated.py).
-COLOCATED = StackSpec(model_workers=2, layout="colocated")
+# Colocated: two model workers, each attending in its own process, and a prefill worker
+# whose forwards take up to two threads as the cores allow (test_stack_colocated.py).
+COLOCATED = StackSpec(model_workers=2, layout="colocated", prefill_threads=2)
 
 
 class StackPool:

@@ -12,7 +12,15 @@ import time
 
 import openai
 import pytest
-from e2e_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_TOKENS, api_key, attention_stats, service_metric
+from e2e_helpers import (
+    CHAT_PROMPTS,
+    COMPLETION_PROMPTS,
+    MAX_TOKENS,
+    api_key,
+    attention_stats,
+    metric_total,
+    service_metric,
+)
 from shared_stacks import COLOCATED
 
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore
@@ -62,6 +70,12 @@ def test_each_model_worker_attends_its_own_sequences_as_transformers(stack, refe
     for i in range(2):
         assert service_metric(stack, "attention", f"attention-{i}", "lamina_attention_compute_seconds_total") > 0
     assert [s.num_sequences for s in asyncio.run(attention_stats(stack))] == [0, 0]
+    # The prefill worker's forwards each took one or two threads (prefill.threads 2), as
+    # the cores other processes left.
+    forwards = {t: metric_total(stack, "prefill", "prefill-0", f'lamina_prefill_forwards_total{{threads="{t}"}}')
+                for t in ("1", "2")}
+    assert sum(forwards.values()) >= 1
+    assert metric_total(stack, "prefill", "prefill-0", "lamina_prefill_forwards_total") == sum(forwards.values())
 
 
 def test_choices_fork_and_prefix_hits_on_a_model_workers_own_kv(stack, reference_outputs):
