@@ -11,8 +11,10 @@ the traced slice), intermediates in the native side's scratch. Its two outputs (
 and the residual stream) are new tensors a call, or, where the step's inputs carry
 `REUSE_OUTPUTS` (`SplitModel.run(..., reuse_outputs=True)`: a whole step in one call
 whose attention copies K and V away), the slice's own, kept from the last step with as
-many tokens (at most `REUSED_MAX_TOKENS`) with their Q, K, V views: a decode step then
-makes no tensor in the middle slices.
+many tokens (at most `REUSED_MAX_TOKENS`) with their Q, K, V: views at one token, rows
+copied into contiguous tensors of their own at more (what the attention kernels read, so
+they copy nothing): a decode step then makes no tensor in the middle slices or for the
+attention's inputs.
 
 It takes a step of at most `FUSED_MAX_TOKENS` tokens on CPU float32 tensors and packed
 linears; anything else (a long prompt, a model placed on a GPU, a native part not built)
@@ -44,7 +46,7 @@ if NATIVE is not None:
 # spend their time in the products, where a dozen Python calls do not matter.
 FUSED_MAX_TOKENS = 256
 # The most tokens a step may have for the slices to keep its outputs (REUSE_OUTPUTS):
-# decode batches; the outputs of one [64 tokens] step are 0.4 MB a layer for SmolLM2.
+# decode batches; the outputs of one [64 tokens] step are 0.6 MB a layer for SmolLM2.
 REUSED_MAX_TOKENS = 64
 
 
@@ -95,25 +97,36 @@ class FusedSlice:
         plan = self._current_plan()
         if plan is None:
             return None
-        if inputs.get(REUSE_OUTPUTS) and t <= REUSED_MAX_TOKENS:
+        kept = inputs.get(REUSE_OUTPUTS) and t <= REUSED_MAX_TOKENS
+        if kept:
             if self._kept is None or self._kept_tokens != t:
-                self._kept, self._kept_tokens = self._outputs(residual, t), t
+                self._kept, self._kept_tokens = self._outputs(residual, t, separate=t > 1), t
             qkv, out, heads = self._kept
         else:
             qkv, out, heads = self._outputs(residual, t)
         with_rope_table(self._inv_freq, positions, lambda cos, sin: NATIVE.layer(  # checks every position first
             plan, attn_out.data_ptr(), residual.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             cos.shape[0], qkv.data_ptr(), out.data_ptr(), t, quant.kernel_threads()))
+        if kept and t > 1:  # Q, K, V rows into their own kept tensors, which the attention takes as they are
+            h, hkv = self._heads, self._kv_heads
+            rows = qkv.view(t, h + 2 * hkv, self._head_dim)  # [T, Hq + 2 Hkv, D]
+            for dst, src in zip(heads, (rows[:, :h], rows[:, h:h + hkv], rows[:, h + hkv:]), strict=True):
+                dst.copy_(src)
         return SliceOutput(heads, [out], None)
 
-    def _outputs(self, residual: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                 tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _outputs(self, residual: torch.Tensor, t: int, separate: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """New outputs for a step of t tokens: QKV [T, (Hq + 2 Hkv) D], the residual stream
-        [T, d], and Q [T, Hq, D], K and V [T, Hkv, D] as views of QKV."""
-        h, hkv = self._heads, self._kv_heads
-        qkv = residual.new_empty((t, (h + 2 * hkv) * self._head_dim))
-        heads = qkv.view(t, h + 2 * hkv, self._head_dim)  # [T, Hq + 2 Hkv, D]
-        return qkv, residual.new_empty((t, self._d)), (heads[:, :h], heads[:, h:h + hkv], heads[:, h + hkv:])
+        [T, d], and Q [T, Hq, D], K and V [T, Hkv, D]: views of QKV (strided where T > 1),
+        or with `separate` contiguous tensors of their own."""
+        h, hkv, dim = self._heads, self._kv_heads, self._head_dim
+        qkv = residual.new_empty((t, (h + 2 * hkv) * dim))
+        if separate:
+            heads = (residual.new_empty((t, h, dim)), residual.new_empty((t, hkv, dim)),
+                     residual.new_empty((t, hkv, dim)))
+            return qkv, residual.new_empty((t, self._d)), heads
+        rows = qkv.view(t, h + 2 * hkv, dim)  # [T, Hq + 2 Hkv, D]
+        return qkv, residual.new_empty((t, self._d)), (rows[:, :h], rows[:, h:h + hkv], rows[:, h + hkv:])
 
 
 def _linears(model: Any, j: int) -> tuple[Any, ...]:

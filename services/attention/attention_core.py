@@ -224,16 +224,16 @@ class AttentionCore:
         ids, lens = tuple(s for s, _ in seqs), [n for _, n in seqs]
         fast: SlotStep | None = None
         expected = 1  # the layer after the last one served
-        out: torch.Tensor | None = None  # [T, Hq, D], the fast path's outputs
+        fast_out: torch.Tensor | None = None  # [T, Hq, D], every fast-path layer's output
 
         def call(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            nonlocal fast, expected, out
+            nonlocal fast, expected, fast_out
             if (fast is not None and layer == expected and q.dtype == k.dtype == v.dtype == torch.float32
                     and layer < self.shape.num_layers):
                 expected += 1
                 fast.append(layer, k.contiguous(), v.contiguous())
-                out = fast.attend(layer, q.contiguous(), out)
-                return out
+                fast_out = fast.attend(layer, q.contiguous(), fast_out)
+                return fast_out
             out, _ = self.attend(layer, seqs, q, k, v)
             if layer == 0:
                 step = self._step_slots.get(ids)  # what that attend built or reused
