@@ -15,8 +15,9 @@ each with a busy loop pinned to the last core for its first --busy seconds (a
 neighbour that comes and goes) and, as the control, without one (`settled, idle`).
 
 Prints the machine, the workload, each try (rounds, seconds, the products' ratios by
-batch size, attention's), and per variant each try's lowest product ratio; the last line
-is one JSON object with every number.
+batch size, attention's), per variant each try's lowest product ratio, and the median of
+those lowest figures settled against three rounds (both with the busy loop); the last
+line is one JSON object with every number.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import statistics
 import subprocess
 import sys
 import time
 from typing import Any
+
+from engine_throughput import cpu_model  # bench/: the CPU's model name, as the other benchmarks print it
 
 from lamina.planner.profile import SPEEDUP_MAX_ROUNDS, SPEEDUP_ROUNDS, measure_thread_speedup
 
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{len(os.sched_getaffinity(0))}")
     variants = {"three rounds": (args.busy, SPEEDUP_ROUNDS), "settled": (args.busy, SPEEDUP_MAX_ROUNDS),
                 "settled, idle": (0.0, SPEEDUP_MAX_ROUNDS)}
-    print(f"machine: {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores usable")
+    print(f"machine: {cpu_model()}, {len(os.sched_getaffinity(0))} cores usable")
     print(f"workload: lamina profile's thread speedup (--layers {args.layers}, --repeats {args.repeats}) on "
           f"{args.threads} threads against one; a busy loop on the last core for the first {args.busy} s "
           f"except `settled, idle`; {args.tries} tries, variants alternating")
@@ -85,8 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, s in summary.items():
         lowest = ", ".join(f"{x:.2f}" for x in s["lowest_linear"])
         print(f"{name:14s}: each try's lowest product speedup {lowest}; rounds {s['rounds']}")
-    print(json.dumps({"machine": platform.processor() or platform.machine(), "threads": args.threads,
-                      "busy_s": args.busy, "tries": tries, "summary": summary}))
+    settled, three = (statistics.median(summary[name]["lowest_linear"]) for name in ("settled", "three rounds"))
+    print(f"with the busy loop, the median of each try's lowest: settled {settled:.2f}x, three rounds {three:.2f}x "
+          f"(ratio {settled / three:.2f})")
+    print(json.dumps({"machine": cpu_model(), "threads": args.threads, "busy_s": args.busy, "tries": tries,
+                      "summary": summary, "settled_over_three_rounds": settled / three}))
     return 0
 
 

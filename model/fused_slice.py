@@ -66,8 +66,7 @@ class FusedSlice:
         self._q_size = cfg.num_heads * cfg.head_dim
         self._key: tuple | None = None  # the addresses the plan was made from
         self._plan: Any = None  # the native plan, or None where the weights are not what it reads
-        # Outputs kept for steps of `_kept_tokens` tokens: (qkv, out, (q, k, v) views of qkv).
-        self._kept_tokens = 0
+        # Outputs kept for steps of as many tokens as they have rows: (qkv, out, (q, k, v)).
         self._kept: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def _current_plan(self) -> Any:
@@ -99,8 +98,8 @@ class FusedSlice:
             return None
         kept = inputs.get(REUSE_OUTPUTS) and t <= REUSED_MAX_TOKENS
         if kept:
-            if self._kept is None or self._kept_tokens != t:
-                self._kept, self._kept_tokens = self._outputs(residual, t, separate=t > 1), t
+            if self._kept is None or self._kept[1].shape[0] != t:
+                self._kept = self._outputs(residual, t, separate=t > 1)
             qkv, out, heads = self._kept
         else:
             qkv, out, heads = self._outputs(residual, t)
@@ -108,25 +107,26 @@ class FusedSlice:
             plan, attn_out.data_ptr(), residual.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             cos.shape[0], qkv.data_ptr(), out.data_ptr(), t, quant.kernel_threads()))
         if kept and t > 1:  # Q, K, V rows into their own kept tensors, which the attention takes as they are
-            h, hkv = self._heads, self._kv_heads
-            rows = qkv.view(t, h + 2 * hkv, self._head_dim)  # [T, Hq + 2 Hkv, D]
-            for dst, src in zip(heads, (rows[:, :h], rows[:, h:h + hkv], rows[:, h + hkv:]), strict=True):
+            for dst, src in zip(heads, self._heads_of(qkv, t), strict=True):
                 dst.copy_(src)
         return SliceOutput(heads, [out], None)
+
+    def _heads_of(self, qkv: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q [T, Hq, D], K and V [T, Hkv, D] as views of QKV [T, (Hq + 2 Hkv) D] (strided where T > 1)."""
+        h, hkv = self._heads, self._kv_heads
+        rows = qkv.view(t, h + 2 * hkv, self._head_dim)  # [T, Hq + 2 Hkv, D]
+        return rows[:, :h], rows[:, h:h + hkv], rows[:, h + hkv:]
 
     def _outputs(self, residual: torch.Tensor, t: int, separate: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """New outputs for a step of t tokens: QKV [T, (Hq + 2 Hkv) D], the residual stream
-        [T, d], and Q [T, Hq, D], K and V [T, Hkv, D]: views of QKV (strided where T > 1),
-        or with `separate` contiguous tensors of their own."""
+        [T, d], and Q [T, Hq, D], K and V [T, Hkv, D]: views of QKV (`_heads_of`), or with
+        `separate` contiguous tensors of their own."""
         h, hkv, dim = self._heads, self._kv_heads, self._head_dim
         qkv = residual.new_empty((t, (h + 2 * hkv) * dim))
-        if separate:
-            heads = (residual.new_empty((t, h, dim)), residual.new_empty((t, hkv, dim)),
-                     residual.new_empty((t, hkv, dim)))
-            return qkv, residual.new_empty((t, self._d)), heads
-        rows = qkv.view(t, h + 2 * hkv, dim)  # [T, Hq + 2 Hkv, D]
-        return qkv, residual.new_empty((t, self._d)), (rows[:, :h], rows[:, h:h + hkv], rows[:, h + hkv:])
+        heads = ((residual.new_empty((t, h, dim)), residual.new_empty((t, hkv, dim)), residual.new_empty((t, hkv, dim)))
+                 if separate else self._heads_of(qkv, t))
+        return qkv, residual.new_empty((t, self._d)), heads
 
 
 def _linears(model: Any, j: int) -> tuple[Any, ...]:

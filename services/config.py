@@ -437,6 +437,12 @@ class StackConfig:
         return self.pipeline.mode == "rotational"
 
     @property
+    def prefill_threads(self) -> int:
+        """The most compute threads a prefill forward takes: prefill.threads, or where it
+        is 0 the model workers' (model_worker.threads)."""
+        return self.prefill.threads or self.model_worker.threads
+
+    @property
     def decode_micro_batches(self) -> int:
         """Micro-batches a decoding model worker keeps: M + 1 when rotational (M model
         workers, so that one micro-batch is at its attention while each worker computes

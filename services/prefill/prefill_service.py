@@ -152,7 +152,7 @@ class PrefillService:
         self._prefetch_seen = 0  # _num_queued when that run took its snapshot of the queue
         self._is_prefetch_open = False  # runs may start: a forward computes, no batch is being taken
         # Each forward's compute threads: the host's cores other threads leave, at most this many.
-        self.max_threads = pc.threads or config.model_worker.threads
+        self.max_threads = config.prefill_threads
         self.m_threads = prometheus_client.Counter(
             "lamina_prefill_forwards", "prefill forwards by their compute threads: the host's cores that other "
             "processes' threads left free, at most prefill.threads", ["threads"], registry=r)
@@ -549,6 +549,6 @@ class _PrefillServicer(lamina_pb2_grpc.PrefillServicer):
 def serve(config: StackConfig, threads: int | None = None, index: int = 0) -> None:
     if threads:  # `lamina prefill --threads`: the limit of every forward's threads
         config = dataclasses.replace(config, prefill=dataclasses.replace(config.prefill, threads=threads))
-    set_compute_threads(config.prefill.threads or config.model_worker.threads)
+    set_compute_threads(config.prefill_threads)
     install_uvloop()
     asyncio.run(PrefillService(config, index).run())
