@@ -25,12 +25,18 @@ disaggregated with 1-2 attention workers and 1-3 micro-batches, for SmolLM2-135M
 360M shape; and the stack colocated on 1 and 2 model threads at two points (predicted
 from the one-thread profile and its measured speedup on two threads, as `lamina up`
 ranks them); and the stack colocated with the default GGUF's own Q4_1 blocks against the
-same values in float32 at two points (as `lamina up` ranks its weights). Every prediction
-is made and printed (and written to --predictions) before any of them is measured. Each
-case is measured in --rounds passes (3; a stack case's each its own stack, started and
-stopped), every member of its family once a round in an order rotated each round, and its
-fastest pass counts, as the profile keeps each figure's fastest round; every pass is
-printed with the CPU other processes took meanwhile. It reports their median and
+same values in float32 at two points (as `lamina up` ranks its weights). The families run
+one after another, each predicted from a quick profile measured just before it (with two
+threads for the engine's two-thread family, with the stack's overhead terms for a stack
+family), as `lamina up` predicts from a profile of the machine as it is: a shared
+machine's speed moves by a quarter within minutes, and one profile set every prediction
+of a 45-minute run. Every prediction of a family is printed (and written to
+--predictions) before any of its cases is measured; --one-profile makes every prediction
+from the first profile before any case is measured. Each case is measured in --rounds
+passes (3; a stack case's each its own stack, started and stopped), every member of its
+family once a round in an order rotated each round, and its fastest pass counts, as the
+profile keeps each figure's fastest round; every pass is printed with the CPU other
+processes took meanwhile. It reports their median and
 largest error apart from the in-sample cases above, and, for each stack family, the
 decision error: how much less the layout the planner ranks first measured than the best
 measured one.
@@ -200,11 +206,12 @@ def schedule(cases: list[Case], rounds: int) -> list[int]:
     return order
 
 
-def measure_all(cases: list[Case], rounds: int) -> list[list[dict]]:
+def measure_all(cases: list[Case], rounds: int, models: dict | None = None) -> list[list[dict]]:
     """Every case's `rounds` passes in `schedule`'s order, each {"tok_s", "foreign_cores"}
-    (a stack case's each its own stack, started and stopped)."""
+    (a stack case's each its own stack, started and stopped; `models`: loaded models kept
+    between calls)."""
     passes: list[list[dict]] = [[] for _ in cases]
-    models: dict = {}
+    models = {} if models is None else models
     order = schedule(cases, rounds)
     for n, i in enumerate(order, 1):
         others = ForeignCpu()
@@ -212,35 +219,77 @@ def measure_all(cases: list[Case], rounds: int) -> list[list[dict]]:
         passes[i].append({"tok_s": tok_s, "foreign_cores": others.cores()})
         print(f"  [{n}/{len(order)} {time.strftime('%H:%M:%S')}] {cases[i].name()}: {tok_s:.1f} tok/s "
               f"(other processes {passes[i][-1]['foreign_cores']:.2f} cores)", flush=True)
-    models.clear()
     return passes
 
 
+def profile_needs(members: list[Case]) -> tuple[int, bool]:
+    """The profile a family's predictions are made from: its threads (the engine's
+    two-thread cases are predicted on a profile measured with two; the stack's on the
+    one-thread profile and its measured speedup, as `lamina up` ranks them) and whether it
+    needs the stack's overhead terms (a stack case)."""
+    threads = max((c.threads for c in members if c.kind == "engine"), default=1)
+    return threads, any(c.kind == "stack" for c in members)
+
+
+def catalogue_of(prof: dict) -> dict:
+    catalogue = dict(load_catalogue())
+    catalogue[THIS_MACHINE] = device_from_entry(THIS_MACHINE, prof["device"])
+    return catalogue
+
+
+def profile_figures(prof: dict) -> dict:
+    d = prof["device"]
+    return {"memory_gb_s": round(d["memory_tb_s"]["value"] * 1e3, 2),
+            "matmul_gflop_s": round(d["tflops"]["fp32"]["value"] * 1e3, 2),
+            "foreign_cores": round(prof["measurements"]["foreign_cores"], 3)}
+
+
 def out_of_sample(prof1: dict, predictions_path: Path | None, family: str | None = None,
-                  rounds: int = ROUNDS) -> dict:
-    """Every OUT_OF_SAMPLE prediction first (a two-thread profile measured for it), then
-    every measurement; errors and each stack family's decision error. `family`: only the
+                  rounds: int = ROUNDS, one_profile: bool = False) -> dict:
+    """The OUT_OF_SAMPLE cases, family by family: a fresh profile (profile_needs), every
+    prediction of the family printed and written down, then the family's measurements.
+    `one_profile`: every prediction first, from `prof1` and one two-thread profile, then
+    every measurement. Errors and each stack family's decision error. `family`: only the
     families whose name holds it."""
     from lamina.model.checkpoints import checkpoint_name, file_weight_formats, load_config
     from lamina.planner.shapes import ModelShape
 
-    print("out of sample: a profile with 2 threads (for the 2-thread cases)...", flush=True)
-    prof2 = profile(threads=2, usd_per_hour=0.1, quick=True, stack=False)
-    catalogues = {}
-    for threads, prof in ((1, prof1), (2, prof2)):
-        catalogues[threads] = dict(load_catalogue())
-        catalogues[threads][THIS_MACHINE] = device_from_entry(THIS_MACHINE, prof["device"])
     cases = [c for c in OUT_OF_SAMPLE if family is None or family in c.family]
     shapes = {m: ModelShape.of(load_config(m), checkpoint_name(m)) for m in {c.model for c in cases}}
     formats = {m: file_weight_formats(m) for m in shapes}
-    predicted = [predict(c, shapes, catalogues, formats) for c in cases]
-    print(f"\npredictions, written before any measurement ({time.strftime('%H:%M:%S')}):")
-    for c, (tok_s, neck) in zip(cases, predicted):
-        print(f"  {c.family:<34} {c.name():<72} {tok_s:>9.1f} tok/s  {neck}")
-    if predictions_path is not None:
-        predictions_path.write_text(json.dumps([{**asdict(c), "predicted_tok_s": p, "bottleneck": n}
-                                                for c, (p, n) in zip(cases, predicted)], indent=1) + "\n")
-    measured = measure_all(cases, rounds)
+    families = list(dict.fromkeys(c.family for c in cases))
+    groups = [cases] if one_profile else [[c for c in cases if c.family == f] for f in families]
+    predicted: list[tuple[float, str]] = []
+    measured: list[list[dict]] = []
+    profiles: list[dict] = []
+    written: list[dict] = []
+    models: dict = {}
+    for group in groups:
+        if one_profile:
+            print("out of sample: a profile with 2 threads (for the 2-thread cases)...", flush=True)
+            prof2 = profile(threads=2, usd_per_hour=0.1, quick=True, stack=False)
+            catalogues = {1: catalogue_of(prof1), 2: catalogue_of(prof2)}
+            profiles.append({"family": None, "threads": 2, **profile_figures(prof2)})
+        else:
+            threads, stack = profile_needs(group)
+            models.clear()  # the profile's own runs get the memory
+            gc.collect()
+            print(f"\n{group[0].family}: a profile with {threads} thread(s){' and the stack' * stack} "
+                  f"({time.strftime('%H:%M:%S')})...", flush=True)
+            prof = profile(threads=threads, usd_per_hour=0.1, quick=True, stack=stack)
+            catalogues = {threads: catalogue_of(prof)}
+            profiles.append({"family": group[0].family, "threads": threads, **profile_figures(prof)})
+        guesses = [predict(c, shapes, catalogues, formats) for c in group]
+        print(f"\npredictions, written before their measurement ({time.strftime('%H:%M:%S')}):")
+        for c, (tok_s, neck) in zip(group, guesses):
+            print(f"  {c.family:<34} {c.name():<72} {tok_s:>9.1f} tok/s  {neck}")
+        written += [{**asdict(c), "predicted_tok_s": p, "bottleneck": n,
+                     "predicted_at": time.strftime("%Y-%m-%dT%H:%M:%S")} for c, (p, n) in zip(group, guesses)]
+        if predictions_path is not None:
+            predictions_path.write_text(json.dumps(written, indent=1) + "\n")
+        predicted += guesses
+        measured += measure_all(group, rounds, models)
+    models.clear()
     print(f"\n{'case':<72} {'predicted':>10} {'measured':>10} {'error':>8}  (tok/s)", flush=True)
     rows = []
     for c, (tok_s, neck), passes in zip(cases, predicted, measured):
@@ -265,12 +314,14 @@ def out_of_sample(prof1: dict, predictions_path: Path | None, family: str | None
     for family, d in decisions.items():
         print(f"{family}: the planner's first, {d['planner_first']}, measured {1 - d['decision_error']:.1%} of the "
               f"best, {d['best_measured']}")
+    for p in profiles:
+        print(f"profile for {p['family'] or 'the 2-thread cases'} ({p['threads']} thread(s)): memory "
+              f"{p['memory_gb_s']:.2f} GB/s, matmul {p['matmul_gflop_s']:.2f} GFLOP/s")
     print(f"out of sample: {len(rows)} cases, median |error| {statistics.median(errors):.1%}, largest "
           f"{max(errors):.1%}", flush=True)
     return {"cases": len(rows), "median_abs_rel_error": round(statistics.median(errors), 3),
             "max_abs_rel_error": round(max(errors), 3), "decisions": decisions, "rows": rows,
-            "profile_2_threads": {"memory_gb_s": prof2["device"]["memory_tb_s"]["value"] * 1e3,
-                                  "matmul_gflop_s": prof2["device"]["tflops"]["fp32"]["value"] * 1e3}}
+            "profiles": profiles}
 
 
 def main() -> None:
@@ -289,6 +340,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help=f"--out-of-sample: passes of each case, alternating within its family; the fastest counts "
                          f"(default {ROUNDS})")
+    ap.add_argument("--one-profile", action="store_true",
+                    help="--out-of-sample: predict every case from the first profile (and one with 2 threads) "
+                         "before measuring any, instead of each family from a profile measured just before it")
     args = ap.parse_args()
     steps = args.steps or (5 if args.quick else 12)
 
@@ -296,11 +350,11 @@ def main() -> None:
 
     from lamina.model.loader import load_model
 
-    prof = profile(threads=1, usd_per_hour=0.1, quick=args.quick, stack=args.stack or args.out_of_sample)
+    prof = profile(threads=1, usd_per_hour=0.1, quick=args.quick,
+                   stack=args.stack or (args.out_of_sample and args.one_profile))
     if args.save_profile:
         args.save_profile.write_text(json.dumps(prof, indent=2) + "\n")
-    catalogue = dict(load_catalogue())
-    catalogue[THIS_MACHINE] = device_from_entry(THIS_MACHINE, prof["device"])
+    catalogue = catalogue_of(prof)
     torch.set_num_threads(1)
     loaded = load_model()
     shape = BUILTIN["smollm2-135m"]
@@ -320,7 +374,8 @@ def main() -> None:
     if args.stack:
         rows += stack_cases(loaded, shape, catalogue, steps=16)
     del loaded
-    oos = out_of_sample(prof, args.predictions, args.family, args.rounds) if args.out_of_sample else None
+    oos = (out_of_sample(prof, args.predictions, args.family, args.rounds, args.one_profile)
+           if args.out_of_sample else None)
     errors = [abs(r["rel_error"]) for r in rows]
     d = prof["device"]
     print(f"profile: memory {d['memory_tb_s']['value'] * 1e3:.2f} GB/s, "

@@ -20,3 +20,16 @@ def test_cases_alternate_within_their_family_family_by_family():
 def test_every_out_of_sample_case_is_measured_rounds_times():
     assert Counter(schedule(list(OUT_OF_SAMPLE), 3)) == Counter({i: 3 for i in range(len(OUT_OF_SAMPLE))})
     assert len({c.family for c in OUT_OF_SAMPLE if c.kind == "stack"}) == 6 and len(OUT_OF_SAMPLE) >= 20
+
+
+def test_each_family_is_predicted_from_the_profile_it_needs():
+    from planner_validation import profile_needs
+
+    engine2 = [c for c in OUT_OF_SAMPLE if c.family == "engine, 2 threads"]
+    assert engine2 and profile_needs(engine2) == (2, False)
+    engine1 = [c for c in OUT_OF_SAMPLE if c.family == "engine, 360M shape"]
+    assert profile_needs(engine1) == (1, False)
+    # The stack on two model threads is predicted from the one-thread profile and its
+    # measured speedup, as lamina up ranks it.
+    threads = [c for c in OUT_OF_SAMPLE if c.family.startswith("stack colocated threads")]
+    assert {c.threads for c in threads} == {1, 2} and profile_needs(threads) == (1, True)
