@@ -35,7 +35,8 @@ of a 45-minute run. Every prediction of a family is printed (and written to
 from the first profile before any case is measured. Each case is measured in --rounds
 passes (3; a stack case's each its own stack, started and stopped), every member of its
 family once a round in an order rotated each round, and its fastest pass counts, as the
-profile keeps each figure's fastest round; every pass is printed with the CPU other
+profile keeps the products' fastest round (its attention figures are medians of
+their repeats); every pass is printed with the CPU other
 processes took meanwhile. It reports their median and
 largest error apart from the in-sample cases above, and, for each stack family, the
 decision error: how much less the layout the planner ranks first measured than the best
@@ -148,7 +149,8 @@ OUT_OF_SAMPLE = (
 )
 ENGINE_STEPS, STACK_STEPS = 5, 32
 # Each case is measured this many times, alternating within its family; its fastest pass
-# counts, as the profile keeps each figure's fastest round (planner.profile).
+# counts, as the profile keeps the products' fastest round (planner.profile; its
+# attention figures are medians of their repeats).
 ROUNDS = 3
 
 
