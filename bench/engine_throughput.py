@@ -277,7 +277,7 @@ def main() -> None:
         per: dict[str, list[float]] = {w: [] for w in choices}
         for _ in range(args.repeat):
             for w in choices:
-                per[w].append(decode_step_cpu(models[w][0], b, 40, 12, args.seed))
+                per[w].append(decode_step_cpu(models[w][0], b, 40, 12, args.seed, pick=statistics.median))
         for w in choices:
             by_batch[w][b] = statistics.median(per[w])
         print(f"decode step CPU time at batch {b} (40-token prompts, median of 12 steps): "

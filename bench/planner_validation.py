@@ -2,13 +2,14 @@
 measured one, on this machine, from a fresh `lamina profile`.
 
 Cases: SmolLM2-135M-Instruct (float32 weights and KV, the engine's default) at batch
-sizes 1 to 32 and prompts of 32 to 512 tokens; each case is the median CPU time of
+sizes 1 to 32 and prompts of 32 to 512 tokens; each case is the fastest CPU time of
 --steps pure-decode steps after one prefill step (lamina.planner.measure.engine_step's
-decode_step_cpu), with one torch thread, against lamina.planner.estimate.decode_step for a
-colocated layout on `this-machine` (float32) at the same batch and mean context. The
-profile is measured first in this process (planner/profile.py, --quick: fewer repeats);
-its overhead terms are calibrated on the engine at other points (planner.profile.
-OVERHEAD_POINTS: 16-token prompts), so no case here is one it was fitted to.
+decode_step_cpu; the profile's kernels are each their fastest too), with one torch
+thread, against lamina.planner.estimate.decode_step for a colocated layout on
+`this-machine` (float32) at the same batch and mean context. The profile is measured
+first in this process (planner/profile.py, --quick: fewer repeats); its overhead terms
+are calibrated on the engine at other points (planner.profile.OVERHEAD_POINTS: 16-token
+prompts), so no case here is one it was fitted to.
 
 --stack adds the stack as `lamina up` starts it (lamina.planner.measure.stack_run's run_stack:
 one model worker, TCP, float32 weights) with 1 and 2 attention workers at 1 and 2
@@ -34,10 +35,9 @@ of a 45-minute run. Every prediction of a family is printed (and written to
 --predictions) before any of its cases is measured; --one-profile makes every prediction
 from the first profile before any case is measured. Each case is measured in --rounds
 passes (3; a stack case's each its own stack, started and stopped), every member of its
-family once a round in an order rotated each round, and its fastest pass counts, as the
-profile keeps the products' fastest round (its attention figures are medians of
-their repeats); every pass is printed with the CPU other
-processes took meanwhile. It reports their median and
+family once a round in an order rotated each round, and its fastest pass counts (an
+engine pass: its fastest step), as the profile keeps each kernel's fastest time; every
+pass is printed with the CPU other processes took meanwhile. It reports their median and
 largest error apart from the in-sample cases above, and, for each stack family, the
 decision error: how much less the layout the planner ranks first measured than the best
 measured one.
@@ -149,8 +149,7 @@ OUT_OF_SAMPLE = (
 )
 ENGINE_STEPS, STACK_STEPS = 5, 32
 # Each case is measured this many times, alternating within its family; its fastest pass
-# counts, as the profile keeps the products' fastest round (planner.profile; its
-# attention figures are medians of their repeats).
+# counts, as the profile keeps each kernel's fastest time (planner/measure/kernels.py).
 ROUNDS = 3
 
 

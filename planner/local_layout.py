@@ -251,8 +251,9 @@ def _cpu_model() -> str:
 
 # What a profile holds, in its fingerprint: a profile of an earlier format is measured
 # again (2: the compute threads' speedup, `thread_speedup`; 3: the products and that
-# speedup each the fastest of their rounds; 4: the speedup measured until it settles).
-PROFILE_FORMAT = 4
+# speedup each the fastest of their rounds; 4: the speedup measured until it settles; 5:
+# every kernel time and the engine's overhead steps the fastest of their repeats).
+PROFILE_FORMAT = 5
 
 
 def machine_fingerprint() -> str:

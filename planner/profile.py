@@ -12,7 +12,8 @@ thread count `lamina up` ranks (2 up to the host's cores) than on one (wall time
 alternately), and every transport's round trip and bandwidth (TCP's feed the models);
 then the engine's own decode step at two batch sizes, whose gap to the models' prediction
 from those kernels is the overhead of everything else in a layer (a per-layer and a
-per-token term). The result is a
+per-token term). Every time is the fastest of its repeats (planner/measure/kernels.py,
+engine_step.py): a neighbour inflates a time, never deflates it. The result is a
 catalogue entry for `this-machine` (effective figures, so both efficiencies are 1) and
 the raw measurements.
 
@@ -59,7 +60,7 @@ def measure_linears(formats: tuple[str, ...], batches: tuple[int, ...], layers: 
     validation run an inflated profile predicted the engine's batch-1 step 28% slow."""
     import torch
 
-    from lamina.planner.measure.kernels import LAYER, make_layers, median_compute_time, native_run
+    from lamina.planner.measure.kernels import LAYER, fastest_compute_time, make_layers, native_run
 
     shapes = LAYER  # (outputs, inputs) of one decoder layer
     gen = torch.Generator().manual_seed(0)
@@ -70,7 +71,7 @@ def measure_linears(formats: tuple[str, ...], batches: tuple[int, ...], layers: 
     for _ in range(rounds):
         for fmt, run in runs.items():
             for b in batches:
-                t = median_compute_time(functools.partial(run, xs[b]), repeats)
+                t = fastest_compute_time(functools.partial(run, xs[b]), repeats)
                 seconds[fmt][b] = min(t, seconds[fmt].get(b, t))
     params = layers * sum(o * i for o, i in shapes)
     nbytes = {fmt: sum(pw.nbytes for layer in w for pw in layer) for fmt, w in weights.items()}
@@ -144,7 +145,7 @@ def measure_thread_speedup(thread_counts: tuple[int, ...], layers: int, repeats:
 
     from lamina.model.kv_attention import buffer_attention
     from lamina.model.quant import kernel_threads, set_kernel_threads
-    from lamina.planner.measure.kernels import LAYER, make_layers, median_wall_time, native_run
+    from lamina.planner.measure.kernels import LAYER, fastest_wall_time, make_layers, native_run
 
     gen = torch.Generator().manual_seed(0)
     run_native = native_run(make_layers(SPEEDUP_FORMAT, layers, gen))
@@ -157,7 +158,7 @@ def measure_thread_speedup(thread_counts: tuple[int, ...], layers: int, repeats:
 
     def timed(threads: int, call: Any) -> float:
         set_kernel_threads(threads)
-        return median_wall_time(call, repeats)
+        return fastest_wall_time(call, repeats)
 
     before = kernel_threads()
     out: dict[int, dict[str, Any]] = {}
@@ -198,7 +199,7 @@ def measure_attention(cases: tuple[tuple[int, int], ...], repeats: int) -> dict[
 
     from lamina.model.kv_attention import SlotBatch, buffer_attention, slot_attention
     from lamina.model.kv_quant import Q4Rows
-    from lamina.planner.measure.kernels import median_compute_time
+    from lamina.planner.measure.kernels import fastest_compute_time
 
     kv_heads, d = _KV_HEADS, _HEAD_DIM
     rows = Q4Rows(d)
@@ -206,11 +207,11 @@ def measure_attention(cases: tuple[tuple[int, int], ...], repeats: int) -> dict[
     for batch, context in cases:
         q, keys, values = _attention_inputs(batch, context)
         lens = [1] * batch
-        t = median_compute_time(functools.partial(buffer_attention, q, lens, keys, values, need_lse=False), repeats)
+        t = fastest_compute_time(functools.partial(buffer_attention, q, lens, keys, values, need_lse=False), repeats)
         k_pool, v_pool = rows.quantize(torch.cat(keys)), rows.quantize(torch.cat(values))  # [S, Hkv, row_bytes]
         slots = SlotBatch.build([range(i * context, (i + 1) * context) for i in range(batch)], batch * context)
         q4_attention = functools.partial(slot_attention, q, lens, k_pool, v_pool, slots, need_lse=False, packed=rows)
-        t_q4 = median_compute_time(q4_attention, repeats)
+        t_q4 = fastest_compute_time(q4_attention, repeats)
         elements = 2 * batch * context * kv_heads * d
         out[f"{batch}x{context}"] = {"seconds": t, "kv_bytes_s": elements * 4 / t, "s_per_element": t / elements,
                                      "q4_seconds": t_q4, "q4_s_per_element": t_q4 / elements}
@@ -223,11 +224,11 @@ def measure_kv_quantize(tokens: int, repeats: int) -> float:
     import torch
 
     from lamina.model.kv_quant import Q4Rows
-    from lamina.planner.measure.kernels import median_compute_time
+    from lamina.planner.measure.kernels import fastest_compute_time
 
     rows = Q4Rows(_HEAD_DIM)
     x = torch.randn(tokens, _KV_HEADS, _HEAD_DIM)
-    return median_compute_time(lambda: rows.quantize(x), repeats) / x.numel()
+    return fastest_compute_time(lambda: rows.quantize(x), repeats) / x.numel()
 
 
 TRANSPORTS = ("tcp", "shm", "ucx", "rdma", "fhbn")
@@ -264,9 +265,10 @@ OVERHEAD_POINTS = ((1, 16), (16, 16))
 
 def measure_engine_overhead(entry: dict[str, Any], steps: int, threads: int = 1) -> dict[str, Any]:
     """The rest of a decode layer: the engine's pure-decode step (planner/measure/engine_step.py's
-    decode_step_cpu, default model; with several threads decode_step_wall, since their CPU
-    time adds up) at two batch sizes, less what the models predict from the kernel
-    measurements in `entry`; the two gaps give a per-layer and a per-token term."""
+    decode_step_cpu, default model, the fastest of `steps`, as the kernels in `entry` are
+    each their fastest; with several threads decode_step_wall, since their CPU time adds
+    up) at two batch sizes, less what the models predict from those kernels; the two gaps
+    give a per-layer and a per-token term."""
     from lamina.model.loader import load_model
     from lamina.planner.estimate import decode_step
     from lamina.planner.hardware import THIS_MACHINE, device_from_entry
@@ -442,7 +444,7 @@ def profile(threads: int, usd_per_hour: float, quick: bool = False, stack: bool 
         "kv_q4_quantize_ns_per_element": {
             "value": kv_quantize * 1e9, "source": f"{src}: lamina.model.kv_quant's quantization of new K or V rows"},
     }
-    overhead = measure_engine_overhead(entry, steps=3 if quick else 8, threads=threads)
+    overhead = measure_engine_overhead(entry, steps=6 if quick else 8, threads=threads)
     where = ", ".join(f"batch {b} x prompt {p}" for b, p in OVERHEAD_POINTS)
     entry["layer_overhead_us"] = {"value": overhead["layer_s"] * 1e6,
                                   "source": f"{src}: the engine's decode step at {where}, "

@@ -1,10 +1,15 @@
 """The local engine's pure-decode step, timed: what `lamina profile` compares with the
 models' prediction to find the rest of a layer's cost (planner/profile.py), and what
-bench/engine_throughput.py and bench/planner_validation.py time at fixed batch sizes."""
+bench/engine_throughput.py and bench/planner_validation.py time at fixed batch sizes.
+
+A step counts its fastest repeat by default, as the profile's kernels do
+(planner/measure/kernels.py): a neighbour inflates a step's time, never deflates it, and
+the profile's overhead terms are the gap between this step and the kernels' prediction,
+so the two must be the same kind of figure; `pick=statistics.median` gives the typical
+step instead."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
@@ -12,22 +17,28 @@ import torch
 
 from lamina.model.loader import LoadedModel
 
-
-def decode_step_cpu(loaded: LoadedModel, batch: int, prompt_len: int, steps: int, seed: int) -> float:
-    """Median CPU seconds of a pure-decode step at a fixed batch size (after one prefill step)."""
-    return decode_step_timed(loaded, batch, prompt_len, steps, seed, time.process_time)
+# Which of the timed steps' seconds a measurement reports.
+Pick = Callable[[list[float]], float]
 
 
-def decode_step_wall(loaded: LoadedModel, batch: int, prompt_len: int, steps: int, seed: int) -> float:
-    """The same step's median wall seconds: with more than one thread its CPU time counts
-    each thread's."""
-    return decode_step_timed(loaded, batch, prompt_len, steps, seed, time.perf_counter)
+def decode_step_cpu(loaded: LoadedModel, batch: int, prompt_len: int, steps: int, seed: int,
+                    pick: Pick = min) -> float:
+    """CPU seconds of a pure-decode step at a fixed batch size (after one prefill step):
+    the fastest of `steps`, or `pick` of them."""
+    return decode_step_timed(loaded, batch, prompt_len, steps, seed, time.process_time, pick)
+
+
+def decode_step_wall(loaded: LoadedModel, batch: int, prompt_len: int, steps: int, seed: int,
+                     pick: Pick = min) -> float:
+    """The same step's wall seconds: with more than one thread its CPU time counts each
+    thread's."""
+    return decode_step_timed(loaded, batch, prompt_len, steps, seed, time.perf_counter, pick)
 
 
 def decode_step_timed(loaded: LoadedModel, batch: int, prompt_len: int, steps: int, seed: int,
-                      clock: Callable[[], float]) -> float:
-    """Median `clock` seconds of a pure-decode step: every prompt is prefilled in one step
-    first (the step's limits and the KV sized for it), then `steps` steps are timed."""
+                      clock: Callable[[], float], pick: Pick = min) -> float:
+    """`pick` of the `clock` seconds of `steps` pure-decode steps: every prompt is prefilled
+    in one step first (the step's limits and the KV sized for it), then the steps are timed."""
     from lamina.engine import Engine, SamplingParams
     from lamina.engine.engine import EngineConfig
     from lamina.engine.scheduler import SchedulerLimits
@@ -45,4 +56,4 @@ def decode_step_timed(loaded: LoadedModel, batch: int, prompt_len: int, steps: i
         c = clock()
         engine.step()
         times.append(clock() - c)
-    return statistics.median(times)
+    return pick(times)
