@@ -28,12 +28,13 @@ clear message naming the setting.
                                 # refuses non-zero); LAMINA_GRPC_PORT, LAMINA_METRICS_PORT
     gateway: {port: 8000, api_key: null, max_queue: 256, served_model_name: null,
               insecure: false}   # insecure: serve without api_key on a host other than loopback
-    scheduler: {max_batch_size: 64, max_queue: 256, policy: fcfs}   # policy: fcfs | fpf | relaxed_fpf
+    scheduler: {max_batch_size: 64, max_queue: 256, policy: fcfs,   # policy: fcfs | fpf | relaxed_fpf
+                join_hold_ms: 5000.0}   # services/scheduler/join_hold.py
     prefill: {workers: 1, threads: 0, device: cpu, cache_block_tokens: 16, cache_device_bytes: 268435456,
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru,
               routing: prefix, routing_load_weight: 0.0, routing_min_gain_tokens: 32,
               routing_max_queue_gap_tokens: 4096,
-              max_batch_tokens: 2048, batch_window_ms: 5.0,
+              max_batch_tokens: 2048, batch_window_ms: 5.0, batch_window_max_ms: 50.0,
               cache_quantize_4bit: false, cache_quant_group_size: 64, peer_fetch: auto,
               peer_fetch_prior_gbps: 1.0, prefetch: true}
                                 # workers: prefill processes prefill-0..P-1, each with its own cache
@@ -129,6 +130,10 @@ class SchedulerSection:
     max_batch_size: int = 64
     max_queue: int = 256
     policy: str = "fcfs"
+    # A prefilled request whose model worker decodes nothing waits up to this long for the
+    # requests prefilling on that host, and they join together (lamina.services.scheduler.join_hold);
+    # 0: every request joins at once.
+    join_hold_ms: float = 5000.0
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,9 @@ class PrefillSection:
     cache_eviction: str = "lru"  # lru | fifo | random
     max_batch_tokens: int = 2048  # prompts waiting together run as one forward up to this many tokens
     batch_window_ms: float = 5.0  # how long a batch waits for more prompts before its forward
+    # While prompts keep arriving (each within batch_window_ms of the last), a batch waits
+    # for them up to this long in all, so that a burst of requests shares one forward.
+    batch_window_max_ms: float = 50.0
     # Which prefill worker gets a prompt (lamina.services.scheduler.prefill_routing): prefix: among the
     # workers queued at most routing_max_queue_gap_tokens more than the least queued one, the
     # one whose cached prefix of it (looked up in the metadata store) minus routing_load_weight
@@ -359,8 +367,12 @@ class StackConfig:
                             ("prefill.cache_host_bytes", self.prefill.cache_host_bytes),
                             ("prefill.cache_disk_bytes", self.prefill.cache_disk_bytes)):
             _check(isinstance(value, int) and value >= 0, name, "must be a non-negative integer", value)
-        _check(isinstance(self.prefill.batch_window_ms, (int, float)) and 0 <= self.prefill.batch_window_ms <= 1000,
-               "prefill.batch_window_ms", "must be a number of milliseconds in 0..1000", self.prefill.batch_window_ms)
+        _check(isinstance(self.scheduler.join_hold_ms, (int, float)) and 0 <= self.scheduler.join_hold_ms <= 60_000,
+               "scheduler.join_hold_ms", "must be a number of milliseconds in 0..60000", self.scheduler.join_hold_ms)
+        for name, window in (("prefill.batch_window_ms", self.prefill.batch_window_ms),
+                             ("prefill.batch_window_max_ms", self.prefill.batch_window_max_ms)):
+            _check(isinstance(window, (int, float)) and 0 <= window <= 1000, name,
+                   "must be a number of milliseconds in 0..1000", window)
         for f in dataclasses.fields(DeadlinesSection):
             value = getattr(self.deadlines, f.name)
             _check(isinstance(value, (int, float)) and value > 0, f"deadlines.{f.name}", "must be a positive number "

@@ -129,6 +129,8 @@ class Admission:
             if req.status is Status.PREFILLING:  # (no longer counted as prefilling: _run_prefill)
                 await self._s.finish(req, "abort")
         finally:
+            if not self.num_prefilling and self._s.decode.held:
+                self._s.decode.release_held()  # no prefill in flight: those held wait for none now
             self.wake()  # a prefill slot is free again
 
     async def _run_prefill(self, req: Request) -> None:

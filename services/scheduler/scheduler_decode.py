@@ -34,6 +34,7 @@ from lamina.services.model.micro_batches import join_target
 from lamina.services.model.rotation import coordinator
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.sampling_wire import join_history, logprobs_of
+from lamina.services.scheduler.join_hold import holds_join
 from lamina.services.scheduler.model_streams import ModelStream
 from lamina.services.scheduler.scheduler_state import Request, Status
 
@@ -53,6 +54,10 @@ class DecodeStreams:
         self.streams: list[ModelStream] = []  # by model worker; opened by open()
         self.decoding: dict[str, Request] = {}  # held by a model worker (joined, not yet released)
         self.parked: list[Request] = []  # KV in place, waiting for a live model worker
+        # Prefilled, waiting to join an idle model worker together (lamina.services.scheduler.join_hold).
+        self.held: list[Request] = []
+        self.shares_host: list[bool] = []  # by model worker: a prefill worker runs on its host
+        self._hold_timer: asyncio.TimerHandle | None = None
         self.num_steps = 0
         self.sum_batch = 0
         self._reopenings: set[asyncio.Task[None]] = set()  # owned: cancelled at shutdown
@@ -62,9 +67,11 @@ class DecodeStreams:
         """The stream reopenings in flight (to cancel at shutdown)."""
         return list(self._reopenings)
 
-    def open(self, channels: Sequence[grpc.aio.Channel]) -> None:
-        """Open a decode stream on each model worker's channel (index order)."""
+    def open(self, channels: Sequence[grpc.aio.Channel], shares_host: Sequence[bool] = ()) -> None:
+        """Open a decode stream on each model worker's channel (index order);
+        `shares_host`: by worker, whether a prefill worker runs on its host."""
         self.streams = [self._stream(i, channel) for i, channel in enumerate(channels)]
+        self.shares_host = [bool(x) for x in shares_host] or [False] * len(channels)
         for stream in self.streams:
             stream.open()
 
@@ -73,6 +80,8 @@ class DecodeStreams:
                            self.on_lost)
 
     async def close(self) -> None:
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
         await asyncio.gather(*(m.close() for m in self.streams), return_exceptions=True)
 
     # -- joins and leaves -------------------------------------------------------------------
@@ -80,26 +89,64 @@ class DecodeStreams:
         """Hand a prefilled request to the least loaded live model worker's decode
         stream (rotational: the coordinator's, lamina.services.model.rotation; colocated: the
         one whose process holds its KV); with none live, it waits (KV in place) for one to
-        come back."""
+        come back. A request for an idle model worker may wait first for the others
+        prefilling on its host (`held`, lamina.services.scheduler.join_hold); the last of
+        them to come takes the waiting ones along."""
         if req not in self._s.running:
             self._s.running.append(req)
+        req.status = Status.RUNNING  # held, an abort finishes it as any running one (no worker holds it yet)
+        self.held.append(req)
+        w = self._target(req, {})
+        hold_s = self._s.config.scheduler.join_hold_ms / 1000
+        if w is not None and holds_join(self.streams[w].num_sequences, self._s.admission.num_prefilling,
+                                        self.shares_host[w], hold_s):
+            if self._hold_timer is None:
+                self._hold_timer = asyncio.get_running_loop().call_later(hold_s, self.release_held)
+            self._s.m_held.inc()
+            return
+        self.release_held()
+
+    def release_held(self) -> None:
+        """Join the requests held for an idle worker (their wait is over: the prefills
+        they waited for ended, or `scheduler.join_hold_ms` passed). Each worker's joins
+        go in one update, so that its first step takes them all."""
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        held, self.held = self.held, []
+        joining: dict[int, list[Request]] = {}
+        for req in held:
+            if req.status is not Status.RUNNING or req.abort_requested:
+                continue  # aborted while it waited (finish freed its KV)
+            w = self._target(req, {i: len(reqs) for i, reqs in joining.items()})
+            if w is None:
+                req.status = Status.RECOVERING
+                self.parked.append(req)
+                continue
+            req.model_worker = w
+            self.decoding[req.kv_id] = req
+            joining.setdefault(w, []).append(req)
+        for w, reqs in joining.items():
+            self.streams[w].join([self._step_sequence(r) for r in reqs])
+
+    def _target(self, req: Request, joining: dict[int, int]) -> int | None:
+        """The live model worker `req` joins, `joining[i]` more sequences counted on
+        worker i (None: none is live)."""
         config = self._s.config
         live = [i for i, m in enumerate(self.streams) if m.alive]
         if config.colocated:
             live = [i for i in live if i == req.workers[0]]
         if not live:
-            req.status = Status.RECOVERING
-            self.parked.append(req)
-            return
-        loads = [self.streams[i].num_sequences for i in live]
-        w = live[coordinator(loads) if config.rotational else join_target(loads)]
-        req.status = Status.RUNNING
-        req.model_worker = w
-        self.decoding[req.kv_id] = req
-        self.streams[w].join([lamina_pb2.StepSequence(
+            return None
+        loads = [self.streams[i].num_sequences + joining.get(i, 0) for i in live]
+        return live[coordinator(loads) if config.rotational else join_target(loads)]
+
+    @staticmethod
+    def _step_sequence(req: Request) -> lamina_pb2.StepSequence:
+        return lamina_pb2.StepSequence(
             seq_id=req.kv_id, token_id=req.output_ids[-1], position=req.num_tokens - 1, params=req.params,
             output_index=len(req.output_ids), placement=lamina_pb2.Placement(workers=req.workers),
-            **join_history(req.params, req.prompt_ids, req.output_ids))])
+            **join_history(req.params, req.prompt_ids, req.output_ids))
 
     def leave(self, req: Request) -> bool:
         """Tell `req`'s model worker to drop it; False when no model worker holds it.
@@ -227,7 +274,7 @@ class DecodeStreams:
         while True:
             await asyncio.sleep(PLACEMENT_TOKENS_S)  # a periodic timer: the counts grow every step
             held = {r.request_id: {f"attention-{w}": len(r.rebuild_ids) for w in r.workers}
-                    for r in [*self.decoding.values(), *self.parked] if r.workers}
+                    for r in [*self.decoding.values(), *self.parked, *self.held] if r.workers}
             if held == written:
                 continue
             try:

@@ -96,6 +96,9 @@ class SchedulerService:
         self.m_attention = prometheus_client.Gauge(
             "lamina_scheduler_attention_workers", "attention workers requests are placed on", registry=r)
         self.m_attention.set_function(lambda: self.attention.num_members)
+        self.m_held = prometheus_client.Counter(
+            "lamina_scheduler_held_joins", "prefilled requests that waited to join an idle model worker together",
+            registry=r)
 
     # -- requests ---------------------------------------------------------------------------
     def submit(self, request: lamina_pb2.GenerateRequest) -> Request:
@@ -300,7 +303,8 @@ class SchedulerService:
         self.prefills.connect(prefills)
         model_channels = [self.channels.open(("model", m.service_id), m.endpoint) for m in models]
         await self.recovery.end_leftovers()
-        self.decode.open(model_channels)
+        prefill_hosts = {p.meta.get("host") for p in prefills} - {None}
+        self.decode.open(model_channels, [m.meta.get("host") in prefill_hosts for m in models])
         self.journal.start()
         self._tasks = [asyncio.create_task(self.admission.run(), name="admit"),
                        asyncio.create_task(self.decode.watch(), name="model-watchdog"),

@@ -110,3 +110,27 @@ def test_tokens_stream_as_they_are_decoded(stack):
     assert len(arrivals) >= 24  # (a few tokens may join the next one's text)
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     assert max(gaps) < 0.5 * (arrivals[-1] - arrivals[0]), gaps
+
+
+def test_a_burst_on_idle_model_workers_starts_decoding_together(stack, reference_outputs):
+    """Eight greedy requests at once on idle model workers: the first ones prefilled wait
+    for the rest (counted by the scheduler), every worker's sequences join in one update,
+    so each worker decodes its share in MAX_TOKENS - 1 steps, and every output still
+    equals transformers'."""
+    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=api_key(stack), max_retries=0)
+    held = service_metric(stack, "scheduler", "scheduler-0", "lamina_scheduler_held_joins_total")
+    steps = [service_metric(stack, "model", f"model-{i}", "lamina_model_steps_total") for i in range(2)]
+    prompts = COMPLETION_PROMPTS * 4
+
+    async def burst():
+        model = (await client.models.list()).data[0].id
+        return await asyncio.gather(*(client.completions.create(
+            model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0, extra_body={"return_token_ids": True})
+            for p in prompts))
+
+    results = asyncio.run(burst())
+    for p, r in zip(prompts, results):
+        assert r.choices[0].model_extra["token_ids"] == reference_outputs[("completion", p)]["token_ids"]
+    assert service_metric(stack, "scheduler", "scheduler-0", "lamina_scheduler_held_joins_total") > held
+    taken = [service_metric(stack, "model", f"model-{i}", "lamina_model_steps_total") - steps[i] for i in range(2)]
+    assert taken == [MAX_TOKENS - 1] * 2, taken

@@ -106,6 +106,8 @@ def test_busy_polling_only_where_every_busy_process_has_a_core():
     ("data_plane: {busy_poll_us: -1}\n", "data_plane: busy_poll_us must be in 0..10000"),
     ("data_plane: {busy_poll_us: fast}\n", "data_plane.busy_poll_us must be a number"),
     ("data_plane: {checksum_payloads: maybe}\n", "data_plane.checksum_payloads must be true or false"),
+    ("scheduler: {join_hold_ms: -1}\n", "scheduler.join_hold_ms must be a number of milliseconds in 0..60000"),
+    ("prefill: {batch_window_max_ms: 2000}\n", "prefill.batch_window_max_ms must be a number of milliseconds"),
 ])
 def test_config_errors_name_the_setting(tmp_path, text, message):
     f = tmp_path / "stack.yaml"
