@@ -27,11 +27,16 @@ disaggregated with 1-2 attention workers and 1-3 micro-batches, for SmolLM2-135M
 from the one-thread profile and its measured speedup on two threads, as `lamina up`
 ranks them); and the stack colocated with the default GGUF's own Q4_1 blocks against the
 same values in float32 at two points (as `lamina up` ranks its weights). The families run
-one after another, each predicted from a quick profile measured just before it (with two
-threads for the engine's two-thread family, with the stack's overhead terms for a stack
-family), as `lamina up` predicts from a profile of the machine as it is: a shared
-machine's speed moves by a quarter within minutes, and one profile set every prediction
-of a 45-minute run. Every prediction of a family is printed (and written to
+one after another, each with a quick profile measured just before it (with two threads
+for the engine's two-thread family, with the stack's overhead terms for a stack family),
+as `lamina up` predicts from a profile of the machine as it is: a shared machine's speed
+moves by a quarter within minutes, and one profile set every prediction of a 45-minute
+run. Each family is predicted from the fastest (by the batch-1 product's weight bytes per
+second) of the profiles of its kind (threads, with or without the stack's terms)
+measured so far in the run, the in-sample profile and its own included (--latest-profile:
+its own): a neighbour slows a profile, never speeds it up, and one profile measured in a
+slow stretch set a whole family 20-37% slow, where the cases, measured in passes over
+minutes, count their fastest. Every prediction of a family is printed (and written to
 --predictions) before any of its cases is measured; --one-profile makes every prediction
 from the first profile before any case is measured. Each case is measured in --rounds
 passes (3; a stack case's each its own stack, started and stopped), every member of its
@@ -238,6 +243,18 @@ def catalogue_of(prof: dict) -> dict:
     return catalogue
 
 
+def batch1_speed(prof: dict) -> float:
+    """A profile's weight bytes per second in the batch-1 product: the kernel a slow
+    stretch of a shared machine slows most plainly."""
+    return prof["measurements"]["linear"]["1"]["weight_bytes_s"]
+
+
+def predicting_profile(earlier: list[tuple[str, dict]], latest: bool = False) -> tuple[str, dict]:
+    """Of the (family, profile) pairs of one kind measured so far, the family's own last,
+    the one its predictions come from: the fastest (`latest`: its own)."""
+    return earlier[-1] if latest else max(earlier, key=lambda e: batch1_speed(e[1]))
+
+
 def profile_figures(prof: dict) -> dict:
     d = prof["device"]
     return {"memory_gb_s": round(d["memory_tb_s"]["value"] * 1e3, 2),
@@ -246,12 +263,16 @@ def profile_figures(prof: dict) -> dict:
 
 
 def out_of_sample(prof1: dict, predictions_path: Path | None, family: str | None = None,
-                  rounds: int = ROUNDS, one_profile: bool = False) -> dict:
+                  rounds: int = ROUNDS, one_profile: bool = False, prof1_stack: bool = False,
+                  latest_profile: bool = False) -> dict:
     """The OUT_OF_SAMPLE cases, family by family: a fresh profile (profile_needs), every
     prediction of the family printed and written down, then the family's measurements.
-    `one_profile`: every prediction first, from `prof1` and one two-thread profile, then
-    every measurement. Errors and each stack family's decision error. `family`: only the
-    families whose name holds it."""
+    A family is predicted from the fastest (batch1_speed) of the profiles of its kind
+    (threads, with or without the stack's terms) measured so far in the run: its own,
+    the earlier families', and `prof1` (one thread; `prof1_stack`: with the stack's
+    terms); `latest_profile`: from its own. `one_profile`: every prediction first, from
+    `prof1` and one two-thread profile, then every measurement. Errors and each stack
+    family's decision error. `family`: only the families whose name holds it."""
     from lamina.model.checkpoints import checkpoint_name, file_weight_formats, load_config
     from lamina.planner.shapes import ModelShape
 
@@ -265,6 +286,9 @@ def out_of_sample(prof1: dict, predictions_path: Path | None, family: str | None
     profiles: list[dict] = []
     written: list[dict] = []
     models: dict = {}
+    # By (threads, stack terms): the profiles measured so far, each with the family it was measured for.
+    measured_profiles: dict[tuple[int, bool], list[tuple[str, dict]]] = {(1, prof1_stack): [("the in-sample cases",
+                                                                                            prof1)]}
     for group in groups:
         if one_profile:
             print("out of sample: a profile with 2 threads (for the 2-thread cases)...", flush=True)
@@ -278,8 +302,15 @@ def out_of_sample(prof1: dict, predictions_path: Path | None, family: str | None
             print(f"\n{group[0].family}: a profile with {threads} thread(s){' and the stack' * stack} "
                   f"({time.strftime('%H:%M:%S')})...", flush=True)
             prof = profile(threads=threads, usd_per_hour=0.1, quick=True, stack=stack)
-            catalogues = {threads: catalogue_of(prof)}
-            profiles.append({"family": group[0].family, "threads": threads, **profile_figures(prof)})
+            earlier = measured_profiles.setdefault((threads, stack), [])
+            earlier.append((group[0].family, prof))
+            source, chosen = predicting_profile(earlier, latest_profile)
+            catalogues = {threads: catalogue_of(chosen)}
+            profiles.append({"family": group[0].family, "threads": threads, **profile_figures(prof),
+                             "batch1_gb_s": round(batch1_speed(prof) / 1e9, 2), "predicted_from": source})
+            print(f"{group[0].family}: predicted from the profile measured for {source} (batch-1 product "
+                  f"{batch1_speed(chosen) / 1e9:.2f} GB/s; this family's own: {batch1_speed(prof) / 1e9:.2f})",
+                  flush=True)
         guesses = [predict(c, shapes, catalogues, formats) for c in group]
         print(f"\npredictions, written before their measurement ({time.strftime('%H:%M:%S')}):")
         for c, (tok_s, neck) in zip(group, guesses):
@@ -316,8 +347,9 @@ def out_of_sample(prof1: dict, predictions_path: Path | None, family: str | None
         print(f"{family}: the planner's first, {d['planner_first']}, measured {1 - d['decision_error']:.1%} of the "
               f"best, {d['best_measured']}")
     for p in profiles:
+        source = f"; predicted from the one for {p['predicted_from']}" if p.get("predicted_from") else ""
         print(f"profile for {p['family'] or 'the 2-thread cases'} ({p['threads']} thread(s)): memory "
-              f"{p['memory_gb_s']:.2f} GB/s, matmul {p['matmul_gflop_s']:.2f} GFLOP/s")
+              f"{p['memory_gb_s']:.2f} GB/s, matmul {p['matmul_gflop_s']:.2f} GFLOP/s{source}")
     print(f"out of sample: {len(rows)} cases, median |error| {statistics.median(errors):.1%}, largest "
           f"{max(errors):.1%}", flush=True)
     return {"cases": len(rows), "median_abs_rel_error": round(statistics.median(errors), 3),
@@ -341,6 +373,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help=f"--out-of-sample: passes of each case, alternating within its family; the fastest counts "
                          f"(default {ROUNDS})")
+    ap.add_argument("--latest-profile", action="store_true",
+                    help="--out-of-sample: predict each family from the profile measured just before it, not the "
+                         "fastest of its kind measured so far")
     ap.add_argument("--one-profile", action="store_true",
                     help="--out-of-sample: predict every case from the first profile (and one with 2 threads) "
                          "before measuring any, instead of each family from a profile measured just before it")
@@ -351,8 +386,8 @@ def main() -> None:
 
     from lamina.model.loader import load_model
 
-    prof = profile(threads=1, usd_per_hour=0.1, quick=args.quick,
-                   stack=args.stack or (args.out_of_sample and args.one_profile))
+    prof1_stack = args.stack or (args.out_of_sample and args.one_profile)
+    prof = profile(threads=1, usd_per_hour=0.1, quick=args.quick, stack=prof1_stack)
     if args.save_profile:
         args.save_profile.write_text(json.dumps(prof, indent=2) + "\n")
     catalogue = catalogue_of(prof)
@@ -375,8 +410,8 @@ def main() -> None:
     if args.stack:
         rows += stack_cases(loaded, shape, catalogue, steps=16)
     del loaded
-    oos = (out_of_sample(prof, args.predictions, args.family, args.rounds, args.one_profile)
-           if args.out_of_sample else None)
+    oos = (out_of_sample(prof, args.predictions, args.family, args.rounds, args.one_profile, prof1_stack,
+                         args.latest_profile) if args.out_of_sample else None)
     errors = [abs(r["rel_error"]) for r in rows]
     d = prof["device"]
     print(f"profile: memory {d['memory_tb_s']['value'] * 1e3:.2f} GB/s, "

@@ -33,3 +33,16 @@ def test_each_family_is_predicted_from_the_profile_it_needs():
     # measured speedup, as lamina up ranks it.
     threads = [c for c in OUT_OF_SAMPLE if c.family.startswith("stack colocated threads")]
     assert {c.threads for c in threads} == {1, 2} and profile_needs(threads) == (1, True)
+
+
+def test_a_family_is_predicted_from_the_fastest_profile_of_its_kind_so_far():
+    from planner_validation import predicting_profile
+
+    def prof(gb_s: float) -> dict:
+        return {"measurements": {"linear": {"1": {"weight_bytes_s": gb_s * 1e9}}}}
+
+    earlier = [("the in-sample cases", prof(14.0)), ("engine, 360M shape", prof(12.4))]
+    assert predicting_profile(earlier)[0] == "the in-sample cases"  # its own came in a slow stretch
+    assert predicting_profile(earlier, latest=True)[0] == "engine, 360M shape"
+    earlier.append(("engine, 1.7B shape", prof(16.1)))
+    assert predicting_profile(earlier)[0] == "engine, 1.7B shape"
