@@ -367,12 +367,11 @@ class StackConfig:
                             ("prefill.cache_host_bytes", self.prefill.cache_host_bytes),
                             ("prefill.cache_disk_bytes", self.prefill.cache_disk_bytes)):
             _check(isinstance(value, int) and value >= 0, name, "must be a non-negative integer", value)
-        _check(isinstance(self.scheduler.join_hold_ms, (int, float)) and 0 <= self.scheduler.join_hold_ms <= 60_000,
-               "scheduler.join_hold_ms", "must be a number of milliseconds in 0..60000", self.scheduler.join_hold_ms)
-        for name, window in (("prefill.batch_window_ms", self.prefill.batch_window_ms),
-                             ("prefill.batch_window_max_ms", self.prefill.batch_window_max_ms)):
-            _check(isinstance(window, (int, float)) and 0 <= window <= 1000, name,
-                   "must be a number of milliseconds in 0..1000", window)
+        for name, wait, most in (("scheduler.join_hold_ms", self.scheduler.join_hold_ms, 60_000),
+                                 ("prefill.batch_window_ms", self.prefill.batch_window_ms, 1000),
+                                 ("prefill.batch_window_max_ms", self.prefill.batch_window_max_ms, 1000)):
+            _check(isinstance(wait, (int, float)) and 0 <= wait <= most, name,
+                   f"must be a number of milliseconds in 0..{most}", wait)
         for f in dataclasses.fields(DeadlinesSection):
             value = getattr(self.deadlines, f.name)
             _check(isinstance(value, (int, float)) and value > 0, f"deadlines.{f.name}", "must be a positive number "

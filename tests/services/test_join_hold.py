@@ -73,7 +73,7 @@ async def test_the_last_prefilled_request_takes_the_held_ones_along_in_one_updat
     assert stream.updates == [[reqs[0].kv_id, reqs[2].kv_id, reqs[3].kv_id]]
     assert set(svc.decode.decoding) == {reqs[0].kv_id, reqs[2].kv_id, reqs[3].kv_id}
     assert all(svc.decode.decoding[r.kv_id].model_worker == 0 for r in (reqs[0], reqs[2], reqs[3]))
-    assert svc.m_held._value.get() == 3 and svc.decode.held == []
+    assert svc.runtime.registry.get_sample_value("lamina_scheduler_held_joins_total") == 3 and svc.decode.held == []
     await svc.decode.close()
 
 
@@ -121,7 +121,8 @@ async def test_no_wait_where_the_prefills_run_on_other_hosts_or_the_hold_is_off(
         req = _prefilled(svc, "x")
         svc.admission.num_prefilling = 4
         svc.decode.join(req)
-        assert stream.updates == [[req.kv_id]] and svc.m_held._value.get() == 0
+        assert stream.updates == [[req.kv_id]]
+        assert svc.runtime.registry.get_sample_value("lamina_scheduler_held_joins_total") == 0
         await svc.decode.close()
 
 
