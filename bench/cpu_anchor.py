@@ -22,6 +22,8 @@ warm-up.
 Every server is started first and stays up (idle between its passes); then `--rounds`
 rounds (3) each run every system once, in an order rotated by one each round, with the
 cores other processes took during each pass (planner/measure/host_load.py's ForeignCpu).
+`lamina up` and the engine with 2 threads, the pair of the 0.9x target, run back to back
+in every round, which of them first alternating (`target_units`).
 A system's figure is its median over rounds, and a ratio is the median over rounds of the
 two systems' figures in the same round: these cores are shared and their speed drifts
 over minutes, so figures taken far apart do not compare. Prints the machine (CPU, cores,
@@ -285,6 +287,35 @@ def round_order(n: int, round_index: int) -> list[int]:
     return [(i + round_index) % n for i in range(n)]
 
 
+def unit_order(units: list[tuple[int, ...]], round_index: int) -> list[int]:
+    """The contenders' order in round `round_index` when some run back to back: `units`
+    (each a tuple of contender indices) rotated by one each round, as `round_order`
+    rotates single contenders, and each unit's members in reverse order every other round,
+    so that neither member of a pair always runs first."""
+    rotated = [units[j] for j in round_order(len(units), round_index)]
+    return [i for unit in rotated for i in (unit if round_index % 2 == 0 else unit[::-1])]
+
+
+def target_units(contenders: list[Contender], weights: str | None) -> list[tuple[int, ...]]:
+    """The units a round rotates: `lamina up` as a user starts it (the first on `weights`)
+    and the local engine on 2 threads (same weights), the pair whose ratio is the 0.9x
+    target, as one unit that runs back to back; every other contender a unit of its own.
+    Passes minutes apart on these shared cores compare less well than neighbours: the
+    machine's speed drifts, and a contender's pass can warm or cool the next one's."""
+    up = next((i for i, c in enumerate(contenders) if c.system == "lamina_up" and c.labels["weights"] == weights),
+              None)
+    engine = next((i for i, c in enumerate(contenders) if c.system == "local_engine"
+                   and c.labels["weights"] == weights and c.labels["threads"] == 2), None)
+    pair = (up, engine) if up is not None and engine is not None else None
+    units: list[tuple[int, ...]] = []
+    for i in range(len(contenders)):
+        if pair is None or i not in pair:
+            units.append((i,))
+        elif i == min(pair):
+            units.append(pair)
+    return units
+
+
 def paired_ratio(a: Contender, b: Contender) -> float:
     """The median over rounds of a's tokens/s over b's in the same round."""
     return statistics.median(x["tok_s"] / y["tok_s"] for x, y in zip(a.passes, b.passes, strict=True))
@@ -350,7 +381,8 @@ def main() -> None:
     print(f"model: {gguf}")
     print(f"workload: {args.requests} concurrent completions over the OpenAI API, {args.prompt_tokens}-token "
           f"prompts (token ids), exactly {args.output_tokens} output tokens each (ignore_eos), greedy; "
-          f"{args.rounds} round(s), every system once a round, in an order rotated each round", flush=True)
+          f"{args.rounds} round(s), every system once a round, in an order rotated each round "
+          f"(lamina up and the 2-thread engine back to back)", flush=True)
 
     binary, llama_version, llama_why = find_llama_server(args.skip_llama, "llama.cpp row")
 
@@ -380,8 +412,9 @@ def main() -> None:
                     contenders.append(Contender(
                         f"local engine, weights {w}, {threads} thread(s)", "local_engine",
                         lambda engine=engine, threads=threads: engine.run(threads), {"weights": w, "threads": threads}))
+            units = target_units(contenders, weights_list[0] if weights_list else None)
             for r in range(args.rounds):
-                for i in round_order(len(contenders), r):
+                for i in unit_order(units, r):
                     c = contenders[i]
                     result = timed_pass(c)
                     c.passes.append(result)

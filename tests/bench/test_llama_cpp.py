@@ -81,7 +81,7 @@ def test_anchor_prompts_are_distinct_and_of_the_asked_length():
 
 
 def test_anchor_rounds_alternate_and_ratios_pair_passes_of_the_same_round():
-    from cpu_anchor import Contender, paired_ratio, round_order
+    from cpu_anchor import Contender, paired_ratio, round_order, target_units, unit_order
 
     # Every system once a round, a different one first each round.
     orders = [round_order(3, r) for r in range(3)]
@@ -90,6 +90,25 @@ def test_anchor_rounds_alternate_and_ratios_pair_passes_of_the_same_round():
 
     def contender(*tok_s: float) -> Contender:
         return Contender("x", "lamina_up", lambda: {}, passes=[{"tok_s": t} for t in tok_s])
+
+    # The target's pair (lamina up, the engine on 2 threads, same weights) back to back in
+    # every round, each first in turn; the other contenders rotate around it.
+    def labelled(system: str, **labels) -> Contender:
+        return Contender(system, system, lambda: {}, labels)
+
+    contenders = [labelled("llama_cpp"), labelled("lamina_up", weights="as_file"),
+                  labelled("local_engine", weights="as_file", threads=1),
+                  labelled("local_engine", weights="as_file", threads=2),
+                  labelled("local_engine", weights="float32", threads=2)]
+    units = target_units(contenders, "as_file")
+    assert units == [(0,), (1, 3), (2,), (4,)]
+    orders = [unit_order(units, r) for r in range(4)]
+    assert all(sorted(o) == [0, 1, 2, 3, 4] for o in orders)
+    for r, o in enumerate(orders):
+        up, engine = o.index(1), o.index(3)
+        assert abs(up - engine) == 1 and (up < engine) == (r % 2 == 0)
+    assert [o[0] for o in orders] == [0, 3, 2, 4]  # a different unit first each round
+    assert target_units(contenders[:3], "as_file") == [(0,), (1,), (2,)]  # no 2-thread engine: no pair
 
     # The machine slowed by half in round 2: pairing by round keeps the ratio at 2, where a
     # ratio of the medians (200 / 50) would say 4.
