@@ -301,7 +301,7 @@ def target_units(contenders: list[Contender], weights: str | None) -> list[tuple
     and the local engine on 2 threads (same weights), the pair whose ratio is the 0.9x
     target, as one unit that runs back to back; every other contender a unit of its own.
     Passes minutes apart on these shared cores compare less well than neighbours: the
-    machine's speed drifts, and a contender's pass can warm or cool the next one's."""
+    machine's speed drifts within minutes."""
     up = next((i for i, c in enumerate(contenders) if c.system == "lamina_up" and c.labels["weights"] == weights),
               None)
     engine = next((i for i, c in enumerate(contenders) if c.system == "local_engine"
@@ -381,8 +381,7 @@ def main() -> None:
     print(f"model: {gguf}")
     print(f"workload: {args.requests} concurrent completions over the OpenAI API, {args.prompt_tokens}-token "
           f"prompts (token ids), exactly {args.output_tokens} output tokens each (ignore_eos), greedy; "
-          f"{args.rounds} round(s), every system once a round, in an order rotated each round "
-          f"(lamina up and the 2-thread engine back to back)", flush=True)
+          f"{args.rounds} round(s), every system once a round, in an order rotated each round", flush=True)
 
     binary, llama_version, llama_why = find_llama_server(args.skip_llama, "llama.cpp row")
 
@@ -413,6 +412,9 @@ def main() -> None:
                         f"local engine, weights {w}, {threads} thread(s)", "local_engine",
                         lambda engine=engine, threads=threads: engine.run(threads), {"weights": w, "threads": threads}))
             units = target_units(contenders, weights_list[0] if weights_list else None)
+            if any(len(u) == 2 for u in units):
+                print("  lamina up and the local engine on 2 threads run back to back, which first alternating",
+                      flush=True)
             for r in range(args.rounds):
                 for i in unit_order(units, r):
                     c = contenders[i]
