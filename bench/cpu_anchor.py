@@ -296,16 +296,23 @@ def unit_order(units: list[tuple[int, ...]], round_index: int) -> list[int]:
     return [i for unit in rotated for i in (unit if round_index % 2 == 0 else unit[::-1])]
 
 
-def target_units(contenders: list[Contender], weights: str | None) -> list[tuple[int, ...]]:
-    """The units a round rotates: `lamina up` as a user starts it (the first on `weights`)
-    and the local engine on 2 threads (same weights), the pair whose ratio is the 0.9x
-    target, as one unit that runs back to back; every other contender a unit of its own.
-    Passes minutes apart on these shared cores compare less well than neighbours: the
-    machine's speed drifts within minutes."""
+def target_pair(contenders: list[Contender], weights: str | None) -> tuple[int | None, int | None]:
+    """The indices of the 0.9x target's pair: `lamina up` as a user starts it (its defaults,
+    or the first --up-model-threads) on `weights`, and the local engine on 2 threads on the
+    same weights; None for one that does not run."""
     up = next((i for i, c in enumerate(contenders) if c.system == "lamina_up" and c.labels["weights"] == weights),
               None)
     engine = next((i for i, c in enumerate(contenders) if c.system == "local_engine"
                    and c.labels["weights"] == weights and c.labels["threads"] == 2), None)
+    return up, engine
+
+
+def target_units(contenders: list[Contender], weights: str | None) -> list[tuple[int, ...]]:
+    """The units a round rotates: the 0.9x target's pair (`target_pair`) as one unit that
+    runs back to back; every other contender a unit of its own. Passes minutes apart on
+    these shared cores compare less well than neighbours: the machine's speed drifts
+    within minutes."""
+    up, engine = target_pair(contenders, weights)
     pair = (up, engine) if up is not None and engine is not None else None
     units: list[tuple[int, ...]] = []
     for i in range(len(contenders)):
@@ -445,12 +452,12 @@ def print_report(args, contenders: list[Contender], load_before, load_after, com
           "same round)")
 
     first = weights_list[0] if weights_list else None
-    # The targets are lamina up as a user starts it: its defaults (or the first --up-model-threads).
-    up = next((c for c in contenders if c.system == "lamina_up" and c.labels["weights"] == first), None)
+    up_index, two_index = target_pair(contenders, first)
+    up = contenders[up_index] if up_index is not None else None
+    two_threads = contenders[two_index] if two_index is not None else None
     local = {c.labels["threads"]: c for c in contenders
              if c.system == "local_engine" and c.labels["weights"] == first}
     best_local = max(local.values(), key=lambda c: c.tok_s) if local else None
-    two_threads = local.get(2)
     targets = {}
     if llama and best_local is not None:
         targets["local engine >= 1.0x llama.cpp"] = paired_ratio(best_local, llama) >= 1.0
