@@ -100,12 +100,12 @@ def in_process_attention(kv: KVStore, batch: StepBatch) -> LocalAttention | Devi
 
 
 def run_step(split: SplitModel, kv: KVStore, batch: StepBatch) -> torch.Tensor:
-    """Run the batch; its new K, V are stored. Returns logits [B, V] float32 on the CPU
-    (where sampling runs), whatever device the KV store is on."""
+    """Run the batch; its new K, V are stored. Returns logits [B, V] float32 on the KV
+    store's device, where the sampler picks the tokens (lamina.sampling.sampler)."""
     attention = in_process_attention(kv, batch)
     with torch.inference_mode():
         # Attention copies each layer's K and V into the store: the slices may keep their outputs.
         logits = split.run(batch.model_inputs(kv.device), lambda i, q, k, v: attention.attend(i, q, k, v),
                            reuse_outputs=True)
     attention.commit()
-    return logits.cpu()
+    return logits

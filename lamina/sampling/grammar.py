@@ -118,9 +118,10 @@ class GrammarState:
 
 
 def apply_grammars(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
-    """logits: [B, V], changed in place: in each row with a state, the tokens its grammar
-    does not allow next become -inf."""
+    """logits: [B, V] on any device, changed in place: in each row with a state, the tokens
+    its grammar does not allow next become -inf (the mask is made on the host, where the
+    grammar runs, and copied to the logits' device)."""
     vocab_size = logits.shape[1]
     for row, state in enumerate(states):
         if state is not None:
-            logits[row].masked_fill_(~state.allowed(vocab_size), float("-inf"))
+            logits[row].masked_fill_(~state.allowed(vocab_size).to(logits.device), float("-inf"))

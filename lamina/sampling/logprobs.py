@@ -31,8 +31,9 @@ class TokenLogprobs:
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
                    num_top: Sequence[int | None]) -> list[TokenLogprobs | None]:
-    """logits: [B, V], the raw logits of the step; tokens: the B sampled ids; num_top: per
-    row, how many alternatives to report (None: that row wants no logprobs)."""
+    """logits: [B, V] on any device, the raw logits of the step; tokens: the B sampled ids;
+    num_top: per row, how many alternatives to report (None: that row wants no logprobs).
+    Only the rows that want logprobs are read, and only their figures reach the host."""
     import torch  # here: the gateway reads this module's types and never imports torch
 
     wanted = [(b, k) for b, k in enumerate(num_top) if k is not None]
@@ -40,8 +41,8 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
     if not wanted:
         return out
     rows = [b for b, _ in wanted]
-    lp = torch.log_softmax(logits[rows].float(), dim=-1)  # [R, V]
-    picked = lp.gather(1, torch.tensor([[tokens[b]] for b in rows])).squeeze(1).tolist()
+    lp = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)].float(), dim=-1)  # [R, V]
+    picked = lp.gather(1, torch.tensor([[tokens[b]] for b in rows], device=lp.device)).squeeze(1).tolist()
     k_max = max(k for _, k in wanted)
     top_vals, top_ids = (lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long()))  # [R, k_max] each
     vals, ids = top_vals.tolist(), top_ids.tolist()

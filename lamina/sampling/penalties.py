@@ -58,24 +58,25 @@ class PenaltyState:
 
 
 def apply_penalties(row: torch.Tensor, p: SamplingParams, state: PenaltyState, num_output: int) -> None:
-    """Change one sequence's logits `row` ([V], float32) in place before it samples its
-    output number `num_output` (0-based)."""
+    """Change one sequence's logits `row` ([V], float32, on any device) in place before it
+    samples its output number `num_output` (0-based)."""
     import torch  # here: the gateway and the scheduler read this module's predicates, never its tensors
 
+    device = row.device
     if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias])
-        row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype))
+        ids = torch.tensor([t for t, _ in p.logit_bias], device=device)
+        row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=device))
     if num_output < p.min_tokens and state.stop_ids:
-        row[list(state.stop_ids)] = float("-inf")
+        row[torch.tensor(state.stop_ids, device=device)] = float("-inf")
     if p.repetition_penalty != 1.0:
         seen = state.prompt_ids | state.output_counts.keys()
         if seen:
-            ids = torch.tensor(sorted(seen))
+            ids = torch.tensor(sorted(seen), device=device)
             picked = row[ids]
             # As transformers' RepetitionPenaltyLogitsProcessor and vLLM: a positive logit
             # is divided by the penalty, a negative one multiplied, so both become less likely.
             row[ids] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and state.output_counts:
-        ids = torch.tensor(list(state.output_counts.keys()))
-        counts = torch.tensor(list(state.output_counts.values()), dtype=row.dtype)
+        ids = torch.tensor(list(state.output_counts.keys()), device=device)
+        counts = torch.tensor(list(state.output_counts.values()), dtype=row.dtype, device=device)
         row[ids] -= p.frequency_penalty * counts + p.presence_penalty

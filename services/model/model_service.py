@@ -103,9 +103,9 @@ class ModelSlices:
         return out
 
     def _forward_here(self, batch: StepBatch, pool: AttentionPool, attend: Attend) -> torch.Tensor:
-        """Logits [B, V] of a step whose attention is all in this process (colocated): the
-        slices and attention called in turn, in one inference-mode block, with no await
-        (no other task runs mid-step, so none sees the grad mode)."""
+        """Logits [B, V] on the slices' device of a step whose attention is all in this
+        process (colocated): the slices and attention called in turn, in one inference-mode
+        block, with no await (no other task runs mid-step, so none sees the grad mode)."""
         device = self.device
         t0, attending = time.thread_time(), pool.local_s
 
@@ -119,12 +119,13 @@ class ModelSlices:
             logits = self.split.run(batch.model_inputs(device), call, reuse_outputs=True)  # [B, V] float32
         # This thread's CPU time, less the attention's (counted apart by the pool).
         self.compute_s += time.thread_time() - t0 - (pool.local_s - attending)
-        return logits.cpu()
+        return logits
 
     async def forward(self, micro_batch: int, step: int, batch: StepBatch, seqs: list[SeqRows],
                       pool: AttentionPool, executors: SliceExecutors | None = None) -> torch.Tensor:
-        """Logits [B, V] of the batch; attention runs on the pool's workers, and the
-        slices here or, rotational, on whichever model worker `executors` finds free."""
+        """Logits [B, V] of the batch on the slices' device, where they are sampled;
+        attention runs on the pool's workers, and the slices here or, rotational, on
+        whichever model worker `executors` finds free."""
         route = pool.route(seqs)
         device = self.device
         here = pool.attend_here(route) if executors is None else None
@@ -143,8 +144,7 @@ class ModelSlices:
                 return self.run_slice(j, inputs, attn, context)
             return await executors.run(slice_tag(micro_batch, step, j), j, inputs, attn, context)
 
-        logits = await self.split.run_async(batch.model_inputs(device), attend, run_slice)  # [B, V] float32
-        return logits.cpu()  # sampled on the CPU
+        return await self.split.run_async(batch.model_inputs(device), attend, run_slice)  # [B, V] float32
 
 
 class _ModelServicer(lamina_pb2_grpc.ModelWorkerServicer):

@@ -343,7 +343,6 @@ class PrefillService:
 
         output = await self.slices.split.run_async(inputs, attend)
         local.commit()
-        output = output.cpu()  # [R, V]: sampling and logprobs run on CPU
         self._measure_compute(sum(len(p.token_ids) - p.cached for p in prompts), time.perf_counter() - computing)
         # One acknowledgement per sequence and worker, matched by sequence id.
         for p in prompts:

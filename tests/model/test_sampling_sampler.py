@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lamina.sampling.params import SamplingParams
@@ -92,8 +93,83 @@ def test_the_nucleus_grows_past_its_first_guess_to_the_full_sort():
     gen = torch.Generator().manual_seed(0)
     for spread, top_p in ((8.0, 0.9), (0.05, 0.5), (0.0, 0.999)):  # peaked, flat (past the first guess), uniform
         probs = torch.softmax(torch.randn(5000, generator=gen) * spread, -1)
-        kept, ids = nucleus(probs, top_p)
+        kept, ids = nucleus(probs[None], [top_p])  # [1, K] each, zeros past the nucleus
         top, order = torch.sort(probs, descending=True)
         n = int((top.cumsum(0) - top < top_p).sum())
-        assert kept.numel() == n and torch.equal(torch.sort(ids).values, torch.sort(order[:n]).values)
+        assert int((kept > 0).sum()) == n and torch.equal(kept[0, :n], top[:n])
+        assert torch.equal(torch.sort(ids[0, :n]).values, torch.sort(order[:n]).values)
         assert spread != 0.05 or n > NUCLEUS_FIRST
+
+
+def _by_definition(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
+    """The token u picks under p by a full sort: the kept tokens' cumulative mass, in id
+    order (most probable first where top-p keeps a nucleus), first passing u times their total."""
+    scores = logits / p.temperature
+    if p.top_k:
+        scores = scores.masked_fill(scores < torch.topk(scores, min(p.top_k, scores.numel())).values[-1], float("-inf"))
+    probs = torch.softmax(scores, -1)
+    ids = torch.arange(probs.numel())
+    if p.top_p < 1.0:
+        top, order = torch.sort(probs, descending=True)
+        keep = int((top.cumsum(0) - top < p.top_p).sum())
+        probs, ids = top[:keep], order[:keep]
+    cdf = probs.double().cumsum(0)
+    i = min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), int(torch.searchsorted(cdf, cdf[-1])))
+    return int(ids[i])
+
+
+def _mixed_batch(rows: int, width: int, seed: int) -> tuple[torch.Tensor, list[SamplingParams]]:
+    """Logits [rows, width] of mixed spreads and every kind of sampled row: temperature
+    alone, top-k, top-p (small nuclei and ones past the first partial sort), both."""
+    gen = torch.Generator().manual_seed(seed)
+    spreads = torch.tensor([0.02, 1.0, 6.0])[torch.randint(0, 3, (rows,), generator=gen)]
+    logits = torch.randn(rows, width, generator=gen) * spreads[:, None]  # [rows, width]
+    kinds = (SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=40),
+             SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.5, top_k=300, top_p=0.95),
+             SamplingParams(temperature=1.0, top_p=0.999), SamplingParams(temperature=2.0, top_k=width * 2))
+    return logits, [kinds[r % len(kinds)] for r in range(rows)]
+
+
+def test_a_whole_batch_picks_each_row_as_the_definition_does():
+    """`pick` over a whole batch at once (how the sampler runs off the CPU) gives each row
+    the token a full sort with the same uniform number gives, and the same as the row
+    alone (how the sampler runs on the CPU)."""
+    from lamina.sampling.sampler import draw, pick
+
+    for width, seed in ((49_152, 0), (300, 1)):
+        logits, params = _mixed_batch(24, width, seed)
+        us = [draw(seed, r) for r in range(len(params))]
+        batch = pick(logits, params, us).tolist()
+        want = [_by_definition(logits[r], p, u) for r, (p, u) in enumerate(zip(params, us))]
+        assert batch == want
+        assert batch == [int(pick(logits[r:r + 1], [p], [u])[0]) for r, (p, u) in enumerate(zip(params, us))]
+        # sample() with greedy rows among them: those take the argmax, the others as above.
+        mixed = [SamplingParams(temperature=0.0) if r % 4 == 0 else p for r, p in enumerate(params)]
+        got = sample(logits, mixed, [seed] * len(params), list(range(len(params))))
+        assert got == [int(logits[r].argmax()) if r % 4 == 0 else want[r] for r in range(len(params))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_sampler_on_cuda_picks_what_it_picks_on_the_cpu():
+    """Logits on the GPU: the batch is picked there, with penalties, a grammar-free batch of
+    every kind of row and logprobs, and gives the CPU's tokens and (within float32
+    rounding) its log-probabilities."""
+    logits, params = _mixed_batch(64, 49_152, 2)
+    params[0] = SamplingParams(temperature=0.0, logprobs=3)
+    params[1] = SamplingParams(temperature=0.8, frequency_penalty=1.5, logit_bias=((7, 5.0),), logprobs=0)
+    params[2] = SamplingParams(temperature=0.0, repetition_penalty=1.3, min_tokens=2)
+
+    def run(device: str) -> tuple[list[int], list]:
+        sampler = Sampler(None, (EOS,))
+        seqs = [sampler.join(p, prompt_ids=[1, 2, 3], output_ids=[7, 7, 9], seed=11 + r, num_output=1)
+                for r, p in enumerate(params)]
+        return sampler(logits.to(device), seqs)
+
+    cpu_tokens, cpu_lp = run("cpu")
+    gpu_tokens, gpu_lp = run("cuda")
+    assert gpu_tokens == cpu_tokens
+    for a, b in zip(cpu_lp, gpu_lp):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
