@@ -44,30 +44,42 @@ class PaddedSlots:
         return cls(table.to(device), lens, torch.device(device))
 
 
+def visible_keys(query_lens: Sequence[int], slot_lens: Sequence[int], kv_lens: Sequence[int] | None,
+                 causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row's sequence and the number of keys it sees, int64 [T] each on the
+    CPU: sequence b's rows see its first kv_lens[b] slots (default: all its slot_lens[b]);
+    with `causal`, its i-th of n queries sees keys 0 .. L - n + i."""
+    if kv_lens is not None and len(kv_lens) != len(slot_lens):
+        raise ValueError(f"kv_lens must give one length per sequence ({len(kv_lens)} for {len(slot_lens)})")
+    lens = tuple(slot_lens) if kv_lens is None else tuple(kv_lens)
+    t = sum(query_lens)
+    if len(query_lens) != len(lens):
+        raise ValueError(f"query_lens {list(query_lens)[:8]} do not fit {len(lens)} sequences")
+    if any(not 0 <= n <= m for n, m in zip(lens, slot_lens)):
+        raise ValueError("kv_lens must not exceed the sequences' slots")
+    if causal and any(n > m for n, m in zip(query_lens, lens)):
+        raise ValueError("a sequence has more queries than keys (causal queries are its last keys)")
+    seq_of_row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(query_lens, dtype=torch.int64))
+    offs = torch.cat([torch.arange(n) for n in query_lens]) if t else torch.zeros(0, dtype=torch.int64)  # [T]
+    visible = torch.tensor(lens, dtype=torch.int64)[seq_of_row]  # [T]
+    if causal:
+        visible = visible - (torch.tensor(query_lens, dtype=torch.int64)[seq_of_row] - 1 - offs)
+    return seq_of_row, visible
+
+
 def padded_attention(q: torch.Tensor, query_lens: Sequence[int], k_pool: torch.Tensor, v_pool: torch.Tensor,
                      slots: PaddedSlots, kv_lens: Sequence[int] | None = None, *, causal: bool = True,
                      need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q: [T, Hq, D] (T = sum(query_lens)); k_pool, v_pool: [S, Hkv, D] of any float dtype
     on q's device. Sequence b attends over its first kv_lens[b] slots (default: all);
     with `causal`, its i-th of n queries sees keys 0 .. L - n + i."""
-    lens = slots.lens if kv_lens is None else tuple(kv_lens)
-    if len(query_lens) != len(lens) or sum(query_lens) != q.shape[0]:
-        raise ValueError(f"query_lens {list(query_lens)[:8]} do not fit q {tuple(q.shape)} and {len(lens)} sequences")
-    if any(not 0 <= n <= m for n, m in zip(lens, slots.lens)):
-        raise ValueError("kv_lens must not exceed the sequences' slots")
-    if causal and any(n > m for n, m in zip(query_lens, lens)):
-        raise ValueError("a sequence has more queries than keys (causal queries are its last keys)")
+    if sum(query_lens) != q.shape[0]:
+        raise ValueError(f"query_lens {list(query_lens)[:8]} do not fit q {tuple(q.shape)}")
+    seq_of_row, visible = visible_keys(query_lens, slots.lens, kv_lens, causal)  # [T] each
     t, hq, d = q.shape
     hkv = k_pool.shape[1]
     g = hq // hkv
     device = q.device
-    # Each query row's sequence and the number of keys it sees.
-    seq_of_row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(query_lens, dtype=torch.int64))
-    offs = torch.cat([torch.arange(n) for n in query_lens]) if t else torch.zeros(0, dtype=torch.int64)  # [T]
-    lens_t = torch.tensor(lens, dtype=torch.int64)
-    visible = lens_t[seq_of_row]  # [T]
-    if causal:
-        visible = visible - (torch.tensor(query_lens)[seq_of_row] - 1 - offs)
     width = slots.table.shape[1]
     seq_of_row, visible = seq_of_row.to(device), visible.to(device)
     rows = slots.table[seq_of_row]  # [T, Lmax] slot of each key of each query row

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, Triton's kernels (lamina.model.paged_decode) run on CPU tensors under its
+# interpreter, which is chosen when triton is first imported: before any test imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # One intra-op thread: the end-to-end tests run several service processes beside the
 # test process on two cores, where OpenMP's spinning threads slow everything down.

@@ -47,6 +47,7 @@ from lamina.model.config import ModelConfig
 from lamina.model.device_attention import PaddedSlots, padded_attention
 from lamina.model.kv_attention import NATIVE, SlotBatch, SlotPools, SlotStep, buffer_attention, slot_attention
 from lamina.model.kv_quant import KV_QUANT_CHOICES, Q4Rows
+from lamina.model.paged_decode import PagedSlots, paged_attention, paged_available
 from lamina.model.placement import runs_natively
 from lamina.services.attention.attention_checks import KVShape, PendingStore, check_attend, check_store
 from lamina.services.wire import RemoteError, StoreKV, short_repr
@@ -66,7 +67,9 @@ class _StepSlots:
     versions: tuple[int, ...]  # each sequence's slot_version when this was built
     batch: SlotBatch  # every slot of the micro-batch's sequences
     new: torch.Tensor  # int64 [T]: the slots of the step's new tokens, in row order (on the pools' device)
-    padded: PaddedSlots | None  # the batch laid out for the torch path (None where the native kernel runs)
+    # The batch laid out for the paged kernel (a GPU) or the torch path (any other device but
+    # CPU float32); None where the native kernel runs.
+    table: PagedSlots | PaddedSlots | None
     # The native kernel's decode path (float32 pools), addressed once for every layer.
     fast: SlotStep | None = None
 
@@ -86,9 +89,11 @@ class AttentionCore:
         self.cfg = cfg
         self.num_kv_heads = num_kv_heads
         self.device, self.dtype = torch.device(device), dtype
-        # The native kernel reads CPU float32 (or 4-bit) pools; anything else attends
-        # through torch's operators (lamina.model.device_attention).
+        # The native kernel reads CPU float32 (or 4-bit) pools; a GPU's attend through the
+        # paged Triton kernel (lamina.model.paged_decode), anything else through torch's
+        # operators (lamina.model.device_attention).
         self.native = runs_natively(self.device, dtype)
+        self.paged = not self.native and paged_available(self.device)
         self.packed = Q4Rows(cfg.head_dim) if kv_quant == "q4" else None
         if self.packed is not None and not self.native:
             raise ValueError("attention.kv_quant q4 needs attention.device cpu and attention.dtype float32")
@@ -143,12 +148,15 @@ class AttentionCore:
         if self._slot_pools is not None:
             fast = SlotStep(self._slot_pools, batch, [min(n, m) for m, (_, n) in zip(lens, seqs)], new)
         entry = _StepSlots(versions, batch, new.to(self.device),
-                           None if self.native else PaddedSlots.of(batch, self.device), fast)
+                           None if self.native else self._table(batch), fast)
         self._step_slots.pop(ids, None)
         if len(self._step_slots) >= _STEP_SLOTS_KEPT:
             self._step_slots.pop(next(iter(self._step_slots)))  # the oldest micro-batch
         self._step_slots[ids] = entry
         return entry
+
+    def _table(self, batch: SlotBatch) -> PagedSlots | PaddedSlots:
+        return PagedSlots.of(batch, self.device) if self.paged else PaddedSlots.of(batch, self.device)
 
     def _here(self, t: torch.Tensor) -> torch.Tensor:
         """An arriving tensor on this worker's device, in its dtype."""
@@ -157,18 +165,19 @@ class AttentionCore:
     def _attention(self, layer: int, q: torch.Tensor, query_lens: list[int], step: _StepSlots,
                    kv_lens: Sequence[int] | None = None, causal: bool = True, need_lse: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The native kernel on CPU float32 pools, torch's operators on any other; the
-        result on the CPU in q's dtype (what goes back on the wire)."""
+        """The native kernel on CPU float32 pools, the paged kernel on a GPU's, torch's
+        operators on any other; the result on the CPU in q's dtype (what goes back on the wire)."""
         fast = step.decode_path(query_lens)
         if fast is not None and kv_lens is None and causal and not need_lse and q.dtype == torch.float32:
             return fast.attend(layer, q.contiguous()), None
         k_pool, v_pool = self.slabs.k_pools[layer], self.slabs.v_pools[layer]
-        if step.padded is None:  # the kernel reads float32 queries, whatever the sender computes in
+        if step.table is None:  # the kernel reads float32 queries, whatever the sender computes in
             out, lse = slot_attention(q.float().contiguous(), query_lens, k_pool, v_pool, step.batch, kv_lens,
                                       causal=causal, need_lse=need_lse, packed=self.packed)
             return out.to(q.dtype), lse
-        out, lse = padded_attention(q.to(self.device, non_blocking=True), query_lens, k_pool, v_pool, step.padded,
-                                    kv_lens, causal=causal, need_lse=need_lse)
+        attend = paged_attention if isinstance(step.table, PagedSlots) else padded_attention
+        out, lse = attend(q.to(self.device, non_blocking=True), query_lens, k_pool, v_pool, step.table,  # type: ignore[arg-type]
+                          kv_lens, causal=causal, need_lse=need_lse)
         return out.to("cpu", q.dtype), None if lse is None else lse.cpu()
 
     def _rows(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

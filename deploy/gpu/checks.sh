@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# A GPU machine's checks in one go, each result written to OUT as it is made: the
+# install (deploy/gpu/install_offline.sh), the device, the CUDA tests (those whose ids
+# name cuda: the paged attention kernel against the native kernel and SDPA, the attention
+# core's steps on the GPU, the sampler on the GPU against the CPU, the engine and the
+# model and attention workers against transformers, the prefix cache's GPU tier) and
+# bench/gpu_decode.py on the models and shapes given. For a machine lent for minutes:
+# run it once with a time limit, then read OUT.
+#
+#   deploy/gpu/checks.sh OUT [WHEELS] [-- BENCH ARGS...]
+#   e.g. deploy/gpu/checks.sh "$OUT" .whl -- --models random:llama-3.2-1b:bfloat16 --batches 1,16,64 --contexts 512,2048
+set -uo pipefail
+out=${1:?usage: deploy/gpu/checks.sh OUT [WHEELS] [-- BENCH ARGS...]}
+shift
+wheels=.whl
+if [ $# -gt 0 ] && [ "$1" != "--" ]; then wheels=$1; shift; fi
+[ "${1:-}" = "--" ] && shift
+mkdir -p "$out"
+python=${PYTHON:-python3}
+site=/tmp/lamina-site
+{ date; nvidia-smi; } > "$out/device.txt" 2>&1
+if ! deploy/gpu/install_offline.sh "$wheels" "$site" > "$out/install.log" 2>&1; then
+    echo "install failed: $out/install.log"; tail -20 "$out/install.log"; exit 1
+fi
+export PYTHONPATH=$site
+"$python" -P -m pytest -q -rs -k cuda --timeout 600 \
+    tests/model/test_paged_decode.py tests/model/test_sampling_sampler.py tests/model/test_kv_attention.py \
+    tests/model/test_engine_devices.py tests/services/test_attention_core.py tests/services/test_devices.py \
+    tests/kvstore/test_kv_prefix_cache_cuda.py > "$out/tests.log" 2>&1
+echo "tests: exit $? ($(tail -1 "$out/tests.log"))"
+"$python" bench/gpu_decode.py --out "$out/rows.jsonl" "$@" > "$out/bench.log" 2>&1
+echo "bench: exit $?"
+tail -5 "$out/bench.log"

@@ -1,0 +1,145 @@
+"""Attention over a slab pool's 1-token pages by a Triton kernel: the attention workers'
+path on a GPU, where the native kernel (lamina.model.kv_attention, CPU float32) does not
+run and the portable one (lamina.model.device_attention) would gather every key.
+
+Why a kernel of our own: the slab allocator hands out single token slots, so a
+sequence's keys are a page table of 1-token pages. PyTorch's flex attention pages KV in
+blocks of its own tile size (a mask over the whole slab instead would score every query
+against every slot), and FlashInfer's batch decode, which takes 1-token pages, compiles
+its kernels with nvcc on first use and needs wheels of its own for the GPU machines'
+CUDA 13 torch; Triton ships with that torch, and its interpreter runs this same kernel
+on the CPU, so CI checks it against SDPA and the portable path on every commit.
+
+The batch's slots are laid out once per step (`PagedSlots`: every sequence's slots in
+order, no padding). Each layer is one launch over (query row, KV head, split of the
+row's keys): a KV head's query heads share each key they read (grouped-query attention),
+and long rows are split so that a small batch still fills the GPU (flash-decoding); the
+splits' partial results are combined by their log-sum-exp. Outputs are as
+`padded_attention`'s: out [T, Hq, D] in q's dtype and lse [T, Hq] float32, -inf (with
+out 0) for a query that sees no key, so partials combine exactly (Q-early).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from typing import Any
+
+import torch
+
+from lamina.model.device_attention import visible_keys
+from lamina.model.kv_attention import SlotBatch
+
+# Keys per block of the kernel's loop (a dot's tile: at least 16).
+BLOCK_N = 64
+# A launch aims at this many programs per multiprocessor before it splits rows further.
+PROGRAMS_PER_SM = 4
+
+
+def paged_available(device: torch.device | str) -> bool:
+    """Whether the kernel serves pools on `device`: a CUDA device where triton is installed."""
+    return torch.device(device).type == "cuda" and find_spec("triton") is not None
+
+
+@dataclass(frozen=True)
+class PagedSlots:
+    """A SlotBatch as a page table of 1-token pages on the pools' device, built once per step."""
+
+    slots: torch.Tensor  # int32 [N]: every sequence's slots, in order, one after another
+    starts: tuple[int, ...]  # where each sequence's slots start in `slots`
+    lens: tuple[int, ...]  # keys per sequence
+    device: torch.device
+    # Per (query_lens, kv_lens, causal): each query row's start and key count on the device,
+    # and the most keys a row sees. The same for every layer of a step, so made once.
+    _rows: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, batch: SlotBatch, device: torch.device | str) -> PagedSlots:
+        starts = [0]
+        for n in batch.lens[:-1]:
+            starts.append(starts[-1] + n)
+        return cls(batch.slots.to(device, torch.int32), tuple(starts), batch.lens, torch.device(device))
+
+    def rows(self, query_lens: Sequence[int], kv_lens: Sequence[int] | None,
+             causal: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+        key = (tuple(query_lens), None if kv_lens is None else tuple(kv_lens), causal)
+        hit = self._rows.get(key)
+        if hit is None:
+            seq_of_row, visible = visible_keys(query_lens, self.lens, kv_lens, causal)  # [T] each
+            start = torch.tensor(self.starts, dtype=torch.int64)[seq_of_row]  # [T]
+            hit = (start.to(self.device), visible.to(self.device), int(visible.max()) if visible.numel() else 0)
+            self._rows[key] = hit
+        return hit
+
+
+def _kernel(device: torch.device) -> Any:  # a triton kernel object
+    """The kernel: compiled for a GPU, or for CPU tensors Triton's interpreter's, which
+    triton gives where TRITON_INTERPRET=1 was set before it was first imported."""
+    from lamina.model import paged_decode_kernel
+
+    kernel = paged_decode_kernel.paged_decode
+    if device.type == "cpu" and type(kernel).__name__ != "InterpretedFunction":
+        raise ValueError("the paged kernel runs on CPU tensors only under Triton's interpreter: "
+                         "set TRITON_INTERPRET=1 before triton is imported")
+    return kernel
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def plan_splits(rows: int, kv_heads: int, longest: int, multiprocessors: int) -> int:
+    """Into how many splits each row's keys go: enough programs to give every
+    multiprocessor PROGRAMS_PER_SM, no split shorter than a block."""
+    if longest <= 0:
+        return 1
+    wanted = math.ceil(PROGRAMS_PER_SM * multiprocessors / max(rows * kv_heads, 1))
+    return max(1, min(wanted, math.ceil(longest / BLOCK_N)))
+
+
+def paged_attention(q: torch.Tensor, query_lens: Sequence[int], k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    slots: PagedSlots, kv_lens: Sequence[int] | None = None, *, causal: bool = True,
+                    need_lse: bool = True, splits: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q: [T, Hq, D] (T = sum(query_lens)); k_pool, v_pool: [S, Hkv, D] float32, bfloat16
+    or float16 on q's device. Sequence b attends over its first kv_lens[b] slots (default:
+    all); with `causal`, its i-th of n queries sees keys 0 .. L - n + i. `splits`: into
+    how many pieces a row's keys go (default: enough to fill the GPU)."""
+    t, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    if hq % hkv or k_pool.stride(2) != 1 or v_pool.stride(2) != 1 or k_pool.dtype != v_pool.dtype:
+        raise ValueError(f"pools {tuple(k_pool.shape)} / {tuple(v_pool.shape)} do not fit q {tuple(q.shape)}")
+    row_start, row_len, longest = slots.rows(query_lens, kv_lens, causal)
+    if splits is None:
+        splits = plan_splits(t, hkv, longest, _multiprocessors(q.device))
+    chunk = max(BLOCK_N, math.ceil(math.ceil(longest / splits) / BLOCK_N) * BLOCK_N)
+    splits = max(1, math.ceil(longest / chunk))
+    g = hq // hkv
+    q = q.contiguous()
+    parts = torch.empty(t, hq, splits, d, dtype=torch.float32, device=q.device)  # [T, Hq, splits, D]
+    part_lse = torch.empty(t, hq, splits, dtype=torch.float32, device=q.device)  # [T, Hq, splits]
+    if t:
+        _kernel(q.device)[(t, hkv, splits)](
+            q, k_pool, v_pool, slots.slots, row_start, row_len, parts, part_lse,
+            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+            chunk, d**-0.5,
+            G=g, G_PAD=max(16, triton_pow2(g)), D=d, D_PAD=max(16, triton_pow2(d)),
+            # Triton's interpreter (CPU tensors) gets half-precision products wrong: there they
+            # are taken in float32, which the tests' tolerances for half precision cover.
+            BLOCK_N=BLOCK_N, F32_DOTS=k_pool.dtype == torch.float32 or q.device.type == "cpu")
+    if splits == 1:
+        out, lse = parts[:, :, 0], part_lse[:, :, 0]
+    else:
+        lse = torch.logsumexp(part_lse, dim=-1)  # [T, Hq]; -inf where no split saw a key
+        weight = torch.exp(part_lse - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])  # [T, Hq, splits]
+        out = (weight[..., None] * parts).sum(dim=2)  # [T, Hq, D]
+    return out.to(q.dtype), lse if need_lse else None
+
+
+def triton_pow2(n: int) -> int:
+    """The smallest power of two at least n (a Triton block's length)."""
+    return 1 << max(n - 1, 0).bit_length()
