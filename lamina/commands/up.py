@@ -99,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ray_resource and not args.ray:  # before the machine is measured for --layout auto
+        print("lamina up: --ray-resource needs --ray", file=sys.stderr)
+        return 2
     if args.layout == "colocated" and (args.attention_workers or args.attention_max_workers):
         print("lamina up: --layout colocated has no attention workers of its own (each model worker holds its "
               "sequences' KV): set --model-workers instead of --attention-workers / --attention-max-workers",
@@ -156,9 +159,6 @@ def run(args: argparse.Namespace) -> int:
     from lamina.services.launch.launcher import Stack
     from lamina.services.launch.supervision import describe_exit
 
-    if args.ray_resource and not args.ray:
-        print("lamina up: --ray-resource needs --ray", file=sys.stderr)
-        return 2
     if args.ray:
         stack = _ray_stack(args, config)
         if stack is None:
