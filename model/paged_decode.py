@@ -17,6 +17,12 @@ and long rows are split so that a small batch still fills the GPU (flash-decodin
 splits' partial results are combined by their log-sum-exp. Outputs are as
 `padded_attention`'s: out [T, Hq, D] in q's dtype and lse [T, Hq] float32, -inf (with
 out 0) for a query that sees no key, so partials combine exactly (Q-early).
+
+The local engine's decode steps on a GPU take the same kernel over each sequence's own
+KV buffer instead of the slab (`BufferRows`, `buffer_attention`: the buffers addressed
+by their device addresses), after one more launch that writes the step's new K, V rows
+into them: two launches a layer for the whole batch, where SDPA per sequence takes a
+handful per sequence.
 """
 
 from __future__ import annotations
@@ -75,16 +81,16 @@ class PagedSlots:
         return hit
 
 
-def _kernel(device: torch.device) -> Any:  # a triton kernel object
-    """The kernel: compiled for a GPU, or for CPU tensors Triton's interpreter's, which
-    triton gives where TRITON_INTERPRET=1 was set before it was first imported."""
+def _kernels(device: torch.device) -> Any:
+    """The kernels' module: compiled for a GPU, or for CPU tensors run by Triton's
+    interpreter, which triton gives where TRITON_INTERPRET=1 was set before it was first
+    imported."""
     from lamina.model import paged_decode_kernel
 
-    kernel = paged_decode_kernel.paged_decode
-    if device.type == "cpu" and type(kernel).__name__ != "InterpretedFunction":
-        raise ValueError("the paged kernel runs on CPU tensors only under Triton's interpreter: "
+    if device.type == "cpu" and type(paged_decode_kernel.paged_decode).__name__ != "InterpretedFunction":
+        raise ValueError("the paged kernels run on CPU tensors only under Triton's interpreter: "
                          "set TRITON_INTERPRET=1 before triton is imported")
-    return kernel
+    return paged_decode_kernel
 
 
 @functools.cache
@@ -109,28 +115,42 @@ def paged_attention(q: torch.Tensor, query_lens: Sequence[int], k_pool: torch.Te
     or float16 on q's device. Sequence b attends over its first kv_lens[b] slots (default:
     all); with `causal`, its i-th of n queries sees keys 0 .. L - n + i. `splits`: into
     how many pieces a row's keys go (default: enough to fill the GPU)."""
-    t, hq, d = q.shape
+    _, hq, d = q.shape
     hkv = k_pool.shape[1]
     if hq % hkv or k_pool.stride(2) != 1 or v_pool.stride(2) != 1 or k_pool.dtype != v_pool.dtype:
         raise ValueError(f"pools {tuple(k_pool.shape)} / {tuple(v_pool.shape)} do not fit q {tuple(q.shape)}")
     row_start, row_len, longest = slots.rows(query_lens, kv_lens, causal)
+    q = q.contiguous()
+
+    def launch(kernels: Any, grid: tuple[int, int, int], parts: torch.Tensor, part_lse: torch.Tensor,
+               chunk: int, shape: dict[str, Any]) -> None:
+        kernels.paged_decode[grid](
+            q, k_pool, v_pool, slots.slots, row_start, row_len, parts, part_lse,
+            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+            chunk, d**-0.5, **shape)
+
+    return _split_and_combine(q, hkv, longest, k_pool.dtype, launch, need_lse, splits)
+
+
+def _split_and_combine(q: torch.Tensor, hkv: int, longest: int, kv_dtype: torch.dtype, launch: Any,
+                       need_lse: bool, splits: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Plans the splits, launches (launch(kernels, grid, parts, part_lse, chunk, shape))
+    and combines the splits' partial results by their log-sum-exp: out [T, Hq, D] in q's
+    dtype, lse [T, Hq] float32 (or None)."""
+    t, hq, d = q.shape
     if splits is None:
         splits = plan_splits(t, hkv, longest, _multiprocessors(q.device))
     chunk = max(BLOCK_N, math.ceil(math.ceil(longest / splits) / BLOCK_N) * BLOCK_N)
     splits = max(1, math.ceil(longest / chunk))
-    g = hq // hkv
-    q = q.contiguous()
     parts = torch.empty(t, hq, splits, d, dtype=torch.float32, device=q.device)  # [T, Hq, splits, D]
     part_lse = torch.empty(t, hq, splits, dtype=torch.float32, device=q.device)  # [T, Hq, splits]
     if t:
-        _kernel(q.device)[(t, hkv, splits)](
-            q, k_pool, v_pool, slots.slots, row_start, row_len, parts, part_lse,
-            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-            chunk, d**-0.5,
-            G=g, G_PAD=max(16, triton_pow2(g)), D=d, D_PAD=max(16, triton_pow2(d)),
-            # Triton's interpreter (CPU tensors) gets half-precision products wrong: there they
-            # are taken in float32, which the tests' tolerances for half precision cover.
-            BLOCK_N=BLOCK_N, F32_DOTS=k_pool.dtype == torch.float32 or q.device.type == "cpu")
+        g = hq // hkv
+        # Triton's interpreter (CPU tensors) gets half-precision products wrong: there they
+        # are taken in float32, which the tests' tolerances for half precision cover.
+        shape = {"G": g, "G_PAD": max(16, triton_pow2(g)), "D": d, "D_PAD": max(16, triton_pow2(d)),
+                 "BLOCK_N": BLOCK_N, "F32_DOTS": kv_dtype == torch.float32 or q.device.type == "cpu"}
+        launch(_kernels(q.device), (t, hkv, splits), parts, part_lse, chunk, shape)
     if splits == 1:
         out, lse = parts[:, :, 0], part_lse[:, :, 0]
     else:
@@ -138,6 +158,76 @@ def paged_attention(q: torch.Tensor, query_lens: Sequence[int], k_pool: torch.Te
         weight = torch.exp(part_lse - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])  # [T, Hq, splits]
         out = (weight[..., None] * parts).sum(dim=2)  # [T, Hq, D]
     return out.to(q.dtype), lse if need_lse else None
+
+
+@dataclass(frozen=True)
+class BufferRows:
+    """One step's rows over the local engine's per-sequence KV buffers
+    ([num_layers, 2, cap, Hkv, D] each, lamina.engine.kv.SequenceKV), on their device,
+    built once per step: where each new row is written, and what each query row reads."""
+
+    base: torch.Tensor  # int64 [T]: the address of each row's sequence buffer
+    cap: torch.Tensor  # int64 [T]: that buffer's capacity in tokens
+    pos: torch.Tensor  # int64 [T]: the position each new row is written at
+    visible: torch.Tensor  # int64 [T]: the keys each query row sees (causal), its own included
+    longest: int  # the most keys a row sees
+    dtype: torch.dtype  # the buffers'
+    num_kv_heads: int
+
+    @classmethod
+    def of(cls, buffers: Sequence[torch.Tensor], held: Sequence[int], query_lens: Sequence[int]) -> BufferRows:
+        """buffers: each sequence's buffer (contiguous, all of one dtype on one device, big
+        enough for its new rows); held: the tokens each holds before the step; query_lens:
+        its new rows, which are its next positions and its queries."""
+        if not buffers or len(buffers) != len(held) or len(held) != len(query_lens):
+            raise ValueError("one buffer, one held length and one query length per sequence")
+        first = buffers[0]
+        if any(b.dtype != first.dtype or b.device != first.device or not b.is_contiguous()
+               or b.shape[3:] != first.shape[3:] or b.shape[:2] != first.shape[:2] for b in buffers):
+            raise ValueError("the buffers must be contiguous, of one shape but capacity, dtype and device")
+        if any(h + n > b.shape[2] for b, h, n in zip(buffers, held, query_lens)):
+            raise ValueError("a sequence's new rows do not fit its buffer")
+        base: list[int] = []
+        cap: list[int] = []
+        pos: list[int] = []
+        visible: list[int] = []
+        for b, h, n in zip(buffers, held, query_lens):
+            base += [b.data_ptr()] * n
+            cap += [b.shape[2]] * n
+            pos += range(h, h + n)
+            visible += range(h + 1, h + n + 1)
+
+        def on(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(first.device)
+
+        return cls(on(base), on(cap), on(pos), on(visible), max(visible, default=0), first.dtype, first.shape[3])
+
+
+def buffer_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: BufferRows,
+                     splits: int | None = None) -> torch.Tensor:
+    """The engine's step on a GPU, one layer: the new rows' k, v [T, Hkv, D] written into
+    their sequences' buffers (one launch), then causal attention of q [T, Hq, D] over each
+    sequence's buffer (one launch, and the splits' combine). Returns out [T, Hq, D] in q's dtype."""
+    t, hq, d = q.shape
+    hkv = rows.num_kv_heads
+    if k.shape != (t, hkv, d) or v.shape != k.shape or hq % hkv or rows.base.numel() != t:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not fit "
+                         f"{rows.base.numel()} rows of {hkv} KV heads")
+    from triton import language as tl
+
+    kv = getattr(tl, str(rows.dtype).removeprefix("torch."))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if t:
+        _kernels(q.device).buffer_append[(t,)](
+            k, v, rows.base, rows.cap, rows.pos, layer, k.stride(0), v.stride(0),
+            KV=kv, HKV=hkv, H_PAD=triton_pow2(hkv), D=d, D_PAD=triton_pow2(d))
+
+    def launch(kernels: Any, grid: tuple[int, int, int], parts: torch.Tensor, part_lse: torch.Tensor,
+               chunk: int, shape: dict[str, Any]) -> None:
+        kernels.buffer_decode[grid](q, rows.base, rows.cap, rows.visible, layer, parts, part_lse,
+                                    q.stride(0), q.stride(1), chunk, d**-0.5, KV=kv, HKV=hkv, **shape)
+
+    return _split_and_combine(q, hkv, rows.longest, rows.dtype, launch, False, splits)[0]
 
 
 def triton_pow2(n: int) -> int:

@@ -12,6 +12,7 @@ from lamina.engine.kv import KVStore
 from lamina.model.attention import causal_attention
 from lamina.model.batch import StepBatch
 from lamina.model.kv_attention import BufferBatch
+from lamina.model.paged_decode import BufferRows, buffer_attention, paged_available
 from lamina.model.placement import runs_natively
 from lamina.model.splitter import SplitModel
 
@@ -71,9 +72,10 @@ class LocalAttention:
 
 
 class DeviceAttention:
-    """LocalAttention's job on any torch device (a GPU): each sequence's new K, V are
-    written into its buffer and its queries attend with fused SDPA over the buffer's
-    tokens. The batched kernel of LocalAttention reads CPU memory only."""
+    """LocalAttention's job on any torch device: each sequence's new K, V are written into
+    its buffer and its queries attend with fused SDPA over the buffer's tokens. A GPU's
+    prompts take it (and its decode steps where triton is missing: else BufferAttention).
+    The batched kernel of LocalAttention reads CPU memory only."""
 
     def __init__(self, kv: KVStore, batch: StepBatch) -> None:
         self._batch = batch
@@ -93,10 +95,41 @@ class DeviceAttention:
             seq.length += n
 
 
-def in_process_attention(kv: KVStore, batch: StepBatch) -> LocalAttention | DeviceAttention:
-    """The batched kernel where the KV store is CPU float32, fused SDPA anywhere else."""
-    native = runs_natively(kv.device or torch.device("cpu"), kv.dtype)
-    return LocalAttention(kv, batch) if native else DeviceAttention(kv, batch)
+class BufferAttention:
+    """DeviceAttention's job on a GPU, for a whole batch at once: per layer one launch
+    writes every sequence's new K, V into its buffer and one attends every query row over
+    its sequence (lamina.model.paged_decode's buffer kernels), where DeviceAttention
+    launches a handful of kernels per sequence and layer."""
+
+    def __init__(self, kv: KVStore, batch: StepBatch) -> None:
+        self._batch = batch
+        self._seqs = [kv.get(s) for s in batch.seq_ids]
+        self._rows = BufferRows.of([seq.buf for seq in self._seqs], [seq.length for seq in self._seqs],
+                                   batch.query_lens)
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D], sequences in batch order
+        return buffer_attention(layer_id, q, k, v, self._rows)
+
+    def commit(self) -> None:
+        for seq, n in zip(self._seqs, self._batch.query_lens):
+            seq.length += n
+
+
+# The most new tokens a sequence may have for BufferAttention: its kernel scans a row's
+# keys per query row, which suits decode steps; a prompt's many queries go to SDPA.
+BUFFER_ATTENTION_ROWS = 16
+
+
+def in_process_attention(kv: KVStore, batch: StepBatch) -> LocalAttention | DeviceAttention | BufferAttention:
+    """The batched kernel where the KV store is CPU float32; on a GPU (triton installed) the
+    buffer kernels for decode steps; fused SDPA per sequence anywhere else."""
+    device = kv.device or torch.device("cpu")
+    if runs_natively(device, kv.dtype):
+        return LocalAttention(kv, batch)
+    if paged_available(device) and max(batch.query_lens, default=0) <= BUFFER_ATTENTION_ROWS:
+        return BufferAttention(kv, batch)
+    return DeviceAttention(kv, batch)
 
 
 def run_step(split: SplitModel, kv: KVStore, batch: StepBatch) -> torch.Tensor:

@@ -3,6 +3,7 @@ every device but the CPU, taken on the CPU in bfloat16), checked against transfo
 in the same dtype; and what it refuses."""
 
 import math
+from importlib.util import find_spec
 
 import pytest
 import torch
@@ -52,6 +53,48 @@ def test_a_bfloat16_engine_decodes_as_transformers_bfloat16(unpacked):
     assert engine.kv.num_sequences == 0 and engine.kv.dtype == torch.bfloat16
 
 
+def _count_buffer_steps(monkeypatch) -> list[list[int]]:
+    """The query lengths of every step the engine runs through BufferAttention, as it runs."""
+    from lamina.engine import step
+
+    taken: list[list[int]] = []
+
+    class Counted(step.BufferAttention):
+        def __init__(self, kv, batch):
+            taken.append(list(batch.query_lens))
+            super().__init__(kv, batch)
+
+    monkeypatch.setattr(step, "BufferAttention", Counted)
+    return taken
+
+
+@pytest.mark.skipif(find_spec("triton") is None, reason="needs triton (pip install '.[dev]' installs it)")
+def test_the_gpus_batched_decode_path_equals_transformers_token_for_token(monkeypatch):
+    """The path an engine on a GPU takes for its decode steps (BufferAttention: one launch
+    a layer writes every sequence's new K, V into its buffer, one attends every row),
+    taken here in float32 under Triton's interpreter in place of the CPU kernels: greedy,
+    6 tokens, transformers' own tokens on every prompt. Prompts of more than
+    BUFFER_ATTENTION_ROWS tokens go to SDPA, as on a GPU."""
+    from transformers import AutoModelForCausalLM
+
+    from lamina.engine import step
+
+    taken = _count_buffer_steps(monkeypatch)
+    monkeypatch.setattr(step, "runs_natively", lambda device, dtype: False)
+    monkeypatch.setattr(step, "paged_available", lambda device: True)
+    unpacked = load_model(packed=False)  # its own: the bfloat16 tests cast the module's copy
+    engine = Engine(unpacked, EngineConfig())
+    hf = AutoModelForCausalLM.from_pretrained(str(unpacked.weights_dir), dtype=torch.float32).eval()
+    ids = [unpacked.tokenizer.encode(p) for p in PROMPTS]
+    outs = engine.generate(ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(ids, outs):
+        with torch.no_grad():  # transformers stops at EOS (one prompt's third token), the engine goes on
+            ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+        assert len(ref) >= 3 and out.output_token_ids[:len(ref)] == ref
+    assert len(taken) >= 5 and any(len(lens) == len(PROMPTS) and set(lens) == {1} for lens in taken)
+
+
 def test_packed_weights_are_refused_off_the_cpu_kernels(loaded_model):
     with pytest.raises(ValueError, match=r"packed weights run on the CPU in float32.*packed=False"):
         Engine(loaded_model, EngineConfig(dtype="bfloat16"))
@@ -88,13 +131,14 @@ def test_lamina_generate_in_bfloat16_prints_the_engines_tokens(unpacked, capsys)
 
 
 @CUDA
-def test_the_engine_on_cuda_in_float32_equals_transformers_token_for_token():
+def test_the_engine_on_cuda_in_float32_equals_transformers_token_for_token(monkeypatch):
     """A random model of SmolLM2's shape (no GGUF file needed on a GPU machine), the
-    same weights directory read by transformers."""
+    same weights directory read by transformers; its decode steps through BufferAttention."""
     from transformers import AutoModelForCausalLM
 
     loaded = load_model("random:smollm2-135m", packed=False)
     hf = AutoModelForCausalLM.from_pretrained(str(loaded.weights_dir), dtype=torch.float32).eval()
+    taken = _count_buffer_steps(monkeypatch)
     engine = Engine(loaded, EngineConfig(device="cuda"))
     assert engine.kv.device == torch.device("cuda")
     ids = [loaded.tokenizer.encode(p) for p in PROMPTS]
@@ -104,3 +148,4 @@ def test_the_engine_on_cuda_in_float32_equals_transformers_token_for_token():
             ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                               max_new_tokens=32, min_new_tokens=32, do_sample=False)
         assert out.output_token_ids == ref[0, len(prompt):].tolist()
+    assert any(len(lens) == len(PROMPTS) and set(lens) == {1} for lens in taken)

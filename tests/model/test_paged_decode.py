@@ -13,7 +13,15 @@ from lamina.model.kv_attention import SlotBatch, slot_attention
 
 pytest.importorskip("triton", reason="needs triton (pip install '.[dev]' installs it)")
 
-from lamina.model.paged_decode import BLOCK_N, PagedSlots, paged_attention, plan_splits
+from lamina.model.attention import causal_attention
+from lamina.model.paged_decode import (
+    BLOCK_N,
+    BufferRows,
+    PagedSlots,
+    buffer_attention,
+    paged_attention,
+    plan_splits,
+)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)"))]
@@ -79,6 +87,40 @@ def test_half_precision_pools_attend_as_sdpa_does(dtype, device):
         torch.testing.assert_close(got[b].cpu().float(), want, atol=2e-2, rtol=2e-2)
         scores = (q[b].float().view(2, 4, 128) @ k.transpose(1, 2)).flatten(0, 1) * 128**-0.5  # [Hq, n]
         torch.testing.assert_close(got_lse[b].cpu(), torch.logsumexp(scores, -1), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("held", "query_lens"), [([0, 7, 130], [1, 1, 1]), ([4, 0, 60], [3, 5, 2])])
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_engines_buffers_take_new_rows_and_attend_as_sdpa_does(dtype, held, query_lens, splits, device):
+    """The local engine's per-sequence buffers ([layers, 2, cap, Hkv, D], caps of their own):
+    a layer's new K, V rows land at each sequence's next positions (that layer only), and
+    each query row attends causally over its sequence as the engine's SDPA path does."""
+    gen = torch.Generator().manual_seed(4)
+    layers, hkv, d, hq = 3, 2, 64, 6
+    buffers = [torch.randn(layers, 2, h + n + extra, hkv, d, generator=gen).to(dtype).to(device)
+               for h, n, extra in zip(held, query_lens, (5, 0, 17))]
+    before = [b.clone() for b in buffers]
+    t = sum(query_lens)
+    q, k, v = (torch.randn(t, heads, d, generator=gen).to(dtype).to(device) for heads in (hq, hkv, hkv))
+    rows = BufferRows.of(buffers, held, query_lens)
+    out = buffer_attention(1, q, k, v, rows, splits=splits)
+    assert out.dtype == dtype and out.device.type == device
+    start = 0
+    for b, (h, n) in enumerate(zip(held, query_lens)):
+        want_buf = before[b].clone()
+        want_buf[1, 0, h:h + n], want_buf[1, 1, h:h + n] = k[start:start + n], v[start:start + n]
+        assert torch.equal(buffers[b], want_buf)  # the new rows, at layer 1 only
+        want = causal_attention(q[start:start + n].float(), want_buf[1, 0, :h + n].float(),
+                                want_buf[1, 1, :h + n].float())
+        tol = {"atol": 2e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+        torch.testing.assert_close(out[start:start + n].float(), want, **tol)
+        start += n
+    with pytest.raises(ValueError, match="do not fit its buffer"):
+        BufferRows.of(buffers, [h + 30 for h in held], query_lens)
+    with pytest.raises(ValueError, match="do not fit"):
+        buffer_attention(0, q[:, :5], k, v, rows)  # 5 query heads over 2 KV heads
 
 
 def test_a_bad_call_is_refused():
