@@ -19,7 +19,7 @@ splits' partial results are combined by their log-sum-exp. Outputs are as
 out 0) for a query that sees no key, so partials combine exactly (Q-early).
 
 The local engine's decode steps on a GPU take the same kernel over each sequence's own
-KV buffer instead of the slab (`BufferRows`, `buffer_attention`: the buffers addressed
+KV buffer instead of the slab (`BufferRows`, `attend_buffers`: the buffers addressed
 by their device addresses), after one more launch that writes the step's new K, V rows
 into them: two launches a layer for the whole batch, where SDPA per sequence takes a
 handful per sequence.
@@ -203,7 +203,7 @@ class BufferRows:
         return cls(on(base), on(cap), on(pos), on(visible), max(visible, default=0), first.dtype, first.shape[3])
 
 
-def buffer_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: BufferRows,
+def attend_buffers(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: BufferRows,
                      splits: int | None = None) -> torch.Tensor:
     """The engine's step on a GPU, one layer: the new rows' k, v [T, Hkv, D] written into
     their sequences' buffers (one launch), then causal attention of q [T, Hq, D] over each

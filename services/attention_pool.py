@@ -50,6 +50,8 @@ Reconnect = Callable[[int], Awaitable[transports.Connection]]
 class LocalAttention(Protocol):
     """An attention worker's core in this process (lamina.services.attention.attention_core)."""
 
+    native: bool  # its kernels read CPU memory
+
     def attend(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                need_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
@@ -345,16 +347,26 @@ class AttentionPool:
             out[rows] = o
         return out
 
-    def attend_here(self, route: Route) -> AttendCall | None:
+    def attend_here(self, route: Route, device: torch.device | None = None) -> AttendCall | None:
         """A step's attention as a plain call, when all of it is on one core in this
         process (layout colocated): attend(layer, q, k, v) -> out, what `attend` would
         return, with no task switch per layer (the core's `local_step`: the caller
         calls the layers in order with no await between them). None when a part is
-        elsewhere."""
+        elsewhere. `device`: where the caller's Q, K and V are (default the CPU). A core
+        whose native kernels read CPU memory gets them staged through it from another
+        device, its output moved back; any other core takes them where they are (a GPU's
+        pools and slices: no host round trip) and answers on their device."""
         if self.partition == "head" or len(route.parts) != 1 or route.parts[0][0] not in self.local:
             return None
         w, _, members = route.parts[0]
-        step = self.local[w].local_step(members)
+        core = self.local[w]
+        step = core.local_step(members)
+        if core.native and device is not None and device.type != "cpu":
+            def staged(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                out = self._timed(step, layer, q.cpu(), k.cpu(), v.cpu())
+                return out.to(device, non_blocking=True)
+
+            return staged
         return lambda layer, q, k, v: self._timed(step, layer, q, k, v)
 
     def _attend_here(self, w: int, layer: int, members: list[tuple[str, int]], q: torch.Tensor, k: torch.Tensor,

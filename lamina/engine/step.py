@@ -12,7 +12,7 @@ from lamina.engine.kv import KVStore
 from lamina.model.attention import causal_attention
 from lamina.model.batch import StepBatch
 from lamina.model.kv_attention import BufferBatch
-from lamina.model.paged_decode import BufferRows, buffer_attention, paged_available
+from lamina.model.paged_decode import BufferRows, attend_buffers, paged_available
 from lamina.model.placement import runs_natively
 from lamina.model.splitter import SplitModel
 
@@ -109,7 +109,7 @@ class BufferAttention:
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D], sequences in batch order
-        return buffer_attention(layer_id, q, k, v, self._rows)
+        return attend_buffers(layer_id, q, k, v, self._rows)
 
     def commit(self) -> None:
         for seq, n in zip(self._seqs, self._batch.query_lens):

@@ -166,7 +166,8 @@ class AttentionCore:
                    kv_lens: Sequence[int] | None = None, causal: bool = True, need_lse: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The native kernel on CPU float32 pools, the paged kernel on a GPU's, torch's
-        operators on any other; the result on the CPU in q's dtype (what goes back on the wire)."""
+        operators on any other; the result on q's device in q's dtype (a frame's q is on
+        the CPU, what goes back on the wire; a colocated caller's may be on the pools' GPU)."""
         fast = step.decode_path(query_lens)
         if fast is not None and kv_lens is None and causal and not need_lse and q.dtype == torch.float32:
             return fast.attend(layer, q.contiguous()), None
@@ -178,7 +179,7 @@ class AttentionCore:
         attend = paged_attention if isinstance(step.table, PagedSlots) else padded_attention
         out, lse = attend(q.to(self.device, non_blocking=True), query_lens, k_pool, v_pool, step.table,  # type: ignore[arg-type]
                           kv_lens, causal=causal, need_lse=need_lse)
-        return out.to("cpu", q.dtype), None if lse is None else lse.cpu()
+        return out.to(q.device, q.dtype), None if lse is None else lse.to(q.device)
 
     def _rows(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [T, Hkv, D] as the pools hold them: on the device in the KV's dtype, or

@@ -106,17 +106,11 @@ class ModelSlices:
         """Logits [B, V] on the slices' device of a step whose attention is all in this
         process (colocated): the slices and attention called in turn, in one inference-mode
         block, with no await (no other task runs mid-step, so none sees the grad mode)."""
-        device = self.device
         t0, attending = time.thread_time(), pool.local_s
-
-        def attend_staged(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return attend(i, q.cpu(), k.cpu(), v.cpu()).to(device, non_blocking=True)  # as `forward` stages them
-
-        call = attend if device.type == "cpu" else attend_staged  # on the CPU the moves are no-ops
         with torch.inference_mode():
             # The attention core copies each layer's K and V into its slabs: the slices may
             # keep their outputs from step to step.
-            logits = self.split.run(batch.model_inputs(device), call, reuse_outputs=True)  # [B, V] float32
+            logits = self.split.run(batch.model_inputs(self.device), attend, reuse_outputs=True)  # [B, V] float32
         # This thread's CPU time, less the attention's (counted apart by the pool).
         self.compute_s += time.thread_time() - t0 - (pool.local_s - attending)
         return logits
@@ -128,7 +122,7 @@ class ModelSlices:
         whichever model worker `executors` finds free."""
         route = pool.route(seqs)
         device = self.device
-        here = pool.attend_here(route) if executors is None else None
+        here = pool.attend_here(route, device) if executors is None else None
         if here is not None:
             return self._forward_here(batch, pool, here)
 

@@ -18,7 +18,7 @@ from lamina.model.paged_decode import (
     BLOCK_N,
     BufferRows,
     PagedSlots,
-    buffer_attention,
+    attend_buffers,
     paged_attention,
     plan_splits,
 )
@@ -105,7 +105,7 @@ def test_the_engines_buffers_take_new_rows_and_attend_as_sdpa_does(dtype, held, 
     t = sum(query_lens)
     q, k, v = (torch.randn(t, heads, d, generator=gen).to(dtype).to(device) for heads in (hq, hkv, hkv))
     rows = BufferRows.of(buffers, held, query_lens)
-    out = buffer_attention(1, q, k, v, rows, splits=splits)
+    out = attend_buffers(1, q, k, v, rows, splits=splits)
     assert out.dtype == dtype and out.device.type == device
     start = 0
     for b, (h, n) in enumerate(zip(held, query_lens)):
@@ -120,7 +120,7 @@ def test_the_engines_buffers_take_new_rows_and_attend_as_sdpa_does(dtype, held, 
     with pytest.raises(ValueError, match="do not fit its buffer"):
         BufferRows.of(buffers, [h + 30 for h in held], query_lens)
     with pytest.raises(ValueError, match="do not fit"):
-        buffer_attention(0, q[:, :5], k, v, rows)  # 5 query heads over 2 KV heads
+        attend_buffers(0, q[:, :5], k, v, rows)  # 5 query heads over 2 KV heads
 
 
 def test_a_bad_call_is_refused():
