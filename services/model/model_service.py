@@ -53,6 +53,7 @@ from lamina.services.devices import compute_device, compute_dtype
 from lamina.services.model.decode_runner import DecodeRunner
 from lamina.services.model.slice_peers import SliceExecutors
 from lamina.services.model.slice_server import SliceServer
+from lamina.services.model.staging import Staging
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime
 from lamina.services.wire import decode_tag, slice_tag
@@ -75,6 +76,7 @@ class ModelSlices:
         self.grammars = Grammars(self.loaded.tokenizer)  # for the sequences that sample here with one
         self.compute_s = 0.0  # CPU time in the slices, every micro-batch together
         self.device = torch.device("cpu")  # where the slices compute (load() moves them)
+        self.staging = Staging(self.device)  # each micro-batch's stream and pinned buffers there
 
     @classmethod
     def load(cls, model_path: str | None, weights: str = "float32", device: str | torch.device = "cpu",
@@ -87,6 +89,7 @@ class ModelSlices:
             return cls(load_model(model_path, weights=weights))
         slices = cls(load_model(model_path, packed=False))  # split on CPU: its example inputs are there
         slices.device = device
+        slices.staging = Staging(device)
         place([slices.loaded.model, *(piece.module for piece in slices.split.slices)], device, dtype)
         return slices
 
@@ -126,19 +129,27 @@ class ModelSlices:
         if here is not None:
             return self._forward_here(batch, pool, here)
 
+        staging = self.staging
+
         async def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # Frames carry host memory: off the CPU, Q, K, V are staged through it and the
-            # output moved back (on the CPU both moves return the tensors themselves).
-            out = await pool.attend(decode_tag(micro_batch, step, i), i, route, q.cpu(), k.cpu(), v.cpu())
-            return out.to(device, non_blocking=True)
+            # Frames carry host memory: off the CPU, Q, K, V are staged through pinned buffers
+            # on the micro-batch's stream and the output moved back on it (on the CPU both
+            # moves return the tensors themselves).
+            staged = await staging.to_host(micro_batch, (q, k, v))
+            out = await pool.attend(decode_tag(micro_batch, step, i), i, route, *staged)
+            return staging.to_device(micro_batch, out)
 
         async def run_slice(j: int, inputs: dict[str, Any], attn: torch.Tensor | None,
                             context: Sequence[torch.Tensor]) -> SliceOutput:
             if executors is None:
-                return self.run_slice(j, inputs, attn, context)
+                with staging.stream(micro_batch):  # no await inside: the stream is the thread's
+                    return self.run_slice(j, inputs, attn, context)
             return await executors.run(slice_tag(micro_batch, step, j), j, inputs, attn, context)
 
-        return await self.split.run_async(batch.model_inputs(device), attend, run_slice)  # [B, V] float32
+        with staging.stream(micro_batch):
+            inputs = batch.model_inputs(device)
+        logits = await self.split.run_async(inputs, attend, run_slice)  # [B, V] float32
+        return staging.handed_over(micro_batch, logits)
 
 
 class _ModelServicer(lamina_pb2_grpc.ModelWorkerServicer):

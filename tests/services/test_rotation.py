@@ -46,7 +46,7 @@ class DensePool:
     def route(self, seqs):
         return None
 
-    def attend_here(self, route):
+    def attend_here(self, route, device=None):
         return None  # no core in this process: every layer awaits its reply
 
     async def attend(self, tag, layer, route, q, k, v):
@@ -168,3 +168,20 @@ def test_a_frame_that_does_not_fit_the_model_gets_an_error(slices, case):
     assert frame_tag(reply) == (0, 1, 1)
     served = server.handle(good)  # nothing changed: the next frame is served
     assert served.kind == Kind.SLICE_OUT and len(served.tensors) == 3 + len(slices.split.slices[1].context_out)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)")
+async def test_micro_batches_on_their_own_cuda_streams_give_the_logits_of_one_alone():
+    """On a GPU each micro-batch's slices and copies run on a stream of its own and its Q, K,
+    V go through pinned buffers reused from layer to layer: three micro-batches at once
+    give the logits of one alone, on the device (a buffer or stream mixed up between them
+    would not)."""
+    on_gpu = ModelSlices.load("random:smollm2-135m", "float32", "cuda", torch.float32)
+    batch, rows = _batch()
+    pool = DensePool()
+    alone = await on_gpu.forward(0, 1, batch, rows, pool)
+    assert alone.device.type == "cuda"
+    outs = await asyncio.gather(*(on_gpu.forward(mb, 1, batch, rows, pool) for mb in range(3)))
+    for out in outs:
+        torch.testing.assert_close(out, alone, atol=1e-5, rtol=1e-5)
+    assert len(on_gpu.staging._streams) == 3

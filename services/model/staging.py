@@ -1,0 +1,90 @@
+"""Where a model worker's micro-batches compute on a GPU, and how their Q, K, V reach the
+host memory that frames carry.
+
+Each micro-batch gets a CUDA stream of its own: its slices, its inputs' and its attention
+outputs' copies are queued there, so one micro-batch's slice computes while another's
+Q, K, V travel to the attention workers and back. Q, K and V are copied into pinned host
+buffers on the micro-batch's stream (asynchronous copies; pageable memory would make each
+a synchronous one) and the event loop waits for that copy by polling its event between
+other tasks' turns, never blocking them as `tensor.cpu()` would. On the CPU every method
+hands the tensors back as they are.
+
+The pinned buffers of a micro-batch are reused from layer to layer: a layer's frames are
+sent and answered before the micro-batch stages its next layer, so nothing still reads
+them then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+
+
+class Staging:
+    """One model worker's streams and pinned buffers, per micro-batch, on `device`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.on_gpu = device.type == "cuda"
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._pinned: dict[tuple[int, int], torch.Tensor] = {}  # (micro-batch, tensor index) -> bytes
+
+    @contextlib.contextmanager
+    def stream(self, micro_batch: int) -> Iterator[None]:
+        """Queues what runs inside on the micro-batch's stream (nothing inside may await:
+        the current stream is the thread's)."""
+        if not self.on_gpu:
+            yield
+            return
+        stream = self._streams.get(micro_batch)
+        if stream is None:
+            stream = self._streams[micro_batch] = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            yield
+
+    async def to_host(self, micro_batch: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors in pinned host memory, copied on the micro-batch's stream after what
+        it queued before; returns once the copies are done, letting other tasks run meanwhile."""
+        if not self.on_gpu:
+            return [t.cpu() for t in tensors]
+        staged = []
+        with self.stream(micro_batch):
+            for i, t in enumerate(tensors):
+                host = self._buffer(micro_batch, i, t.numel() * t.element_size())
+                view = host[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                view.copy_(t, non_blocking=True)
+                staged.append(view)
+            done = torch.cuda.Event()
+            done.record()
+        # A CUDA event has no file descriptor to await: its state is polled between other
+        # tasks' turns (a copy after a slice takes tens to hundreds of microseconds).
+        while not done.query():  # noqa: ASYNC110
+            await asyncio.sleep(0)
+        return staged
+
+    def to_device(self, micro_batch: int, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor (a frame's) on the device, copied on the micro-batch's stream."""
+        if not self.on_gpu:
+            return t
+        with self.stream(micro_batch):
+            return t.to(self.device, non_blocking=True)
+
+    def handed_over(self, micro_batch: int, t: torch.Tensor) -> torch.Tensor:
+        """`t`, made on the micro-batch's stream, ready for the thread's current stream (the
+        sampler's): that stream waits for the micro-batch's work, and the allocator keeps
+        t's memory until that stream is done with it."""
+        if self.on_gpu and micro_batch in self._streams:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self._streams[micro_batch])
+            t.record_stream(current)
+        return t
+
+    def _buffer(self, micro_batch: int, index: int, nbytes: int) -> torch.Tensor:
+        key = (micro_batch, index)
+        buf = self._pinned.get(key)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._pinned[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+        return buf
