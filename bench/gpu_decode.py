@@ -13,8 +13,8 @@ Contenders, for each model, batch and context, in one run on the same device:
 - transformers' `generate` with `cache_implementation="static"`;
 - the local engine on the device (`lamina.engine`, torch's linears in the dtype);
 - the stack as `lamina up --device D --dtype T` starts it (every service on the one
-  device; transport tcp: the `cuda_ipc` transport is not built yet), one model worker,
-  1 and 2 attention workers, 1 and 2 micro-batches (`--no-stack`: left out);
+  device; transport cuda_ipc on a GPU, tcp on the CPU; `--transport` names another), one
+  model worker, 1 and 2 attention workers, 1 and 2 micro-batches (`--no-stack`: left out);
 - attention alone per layer: the attention worker's core against the engine's
   attention, on the device (bench/decode_pipeline.py's `attention_per_layer`).
 
@@ -152,6 +152,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="decode steps timed (default 32; --quick: 8)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--stack", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--transport", default=None, choices=("tcp", "shm", "ucx", "cuda_ipc"),
+                    help="the stack's data plane (default cuda_ipc on a GPU, tcp on the CPU)")
     ap.add_argument("--out", default=None, help="append each row as a JSON line to this file")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -161,10 +163,12 @@ def main() -> None:
     batches = [int(x) for x in (args.batches or ("1,4" if quick else "1,16,64,256")).split(",")]
     contexts = [int(x) for x in (args.contexts or ("128" if quick else "512,2048,8192")).split(",")]
     steps = args.steps or (8 if quick else 32)
+    transport = args.transport or ("cuda_ipc" if device.type == "cuda" else "tcp")
     bandwidth = copy_bandwidth(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"device: {device} ({name}), copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
-    print(f"workload: batches {batches}, contexts {contexts}, {steps} decode steps timed, greedy, EOS ignored")
+    print(f"workload: batches {batches}, contexts {contexts}, {steps} decode steps timed, greedy, EOS ignored; "
+          f"the stack over {transport}")
     out_file = Path(args.out) if args.out else None
     report: dict[str, Any] = {"device": f"{device} ({name})", "engine_tok_s": {}, "transformers_tok_s": {},
                               "stack_tok_s": {"mb1": {}, "mb2": {}}, "step_vs_bound": {},
@@ -213,7 +217,7 @@ def main() -> None:
             for mb in (1, 2):
                 for workers in (1, 2):
                     try:
-                        run = run_stack(prompts, steps, "tcp", mb, False, 1, kv_bytes + (256 << 20),
+                        run = run_stack(prompts, steps, transport, mb, False, 1, kv_bytes + (256 << 20),
                                         "as_file" if dtype == "float32" and device.type == "cpu" else "float32",
                                         attention_workers=workers, model=point.checkpoint, device=str(device),
                                         dtype=dtype)

@@ -11,7 +11,8 @@ clear message naming the setting.
     layout: disaggregated       # disaggregated: attention workers of their own | colocated: each model
                                 # worker attends in its own process (its KV held there; no attention
                                 # worker processes, attention.workers = model_worker.workers); LAMINA_LAYOUT
-    transport: tcp              # tcp | ucx | shm (data plane)
+    transport: tcp              # tcp | ucx | shm | cuda_ipc (data plane; cuda_ipc: GPU tensors between
+                                # services on one host, docs/transports.md)
     partition: request          # request | head (how KV is spread over attention workers)
     cluster_token: null         # shared secret every gRPC call and data-plane connection between services
                                 # must present; null: lamina up generates one, a service started alone
@@ -70,7 +71,8 @@ clear message naming the setting.
                                 # (0: = workers): more may join the running stack up to it, and
                                 # leave (request partitioning); LAMINA_ATTENTION_MAX_WORKERS
     data_plane: {busy_poll_us: null, checksum_payloads: false, shm_ring_bytes: 16777216,
-                 ucx_progress_mode: blocking, ucx_tls: null, native_frames: true}   # see docs/transports.md
+                 cuda_ipc_ring_bytes: 67108864, ucx_progress_mode: blocking, ucx_tls: null,
+                 native_frames: true}   # see docs/transports.md
     # deadlines: every wait on a peer (docs/reliability.md)
     deadlines: {reply_s: 10, rpc_s: 30, step_s: 30, health_s: 2, recovery_s: 120, startup_s: 60,
                 kv_reclaim_s: 60}
@@ -90,7 +92,7 @@ import yaml
 
 from lamina.services.addresses import WILDCARD_HOSTS, advertised_host
 
-TRANSPORTS = ("tcp", "ucx", "shm")
+TRANSPORTS = ("tcp", "ucx", "shm", "cuda_ipc")
 PARTITIONS = ("request", "head")
 POLICIES = ("fcfs", "fpf", "relaxed_fpf")
 WEIGHT_CHOICES = ("float32", "q8_0", "q4", "as_file")  # lamina.model.packing.WEIGHT_CHOICES (tested equal)
@@ -243,6 +245,7 @@ class DataPlaneSection:
     busy_poll_us: float | None = None
     checksum_payloads: bool = False  # crc32 of payloads too (headers always are)
     shm_ring_bytes: int = 16 << 20  # per direction, shm transport
+    cuda_ipc_ring_bytes: int = 64 << 20  # per direction, device memory of the cuda_ipc transport
     ucx_progress_mode: str = "blocking"  # blocking | thread | polling | thread-polling
     ucx_tls: str | None = None  # UCX_TLS for the ucx transport (null: UCX decides)
     native_frames: bool = True  # native frame codec where built (false: the Python codec)
@@ -435,6 +438,7 @@ class StackConfig:
             busy_poll = default_budget_us(self.data_plane_processes)
         return TransportConfig(auth_token=self.cluster_token, busy_poll_us=busy_poll,
                                checksum_payloads=dp.checksum_payloads, shm_ring_bytes=dp.shm_ring_bytes,
+                               cuda_ipc_ring_bytes=dp.cuda_ipc_ring_bytes,
                                ucx_progress_mode=dp.ucx_progress_mode, ucx_tls=dp.ucx_tls,
                                native_frames=dp.native_frames)
 
@@ -474,8 +478,8 @@ class StackConfig:
 
     def data_address(self, service_id: str) -> str:
         """Where a service listens for data-plane frames (port 0: the system picks)."""
-        if self.transport == "shm":
-            return f"shm://{self.namespace}-{service_id}-{os.getpid()}"
+        if self.transport in ("shm", "cuda_ipc"):  # one host: named endpoints, no ports
+            return f"{self.transport}://{self.namespace}-{service_id}-{os.getpid()}"
         return f"{self.transport}://{self.host}:0"
 
     def to_dict(self) -> dict[str, Any]:

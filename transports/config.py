@@ -31,6 +31,9 @@ class TransportConfig:
     tcp_keepalive_s: int | None = 10
     # Shared memory: bytes of each direction's ring; frames larger than it are streamed.
     shm_ring_bytes: int = 16 << 20
+    # cuda_ipc: bytes of each direction's ring of device memory; a frame whose CUDA
+    # tensors do not fit it at once goes through host memory.
+    cuda_ipc_ring_bytes: int = 64 << 20
     # Receivers spin this long on the socket or ring before parking in the event loop
     # (0: never). Adaptive: spinning stops on a connection whose peer answers slower
     # than this, and resumes when it is quick again (transports/polling.py). None:
@@ -63,6 +66,8 @@ class TransportConfig:
             raise ValueError("socket_buffer_bytes must be at least 4096 or None")
         if self.shm_ring_bytes < 64 * 1024 or self.shm_ring_bytes % 4096:
             raise ValueError("shm_ring_bytes must be a multiple of 4096 and at least 64 KiB")
+        if self.cuda_ipc_ring_bytes < 1 << 20 or self.cuda_ipc_ring_bytes % 4096:
+            raise ValueError("cuda_ipc_ring_bytes must be a multiple of 4096 and at least 1 MiB")
         if self.busy_poll_us is not None and not 0 <= self.busy_poll_us <= 10_000:
             raise ValueError(f"busy_poll_us must be in 0..10000 or None, got {self.busy_poll_us!r}")
         if self.busy_processes < 1:

@@ -18,6 +18,7 @@ _IMPLEMENTATIONS: dict[str, str] = {
     "ucx": "lamina.transports.ucx:UcxTransport",
     "rdma": "lamina.transports.rdma_transport:RdmaTransport",
     "fhbn": "lamina.transports.fhbn:FhbnTransport",
+    "cuda_ipc": "lamina.transports.cuda_ipc:CudaIpcTransport",
 }
 
 

@@ -4,6 +4,7 @@
 # name cuda: the paged attention kernel against the native kernel and SDPA, the attention
 # core's steps on the GPU, the sampler on the GPU against the CPU, the engine and the
 # model and attention workers against transformers, micro-batches on their own streams,
+# cuda_ipc (GPU tensors in one process and to a child process, and the conformance suite),
 # the prefix cache's GPU tier) and
 # bench/gpu_decode.py on the models and shapes given. For a machine lent for minutes:
 # run it once with a time limit, then read OUT.
@@ -27,7 +28,7 @@ export PYTHONPATH=$site
 "$python" -P -m pytest -q -rs -k cuda --timeout 600 \
     tests/model/test_paged_decode.py tests/model/test_sampling_sampler.py tests/model/test_kv_attention.py \
     tests/model/test_engine_devices.py tests/services/test_attention_core.py tests/services/test_devices.py \
-    tests/services/test_rotation.py \
+    tests/services/test_rotation.py tests/transports/test_cuda_ipc.py tests/transports/test_conformance.py \
     tests/kvstore/test_kv_prefix_cache_cuda.py > "$out/tests.log" 2>&1
 echo "tests: exit $? ($(tail -1 "$out/tests.log"))"
 "$python" bench/gpu_decode.py --out "$out/rows.jsonl" "$@" > "$out/bench.log" 2>&1

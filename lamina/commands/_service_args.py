@@ -17,7 +17,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint directory, .gguf file or random:SHAPE (seeded random weights, docs/model.md)")
     p.add_argument("--redis-url", default=None, help="metadata store (default: REDIS_URL)")
-    p.add_argument("--transport", default=None, choices=("tcp", "ucx", "shm"), help="data-plane transport")
+    p.add_argument("--transport", default=None, choices=("tcp", "ucx", "shm", "cuda_ipc"),
+                   help="data-plane transport")
     p.add_argument("--partition", default=None, choices=("request", "head"), help="KV partitioning")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--insecure", action="store_true", default=None,

@@ -276,11 +276,11 @@ class AttentionCore:
         self._check(layer, seqs, q, (k, v))
         step = self._append(layer, seqs, k, v)
         # The new tokens as the pools now hold them (rounded to the KV's dtype, or packed),
-        # back on the CPU beside the held part.
+        # beside the held part on q's device (a frame's: the CPU).
         k, v = (pool[layer][step.new] for pool in (self.slabs.k_pools, self.slabs.v_pools))
         if self.packed is not None:
             k, v = self.packed.dequantize(k), self.packed.dequantize(v)
-        k, v = k.to("cpu", torch.float32), v.to("cpu", torch.float32)
+        k, v = k.to(q.device, torch.float32), v.to(q.device, torch.float32)
         q = q.float()
         lens = [n for _, n in seqs]
         if all(n == 1 for n in lens):
@@ -288,11 +288,14 @@ class AttentionCore:
             g = q.shape[1] // k.shape[1]
             new_out = v.repeat_interleave(g, dim=1)  # [T, Hq, D]
             new_lse = (q * k.repeat_interleave(g, dim=1)).sum(-1) * q.shape[-1] ** -0.5  # [T, Hq]
-        else:
-            k, v = k.contiguous(), v.contiguous()
+        else:  # the CPU kernel, on CPU copies where q is elsewhere
+            k, v = k.cpu().contiguous(), v.cpu().contiguous()
             starts = [0, *accumulate(lens)]
-            new_out, new_lse = buffer_attention(q.contiguous(), lens, [k[s : s + n] for s, n in zip(starts, lens)],
+            keys = [k[s : s + n] for s, n in zip(starts, lens)]
+            new_out, new_lse = buffer_attention(q.cpu().contiguous(), lens, keys,
                                                 [v[s : s + n] for s, n in zip(starts, lens)])
+            assert new_lse is not None  # buffer_attention's need_lse defaults to True
+            new_out, new_lse = new_out.to(q.device), new_lse.to(q.device)
         return combine_partials(held_out.float(), held_lse, new_out, new_lse)[0].to(held_out.dtype)
 
     # -- prompt KV from prefill -----------------------------------------------------------

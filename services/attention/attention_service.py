@@ -141,6 +141,11 @@ class AttentionService:
         tag = None
         try:
             tag = frame_tag(frame)
+            if self.core.native and any(isinstance(t, torch.Tensor) and t.is_cuda for t in frame.tensors):
+                # cuda_ipc hands over GPU tensors; the native kernels read CPU memory (the
+                # reply then goes back through host memory, as the sender's staging expects).
+                frame = transports.Frame(frame.kind, frame.header,
+                                         [t.cpu() if isinstance(t, torch.Tensor) else t for t in frame.tensors])
             if frame.kind == Kind.ATTEND:
                 msg = Attend.from_frame(frame)
                 out, _ = self.core.attend(msg.layer, msg.seqs, msg.query, msg.key, msg.value, need_lse=False)

@@ -132,10 +132,10 @@ class ModelSlices:
         staging = self.staging
 
         async def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # Frames carry host memory: off the CPU, Q, K, V are staged through pinned buffers
-            # on the micro-batch's stream and the output moved back on it (on the CPU both
-            # moves return the tensors themselves).
-            staged = await staging.to_host(micro_batch, (q, k, v))
+            # Frames carry host memory (cuda_ipc: device memory): off the CPU, Q, K, V are
+            # staged through pinned buffers on the micro-batch's stream and the output moved
+            # back on it (on the CPU both moves return the tensors themselves).
+            staged = await staging.for_frames(micro_batch, (q, k, v))
             out = await pool.attend(decode_tag(micro_batch, step, i), i, route, *staged)
             return staging.to_device(micro_batch, out)
 
@@ -168,6 +168,8 @@ class ModelService:
         mw = config.model_worker
         self.slices = ModelSlices.load(config.model, config.weights, compute_device("model_worker.device", mw.device),
                                        compute_dtype(mw.dtype))
+        # cuda_ipc carries device memory: Q, K, V leave from the GPU as they are.
+        self.slices.staging = Staging(self.slices.device, device_frames=config.transport == "cuda_ipc")
         self.runtime = ServiceRuntime("model", f"model-{index}", config)
         r = self.runtime.registry
         self.m_steps = prometheus_client.Counter("lamina_model_steps", "micro-batch decode steps run", registry=r)

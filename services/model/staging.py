@@ -1,13 +1,15 @@
 """Where a model worker's micro-batches compute on a GPU, and how their Q, K, V reach the
-host memory that frames carry.
+memory that frames carry: host memory, or over cuda_ipc the GPU itself.
 
 Each micro-batch gets a CUDA stream of its own: its slices, its inputs' and its attention
 outputs' copies are queued there, so one micro-batch's slice computes while another's
 Q, K, V travel to the attention workers and back. Q, K and V are copied into pinned host
 buffers on the micro-batch's stream (asynchronous copies; pageable memory would make each
 a synchronous one) and the event loop waits for that copy by polling its event between
-other tasks' turns, never blocking them as `tensor.cpu()` would. On the CPU every method
-hands the tensors back as they are.
+other tasks' turns, never blocking them as `tensor.cpu()` would. Over cuda_ipc
+(`device_frames`), which carries device memory, they are not copied at all: the stream
+that sends them (the thread's current one, which copies them into the connection's ring)
+waits for the micro-batch's. On the CPU every method hands the tensors back as they are.
 
 The pinned buffers of a micro-batch are reused from layer to layer: a layer's frames are
 sent and answered before the micro-batch stages its next layer, so nothing still reads
@@ -26,9 +28,10 @@ import torch
 class Staging:
     """One model worker's streams and pinned buffers, per micro-batch, on `device`."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, device_frames: bool = False) -> None:
         self.device = device
         self.on_gpu = device.type == "cuda"
+        self.device_frames = device_frames and self.on_gpu
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._pinned: dict[tuple[int, int], torch.Tensor] = {}  # (micro-batch, tensor index) -> bytes
 
@@ -45,11 +48,21 @@ class Staging:
         with torch.cuda.stream(stream):
             yield
 
-    async def to_host(self, micro_batch: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The tensors in pinned host memory, copied on the micro-batch's stream after what
-        it queued before; returns once the copies are done, letting other tasks run meanwhile."""
+    async def for_frames(self, micro_batch: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors as frames carry them. In pinned host memory, copied on the
+        micro-batch's stream after what it queued before (returns once the copies are done,
+        letting other tasks run meanwhile); over cuda_ipc as they are, the current stream
+        made to wait for the micro-batch's."""
         if not self.on_gpu:
             return [t.cpu() for t in tensors]
+        if self.device_frames:
+            current = torch.cuda.current_stream(self.device)
+            stream = self._streams.get(micro_batch)
+            if stream is not None:
+                current.wait_stream(stream)
+                for t in tensors:
+                    t.record_stream(current)  # the send's copy reads them there
+            return list(tensors)
         staged = []
         with self.stream(micro_batch):
             for i, t in enumerate(tensors):
@@ -66,8 +79,14 @@ class Staging:
         return staged
 
     def to_device(self, micro_batch: int, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor (a frame's) on the device, copied on the micro-batch's stream."""
+        """A frame's tensor on the device for the micro-batch's stream: a host one copied
+        there; a device one (cuda_ipc: complete when its frame is handed over) kept by the
+        allocator until that stream is done with it."""
         if not self.on_gpu:
+            return t
+        if t.is_cuda:
+            if micro_batch in self._streams:
+                t.record_stream(self._streams[micro_batch])
             return t
         with self.stream(micro_batch):
             return t.to(self.device, non_blocking=True)

@@ -1,6 +1,7 @@
 """A real peer process for the kill tests: ``sender ADDRESS`` connects and streams large
 frames until killed; ``server ADDRESS`` listens, prints its address, receives one frame
-and then never answers."""
+and then never answers; ``echo ADDRESS`` listens, prints its address and sends every
+frame back (its tensors as it received them: cuda_ipc's on its GPU)."""
 
 import asyncio
 import sys
@@ -31,6 +32,16 @@ async def server(address: str) -> None:
     await stop.wait()
 
 
+async def echo(address: str) -> None:
+    async def handler(conn) -> None:
+        while True:
+            await conn.send(await conn.recv())
+
+    listener = await transports.listen(address, handler)
+    print(listener.address, flush=True)
+    await asyncio.Event().wait()
+
+
 if __name__ == "__main__":
     mode, address = sys.argv[1], sys.argv[2]
-    asyncio.run(sender(address) if mode == "sender" else server(address))
+    asyncio.run({"sender": sender, "server": server, "echo": echo}[mode](address))

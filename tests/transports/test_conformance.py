@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from transport_helpers import address_for, open_fds, transport_tasks
+from transport_helpers import address_for, byte_stream, open_fds, transport_tasks
 
 from lamina import transports
 from lamina.transports import (
@@ -217,7 +217,7 @@ async def test_corrupted_frame_closes_only_that_connection(scheme, address):
         if scheme == "ucx":  # a small frame is one UCX message
             await bad._write([memoryview(bytes(corrupted) + bytes(views[0]))])
         else:
-            await bad._write([memoryview(corrupted), views[0]])
+            await byte_stream(bad)._write([memoryview(corrupted), views[0]])
         with pytest.raises(PeerClosed):  # the listener dropped this connection
             await bad.recv(timeout=10)
         await bad.close()
@@ -251,7 +251,7 @@ async def test_garbage_and_oversized_frames(scheme, address):
                 await conn.recv(timeout=10)
         if scheme != "ucx":  # a byte stream: bytes that are no frame at all
             async with await transports.connect(listener.address) as conn:
-                await conn._write([memoryview(b"GET / HTTP/1.1\r\n\r\n" + bytes(32))])
+                await byte_stream(conn)._write([memoryview(b"GET / HTTP/1.1\r\n\r\n" + bytes(32))])
                 with pytest.raises(PeerClosed):
                     await conn.recv(timeout=10)
         deadline = time.monotonic() + 5

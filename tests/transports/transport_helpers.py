@@ -6,17 +6,23 @@ import asyncio
 import os
 import uuid
 
-# rdma and fhbn run where their devices exist (skipped with the reason elsewhere).
-CONFORMANCE_SCHEMES = ["tcp", "shm", "ucx", "rdma", "fhbn"]
+# rdma, fhbn and cuda_ipc run where their devices exist (skipped with the reason elsewhere).
+CONFORMANCE_SCHEMES = ["tcp", "shm", "ucx", "rdma", "fhbn", "cuda_ipc"]
 
 
 def address_for(scheme: str) -> str:
-    if scheme == "shm":
-        return f"shm://test-{uuid.uuid4().hex[:12]}"
+    if scheme in ("shm", "cuda_ipc"):
+        return f"{scheme}://test-{uuid.uuid4().hex[:12]}"
     if scheme in ("rdma", "fhbn"):
         from pyverbs.device import get_device_list
         return f"{scheme}://{get_device_list()[0].name.decode()}/1/127.0.0.1:0"
     return f"{scheme}://127.0.0.1:0"
+
+
+def byte_stream(conn):
+    """The connection that carries `conn`'s bytes (cuda_ipc's runs over an shm one), for
+    the tests that write bytes that are no frame."""
+    return getattr(conn, "_inner", conn)
 
 
 def open_fds() -> int:

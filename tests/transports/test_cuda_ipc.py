@@ -1,0 +1,104 @@
+"""cuda_ipc:// (transports/cuda_ipc.py): CUDA tensors between processes through rings of
+device memory mapped once per connection. The conformance suite runs it like the other
+transports (frames of CPU tensors, errors, timeouts, peers killed); these tests send GPU
+tensors, in one process and to a real peer process. They need a CUDA device and skip,
+saying so, elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transport_helpers import address_for
+
+from lamina import transports
+from lamina.transports import Frame, TransportConfig
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(
+    transports.availability("cuda_ipc") is not None, reason=f"cuda_ipc: {transports.availability('cuda_ipc')}")]
+
+CHILD = os.path.join(os.path.dirname(__file__), "peer_child.py")
+
+
+async def echo(conn) -> None:
+    while True:
+        await conn.send(await conn.recv())
+
+
+def _mixed(seed: int) -> list:
+    """GPU tensors of several dtypes and shapes (one empty, one 0-dim), a CPU tensor and bytes."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(64, 9, 128, device="cuda", generator=gen).bfloat16(),
+            torch.randn(3, 5, device="cuda", generator=gen),
+            torch.randint(0, 1000, (17,), device="cuda", generator=gen),
+            torch.empty(0, 4, device="cuda"), torch.tensor(2.5, device="cuda"),
+            torch.arange(6.0), b"raw bytes"]
+
+
+def _same(got: list, sent: list) -> None:
+    assert len(got) == len(sent)
+    for g, s in zip(got, sent):
+        if isinstance(s, torch.Tensor):
+            assert g.device.type == s.device.type and g.dtype == s.dtype and g.shape == s.shape
+            assert torch.equal(g.cpu(), s.cpu())
+        else:
+            assert bytes(g) == s
+
+
+async def test_gpu_tensors_arrive_on_the_gpu_in_one_process():
+    listener = await transports.listen(address_for("cuda_ipc"), echo)
+    conn = await transports.connect(listener.address)
+    async with listener, conn:
+        for i in range(5):
+            sent = _mixed(i)
+            await conn.send(Frame(3, {"i": i}, sent))
+            got = await conn.recv()
+            assert got.kind == 3 and got.header == {"i": i}
+            _same(got.tensors, sent)
+
+
+async def test_the_ring_wraps_and_a_frame_larger_than_it_goes_through_host_memory():
+    config = TransportConfig(cuda_ipc_ring_bytes=1 << 20)
+    listener = await transports.listen(address_for("cuda_ipc"), echo, config)
+    conn = await transports.connect(listener.address, config)
+    async with listener, conn:
+        # 300 KB a frame, 200 frames in flight four at a time: the 1 MiB ring wraps many times.
+        for start in range(0, 200, 4):
+            batch = [torch.full((75_000,), float(start + j), device="cuda") for j in range(4)]
+            for j, t in enumerate(batch):
+                await conn.send(Frame(1, {"n": start + j}, [t]))
+            for j, t in enumerate(batch):
+                got = await conn.recv()
+                assert got.header == {"n": start + j} and torch.equal(got.tensors[0], t)
+        big = torch.randn(1 << 19, device="cuda")  # 2 MiB: twice the ring
+        await conn.send(Frame(2, {}, [big]))
+        got = await conn.recv()
+        assert got.tensors[0].is_cuda and torch.equal(got.tensors[0], big)
+
+
+def _echo_child() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-P", CHILD, "echo", address_for("cuda_ipc")], stdout=subprocess.PIPE,
+                            text=True)
+
+
+async def test_gpu_tensors_to_a_peer_process_and_back():
+    """The child maps this process's ring by its IPC handle and sends back from its own:
+    both directions cross processes."""
+    child = _echo_child()
+    try:
+        address = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)
+        conn = await transports.connect(address.strip())
+        async with conn:
+            for i in range(20):
+                sent = _mixed(100 + i)
+                await conn.send(Frame(1, {"i": i}, sent))
+                got = await conn.recv(timeout=30)
+                assert got.header == {"i": i}
+                _same(got.tensors, sent)
+    finally:
+        child.kill()
+        child.wait()

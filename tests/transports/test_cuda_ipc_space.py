@@ -1,0 +1,59 @@
+"""The sending end's account of its cuda_ipc ring (transports/cuda_ipc.py `_Space`): where
+each frame's tensors go, when a frame waits for the receiver to free space, and that a
+connection's end wakes a waiting sender with an error. Pure bookkeeping: no GPU needed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lamina.transports import PeerClosed
+from lamina.transports.cuda_ipc import _ALIGN, _Space
+
+
+async def test_tensors_are_placed_aligned_one_after_another_and_a_run_never_wraps():
+    space = _Space(4096)
+    assert await space.take([10, 300]) == [0, _ALIGN]  # 10 bytes take one aligned unit
+    assert space.head == 3 * _ALIGN
+    space.free(space.head)  # the receiver copied them out
+    # 3,500 bytes from offset 768 would cross the end: the run starts over at 0, the
+    # skipped end free at once (everything before it was freed).
+    assert await asyncio.wait_for(space.take([3500]), 1) == [0]
+    assert space.head == 4096 + 14 * _ALIGN
+
+
+async def test_a_run_that_would_wrap_waits_for_the_frames_before_the_skipped_end():
+    space = _Space(4096)
+    await space.take([1024])  # outstanding
+    await space.take([1024])
+    waiting = asyncio.ensure_future(space.take([3000]))  # from 2,048 it would cross the end
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    space.free(1024)
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # the second frame still holds [1024, 2048)
+    space.free(2048)
+    assert await asyncio.wait_for(waiting, 1) == [0]
+
+
+async def test_a_frame_waits_until_the_receiver_frees_enough():
+    space = _Space(4096)
+    await space.take([4096])
+    waiting = asyncio.ensure_future(space.take([1024]))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # the ring is full
+    space.free(1024)  # only the first kilobyte back: enough
+    assert await asyncio.wait_for(waiting, 1) == [0]
+    space.free(512)  # an older count changes nothing
+    assert space.freed == 1024
+
+
+async def test_a_sender_waiting_for_space_raises_when_the_connection_ends():
+    space = _Space(4096)
+    await space.take([4096])
+    waiting = asyncio.ensure_future(space.take([1]))
+    await asyncio.sleep(0.01)
+    space.fail(PeerClosed("connection to x ended"))
+    with pytest.raises(PeerClosed, match="ended"):
+        await asyncio.wait_for(waiting, 1)
