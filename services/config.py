@@ -53,12 +53,13 @@ clear message naming the setting.
                                 # transfer beats recomputing it) | always | off (docs/kvstore.md);
                                 # prefetch: waiting prompts' prefixes move up to the device tier
                                 # while a forward computes (LAMINA_PREFILL_PREFETCH)
-    model_worker: {threads: 1, workers: 1, device: cpu, dtype: float32}
+    model_worker: {threads: 1, workers: 1, device: cpu, dtype: float32, cuda_graphs: true}
                                 # threads: the packed products' (torch's ops run on one);
                                 # LAMINA_MODEL_THREADS; device: cpu | cuda | cuda:N, where the slices
                                 # and sampling compute (LAMINA_MODEL_DEVICE); dtype: float32 |
                                 # bfloat16 | float16 of weights and activations (other than float32
-                                # needs weights: float32 on the CPU; LAMINA_MODEL_DTYPE)
+                                # needs weights: float32 on the CPU; LAMINA_MODEL_DTYPE); cuda_graphs:
+                                # decode slices replayed as CUDA graphs on a GPU (LAMINA_MODEL_CUDA_GRAPHS)
     pipeline: {micro_batches: 2, min_micro_batch: 16, q_early: false,
                mode: fixed}     # fixed: micro-batches per model worker (colocated: 1); rotational: M + 1 over M workers
     attention: {workers: 2, max_workers: 0, threads: 1, kv_capacity_bytes: 1073741824,
@@ -147,6 +148,9 @@ class ModelWorkerSection:
     # linears are plain float32 or cast to `dtype`.
     device: str = "cpu"
     dtype: str = "float32"
+    # On a GPU, each decode slice captured as a CUDA graph per batch-size bucket and
+    # replayed (services/model/slice_graphs.py); false: every slice runs eagerly.
+    cuda_graphs: bool = True
 
 
 @dataclass(frozen=True)
@@ -523,6 +527,7 @@ ENV_OVERRIDES = {
     "LAMINA_PREFILL_DEVICE": "prefill.device",
     "LAMINA_MODEL_DEVICE": "model_worker.device",
     "LAMINA_MODEL_DTYPE": "model_worker.dtype",
+    "LAMINA_MODEL_CUDA_GRAPHS": "model_worker.cuda_graphs",
     "LAMINA_ATTENTION_DEVICE": "attention.device",
     "LAMINA_ATTENTION_DTYPE": "attention.dtype",
     "LAMINA_PEER_FETCH": "prefill.peer_fetch",

@@ -4,6 +4,7 @@
 # name cuda: the paged attention kernel against the native kernel and SDPA, the attention
 # core's steps on the GPU, the sampler on the GPU against the CPU, the engine and the
 # model and attention workers against transformers, micro-batches on their own streams,
+# decode slices replayed as CUDA graphs,
 # cuda_ipc (GPU tensors in one process and to a child process, and the conformance suite),
 # the prefix cache's GPU tier) and
 # bench/gpu_decode.py on the models and shapes given. For a machine lent for minutes:

@@ -51,6 +51,7 @@ from lamina.services.attention_pool import AttentionPool, SeqRows
 from lamina.services.config import PortsSection, StackConfig
 from lamina.services.devices import compute_device, compute_dtype
 from lamina.services.model.decode_runner import DecodeRunner
+from lamina.services.model.slice_graphs import SliceGraphs
 from lamina.services.model.slice_peers import SliceExecutors
 from lamina.services.model.slice_server import SliceServer
 from lamina.services.model.staging import Staging
@@ -77,6 +78,7 @@ class ModelSlices:
         self.compute_s = 0.0  # CPU time in the slices, every micro-batch together
         self.device = torch.device("cpu")  # where the slices compute (load() moves them)
         self.staging = Staging(self.device)  # each micro-batch's stream and pinned buffers there
+        self.graphs: SliceGraphs | None = None  # the decode slices as CUDA graphs (a GPU's)
 
     @classmethod
     def load(cls, model_path: str | None, weights: str = "float32", device: str | torch.device = "cpu",
@@ -94,14 +96,19 @@ class ModelSlices:
         return slices
 
     def run_slice(self, j: int, inputs: dict, attn: torch.Tensor | None = None,
-                  context: Sequence[torch.Tensor] = ()) -> SliceOutput:
-        """Slice j here. Grad mode is set per call, never held across an await
-        (micro-batches interleave at the awaits)."""
+                  context: Sequence[torch.Tensor] = (), micro_batch: int | None = None) -> SliceOutput:
+        """Slice j here: a micro-batch's decode slice replayed as a CUDA graph where one
+        serves it (`graphs`), else eagerly. Grad mode is set per call, never held across
+        an await (micro-batches interleave at the awaits)."""
         # CPU time of this thread, not wall time: on a shared host the figure stays the
         # work done, whoever else takes the core meanwhile.
         t0 = time.thread_time()
-        with torch.inference_mode():
-            out = self.split.slices[j](inputs, attn, context)
+        out = None
+        if self.graphs is not None and micro_batch is not None:
+            out = self.graphs.run(micro_batch, j, inputs, attn, context)
+        if out is None:
+            with torch.inference_mode():
+                out = self.split.slices[j](inputs, attn, context)
         self.compute_s += time.thread_time() - t0
         return out
 
@@ -143,7 +150,7 @@ class ModelSlices:
                             context: Sequence[torch.Tensor]) -> SliceOutput:
             if executors is None:
                 with staging.stream(micro_batch):  # no await inside: the stream is the thread's
-                    return self.run_slice(j, inputs, attn, context)
+                    return self.run_slice(j, inputs, attn, context, micro_batch)
             return await executors.run(slice_tag(micro_batch, step, j), j, inputs, attn, context)
 
         with staging.stream(micro_batch):
@@ -170,6 +177,8 @@ class ModelService:
                                        compute_dtype(mw.dtype))
         # cuda_ipc carries device memory: Q, K, V leave from the GPU as they are.
         self.slices.staging = Staging(self.slices.device, device_frames=config.transport == "cuda_ipc")
+        if self.slices.device.type == "cuda" and mw.cuda_graphs:
+            self.slices.graphs = SliceGraphs(self.slices.split, self.slices.device)
         self.runtime = ServiceRuntime("model", f"model-{index}", config)
         r = self.runtime.registry
         self.m_steps = prometheus_client.Counter("lamina_model_steps", "micro-batch decode steps run", registry=r)

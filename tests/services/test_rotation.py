@@ -185,3 +185,26 @@ async def test_micro_batches_on_their_own_cuda_streams_give_the_logits_of_one_al
     for out in outs:
         torch.testing.assert_close(out, alone, atol=1e-5, rtol=1e-5)
     assert len(on_gpu.staging._streams) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)")
+async def test_decode_slices_replayed_as_cuda_graphs_give_the_eager_logits():
+    """A decode step of 3 sequences replays each slice's graph of bucket 4 (captured at the
+    first step): the same logits as the slices run eagerly, step after step, for two
+    micro-batches at once; a step with a prompt's rows runs eagerly."""
+    from lamina.services.model.slice_graphs import SliceGraphs
+
+    on_gpu = ModelSlices.load("random:smollm2-135m", "float32", "cuda", torch.float32)
+    batch, rows = _batch()
+    pool = DensePool()
+    eager = await on_gpu.forward(0, 1, batch, rows, pool)
+    on_gpu.graphs = SliceGraphs(on_gpu.split, on_gpu.device)
+    for _ in range(3):
+        outs = await asyncio.gather(*(on_gpu.forward(mb, 1, batch, rows, pool) for mb in range(2)))
+        for out in outs:
+            torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+    slices = len(on_gpu.split.slices)
+    assert on_gpu.graphs.captures == 2 * slices and on_gpu.graphs.replays == 3 * 2 * slices
+    prompt = StepBatch.build(["p"], [[5, 6, 7]], [0])
+    await on_gpu.forward(0, 1, prompt, [SeqRows("p", 3, (0,))], pool)
+    assert on_gpu.graphs.replays == 3 * 2 * slices  # not a decode step: eagerly

@@ -1,0 +1,118 @@
+"""A model worker's decode slices on a GPU, captured as CUDA graphs and replayed.
+
+A decode step of B sequences (one new token each) runs each slice of the split model
+(lamina.model.splitter) between two attentions; on a GPU each slice is a few dozen
+kernel launches, which at small batches cost more CPU time than the GPU spends on them.
+Each (micro-batch, slice, bucket) is captured once, the first time a step needs it, for
+the smallest bucket of BUCKETS that holds B rows; a step copies its inputs into the
+graph's input tensors (the first B rows; the rest keep what they held, rows no step
+reads), replays it, and takes the first B rows of its outputs. Every graph has tensors
+of its own: a micro-batch's outputs stay untouched while another micro-batch replays
+the same slice, and a slice's outputs live until the same micro-batch replays that
+slice again, a step later, after its tokens were sampled. A step that is not a decode
+step (several new tokens a sequence) or larger than the largest bucket runs eagerly,
+as does a slice whose capture failed (logged once).
+
+Graphs are replayed on the thread's current stream: the micro-batch's
+(services/model/staging.py). All graphs share one memory pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lamina.model.splitter import SliceOutput, SplitModel
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def bucket_for(rows: int) -> int | None:
+    """The smallest bucket that holds `rows` rows (None: more than the largest)."""
+    return next((b for b in BUCKETS if b >= rows), None)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]  # the step's inputs, [bucket] each
+    attn: torch.Tensor | None  # the attention output the slice takes, [bucket, ...]
+    context: list[torch.Tensor]  # the previous slice's context, [bucket, ...] each
+    out: SliceOutput  # the slice's outputs, [bucket, ...] each
+
+
+class SliceGraphs:
+    """The captured decode slices of one model worker on `device`."""
+
+    def __init__(self, split: SplitModel, device: torch.device) -> None:
+        self.split = split
+        self.device = device
+        self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._failed: set[tuple[int, int]] = set()  # (slice, bucket) whose capture failed
+        self._pool = torch.cuda.graph_pool_handle()
+        self.replays = 0  # slices replayed (a metric and the tests' witness)
+        self.captures = 0
+
+    def run(self, micro_batch: int, j: int, inputs: dict[str, Any], attn: torch.Tensor | None,
+            context: Sequence[torch.Tensor]) -> SliceOutput | None:
+        """Slice j of a decode step by its graph (None: the caller runs it eagerly)."""
+        ids = inputs["input_ids"]
+        rows = ids.shape[0]
+        bucket = bucket_for(rows)
+        if bucket is None or inputs["logits_index"].shape[0] != rows or (j, bucket) in self._failed:
+            return None  # not a decode step (a prompt's rows), or too large
+        key = (micro_batch, j, bucket)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._capture(j, bucket, inputs, attn, context)
+            if g is None:
+                return None
+            self._graphs[key] = g
+        for name, t in inputs.items():
+            g.inputs[name][:rows].copy_(t, non_blocking=True)
+        if g.attn is not None and attn is not None:
+            g.attn[:rows].copy_(attn, non_blocking=True)
+        for static, t in zip(g.context, context):
+            static[:rows].copy_(t, non_blocking=True)
+        g.graph.replay()
+        self.replays += 1
+        out = g.out
+        return SliceOutput(None if out.qkv is None else tuple(t[:rows] for t in out.qkv),  # type: ignore[arg-type]
+                           [c[:rows] for c in out.context],
+                           out.output[:rows] if isinstance(out.output, torch.Tensor) else out.output)
+
+    def _capture(self, j: int, bucket: int, inputs: dict[str, Any], attn: torch.Tensor | None,
+                 context: Sequence[torch.Tensor]) -> _Graph | None:
+        """Slice j captured for `bucket` rows, its tensors shaped and typed as this step's."""
+        def static(t: torch.Tensor) -> torch.Tensor:
+            return torch.zeros((bucket, *t.shape[1:]), dtype=t.dtype, device=self.device)
+
+        g_inputs = {name: static(t) for name, t in inputs.items()}
+        # Every row of a bucket is a sequence's last token: its logits row is itself.
+        g_inputs["logits_index"].copy_(torch.arange(bucket, device=self.device))
+        g_attn = None if attn is None else static(attn)
+        g_context = [static(t) for t in context]
+        slice_j = self.split.slices[j]
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side), torch.inference_mode():
+                for _ in range(2):  # warm up (lazy initialisation must not be captured)
+                    slice_j(g_inputs, g_attn, g_context)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+                out = slice_j(g_inputs, g_attn, g_context)
+        except RuntimeError as exc:
+            self._failed.add((j, bucket))
+            log.warning("slice %d at batch %d cannot be captured as a CUDA graph (it runs eagerly): %s", j, bucket,
+                        exc)
+            return None
+        self.captures += 1
+        return _Graph(graph, g_inputs, g_attn, g_context, out)
