@@ -6,7 +6,8 @@
 # model and attention workers against transformers, micro-batches on their own streams,
 # decode slices replayed as CUDA graphs,
 # cuda_ipc (GPU tensors in one process and to a child process, and the conformance suite),
-# the prefix cache's GPU tier) and
+# the prefix cache's GPU tier, the stack on the GPU against transformers and a killed
+# attention worker there) and
 # bench/gpu_decode.py on the models and shapes given. For a machine lent for minutes:
 # run it once with a time limit, then read OUT.
 #
@@ -30,7 +31,7 @@ export PYTHONPATH=$site
     tests/model/test_paged_decode.py tests/model/test_sampling_sampler.py tests/model/test_kv_attention.py \
     tests/model/test_engine_devices.py tests/services/test_attention_core.py tests/services/test_devices.py \
     tests/services/test_rotation.py tests/transports/test_cuda_ipc.py tests/transports/test_conformance.py \
-    tests/kvstore/test_kv_prefix_cache_cuda.py > "$out/tests.log" 2>&1
+    tests/kvstore/test_kv_prefix_cache_cuda.py tests/e2e/test_stack_cuda.py > "$out/tests.log" 2>&1
 echo "tests: exit $? ($(tail -1 "$out/tests.log"))"
 "$python" bench/gpu_decode.py --out "$out/rows.jsonl" "$@" > "$out/bench.log" 2>&1
 echo "bench: exit $?"

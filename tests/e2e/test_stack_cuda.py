@@ -1,0 +1,101 @@
+"""The disaggregated decode on a GPU: prefill, model and attention workers on CUDA, a
+random model of SmolLM2's shape (no GGUF file needs to reach a GPU machine), greedy
+output through the OpenAI API equal to transformers' token for token in float32, over
+cuda_ipc and tcp, with 1 and 2 micro-batches, Q-early on and off, request and head
+partitioning; and an attention worker killed mid-decode on the GPU, rebuilt as on the
+CPU. Runs only where CUDA is present (skipped, saying so, elsewhere)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from e2e_helpers import complete, free_port, metric_total
+from fault_helpers import MAX_TOKENS, PROMPTS, stream_all
+from fault_helpers import pid as service_pid
+
+from lamina.services.config import (
+    AttentionSection,
+    GatewaySection,
+    ModelWorkerSection,
+    PipelineSection,
+    PrefillSection,
+    StackConfig,
+)
+from lamina.services.launch.launcher import Stack
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)"),
+              pytest.mark.timeout(900)]
+
+MODEL = "random:smollm2-135m"
+NEW_TOKENS = 16
+# (transport, partitioning, attention workers, micro-batches, Q-early): every transport with
+# both partitionings, both micro-batch counts and Q-early on and off.
+ROWS = [("cuda_ipc", "request", 2, 2, False), ("cuda_ipc", "head", 2, 1, True),
+        ("tcp", "request", 1, 2, True), ("tcp", "head", 2, 1, False)]
+
+
+@pytest.fixture(scope="module")
+def model_refs():
+    """The random model's tokenizer and transformers' float32 greedy continuations (on the
+    GPU) of PROMPTS as completions and as chats, from the same weights directory."""
+    from transformers import AutoModelForCausalLM
+
+    from lamina.model.loader import load_model
+
+    loaded = load_model(MODEL, packed=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(loaded.weights_dir), dtype=torch.float32).cuda().eval()
+    tok = loaded.tokenizer
+
+    def greedy(ids: list[int], n: int) -> list[int]:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=n, do_sample=False,
+                              attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"))
+        return out[0, len(ids):].tolist()
+
+    prompts = [tok.encode(p) for p in PROMPTS[:4]]
+    completions = {tuple(p): greedy(p, NEW_TOKENS) for p in prompts}
+    chats = [tok.decode(greedy(tok.encode_chat([{"role": "user", "content": p}]), MAX_TOKENS)) for p in PROMPTS]
+    return prompts, completions, chats
+
+
+def _stack(transport: str, partition: str, workers: int, micro_batches: int, q_early: bool) -> Stack:
+    config = StackConfig(model=MODEL, transport=transport, partition=partition, weights="float32",
+                         gateway=GatewaySection(port=free_port()),
+                         attention=AttentionSection(workers=workers, kv_capacity_bytes=256 << 20, device="cuda"),
+                         model_worker=ModelWorkerSection(device="cuda"), prefill=PrefillSection(device="cuda"),
+                         pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1))
+    stack = Stack(config)
+    stack.start(timeout_s=300)
+    return stack
+
+
+@pytest.mark.parametrize("row", ROWS, ids=["-".join(str(v) for v in r) for r in ROWS])
+def test_greedy_through_the_stack_on_cuda_equals_transformers(row, model_refs):
+    prompts, completions, _ = model_refs
+    stack = _stack(*row)
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:  # at once: both micro-batches hold sequences
+            outs = list(pool.map(lambda p: complete(stack, p, NEW_TOKENS, return_token_ids=True), prompts))
+        for prompt, out in zip(prompts, outs):
+            assert out["choices"][0]["token_ids"] == completions[tuple(prompt)]
+    finally:
+        stack.stop()
+
+
+def test_a_killed_attention_worker_on_cuda_is_rebuilt(model_refs):
+    """Eight greedy chat streams over cuda_ipc; attention-0 killed once every stream has three
+    chunks: each stream ends with transformers' text, and the scheduler counted a rebuild."""
+    _, _, chats = model_refs
+    stack = _stack("cuda_ipc", "request", 2, 2, False)
+    try:
+        victim = service_pid(stack, "attention-0")
+        texts = asyncio.run(stream_all(stack.base_url, lambda: os.kill(victim, signal.SIGKILL), 3))
+        assert texts == chats
+        assert metric_total(stack, "scheduler", "scheduler-0", "lamina_scheduler_rebuilds_total") >= 1
+    finally:
+        stack.stop()
