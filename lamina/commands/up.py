@@ -132,6 +132,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.ray is None and not devices_here(config, ("prefill", "model_worker", "attention")):
         return 2  # before anything starts (under Ray each service checks on its own node)
+    if args.ray is None:  # every layout's prefill workers send KV over it
+        from lamina.transports.registry import availability
+
+        missing = availability(config.transport)
+        if missing is not None:
+            print(f"lamina up: transport {config.transport} cannot run here: {missing}", file=sys.stderr)
+            return 2
     if config.ports.grpc or config.ports.metrics:  # every service of this stack shares the host
         print("lamina up: ports.grpc and ports.metrics must be 0 (one service per host only; "
               "LAMINA_GRPC_PORT / LAMINA_METRICS_PORT set?)", file=sys.stderr)

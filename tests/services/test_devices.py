@@ -69,6 +69,13 @@ def test_cuda_where_torch_finds_none_stops_each_service_and_lamina_up_before_any
     refused(["attention", "--index", "0"], "attention.device")
     monkeypatch.setenv("LAMINA_LAYOUT", "colocated")  # a colocated model worker attends: its attention device too
     refused(["model", "--index", "0"], "attention.device")
+    monkeypatch.delenv("LAMINA_LAYOUT")
+    monkeypatch.delenv("LAMINA_MODEL_DEVICE")
+    monkeypatch.delenv("LAMINA_ATTENTION_DEVICE")
+    # cuda_ipc: lamina up stops before it starts anything, in one line naming the transport.
+    assert main(["up", "--transport", "cuda_ipc", "--layout", "disaggregated"]) == 2
+    err = capsys.readouterr().err
+    assert err == "lamina up: transport cuda_ipc cannot run here: needs a CUDA device (torch finds none here)\n"
 
 
 # On a GPU the model is a random one of SmolLM2's shape: its weights need no GGUF file
