@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+
+_NO_STREAM = contextlib.nullcontext()
 
 
 class Staging:
@@ -35,18 +38,16 @@ class Staging:
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._pinned: dict[tuple[int, int], torch.Tensor] = {}  # (micro-batch, tensor index) -> bytes
 
-    @contextlib.contextmanager
-    def stream(self, micro_batch: int) -> Iterator[None]:
-        """Queues what runs inside on the micro-batch's stream (nothing inside may await:
-        the current stream is the thread's)."""
+    def stream(self, micro_batch: int) -> contextlib.AbstractContextManager[Any]:
+        """A context that queues what runs inside on the micro-batch's stream (nothing inside
+        may await: the current stream is the thread's). On the CPU one shared no-op context,
+        so the CPU's per-slice path pays nothing for it."""
         if not self.on_gpu:
-            yield
-            return
+            return _NO_STREAM
         stream = self._streams.get(micro_batch)
         if stream is None:
             stream = self._streams[micro_batch] = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(stream):
-            yield
+        return torch.cuda.stream(stream)
 
     async def for_frames(self, micro_batch: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors as frames carry them. In pinned host memory, copied on the
