@@ -99,7 +99,9 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int, device: str
                         dtype_name: str = "float32") -> dict:
     """ms per layer of one decode step over `batch` sequences of `context` tokens: the
     attention worker's core and the local engine's attention, on `device` in that dtype
-    (the native kernels on cpu/float32, torch's operators elsewhere)."""
+    (the native kernels on cpu/float32; on a GPU the Triton kernels of
+    lamina.model.paged_decode, over the slab and over the engine's buffers; torch's
+    operators elsewhere)."""
     import torch
 
     from lamina.engine.kv import KVStore
