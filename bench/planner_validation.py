@@ -357,8 +357,50 @@ def out_of_sample(prof1: dict, predictions_path: Path | None, family: str | None
             "profiles": profiles}
 
 
+def gpu_validation(rows_path: Path, profile_path: Path, steps: int) -> list[dict]:
+    """The planner's prediction of each engine point bench/gpu_decode.py measured (its
+    --out rows), on the device profile `lamina profile --device D` wrote, against the
+    measured tokens/s: the engine colocated on `this-machine`, weights and KV in the
+    row's dtype, at the steps' mean context. Prints the table and the errors' median and
+    largest; returns the rows."""
+    from lamina.model.random_models import SHAPES
+    from lamina.planner.perf.quantization import FP16
+    from lamina.planner.shapes import ModelShape
+
+    prof = json.loads(profile_path.read_text())
+    catalogue = catalogue_of(prof)
+    print(f"device profile {profile_path}: {prof['device']['description']}; rows {rows_path}")
+    print(f"{'point':<34} {'measured tok/s':>15} {'predicted tok/s':>16} {'rel error':>10}  bottleneck")
+    out = []
+    for line in rows_path.read_text().splitlines():
+        row = json.loads(line)
+        if "engine_tok_s" not in row:
+            continue  # a skipped point
+        model, dtype, batch, context = row["point"].split("/")
+        batch_n, context_n = int(batch[1:]), int(context[1:])
+        shape = BUILTIN["smollm2-135m"] if model == "smollm2" else ModelShape.of(SHAPES[model], model)
+        precision = FP32 if dtype == "float32" else FP16
+        step = decode_step(shape, Layout(THIS_MACHINE, 1, weights=precision, kv=precision), catalogue, batch_n,
+                           context_n + 1 + steps / 2)
+        predicted, measured = batch_n / step.step_s, row["engine_tok_s"]
+        err = (predicted - measured) / measured
+        out.append({"point": row["point"], "measured_tok_s": measured, "predicted_tok_s": predicted,
+                    "rel_error": err, "bottleneck": step.bottleneck})
+        print(f"{row['point']:<34} {measured:>15.1f} {predicted:>16.1f} {err:>+10.1%}  {step.bottleneck}")
+    if out:
+        errors = [abs(r["rel_error"]) for r in out]
+        print(f"{len(out)} points: median error {statistics.median(errors):.1%}, largest {max(errors):.1%}")
+    print(json.dumps({"gpu": out}))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpu", type=Path, default=None, metavar="ROWS",
+                    help="compare the planner with bench/gpu_decode.py's rows (its --out file) on the device profile "
+                         "--profile names (lamina profile --device D), then stop")
+    ap.add_argument("--profile", type=Path, default=None, help="--gpu: the device profile")
+    ap.add_argument("--gpu-steps", type=int, default=32, help="--gpu: the decode steps gpu_decode timed (default 32)")
     ap.add_argument("--quick", action="store_true", help="fewer steps per case (within 10 minutes)")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per case (default 12, 5 with --quick)")
     ap.add_argument("--stack", action="store_true",
@@ -380,6 +422,11 @@ def main() -> None:
                     help="--out-of-sample: predict every case from the first profile (and one with 2 threads) "
                          "before measuring any, instead of each family from a profile measured just before it")
     args = ap.parse_args()
+    if args.gpu is not None:
+        if args.profile is None:
+            ap.error("--gpu needs --profile (lamina profile --device D writes it)")
+        gpu_validation(args.gpu, args.profile, args.gpu_steps)
+        return
     steps = args.steps or (5 if args.quick else 12)
 
     import torch

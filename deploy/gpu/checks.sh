@@ -8,7 +8,8 @@
 # cuda_ipc (GPU tensors in one process and to a child process, and the conformance suite),
 # the prefix cache's GPU tier, the stack on the GPU against transformers and a killed
 # attention worker there) and
-# bench/gpu_decode.py on the models and shapes given. For a machine lent for minutes:
+# bench/gpu_decode.py on the models and shapes given, then `lamina profile --device cuda`
+# and the planner's predictions of the benchmark's points from it. For a machine lent for minutes:
 # run it once with a time limit, then read OUT.
 #
 #   deploy/gpu/checks.sh OUT [WHEELS] [-- BENCH ARGS...]
@@ -36,3 +37,9 @@ echo "tests: exit $? ($(tail -1 "$out/tests.log"))"
 "$python" bench/gpu_decode.py --out "$out/rows.jsonl" "$@" > "$out/bench.log" 2>&1
 echo "bench: exit $?"
 tail -5 "$out/bench.log"
+# The device's profile, then the planner's predictions of the benchmark's engine points from it.
+"$python" -m lamina.cli profile --device cuda --quick --out "$out/profile-cuda.json" > "$out/profile.log" 2>&1
+echo "profile: exit $? ($(tail -1 "$out/profile.log"))"
+"$python" bench/planner_validation.py --gpu "$out/rows.jsonl" --profile "$out/profile-cuda.json" \
+    > "$out/planner.log" 2>&1
+echo "planner: exit $? ($(tail -2 "$out/planner.log" | head -1))"

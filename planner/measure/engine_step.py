@@ -29,14 +29,16 @@ def decode_step_cpu(loaded: LoadedModel, batch: int, prompt_len: int, steps: int
 
 
 def decode_step_wall(loaded: LoadedModel, batch: int, prompt_len: int, steps: int, seed: int,
-                     pick: Pick = min) -> float:
+                     pick: Pick = min, device: str = "cpu", dtype: str = "float32") -> float:
     """The same step's wall seconds: with more than one thread its CPU time counts each
-    thread's."""
-    return decode_step_timed(loaded, batch, prompt_len, steps, seed, time.perf_counter, pick)
+    thread's, and on another device (an engine there: `device`, `dtype`) the device works
+    while the CPU waits (a step ends when its tokens reach the host)."""
+    return decode_step_timed(loaded, batch, prompt_len, steps, seed, time.perf_counter, pick, device, dtype)
 
 
 def decode_step_timed(loaded: LoadedModel, batch: int, prompt_len: int, steps: int, seed: int,
-                      clock: Callable[[], float], pick: Pick = min) -> float:
+                      clock: Callable[[], float], pick: Pick = min, device: str = "cpu",
+                      dtype: str = "float32") -> float:
     """`pick` of the `clock` seconds of `steps` pure-decode steps: every prompt is prefilled
     in one step first (the step's limits and the KV sized for it), then the steps are timed."""
     from lamina.engine import Engine, SamplingParams
@@ -44,8 +46,9 @@ def decode_step_timed(loaded: LoadedModel, batch: int, prompt_len: int, steps: i
     from lamina.engine.scheduler import SchedulerLimits
 
     kv_bytes = 2 * batch * (prompt_len + steps + 2) * loaded.config.kv_bytes_per_token()
-    engine = Engine(loaded, EngineConfig(kv_capacity_bytes=max(2 << 30, kv_bytes), limits=SchedulerLimits(
-        max_batch_size=max(64, batch), max_step_tokens=max(2048, batch * prompt_len))))
+    engine = Engine(loaded, EngineConfig(kv_capacity_bytes=max(2 << 30, kv_bytes), device=device, dtype=dtype,
+                                         limits=SchedulerLimits(max_batch_size=max(64, batch),
+                                                                max_step_tokens=max(2048, batch * prompt_len))))
     gen = torch.Generator().manual_seed(seed)
     for _ in range(batch):
         ids = torch.randint(100, loaded.config.vocab_size, (prompt_len,), generator=gen).tolist()
