@@ -40,6 +40,7 @@ from .frame import (
     pack_user_header,
 )
 from .handshake import client_handshake
+from .host_staging import HostStaging, has_cuda
 from .polling import BusyPoll
 
 log = logging.getLogger(__name__)
@@ -112,12 +113,15 @@ class _Mutex:
 class Connection(abc.ABC):
     """One bidirectional, ordered, reliable stream of frames."""
 
+    stages_cuda = True  # CUDA tensors go through pinned host memory (False: the transport carries them)
+
     def __init__(self, config: TransportConfig) -> None:
         self.config = config
         self._send_lock = _Mutex()
         self._recv_lock = _Mutex()
         self._closed = False
         self._close_reason: str | None = None
+        self._staging: HostStaging | None = None  # pinned buffers for CUDA tensors, made on first use
 
     @property
     def closed(self) -> bool:
@@ -132,7 +136,8 @@ class Connection(abc.ABC):
         """Send one frame; returns when its bytes are handed to the transport.
 
         Waits (bounded by the transport's buffer) while the receiver is slow: there is no
-        unbounded sender-side queue.
+        unbounded sender-side queue. CUDA tensors are staged through pinned host memory
+        (transports/host_staging.py) where the transport carries host memory.
         """
         lock = self._send_lock
         if lock.busy:
@@ -141,6 +146,10 @@ class Connection(abc.ABC):
             lock.busy = True  # uncontended: no coroutine, no future (the common case)
         try:
             self._check_open()
+            if self.stages_cuda and has_cuda(frame):
+                if self._staging is None:
+                    self._staging = HostStaging()
+                frame = await self._staging.stage(frame)
             rest = self._start_send(frame)
             if rest is None:
                 return  # all of it left without waiting (the common case for small frames)

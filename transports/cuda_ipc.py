@@ -136,6 +136,8 @@ class _Space:
 
 
 class CudaIpcConnection(Connection):
+    stages_cuda = False  # its rings of device memory carry CUDA tensors
+
     def __init__(self, inner: Connection, config: TransportConfig, exported: _Exported, peer_ring: torch.Tensor,
                  peer_event: torch.cuda.Event) -> None:
         super().__init__(config)

@@ -407,3 +407,21 @@ async def test_clean_shutdown_leaks_nothing(scheme, address):
     await asyncio.sleep(0.05)
     assert transport_tasks() == []
     assert open_fds() <= fds, f"fds leaked: {fds} -> {open_fds()}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)")
+async def test_cuda_tensors_arrive_whole(scheme, address):
+    """A frame with CUDA tensors: staged through pinned host memory by a transport of host
+    memory (the receiver gets CPU tensors), carried on the GPU by cuda_ipc; the same values
+    either way, frame after frame through the reused buffers."""
+    listener, conn = await pair(address)
+    async with listener, conn:
+        base = torch.randn(1000, 33, device="cuda").bfloat16()
+        for i in range(4):
+            sent = [base * i, torch.arange(4), torch.tensor([i], device="cuda")]
+            await conn.send(Frame(1, {"i": i}, sent))
+            got = await conn.recv()
+            assert got.header == {"i": i}
+            for g, s in zip(got.tensors, sent):
+                assert g.is_cuda == (s.is_cuda and scheme == "cuda_ipc")
+                assert g.dtype == s.dtype and torch.equal(g.cpu(), s.cpu())

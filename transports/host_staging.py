@@ -1,0 +1,62 @@
+"""CUDA tensors in a frame sent over a transport of host memory (tcp, shm, ucx, rdma):
+copied into pinned host buffers of the connection on a side stream, and the frame sent
+from there once the copies are done, the event loop free meanwhile.
+
+The side stream first waits for the thread's current stream, so a tensor the caller
+computed on it is complete before it is copied (a caller computing on another stream
+makes the current one wait for it first). The buffers are the connection's, one per
+tensor position, grown as needed and reused: a send returns only once its bytes are
+handed to the transport, so the next frame's copies never overwrite bytes still to go.
+The receiver gets CPU tensors, as from any frame of host memory (cuda_ipc carries device
+memory itself and does not stage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from .frame import Frame
+
+
+def has_cuda(frame: Frame) -> bool:
+    """Whether any of the frame's buffers is a CUDA tensor."""
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in frame.tensors)
+
+
+class HostStaging:
+    """One connection's pinned buffers and copy stream."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}  # tensor position -> pinned bytes
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    async def stage(self, frame: Frame) -> Frame:
+        """The frame with each CUDA tensor replaced by its copy in pinned host memory."""
+        tensors = list(frame.tensors)
+        events = []
+        for i, t in enumerate(tensors):
+            if not (isinstance(t, torch.Tensor) and t.is_cuda):
+                continue
+            stream = self._streams.get(t.device)
+            if stream is None:
+                stream = self._streams[t.device] = torch.cuda.Stream(t.device)
+            stream.wait_stream(torch.cuda.current_stream(t.device))
+            nbytes = t.numel() * t.element_size()
+            buf = self._buffers.get(i)
+            if buf is None or buf.numel() < nbytes:
+                buf = self._buffers[i] = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+            host = buf[:nbytes].view(t.dtype).view(t.shape)
+            with torch.cuda.stream(stream):
+                host.copy_(t, non_blocking=True)
+                t.record_stream(stream)
+                done = torch.cuda.Event()
+                done.record(stream)
+            events.append(done)
+            tensors[i] = host
+        # A CUDA event has no file descriptor to await: polled between other tasks' turns.
+        for done in events:
+            while not done.query():  # noqa: ASYNC110
+                await asyncio.sleep(0)
+        return Frame(frame.kind, frame.header, tensors)
