@@ -337,8 +337,9 @@ class PrefillService:
                 attn = local.attend(i, q, k, v)
             for p in prompts:
                 n = len(p.token_ids)
-                # The data plane sends from CPU memory.
-                await self._pool.store_layer(p.seq_id, p.workers, i, p.kv.buf[i, 0, :n].cpu(), p.kv.buf[i, 1, :n].cpu())
+                # Where the KV is: on a GPU the transport stages it through pinned host
+                # memory asynchronously (cuda_ipc carries it on the GPU).
+                await self._pool.store_layer(p.seq_id, p.workers, i, p.kv.buf[i, 0, :n], p.kv.buf[i, 1, :n])
             return attn
 
         output = await self.slices.split.run_async(inputs, attend)
