@@ -104,9 +104,12 @@ class SplitModel:
     def num_attention(self) -> int:
         return len(self.attention_modules)
 
-    def run(self, inputs: dict[str, Any], attend: Attend, *, reuse_outputs: bool = False) -> Any:
+    def run(self, inputs: dict[str, Any], attend: Attend, *, reuse_outputs: bool = False,
+            call_slice: Callable[[int, dict[str, Any], torch.Tensor | None, Sequence[torch.Tensor]], SliceOutput]
+            | None = None) -> Any:
         """Compose the slices with an attention function; equals the unsplit model.
-        Grad mode is the caller's.
+        Grad mode is the caller's. `call_slice(j, inputs, attn, context)`: runs slice j in
+        place of calling it (a GPU's CUDA graphs: services/model/slice_graphs.py).
 
         reuse_outputs: the middle slices may write into outputs they keep from step to step
         (lamina.model.fused_slice's REUSE_OUTPUTS), so no Q, K, V or context outlives the
@@ -117,6 +120,12 @@ class SplitModel:
         try:
             if reusing:
                 inputs = {**inputs, REUSE_OUTPUTS: True}
+            if call_slice is not None:
+                out = call_slice(0, inputs, None, ())
+                for i in range(self.num_attention):
+                    q, k, v = out.qkv  # type: ignore[misc]
+                    out = call_slice(i + 1, inputs, attend(i, q, k, v), out.context)
+                return out.output
             out = self.slices[0](inputs)
             for i in range(self.num_attention):
                 q, k, v = out.qkv  # type: ignore[misc]

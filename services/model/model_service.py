@@ -117,10 +117,18 @@ class ModelSlices:
         process (colocated): the slices and attention called in turn, in one inference-mode
         block, with no await (no other task runs mid-step, so none sees the grad mode)."""
         t0, attending = time.thread_time(), pool.local_s
+        graphs = self.graphs
+        call_slice = None
+        if graphs is not None:  # a GPU's decode slices replayed (colocated: one micro-batch)
+            def call_slice(j: int, inputs: dict, attn: torch.Tensor | None,
+                           context: Sequence[torch.Tensor]) -> SliceOutput:
+                return graphs.run(0, j, inputs, attn, context) or self.split.slices[j](inputs, attn, context)
+
         with torch.inference_mode():
             # The attention core copies each layer's K and V into its slabs: the slices may
             # keep their outputs from step to step.
-            logits = self.split.run(batch.model_inputs(self.device), attend, reuse_outputs=True)  # [B, V] float32
+            logits = self.split.run(batch.model_inputs(self.device), attend, reuse_outputs=True,
+                                    call_slice=call_slice)  # [B, V] float32
         # This thread's CPU time, less the attention's (counted apart by the pool).
         self.compute_s += time.thread_time() - t0 - (pool.local_s - attending)
         return logits

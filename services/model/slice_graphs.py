@@ -62,6 +62,7 @@ class SliceGraphs:
     def run(self, micro_batch: int, j: int, inputs: dict[str, Any], attn: torch.Tensor | None,
             context: Sequence[torch.Tensor]) -> SliceOutput | None:
         """Slice j of a decode step by its graph (None: the caller runs it eagerly)."""
+        inputs = {name: t for name, t in inputs.items() if isinstance(t, torch.Tensor)}  # no flags
         ids = inputs["input_ids"]
         rows = ids.shape[0]
         bucket = bucket_for(rows)

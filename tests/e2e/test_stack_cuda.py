@@ -2,8 +2,9 @@
 random model of SmolLM2's shape (no GGUF file needs to reach a GPU machine), greedy
 output through the OpenAI API equal to transformers' token for token in float32, over
 cuda_ipc and tcp, with 1 and 2 micro-batches, Q-early on and off, request and head
-partitioning; and an attention worker killed mid-decode on the GPU, rebuilt as on the
-CPU. Runs only where CUDA is present (skipped, saying so, elsewhere)."""
+partitioning, and colocated (each model worker attending on its own GPU core, its decode
+slices replayed as CUDA graphs); and an attention worker killed mid-decode on the GPU,
+rebuilt as on the CPU. Runs only where CUDA is present (skipped, saying so, elsewhere)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,12 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 
 MODEL = "random:smollm2-135m"
 NEW_TOKENS = 16
-# (transport, partitioning, attention workers, micro-batches, Q-early): every transport with
-# both partitionings, both micro-batch counts and Q-early on and off.
-ROWS = [("cuda_ipc", "request", 2, 2, False), ("cuda_ipc", "head", 2, 1, True),
-        ("tcp", "request", 1, 2, True), ("tcp", "head", 2, 1, False)]
+# (transport, partitioning, attention workers, micro-batches, Q-early, layout): every
+# transport with both partitionings, both micro-batch counts and Q-early on and off; and
+# the colocated layout (each model worker attends on its own GPU core; two of them).
+ROWS = [("cuda_ipc", "request", 2, 2, False, "disaggregated"), ("cuda_ipc", "head", 2, 1, True, "disaggregated"),
+        ("tcp", "request", 1, 2, True, "disaggregated"), ("tcp", "head", 2, 1, False, "disaggregated"),
+        ("cuda_ipc", "request", 2, 1, False, "colocated")]
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +66,14 @@ def model_refs():
     return prompts, completions, chats
 
 
-def _stack(transport: str, partition: str, workers: int, micro_batches: int, q_early: bool) -> Stack:
-    config = StackConfig(model=MODEL, transport=transport, partition=partition, weights="float32",
+def _stack(transport: str, partition: str, workers: int, micro_batches: int, q_early: bool,
+           layout: str = "disaggregated") -> Stack:
+    colocated = layout == "colocated"
+    config = StackConfig(model=MODEL, transport=transport, partition=partition, weights="float32", layout=layout,
                          gateway=GatewaySection(port=free_port()),
                          attention=AttentionSection(workers=workers, kv_capacity_bytes=256 << 20, device="cuda"),
-                         model_worker=ModelWorkerSection(device="cuda"), prefill=PrefillSection(device="cuda"),
+                         model_worker=ModelWorkerSection(device="cuda", workers=workers if colocated else 1),
+                         prefill=PrefillSection(device="cuda"),
                          pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1))
     stack = Stack(config)
     stack.start(timeout_s=300)
