@@ -67,12 +67,14 @@ def model_refs():
 
 
 def _stack(transport: str, partition: str, workers: int, micro_batches: int, q_early: bool,
-           layout: str = "disaggregated") -> Stack:
+           layout: str = "disaggregated", dtype: str = "float32") -> Stack:
     colocated = layout == "colocated"
     config = StackConfig(model=MODEL, transport=transport, partition=partition, weights="float32", layout=layout,
                          gateway=GatewaySection(port=free_port()),
-                         attention=AttentionSection(workers=workers, kv_capacity_bytes=256 << 20, device="cuda"),
-                         model_worker=ModelWorkerSection(device="cuda", workers=workers if colocated else 1),
+                         attention=AttentionSection(workers=workers, kv_capacity_bytes=256 << 20, device="cuda",
+                                                    dtype=dtype),
+                         model_worker=ModelWorkerSection(device="cuda", workers=workers if colocated else 1,
+                                                         dtype=dtype),
                          prefill=PrefillSection(device="cuda"),
                          pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1))
     stack = Stack(config)
@@ -105,3 +107,32 @@ def test_a_killed_attention_worker_on_cuda_is_rebuilt(model_refs):
         assert metric_total(stack, "scheduler", "scheduler-0", "lamina_scheduler_rebuilds_total") >= 1
     finally:
         stack.stop()
+
+
+def test_bfloat16_greedy_tokens_agree_with_transformers_bfloat16(model_refs):
+    """Model and attention workers in bfloat16 on the GPU, 16 prompts x 64 greedy tokens (EOS
+    ignored): at each position the stack's token is transformers-bfloat16's argmax given the
+    same prefix (the stack's own) at least 95% of the time."""
+    from transformers import AutoModelForCausalLM
+
+    from lamina.model.loader import load_model
+
+    loaded = load_model(MODEL, packed=False)
+    tok = loaded.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS] + [tok.encode(p + " Answer in one word.") for p in PROMPTS]
+    stack = _stack("cuda_ipc", "request", 2, 2, False, dtype="bfloat16")
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda p: complete(stack, p, 64, ignore_eos=True, return_token_ids=True), prompts))
+    finally:
+        stack.stop()
+    hf = AutoModelForCausalLM.from_pretrained(str(loaded.weights_dir), dtype=torch.bfloat16).cuda().eval()
+    agree = total = 0
+    for prompt, out in zip(prompts, outs):
+        ids = out["choices"][0]["token_ids"]
+        assert len(ids) == 64
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + ids], device="cuda")).logits[0, len(prompt) - 1:-1]  # [64, V]
+        agree += int((logits.argmax(-1).cpu() == torch.tensor(ids)).sum())
+        total += len(ids)
+    assert agree / total >= 0.95, f"{agree} of {total} positions agree"
