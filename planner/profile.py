@@ -231,7 +231,7 @@ def measure_kv_quantize(tokens: int, repeats: int) -> float:
     return fastest_compute_time(lambda: rows.quantize(x), repeats) / x.numel()
 
 
-TRANSPORTS = ("tcp", "shm", "ucx", "rdma", "fhbn")
+TRANSPORTS = ("tcp", "shm", "ucx", "rdma", "fhbn", "cuda_ipc")
 # How a scheme's frames travel, where that is not what its name suggests.
 TRANSPORT_PATHS = {"fhbn": "host-driven RDMA: frames go from host memory as rdma:// sends them; the GPU-initiated "
                            "send (csrc/fhbn.cu) is not wired to connections yet"}

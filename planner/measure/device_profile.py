@@ -8,7 +8,9 @@ Measured on the device, in the dtype the services compute in there: a large copy
 read from memory as in a decode step) per weight at several batch sizes; the attention
 worker's decode attention (its core on the device: the paged Triton kernel on a GPU) in
 KV bytes per second over (batch, context) cases; copies between pinned host memory and
-the device; every transport's ping-pong (planner/profile.py's); and the engine's decode
+the device; every transport's ping-pong (planner/profile.py's, cuda_ipc's with CPU
+tensors between processes, and on a GPU its round trip of CUDA tensors in one process);
+and the engine's decode
 step on the device at two batch sizes, whose gap to the models' prediction from those
 figures is the overhead of everything else in a layer (a per-layer and a per-token
 term: kernel launches, Python), as on the CPU. Every time is the fastest of its repeats,
@@ -131,6 +133,41 @@ def host_copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> floa
     return nbytes / fastest(lambda: dst.copy_(host, non_blocking=pinned), device, repeats)
 
 
+def device_round_trips(device: torch.device) -> dict[str, Any]:
+    """cuda_ipc's round trip of a 64 B and a 1 MiB CUDA tensor (echoed), both ends in this
+    process: the ring copies, the event, the shm frames and the space-free frame, but no
+    process boundary (the ring and event are shared, not opened by IPC handle)."""
+    import asyncio
+    import os
+
+    from lamina import transports
+    from lamina.planner.measure.pingpong import ameasure
+    from lamina.transports import Frame
+
+    async def echo(conn: Any) -> None:
+        while True:
+            await conn.send(await conn.recv())
+
+    async def run() -> dict[int, float]:
+        listener = await transports.listen(f"cuda_ipc://profile-{os.getpid()}", echo)
+        conn = await transports.connect(listener.address)
+        seconds: dict[int, float] = {}
+        async with listener, conn:
+            for size in (64, 1 << 20):
+                payload = torch.zeros(size, dtype=torch.uint8, device=device)
+
+                async def one(payload: torch.Tensor = payload) -> None:
+                    await conn.send(Frame(1, {}, [payload]))
+                    await conn.recv()
+
+                seconds[size] = await ameasure(one, size, quick=True)
+        return seconds
+
+    seconds = asyncio.run(run())
+    return {"rtt_us_64B": seconds[64] * 1e6, "gbit_s_1MiB": 2 * (1 << 20) * 8 / seconds[1 << 20] / 1e9,
+            "path": "one process: the ring and event shared, no IPC handles opened"}
+
+
 def profile_device(device_name: str, dtype_name: str, usd_per_hour: float, quick: bool = False,
                    model: str = "random:llama-3.2-1b") -> dict[str, Any]:
     """Measure `device_name` in `dtype_name`; {"device": catalogue entry, "measurements": raw}.
@@ -153,7 +190,10 @@ def profile_device(device_name: str, dtype_name: str, usd_per_hour: float, quick
                                 BATCHES if big else (1, 16), repeats)
     attention = attention_bytes_s(cfg, device, dtype, ATTENTION_CASES if big else ((1, 128), (4, 256)), repeats)
     h2d = host_copy_bandwidth(device, (256 << 20) if big else (16 << 20), repeats)
-    transport = measure_transports(quick=True)["tcp"]
+    by_transport = measure_transports(quick=True)
+    transport = by_transport["tcp"]
+    if device.type == "cuda" and by_transport.get("cuda_ipc", {}).get("unavailable") is None:
+        by_transport["cuda_ipc_device"] = device_round_trips(device)
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (torch's operators)"
     src = f"measured by lamina profile --device {device_name} --dtype {dtype_name}, {when}"
@@ -192,7 +232,7 @@ def profile_device(device_name: str, dtype_name: str, usd_per_hour: float, quick
     entry["token_overhead_us"] = {"value": overhead["token_s"] * 1e6, "source": entry["layer_overhead_us"]["source"]}
     return {"device": entry, "measurements": {
         "device": name, "dtype": dtype_name, "model": model, "copy_bytes_s": copy_bw, "matmul_flops": flops,
-        "linear_s_per_param": linear, "attention_bytes_s": attention, "h2d_bytes_s": h2d, "tcp": transport,
+        "linear_s_per_param": linear, "attention_bytes_s": attention, "h2d_bytes_s": h2d, "transports": by_transport,
         "engine_overhead": overhead}}
 
 
