@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# A GPU machine's checks in one go, each result written to OUT as it is made: the
-# install (deploy/gpu/install_offline.sh), the device, the CUDA tests (those whose ids
-# name cuda: the paged attention kernel against the native kernel and SDPA, the attention
-# core's steps on the GPU, the sampler on the GPU against the CPU, the engine and the
-# model and attention workers against transformers, micro-batches on their own streams,
-# decode slices replayed as CUDA graphs,
-# cuda_ipc (GPU tensors in one process and to a child process, and the conformance suite),
-# the prefix cache's GPU tier, the stack on the GPU against transformers and a killed
-# attention worker there) and
-# bench/gpu_decode.py on the models and shapes given, then `lamina profile --device cuda`
-# and the planner's predictions of the benchmark's points from it. For a machine lent for minutes:
-# run it once with a time limit, then read OUT.
+# A GPU machine's checks in one go, each result written to OUT as it is made, in this
+# order: nvidia-smi and the install (deploy/gpu/install_offline.sh); the CUDA unit tests
+# (those whose ids name cuda: the paged and buffer attention kernels against the native
+# kernel and SDPA, the attention core on the GPU, the sampler on the GPU against the CPU,
+# the engine and the model and attention workers against transformers, micro-batches on
+# their own streams, decode slices replayed as CUDA graphs, cuda_ipc in one process and
+# to a child process, the prefix cache's GPU tier); bench/gpu_decode.py on the models and
+# shapes given; `lamina profile --device cuda` and the planner's predictions of the
+# benchmark's points from it; the stack on the GPU against transformers
+# (tests/e2e/test_stack_cuda.py, seven stacks); the conformance suite over cuda_ipc.
+# For a machine lent for minutes: run it once with a time limit, then read OUT (what
+# finished is there, whatever was cut off).
 #
 #   deploy/gpu/checks.sh OUT [WHEELS] [-- BENCH ARGS...]
 #   e.g. deploy/gpu/checks.sh "$OUT" .whl -- --models random:llama-3.2-1b:bfloat16 --batches 1,16,64 --contexts 512,2048
@@ -28,11 +28,13 @@ if ! deploy/gpu/install_offline.sh "$wheels" "$site" > "$out/install.log" 2>&1; 
     echo "install failed: $out/install.log"; tail -20 "$out/install.log"; exit 1
 fi
 export PYTHONPATH=$site
+# Quickest and most telling first: a machine lent for minutes may be taken back mid-way,
+# and what is in OUT by then comes back.
 "$python" -P -m pytest -q -rs -k cuda --timeout 600 \
     tests/model/test_paged_decode.py tests/model/test_sampling_sampler.py tests/model/test_kv_attention.py \
     tests/model/test_engine_devices.py tests/services/test_attention_core.py tests/services/test_devices.py \
-    tests/services/test_rotation.py tests/transports/test_cuda_ipc.py tests/transports/test_conformance.py \
-    tests/kvstore/test_kv_prefix_cache_cuda.py tests/e2e/test_stack_cuda.py > "$out/tests.log" 2>&1
+    tests/services/test_rotation.py tests/transports/test_cuda_ipc.py tests/kvstore/test_kv_prefix_cache_cuda.py \
+    > "$out/tests.log" 2>&1
 echo "tests: exit $? ($(tail -1 "$out/tests.log"))"
 "$python" bench/gpu_decode.py --out "$out/rows.jsonl" "$@" > "$out/bench.log" 2>&1
 echo "bench: exit $?"
@@ -43,3 +45,9 @@ echo "profile: exit $? ($(tail -1 "$out/profile.log"))"
 "$python" bench/planner_validation.py --gpu "$out/rows.jsonl" --profile "$out/profile-cuda.json" \
     > "$out/planner.log" 2>&1
 echo "planner: exit $? ($(tail -2 "$out/planner.log" | head -1))"
+# Whole stacks on the GPU (seven of them), then the conformance suite over cuda_ipc.
+"$python" -P -m pytest -q -rs --timeout 900 tests/e2e/test_stack_cuda.py > "$out/e2e.log" 2>&1
+echo "e2e: exit $? ($(tail -1 "$out/e2e.log"))"
+"$python" -P -m pytest -q -rs -k cuda_ipc --timeout 600 tests/transports/test_conformance.py \
+    > "$out/conformance.log" 2>&1
+echo "conformance: exit $? ($(tail -1 "$out/conformance.log"))"
