@@ -263,28 +263,34 @@ def measure_transports(quick: bool = True) -> dict[str, dict[str, Any]]:
 OVERHEAD_POINTS = ((1, 16), (16, 16))
 
 
-def measure_engine_overhead(entry: dict[str, Any], steps: int, threads: int = 1) -> dict[str, Any]:
+def measure_engine_overhead(entry: dict[str, Any], steps: int, threads: int = 1, loaded: Any = None,
+                            device: str = "cpu", dtype: str = "float32") -> dict[str, Any]:
     """The rest of a decode layer: the engine's pure-decode step (planner/measure/engine_step.py's
     decode_step_cpu, default model, the fastest of `steps`, as the kernels in `entry` are
-    each their fastest; with several threads decode_step_wall, since their CPU time adds
-    up) at two batch sizes, less what the models predict from those kernels; the two gaps
-    give a per-layer and a per-token term."""
+    each their fastest; with several threads, or on another `device` (`loaded` there, in
+    `dtype`), decode_step_wall, since their CPU time adds up or the device works while the
+    CPU waits) at two batch sizes, less what the models predict from those kernels; the
+    two gaps give a per-layer and a per-token term."""
     from lamina.model.loader import load_model
     from lamina.planner.estimate import decode_step
     from lamina.planner.hardware import THIS_MACHINE, device_from_entry
     from lamina.planner.layouts import Layout
     from lamina.planner.measure.engine_step import decode_step_cpu, decode_step_wall
-    from lamina.planner.perf.quantization import FP32
+    from lamina.planner.perf.quantization import FP16, FP32
     from lamina.planner.shapes import ModelShape
 
-    loaded = load_model()
+    loaded = loaded if loaded is not None else load_model()
     cfg = loaded.config
     shape = ModelShape.of(cfg, "engine")
     catalogue = {THIS_MACHINE: device_from_entry(THIS_MACHINE, entry)}
-    layout = Layout(THIS_MACHINE, 1, weights=FP32, kv=FP32)
+    precision = FP32 if dtype == "float32" else FP16
+    layout = Layout(THIS_MACHINE, 1, weights=precision, kv=precision)
     gaps = []
     for batch, prompt in OVERHEAD_POINTS:
-        measured = (decode_step_wall if threads > 1 else decode_step_cpu)(loaded, batch, prompt, steps, seed=batch)
+        if threads > 1 or device != "cpu":
+            measured = decode_step_wall(loaded, batch, prompt, steps, seed=batch, device=device, dtype=dtype)
+        else:
+            measured = decode_step_cpu(loaded, batch, prompt, steps, seed=batch)
         predicted = decode_step(shape, layout, catalogue, batch, prompt + 1 + steps / 2).step_s
         gaps.append((batch, measured, predicted))
     layer_s, token_s = overhead_terms(gaps, shape.num_layers)

@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import datetime as dt
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from lamina.planner.measure.kernels import fastest_wall_time
+from lamina.planner.profile import OVERHEAD_POINTS
+
 # Decode batches the products are measured at, and the attention cases (batch, context).
 BATCHES = (1, 4, 16, 64, 256)
 ATTENTION_CASES = ((1, 2048), (16, 1024), (64, 2048))
-# The engine's decode step is timed at these (batch, prompt) points for the overhead terms.
-OVERHEAD_POINTS = ((1, 16), (16, 16))
 
 
 def _sync(device: torch.device) -> None:
@@ -43,16 +43,12 @@ def _sync(device: torch.device) -> None:
 
 def fastest(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """The fastest wall seconds of `fn` over `repeats` calls after one warm-up, each ended
-    by the device's synchronisation."""
-    fn()
-    _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
+    by the device's synchronisation (planner/measure/kernels.py's fastest_wall_time)."""
+    def synced() -> None:
         fn()
         _sync(device)
-        best = min(best, time.perf_counter() - t)
-    return best
+
+    return fastest_wall_time(synced, repeats)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
@@ -174,7 +170,7 @@ def profile_device(device_name: str, dtype_name: str, usd_per_hour: float, quick
     `model`: whose layer shapes the products and attention take, and whose engine the
     overhead terms are measured with."""
     from lamina.model.loader import load_model
-    from lamina.planner.profile import measure_transports
+    from lamina.planner.profile import measure_engine_overhead, measure_transports
 
     device, dtype = torch.device(device_name), getattr(torch, dtype_name)
     repeats = 3 if quick else 10
@@ -225,7 +221,8 @@ def profile_device(device_name: str, dtype_name: str, usd_per_hour: float, quick
     }
     if precision != "bf16":  # the planner needs a bf16 rate: the measured one stands in
         entry["tflops"]["bf16"] = {"value": flops / 1e12, "source": f"{src}: the {dtype_name} product (no bf16 here)"}
-    overhead = engine_overhead(entry, loaded, device_name, dtype_name, steps=4 if quick else 8)
+    overhead = measure_engine_overhead(entry, steps=4 if quick else 8, loaded=loaded, device=device_name,
+                                       dtype=dtype_name)
     where = ", ".join(f"batch {b} x prompt {p}" for b, p in OVERHEAD_POINTS)
     entry["layer_overhead_us"] = {"value": overhead["layer_s"] * 1e6,
                                   "source": f"{src}: the engine's decode step at {where}, less the predicted kernels"}
@@ -234,32 +231,6 @@ def profile_device(device_name: str, dtype_name: str, usd_per_hour: float, quick
         "device": name, "dtype": dtype_name, "model": model, "copy_bytes_s": copy_bw, "matmul_flops": flops,
         "linear_s_per_param": linear, "attention_bytes_s": attention, "h2d_bytes_s": h2d, "transports": by_transport,
         "engine_overhead": overhead}}
-
-
-def engine_overhead(entry: dict[str, Any], loaded: Any, device: str, dtype: str, steps: int) -> dict[str, Any]:
-    """The engine's decode step on the device (the fastest of `steps`, wall time) at
-    OVERHEAD_POINTS, less what the models predict from `entry`: a per-layer and a
-    per-token term (planner/profile.py's overhead_terms)."""
-    from lamina.planner.estimate import decode_step
-    from lamina.planner.hardware import THIS_MACHINE, device_from_entry
-    from lamina.planner.layouts import Layout
-    from lamina.planner.measure.engine_step import decode_step_wall
-    from lamina.planner.perf.quantization import FP16, FP32
-    from lamina.planner.profile import overhead_terms
-    from lamina.planner.shapes import ModelShape
-
-    shape = ModelShape.of(loaded.config, "engine")
-    catalogue = {THIS_MACHINE: device_from_entry(THIS_MACHINE, entry)}
-    precision = FP32 if dtype == "float32" else FP16
-    layout = Layout(THIS_MACHINE, 1, weights=precision, kv=precision)
-    gaps = []
-    for batch, prompt in OVERHEAD_POINTS:
-        measured = decode_step_wall(loaded, batch, prompt, steps, seed=batch, device=device, dtype=dtype)
-        predicted = decode_step(shape, layout, catalogue, batch, prompt + 1 + steps / 2).step_s
-        gaps.append((batch, measured, predicted))
-    layer_s, token_s = overhead_terms(gaps, shape.num_layers)
-    return {"layer_s": layer_s, "token_s": token_s,
-            "points": [{"batch": b, "measured_s": m, "predicted_s": p} for b, m, p in gaps]}
 
 
 def _host_memory() -> float:
