@@ -46,6 +46,7 @@ from .base import Connection, Handler, Listener, Transport, split_address
 from .config import TransportConfig
 from .errors import FrameError, PeerClosed, TransportError
 from .frame import DTYPES, Buffer, Frame
+from .host_staging import until_done
 from .shm import ShmTransport
 
 log = logging.getLogger(__name__)
@@ -253,9 +254,7 @@ class CudaIpcConnection(Connection):
                 tensors[i] = out
             done = torch.cuda.Event()
             done.record(stream)
-            # A CUDA event has no file descriptor to await: polled between other tasks' turns.
-            while not done.query():  # noqa: ASYNC110
-                await asyncio.sleep(0)
+            await until_done(done)
             await self._inner.send(Frame(0, [_FREE, int(upto)]))
         for i in through_host:
             moved = tensors[i]

@@ -25,11 +25,34 @@ def has_cuda(frame: Frame) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in frame.tensors)
 
 
+async def until_done(event: torch.cuda.Event) -> None:
+    """Returns once the work recorded before `event` is done, other tasks running
+    meanwhile: a CUDA event has no file descriptor to await, so its state is polled
+    between their turns (a copy takes tens to hundreds of microseconds)."""
+    while not event.query():  # noqa: ASYNC110
+        await asyncio.sleep(0)
+
+
+class PinnedBuffers:
+    """Pinned host memory by key, one byte buffer each, grown as needed and reused."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[object, torch.Tensor] = {}
+
+    def like(self, key: object, t: torch.Tensor) -> torch.Tensor:
+        """A view of `key`'s buffer with t's dtype and shape (what it held before is gone)."""
+        nbytes = t.numel() * t.element_size()
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._buffers[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+        return buf[:nbytes].view(t.dtype).view(t.shape)
+
+
 class HostStaging:
     """One connection's pinned buffers and copy stream."""
 
     def __init__(self) -> None:
-        self._buffers: dict[int, torch.Tensor] = {}  # tensor position -> pinned bytes
+        self._buffers = PinnedBuffers()  # by tensor position
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     async def stage(self, frame: Frame) -> Frame:
@@ -43,11 +66,7 @@ class HostStaging:
             if stream is None:
                 stream = self._streams[t.device] = torch.cuda.Stream(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))
-            nbytes = t.numel() * t.element_size()
-            buf = self._buffers.get(i)
-            if buf is None or buf.numel() < nbytes:
-                buf = self._buffers[i] = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
-            host = buf[:nbytes].view(t.dtype).view(t.shape)
+            host = self._buffers.like(i, t)
             with torch.cuda.stream(stream):
                 host.copy_(t, non_blocking=True)
                 t.record_stream(stream)
@@ -55,8 +74,6 @@ class HostStaging:
                 done.record(stream)
             events.append(done)
             tensors[i] = host
-        # A CUDA event has no file descriptor to await: polled between other tasks' turns.
         for done in events:
-            while not done.query():  # noqa: ASYNC110
-                await asyncio.sleep(0)
+            await until_done(done)
         return Frame(frame.kind, frame.header, tensors)

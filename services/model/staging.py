@@ -18,12 +18,13 @@ them then.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from lamina.transports.host_staging import PinnedBuffers, until_done
 
 _NO_STREAM = contextlib.nullcontext()
 
@@ -36,7 +37,7 @@ class Staging:
         self.on_gpu = device.type == "cuda"
         self.device_frames = device_frames and self.on_gpu
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self._pinned: dict[tuple[int, int], torch.Tensor] = {}  # (micro-batch, tensor index) -> bytes
+        self._pinned = PinnedBuffers()  # by (micro-batch, tensor index)
 
     def stream(self, micro_batch: int) -> contextlib.AbstractContextManager[Any]:
         """A context that queues what runs inside on the micro-batch's stream (nothing inside
@@ -67,16 +68,12 @@ class Staging:
         staged = []
         with self.stream(micro_batch):
             for i, t in enumerate(tensors):
-                host = self._buffer(micro_batch, i, t.numel() * t.element_size())
-                view = host[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                view.copy_(t, non_blocking=True)
-                staged.append(view)
+                host = self._pinned.like((micro_batch, i), t)
+                host.copy_(t, non_blocking=True)
+                staged.append(host)
             done = torch.cuda.Event()
             done.record()
-        # A CUDA event has no file descriptor to await: its state is polled between other
-        # tasks' turns (a copy after a slice takes tens to hundreds of microseconds).
-        while not done.query():  # noqa: ASYNC110
-            await asyncio.sleep(0)
+        await until_done(done)
         return staged
 
     def to_device(self, micro_batch: int, t: torch.Tensor) -> torch.Tensor:
@@ -101,10 +98,3 @@ class Staging:
             current.wait_stream(self._streams[micro_batch])
             t.record_stream(current)
         return t
-
-    def _buffer(self, micro_batch: int, index: int, nbytes: int) -> torch.Tensor:
-        key = (micro_batch, index)
-        buf = self._pinned.get(key)
-        if buf is None or buf.numel() < nbytes:
-            buf = self._pinned[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
-        return buf
