@@ -44,6 +44,12 @@ class PaddedSlots:
         return cls(table.to(device), lens, torch.device(device))
 
 
+def check_rows(query_lens: Sequence[int], q: torch.Tensor) -> None:
+    """q [T, Hq, D] holds exactly the sequences' query rows (T = sum(query_lens))."""
+    if sum(query_lens) != q.shape[0]:
+        raise ValueError(f"query_lens {list(query_lens)[:8]} do not fit q {tuple(q.shape)}")
+
+
 def visible_keys(query_lens: Sequence[int], slot_lens: Sequence[int], kv_lens: Sequence[int] | None,
                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query row's sequence and the number of keys it sees, int64 [T] each on the
@@ -73,8 +79,7 @@ def padded_attention(q: torch.Tensor, query_lens: Sequence[int], k_pool: torch.T
     """q: [T, Hq, D] (T = sum(query_lens)); k_pool, v_pool: [S, Hkv, D] of any float dtype
     on q's device. Sequence b attends over its first kv_lens[b] slots (default: all);
     with `causal`, its i-th of n queries sees keys 0 .. L - n + i."""
-    if sum(query_lens) != q.shape[0]:
-        raise ValueError(f"query_lens {list(query_lens)[:8]} do not fit q {tuple(q.shape)}")
+    check_rows(query_lens, q)
     seq_of_row, visible = visible_keys(query_lens, slots.lens, kv_lens, causal)  # [T] each
     t, hq, d = q.shape
     hkv = k_pool.shape[1]

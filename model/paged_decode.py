@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from lamina.model.device_attention import visible_keys
+from lamina.model.device_attention import check_rows, visible_keys
 from lamina.model.kv_attention import SlotBatch
 
 # Keys per block of the kernel's loop (a dot's tile: at least 16).
@@ -119,6 +119,7 @@ def paged_attention(q: torch.Tensor, query_lens: Sequence[int], k_pool: torch.Te
     hkv = k_pool.shape[1]
     if hq % hkv or k_pool.stride(2) != 1 or v_pool.stride(2) != 1 or k_pool.dtype != v_pool.dtype:
         raise ValueError(f"pools {tuple(k_pool.shape)} / {tuple(v_pool.shape)} do not fit q {tuple(q.shape)}")
+    check_rows(query_lens, q)  # the kernel reads a row's start and length for each of q's rows
     row_start, row_len, longest = slots.rows(query_lens, kv_lens, causal)
     q = q.contiguous()
 

@@ -133,6 +133,8 @@ def test_a_bad_call_is_refused():
         paged_attention(torch.randn(7, 9, 64), [5, 2], k_pool, v_pool, slots)
     with pytest.raises(ValueError, match="do not fit"):
         paged_attention(torch.randn(2, 8, 64), [1, 1], k_pool, v_pool, slots)  # 8 heads over 3 KV heads
+    with pytest.raises(ValueError, match=r"query_lens \[1, 1\] do not fit q \(3, 9, 64\)"):
+        paged_attention(torch.randn(3, 9, 64), [1, 1], k_pool, v_pool, slots)  # a row no sequence has
 
 
 def test_splits_fill_the_multiprocessors_and_no_split_is_shorter_than_a_block():
