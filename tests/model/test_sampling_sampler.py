@@ -149,7 +149,7 @@ def test_a_whole_batch_picks_each_row_as_the_definition_does():
         assert got == [int(logits[r].argmax()) if r % 4 == 0 else want[r] for r in range(len(params))]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)")
 def test_the_sampler_on_cuda_picks_what_it_picks_on_the_cpu():
     """Logits on the GPU: the batch is picked there, with penalties, a grammar-free batch of
     every kind of row and logprobs, and gives the CPU's tokens and (within float32
