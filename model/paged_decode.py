@@ -133,6 +133,13 @@ def paged_attention(q: torch.Tensor, query_lens: Sequence[int], k_pool: torch.Te
     return _split_and_combine(q, hkv, longest, k_pool.dtype, launch, need_lse, splits)
 
 
+def products_in_float32(kv_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernels take their products in float32 (F32_DOTS) rather than in the
+    KV's dtype: for float32 KV, and on CPU tensors, whose Triton interpreter gets
+    half-precision products wrong (the tests' tolerances for half precision cover it)."""
+    return kv_dtype == torch.float32 or device.type == "cpu"
+
+
 def _split_and_combine(q: torch.Tensor, hkv: int, longest: int, kv_dtype: torch.dtype, launch: Any,
                        need_lse: bool, splits: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Plans the splits, launches (launch(kernels, grid, parts, part_lse, chunk, shape))
@@ -147,10 +154,8 @@ def _split_and_combine(q: torch.Tensor, hkv: int, longest: int, kv_dtype: torch.
     part_lse = torch.empty(t, hq, splits, dtype=torch.float32, device=q.device)  # [T, Hq, splits]
     if t:
         g = hq // hkv
-        # Triton's interpreter (CPU tensors) gets half-precision products wrong: there they
-        # are taken in float32, which the tests' tolerances for half precision cover.
         shape = {"G": g, "G_PAD": max(16, triton_pow2(g)), "D": d, "D_PAD": max(16, triton_pow2(d)),
-                 "BLOCK_N": BLOCK_N, "F32_DOTS": kv_dtype == torch.float32 or q.device.type == "cpu"}
+                 "BLOCK_N": BLOCK_N, "F32_DOTS": products_in_float32(kv_dtype, q.device)}
         launch(_kernels(q.device), (t, hkv, splits), parts, part_lse, chunk, shape)
     if splits == 1:
         out, lse = parts[:, :, 0], part_lse[:, :, 0]
