@@ -73,7 +73,7 @@ clear message naming the setting.
                                 # leave (request partitioning); LAMINA_ATTENTION_MAX_WORKERS
     data_plane: {busy_poll_us: null, checksum_payloads: false, shm_ring_bytes: 16777216,
                  cuda_ipc_ring_bytes: 67108864, ucx_progress_mode: blocking, ucx_tls: null,
-                 native_frames: true}   # see docs/transports.md
+                 ucx_device_memory: true, native_frames: true}   # see docs/transports.md
     # deadlines: every wait on a peer (docs/reliability.md)
     deadlines: {reply_s: 10, rpc_s: 30, step_s: 30, health_s: 2, recovery_s: 120, startup_s: 60,
                 kv_reclaim_s: 60}
@@ -252,6 +252,7 @@ class DataPlaneSection:
     cuda_ipc_ring_bytes: int = 64 << 20  # per direction, device memory of the cuda_ipc transport
     ucx_progress_mode: str = "blocking"  # blocking | thread | polling | thread-polling
     ucx_tls: str | None = None  # UCX_TLS for the ucx transport (null: UCX decides)
+    ucx_device_memory: bool = True  # ucx: CUDA tensors from device memory where UCX can (false: staged)
     native_frames: bool = True  # native frame codec where built (false: the Python codec)
 
 
@@ -444,7 +445,7 @@ class StackConfig:
                                checksum_payloads=dp.checksum_payloads, shm_ring_bytes=dp.shm_ring_bytes,
                                cuda_ipc_ring_bytes=dp.cuda_ipc_ring_bytes,
                                ucx_progress_mode=dp.ucx_progress_mode, ucx_tls=dp.ucx_tls,
-                               native_frames=dp.native_frames)
+                               ucx_device_memory=dp.ucx_device_memory, native_frames=dp.native_frames)
 
     @property
     def advertised_host(self) -> str:

@@ -54,6 +54,10 @@ class TransportConfig:
     # "thread" (a progress thread), "polling" (spins the event loop: lowest latency,
     # one busy core per process) or "thread-polling".
     ucx_progress_mode: str = "blocking"
+    # UCX: CUDA tensors sent from device memory where ucxx reports CUDA support and
+    # UCX_TLS allows its CUDA transports (transports/ucx.py); False stages them through
+    # pinned host memory, as tcp does.
+    ucx_device_memory: bool = True
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout", "handshake_timeout", "send_timeout", "recv_timeout"):

@@ -13,6 +13,18 @@ one is the preamble and header in one message (two when the header alone is larg
 than ``_INLINE``) followed by one message per non-empty payload buffer, each received
 straight into its destination.
 
+CUDA tensors travel from device memory where ucxx reports CUDA support and UCX may use
+its CUDA transports (``TransportConfig.ucx_device_memory``, on by default; ``UCX_TLS``
+unset, "all", or naming a cuda transport): a frame that holds any is sent as a notice
+(a frame of no buffers whose header, a msgpack extension, lists each CUDA tensor's place,
+dtype and shape), then the frame itself with an empty buffer in each such place, then
+one UCX message per CUDA tensor straight from its memory, once the stream that computed
+it is done. The receiver puts them in new tensors on its current CUDA device (host memory
+where it has none), or in the caller's ``out`` entries. Those payloads carry no crc32 of
+their own (the frame and notice keep theirs); their bytes count against
+``max_frame_bytes`` with the frame's. Elsewhere CUDA tensors are staged through pinned
+host memory, as on tcp.
+
 On UCX a receive that times out or is cancelled closes the connection: the posted
 UCX receive cannot be withdrawn, so the message stream could not be trusted afterwards.
 """
@@ -26,6 +38,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import msgpack
+import torch
+
 from .base import (
     Handler,
     Listener,
@@ -38,18 +53,26 @@ from .base import (
 from .config import TransportConfig
 from .errors import FrameError, PeerClosed, TransportError
 from .frame import (
+    DTYPES,
+    MAX_NDIM,
     PREAMBLE_SIZE,
+    Buffer,
     Frame,
     decode_header,
     decode_preamble,
     encode,
     parse_frame,
+    tensor_view,
 )
 from .handshake import server_handshake
+from .host_staging import until_done
 
 log = logging.getLogger(__name__)
 
 _INLINE = 64 * 1024  # frames up to this size travel as one UCX message
+# The msgpack extension code of a notice's header (no user header decodes to an extension).
+_DIRECT = 17
+_NAMES = {d: n for n, d in DTYPES.items()}
 
 
 def _ucxx(config: TransportConfig):
@@ -62,6 +85,80 @@ def _ucxx(config: TransportConfig):
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx
     return ucxx
+
+
+def _device_memory(ucxx, config: TransportConfig) -> bool:
+    """Whether this process sends CUDA tensors from device memory: asked for, a CUDA
+    device here, UCX built with CUDA support, and its transports not narrowed to
+    host-only ones."""
+    if not (config.ucx_device_memory and torch.cuda.is_available()):
+        return False
+    tls = os.environ.get("UCX_TLS")
+    if tls is not None and "all" not in tls and "cuda" not in tls:
+        return False
+    return bool(ucxx.core._get_ctx().context.cuda_support)
+
+
+def _sends_direct(t: Any) -> bool:
+    """Whether a buffer of an outgoing frame travels as a message of its own memory."""
+    return isinstance(t, torch.Tensor) and t.is_cuda
+
+
+def _notice(frame: Frame) -> tuple[Frame, Frame, list[torch.Tensor]] | None:
+    """For a frame with buffers that travel directly: the notice, the frame with an empty
+    buffer in their places, and those tensors (contiguous, in place order); else None."""
+    places = {i: t for i, t in enumerate(frame.tensors) if _sends_direct(t) and isinstance(t, torch.Tensor)}
+    if not places:
+        return None
+    tensors = list(frame.tensors)
+    items, direct = [], []
+    for i, t in places.items():
+        t = t.detach()
+        if t.dtype not in _NAMES:
+            raise FrameError(f"unsupported tensor dtype {t.dtype}")
+        if t.dim() > MAX_NDIM:
+            raise FrameError(f"a frame carries tensors of at most {MAX_NDIM} dimensions, got {t.dim()}")
+        direct.append(t.contiguous())
+        items.append([i, _NAMES[t.dtype], list(t.shape)])
+        tensors[i] = b""
+    notice = Frame(0, msgpack.ExtType(_DIRECT, msgpack.packb(items)), [])
+    return notice, Frame(frame.kind, frame.header, tensors), direct
+
+
+def _read_notice(header: msgpack.ExtType) -> list[tuple[int, torch.dtype, tuple[int, ...], int]]:
+    """A notice's (place, dtype, shape, bytes) per tensor, checked."""
+    try:
+        items = msgpack.unpackb(header.data)
+        out = []
+        for i, name, shape in items:
+            shape = tuple(shape)
+            if (type(i) is not int or i < 0 or len(shape) > MAX_NDIM
+                    or any(type(n) is not int or n < 0 for n in shape)):
+                raise ValueError(f"bad entry {[i, name, list(shape)]}")
+            dtype = DTYPES[name]
+            out.append((i, dtype, shape, dtype.itemsize * _numel(shape)))
+    except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
+        raise FrameError(f"UCX notice of device buffers is malformed: {exc}") from exc
+    if len({i for i, *_ in out}) != len(out):
+        raise FrameError("UCX notice of device buffers names a place twice")
+    return out
+
+
+def _bytes_of(t: torch.Tensor) -> Any:
+    """A contiguous tensor's memory as UCX sends or receives it: device memory as a flat
+    byte tensor (CUDA's array interface has no bfloat16), host memory as a byte view."""
+    return t.reshape(-1).view(torch.uint8) if t.is_cuda else tensor_view(t)
+
+
+def _nbytes(b: Buffer) -> int:
+    return b.nbytes if isinstance(b, torch.Tensor) else memoryview(b).nbytes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _translate(exc: BaseException, peer: str) -> TransportError:
@@ -80,6 +177,11 @@ class UcxConnection(StreamConnection):
         # A small frame is built here by the native codec; sends are serialized by the
         # send lock and complete before it is released, so one buffer serves them all.
         self._send_scratch = memoryview(bytearray(_INLINE))
+        # CUDA tensors sent from device memory (else staged through host memory, as on tcp).
+        self.stages_cuda = not _device_memory(_ucxx(config), config)
+        # Where received device payloads go: the current CUDA device, else host memory.
+        self._device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                        else torch.device("cpu"))
 
     @property
     def peer(self) -> str:
@@ -87,6 +189,26 @@ class UcxConnection(StreamConnection):
 
     def _mid_frame(self) -> bool:
         return True
+
+    def _start_send(self, frame: Frame):
+        split = None if self.stages_cuda else _notice(frame)
+        if split is None:
+            return super()._start_send(frame)
+        notice, rest, direct = split
+        # Every check before anything is written: both frames encode, and fit the bound together.
+        messages = self._messages(notice) + self._messages(rest)
+        size = sum(memoryview(m).nbytes for m in messages) + sum(t.nbytes for t in direct)
+        if size > self.config.max_frame_bytes:
+            raise FrameError(f"frame of {size} bytes exceeds max_frame_bytes={self.config.max_frame_bytes}")
+        return self._send_direct(messages, direct)
+
+    async def _send_direct(self, messages: list[Any], direct: list[torch.Tensor]) -> None:
+        # UCX reads device memory outside the streams' order: the tensors must be complete.
+        for device in {t.device for t in direct if t.is_cuda}:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device))
+            await until_done(done)
+        await self._finish_send(messages + [_bytes_of(t) for t in direct if t.nbytes])
 
     def _send_native(self, native, frame: Frame, user: bytes):
         cfg = self.config
@@ -98,21 +220,48 @@ class UcxConnection(StreamConnection):
 
     def _send_encoded(self, frame: Frame, user: bytes | None = None, left: int | None = None):
         # Nothing is written before this on UCX (``left`` is always None here).
+        return self._finish_send(self._messages(frame, user))
+
+    def _messages(self, frame: Frame, user: bytes | None = None) -> list[Any]:
+        """The UCX messages of one frame: bytes, arrays and views, each sent whole."""
         cfg = self.config
         head, bufs = encode(frame, checksum_payloads=cfg.checksum_payloads,
                             max_frame_bytes=cfg.max_frame_bytes, packer=self._packer, user=user)
         total = len(head) + sum(b.nbytes for b in bufs)
-        messages: list[Any]  # bytes, arrays and views: each is one UCX message, sent whole
         if total <= _INLINE:
-            messages = [b"".join((head, *bufs)) if bufs else head]
-        elif len(head) <= _INLINE:
-            messages = [head, *bufs]
-        else:
-            mv = memoryview(head)
-            messages = [mv[:PREAMBLE_SIZE], mv[PREAMBLE_SIZE:], *bufs]
-        return self._finish_send(messages)
+            return [b"".join((head, *bufs)) if bufs else head]
+        if len(head) <= _INLINE:
+            return [head, *bufs]
+        mv = memoryview(head)
+        return [mv[:PREAMBLE_SIZE], mv[PREAMBLE_SIZE:], *bufs]
 
     async def _recv_frame(self, out) -> Frame:
+        frame = await self._recv_one(out)
+        header = frame.header
+        if type(header) is not msgpack.ExtType or header.code != _DIRECT:
+            return frame
+        # A notice: the frame follows, then its device payloads.
+        items = _read_notice(header)
+        places = {i for i, *_ in items}
+        frame = await self._recv_one(None if out is None else [None if i in places else o for i, o in enumerate(out)])
+        tensors = list(frame.tensors)
+        size = sum(n for *_, n in items) + sum(_nbytes(t) for t in tensors)
+        if size > self.config.max_frame_bytes:
+            raise FrameError(f"frame of {size} bytes exceeds max_frame_bytes={self.config.max_frame_bytes}")
+        for i, dtype, shape, n in items:
+            if i >= len(tensors) or _nbytes(tensors[i]):
+                raise FrameError(f"UCX notice names buffer {i}, which the frame does not leave empty")
+            dest = out[i] if out is not None and i < len(out) else None
+            if dest is None:
+                dest = torch.empty(shape, dtype=dtype, device=self._device)
+            elif not (isinstance(dest, torch.Tensor) and dest.is_contiguous() and dest.nbytes == n):
+                raise FrameError(f"out buffer {i} is not a contiguous tensor of the {n} bytes the frame carries")
+            if n:
+                await self._read_exact(_bytes_of(dest))
+            tensors[i] = dest
+        return Frame(frame.kind, frame.header, tensors)
+
+    async def _recv_one(self, out) -> Frame:
         scratch = self._scratch
         await self._read_exact(scratch, first=True)  # the frame's first message, <= _INLINE bytes
         if self._native is not None:

@@ -183,8 +183,11 @@ class ModelService:
         mw = config.model_worker
         self.slices = ModelSlices.load(config.model, config.weights, compute_device("model_worker.device", mw.device),
                                        compute_dtype(mw.dtype))
-        # cuda_ipc carries device memory: Q, K, V leave from the GPU as they are.
-        self.slices.staging = Staging(self.slices.device, device_frames=config.transport == "cuda_ipc")
+        # cuda_ipc carries device memory, and ucx where UCX can: Q, K, V leave from the GPU as
+        # they are (a ucx connection that cannot stages them itself, after the same wait).
+        device_frames = config.transport == "cuda_ipc" or (config.transport == "ucx"
+                                                           and config.data_plane.ucx_device_memory)
+        self.slices.staging = Staging(self.slices.device, device_frames=device_frames)
         if self.slices.device.type == "cuda" and mw.cuda_graphs:
             self.slices.graphs = SliceGraphs(self.slices.split, self.slices.device)
         self.runtime = ServiceRuntime("model", f"model-{index}", config)

@@ -6,10 +6,11 @@ outputs' copies are queued there, so one micro-batch's slice computes while anot
 Q, K, V travel to the attention workers and back. Q, K and V are copied into pinned host
 buffers on the micro-batch's stream (asynchronous copies; pageable memory would make each
 a synchronous one) and the event loop waits for that copy by polling its event between
-other tasks' turns, never blocking them as `tensor.cpu()` would. Over cuda_ipc
-(`device_frames`), which carries device memory, they are not copied at all: the stream
-that sends them (the thread's current one, which copies them into the connection's ring)
-waits for the micro-batch's. On the CPU every method hands the tensors back as they are.
+other tasks' turns, never blocking them as `tensor.cpu()` would. Over cuda_ipc, and
+ucx where UCX sends device memory (`device_frames`), they are not copied at all: the
+stream that sends them (the thread's current one: cuda_ipc copies them into its ring
+there, ucx waits for it before UCX reads them) waits for the micro-batch's. On the CPU
+every method hands the tensors back as they are.
 
 The pinned buffers of a micro-batch are reused from layer to layer: a layer's frames are
 sent and answered before the micro-batch stages its next layer, so nothing still reads

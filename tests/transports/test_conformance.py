@@ -412,8 +412,9 @@ async def test_clean_shutdown_leaks_nothing(scheme, address):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)")
 async def test_cuda_tensors_arrive_whole(scheme, address):
     """A frame with CUDA tensors: staged through pinned host memory by a transport of host
-    memory (the receiver gets CPU tensors), carried on the GPU by cuda_ipc; the same values
-    either way, frame after frame through the reused buffers."""
+    memory (the receiver gets CPU tensors), carried on the GPU by cuda_ipc, and by ucx where
+    UCX sends device memory; the same values either way, frame after frame through the
+    reused buffers."""
     listener, conn = await pair(address)
     async with listener, conn:
         base = torch.randn(1000, 33, device="cuda").bfloat16()
@@ -423,5 +424,5 @@ async def test_cuda_tensors_arrive_whole(scheme, address):
             got = await conn.recv()
             assert got.header == {"i": i}
             for g, s in zip(got.tensors, sent):
-                assert g.is_cuda == (s.is_cuda and scheme == "cuda_ipc")
+                assert g.is_cuda == (s.is_cuda and not conn.stages_cuda)
                 assert g.dtype == s.dtype and torch.equal(g.cpu(), s.cpu())
