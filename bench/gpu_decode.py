@@ -20,7 +20,8 @@ Contenders, for each model, batch and context, in one run on the same device:
 
 Per point it also prints the engine's step against the bandwidth bound: the bytes a
 decode step must read (the weights once, every sequence's KV) over the device's copy
-bandwidth measured in the same run. Prints the device, the workload and a table; every
+bandwidth measured in the same run (the fastest of five 1 GiB copies, the estimator of
+`lamina profile`). Prints the device, the workload and a table; every
 row is appended to `--out` (JSON lines) as it is measured; the last line is one JSON
 object: {"device", "engine_tok_s", "transformers_tok_s", "stack_tok_s": {"mb1", "mb2"},
 "step_vs_bound", "attention_ms_per_layer": {"worker", "engine"}}, each keyed by
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 from decode_pipeline import attention_per_layer  # bench/'s own (a script's folder is on its path)
 
+from lamina.planner.measure.kernels import copy_bandwidth
 from lamina.planner.measure.stack_run import run_stack
 
 
@@ -66,21 +68,6 @@ class Point:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second a device-to-device copy moves (read + write), the median of 5."""
-    n = (256 << 20) if device.type == "cuda" else (32 << 20)  # float32 elements: 1 GiB or 128 MiB
-    src = torch.ones(n, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(6):
-        sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return 2 * src.numel() * src.element_size() / sorted(times[1:])[2]
 
 
 def free_bytes(device: torch.device) -> int:
@@ -164,7 +151,7 @@ def main() -> None:
     contexts = [int(x) for x in (args.contexts or ("128" if quick else "512,2048,8192")).split(",")]
     steps = args.steps or (8 if quick else 32)
     transport = args.transport or ("cuda_ipc" if device.type == "cuda" else "tcp")
-    bandwidth = copy_bandwidth(device)
+    bandwidth = copy_bandwidth((1 << 30) if device.type == "cuda" else (128 << 20), 5, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"device: {device} ({name}), copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
     print(f"workload: batches {batches}, contexts {contexts}, {steps} decode steps timed, greedy, EOS ignored; "

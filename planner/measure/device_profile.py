@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lamina.planner.measure.kernels import fastest_wall_time
+from lamina.planner.measure.kernels import copy_bandwidth, fastest_wall_time
 from lamina.planner.profile import OVERHEAD_POINTS
 
 # Decode batches the products are measured at, and the attention cases (batch, context).
@@ -49,13 +49,6 @@ def fastest(fn: Callable[[], object], device: torch.device, repeats: int) -> flo
         _sync(device)
 
     return fastest_wall_time(synced, repeats)
-
-
-def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
-    """Bytes per second a large copy on the device moves (read + write)."""
-    src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / fastest(lambda: dst.copy_(src), device, repeats)
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int) -> float:
@@ -180,7 +173,7 @@ def profile_device(device_name: str, dtype_name: str, usd_per_hour: float, quick
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     shapes = [(qkv, d), (d, cfg.num_heads * cfg.head_dim), (2 * inter, d), (d, inter)]
     big = device.type == "cuda"
-    copy_bw = copy_bandwidth(device, (1 << 30) if big else (32 << 20), repeats)
+    copy_bw = copy_bandwidth((1 << 30) if big else (32 << 20), repeats, device)
     flops = matmul_flops(device, dtype, 8192 if big else 512, repeats)
     linear = linear_s_per_param(device, dtype, shapes, 4 if quick else 8,
                                 BATCHES if big else (1, 16), repeats)

@@ -56,17 +56,21 @@ def _fastest_time(fn: Callable[[], object], repeats: int, clock: Callable[[], fl
     return min(times)
 
 
-def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes per second moved by a large tensor copy (each byte read once, written once)."""
-    src = torch.ones(nbytes // 4)
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """Bytes per second moved by a large tensor copy on `device` (each byte read once,
+    written once): the fastest of `repeats` copies after a warm-up, each ended by the
+    device's synchronisation. The one estimator of the profiles (CPU and GPU) and the
+    benchmarks' bandwidth bounds: the fastest copy is the memory's speed undisturbed."""
+    device = torch.device(device)
+    src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
+
+    def copy() -> None:
         dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return 2 * nbytes / fastest_wall_time(copy, repeats)
 
 
 def make_layers(fmt: str, num_layers: int, gen: torch.Generator) -> list[list[quant.PackedWeight]]:
