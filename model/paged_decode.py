@@ -27,6 +27,7 @@ handful per sequence.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Sequence
@@ -93,6 +94,12 @@ def _kernels(device: torch.device) -> Any:
     return paged_decode_kernel
 
 
+def _current(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """`device` made current for a launch: Triton launches on the current device's current
+    stream, whatever device the tensors are on."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -156,7 +163,8 @@ def _split_and_combine(q: torch.Tensor, hkv: int, longest: int, kv_dtype: torch.
         g = hq // hkv
         shape = {"G": g, "G_PAD": max(16, triton_pow2(g)), "D": d, "D_PAD": max(16, triton_pow2(d)),
                  "BLOCK_N": BLOCK_N, "F32_DOTS": products_in_float32(kv_dtype, q.device)}
-        launch(_kernels(q.device), (t, hkv, splits), parts, part_lse, chunk, shape)
+        with _current(q.device):
+            launch(_kernels(q.device), (t, hkv, splits), parts, part_lse, chunk, shape)
     if splits == 1:
         out, lse = parts[:, :, 0], part_lse[:, :, 0]
     else:
@@ -224,9 +232,10 @@ def attend_buffers(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     kv = getattr(tl, str(rows.dtype).removeprefix("torch."))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if t:
-        _kernels(q.device).buffer_append[(t,)](
-            k, v, rows.base, rows.cap, rows.pos, layer, k.stride(0), v.stride(0),
-            KV=kv, HKV=hkv, H_PAD=triton_pow2(hkv), D=d, D_PAD=triton_pow2(d))
+        with _current(q.device):
+            _kernels(q.device).buffer_append[(t,)](
+                k, v, rows.base, rows.cap, rows.pos, layer, k.stride(0), v.stride(0),
+                KV=kv, HKV=hkv, H_PAD=triton_pow2(hkv), D=d, D_PAD=triton_pow2(d))
 
     def launch(kernels: Any, grid: tuple[int, int, int], parts: torch.Tensor, part_lse: torch.Tensor,
                chunk: int, shape: dict[str, Any]) -> None:

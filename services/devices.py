@@ -31,6 +31,14 @@ def compute_device(setting: str, name: str) -> torch.device:
     return device
 
 
+def use_device(device: torch.device) -> None:
+    """Makes a CUDA `device` this process's current one. Triton's launches, CUDA graph
+    capture and cuda_ipc's ring follow the current device, not the tensors': a service on
+    cuda:1 that left it at cuda:0 would launch its kernels on the wrong device."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def compute_dtype(name: str) -> torch.dtype:
     """torch's dtype of a validated `*.dtype` setting (services.config.COMPUTE_DTYPES)."""
     dtype = getattr(torch, name)

@@ -6,9 +6,10 @@ ring of device memory that both processes map once when they connect: the sender
 buffer, exported with a CUDA IPC handle, and an interprocess CUDA event the sender
 records. No handle travels per frame.
 
-Sending a frame, its CUDA tensors are copied into the sender's ring on the sender's
-current stream (after whatever that stream queued before: a caller computing on
-another stream makes the current one wait for it first), the event is recorded, and
+Sending a frame, its CUDA tensors are copied into the sender's ring on the connection's
+copy stream, after whatever the sender's current stream queued before (a caller
+computing on another stream makes the current one wait for it first); the event is
+recorded there (one stream: its latest record covers every earlier frame's copies), and
 the frame goes through shm with each CUDA tensor's place in the ring (offset, dtype,
 shape) in place of its bytes. The receiver copies each one out into a new tensor on its
 current device, on its current stream, after the sender's event; once those copies are
@@ -148,6 +149,9 @@ class CudaIpcConnection(Connection):
         self._peer_ring = peer_ring
         self._peer_event = peer_event
         self._device = exported.ring.device
+        # The ring's copies run here, after the sender's current stream: one stream, so the
+        # event's latest record covers every earlier frame's copies too.
+        self._copy = torch.cuda.Stream(self._device)
         self._frames: asyncio.Queue[Frame | TransportError] = asyncio.Queue(_QUEUED)
         self._ended = asyncio.Event()  # set by close()
         self._pump = asyncio.get_running_loop().create_task(self._read())
@@ -200,13 +204,17 @@ class CudaIpcConnection(Connection):
         elif gpu:
             offsets = await self._space.take([_nbytes(t) for t in gpu.values()])
             ring = self._out.ring
-            for (i, t), at in zip(gpu.items(), offsets):
-                n = _nbytes(t)
-                if n:
-                    ring[at:at + n].copy_(t.contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
-                places.append([i, at, n, str(t.dtype).removeprefix("torch."), list(t.shape)])
-                tensors[i] = _EMPTY
-            self._out.event.record()  # on the current stream, after the copies
+            copy = self._copy
+            copy.wait_stream(torch.cuda.current_stream(self._device))  # the tensors are made there
+            with torch.cuda.stream(copy):
+                for (i, t), at in zip(gpu.items(), offsets):
+                    n = _nbytes(t)
+                    if n:
+                        ring[at:at + n].copy_(t.contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+                        t.record_stream(copy)
+                    places.append([i, at, n, str(t.dtype).removeprefix("torch."), list(t.shape)])
+                    tensors[i] = _EMPTY
+            self._out.event.record(copy)  # after the copies
         await self._inner.send(Frame(frame.kind, [_DATA, frame.header, places, self._space.head, through_host],
                                      tensors))
 
@@ -301,6 +309,8 @@ def _nbytes(buf: Buffer) -> int:
 
 def _into(dest: Buffer, got: Buffer) -> Buffer:
     """A received buffer copied into the caller's destination of the same size."""
+    if isinstance(dest, torch.Tensor) and not dest.is_contiguous():
+        raise FrameError("out tensors must be contiguous")
     if _nbytes(dest) != _nbytes(got):
         raise FrameError(f"out buffer of {_nbytes(dest)} bytes for a buffer of {_nbytes(got)}")
     if isinstance(dest, torch.Tensor):

@@ -66,13 +66,14 @@ def _run_device(args: argparse.Namespace) -> int:
     from lamina.planner.hardware import device_from_entry
     from lamina.planner.measure.device_profile import profile_device
     from lamina.services.config import ConfigError
-    from lamina.services.devices import compute_device
+    from lamina.services.devices import compute_device, use_device
 
     try:
         device = compute_device("--device", args.device)
     except ConfigError as exc:
         print(f"lamina profile: {exc}", file=sys.stderr)
         return 2
+    use_device(device)
     out = args.out or DEFAULT_PROFILE.with_name(f"profile-{str(device).replace(':', '')}.json")
     print(f"lamina profile: measuring {device} in {args.dtype} ({args.model}'s shapes)...", file=sys.stderr,
           flush=True)

@@ -14,7 +14,11 @@ step (several new tokens a sequence) or larger than the largest bucket runs eage
 as does a slice whose capture failed (logged once).
 
 Graphs are replayed on the thread's current stream: the micro-batch's
-(services/model/staging.py). All graphs share one memory pool.
+(services/model/staging.py). The graphs of one (micro-batch, bucket) share a memory pool
+for their intermediates: they replay one after another on one stream, in the order they
+were captured (slice 0, 1, ...), which is when graphs may share one. Two micro-batches'
+graphs never share: they replay at once on their own streams. Captures run on a stream
+of their own, and a failed capture leaves the thread on the stream it was on.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ class SliceGraphs:
         self.device = device
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._failed: set[tuple[int, int]] = set()  # (slice, bucket) whose capture failed
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pools: dict[tuple[int, int], Any] = {}  # by (micro-batch, bucket)
+        self._capture_stream = torch.cuda.Stream(device)
         self.replays = 0  # slices replayed (a metric and the tests' witness)
         self.captures = 0
 
@@ -71,7 +76,7 @@ class SliceGraphs:
         key = (micro_batch, j, bucket)
         g = self._graphs.get(key)
         if g is None:
-            g = self._capture(j, bucket, inputs, attn, context)
+            g = self._capture(micro_batch, j, bucket, inputs, attn, context)
             if g is None:
                 return None
             self._graphs[key] = g
@@ -88,7 +93,7 @@ class SliceGraphs:
                            [c[:rows] for c in out.context],
                            out.output[:rows] if isinstance(out.output, torch.Tensor) else out.output)
 
-    def _capture(self, j: int, bucket: int, inputs: dict[str, Any], attn: torch.Tensor | None,
+    def _capture(self, micro_batch: int, j: int, bucket: int, inputs: dict[str, Any], attn: torch.Tensor | None,
                  context: Sequence[torch.Tensor]) -> _Graph | None:
         """Slice j captured for `bucket` rows, its tensors shaped and typed as this step's."""
         def static(t: torch.Tensor) -> torch.Tensor:
@@ -100,16 +105,22 @@ class SliceGraphs:
         g_attn = None if attn is None else static(attn)
         g_context = [static(t) for t in context]
         slice_j = self.split.slices[j]
+        pool = self._pools.get((micro_batch, bucket))
+        if pool is None:
+            pool = self._pools[(micro_batch, bucket)] = torch.cuda.graph_pool_handle()
+        cap = self._capture_stream
+        current = torch.cuda.current_stream(self.device)
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), torch.inference_mode():
+            cap.wait_stream(current)  # the static inputs were filled there
+            # The outer stream context restores the thread's stream even when the capture's
+            # end raises (torch.cuda.graph ends the capture before it restores the stream).
+            with torch.cuda.stream(cap), torch.inference_mode():
                 for _ in range(2):  # warm up (lazy initialisation must not be captured)
                     slice_j(g_inputs, g_attn, g_context)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-                out = slice_j(g_inputs, g_attn, g_context)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=cap):
+                    out = slice_j(g_inputs, g_attn, g_context)
+            current.wait_stream(cap)  # the warm-up wrote the memory the replays use
         except RuntimeError as exc:
             self._failed.add((j, bucket))
             log.warning("slice %d at batch %d cannot be captured as a CUDA graph (it runs eagerly): %s", j, bucket,

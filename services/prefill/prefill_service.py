@@ -60,7 +60,7 @@ from lamina.sampling.sampler import Sampler
 from lamina.services.addresses import with_host
 from lamina.services.attention_pool import AttentionPool
 from lamina.services.config import PrefillSection, StackConfig
-from lamina.services.devices import compute_device
+from lamina.services.devices import compute_device, use_device
 from lamina.services.model.model_service import ModelSlices
 from lamina.services.prefill.free_cores import forward_threads, host_cores, others_runnable
 from lamina.services.prefill.prefix_peers import PrefixFetcher, PrefixServer
@@ -106,6 +106,7 @@ class PrefillService:
     def __init__(self, config: StackConfig, index: int = 0) -> None:
         self.config = config
         self.device = compute_device("prefill.device", config.prefill.device)
+        use_device(self.device)
         self.slices = ModelSlices.load(config.model, config.weights, config.prefill.device)
         self.cfg = self.slices.cfg
         self.sampler = Sampler(self.slices.grammars, self.slices.loaded.tokenizer.eos_token_ids)

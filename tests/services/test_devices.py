@@ -6,7 +6,7 @@ import torch
 
 from lamina.cli import main
 from lamina.services.config import ConfigError, load_config
-from lamina.services.devices import check_devices, compute_device, compute_dtype
+from lamina.services.devices import check_devices, compute_device, compute_dtype, use_device
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -140,3 +140,14 @@ def test_model_and_attention_workers_off_the_cpu_kernels_agree_with_transformers
         core.free([seq])
     assert agree >= share * total, f"{agree} of {total} positions agree"
     assert core.num_sequences == 0
+
+
+def test_a_cuda_device_is_made_the_processs_current_one(monkeypatch):
+    """use_device: a service on cuda:N makes it current (Triton launches, graph capture and
+    cuda_ipc's ring follow the current device); on the CPU nothing changes."""
+    made: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+    use_device(torch.device("cpu"))
+    assert made == []
+    use_device(torch.device("cuda", 1))
+    assert made == [torch.device("cuda", 1)]

@@ -59,9 +59,9 @@ def slices(loaded_model):
     return ModelSlices(loaded_model)
 
 
-def _batch() -> tuple[StepBatch, list[SeqRows]]:
+def _batch(tokens: tuple[int, int, int] = (17, 402, 9)) -> tuple[StepBatch, list[SeqRows]]:
     ids = ["a", "b", "c"]
-    return StepBatch.build(ids, [[17], [402], [9]], [5, 11, 3]), [SeqRows(s, 1, (0,)) for s in ids]
+    return StepBatch.build(ids, [[t] for t in tokens], [5, 11, 3]), [SeqRows(s, 1, (0,)) for s in ids]
 
 
 async def _peer(server: SliceServer) -> tuple[transports.Listener, SliceExecutors]:
@@ -191,18 +191,21 @@ async def test_micro_batches_on_their_own_cuda_streams_give_the_logits_of_one_al
 async def test_decode_slices_replayed_as_cuda_graphs_give_the_eager_logits():
     """A decode step of 3 sequences replays each slice's graph of bucket 4 (captured at the
     first step): the same logits as the slices run eagerly, step after step, for two
-    micro-batches at once; a step with a prompt's rows runs eagerly."""
+    micro-batches at once, each with tokens of its own (graphs of the two that shared
+    memory would mix them up as they replay at once); a step with a prompt's rows runs
+    eagerly."""
     from lamina.services.model.slice_graphs import SliceGraphs
 
     on_gpu = ModelSlices.load("random:smollm2-135m", "float32", "cuda", torch.float32)
-    batch, rows = _batch()
+    batches = [_batch(), _batch((3, 1000, 77))]
     pool = DensePool()
-    eager = await on_gpu.forward(0, 1, batch, rows, pool)
+    eager = [await on_gpu.forward(0, 1, batch, rows, pool) for batch, rows in batches]
+    assert not torch.allclose(eager[0], eager[1])
     on_gpu.graphs = SliceGraphs(on_gpu.split, on_gpu.device)
     for _ in range(3):
-        outs = await asyncio.gather(*(on_gpu.forward(mb, 1, batch, rows, pool) for mb in range(2)))
-        for out in outs:
-            torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+        outs = await asyncio.gather(*(on_gpu.forward(mb, 1, *batches[mb], pool) for mb in range(2)))
+        for out, expected in zip(outs, eager):
+            torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     slices = len(on_gpu.split.slices)
     assert on_gpu.graphs.captures == 2 * slices and on_gpu.graphs.replays == 3 * 2 * slices
     prompt = StepBatch.build(["p"], [[5, 6, 7]], [0])
