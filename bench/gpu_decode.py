@@ -3,29 +3,37 @@
 Workload: B sequences with contexts of C tokens (random token ids, so nothing is
 shared) decoding S steps each, greedy, EOS ignored; decode throughput is measured from
 the moment every sequence has its first token (transformers: its generate of 1 + S
-tokens minus its generate of 1, each with the static cache). Models are
-`NAME:DTYPE` (NAME: `smollm2`, the default GGUF's weights, or a `random:` shape,
-docs/model.md). A point runs only where twice its weights and KV (the engine's and
-transformers' copies) fit in 80% of the device's free memory, read before the engine
-moves the model there; others are listed as skipped.
+tokens minus its generate of 1, each with the static cache, after an untimed one of
+1 + S). Models are `NAME:DTYPE` (NAME: `smollm2`, the default GGUF's weights, or a
+`random:` shape, docs/model.md; a GPU machine gets no GGUF, so the default list has
+SmolLM2's shape as `random:smollm2-135m`). A point runs only where twice its weights and
+KV (the engine's and transformers' copies) fit in 80% of the device's free memory, read
+before the engine moves the model there; others are listed as skipped. The stack runs
+at a point where its prefill and model workers' weights and the KV fit the same way.
 
-Contenders, for each model, batch and context, in one run on the same device:
-- transformers' `generate` with `cache_implementation="static"`;
-- the local engine on the device (`lamina.engine`, torch's linears in the dtype);
+Contenders, for each model, batch and context, in one run on the same device, one after
+another (each one's memory given back to the device before the next):
+- transformers' `generate` with `cache_implementation="static"`, loaded once per model,
+  eager (`disable_compile`: its compile of the decode step would land in the timings);
+- the local engine on the device (`lamina.engine`, torch's linears in the dtype), after
+  an untimed run of the same batch with short prompts (Triton compiles its kernels'
+  variants for the first steps);
 - the stack as `lamina up --device D --dtype T` starts it (every service on the one
   device; transport cuda_ipc on a GPU, tcp on the CPU; `--transport` names another), one
-  model worker, 1 and 2 attention workers, 1 and 2 micro-batches (`--no-stack`: left out);
+  model worker, 1 and 2 attention workers, 1 and 2 micro-batches (`--no-stack`: left out),
+  each warmed up with the whole batch, short (planner/measure/stack_run.py);
 - attention alone per layer: the attention worker's core against the engine's
   attention, on the device (bench/decode_pipeline.py's `attention_per_layer`).
 
 Per point it also prints the engine's step against the bandwidth bound: the bytes a
 decode step must read (the weights once, every sequence's KV) over the device's copy
 bandwidth measured in the same run (the fastest of five 1 GiB copies, the estimator of
-`lamina profile`). Prints the device, the workload and a table; every
-row is appended to `--out` (JSON lines) as it is measured; the last line is one JSON
-object: {"device", "engine_tok_s", "transformers_tok_s", "stack_tok_s": {"mb1", "mb2"},
-"step_vs_bound", "attention_ms_per_layer": {"worker", "engine"}}, each keyed by
-"model/dtype/bB/cC".
+`lamina profile`). Prints the device, the workload and a table; a point's row is
+appended to `--out` (JSON lines) after each contender, with what it has so far (a
+contender that fails leaves its error in the row, `NAME_error`, and the others run); the
+last line is one JSON object: {"device", "engine_tok_s", "transformers_tok_s",
+"stack_tok_s": {"mb1", "mb2"}, "step_vs_bound", "attention_ms_per_layer": {"worker",
+"engine"}, "skipped", "errors"}, each keyed by "model/dtype/bB/cC".
 
     python bench/gpu_decode.py                 # on CUDA: the issue's matrix
     python bench/gpu_decode.py --device cpu --quick   # SmolLM2 float32, small points (a check of the script)
@@ -34,10 +42,13 @@ object: {"device", "engine_tok_s", "transformers_tok_s", "stack_tok_s": {"mb1", 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +56,7 @@ from typing import Any
 import torch
 from decode_pipeline import attention_per_layer  # bench/'s own (a script's folder is on its path)
 
+from lamina.model.hf_reference import reference_model
 from lamina.planner.measure.kernels import copy_bandwidth
 from lamina.planner.measure.stack_run import run_stack
 
@@ -91,6 +103,39 @@ def make_engine(loaded, dtype: str, max_batch: int, kv_bytes: int, device: torch
                                        limits=SchedulerLimits(max_batch_size=max_batch, max_step_tokens=8192)))
 
 
+def measure(row: dict[str, Any], name: str, record: Callable[[dict[str, Any]], None], run: Callable[..., Any],
+            *args: Any, **kwargs: Any) -> None:
+    """One contender at one point: row[name] = run(*args, **kwargs), or its error as
+    row[name + "_error"], recorded at once (a failure loses that figure alone, and a run
+    cut short keeps what it measured)."""
+    try:
+        row[name] = run(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 (any failure of a contender is its result)
+        traceback.print_exc()
+        row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[-2000:]
+    record(row)
+
+
+def stack_tok_s(*args: Any, **kwargs: Any) -> float:
+    """The stack's decode tokens/s (planner/measure/stack_run.run_stack's arguments)."""
+    return run_stack(*args, **kwargs)["tok_s"]
+
+
+def release(device: torch.device) -> None:
+    """The device memory a contender left in the caching allocator, given back (the next
+    one, or the stack's processes, need it)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def warm_then_run_engine(engine, prompts: list[list[int]], steps: int) -> float:
+    """run_engine after an untimed run of the same batch, short (its first steps: Triton
+    compiles its kernels' variants for them)."""
+    run_engine(engine, [p[:64] for p in prompts], 2)
+    return run_engine(engine, prompts, steps)
+
+
 def run_engine(engine, prompts: list[list[int]], steps: int) -> float:
     from lamina.engine import SamplingParams
 
@@ -106,11 +151,10 @@ def run_engine(engine, prompts: list[list[int]], steps: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def run_transformers(weights_dir: Path, point: Point, prompts: list[list[int]], steps: int,
-                     device: torch.device) -> float:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=getattr(torch, point.dtype)).to(device).eval()
+def run_transformers(hf: Any, point: Point, prompts: list[list[int]], steps: int, device: torch.device) -> float:
+    """transformers' decode tokens/s: its generate of 1 + S tokens minus its generate of 1,
+    after one untimed generate of 1 + S (the static cache's first allocation at that
+    length, and whatever else a first call does)."""
     ids = torch.tensor(prompts, device=device)  # [B, C]
     mask = torch.ones_like(ids)
 
@@ -123,7 +167,7 @@ def run_transformers(weights_dir: Path, point: Point, prompts: list[list[int]], 
         sync(device)
         return time.perf_counter() - t
 
-    generate(2)  # warm-up
+    generate(1 + steps)  # warm-up, at the timed length
     one, many = generate(1), generate(1 + steps)
     return point.batch * steps / max(many - one, 1e-9)
 
@@ -133,7 +177,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--models", default=None,
                     help="NAME:DTYPE,... (default: random:llama-3.1-8b:bfloat16,random:llama-3.2-1b:bfloat16,"
-                         "smollm2:float32; --quick: smollm2:float32)")
+                         "random:smollm2-135m:float32; --quick: smollm2:float32)")
     ap.add_argument("--batches", default=None, help="default 1,16,64,256 (--quick: 1,4)")
     ap.add_argument("--contexts", default=None, help="default 512,2048,8192 (--quick: 128)")
     ap.add_argument("--steps", type=int, default=None, help="decode steps timed (default 32; --quick: 8)")
@@ -146,7 +190,7 @@ def main() -> None:
     device = torch.device(args.device)
     quick = args.quick
     models = args.models or ("smollm2:float32" if quick else
-                             "random:llama-3.1-8b:bfloat16,random:llama-3.2-1b:bfloat16,smollm2:float32")
+                             "random:llama-3.1-8b:bfloat16,random:llama-3.2-1b:bfloat16,random:smollm2-135m:float32")
     batches = [int(x) for x in (args.batches or ("1,4" if quick else "1,16,64,256")).split(",")]
     contexts = [int(x) for x in (args.contexts or ("128" if quick else "512,2048,8192")).split(",")]
     steps = args.steps or (8 if quick else 32)
@@ -159,7 +203,8 @@ def main() -> None:
     out_file = Path(args.out) if args.out else None
     report: dict[str, Any] = {"device": f"{device} ({name})", "engine_tok_s": {}, "transformers_tok_s": {},
                               "stack_tok_s": {"mb1": {}, "mb2": {}}, "step_vs_bound": {},
-                              "attention_ms_per_layer": {"worker": {}, "engine": {}}, "skipped": []}
+                              "attention_ms_per_layer": {"worker": {}, "engine": {}}, "skipped": [],
+                              "errors": {}}
 
     def record(row: dict[str, Any]) -> None:
         print(json.dumps(row), flush=True)
@@ -189,52 +234,65 @@ def main() -> None:
                 points.append((point, prompts_of(batch, context, cfg.vocab_size), kv_bytes))
         if not points:
             continue
-        rows: dict[str, dict[str, Any]] = {p.key: {"point": p.key} for p, _, _ in points}
+        rows: dict[str, dict[str, Any]] = {p.key: {"point": p.key, "steps": steps} for p, _, _ in points}
+
         engine = make_engine(loaded, dtype, max(p.batch for p, _, _ in points), max(kv for _, _, kv in points),
                              device)
         for point, prompts, _ in points:
-            rows[point.key]["engine_tok_s"] = run_engine(engine, prompts, steps)
-        del engine, loaded  # the device's memory for transformers, then the stack
+            measure(rows[point.key], "engine_tok_s", record, warm_then_run_engine, engine, prompts, steps)
+        del engine, loaded
+        release(device)  # the device's memory for transformers, then the stack
+        hf = reference_model(weights_dir, getattr(torch, dtype), device)
         for point, prompts, _ in points:
-            rows[point.key]["transformers_tok_s"] = run_transformers(weights_dir, point, prompts, steps, device)
-            rows[point.key]["attention_ms_per_layer"] = attention_per_layer(cfg, point.batch, point.context, 5,
-                                                                            str(device), dtype)
+            measure(rows[point.key], "transformers_tok_s", record, run_transformers, hf, point, prompts, steps, device)
+        del hf
+        release(device)
+        for point, _, _ in points:
+            measure(rows[point.key], "attention_ms_per_layer", record, attention_per_layer, cfg, point.batch,
+                    point.context, 5, str(device), dtype)
+            release(device)
+        weights = "as_file" if dtype == "float32" and device.type == "cpu" else "float32"
         for point, prompts, kv_bytes in points if args.stack else ():
-            row = rows[point.key]
+            # Every service on the one device: the prefill's and the model worker's weights, the KV.
+            if 2 * weight_bytes + kv_bytes > 0.8 * free_bytes(device):
+                rows[point.key]["stack_error"] = "does not fit: the prefill's and model worker's weights and the KV"
+                record(rows[point.key])
+                continue
             for mb in (1, 2):
                 for workers in (1, 2):
-                    try:
-                        run = run_stack(prompts, steps, transport, mb, False, 1, kv_bytes + (256 << 20),
-                                        "as_file" if dtype == "float32" and device.type == "cpu" else "float32",
-                                        attention_workers=workers, model=point.checkpoint, device=str(device),
-                                        dtype=dtype)
-                        row[f"stack_mb{mb}_aw{workers}_tok_s"] = run["tok_s"]
-                    # A stack that fails to start or to serve is reported; the other contenders stand.
-                    except (RuntimeError, OSError, ValueError, TimeoutError) as exc:
-                        row[f"stack_mb{mb}_aw{workers}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                    measure(rows[point.key], f"stack_mb{mb}_aw{workers}_tok_s", record, stack_tok_s, prompts, steps,
+                            transport, mb, False, 1, kv_bytes + (256 << 20), weights, attention_workers=workers,
+                            model=point.checkpoint, device=str(device), dtype=dtype)
         for point, _, _ in points:
             row, key = rows[point.key], point.key
-            step_s = point.batch / row["engine_tok_s"]
-            bound_s = (weight_bytes + point.batch * point.context * cfg.kv_bytes_per_token(elem)) / bandwidth
-            row["step_ms"], row["bound_ms"] = 1e3 * step_s, 1e3 * bound_s
-            record(row)
-            report["engine_tok_s"][key] = row["engine_tok_s"]
-            report["transformers_tok_s"][key] = row["transformers_tok_s"]
-            report["step_vs_bound"][key] = step_s / bound_s
+            if "engine_tok_s" in row:
+                step_s = point.batch / row["engine_tok_s"]
+                bound_s = (weight_bytes + point.batch * point.context * cfg.kv_bytes_per_token(elem)) / bandwidth
+                row["step_ms"], row["bound_ms"] = 1e3 * step_s, 1e3 * bound_s
+                report["engine_tok_s"][key] = row["engine_tok_s"]
+                report["step_vs_bound"][key] = step_s / bound_s
+                record(row)
+            if "transformers_tok_s" in row:
+                report["transformers_tok_s"][key] = row["transformers_tok_s"]
             for side in ("worker", "engine"):
-                report["attention_ms_per_layer"][side][key] = row["attention_ms_per_layer"][side]
+                if "attention_ms_per_layer" in row:
+                    report["attention_ms_per_layer"][side][key] = row["attention_ms_per_layer"][side]
             for mb in (1, 2):
                 best = max(row.get(f"stack_mb{mb}_aw{w}_tok_s", 0.0) for w in (1, 2))
                 if best:
                     report["stack_tok_s"][f"mb{mb}"][key] = best
+            report["errors"].update({f"{key} {k}": v for k, v in row.items() if k.endswith("_error")})
     print(f"\n{'point':<32} {'engine':>9} {'transformers':>13} {'eng/hf':>7} {'stack mb1':>10} {'stack mb2':>10} "
           f"{'step/bound':>11} {'attn w/e ms':>12}")
     for key, eng in report["engine_tok_s"].items():
-        hf = report["transformers_tok_s"][key]
+        hf = report["transformers_tok_s"].get(key, float("nan"))
         mb1, mb2 = report["stack_tok_s"]["mb1"].get(key), report["stack_tok_s"]["mb2"].get(key)
-        w, e = report["attention_ms_per_layer"]["worker"][key], report["attention_ms_per_layer"]["engine"][key]
+        w = report["attention_ms_per_layer"]["worker"].get(key, float("nan"))
+        e = report["attention_ms_per_layer"]["engine"].get(key, float("nan"))
         print(f"{key:<32} {eng:>9.1f} {hf:>13.1f} {eng / hf:>6.2f}x {mb1 or 0:>10.1f} {mb2 or 0:>10.1f} "
               f"{report['step_vs_bound'][key]:>10.2f}x {w:>5.2f}/{e:<5.2f}")
+    for what, error in report["errors"].items():
+        print(f"failed: {what}: {error.splitlines()[-1] if error else ''}")
     print(json.dumps(report))
 
 

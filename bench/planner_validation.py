@@ -372,16 +372,17 @@ def gpu_validation(rows_path: Path, profile_path: Path, steps: int) -> list[dict
     print(f"device profile {profile_path}: {prof['device']['description']}; rows {rows_path}")
     print(f"{'point':<34} {'measured tok/s':>15} {'predicted tok/s':>16} {'rel error':>10}  bottleneck")
     out = []
-    for line in rows_path.read_text().splitlines():
-        row = json.loads(line)
+    # A point's row is appended after each contender: its last one holds the most.
+    last = {row["point"]: row for row in map(json.loads, rows_path.read_text().splitlines())}
+    for row in last.values():
         if "engine_tok_s" not in row:
-            continue  # a skipped point
+            continue  # a skipped point, or the engine failed there
         model, dtype, batch, context = row["point"].split("/")
         batch_n, context_n = int(batch[1:]), int(context[1:])
         shape = BUILTIN["smollm2-135m"] if model == "smollm2" else ModelShape.of(SHAPES[model], model)
         precision = FP32 if dtype == "float32" else FP16
         step = decode_step(shape, Layout(THIS_MACHINE, 1, weights=precision, kv=precision), catalogue, batch_n,
-                           context_n + 1 + steps / 2)
+                           context_n + 1 + row.get("steps", steps) / 2)
         predicted, measured = batch_n / step.step_s, row["engine_tok_s"]
         err = (predicted - measured) / measured
         out.append({"point": row["point"], "measured_tok_s": measured, "predicted_tok_s": predicted,

@@ -31,7 +31,8 @@ clear message naming the setting.
               insecure: false}   # insecure: serve without api_key on a host other than loopback
     scheduler: {max_batch_size: 64, max_queue: 256, policy: fcfs,   # policy: fcfs | fpf | relaxed_fpf
                 join_hold_ms: 5000.0}   # services/scheduler/join_hold.py
-    prefill: {workers: 1, threads: 0, device: cpu, cache_block_tokens: 16, cache_device_bytes: 268435456,
+    prefill: {workers: 1, threads: 0, device: cpu, dtype: float32, cache_block_tokens: 16,
+              cache_device_bytes: 268435456,
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru,
               routing: prefix, routing_load_weight: 0.0, routing_min_gain_tokens: 32,
               routing_max_queue_gap_tokens: 4096,
@@ -43,7 +44,9 @@ clear message naming the setting.
                                 # threads a forward (0: model_worker.threads), each forward taking the
                                 # host's cores other processes' threads leave; device: cpu | cuda | cuda:N, where
                                 # the prefill workers compute and their cache's device tier lives
-                                # (float32 weights off CPU; LAMINA_PREFILL_DEVICE); routing: prefix (the
+                                # (float32 weights off CPU; LAMINA_PREFILL_DEVICE); dtype: float32 |
+                                # bfloat16 | float16, of their weights, activations and KV (another than
+                                # float32 needs weights: float32 on the CPU; LAMINA_PREFILL_DTYPE); routing: prefix (the
                                 # worker holding the longest prefix among those queued at most
                                 # routing_max_queue_gap_tokens more than the least; a prefix no worker
                                 # holds routing_min_gain_tokens more of than the others counts for
@@ -174,6 +177,9 @@ class PrefillSection:
     # cuda / cuda:N (the host tier is then pinned CPU memory; weights float32, since the
     # packed ones run on CPU kernels). KV goes to the attention workers from CPU memory.
     device: str = "cpu"
+    # The dtype of their weights, activations and the KV they send and cache (float32 |
+    # bfloat16 | float16); another than float32 on the CPU needs weights: float32.
+    dtype: str = "float32"
     cache_block_tokens: int = 16  # prefix-cache block size (tokens)
     cache_device_bytes: int = 256 << 20  # 0 disables the prefix cache
     cache_host_bytes: int = 512 << 20
@@ -329,11 +335,13 @@ class StackConfig:
         for name, device in (("prefill.device", self.prefill.device), ("model_worker.device", self.model_worker.device),
                              ("attention.device", self.attention.device)):
             _check(isinstance(device, str) and _is_device(device), name, "must be cpu, cuda or cuda:N", device)
-        for name, dtype in (("model_worker.dtype", self.model_worker.dtype), ("attention.dtype", self.attention.dtype)):
+        for name, dtype in (("model_worker.dtype", self.model_worker.dtype), ("attention.dtype", self.attention.dtype),
+                            ("prefill.dtype", self.prefill.dtype)):
             _check(dtype in COMPUTE_DTYPES, name, f"must be one of {', '.join(COMPUTE_DTYPES)}", dtype)
-        _check(self.model_worker.dtype == "float32" or self.weights == "float32"
-               or self.model_worker.device != "cpu", "weights", "must be float32 when model_worker.dtype is not "
-               "float32 on the CPU (packed weights compute in float32)", self.weights)
+        for name, section in (("model_worker", self.model_worker), ("prefill", self.prefill)):
+            _check(section.dtype == "float32" or self.weights == "float32" or section.device != "cpu", "weights",
+                   f"must be float32 when {name}.dtype is not float32 on the CPU (packed weights compute in float32)",
+                   self.weights)
         _check(self.pipeline.mode == "fixed" or self.model_worker.device == "cpu", "pipeline.mode",
                "must be fixed when model_worker.device is not cpu (rotational slices reach peers as host "
                "tensors, which only a CPU worker computes on as they arrive)", self.pipeline.mode)
@@ -526,6 +534,7 @@ ENV_OVERRIDES = {
     "LAMINA_MODEL_THREADS": "model_worker.threads",
     "LAMINA_PREFILL_ROUTING": "prefill.routing",
     "LAMINA_PREFILL_DEVICE": "prefill.device",
+    "LAMINA_PREFILL_DTYPE": "prefill.dtype",
     "LAMINA_MODEL_DEVICE": "model_worker.device",
     "LAMINA_MODEL_DTYPE": "model_worker.dtype",
     "LAMINA_MODEL_CUDA_GRAPHS": "model_worker.cuda_graphs",

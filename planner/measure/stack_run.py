@@ -138,7 +138,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
                                                     device=device, dtype=dtype),
                          model_worker=ModelWorkerSection(workers=model_workers, threads=model_threads, device=device,
                                                          dtype=dtype),
-                         prefill=PrefillSection(device=device),
+                         prefill=PrefillSection(device=device, dtype=dtype),
                          # Exactly the micro-batches asked for, however small they get.
                          pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1,
                                                   mode=mode))
@@ -150,8 +150,11 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
         if stack.config.redis_url is None:  # start() sets it (the embedded Redis when none was given)
             raise RuntimeError("the stack started without a metadata store")
         ports = asyncio.run(metric_ports(stack.config.redis_url, stack.config.namespace))
-        # Warm-up: one short request, so the first step's one-time costs are not timed.
-        asyncio.run(_drive(stack.base_url, model, prompts[:1], 2))
+        # Warm-up, so the first steps' one-time costs are not timed: one short request; on a
+        # GPU the whole batch, short, since each batch size has its own (CUDA graph captures
+        # of its bucket, Triton's compiles of its kernels' variants).
+        warm = prompts[:1] if device == "cpu" else [p[:32] for p in prompts]
+        asyncio.run(_drive(stack.base_url, model, warm, 2))
         # The counters are read when every sequence has its first token, and at the end.
         before: dict[str, Any] = {}
 

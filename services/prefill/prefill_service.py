@@ -60,7 +60,7 @@ from lamina.sampling.sampler import Sampler
 from lamina.services.addresses import with_host
 from lamina.services.attention_pool import AttentionPool
 from lamina.services.config import PrefillSection, StackConfig
-from lamina.services.devices import compute_device, use_device
+from lamina.services.devices import compute_device, compute_dtype, use_device
 from lamina.services.model.model_service import ModelSlices
 from lamina.services.prefill.free_cores import forward_threads, host_cores, others_runnable
 from lamina.services.prefill.prefix_peers import PrefixFetcher, PrefixServer
@@ -107,7 +107,8 @@ class PrefillService:
         self.config = config
         self.device = compute_device("prefill.device", config.prefill.device)
         use_device(self.device)
-        self.slices = ModelSlices.load(config.model, config.weights, config.prefill.device)
+        self.dtype = compute_dtype(config.prefill.dtype)
+        self.slices = ModelSlices.load(config.model, config.weights, self.device, self.dtype)
         self.cfg = self.slices.cfg
         self.sampler = Sampler(self.slices.grammars, self.slices.loaded.tokenizer.eos_token_ids)
         # prefill-I: its node in the metadata store's block records, and the scheduler's routing key.
@@ -297,8 +298,9 @@ class PrefillService:
         """The forward's KV store, and each prompt's KV reserved there, holding the
         longest prefix the cache or a named peer has of it."""
         try:
-            kv = KVStore(self.cfg, device=self.device,
-                         capacity_bytes=sum(len(r.token_ids) + 64 for r in reqs) * self.cfg.kv_bytes_per_token())
+            kv = KVStore(self.cfg, device=self.device, dtype=self.dtype,
+                         capacity_bytes=sum(len(r.token_ids) + 64 for r in reqs)
+                         * self.cfg.kv_bytes_per_token(self.dtype.itemsize))
             prompts = [_Prompt(r, params_from_proto(r.params), list(r.token_ids),
                                kv.reserve(r.seq_id, len(r.token_ids))) for r in reqs]
             for p in prompts:

@@ -51,7 +51,8 @@ def test_a_family_is_predicted_from_the_fastest_profile_of_its_kind_so_far():
 def test_gpu_rows_are_compared_with_the_planner_on_a_device_profile(tmp_path, capsys):
     """--gpu: each engine row of bench/gpu_decode.py's --out against the planner's decode
     step on the device profile (here the catalogue's H200 entry standing in for one that
-    lamina profile --device cuda measured); skipped points are left out."""
+    lamina profile --device cuda measured); skipped points are left out; of a point's rows
+    (one after each contender) the last counts, with the steps it names."""
     import json
     from importlib import resources
 
@@ -67,15 +68,16 @@ def test_gpu_rows_are_compared_with_the_planner_on_a_device_profile(tmp_path, ca
 
     catalogue = yaml.safe_load(resources.files("lamina.planner").joinpath("catalogue.yaml").read_text())
     (tmp_path / "profile.json").write_text(json.dumps({"device": catalogue["H200"]}))
-    rows = [{"point": "llama-3.2-1b/bfloat16/b64/c2048", "engine_tok_s": 5000.0},
+    rows = [{"point": "llama-3.2-1b/bfloat16/b64/c2048", "engine_tok_s": 5000.0, "steps": 16},
             {"point": "smollm2/float32/b1/c512", "engine_tok_s": 900.0},
             {"point": "llama-3.1-8b/bfloat16/b256/c8192", "skipped": "does not fit"}]
-    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    earlier = {"point": rows[0]["point"], "engine_tok_s": 1.0, "steps": 16}  # that point's first row
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [earlier, *rows]))
     out = gpu_validation(tmp_path / "rows.jsonl", tmp_path / "profile.json", steps=32)
     assert [r["point"] for r in out] == [rows[0]["point"], rows[1]["point"]]
     device = {THIS_MACHINE: device_from_entry(THIS_MACHINE, catalogue["H200"])}
     shape = ModelShape.of(SHAPES["llama-3.2-1b"], "llama-3.2-1b")
-    step = decode_step(shape, Layout(THIS_MACHINE, 1, weights=FP16, kv=FP16), device, 64, 2048 + 1 + 16)
+    step = decode_step(shape, Layout(THIS_MACHINE, 1, weights=FP16, kv=FP16), device, 64, 2048 + 1 + 16 / 2)
     assert abs(out[0]["predicted_tok_s"] - 64 / step.step_s) < 1e-6
     assert abs(out[0]["rel_error"] - (64 / step.step_s - 5000) / 5000) < 1e-9
     assert out[1]["measured_tok_s"] == 900.0 and out[1]["predicted_tok_s"] > 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import openai
 from shared_stacks import StackSpec
 
 # The stack the tests that kill nothing share (tcp, one attention worker): the cluster
@@ -44,6 +43,8 @@ async def stream_all(base_url: str, kill, after_chunks: int | None, errors: bool
     """Stream every prompt at once; call `kill()` once every stream has `after_chunks`
     content chunks (None: right after sending). Returns each stream's text (with
     `errors`, a stream that fails gives its exception instead)."""
+    import openai  # here: a GPU machine's image may lack a working openai, and only this needs it
+
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=300)
     model = (await client.models.list()).data[0].id
     counts = [0] * len(PROMPTS)

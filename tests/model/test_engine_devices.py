@@ -137,10 +137,10 @@ def test_lamina_generate_in_bfloat16_prints_the_engines_tokens(unpacked, capsys)
 def test_the_engine_on_cuda_in_float32_equals_transformers_token_for_token(monkeypatch):
     """A random model of SmolLM2's shape (no GGUF file needed on a GPU machine), the
     same weights directory read by transformers; its decode steps through BufferAttention."""
-    from transformers import AutoModelForCausalLM
+    from lamina.model.hf_reference import reference_model
 
     loaded = load_model("random:smollm2-135m", packed=False)
-    hf = AutoModelForCausalLM.from_pretrained(str(loaded.weights_dir), dtype=torch.float32).eval()
+    hf = reference_model(loaded.weights_dir, torch.float32)
     taken = _count_buffer_steps(monkeypatch)
     engine = Engine(loaded, EngineConfig(device="cuda"))
     assert engine.kv.device == torch.device("cuda")

@@ -79,3 +79,14 @@ def test_batch_invariance(engine, loaded_model):
     batch = engine.generate(others[:7] + [target] + others[7:], SamplingParams(max_tokens=24, temperature=0.0))
     assert batch[7].output_token_ids == alone.output_token_ids
     assert engine.kv.used_bytes == 0  # every sequence's KV freed at the end
+
+
+def test_the_reference_models_dtype_keyword_follows_the_transformers_version():
+    """from_pretrained took `torch_dtype` before transformers 4.56 and takes `dtype` since
+    (a GPU machine's image may hold a 4.x)."""
+    from lamina.model.hf_reference import dtype_argument
+
+    assert dtype_argument("4.55.2", torch.bfloat16) == {"torch_dtype": torch.bfloat16}
+    assert dtype_argument("4.56.0", torch.float32) == {"dtype": torch.float32}
+    assert dtype_argument("4.57.0.dev0", torch.float32) == {"dtype": torch.float32}
+    assert dtype_argument("5.23.0", torch.float16) == {"dtype": torch.float16}

@@ -28,6 +28,9 @@ def test_each_service_kind_has_its_device_and_dtype_from_file_environment_and_fl
         "cuda:1", "bfloat16", "cuda", "float16")
     cfg = load_config(env={}, overrides={"model_worker.dtype": "bfloat16", "weights": "float32"})
     assert cfg.model_worker.dtype == "bfloat16" and compute_dtype(cfg.model_worker.dtype) is torch.bfloat16
+    assert load_config(env={}).prefill.dtype == "float32"
+    cfg = load_config(env={"LAMINA_PREFILL_DTYPE": "float16", "LAMINA_WEIGHTS": "float32"})
+    assert cfg.prefill.dtype == "float16" and cfg.model_worker.dtype == "float32"
 
 
 @pytest.mark.parametrize(("env", "message"), [
@@ -37,6 +40,8 @@ def test_each_service_kind_has_its_device_and_dtype_from_file_environment_and_fl
     ({"LAMINA_ATTENTION_DTYPE": "half"}, r"attention\.dtype must be one of"),
     # Packed weights run on CPU kernels in float32.
     ({"LAMINA_MODEL_DTYPE": "bfloat16"}, r"weights must be float32 when model_worker\.dtype is not float32"),
+    ({"LAMINA_PREFILL_DTYPE": "bfloat16"}, r"weights must be float32 when prefill\.dtype is not float32"),
+    ({"LAMINA_PREFILL_DTYPE": "fp8"}, r"prefill\.dtype must be one of"),
     ({"LAMINA_KV_QUANT": "q4", "LAMINA_ATTENTION_DTYPE": "bfloat16"}, r"attention\.kv_quant must be none unless"),
     ({"LAMINA_KV_QUANT": "q4", "LAMINA_ATTENTION_DEVICE": "cuda"}, r"attention\.kv_quant must be none unless"),
     ({"LAMINA_PIPELINE": "rotational", "LAMINA_MODEL_DEVICE": "cuda"}, r"pipeline\.mode must be fixed when"),
@@ -94,10 +99,9 @@ def test_model_and_attention_workers_off_the_cpu_kernels_agree_with_transformers
     greedy tokens in the same dtype: in float32 every next token equals transformers',
     in bfloat16 nearly every one (rounding differs where two logits are within
     bfloat16's precision)."""
-    from transformers import AutoModelForCausalLM
-
     from lamina.model.attention import attention_with_lse
     from lamina.model.batch import StepBatch
+    from lamina.model.hf_reference import reference_model
     from lamina.services.attention.attention_core import AttentionCore
     from lamina.services.model.model_service import ModelSlices
     from lamina.services.wire import StoreKV
@@ -109,7 +113,7 @@ def test_model_and_attention_workers_off_the_cpu_kernels_agree_with_transformers
     cfg = slices.cfg
     core = AttentionCore(cfg, 64 << 20, cfg.num_kv_heads, device=device, dtype=dtype)
     assert not core.native
-    hf = AutoModelForCausalLM.from_pretrained(str(slices.loaded.weights_dir), dtype=dtype).eval()
+    hf = reference_model(slices.loaded.weights_dir, dtype)
     tok = slices.loaded.tokenizer
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "My favourite colour is"]
     agree = total = 0
