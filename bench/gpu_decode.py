@@ -216,7 +216,7 @@ def main() -> None:
 
     for spec in models.split(","):
         model, _, dtype = spec.rpartition(":")
-        loaded = load_model(None if model == "smollm2" else model, packed=False)
+        loaded = load_model(None if model == "smollm2" else model, dtype=getattr(torch, dtype), packed=False)
         cfg, weights_dir = loaded.config, loaded.weights_dir
         elem = getattr(torch, dtype).itemsize
         weight_bytes = sum(p.numel() for p in loaded.model.parameters()) * elem

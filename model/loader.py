@@ -55,11 +55,14 @@ def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: Path, dtype: torch.dtype) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device="cpu")
-    # inv_freq is derived, not stored: rebuild it after to_empty left it uninitialized.
+    # Parameters made in `dtype` at once (an 8B model made in float32 and then converted
+    # would take its float32 bytes of memory on top of the checkpoint's).
+    model = model.to(dtype).to_empty(device="cpu")
+    # inv_freq is derived, not stored: rebuilt after to_empty left it uninitialized, in
+    # float32 whatever the dtype (as transformers keeps it: RoPE's angles need it).
     from lamina.model.rope import inverse_frequencies
 
-    model.model.inv_freq.copy_(inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    model.model.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).float()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
@@ -73,7 +76,7 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: Path, 
         model.load_state_dict(state, strict=False, assign=False)
     except RuntimeError as exc:
         raise CheckpointError(source, f"weights do not fit the configuration: {exc}") from exc
-    return model.to(dtype).eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
 
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,

@@ -89,7 +89,9 @@ class ModelSlices:
         device = torch.device(device)
         if runs_natively(device, dtype):
             return cls(load_model(model_path, weights=weights))
-        slices = cls(load_model(model_path, packed=False))  # split on CPU: its example inputs are there
+        # Read in `dtype` (an 8B model read in float32 first would take twice its bytes of
+        # host memory) and split on the CPU: its example inputs are there.
+        slices = cls(load_model(model_path, dtype=dtype, packed=False))
         slices.device = device
         slices.staging = Staging(device)
         place([slices.loaded.model, *(piece.module for piece in slices.split.slices)], device, dtype)
