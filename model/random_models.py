@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -160,7 +161,7 @@ def write_tokenizer(out: Path) -> None:
 
 def materialize(spec_text: str, root: Path) -> Path:
     """The Hugging Face directory of `random:NAME[@SEED]` under root, written on first use
-    (one safetensors file per layer, so no more than a layer is held at once)."""
+    (one safetensors file per layer, so no more than a few layers are held at once)."""
     spec = parse_spec(spec_text)
     out = _cache_dir(spec, root)
     if (out / _MARKER).is_file():
@@ -177,12 +178,18 @@ def materialize(spec_text: str, root: Path) -> Path:
         for name in shapes:  # one file per layer, one for the rest
             key = name.split(".")[2] if name.startswith("model.layers.") else "rest"
             groups.setdefault(key, []).append(name)
-        weight_map: dict[str, str] = {}
-        for n, (key, names) in enumerate(groups.items()):
-            tensors = {name: random_tensor(name, shapes[name], spec.seed) for name in names}
-            file = f"model-{n:05d}-{key}.safetensors"
-            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
-            weight_map |= dict.fromkeys(names, file)
+        files = {key: f"model-{n:05d}-{key}.safetensors" for n, key in enumerate(groups)}
+
+        def write(key: str) -> None:
+            tensors = {name: random_tensor(name, shapes[name], spec.seed) for name in groups[key]}
+            save_file(tensors, str(tmp / files[key]), metadata={"format": "pt"})
+
+        # Layers drawn at once on a few threads (torch's generator fills one tensor on one
+        # core; an 8B model's 8 billion draws took minutes on one): each tensor has its own
+        # generator, so the weights do not depend on the order. A few layers in memory at a time.
+        with ThreadPoolExecutor(max(1, min(8, (os.cpu_count() or 1)))) as pool:
+            list(pool.map(write, groups))
+        weight_map = {name: files[key] for key, names in groups.items() for name in names}
         total = sum(2 * math.prod(shape) for shape in shapes.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}  # what transformers reads
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
