@@ -41,6 +41,8 @@ from itertools import count
 
 import torch
 
+from lamina.model.uploads import upload
+
 
 class KVAllocationError(RuntimeError):
     """Not enough free KV slots; nothing was changed. The scheduler can wait, preempt or
@@ -254,7 +256,7 @@ class SlabAllocator:
         """k, v: [n, H, D] for positions [start, start + n) of layer `layer`."""
         n = k.shape[0]
         self.prepare_write(request_id, start, n)
-        idx = _int64_tensor([self._seqs[request_id][start:start + n]]).to(self.config.device)
+        idx = upload(_int64_tensor([self._seqs[request_id][start:start + n]]), self.config.device)
         self.k_pools[layer][idx] = k
         self.v_pools[layer][idx] = v
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from lamina.model.kv_attention import SlotBatch
+from lamina.model.uploads import upload
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class PaddedSlots:
             lens_t = torch.tensor(lens)  # [B]
             valid = col[None, :] < lens_t[:, None]  # [B, Lmax]
             table[:, :width][valid] = batch.slots  # row-major: each sequence's slots in order
-        return cls(table.to(device), lens, torch.device(device))
+        return cls(upload(table, device), lens, torch.device(device))
 
 
 def check_rows(query_lens: Sequence[int], q: torch.Tensor) -> None:
@@ -86,7 +87,7 @@ def padded_attention(q: torch.Tensor, query_lens: Sequence[int], k_pool: torch.T
     g = hq // hkv
     device = q.device
     width = slots.table.shape[1]
-    seq_of_row, visible = seq_of_row.to(device), visible.to(device)
+    seq_of_row, visible = upload(seq_of_row, device), upload(visible, device)
     rows = slots.table[seq_of_row]  # [T, Lmax] slot of each key of each query row
     k = k_pool[rows].float()  # [T, Lmax, Hkv, D]
     v = v_pool[rows].float()

@@ -39,6 +39,7 @@ import torch
 
 from lamina.model.device_attention import check_rows, visible_keys
 from lamina.model.kv_attention import SlotBatch
+from lamina.model.uploads import upload
 
 # Keys per block of the kernel's loop (a dot's tile: at least 16).
 BLOCK_N = 64
@@ -68,7 +69,7 @@ class PagedSlots:
         starts = [0]
         for n in batch.lens[:-1]:
             starts.append(starts[-1] + n)
-        return cls(batch.slots.to(device, torch.int32), tuple(starts), batch.lens, torch.device(device))
+        return cls(upload(batch.slots.to(torch.int32), device), tuple(starts), batch.lens, torch.device(device))
 
     def rows(self, query_lens: Sequence[int], kv_lens: Sequence[int] | None,
              causal: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -77,7 +78,8 @@ class PagedSlots:
         if hit is None:
             seq_of_row, visible = visible_keys(query_lens, self.lens, kv_lens, causal)  # [T] each
             start = torch.tensor(self.starts, dtype=torch.int64)[seq_of_row]  # [T]
-            hit = (start.to(self.device), visible.to(self.device), int(visible.max()) if visible.numel() else 0)
+            hit = (upload(start, self.device), upload(visible, self.device),
+                   int(visible.max()) if visible.numel() else 0)
             self._rows[key] = hit
         return hit
 
@@ -212,7 +214,7 @@ class BufferRows:
             visible += range(h + 1, h + n + 1)
 
         def on(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(first.device)
+            return upload(torch.tensor(values, dtype=torch.int64), first.device)
 
         return cls(on(base), on(cap), on(pos), on(visible), max(visible, default=0), first.dtype, first.shape[3])
 

@@ -49,6 +49,7 @@ from lamina.model.kv_attention import NATIVE, SlotBatch, SlotPools, SlotStep, bu
 from lamina.model.kv_quant import KV_QUANT_CHOICES, Q4Rows
 from lamina.model.paged_decode import PagedSlots, paged_attention, paged_available
 from lamina.model.placement import runs_natively
+from lamina.model.uploads import upload
 from lamina.services.attention.attention_checks import KVShape, PendingStore, check_attend, check_store
 from lamina.services.wire import RemoteError, StoreKV, short_repr
 
@@ -147,7 +148,7 @@ class AttentionCore:
         fast = None
         if self._slot_pools is not None:
             fast = SlotStep(self._slot_pools, batch, [min(n, m) for m, (_, n) in zip(lens, seqs)], new)
-        entry = _StepSlots(versions, batch, new.to(self.device),
+        entry = _StepSlots(versions, batch, upload(new, self.device),
                            None if self.native else self._table(batch), fast)
         self._step_slots.pop(ids, None)
         if len(self._step_slots) >= _STEP_SLOTS_KEPT:
@@ -159,8 +160,9 @@ class AttentionCore:
         return PagedSlots.of(batch, self.device) if self.paged else PaddedSlots.of(batch, self.device)
 
     def _here(self, t: torch.Tensor) -> torch.Tensor:
-        """An arriving tensor on this worker's device, in its dtype."""
-        return t.to(self.device, self.dtype, non_blocking=True)
+        """An arriving tensor on this worker's device, in its dtype (a copy off a GPU to the
+        host waits: an asynchronous one would be read before it landed)."""
+        return t.to(self.device, self.dtype, non_blocking=t.device.type == "cpu")
 
     def _attention(self, layer: int, q: torch.Tensor, query_lens: list[int], step: _StepSlots,
                    kv_lens: Sequence[int] | None = None, causal: bool = True, need_lse: bool = False
@@ -177,7 +179,8 @@ class AttentionCore:
                                       causal=causal, need_lse=need_lse, packed=self.packed)
             return out.to(q.dtype), lse
         attend = paged_attention if isinstance(step.table, PagedSlots) else padded_attention
-        out, lse = attend(q.to(self.device, non_blocking=True), query_lens, k_pool, v_pool, step.table,  # type: ignore[arg-type]
+        q_here = q.to(self.device, non_blocking=q.device.type == "cpu")
+        out, lse = attend(q_here, query_lens, k_pool, v_pool, step.table,  # type: ignore[arg-type]
                           kv_lens, causal=causal, need_lse=need_lse)
         return out.to(q.device, q.dtype), None if lse is None else lse.to(q.device)
 

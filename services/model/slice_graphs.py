@@ -99,11 +99,14 @@ class SliceGraphs:
         def static(t: torch.Tensor) -> torch.Tensor:
             return torch.zeros((bucket, *t.shape[1:]), dtype=t.dtype, device=self.device)
 
-        g_inputs = {name: static(t) for name, t in inputs.items()}
+        # Plain tensors even where the caller is in inference mode (the colocated step): a
+        # graph replayed later outside it copies its inputs into them in place.
+        with torch.inference_mode(False):
+            g_inputs = {name: static(t) for name, t in inputs.items()}
+            g_attn = None if attn is None else static(attn)
+            g_context = [static(t) for t in context]
         # Every row of a bucket is a sequence's last token: its logits row is itself.
         g_inputs["logits_index"].copy_(torch.arange(bucket, device=self.device))
-        g_attn = None if attn is None else static(attn)
-        g_context = [static(t) for t in context]
         slice_j = self.split.slices[j]
         pool = self._pools.get((micro_batch, bucket))
         if pool is None:

@@ -79,13 +79,17 @@ class Staging:
 
     def to_device(self, micro_batch: int, t: torch.Tensor) -> torch.Tensor:
         """A frame's tensor on the device for the micro-batch's stream: a host one copied
-        there; a device one (cuda_ipc: complete when its frame is handed over) kept by the
-        allocator until that stream is done with it."""
+        there; a device one (cuda_ipc's, perhaps joined with others on the current stream)
+        waited for by that stream and kept by the allocator until it is done with it."""
         if not self.on_gpu:
             return t
         if t.is_cuda:
-            if micro_batch in self._streams:
-                t.record_stream(self._streams[micro_batch])
+            stream = self._streams.get(micro_batch)
+            if stream is not None:
+                # Made on the current stream (the receiver's copy, or the pool's joining of
+                # several workers' parts): the micro-batch's waits for it.
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                t.record_stream(stream)
             return t
         with self.stream(micro_batch):
             return t.to(self.device, non_blocking=True)

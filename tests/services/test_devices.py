@@ -152,6 +152,9 @@ def test_a_cuda_device_is_made_the_processs_current_one(monkeypatch):
     made: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "set_device", made.append)
     use_device(torch.device("cpu"))
+    use_device(torch.device("cuda"))  # the current device already
     assert made == []
     use_device(torch.device("cuda", 1))
     assert made == [torch.device("cuda", 1)]
+    monkeypatch.undo()
+    use_device(torch.device("cuda"))  # torch's own set_device refuses a device without index
