@@ -18,7 +18,8 @@ Graphs are replayed on the thread's current stream: the micro-batch's
 for their intermediates: they replay one after another on one stream, in the order they
 were captured (slice 0, 1, ...), which is when graphs may share one. Two micro-batches'
 graphs never share: they replay at once on their own streams. Captures run on a stream
-of their own, and a failed capture leaves the thread on the stream it was on.
+of their own, without synchronizing the device or emptying the allocator's caches, and a
+failed capture leaves the thread on the stream it was on.
 """
 
 from __future__ import annotations
@@ -115,14 +116,19 @@ class SliceGraphs:
         current = torch.cuda.current_stream(self.device)
         try:
             cap.wait_stream(current)  # the static inputs were filled there
-            # The outer stream context restores the thread's stream even when the capture's
-            # end raises (torch.cuda.graph ends the capture before it restores the stream).
+            # capture_begin/end, not torch.cuda.graph: that one synchronizes the device and
+            # empties the allocator's caches at every capture, mid-decode (a step's first
+            # batch of a new size captures a graph per slice). Errors only for this thread's
+            # unsafe calls: other micro-batches' work stays queued on their streams.
             with torch.cuda.stream(cap), torch.inference_mode():
                 for _ in range(2):  # warm up (lazy initialisation must not be captured)
                     slice_j(g_inputs, g_attn, g_context)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=cap):
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
                     out = slice_j(g_inputs, g_attn, g_context)
+                finally:
+                    graph.capture_end()
             current.wait_stream(cap)  # the warm-up wrote the memory the replays use
         except RuntimeError as exc:
             self._failed.add((j, bucket))
