@@ -4,7 +4,7 @@ A decode step of B sequences (one new token each) runs each slice of the split m
 (lamina.model.splitter) between two attentions; on a GPU each slice is a few dozen
 kernel launches, which at small batches cost more CPU time than the GPU spends on them.
 Each (micro-batch, slice, bucket) is captured once, the first time a step needs it, for
-the smallest bucket of BUCKETS that holds B rows; a step copies its inputs into the
+the smallest bucket of BUCKETS that holds B rows; a step copies the inputs the slice reads into the
 graph's input tensors (the first B rows; the rest keep what they held, rows no step
 reads), replays it, and takes the first B rows of its outputs. Every graph has tensors
 of its own: a micro-batch's outputs stay untouched while another micro-batch replays
@@ -68,12 +68,13 @@ class SliceGraphs:
     def run(self, micro_batch: int, j: int, inputs: dict[str, Any], attn: torch.Tensor | None,
             context: Sequence[torch.Tensor]) -> SliceOutput | None:
         """Slice j of a decode step by its graph (None: the caller runs it eagerly)."""
-        inputs = {name: t for name, t in inputs.items() if isinstance(t, torch.Tensor)}  # no flags
-        ids = inputs["input_ids"]
-        rows = ids.shape[0]
+        rows = inputs["input_ids"].shape[0]
         bucket = bucket_for(rows)
         if bucket is None or inputs["logits_index"].shape[0] != rows or (j, bucket) in self._failed:
             return None  # not a decode step (a prompt's rows), or too large
+        # The model inputs this slice reads (no flags): each step copies only these in.
+        inputs = {name: inputs[name] for name in self.split.slices[j].graph_inputs
+                  if isinstance(inputs[name], torch.Tensor)}
         key = (micro_batch, j, bucket)
         g = self._graphs.get(key)
         if g is None:
@@ -106,8 +107,8 @@ class SliceGraphs:
             g_inputs = {name: static(t) for name, t in inputs.items()}
             g_attn = None if attn is None else static(attn)
             g_context = [static(t) for t in context]
-        # Every row of a bucket is a sequence's last token: its logits row is itself.
-        g_inputs["logits_index"].copy_(torch.arange(bucket, device=self.device))
+        if "logits_index" in g_inputs:  # the last slice's: every row of a bucket is a sequence's
+            g_inputs["logits_index"].copy_(torch.arange(bucket, device=self.device))  # last token
         slice_j = self.split.slices[j]
         pool = self._pools.get((micro_batch, bucket))
         if pool is None:
