@@ -57,7 +57,7 @@ import torch
 from decode_pipeline import attention_per_layer  # bench/'s own (a script's folder is on its path)
 
 from lamina.model.hf_reference import reference_model
-from lamina.planner.measure.kernels import copy_bandwidth
+from lamina.planner.measure.kernels import copy_bandwidth, synchronize
 from lamina.planner.measure.stack_run import run_stack
 
 
@@ -75,11 +75,6 @@ class Point:
     @property
     def checkpoint(self) -> str | None:
         return None if self.model == "smollm2" else self.model
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def free_bytes(device: torch.device) -> int:
@@ -159,12 +154,12 @@ def run_transformers(hf: Any, point: Point, prompts: list[list[int]], steps: int
     mask = torch.ones_like(ids)
 
     def generate(n: int) -> float:
-        sync(device)
+        synchronize(device)
         t = time.perf_counter()
         with torch.no_grad():
             hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                         cache_implementation="static", pad_token_id=0)
-        sync(device)
+        synchronize(device)
         return time.perf_counter() - t
 
     generate(1 + steps)  # warm-up, at the timed length

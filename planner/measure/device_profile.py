@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lamina.planner.measure.kernels import copy_bandwidth, fastest_wall_time
+from lamina.planner.measure.kernels import copy_bandwidth, fastest_on
 from lamina.planner.profile import OVERHEAD_POINTS
 
 # Decode batches the products are measured at, and the attention cases (batch, context).
@@ -36,25 +36,10 @@ BATCHES = (1, 4, 16, 64, 256)
 ATTENTION_CASES = ((1, 2048), (16, 1024), (64, 2048))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def fastest(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """The fastest wall seconds of `fn` over `repeats` calls after one warm-up, each ended
-    by the device's synchronisation (planner/measure/kernels.py's fastest_wall_time)."""
-    def synced() -> None:
-        fn()
-        _sync(device)
-
-    return fastest_wall_time(synced, repeats)
-
-
 def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int) -> float:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    return 2 * n**3 / fastest(lambda: a @ b, device, repeats)
+    return 2 * n**3 / fastest_on(device, lambda: a @ b, repeats)
 
 
 def linear_s_per_param(device: torch.device, dtype: torch.dtype, shapes: list[tuple[int, int]], layers: int,
@@ -66,7 +51,7 @@ def linear_s_per_param(device: torch.device, dtype: torch.dtype, shapes: list[tu
     out: dict[int, float] = {}
     for batch in batches:
         xs = {i: torch.randn(batch, i, device=device).to(dtype) for _, i in shapes}
-        out[batch] = fastest(_products(weights, xs), device, repeats) / params
+        out[batch] = fastest_on(device, _products(weights, xs), repeats) / params
     return out
 
 
@@ -101,7 +86,7 @@ def attention_bytes_s(cfg: Any, device: torch.device, dtype: torch.dtype, cases:
         q = torch.randn(batch, hq, d, device=device).to(dtype)
         k = torch.randn(batch, hkv, d, device=device).to(dtype)
         core.attend(0, seqs, q, k, k)  # extends the sequences; later layers read context + 1 keys
-        seconds = fastest(_later_layers(core, seqs, q, k, cfg.num_layers), device, min(repeats, cfg.num_layers - 2))
+        seconds = fastest_on(device, _later_layers(core, seqs, q, k, cfg.num_layers), min(repeats, cfg.num_layers - 2))
         out[f"{batch}x{context}"] = 2 * batch * (context + 1) * hkv * d * elem / seconds
     return out
 
@@ -119,7 +104,7 @@ def host_copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> floa
     pinned = device.type == "cuda"
     host = torch.ones(nbytes // 4, pin_memory=pinned)
     dst = torch.empty(nbytes // 4, device=device)
-    return nbytes / fastest(lambda: dst.copy_(host, non_blocking=pinned), device, repeats)
+    return nbytes / fastest_on(device, lambda: dst.copy_(host, non_blocking=pinned), repeats)
 
 
 def device_round_trips(device: torch.device) -> dict[str, Any]:

@@ -64,13 +64,22 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, device: torch.devi
     device = torch.device(device)
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
+    return 2 * nbytes / fastest_on(device, lambda: dst.copy_(src), repeats)
 
-    def copy() -> None:
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
-    return 2 * nbytes / fastest_wall_time(copy, repeats)
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (a CUDA device's; the CPU's is done on return)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fastest_on(device: torch.device, fn: Callable[[], object], repeats: int) -> float:
+    """fastest_wall_time of `fn` on `device`, each call ended by the device's synchronisation."""
+    def synced() -> None:
+        fn()
+        synchronize(device)
+
+    return fastest_wall_time(synced, repeats)
 
 
 def make_layers(fmt: str, num_layers: int, gen: torch.Generator) -> list[list[quant.PackedWeight]]:
