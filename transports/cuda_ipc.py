@@ -46,7 +46,7 @@ import torch
 from .base import Connection, Handler, Listener, Transport, split_address
 from .config import TransportConfig
 from .errors import FrameError, PeerClosed, TransportError
-from .frame import DTYPES, Buffer, Frame
+from .frame import DTYPES, Buffer, Frame, buffer_nbytes
 from .host_staging import until_done
 from .shm import ShmTransport
 
@@ -186,8 +186,8 @@ class CudaIpcConnection(Connection):
         tensors = list(frame.tensors)
         gpu = {i: t for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.is_cuda}
         on_gpu = list(gpu)
-        host_bytes = sum(_nbytes(t) for i, t in enumerate(tensors) if i not in gpu)
-        gpu_bytes = sum(_nbytes(t) for t in gpu.values())
+        host_bytes = sum(buffer_nbytes(t) for i, t in enumerate(tensors) if i not in gpu)
+        gpu_bytes = sum(buffer_nbytes(t) for t in gpu.values())
         unsent = [str(t.dtype) for t in gpu.values() if str(t.dtype).removeprefix("torch.") not in DTYPES]
         if unsent:
             raise FrameError(f"cuda_ipc: a frame cannot carry {unsent[0]}")
@@ -196,19 +196,19 @@ class CudaIpcConnection(Connection):
                              f"({self.config.max_frame_bytes})")
         places: list[list[Any]] = []
         through_host: list[int] = []
-        fits = sum(-(-_nbytes(t) // _ALIGN) * _ALIGN for t in gpu.values()) <= self._space.size
+        fits = sum(-(-buffer_nbytes(t) // _ALIGN) * _ALIGN for t in gpu.values()) <= self._space.size
         if gpu and not fits:
             for i, t in gpu.items():  # too big for the ring at once: through host memory, whole
                 tensors[i] = t.cpu()
             through_host = on_gpu
         elif gpu:
-            offsets = await self._space.take([_nbytes(t) for t in gpu.values()])
+            offsets = await self._space.take([buffer_nbytes(t) for t in gpu.values()])
             ring = self._out.ring
             copy = self._copy
             copy.wait_stream(torch.cuda.current_stream(self._device))  # the tensors are made there
             with torch.cuda.stream(copy):
                 for (i, t), at in zip(gpu.items(), offsets):
-                    n = _nbytes(t)
+                    n = buffer_nbytes(t)
                     if n:
                         ring[at:at + n].copy_(t.contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
                         t.record_stream(copy)
@@ -301,18 +301,12 @@ class CudaIpcConnection(Connection):
         await self._ended.wait()
 
 
-def _nbytes(buf: Buffer) -> int:
-    if isinstance(buf, torch.Tensor):
-        return buf.numel() * buf.element_size()
-    return memoryview(buf).nbytes
-
-
 def _into(dest: Buffer, got: Buffer) -> Buffer:
     """A received buffer copied into the caller's destination of the same size."""
     if isinstance(dest, torch.Tensor) and not dest.is_contiguous():
         raise FrameError("out tensors must be contiguous")
-    if _nbytes(dest) != _nbytes(got):
-        raise FrameError(f"out buffer of {_nbytes(dest)} bytes for a buffer of {_nbytes(got)}")
+    if buffer_nbytes(dest) != buffer_nbytes(got):
+        raise FrameError(f"out buffer of {buffer_nbytes(dest)} bytes for a buffer of {buffer_nbytes(got)}")
     if isinstance(dest, torch.Tensor):
         src = got if isinstance(got, torch.Tensor) else torch.frombuffer(bytearray(got), dtype=torch.uint8)
         dest.reshape(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8))

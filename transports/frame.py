@@ -147,6 +147,11 @@ def buffer_view(b: Buffer) -> tuple[int, tuple[int, ...], memoryview]:
     return 0, (view.nbytes,), view
 
 
+def buffer_nbytes(buf: Buffer) -> int:
+    """Bytes of one of a frame's buffers: a tensor's data, or a byte buffer's length."""
+    return buf.numel() * buf.element_size() if isinstance(buf, torch.Tensor) else memoryview(buf).nbytes
+
+
 def byte_view(buf) -> memoryview:
     """Flat, sliceable byte view of any C-contiguous buffer (numpy array, bytes, view)."""
     view = memoryview(buf)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -56,8 +57,8 @@ from .frame import (
     DTYPES,
     MAX_NDIM,
     PREAMBLE_SIZE,
-    Buffer,
     Frame,
+    buffer_nbytes,
     decode_header,
     decode_preamble,
     encode,
@@ -136,7 +137,7 @@ def _read_notice(header: msgpack.ExtType) -> list[tuple[int, torch.dtype, tuple[
                     or any(type(n) is not int or n < 0 for n in shape)):
                 raise ValueError(f"bad entry {[i, name, list(shape)]}")
             dtype = DTYPES[name]
-            out.append((i, dtype, shape, dtype.itemsize * _numel(shape)))
+            out.append((i, dtype, shape, dtype.itemsize * math.prod(shape)))
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
         raise FrameError(f"UCX notice of device buffers is malformed: {exc}") from exc
     if len({i for i, *_ in out}) != len(out):
@@ -148,17 +149,6 @@ def _bytes_of(t: torch.Tensor) -> Any:
     """A contiguous tensor's memory as UCX sends or receives it: device memory as a flat
     byte tensor (CUDA's array interface has no bfloat16), host memory as a byte view."""
     return t.reshape(-1).view(torch.uint8) if t.is_cuda else tensor_view(t)
-
-
-def _nbytes(b: Buffer) -> int:
-    return b.nbytes if isinstance(b, torch.Tensor) else memoryview(b).nbytes
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _translate(exc: BaseException, peer: str) -> TransportError:
@@ -245,11 +235,11 @@ class UcxConnection(StreamConnection):
         places = {i for i, *_ in items}
         frame = await self._recv_one(None if out is None else [None if i in places else o for i, o in enumerate(out)])
         tensors = list(frame.tensors)
-        size = sum(n for *_, n in items) + sum(_nbytes(t) for t in tensors)
+        size = sum(n for *_, n in items) + sum(buffer_nbytes(t) for t in tensors)
         if size > self.config.max_frame_bytes:
             raise FrameError(f"frame of {size} bytes exceeds max_frame_bytes={self.config.max_frame_bytes}")
         for i, dtype, shape, n in items:
-            if i >= len(tensors) or _nbytes(tensors[i]):
+            if i >= len(tensors) or buffer_nbytes(tensors[i]):
                 raise FrameError(f"UCX notice names buffer {i}, which the frame does not leave empty")
             dest = out[i] if out is not None and i < len(out) else None
             if dest is None:
