@@ -42,6 +42,7 @@ from lamina.services.wire import (
     result_frame,
     short_repr,
 )
+from lamina.transports.host_staging import has_cuda
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class AttentionService:
         tag = None
         try:
             tag = frame_tag(frame)
-            if self.core.native and any(isinstance(t, torch.Tensor) and t.is_cuda for t in frame.tensors):
+            if self.core.native and has_cuda(frame):
                 # cuda_ipc hands over GPU tensors; the native kernels read CPU memory (the
                 # reply then goes back through host memory, as the sender's staging expects).
                 frame = transports.Frame(frame.kind, frame.header,
