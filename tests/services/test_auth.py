@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from transport_helpers import echo
 
 from lamina import transports
 from lamina.gateway.config import GatewayConfig, is_loopback
@@ -188,11 +189,6 @@ def test_lamina_gateway_and_up_refuse_before_starting_anything(tmp_path, command
 
 
 # -- the shared-memory socket admits its own user only ---------------------------------------
-async def echo(conn) -> None:
-    while True:
-        await conn.send(await conn.recv())
-
-
 SYSTEM_PYTHON = "/usr/bin/python3"  # one that another user may run (the venv's may sit in /root)
 
 

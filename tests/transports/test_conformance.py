@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from transport_helpers import address_for, byte_stream, open_fds, transport_tasks
+from transport_helpers import address_for, byte_stream, echo, open_fds, transport_tasks
 
 from lamina import transports
 from lamina.transports import (
@@ -41,12 +41,6 @@ def codec(request, monkeypatch) -> str:
     return request.param
 
 CHILD = os.path.join(os.path.dirname(__file__), "peer_child.py")
-
-
-async def echo(conn) -> None:
-    while True:
-        frame = await conn.recv()
-        await conn.send(frame)
 
 
 async def pair(address, handler=echo, server_config=None, client_config=None):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from transport_helpers import address_for
+from transport_helpers import address_for, echo
 
 from lamina import transports
 from lamina.transports import Frame, TransportConfig
@@ -22,11 +22,6 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(
     transports.availability("cuda_ipc") is not None, reason=f"cuda_ipc: {transports.availability('cuda_ipc')}")]
 
 CHILD = os.path.join(os.path.dirname(__file__), "peer_child.py")
-
-
-async def echo(conn) -> None:
-    while True:
-        await conn.send(await conn.recv())
 
 
 def _mixed(seed: int) -> list:

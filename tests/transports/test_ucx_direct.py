@@ -14,7 +14,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 import torch
-from transport_helpers import address_for
+from transport_helpers import address_for, echo
 
 from lamina import transports
 from lamina.transports import Frame, FrameError, TransportConfig, ucx
@@ -22,11 +22,6 @@ from lamina.transports import Frame, FrameError, TransportConfig, ucx
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(transports.availability("ucx") is not None,
                                  reason=f"ucx unavailable: {transports.availability('ucx')}")]
-
-
-async def echo(conn) -> None:
-    while True:
-        await conn.send(await conn.recv())
 
 
 @pytest.fixture

@@ -40,3 +40,9 @@ def transport_tasks() -> list[asyncio.Task]:
         if code is not None and "/transports/" in code.co_filename:
             out.append(t)
     return out
+
+
+async def echo(conn) -> None:
+    """A handler that sends back every frame it receives, until the connection ends."""
+    while True:
+        await conn.send(await conn.recv())
