@@ -4,9 +4,9 @@ A decode step of B sequences (one new token each) runs each slice of the split m
 (lamina.model.splitter) between two attentions; on a GPU each slice is a few dozen
 kernel launches, which at small batches cost more CPU time than the GPU spends on them.
 Each (micro-batch, slice, bucket) is captured once, the first time a step needs it, for
-the smallest bucket of BUCKETS that holds B rows; a step copies the inputs the slice reads into the
-graph's input tensors (the first B rows; the rest keep what they held, rows no step
-reads), replays it, and takes the first B rows of its outputs. Every graph has tensors
+the smallest bucket of BUCKETS that holds B rows; a step copies the inputs the slice
+reads into the graph's input tensors (the first B rows; the rest keep what they held,
+rows no step reads), replays it, and takes the first B rows of its outputs. Every graph has tensors
 of its own: a micro-batch's outputs stay untouched while another micro-batch replays
 the same slice, and a slice's outputs live until the same micro-batch replays that
 slice again, a step later, after its tokens were sampled. A step that is not a decode
