@@ -49,7 +49,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -67,18 +66,13 @@ from llama_cpp import LlamaServerUnavailable, ensure_llama_server, server_versio
 
 from lamina.lifetime import child_argv, child_env
 from lamina.planner.measure.host_load import ForeignCpu
+from lamina.ports import free_port
 from lamina.services.launch.launcher import health_ok
 
 ROOT = Path(__file__).resolve().parent.parent
 
 SLOT_MARGIN = 17  # tokens per llama-server slot beyond prompt and output (15 + 96 + 17 = 128)
 START_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_prompts(tokenizer, n: int, length: int) -> list[list[int]]:

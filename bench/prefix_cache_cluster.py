@@ -146,6 +146,7 @@ def run_arm(arm: str, prompts: list[list[int]], concurrency: int, workers: int,
     of the prefill section); the replay's figures."""
     from serving import summary
 
+    from lamina.ports import free_port
     from lamina.services.config import AttentionSection, GatewaySection, PrefillSection, StackConfig
     from lamina.services.launch.launcher import Stack
 
@@ -160,7 +161,7 @@ def run_arm(arm: str, prompts: list[list[int]], concurrency: int, workers: int,
     section = dataclasses.replace(section, **(prefill or {}))
     config = StackConfig(prefill=section,
                          attention=AttentionSection(workers=1, kv_capacity_bytes=512 << 20),
-                         gateway=GatewaySection(port=_free_port()))
+                         gateway=GatewaySection(port=free_port()))
     stack = Stack(config)
     try:
         stack.start(timeout_s=300)
@@ -192,14 +193,6 @@ def _workload_line(prompts: list[list[int]], sample: str, min_turns: int, offset
     total = sum(len(p) for p in prompts)
     return (f"Kimi trace, {len(prompts)} requests ({what}), lengths / {scale} (at most {max_prompt} tokens; "
             f"{total} prompt tokens, mean {total / len(prompts):.0f}), 1 output token, {concurrency} in flight")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cluster(n: int, offset: int, scale: int, max_prompt: int, concurrency: int, workers: int = 2,

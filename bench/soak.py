@@ -849,13 +849,13 @@ def main() -> int:
         elif args.base_url:
             base_url, config = args.base_url.rstrip("/"), find_config(args.base_url, args.config)
         else:
-            from lamina.kvstore.redis_server import free_tcp_port
+            from lamina.ports import free_port
             from lamina.services.config import GatewaySection, PrefillSection, StackConfig
             from lamina.services.launch.launcher import Stack
 
             # A small prefix cache, full after the warm-up: the default one (256 + 512 MiB)
             # would grow the prefill worker's RSS by design for the whole run.
-            stack = Stack(StackConfig(gateway=GatewaySection(port=free_tcp_port()),
+            stack = Stack(StackConfig(gateway=GatewaySection(port=free_port()),
                                       prefill=PrefillSection(cache_device_bytes=CACHE_BYTES,
                                                              cache_host_bytes=CACHE_BYTES)))
             print("starting the stack (defaults: 2 attention workers, 1 model worker, tcp; prefix cache 16 + 16 "

@@ -49,6 +49,7 @@ from lamina.planner.measure.pingpong import (
     transport_config,
     warmup_rounds,
 )
+from lamina.ports import free_port
 
 if TYPE_CHECKING:  # torch is imported after heap_buffers(), in every process
     import torch
@@ -166,16 +167,10 @@ def _gloo_rtt(buf: torch.Tensor, size: int, quick: bool) -> float:
     return measure(one_round, size, quick)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bench_gloo(sizes: list[int], quick: bool) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_gloo_rank, args=(r, port, sizes, quick, results), daemon=True)
              for r in (0, 1)]
     for p in procs:

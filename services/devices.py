@@ -40,6 +40,14 @@ def use_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def open_device(setting: str, name: str) -> torch.device:
+    """The device a process computes on (`compute_device`), made its current one
+    (`use_device`): what every compute service and command does once at its start."""
+    device = compute_device(setting, name)
+    use_device(device)
+    return device
+
+
 def compute_dtype(name: str) -> torch.dtype:
     """torch's dtype of a validated `*.dtype` setting (services.config.COMPUTE_DTYPES)."""
     dtype = getattr(torch, name)

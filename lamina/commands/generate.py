@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from lamina.model.loader import load_model
     from lamina.model.placement import runs_natively
     from lamina.services.config import ConfigError
-    from lamina.services.devices import compute_device, compute_dtype, use_device
+    from lamina.services.devices import compute_dtype, open_device
 
     try:
         params = SamplingParams(
@@ -60,11 +60,10 @@ def run(args: argparse.Namespace) -> int:
 
     set_compute_threads(threads)
     try:
-        device = compute_device("--device", args.device)
+        device = open_device("--device", args.device)
     except (ConfigError, RuntimeError) as exc:  # RuntimeError: a device name torch does not know
         print(f"lamina generate: {exc}", file=sys.stderr)
         return 2
-    use_device(device)
     native = runs_natively(device, compute_dtype(args.dtype))
     if not native and args.weights not in ("float32", "as_file"):
         print(f"lamina generate: --weights {args.weights} is packed for the CPU in float32; on {device} in "

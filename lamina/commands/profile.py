@@ -66,14 +66,13 @@ def _run_device(args: argparse.Namespace) -> int:
     from lamina.planner.hardware import device_from_entry
     from lamina.planner.measure.device_profile import profile_device
     from lamina.services.config import ConfigError
-    from lamina.services.devices import compute_device, use_device
+    from lamina.services.devices import open_device
 
     try:
-        device = compute_device("--device", args.device)
-    except ConfigError as exc:
+        device = open_device("--device", args.device)
+    except (ConfigError, RuntimeError) as exc:  # RuntimeError: a device name torch does not know
         print(f"lamina profile: {exc}", file=sys.stderr)
         return 2
-    use_device(device)
     out = args.out or DEFAULT_PROFILE.with_name(f"profile-{str(device).replace(':', '')}.json")
     print(f"lamina profile: measuring {device} in {args.dtype} ({args.model}'s shapes)...", file=sys.stderr,
           flush=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 import urllib.request
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from lamina.model.tokenizer import Tokenizer
+from lamina.ports import free_port
 
 DISTINCT_TAIL = 16  # the prompts' last tokens that differ; the rest is shared
 
@@ -108,11 +108,6 @@ async def _drive(base_url: str, model: str, prompts: list[list[int]], steps: int
         await asyncio.gather(*(_stream(session, base_url, model, p, steps + 1, lambda: None) for p in prompts))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batches: int, q_early: bool,
               model_workers: int, kv_bytes: int, weights: str, mode: str = "fixed", attention_workers: int = 2,
@@ -142,7 +137,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
                          # Exactly the micro-batches asked for, however small they get.
                          pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1,
                                                   mode=mode))
-    config = replace(config, gateway=GatewaySection(port=_free_port()))
+    config = replace(config, gateway=GatewaySection(port=free_port()))
     stack = Stack(config)
     try:
         stack.start()

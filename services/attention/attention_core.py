@@ -159,10 +159,11 @@ class AttentionCore:
     def _table(self, batch: SlotBatch) -> PagedSlots | PaddedSlots:
         return PagedSlots.of(batch, self.device) if self.paged else PaddedSlots.of(batch, self.device)
 
-    def _here(self, t: torch.Tensor) -> torch.Tensor:
-        """An arriving tensor on this worker's device, in its dtype (a copy off a GPU to the
-        host waits: an asynchronous one would be read before it landed)."""
-        return t.to(self.device, self.dtype, non_blocking=t.device.type == "cpu")
+    def _here(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An arriving tensor on this worker's device, in `dtype` (default the pools'). Only
+        a copy from the host is asynchronous: one off a GPU to the host waits, else it
+        would be read before it landed."""
+        return t.to(self.device, dtype or self.dtype, non_blocking=t.device.type == "cpu")
 
     def _attention(self, layer: int, q: torch.Tensor, query_lens: list[int], step: _StepSlots,
                    kv_lens: Sequence[int] | None = None, causal: bool = True, need_lse: bool = False
@@ -179,8 +180,7 @@ class AttentionCore:
                                       causal=causal, need_lse=need_lse, packed=self.packed)
             return out.to(q.dtype), lse
         attend = paged_attention if isinstance(step.table, PagedSlots) else padded_attention
-        q_here = q.to(self.device, non_blocking=q.device.type == "cpu")
-        out, lse = attend(q_here, query_lens, k_pool, v_pool, step.table,  # type: ignore[arg-type]
+        out, lse = attend(self._here(q, q.dtype), query_lens, k_pool, v_pool, step.table,  # type: ignore[arg-type]
                           kv_lens, causal=causal, need_lse=need_lse)
         return out.to(q.device, q.dtype), None if lse is None else lse.to(q.device)
 

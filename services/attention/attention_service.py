@@ -25,7 +25,7 @@ from lamina.model.checkpoints import load_config
 from lamina.services.addresses import with_host
 from lamina.services.attention.attention_core import AttentionCore
 from lamina.services.config import StackConfig
-from lamina.services.devices import compute_device, compute_dtype, use_device
+from lamina.services.devices import compute_dtype, open_device
 from lamina.services.placement import head_range
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime, abort_for_remote_error
@@ -101,8 +101,7 @@ class AttentionService:
         if config.partition == "head":
             start, end = head_range(index, config.attention.workers, model_cfg.num_kv_heads)
             heads = end - start
-        device = compute_device("attention.device", config.attention.device)
-        use_device(device)
+        device = open_device("attention.device", config.attention.device)
         self.core = AttentionCore(model_cfg, config.attention.kv_capacity_bytes, heads,
                                   kv_quant=config.attention.kv_quant, device=device,
                                   dtype=compute_dtype(config.attention.dtype))

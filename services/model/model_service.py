@@ -49,7 +49,7 @@ from lamina.services.addresses import with_host
 from lamina.services.attention.attention_service import AttentionService
 from lamina.services.attention_pool import AttentionPool, SeqRows
 from lamina.services.config import PortsSection, StackConfig
-from lamina.services.devices import compute_device, compute_dtype, use_device
+from lamina.services.devices import compute_dtype, open_device
 from lamina.services.model.decode_runner import DecodeRunner
 from lamina.services.model.slice_graphs import SliceGraphs
 from lamina.services.model.slice_peers import SliceExecutors
@@ -183,8 +183,7 @@ class ModelService:
         self.config = config
         self.index = index
         mw = config.model_worker
-        device = compute_device("model_worker.device", mw.device)
-        use_device(device)
+        device = open_device("model_worker.device", mw.device)
         self.slices = ModelSlices.load(config.model, config.weights, device, compute_dtype(mw.dtype))
         # cuda_ipc carries device memory, and ucx where UCX can: Q, K, V leave from the GPU as
         # they are (a ucx connection that cannot stages them itself, after the same wait).

@@ -60,7 +60,7 @@ from lamina.sampling.sampler import Sampler
 from lamina.services.addresses import with_host
 from lamina.services.attention_pool import AttentionPool
 from lamina.services.config import PrefillSection, StackConfig
-from lamina.services.devices import compute_device, compute_dtype, use_device
+from lamina.services.devices import compute_dtype, open_device
 from lamina.services.model.model_service import ModelSlices
 from lamina.services.prefill.free_cores import forward_threads, host_cores, others_runnable
 from lamina.services.prefill.prefix_peers import PrefixFetcher, PrefixServer
@@ -105,8 +105,7 @@ class _Prompt:
 class PrefillService:
     def __init__(self, config: StackConfig, index: int = 0) -> None:
         self.config = config
-        self.device = compute_device("prefill.device", config.prefill.device)
-        use_device(self.device)
+        self.device = open_device("prefill.device", config.prefill.device)
         self.dtype = compute_dtype(config.prefill.dtype)
         self.slices = ModelSlices.load(config.model, config.weights, self.device, self.dtype)
         self.cfg = self.slices.cfg

@@ -8,13 +8,14 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from lamina.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "deploy" / "compose"
@@ -31,12 +32,6 @@ def missing_requirements() -> str | None:
     if os.geteuid() != 0:
         return "building the base image (debootstrap) and running podman here need root"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _interpolate(value: str, env: dict[str, str]) -> str:
@@ -123,7 +118,7 @@ def start(images: dict[str, str]) -> ComposeStack:
     `left_out`), on free ports, with the secrets make-secrets.sh makes."""
     remove_project()  # what an interrupted run may have left
     run(str(COMPOSE_DIR / "make-secrets.sh"))
-    env = {**os.environ, **images, "LAMINA_PORT": str(_free_port()), "PROMETHEUS_PORT": str(_free_port())}
+    env = {**os.environ, **images, "LAMINA_PORT": str(free_port()), "PROMETHEUS_PORT": str(free_port())}
     compose = yaml.safe_load((COMPOSE_DIR / "compose.yaml").read_text())
     services, left_out = [], {}
     for name, service in compose["services"].items():

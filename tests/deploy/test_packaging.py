@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from lamina.lifetime import child_env
+from lamina.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 FOLDERS = ("model", "services", "gateway", "kvstore", "transports", "planner")
@@ -202,8 +203,6 @@ def test_the_wheel_in_a_fresh_venv_serves_a_chat_request(installed, tmp_path, lo
     `lamina status` and `lamina health` (HTTP and gRPC) see its services healthy."""
     from fault_helpers import MAX_TOKENS, PROMPTS, greedy_references
 
-    from lamina.planner.local_layout import suspect
-
     where = _run([str(installed.venv / "bin" / "python"), "-c", "import lamina.services, lamina.model.quant as q; "
                   "print(lamina.services.__file__); print(q.NATIVE is not None)"], timeout=120, cwd=installed.cwd,
                  env=installed.env)
@@ -211,7 +210,7 @@ def test_the_wheel_in_a_fresh_venv_serves_a_chat_request(installed, tmp_path, lo
     assert Path(module_file).is_relative_to(installed.venv), f"lamina came from {module_file}, not the fresh venv"
     assert native == "True", "the wheel's native kernel did not load"
 
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "lamina-up.log"
     with _lamina_up(installed, port, log_path) as up:
         client, model = _serving(up, port, log_path)
@@ -258,8 +257,11 @@ def test_the_wheel_runs_every_other_command(installed, tmp_path, loaded_model, h
     generate` gives transformers' greedy text; `lamina plan --json` ranks layouts for a
     trace; `lamina profile --quick` (its stack run included) writes a profile that `lamina
     plan` reads as this-machine and that `lamina up`, naming no layout, chooses its layout
-    on without measuring again."""
+    on without measuring again (unless neighbours made the profile suspect: then it
+    measures again and says why)."""
     from fault_helpers import MAX_TOKENS, PROMPTS, greedy_references
+
+    from lamina.planner.local_layout import suspect
 
     for script in SCRIPTS_RUN:
         assert "usage:" in installed.run(script, "--help").stdout, script
@@ -294,7 +296,7 @@ def test_the_wheel_runs_every_other_command(installed, tmp_path, loaded_model, h
 
     # `lamina up` naming no layout ranks them on that profile (written by this machine and
     # version, so nothing is measured again) and starts the first.
-    port, log_path = _free_port(), tmp_path / "lamina-up-auto.log"
+    port, log_path = free_port(), tmp_path / "lamina-up-auto.log"
     with _lamina_up(installed, port, log_path, ("--profile", str(profile))) as up:
         client, model = _serving(up, port, log_path)
         reply = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
@@ -322,11 +324,3 @@ def _serving(up: subprocess.Popen, port: int, log_path: Path):
         except openai.APIConnectionError:
             assert time.monotonic() < deadline, "lamina up did not answer within 600 s"
             time.sleep(1)  # polling a port that opens when the stack is up: nothing to wait on
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

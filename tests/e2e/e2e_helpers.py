@@ -5,11 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import random
-import socket
 import urllib.request
-from pathlib import Path
 
+from lamina.ports import free_port
 from lamina.services.config import (
     AttentionSection,
     DeadlinesSection,
@@ -24,31 +22,6 @@ from lamina.services.launch.launcher import Stack
 CHAT_PROMPTS = ["What is the capital of France?", "Name two colours of the rainbow."]
 COMPLETION_PROMPTS = ["The three primary colours are", "def add(a, b):\n    return"]
 MAX_TOKENS = 16
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range: a port the kernel handed out (bind to
-    0) is free only until the gateway binds it, and meanwhile the stack's other listeners
-    and outgoing connections take ephemeral ports from that same range (once, the gateway's
-    health check got a data-plane listener's binary reply)."""
-    low = _ephemeral_low()
-    for _ in range(100):
-        port = random.randrange(max(1024, low - 10000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port found below {low}")
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
 
 
 def start_stack(transport: str = "tcp", partition: str = "request", workers: int = 2, micro_batches: int = 2,

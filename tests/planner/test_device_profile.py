@@ -37,3 +37,10 @@ def test_a_device_torch_cannot_use_is_refused_in_one_line(tmp_path):
                           str(tmp_path / "p.json")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert run.returncode == 2 and "torch finds no CUDA device here" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and not (tmp_path / "p.json").exists()
+
+
+def test_a_device_name_torch_does_not_know_is_refused_in_one_line(tmp_path):
+    run = subprocess.run([sys.executable, "-P", "-m", "lamina.cli", "profile", "--device", "gpu0", "--out",
+                          str(tmp_path / "p.json")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 2 and run.stderr.startswith("lamina profile: ") and "gpu0" in run.stderr, run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and not (tmp_path / "p.json").exists()

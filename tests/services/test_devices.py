@@ -6,7 +6,7 @@ import torch
 
 from lamina.cli import main
 from lamina.services.config import ConfigError, load_config
-from lamina.services.devices import check_devices, compute_device, compute_dtype, use_device
+from lamina.services.devices import check_devices, compute_device, compute_dtype, open_device, use_device
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -156,5 +156,6 @@ def test_a_cuda_device_is_made_the_processs_current_one(monkeypatch):
     assert made == []
     use_device(torch.device("cuda", 1))
     assert made == [torch.device("cuda", 1)]
+    assert open_device("prefill.device", "cpu") == torch.device("cpu") and len(made) == 1
     monkeypatch.undo()
     use_device(torch.device("cuda"))  # torch's own set_device refuses a device without index

@@ -11,15 +11,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from lamina.commands.health import grpc_serving, http_ok, probe_target
+from lamina.ports import free_port
 from lamina.services.addresses import advertised_host, host_port, with_host
 from lamina.services.config import ConfigError, load_config
 from lamina.services.runtime import ServiceRuntime
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_environment_sets_host_advertised_host_and_ports():
@@ -68,7 +63,7 @@ def test_probe_target_from_flags_or_the_container_environment():
 
 
 def test_runtime_binds_all_interfaces_on_fixed_ports_and_advertises_a_reachable_host():
-    grpc_port, metrics_port = _free_port(), _free_port()
+    grpc_port, metrics_port = free_port(), free_port()
     # No Redis is contacted: only the gRPC and metrics servers start.
     config = load_config(env={"REDIS_URL": "redis://127.0.0.1:1", "LAMINA_HOST": "0.0.0.0",
                               "LAMINA_ADVERTISE_HOST": "127.0.0.1", "LAMINA_GRPC_PORT": str(grpc_port),
@@ -96,7 +91,7 @@ def test_runtime_binds_all_interfaces_on_fixed_ports_and_advertises_a_reachable_
 
 
 def test_health_probe_fails_where_nothing_serves():
-    ok, detail = grpc_serving(f"127.0.0.1:{_free_port()}", "", 1.0)
+    ok, detail = grpc_serving(f"127.0.0.1:{free_port()}", "", 1.0)
     assert not ok and detail.startswith("UNAVAILABLE")
 
     class Draining(BaseHTTPRequestHandler):
