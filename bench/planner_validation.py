@@ -49,6 +49,11 @@ measured one.
 
 Prints the table and, last, one JSON line: {"cases", "median_abs_rel_error",
 "max_abs_rel_error", ...} (with --out-of-sample also "out_of_sample": {...}).
+
+--gpu ROWS --profile FILE measures nothing: it predicts each point of a GPU run of
+bench/gpu_decode.py (its --out rows) from the device profile `lamina profile --device
+cuda` wrote, the engine and the stack on the one GPU (`gpu_validation`), and prints
+{"gpu": [...]} last.
 """
 
 from __future__ import annotations
@@ -57,9 +62,10 @@ import argparse
 import gc
 import json
 import os
+import re
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 # bench/'s own modules import by name (a script's folder is on its path).
@@ -358,10 +364,13 @@ def out_of_sample(prof1: dict, predictions_path: Path | None, family: str | None
 
 
 def gpu_validation(rows_path: Path, profile_path: Path, steps: int) -> list[dict]:
-    """The planner's prediction of each engine point bench/gpu_decode.py measured (its
-    --out rows), on the device profile `lamina profile --device D` wrote, against the
-    measured tokens/s: the engine colocated on `this-machine`, weights and KV in the
-    row's dtype, at the steps' mean context. Prints the table and the errors' median and
+    """The planner's prediction of each point bench/gpu_decode.py measured (its --out
+    rows), on the device profile `lamina profile --device D` wrote, against the measured
+    tokens/s, weights and KV in the row's dtype, at the steps' mean context: the engine
+    colocated on `this-machine`, and each stack run (`stack_mb{N}_aw{n}_tok_s`: one model
+    worker, n attention workers, N micro-batches, request partitioning) as a
+    disaggregated layout with every worker on that one device (`Layout.shared_device`),
+    exchanging over cuda_ipc (`cuda_link`). Prints the table and the errors' median and
     largest; returns the rows."""
     from lamina.model.random_models import SHAPES
     from lamina.planner.perf.quantization import FP16
@@ -369,30 +378,74 @@ def gpu_validation(rows_path: Path, profile_path: Path, steps: int) -> list[dict
 
     prof = json.loads(profile_path.read_text())
     catalogue = catalogue_of(prof)
+    link = cuda_link(prof)
+    if link is not None:
+        catalogue[GPU_STACK] = replace(catalogue[THIS_MACHINE], name=GPU_STACK, network_bw=link[0],
+                                       network_latency=link[1])
     print(f"device profile {profile_path}: {prof['device']['description']}; rows {rows_path}")
-    print(f"{'point':<34} {'measured tok/s':>15} {'predicted tok/s':>16} {'rel error':>10}  bottleneck")
+    print(f"{'point':<34} {'contender':<16} {'measured tok/s':>15} {'predicted tok/s':>16} {'rel error':>10}  "
+          "bottleneck")
     out = []
     # A point's row is appended after each contender: its last one holds the most.
     last = {row["point"]: row for row in map(json.loads, rows_path.read_text().splitlines())}
     for row in last.values():
-        if "engine_tok_s" not in row:
-            continue  # a skipped point, or the engine failed there
         model, dtype, batch, context = row["point"].split("/")
         batch_n, context_n = int(batch[1:]), int(context[1:])
         shape = BUILTIN["smollm2-135m"] if model == "smollm2" else ModelShape.of(SHAPES[model], model)
         precision = FP32 if dtype == "float32" else FP16
-        step = decode_step(shape, Layout(THIS_MACHINE, 1, weights=precision, kv=precision), catalogue, batch_n,
-                           context_n + 1 + row.get("steps", steps) / 2)
-        predicted, measured = batch_n / step.step_s, row["engine_tok_s"]
-        err = (predicted - measured) / measured
-        out.append({"point": row["point"], "measured_tok_s": measured, "predicted_tok_s": predicted,
-                    "rel_error": err, "bottleneck": step.bottleneck})
-        print(f"{row['point']:<34} {measured:>15.1f} {predicted:>16.1f} {err:>+10.1%}  {step.bottleneck}")
-    if out:
-        errors = [abs(r["rel_error"]) for r in out]
-        print(f"{len(out)} points: median error {statistics.median(errors):.1%}, largest {max(errors):.1%}")
+        mean_context = context_n + 1 + row.get("steps", steps) / 2
+        contenders = [("engine", "engine_tok_s", Layout(THIS_MACHINE, 1, weights=precision, kv=precision))]
+        if link is not None:
+            contenders += [(f"stack mb{n} aw{a}", key, Layout(GPU_STACK, 1, 1, GPU_STACK, a, n, "request", precision,
+                                                             precision, shared_device=True))
+                           for key, n, a in stack_keys(row)]
+        for contender, key, layout in contenders:
+            if key not in row:
+                continue  # a skipped point, or that contender failed there
+            step = decode_step(shape, layout, catalogue, batch_n, mean_context)
+            predicted, measured = batch_n / step.step_s, row[key]
+            err = (predicted - measured) / measured
+            out.append({"point": row["point"], "contender": contender, "measured_tok_s": measured,
+                        "predicted_tok_s": predicted, "rel_error": err, "bottleneck": step.bottleneck})
+            print(f"{row['point']:<34} {contender:<16} {measured:>15.1f} {predicted:>16.1f} {err:>+10.1%}  "
+                  f"{step.bottleneck}")
+    for contender in ("engine", "stack"):
+        errors = [abs(r["rel_error"]) for r in out if r["contender"].startswith(contender)]
+        if errors:
+            print(f"{contender}: {len(errors)} points, median error {statistics.median(errors):.1%}, "
+                  f"largest {max(errors):.1%}")
+    if link is None and any(stack_keys(row) for row in last.values()):
+        print("stack rows left out: the profile measured no cuda_ipc round trip (lamina profile --device on a GPU "
+              "with cuda_ipc available does)")
     print(json.dumps({"gpu": out}))
     return out
+
+
+# The catalogue name of the device profile's entry with cuda_ipc's figures for its link.
+GPU_STACK = "this-machine (cuda_ipc)"
+
+
+def cuda_link(prof: dict) -> tuple[float, float] | None:
+    """(bytes/s one way, seconds one way) of cuda_ipc on the profiled device, from its
+    round trips of CUDA tensors (`cuda_ipc_device`: the ring copies, event and frames, in
+    one process) else of CPU tensors between processes (`cuda_ipc`); None where the
+    profile measured neither."""
+    transports = prof.get("measurements", {}).get("transports", {})
+    for name in ("cuda_ipc_device", "cuda_ipc"):
+        figures = transports.get(name, {})
+        if "rtt_us_64B" in figures and "gbit_s_1MiB" in figures:
+            return figures["gbit_s_1MiB"] / 2 * 1e9 / 8, figures["rtt_us_64B"] / 2 * 1e-6
+    return None
+
+
+def stack_keys(row: dict) -> list[tuple[str, int, int]]:
+    """(key, micro-batches, attention workers) of each stack figure in a gpu_decode row."""
+    keys = []
+    for key in row:
+        match = re.fullmatch(r"stack_mb(\d+)_aw(\d+)_tok_s", key)
+        if match:
+            keys.append((key, int(match[1]), int(match[2])))
+    return sorted(keys, key=lambda k: k[1:])
 
 
 def main() -> None:

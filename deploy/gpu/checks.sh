@@ -24,8 +24,9 @@
 #   profile      lamina profile --device cuda --quick, then the planner's predictions of
 #                the benchmark's engine points from it                        profile.log, planner.log
 #   stack        bench/gpu_decode.py with the stack, on STACK_ARGS (default one model
-#                and point: random:llama-3.2-1b bfloat16, batch 16, context 512)
-#                                                                             stack.log, stack-rows.jsonl
+#                and point: random:llama-3.2-1b bfloat16, batch 16, context 512), then
+#                the planner's predictions of its rows (after the profile step)
+#                                                          stack.log, stack-rows.jsonl, stack-planner.log
 #   conformance  the transport conformance suite over cuda_ipc                 conformance.log
 # Each step's limit in seconds: LIMIT_<step> (defaults: tests 150, e2e 240, bench 120,
 # profile 90, stack 180, conformance 60). Logs of stacks that failed to start or stop go
@@ -94,7 +95,12 @@ for step in $steps; do
             ${STACK_ARGS:---models random:llama-3.2-1b:bfloat16 --batches 16 --contexts 512} \
             > "$out/stack.log" 2>&1
         note "stack: exit $?"
-        tail -8 "$out/stack.log" ;;
+        tail -8 "$out/stack.log"
+        if [ -s "$out/stack-rows.jsonl" ] && [ -s "$out/profile-cuda.json" ]; then
+            "$python" bench/planner_validation.py --gpu "$out/stack-rows.jsonl" --profile "$out/profile-cuda.json" \
+                > "$out/stack-planner.log" 2>&1
+            note "stack planner: exit $? ($(tail -2 "$out/stack-planner.log" | head -1))"
+        fi ;;
     conformance)
         limited conformance "$python" -P -m pytest -q -rs -k cuda_ipc tests/transports/test_conformance.py \
             > "$out/conformance.log" 2>&1

@@ -108,7 +108,6 @@ async def _drive(base_url: str, model: str, prompts: list[list[int]], steps: int
         await asyncio.gather(*(_stream(session, base_url, model, p, steps + 1, lambda: None) for p in prompts))
 
 
-
 def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batches: int, q_early: bool,
               model_workers: int, kv_bytes: int, weights: str, mode: str = "fixed", attention_workers: int = 2,
               model_threads: int = 1, layout: str = "disaggregated", model: str | None = None,

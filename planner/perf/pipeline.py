@@ -9,12 +9,17 @@ micro-batches concurrently, so a layer of all N micro-batches takes
                  N * t_m / M,          # the model workers, busy with every micro-batch
                  N * t_a,              # the attention pool, likewise
                  N * t_x_bytes,        # the link's bytes (latency overlaps)
-                 N * w / C)            # services sharing C cores of one host: all their work w
+                 N * w / C,            # services sharing C cores of one host: all their work w
+                 N * d)                # services sharing one accelerator: its work d on both sides
 
 and a step (one token for every request of every micro-batch) takes L * period plus
 the LM head of each micro-batch on its model worker. With N = 1 nothing overlaps; with
 N = M + 1 (rotational) the attention pool is kept busy even if t_m > t_a. Colocated
 serving is the special case where model and attention share one device: their times add.
+So do they when a model worker and its attention workers are processes on one GPU (the
+stack of bench/gpu_decode.py): each micro-batch's slice reads every weight again and
+each attention worker its share of the KV, from the one memory, so micro-batches there
+hide the exchanges' latency but add weight reads.
 """
 
 from __future__ import annotations
@@ -35,13 +40,16 @@ class StageTimes:
     # processes for one micro-batch and layer, and the cores they share (0: separate devices).
     host_cpu_s: float = 0.0
     host_cores: int = 0
+    # Model and attention workers on one accelerator: its work for one micro-batch and
+    # layer (the slice, and every attention worker's part; 0: devices of their own).
+    device_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class PipelineStep:
     step_s: float
     period_s: float
-    bottleneck: str  # "chain", "model", "attention", "network" or "host cpu"
+    bottleneck: str  # "chain", "model", "attention", "network", "host cpu" or "device"
 
 
 def pipeline_step(stages: StageTimes, num_layers: int, micro_batches: int, model_workers: int) -> PipelineStep:
@@ -56,6 +64,8 @@ def pipeline_step(stages: StageTimes, num_layers: int, micro_batches: int, model
     }
     if stages.host_cores:
         terms["host cpu"] = n * stages.host_cpu_s / stages.host_cores
+    if stages.device_s:
+        terms["device"] = n * stages.device_s
     bottleneck = max(terms, key=terms.__getitem__)
     period = terms[bottleneck]
     head = stages.head_s * max(1.0, n / m)

@@ -131,6 +131,14 @@ def test_services_sharing_a_host_are_bound_by_its_cores():
     assert pipeline_step(STAGES, 10, 2, 1).step_s <= p.step_s  # separate devices: no such term
 
 
+def test_workers_sharing_an_accelerator_take_turns_on_it():
+    shared = replace(STAGES, device_s=1.5)  # the slice and the attention of one micro-batch, on the one device
+    assert pipeline_step(shared, 10, 1, 1).bottleneck == "chain"  # the exchange's latency adds to 1.5
+    p = pipeline_step(shared, 10, 2, 1)
+    assert p.period_s == pytest.approx(3.0) and p.bottleneck == "device"  # overlapping hides the exchange only
+    assert pipeline_step(STAGES, 10, 2, 1).period_s == pytest.approx(2.0)  # devices of their own: no such term
+
+
 def test_colocated_adds_model_and_attention():
     assert colocated_step(1.0, 0.5, 0.3, 10) == pytest.approx(15.3)
 

@@ -126,3 +126,22 @@ def test_disaggregated_step_never_slows_with_more_network_or_attention_workers(c
             assert decode_step(big, base, fast_net, batch, 2000).step_s <= t
             more = replace(base, attention_workers=8)
             assert decode_step(big, more, catalogue, batch, 2000).step_s <= t * (1 + 1e-9)
+
+
+def test_a_stack_on_one_gpu_reads_the_weights_once_per_micro_batch(catalogue):
+    """Layout.shared_device (bench/gpu_decode.py's stack, model and attention workers on one
+    GPU): the device runs each micro-batch's slice, which reads every weight, and the
+    attention in turn, so two micro-batches add a weight read where devices of their own
+    would overlap; the exchange's latency is hidden, the device's time is not."""
+    def step(micro_batches: int, shared: bool = True, batch: int = 64) -> float:
+        layout = Layout("H200", 1, 1, "H200", 1, micro_batches, "request", shared_device=shared)
+        return decode_step(SMALL, layout, catalogue, batch, 2048).step_s
+
+    engine = decode_step(SMALL, Layout("H200", 1), catalogue, 64, 2048).step_s
+    assert step(1) > engine  # the exchange's latency on top of the engine's device time
+    assert step(2) > engine * 1.1  # a second read of the weights: 13.5 GB on the engine's 82 (KV 68.7)
+    assert step(2, shared=False) < step(2)  # devices of their own overlap the two sides
+    shared = Layout("H200", 1, 1, "H200", 1, 2, "request", shared_device=True)
+    assert decode_step(SMALL, shared, catalogue, 64, 2048).bottleneck == "shared device"
+    with pytest.raises(ValueError, match="shared device"):
+        Layout("H200", 1, 1, "H20", 1, 2, "request", shared_device=True)
