@@ -12,11 +12,13 @@ are calibrated on the engine at other points (planner.profile.OVERHEAD_POINTS: 1
 prompts), so no case here is one it was fitted to.
 
 --stack adds the stack as `lamina up` starts it (lamina.planner.measure.stack_run's run_stack:
-one model worker, TCP, float32 weights) with 1 and 2 attention workers at 1 and 2
-micro-batches, decode tokens/s against the planner's disaggregated layout on
-`this-machine` with `shared_host` (every service on this host's cores: the profile's
-per-slice, per-frame and per-exchange overheads, calibrated on a smaller stack run, and
-the host's CPU work over its cores).
+one model worker, TCP, float32 weights; batch 32, prompts of 256 tokens, 32 decode
+steps) with 1 and 2 attention workers at 1 and 2 micro-batches, each measured in
+--rounds passes alternating with the others (each pass its own stack), its fastest
+counting: decode tokens/s against the planner's disaggregated layout on `this-machine`
+with `shared_host` (every service on this host's cores: the profile's per-slice,
+per-frame and per-exchange overheads, calibrated on a smaller stack run, and the host's
+CPU work over its cores).
 
 --out-of-sample adds cases the calibration never touched (OUT_OF_SAMPLE, 30 of them), in
 families: the engine with other model shapes (seeded random-weight SmolLM2-360M- and
@@ -84,30 +86,6 @@ from lamina.planner.shapes import BUILTIN
 
 # Batch x prompt stays within one prefill step of the engine, so the timed steps are pure decode.
 CASES = ((1, 32), (1, 512), (4, 128), (4, 512), (8, 64), (8, 256), (16, 128), (32, 64))
-
-
-def stack_cases(loaded, shape, catalogue, steps: int, batch: int = 32, context: int = 256) -> list[dict]:
-    prompts = make_prompts(loaded.tokenizer, batch, context)
-    kv_bytes = (batch * (context + steps + 64) * loaded.config.kv_bytes_per_token()) // 2 + (256 << 20)
-    rows = []
-    for attention_workers in (1, 2):
-        for micro in (1, 2):
-            measured = run_stack(prompts, steps, "tcp", micro, False, 1, kv_bytes, "float32",
-                                 attention_workers=attention_workers)["tok_s"]
-            # Every service on this host: the layout shares its cores (lamina.planner.perf.pipeline).
-            layout = Layout(THIS_MACHINE, 1, 1, THIS_MACHINE, attention_workers, micro, "head", FP32, FP32,
-                            shared_host=True)
-            step = decode_step(shape, layout, catalogue, batch, context + steps / 2)
-            predicted = batch / step.step_s
-            err = (predicted - measured) / measured
-            rows.append({"stack_micro_batches": micro, "attention_workers": attention_workers, "batch": batch,
-                         "prompt": context, "measured_tok_s": round(measured, 1),
-                         "predicted_tok_s": round(predicted, 1), "rel_error": round(err, 3),
-                         "bottleneck": step.bottleneck})
-            print(f"stack, {micro} micro-batch(es), {attention_workers} attention worker(s), batch {batch}, "
-                  f"context {context}: measured {measured:.1f} tok/s, predicted {predicted:.1f} tok/s, {err:+.1%}  "
-                  f"{step.bottleneck}", flush=True)
-    return rows
 
 
 @dataclass(frozen=True)
@@ -232,6 +210,31 @@ def measure_all(cases: list[Case], rounds: int, models: dict | None = None) -> l
         print(f"  [{n}/{len(order)} {time.strftime('%H:%M:%S')}] {cases[i].name()}: {tok_s:.1f} tok/s "
               f"(other processes {passes[i][-1]['foreign_cores']:.2f} cores)", flush=True)
     return passes
+
+
+# --stack: the stack as `lamina up` starts it, at a point the profile's stack run (8 x 64
+# tokens, 1 attention worker, 1 micro-batch) did not calibrate.
+STACK_CASES = tuple(Case("stack, batch 32 x 256", None, "stack", 32, 256, layout="disaggregated", attention_workers=a,
+                         micro_batches=m) for a in (1, 2) for m in (1, 2))
+
+
+def stack_cases(catalogue: dict, rounds: int) -> list[dict]:
+    """STACK_CASES measured in `rounds` passes, alternating (measure_all; each pass its own
+    stack), the fastest counting, against the planner's prediction on `catalogue` (the
+    in-sample profile, with the stack's overhead terms) as `lamina up` ranks layouts."""
+    cases = list(STACK_CASES)
+    guesses = [predict(c, {None: BUILTIN["smollm2-135m"]}, {1: catalogue}, {None: {}}) for c in cases]
+    rows = []
+    for case, (predicted, bottleneck), passes in zip(cases, guesses, measure_all(cases, rounds)):
+        measured = max(p["tok_s"] for p in passes)
+        err = (predicted - measured) / measured
+        rows.append({"stack_micro_batches": case.micro_batches, "attention_workers": case.attention_workers,
+                     "batch": case.batch, "prompt": case.prompt, "measured_tok_s": round(measured, 1),
+                     "predicted_tok_s": round(predicted, 1), "rel_error": round(err, 3), "bottleneck": bottleneck,
+                     "passes": passes})
+        print(f"{case.name()}: measured {measured:.1f} tok/s (fastest of {len(passes)}), predicted "
+              f"{predicted:.1f} tok/s, {err:+.1%}  {bottleneck}", flush=True)
+    return rows
 
 
 def profile_needs(members: list[Case]) -> tuple[int, bool]:
@@ -467,8 +470,8 @@ def main() -> None:
                     help="--out-of-sample: write its predictions here (JSON) before measuring any")
     ap.add_argument("--family", default=None, help="--out-of-sample: only the families whose name holds this")
     ap.add_argument("--rounds", type=int, default=ROUNDS,
-                    help=f"--out-of-sample: passes of each case, alternating within its family; the fastest counts "
-                         f"(default {ROUNDS})")
+                    help=f"--stack and --out-of-sample: passes of each case, alternating within its family; the "
+                         f"fastest counts (default {ROUNDS})")
     ap.add_argument("--latest-profile", action="store_true",
                     help="--out-of-sample: predict each family from the profile measured just before it, not the "
                          "fastest of its kind measured so far")
@@ -508,9 +511,9 @@ def main() -> None:
                      "bottleneck": predicted.bottleneck})
         print(f"{batch:>5} {prompt:>6} {measured * 1e3:>12.2f} {predicted.step_s * 1e3:>13.2f} {err:>+10.1%}  "
               f"{predicted.bottleneck}")
-    if args.stack:
-        rows += stack_cases(loaded, shape, catalogue, steps=16)
     del loaded
+    if args.stack:
+        rows += stack_cases(catalogue, args.rounds)
     oos = (out_of_sample(prof, args.predictions, args.family, args.rounds, args.one_profile, prof1_stack,
                          args.latest_profile) if args.out_of_sample else None)
     errors = [abs(r["rel_error"]) for r in rows]
@@ -526,8 +529,7 @@ def main() -> None:
     print(json.dumps({"cases": len(rows), "median_abs_rel_error": round(statistics.median(errors), 3),
                       "max_abs_rel_error": round(max(errors), 3), "rows": rows,
                       "load_avg_1min": round(os.getloadavg()[0], 2),
-                      "profile": {"memory_gb_s": d["memory_tb_s"]["value"] * 1e3,
-                                  "matmul_gflop_s": d["tflops"]["fp32"]["value"] * 1e3},
+                      "profile": profile_figures(prof),
                       **({"out_of_sample": oos} if oos is not None else {})}))
 
 

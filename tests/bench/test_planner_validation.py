@@ -23,6 +23,40 @@ def test_every_out_of_sample_case_is_measured_rounds_times():
     assert len({c.family for c in OUT_OF_SAMPLE if c.kind == "stack"}) == 6 and len(OUT_OF_SAMPLE) >= 20
 
 
+def test_the_in_sample_stack_cases_alternate_and_their_fastest_pass_counts(monkeypatch, capsys):
+    """--stack: every case measured `rounds` times, alternating with the others (never one
+    case's passes back to back), each row its fastest pass against the planner's figure."""
+    import json
+    from importlib import resources
+
+    import planner_validation
+    import yaml
+
+    from lamina.planner.hardware import THIS_MACHINE
+
+    catalogue = yaml.safe_load(resources.files("lamina.planner").joinpath("catalogue.yaml").read_text())
+    calls: list[planner_validation.Case] = []
+
+    def measure(case, models):  # each case's passes: 100, 110, 105 tok/s, plus its index
+        calls.append(case)
+        return {1: 100.0, 2: 110.0, 3: 105.0}[calls.count(case)] + planner_validation.STACK_CASES.index(case)
+
+    monkeypatch.setattr(planner_validation, "measure", measure)
+    monkeypatch.setattr(planner_validation.ForeignCpu, "cores", lambda self: 0.0)
+    cpu = planner_validation.catalogue_of({"device": catalogue["CPU"]})
+    rows = planner_validation.stack_cases(cpu, rounds=3)
+    cases = list(planner_validation.STACK_CASES)
+    assert len(calls) == 3 * len(cases) and all(a != b for a, b in zip(calls, calls[1:]))
+    assert [r["measured_tok_s"] for r in rows] == [110.0 + i for i in range(len(cases))]
+    for row, case in zip(rows, cases):
+        predicted, bottleneck = planner_validation.predict(case, {None: planner_validation.BUILTIN["smollm2-135m"]},
+                                                           {1: cpu}, {None: {}})
+        assert row["predicted_tok_s"] == round(predicted, 1) and row["bottleneck"] == bottleneck
+        assert (row["attention_workers"], row["stack_micro_batches"]) == (case.attention_workers,
+                                                                          case.micro_batches)
+    assert THIS_MACHINE in cpu and json.dumps(rows)  # the rows go into the report's JSON line
+
+
 def test_each_family_is_predicted_from_the_profile_it_needs():
     from planner_validation import profile_needs
 
