@@ -3,6 +3,7 @@ most of an hour, so the benchmark runs it, not this suite."""
 
 from collections import Counter
 from dataclasses import replace
+from itertools import pairwise
 
 # bench/planner_validation.py (bench/ is on the tests' path: pyproject.toml)
 from planner_validation import OUT_OF_SAMPLE, Case, schedule
@@ -46,7 +47,7 @@ def test_the_in_sample_stack_cases_alternate_and_their_fastest_pass_counts(monke
     cpu = planner_validation.catalogue_of({"device": catalogue["CPU"]})
     rows = planner_validation.stack_cases(cpu, rounds=3)
     cases = list(planner_validation.STACK_CASES)
-    assert len(calls) == 3 * len(cases) and all(a != b for a, b in zip(calls, calls[1:]))
+    assert len(calls) == 3 * len(cases) and all(a != b for a, b in pairwise(calls))
     assert [r["measured_tok_s"] for r in rows] == [110.0 + i for i in range(len(cases))]
     for row, case in zip(rows, cases):
         predicted, bottleneck = planner_validation.predict(case, {None: planner_validation.BUILTIN["smollm2-135m"]},
