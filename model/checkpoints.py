@@ -168,16 +168,35 @@ def file_weight_formats(path: str | Path | None = None) -> dict[str, int]:
     whose as_file weights are float32). Read from the repacked blocks' cache header; the
     first call for a GGUF file repacks them (lamina.model.loader, as a model worker's first
     as_file load would)."""
-    from safetensors import safe_open
-
     source, weights_dir, _ = resolve_checkpoint(path)
     if not source.is_file():
         return {}
     cached = weights_dir / PACKED_CACHE
-    if not cached.is_file():
+    shapes = _packed_shapes(cached)
+    if shapes is None:  # none yet, damaged, or another version's layout: repacked as a load would
         from lamina.model.loader import file_packed
 
         file_packed(source, weights_dir, read_hf_config(weights_dir))
-    with safe_open(str(cached), framework="numpy") as f:  # the header only: no tensor is read
-        shapes = json.loads((f.metadata() or {}).get("weights", "{}"))
+        shapes = _packed_shapes(cached)
+        if shapes is None:
+            raise CheckpointError(cached, "the repacked blocks are unreadable right after they were written")
     return dict(Counter(fmt for fmt, _n, _k in shapes.values()))
+
+
+def _packed_shapes(cached: Path) -> dict[str, list] | None:
+    """The repacked blocks' formats and shapes from the cache's header (no tensor is read),
+    or None where the cache is absent, damaged or of another packed layout than this
+    version reads (lamina.model.loader rewrites such a cache at its next load)."""
+    from safetensors import SafetensorError, safe_open
+
+    from lamina.model.quant import PACKED_LAYOUT_VERSION
+
+    try:
+        with safe_open(str(cached), framework="numpy") as f:
+            meta = f.metadata() or {}
+        if meta.get("layout") != str(PACKED_LAYOUT_VERSION):
+            return None
+        shapes = json.loads(meta["weights"])
+    except (SafetensorError, OSError, ValueError, KeyError):
+        return None
+    return shapes if isinstance(shapes, dict) else None

@@ -291,6 +291,24 @@ def test_file_blocks_are_repacked_once_into_the_cache(tiny_path, cache_dir):
     assert cached.stat().st_size > 200
 
 
+def test_the_files_weight_formats_come_from_a_cache_of_this_version(tiny_path, cache_dir):
+    """file_weight_formats reads the repacked cache's header; a cache of another packed
+    layout (an older version's) or a damaged one is repacked, not believed."""
+    from safetensors.torch import save_file
+
+    from lamina.model.checkpoints import file_weight_formats
+
+    formats = file_weight_formats(tiny_path)  # repacks: no cache yet
+    assert {"q4_1", "q8_0", "q4_0"} <= formats.keys(), formats  # the tiny file's blocks (tiny_path)
+    cached = load_model(tiny_path, weights="as_file").weights_dir / "packed" / "as_file.safetensors"
+    stale = {"layout": str(quant.PACKED_LAYOUT_VERSION + 1), "weights": '{"w": ["q8_0", 32, 32]}'}
+    save_file({"w:values": torch.zeros(1)}, str(cached), metadata=stale)
+    assert file_weight_formats(tiny_path) == formats  # repacked from the file
+    assert '"q8_0", 32, 32' not in cached.read_bytes()[:4096].decode("latin-1")
+    cached.write_bytes(cached.read_bytes()[:100])  # damaged
+    assert file_weight_formats(tiny_path) == formats
+
+
 def test_weights_choices_are_checked(tiny_path, cache_dir):
     with pytest.raises(ValueError, match="unknown weights"):
         load_model(tiny_path, weights="q3")
