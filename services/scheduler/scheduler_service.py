@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -45,6 +44,7 @@ import prometheus_client
 from lamina.aio import cancel_and_wait, install_uvloop
 from lamina.kvstore.metadata import REDIS_ERRORS, KVPlacement
 from lamina.model.checkpoints import load_tokenizer
+from lamina.sampling.params import new_seed
 from lamina.sampling.stop import stop_reason
 from lamina.services.channels import Channels
 from lamina.services.config import StackConfig
@@ -116,7 +116,7 @@ class SchedulerService:
         params = lamina_pb2.SamplingParams()
         params.CopyFrom(request.params)
         if not request.has_seed:
-            params.seed = secrets.randbits(62)
+            params.seed = new_seed()
         req = Request(choice_id(rid, 0, n), list(request.prompt_token_ids), params, asyncio.Queue(),
                       max_model_len=self.max_model_len, prompt_logprobs=request.prompt_logprobs,
                       group_id=rid if n > 1 else "", choice_seeds=[choice_seed(params.seed, i) for i in range(1, n)])
