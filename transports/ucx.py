@@ -74,6 +74,9 @@ _INLINE = 64 * 1024  # frames up to this size travel as one UCX message
 # The msgpack extension code of a notice's header (no user header decodes to an extension).
 _DIRECT = 17
 _NAMES = {d: n for n, d in DTYPES.items()}
+# No dimension, nor the elements of a notice's tensor, reach this (torch refuses such
+# shapes even empty; the frame's byte bound catches the rest).
+_MAX_DIM = 1 << 48
 
 
 def _ucxx(config: TransportConfig):
@@ -114,7 +117,7 @@ def _notice(frame: Frame) -> tuple[Frame, Frame, list[torch.Tensor]] | None:
     tensors = list(frame.tensors)
     items, direct = [], []
     for i, t in places.items():
-        t = t.detach()
+        t = t.detach().resolve_conj().resolve_neg()  # a byte view refuses the lazy bits
         if t.dtype not in _NAMES:
             raise FrameError(f"unsupported tensor dtype {t.dtype}")
         if t.dim() > MAX_NDIM:
@@ -134,7 +137,8 @@ def _read_notice(header: msgpack.ExtType) -> list[tuple[int, torch.dtype, tuple[
         for i, name, shape in items:
             shape = tuple(shape)
             if (type(i) is not int or i < 0 or len(shape) > MAX_NDIM
-                    or any(type(n) is not int or n < 0 for n in shape)):
+                    or any(type(n) is not int or not 0 <= n < _MAX_DIM for n in shape)
+                    or math.prod(n for n in shape if n) >= _MAX_DIM):
                 raise ValueError(f"bad entry {[i, name, list(shape)]}")
             dtype = DTYPES[name]
             out.append((i, dtype, shape, dtype.itemsize * math.prod(shape)))
@@ -169,13 +173,23 @@ class UcxConnection(StreamConnection):
         self._send_scratch = memoryview(bytearray(_INLINE))
         # CUDA tensors sent from device memory (else staged through host memory, as on tcp).
         self.stages_cuda = not _device_memory(_ucxx(config), config)
-        # Where received device payloads go: the current CUDA device, else host memory.
-        self._device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                        else torch.device("cpu"))
+        # Receive buffers UCX may still write into after their receive was given up (a
+        # cancelled or timed-out frame: UCX cannot cancel a receive already matched), kept
+        # for as long as the connection object lives instead of freed for reuse.
+        self._orphans: list[Any] = []
 
     @property
     def peer(self) -> str:
         return self._peer
+
+    def _receive_device(self) -> torch.device:
+        """Where a peer's device payloads arrive: this process's current CUDA device where
+        its UCX takes device memory and the process computes on a GPU (CUDA initialized by
+        then), else host memory, as a staged frame's would. A CPU service on a GPU host
+        so never starts a CUDA context for what it reads on the CPU."""
+        if not self.stages_cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def _mid_frame(self) -> bool:
         return True
@@ -238,14 +252,25 @@ class UcxConnection(StreamConnection):
         size = sum(n for *_, n in items) + sum(buffer_nbytes(t) for t in tensors)
         if size > self.config.max_frame_bytes:
             raise FrameError(f"frame of {size} bytes exceeds max_frame_bytes={self.config.max_frame_bytes}")
+        device = self._receive_device()
+        dests = []
         for i, dtype, shape, n in items:
             if i >= len(tensors) or buffer_nbytes(tensors[i]):
                 raise FrameError(f"UCX notice names buffer {i}, which the frame does not leave empty")
             dest = out[i] if out is not None and i < len(out) else None
             if dest is None:
-                dest = torch.empty(shape, dtype=dtype, device=self._device)
+                dest = torch.empty(shape, dtype=dtype, device=device)
             elif not (isinstance(dest, torch.Tensor) and dest.is_contiguous() and dest.nbytes == n):
                 raise FrameError(f"out buffer {i} is not a contiguous tensor of the {n} bytes the frame carries")
+            dests.append((i, dest, n))
+        # UCX writes device memory outside the streams' order: a block the caching allocator
+        # just handed out (or an `out` tensor) may still be read by kernels queued on the
+        # current stream, so the payloads are received once those have run.
+        for cuda in {dest.device for _, dest, _ in dests if dest.is_cuda}:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(cuda))
+            await until_done(ready)
+        for i, dest, n in dests:
             if n:
                 await self._read_exact(_bytes_of(dest))
             tensors[i] = dest
@@ -288,9 +313,10 @@ class UcxConnection(StreamConnection):
             raise PeerClosed(f"connection to {self._peer} is closed")
         try:
             await self._ep.recv(view)
-        except (asyncio.CancelledError, TransportError):
-            raise
-        except Exception as exc:
+        except BaseException as exc:
+            self._orphans.append(view)  # UCX may still write into it (see __init__)
+            if isinstance(exc, (asyncio.CancelledError, TransportError)) or not isinstance(exc, Exception):
+                raise
             raise _translate(exc, self._peer) from exc
 
     async def close(self) -> None:

@@ -11,6 +11,8 @@ are and checks they arrive on the receiver's GPU.
 
 from __future__ import annotations
 
+import asyncio
+
 import msgpack
 import pytest
 import torch
@@ -109,6 +111,8 @@ async def test_a_frame_over_the_bound_is_refused_before_anything_is_sent(notices
     (msgpack.packb([[0, "float32", [-1]]]), "malformed"),
     (msgpack.packb([[0, "float32", [2]], [0, "int64", [1]]]), "twice"),
     (msgpack.packb([[3, "float32", [2]]]), "does not leave empty"),
+    (msgpack.packb([[0, "float32", [1 << 63, 0]]]), "malformed"),  # no bytes, and a shape torch refuses
+    (msgpack.packb([[0, "float32", [1 << 40, 1 << 40, 0]]]), "malformed"),
 ])
 async def test_a_malformed_notice_is_a_frame_error(notices, items, error):
     """A notice that cannot be read, or that names a place the frame after it fills, is
@@ -140,3 +144,58 @@ def test_device_memory_only_where_asked_cuda_is_present_and_ucx_may_use_it(monke
     assert not ucx._device_memory(ucxx, TransportConfig())
     monkeypatch.setenv("UCX_TLS", "tcp,cuda_copy")
     assert ucx._device_memory(ucxx, TransportConfig())
+
+
+async def test_conjugated_and_negated_views_travel_as_their_values(notices):
+    """A tensor with torch's lazy conjugate or negative bit is sent as the values it
+    stands for (a byte view of it would be refused)."""
+    gen = torch.Generator().manual_seed(1)
+    c = torch.randn(5, dtype=torch.complex64, generator=gen)
+    conj, neg = c.conj(), c.conj().imag  # conj bit; the imaginary part of a conjugate: neg bit
+    assert conj.is_conj() and neg.is_neg()
+    listener = await transports.listen(address_for("ucx"), echo)
+    conn = await transports.connect(listener.address)
+    async with listener, conn:
+        await conn.send(Frame(1, {}, [conj, neg]))
+        got = await conn.recv()
+    assert torch.equal(got.tensors[0], conj.resolve_conj()) and not got.tensors[0].is_conj()
+    assert torch.equal(got.tensors[1], neg.resolve_neg())
+    assert notices == [2, 2]
+
+
+def test_device_payloads_arrive_on_the_gpu_only_in_a_process_computing_there(monkeypatch):
+    """`_receive_device`: host memory where this end stages CUDA tensors (its UCX cannot
+    take device memory) or has not started CUDA (a CPU service on a GPU host); else the
+    current CUDA device."""
+    class Ep:
+        async def recv(self, view):
+            raise AssertionError("not called")
+
+    conn = ucx.UcxConnection(Ep(), TransportConfig(), "peer")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    conn.stages_cuda = False
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert conn._receive_device() == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert conn._receive_device() == torch.device("cuda", 1)
+    conn.stages_cuda = True
+    assert conn._receive_device() == torch.device("cpu")
+
+
+@pytest.mark.parametrize("failure", [asyncio.CancelledError, RuntimeError])
+async def test_a_receive_given_up_keeps_its_buffer(failure):
+    """A receive that is cancelled or fails keeps its buffer alive with the connection:
+    UCX cannot cancel a receive already matched, and may still write into it."""
+    class Ep:
+        async def recv(self, view):
+            raise failure("gone mid-message")
+
+    conn = ucx.UcxConnection(Ep(), TransportConfig(), "peer")
+    buf = torch.zeros(16)
+    view = ucx._bytes_of(buf)
+    with pytest.raises(asyncio.CancelledError if failure is asyncio.CancelledError else transports.PeerClosed):
+        await conn._read_exact(view)
+    assert conn._orphans == [view]
+    del buf, view
+    assert conn._orphans[0].nbytes == 64  # the memory is still held
