@@ -3,18 +3,20 @@
 A connection is an ``shm://name`` connection (its socket, peer-uid check, token
 handshake, and frames of host memory through its rings) plus, for each direction, a
 ring of device memory that both processes map once when they connect: the sender's
-buffer, exported with a CUDA IPC handle, and an interprocess CUDA event the sender
-records. No handle travels per frame.
+buffer, exported with a CUDA IPC handle (allocated outside expandable segments, which
+CUDA IPC cannot export between unrelated processes). No handle travels per frame.
 
 Sending a frame, its CUDA tensors are copied into the sender's ring on the connection's
 copy stream, after whatever the sender's current stream queued before (a caller
-computing on another stream makes the current one wait for it first); the event is
-recorded there (one stream: its latest record covers every earlier frame's copies), and
-the frame goes through shm with each CUDA tensor's place in the ring (offset, dtype,
-shape) in place of its bytes. The receiver copies each one out into a new tensor on its
-current device, on its current stream, after the sender's event; once those copies are
-done it hands the frame on and tells the sender that ring space is free again (a small
-frame of its own), so a sender reuses space only after the copies out of it finished.
+computing on another stream makes the current one wait for it first); the sender waits
+until those copies are done (polling their event, as the event loop's other tasks run)
+and only then sends the frame through shm, with each CUDA tensor's place in the ring
+(offset, dtype, shape) in place of its bytes. The receiver so reads finished bytes: its
+streams never wait on the sender's (one slow peer cannot hold back the receiver's other
+work, and a peer that dies leaves nothing to wait on). It copies each tensor out into a
+new one on its current device, on its current stream; once those copies are done it
+hands the frame on and tells the sender that ring space is free again (a small frame of
+its own), so a sender reuses space only after the copies out of it finished.
 CPU tensors and byte buffers travel through shm as on ``shm://``. A frame whose CUDA
 tensors do not fit the ring at once travels through host memory whole (copied to the
 CPU and back), slower but the same frame.
@@ -25,8 +27,9 @@ Frames keep their semantics: order, kinds, headers (any msgpack value), timeouts
 receiver's space-free frames at once, whether or not the caller is receiving, and queues
 at most ``_QUEUED`` data frames ahead of the caller.
 
-Two ends in one process (a test, or services sharing a process) share the ring and the
-event objects themselves: a process cannot open its own CUDA IPC handles.
+Two ends in one process (a test, or services sharing a process) share the ring object
+itself: a process cannot open its own CUDA IPC handles. The peer's GPU is named by its
+UUID, so processes that see the GPUs under other indices (CUDA_VISIBLE_DEVICES) agree.
 """
 
 from __future__ import annotations
@@ -58,37 +61,66 @@ _ALIGN = 256  # each tensor starts at a multiple of this in the ring (any dtype'
 _QUEUED = 4
 _SETUP, _DATA, _FREE = 0, 1, 2  # the inner header's first item
 _EMPTY = torch.empty(0, dtype=torch.uint8)  # what stands in a frame for a tensor that is in the ring
-# This process's rings and events by token, for a peer in the same process.
+# This process's rings by token, for a peer in the same process.
 _LOCAL: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+# With the pid, what tells this process from another (pids repeat across pid namespaces;
+# a child forked after this import shares this value, but not the pid).
+_PROCESS = uuid.uuid4().hex
+
+
+def _ipc_exportable(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Device memory that CUDA IPC can export: where the allocator hands out expandable
+    segments (PYTORCH_CUDA_ALLOC_CONF), those are off for this one allocation."""
+    conf = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
+    if expandable:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    finally:
+        if expandable:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
+def _device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _local_device(desc: dict[str, Any]) -> torch.device:
+    """This process's index of the GPU the peer's ring is on (named by its UUID)."""
+    for index in range(torch.cuda.device_count()):
+        if _device_uuid(index) == desc["device_uuid"]:
+            return torch.device("cuda", index)
+    raise TransportError(f"cuda_ipc: the peer's ring is on GPU {desc['device_uuid']}, which this process does not "
+                         "see (CUDA_VISIBLE_DEVICES?)")
 
 
 class _Exported:
-    """A direction's ring and event, as the sending end holds them (kept alive by it)."""
+    """A direction's ring, as the sending end holds it (kept alive by it)."""
 
     def __init__(self, device: torch.device, nbytes: int) -> None:
-        self.ring = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.event = torch.cuda.Event(interprocess=True)
+        self.ring = _ipc_exportable(nbytes, device)
         self.token = uuid.uuid4().hex
 
     def describe(self) -> dict[str, Any]:
-        """What the peer needs to map this ring and event (plain values, for msgpack)."""
+        """What the peer needs to map this ring (plain values, for msgpack)."""
         storage = self.ring.untyped_storage()
-        return {"pid": os.getpid(), "token": self.token, "device": self.ring.device.index,
-                "ring": list(storage._share_cuda_()), "event": bytes(self.event.ipc_handle())}
+        return {"pid": os.getpid(), "process": _PROCESS, "token": self.token,
+                "device_uuid": _device_uuid(self.ring.device.index), "ring": list(storage._share_cuda_())}
 
 
-def _mapped(desc: dict[str, Any]) -> tuple[torch.Tensor, torch.cuda.Event]:
-    """The peer's ring and event, mapped in this process."""
-    if desc["pid"] == os.getpid():
+def _mapped(desc: dict[str, Any]) -> torch.Tensor:
+    """The peer's ring, mapped in this process."""
+    if desc["pid"] == os.getpid() and desc["process"] == _PROCESS:
         exported = _LOCAL.get(desc["token"])
         if exported is None:
             raise TransportError("the peer's ring is gone (same process)")
-        return exported.ring, exported.event
-    device = torch.device("cuda", desc["device"])
+        return exported.ring
+    device = _local_device(desc)
     storage = torch.UntypedStorage._new_shared_cuda(*desc["ring"])
     ring = torch.empty(0, dtype=torch.uint8, device=device)
     ring.set_(storage, 0, (storage.nbytes(),), (1,))
-    return ring, torch.cuda.Event.from_ipc_handle(device, desc["event"])
+    return ring
 
 
 class _Space:
@@ -140,42 +172,49 @@ class _Space:
 class CudaIpcConnection(Connection):
     stages_cuda = False  # its rings of device memory carry CUDA tensors
 
-    def __init__(self, inner: Connection, config: TransportConfig, exported: _Exported, peer_ring: torch.Tensor,
-                 peer_event: torch.cuda.Event) -> None:
+    def __init__(self, inner: Connection, config: TransportConfig, exported: _Exported,
+                 peer_ring: torch.Tensor) -> None:
         super().__init__(config)
         self._inner = inner
         self._out = exported
         self._space = _Space(exported.ring.numel())
         self._peer_ring = peer_ring
-        self._peer_event = peer_event
         self._device = exported.ring.device
-        # The ring's copies run here, after the sender's current stream: one stream, so the
-        # event's latest record covers every earlier frame's copies too.
+        # The ring's copies run here, after the sender's current stream.
         self._copy = torch.cuda.Stream(self._device)
+        # The last copies out of the peer's ring, which close() lets finish before unmapping it.
+        self._copied_out: torch.cuda.Event | None = None
         self._frames: asyncio.Queue[Frame | TransportError] = asyncio.Queue(_QUEUED)
         self._ended = asyncio.Event()  # set by close()
         self._pump = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
     async def open(cls, inner: Connection, config: TransportConfig, is_client: bool) -> CudaIpcConnection:
-        """Each end exports its ring and event and maps the peer's (the client speaks first)."""
-        device = torch.device("cuda", torch.cuda.current_device())
-        exported = _Exported(device, config.cuda_ipc_ring_bytes)
-        _LOCAL[exported.token] = exported
-        mine = Frame(0, [_SETUP, exported.describe()])
+        """Each end exports its ring and maps the peer's (the client speaks first)."""
         try:
+            try:
+                device = torch.device("cuda", torch.cuda.current_device())
+                exported = _Exported(device, config.cuda_ipc_ring_bytes)
+                _LOCAL[exported.token] = exported
+                mine = Frame(0, [_SETUP, exported.describe()])
+            except (RuntimeError, AttributeError) as exc:  # out of memory, or a ring CUDA IPC cannot export
+                raise TransportError(f"cuda_ipc: cannot export a ring here: {exc}") from exc
             if is_client:
                 await inner.send(mine)
             theirs = await inner.recv(timeout=config.handshake_timeout)
             if not is_client:
                 await inner.send(mine)
-            if not (isinstance(theirs.header, list) and theirs.header[:1] == [_SETUP]):
+            if not (isinstance(theirs.header, list) and theirs.header[:1] == [_SETUP]
+                    and isinstance(theirs.header[1], dict)):
                 raise FrameError("cuda_ipc: the peer's first frame is not its ring (an shm:// peer?)")
-            ring, event = _mapped(theirs.header[1])
+            try:
+                ring = _mapped(theirs.header[1])
+            except (RuntimeError, KeyError, TypeError) as exc:
+                raise TransportError(f"cuda_ipc: cannot map the peer's ring: {exc!r}") from exc
         except BaseException:
             await inner.close()
             raise
-        return cls(inner, config, exported, ring, event)
+        return cls(inner, config, exported, ring)
 
     @property
     def peer(self) -> str:
@@ -214,7 +253,9 @@ class CudaIpcConnection(Connection):
                         t.record_stream(copy)
                     places.append([i, at, n, str(t.dtype).removeprefix("torch."), list(t.shape)])
                     tensors[i] = _EMPTY
-            self._out.event.record(copy)  # after the copies
+            copied = torch.cuda.Event()
+            copied.record(copy)
+            await until_done(copied)  # the receiver reads finished bytes (see the module's docstring)
         await self._inner.send(Frame(frame.kind, [_DATA, frame.header, places, self._space.head, through_host],
                                      tensors))
 
@@ -249,7 +290,6 @@ class CudaIpcConnection(Connection):
         tensors = list(tensors)
         if places:
             stream = torch.cuda.current_stream(self._device)
-            stream.wait_event(self._peer_event)
             ring = self._peer_ring
             for i, at, n, dtype_name, shape in places:
                 dtype = DTYPES.get(dtype_name)
@@ -262,6 +302,7 @@ class CudaIpcConnection(Connection):
                 tensors[i] = out
             done = torch.cuda.Event()
             done.record(stream)
+            self._copied_out = done
             await until_done(done)
             await self._inner.send(Frame(0, [_FREE, int(upto)]))
         for i in through_host:
@@ -292,6 +333,11 @@ class CudaIpcConnection(Connection):
         self._pump.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._pump
+        # Copies still queued into this end's ring, or out of the peer's (a cancelled
+        # reader's), finish before the peer may unmap it or this end drops its mapping.
+        self._copy.synchronize()
+        if self._copied_out is not None:
+            self._copied_out.synchronize()
         await self._inner.close()
         _LOCAL.pop(self._out.token, None)
         self._space.fail(PeerClosed(f"connection to {self.peer} is closed"))
@@ -365,6 +411,9 @@ class CudaIpcTransport(Transport):
             return shm
         if not torch.cuda.is_available():
             return "needs a CUDA device (torch finds none here)"
+        if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+            return ("torch's cudaMallocAsync allocator (PYTORCH_CUDA_ALLOC_CONF backend) cannot export memory by "
+                    "CUDA IPC handle")
         return None
 
     async def listen(self, address: str, handler: Handler | None, config: TransportConfig) -> CudaIpcListener:

@@ -17,13 +17,18 @@ Graphs are replayed on the thread's current stream: the micro-batch's
 (services/model/staging.py). The graphs of one (micro-batch, bucket) share a memory pool
 for their intermediates: they replay one after another on one stream, in the order they
 were captured (slice 0, 1, ...), which is when graphs may share one. Two micro-batches'
-graphs never share: they replay at once on their own streams. Captures run on a stream
-of their own, without synchronizing the device or emptying the allocator's caches, and a
-failed capture leaves the thread on the stream it was on.
+graphs never share: they replay at once on their own streams. Nor do they share a
+capture stream: cuBLAS keeps a workspace per stream, and a graph keeps the one of the
+stream it was captured on, so two micro-batches' products replaying at once would write
+one workspace. Captures run without synchronizing the device or emptying the allocator's
+caches; a failed capture leaves the thread on the stream it was on, and its memory pool
+is not used again (a capture that ended in error may leave the allocator's bookkeeping
+of that pool behind).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,7 +66,8 @@ class SliceGraphs:
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._failed: set[tuple[int, int]] = set()  # (slice, bucket) whose capture failed
         self._pools: dict[tuple[int, int], Any] = {}  # by (micro-batch, bucket)
-        self._capture_stream = torch.cuda.Stream(device)
+        self._capture_streams: dict[int, torch.cuda.Stream] = {}  # by micro-batch
+        self._failed_graphs: list[torch.cuda.CUDAGraph] = []  # kept: the allocator may still name them
         self.replays = 0  # slices replayed (a metric and the tests' witness)
         self.captures = 0
 
@@ -113,8 +119,11 @@ class SliceGraphs:
         pool = self._pools.get((micro_batch, bucket))
         if pool is None:
             pool = self._pools[(micro_batch, bucket)] = torch.cuda.graph_pool_handle()
-        cap = self._capture_stream
+        cap = self._capture_streams.get(micro_batch)
+        if cap is None:
+            cap = self._capture_streams[micro_batch] = torch.cuda.Stream(self.device)
         current = torch.cuda.current_stream(self.device)
+        graph = None
         try:
             cap.wait_stream(current)  # the static inputs were filled there
             # capture_begin/end, not torch.cuda.graph: that one synchronizes the device and
@@ -133,8 +142,23 @@ class SliceGraphs:
             current.wait_stream(cap)  # the warm-up wrote the memory the replays use
         except RuntimeError as exc:
             self._failed.add((j, bucket))
+            if graph is not None:
+                self._abandon(micro_batch, bucket, graph, pool)
             log.warning("slice %d at batch %d cannot be captured as a CUDA graph (it runs eagerly): %s", j, bucket,
                         exc)
             return None
         self.captures += 1
         return _Graph(graph, g_inputs, g_attn, g_context, out)
+
+    def _abandon(self, micro_batch: int, bucket: int, graph: torch.cuda.CUDAGraph, pool: Any) -> None:
+        """After a capture that failed once begun: the allocator is told the capture into
+        `pool` is over (where the failed end of capture did not get that far, every block
+        freed with a pending use on another stream would be held back for good), the
+        graph is kept (the allocator may still refer to it), and the (micro-batch,
+        bucket) takes a new pool for later captures."""
+        self._failed_graphs.append(graph)
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is not None:
+            with contextlib.suppress(RuntimeError):  # the capture's end had told it already
+                end(self.device.index if self.device.index is not None else torch.cuda.current_device(), pool)
+        self._pools.pop((micro_batch, bucket), None)
