@@ -430,7 +430,7 @@ GPU_STACK = "this-machine (cuda_ipc)"
 
 def cuda_link(prof: dict) -> tuple[float, float] | None:
     """(bytes/s one way, seconds one way) of cuda_ipc on the profiled device, from its
-    round trips of CUDA tensors (`cuda_ipc_device`: the ring copies, event and frames, in
+    round trips of CUDA tensors (`cuda_ipc_device`: the ring copies, their waits and frames, in
     one process) else of CPU tensors between processes (`cuda_ipc`); None where the
     profile measured neither."""
     transports = prof.get("measurements", {}).get("transports", {})

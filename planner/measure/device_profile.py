@@ -109,8 +109,8 @@ def host_copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> floa
 
 def device_round_trips(device: torch.device) -> dict[str, Any]:
     """cuda_ipc's round trip of a 64 B and a 1 MiB CUDA tensor (echoed), both ends in this
-    process: the ring copies, the event, the shm frames and the space-free frame, but no
-    process boundary (the ring and event are shared, not opened by IPC handle)."""
+    process: the ring copies and their waits, the shm frames and the space-free frame, but no
+    process boundary (the ring is shared, not opened by IPC handle)."""
     import asyncio
     import os
 
@@ -139,7 +139,7 @@ def device_round_trips(device: torch.device) -> dict[str, Any]:
 
     seconds = asyncio.run(run())
     return {"rtt_us_64B": seconds[64] * 1e6, "gbit_s_1MiB": 2 * (1 << 20) * 8 / seconds[1 << 20] / 1e9,
-            "path": "one process: the ring and event shared, no IPC handles opened"}
+            "path": "one process: the ring shared, no IPC handle opened"}
 
 
 def profile_device(device_name: str, dtype_name: str, usd_per_hour: float, quick: bool = False,
