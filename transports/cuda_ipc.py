@@ -13,7 +13,9 @@ until those copies are done (polling their event, as the event loop's other task
 and only then sends the frame through shm, with each CUDA tensor's place in the ring
 (offset, dtype, shape) in place of its bytes. The receiver so reads finished bytes: its
 streams never wait on the sender's (one slow peer cannot hold back the receiver's other
-work, and a peer that dies leaves nothing to wait on). It copies each tensor out into a
+work, and a peer that dies leaves nothing to wait on); the price is that the frame's trip
+through shm (a 4 KiB round trip takes about 14 us here) follows the copies instead of
+overlapping them. It copies each tensor out into a
 new one on its current device, on its current stream; once those copies are done it
 hands the frame on and tells the sender that ring space is free again (a small frame of
 its own), so a sender reuses space only after the copies out of it finished.
