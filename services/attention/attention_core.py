@@ -119,6 +119,27 @@ class AttentionCore:
         self._slot_pools = (SlotPools(self.slabs.k_pools, self.slabs.v_pools)
                             if self.native and self.packed is None and NATIVE is not None else None)
 
+    def warm_up(self) -> int:
+        """The paged kernel compiled (and Triton's launcher built) before the first frame
+        waits on it: seconds on a machine that has not run it, which a model worker's
+        reply deadline would count. One query over slot 0 of layer 0, with q in the
+        pools' dtype and in float32 (what a model worker in another dtype sends); the
+        results are dropped and nothing is stored. Returns the calls made (0 where no
+        paged kernel serves this core)."""
+        if not self.paged:
+            return 0
+        k_pool, v_pool = self.slabs.k_pools[0], self.slabs.v_pools[0]
+        table = PagedSlots.of(SlotBatch(torch.zeros(1, dtype=torch.int64), (1,), self.slabs.config.num_slots),
+                              self.device)
+        calls = 0
+        for dtype in dict.fromkeys((self.dtype, torch.float32)):
+            q = torch.zeros(1, self.shape.num_q_heads, self.cfg.head_dim, dtype=dtype, device=self.device)
+            paged_attention(q, [1], k_pool, v_pool, table, need_lse=True)
+            calls += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return calls
+
     # -- decode ---------------------------------------------------------------------------
     def _check(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor,
                kv: tuple[torch.Tensor, torch.Tensor] | None) -> None:

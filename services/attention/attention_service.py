@@ -105,6 +105,9 @@ class AttentionService:
         self.core = AttentionCore(model_cfg, config.attention.kv_capacity_bytes, heads,
                                   kv_quant=config.attention.kv_quant, device=device,
                                   dtype=compute_dtype(config.attention.dtype))
+        t0 = time.monotonic()
+        if self.core.warm_up():
+            log.info("attention kernels ready on %s in %.1f s", device, time.monotonic() - t0)
         self.runtime = ServiceRuntime("attention", self.service_id, config)
         r = self.runtime.registry
         self.m_frames = prometheus_client.Counter("lamina_attention_frames", "data-plane frames handled",

@@ -291,3 +291,29 @@ def test_a_local_step_equals_attend_and_checks_its_first_layer_whole(monkeypatch
     with pytest.raises(RemoteError, match="unknown_sequence"):
         cores[0].local_step([("a", 1), ("nobody", 1)])(0, q, k, v)
     assert cores[0].slabs.num_tokens("a") == 7
+
+
+@pytest.mark.parametrize(("device", "dtype", "paged", "calls"), [
+    ("cpu", torch.float32, False, 0),  # the native kernel: nothing to compile
+    pytest.param("cpu", torch.bfloat16, True, 2, marks=pytest.mark.skipif(
+        find_spec("triton") is None, reason="needs triton (pip install '.[dev]' installs it)")),
+    pytest.param("cuda", torch.bfloat16, True, 2, marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)")),
+])
+def test_the_paged_kernel_is_warmed_up_without_storing_anything(device, dtype, paged, calls, monkeypatch):
+    """warm_up: the paged kernel run once per query dtype a frame may bring (the pools' and
+    float32) before any frame; the core holds nothing after, and serves a step as before."""
+    if paged:
+        monkeypatch.setattr("lamina.services.attention.attention_core.paged_available", lambda device: True)
+    launched: list[torch.dtype] = []
+    real = attention_core.paged_attention
+    monkeypatch.setattr(attention_core, "paged_attention",
+                        lambda q, *a, **k: launched.append(q.dtype) or real(q, *a, **k))
+    core = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=3, tokens_per_slab=4, device=device, dtype=dtype)
+    assert core.warm_up() == calls and launched == [dtype, torch.float32][:calls]
+    assert core.num_sequences == 0 and core.used_bytes == 0
+    history = History(3, dtype)
+    history.prompt([core], "a", 5)
+    q, k, v = _step_inputs([("a", 1)], CFG.num_groups * 3, 3, dtype)
+    out, _ = core.attend(0, [("a", 1)], q, k, v)
+    assert out.shape == q.shape and torch.isfinite(out.float()).all()
