@@ -5,8 +5,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# Float32 products in full float32, in this process and every service a test starts: an
+# image may turn TF32 on for cuBLAS through the environment (NVIDIA's containers set
+# TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1), which would part float32 greedy tokens from
+# transformers' at near ties. Set before torch is imported; the services inherit it.
+os.environ["TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"] = "0"
+os.environ["NVIDIA_TF32_OVERRIDE"] = "0"
+
 import pytest
 import torch
+
+torch.set_float32_matmul_precision("highest")
 
 # Without a GPU, Triton's kernels (lamina.model.paged_decode) run on CPU tensors under its
 # interpreter, which is chosen when triton is first imported: before any test imports it.

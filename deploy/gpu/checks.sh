@@ -52,7 +52,11 @@ limited() {
   "${LIMIT_conformance:=60}"
 {
     date; nvidia-smi; "$python" --version; "$python" -m pip list 2>/dev/null
+    echo "environment (TF32, allocator, CUDA):"; env | grep -iE 'tf32|alloc_conf|^cuda_' || true
 } > "$out/device.txt" 2>&1
+# Float32 products in full float32 in every process (an image may turn TF32 on for cuBLAS
+# through the environment; tests/conftest.py sets the same for pytest's processes).
+export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0 NVIDIA_TF32_OVERRIDE=0
 if ! deploy/gpu/install_offline.sh "$wheels" "$site" > "$out/install.log" 2>&1; then
     note "install failed: $out/install.log"; tail -20 "$out/install.log"; exit 1
 fi

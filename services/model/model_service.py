@@ -207,6 +207,12 @@ class ModelService:
                                                   "slices this coordinator ran on peer model workers", registry=r)
         self.m_served = prometheus_client.Counter("lamina_model_served_slices",
                                                   "slices run here for a rotational coordinator", registry=r)
+        self.m_graph_replays = prometheus_client.Counter("lamina_model_graph_replays",
+                                                         "decode slices replayed as CUDA graphs", registry=r)
+        self.m_graph_failures = prometheus_client.Counter(
+            "lamina_model_graph_capture_failures", "slices and batch buckets whose CUDA graph capture failed "
+            "(they run eagerly)", registry=r)
+        self._graphs_reported = (0, 0)  # replays and capture failures already counted
         self.pool: AttentionPool | None = None
         self.executors: SliceExecutors | None = None  # rotational only
         self.slice_server = SliceServer(self.slices.split.slices, self._serve_slice)
@@ -233,6 +239,13 @@ class ModelService:
                self.executors.remote_slices if self.executors else 0, self.pool.local_s if self.pool else 0.0)
         for counter, value, before in zip((self.m_compute, self.m_send, self.m_remote), now, self._reported):
             counter.inc(value - before)
+        graphs = self.slices.graphs
+        if graphs is not None:
+            counts = (graphs.replays, graphs.failures)
+            for counter, value, before in zip((self.m_graph_replays, self.m_graph_failures), counts,
+                                              self._graphs_reported):
+                counter.inc(value - before)
+            self._graphs_reported = counts
         if self.attention is not None:
             self.attention.count_local(now[3] - self._reported[3])
         self._reported = now

@@ -68,8 +68,13 @@ class SliceGraphs:
         self._pools: dict[tuple[int, int], Any] = {}  # by (micro-batch, bucket)
         self._capture_streams: dict[int, torch.cuda.Stream] = {}  # by micro-batch
         self._failed_graphs: list[torch.cuda.CUDAGraph] = []  # kept: the allocator may still name them
-        self.replays = 0  # slices replayed (a metric and the tests' witness)
+        self.replays = 0  # slices replayed (lamina_model_graph_replays and the tests' witness)
         self.captures = 0
+
+    @property
+    def failures(self) -> int:
+        """(slice, bucket) pairs whose capture failed and that run eagerly."""
+        return len(self._failed)
 
     def run(self, micro_batch: int, j: int, inputs: dict[str, Any], attn: torch.Tensor | None,
             context: Sequence[torch.Tensor]) -> SliceOutput | None:

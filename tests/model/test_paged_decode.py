@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_helpers import KERNEL_DEVICES
 
 from lamina.model.kv_attention import SlotBatch, slot_attention
 
@@ -23,8 +24,7 @@ from lamina.model.paged_decode import (
     plan_splits,
 )
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)"))]
+DEVICES = KERNEL_DEVICES
 
 
 def _scattered(lens: list[int], hkv: int, d: int, dtype: torch.dtype = torch.float32, seed: int = 0):

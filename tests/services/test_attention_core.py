@@ -7,6 +7,7 @@ from importlib.util import find_spec
 
 import pytest
 import torch
+from triton_helpers import INTERPRETER_OFF
 
 from lamina.model import kv_attention
 from lamina.model.attention import batched_attention
@@ -67,8 +68,8 @@ def _step_inputs(seqs: list[tuple[str, int]], hq: int, kv_heads: int, dtype: tor
 # its products in bfloat16, as FlashAttention does: bfloat16's tolerance.
 @pytest.mark.parametrize(("device", "dtype", "paged"), [
     ("cpu", torch.float32, False), ("cpu", torch.bfloat16, False),
-    pytest.param("cpu", torch.bfloat16, True, marks=pytest.mark.skipif(
-        find_spec("triton") is None, reason="needs triton (pip install '.[dev]' installs it)")),
+    pytest.param("cpu", torch.bfloat16, True, marks=[pytest.mark.skipif(
+        find_spec("triton") is None, reason="needs triton (pip install '.[dev]' installs it)"), INTERPRETER_OFF]),
     pytest.param("cuda", torch.bfloat16, True, marks=pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)")),
 ])
@@ -295,8 +296,8 @@ def test_a_local_step_equals_attend_and_checks_its_first_layer_whole(monkeypatch
 
 @pytest.mark.parametrize(("device", "dtype", "paged", "calls"), [
     ("cpu", torch.float32, False, 0),  # the native kernel: nothing to compile
-    pytest.param("cpu", torch.bfloat16, True, 2, marks=pytest.mark.skipif(
-        find_spec("triton") is None, reason="needs triton (pip install '.[dev]' installs it)")),
+    pytest.param("cpu", torch.bfloat16, True, 2, marks=[pytest.mark.skipif(
+        find_spec("triton") is None, reason="needs triton (pip install '.[dev]' installs it)"), INTERPRETER_OFF]),
     pytest.param("cuda", torch.bfloat16, True, 2, marks=pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)")),
 ])

@@ -173,17 +173,17 @@ def test_a_frame_that_does_not_fit_the_model_gets_an_error(slices, case):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)")
 async def test_micro_batches_on_their_own_cuda_streams_give_the_logits_of_one_alone():
     """On a GPU each micro-batch's slices and copies run on a stream of its own and its Q, K,
-    V go through pinned buffers reused from layer to layer: three micro-batches at once
-    give the logits of one alone, on the device (a buffer or stream mixed up between them
-    would not)."""
+    V go through pinned buffers reused from layer to layer: three micro-batches at once,
+    each with tokens of its own, give each the logits it gives alone, on the device (a
+    buffer or stream mixed up between them would not)."""
     on_gpu = ModelSlices.load("random:smollm2-135m", "float32", "cuda", torch.float32)
-    batch, rows = _batch()
+    batches = [_batch(), _batch((3, 1000, 77)), _batch((250, 8, 4096))]
     pool = DensePool()
-    alone = await on_gpu.forward(0, 1, batch, rows, pool)
-    assert alone.device.type == "cuda"
-    outs = await asyncio.gather(*(on_gpu.forward(mb, 1, batch, rows, pool) for mb in range(3)))
-    for out in outs:
-        torch.testing.assert_close(out, alone, atol=1e-5, rtol=1e-5)
+    alone = [await on_gpu.forward(0, 1, batch, rows, pool) for batch, rows in batches]
+    assert alone[0].device.type == "cuda" and not torch.allclose(alone[0], alone[1])
+    outs = await asyncio.gather(*(on_gpu.forward(mb, 1, *batches[mb], pool) for mb in range(3)))
+    for out, expected in zip(outs, alone):
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert len(on_gpu.staging._streams) == 3
 
 
