@@ -155,6 +155,16 @@ def _bytes_of(t: torch.Tensor) -> Any:
     return t.reshape(-1).view(torch.uint8) if t.is_cuda else tensor_view(t)
 
 
+async def _current_streams_done(tensors: Sequence[torch.Tensor]) -> None:
+    """Returns once the work queued on the current stream of each CUDA tensor's device is
+    done (its event polled, other tasks running meanwhile): before UCX touches their
+    memory, which it does outside the streams' order."""
+    for device in {t.device for t in tensors if t.is_cuda}:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        await until_done(done)
+
+
 def _translate(exc: BaseException, peer: str) -> TransportError:
     name = type(exc).__name__
     if "Truncated" in name or "MessageTruncated" in str(exc):
@@ -207,11 +217,7 @@ class UcxConnection(StreamConnection):
         return self._send_direct(messages, direct)
 
     async def _send_direct(self, messages: list[Any], direct: list[torch.Tensor]) -> None:
-        # UCX reads device memory outside the streams' order: the tensors must be complete.
-        for device in {t.device for t in direct if t.is_cuda}:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(device))
-            await until_done(done)
+        await _current_streams_done(direct)  # UCX reads them outside the streams' order
         await self._finish_send(messages + [_bytes_of(t) for t in direct if t.nbytes])
 
     def _send_native(self, native, frame: Frame, user: bytes):
@@ -263,13 +269,10 @@ class UcxConnection(StreamConnection):
             elif not (isinstance(dest, torch.Tensor) and dest.is_contiguous() and dest.nbytes == n):
                 raise FrameError(f"out buffer {i} is not a contiguous tensor of the {n} bytes the frame carries")
             dests.append((i, dest, n))
-        # UCX writes device memory outside the streams' order: a block the caching allocator
-        # just handed out (or an `out` tensor) may still be read by kernels queued on the
-        # current stream, so the payloads are received once those have run.
-        for cuda in {dest.device for _, dest, _ in dests if dest.is_cuda}:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(cuda))
-            await until_done(ready)
+        # UCX writes them outside the streams' order: a block the caching allocator just
+        # handed out (or an `out` tensor) may still be read by kernels queued on the current
+        # stream, so the payloads are received once those have run.
+        await _current_streams_done([dest for _, dest, _ in dests])
         for i, dest, n in dests:
             if n:
                 await self._read_exact(_bytes_of(dest))
@@ -315,7 +318,7 @@ class UcxConnection(StreamConnection):
             await self._ep.recv(view)
         except BaseException as exc:
             self._orphans.append(view)  # UCX may still write into it (see __init__)
-            if isinstance(exc, (asyncio.CancelledError, TransportError)) or not isinstance(exc, Exception):
+            if isinstance(exc, TransportError) or not isinstance(exc, Exception):  # a cancellation too
                 raise
             raise _translate(exc, self._peer) from exc
 
