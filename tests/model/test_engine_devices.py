@@ -2,18 +2,16 @@
 every device but the CPU, taken on the CPU in bfloat16), checked against transformers
 in the same dtype; and what it refuses."""
 
-from importlib.util import find_spec
 
 import pytest
 import torch
 from precision_helpers import bfloat16_ties
-from triton_helpers import INTERPRETER_OFF
+from triton_helpers import INTERPRETER_OFF, NO_CUDA, NO_TRITON
 
 from lamina.engine import Engine, EngineConfig, SamplingParams
 from lamina.model.loader import load_model
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "My favourite colour is"]
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +64,7 @@ def _count_buffer_steps(monkeypatch) -> list[list[int]]:
     return taken
 
 
-@pytest.mark.skipif(find_spec("triton") is None, reason="needs triton (pip install '.[dev]' installs it)")
+@NO_TRITON
 @INTERPRETER_OFF
 def test_the_gpus_batched_decode_path_equals_transformers_token_for_token(monkeypatch):
     """The path an engine on a GPU takes for its decode steps (BufferAttention: one launch
@@ -132,7 +130,7 @@ def test_lamina_generate_in_bfloat16_prints_the_engines_tokens(unpacked, capsys)
     assert printed == out.output_token_ids
 
 
-@CUDA
+@NO_CUDA
 def test_the_engine_on_cuda_in_float32_equals_transformers_token_for_token(monkeypatch):
     """A random model of SmolLM2's shape (no GGUF file needed on a GPU machine), the
     same weights directory read by transformers; its decode steps through BufferAttention."""

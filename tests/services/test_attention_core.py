@@ -3,11 +3,9 @@ micro-batches interleaving their layers, against attention over the whole histor
 
 from __future__ import annotations
 
-from importlib.util import find_spec
-
 import pytest
 import torch
-from triton_helpers import INTERPRETER_OFF
+from triton_helpers import INTERPRETED, NO_CUDA
 
 from lamina.model import kv_attention
 from lamina.model.attention import batched_attention
@@ -68,10 +66,8 @@ def _step_inputs(seqs: list[tuple[str, int]], hq: int, kv_heads: int, dtype: tor
 # its products in bfloat16, as FlashAttention does: bfloat16's tolerance.
 @pytest.mark.parametrize(("device", "dtype", "paged"), [
     ("cpu", torch.float32, False), ("cpu", torch.bfloat16, False),
-    pytest.param("cpu", torch.bfloat16, True, marks=[pytest.mark.skipif(
-        find_spec("triton") is None, reason="needs triton (pip install '.[dev]' installs it)"), INTERPRETER_OFF]),
-    pytest.param("cuda", torch.bfloat16, True, marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)")),
+    pytest.param("cpu", torch.bfloat16, True, marks=INTERPRETED),
+    pytest.param("cuda", torch.bfloat16, True, marks=NO_CUDA),
 ])
 def test_plain_and_q_early_steps_equal_attention_over_the_history(kv_heads, new_tokens, device, dtype, paged,
                                                                    monkeypatch):
@@ -296,10 +292,8 @@ def test_a_local_step_equals_attend_and_checks_its_first_layer_whole(monkeypatch
 
 @pytest.mark.parametrize(("device", "dtype", "paged", "calls"), [
     ("cpu", torch.float32, False, 0),  # the native kernel: nothing to compile
-    pytest.param("cpu", torch.bfloat16, True, 2, marks=[pytest.mark.skipif(
-        find_spec("triton") is None, reason="needs triton (pip install '.[dev]' installs it)"), INTERPRETER_OFF]),
-    pytest.param("cuda", torch.bfloat16, True, 2, marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)")),
+    pytest.param("cpu", torch.bfloat16, True, 2, marks=INTERPRETED),
+    pytest.param("cuda", torch.bfloat16, True, 2, marks=NO_CUDA),
 ])
 def test_the_paged_kernel_is_warmed_up_without_storing_anything(device, dtype, paged, calls, monkeypatch):
     """warm_up: the paged kernel run once per query dtype a frame may bring (the pools' and
