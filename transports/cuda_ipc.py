@@ -15,10 +15,10 @@ and only then sends the frame through shm, with each CUDA tensor's place in the 
 streams never wait on the sender's (one slow peer cannot hold back the receiver's other
 work, and a peer that dies leaves nothing to wait on); the price is that the frame's trip
 through shm (a 4 KiB round trip takes about 14 us here) follows the copies instead of
-overlapping them. It copies each tensor out into a
-new one on its current device, on its current stream; once those copies are done it
-hands the frame on and tells the sender that ring space is free again (a small frame of
-its own), so a sender reuses space only after the copies out of it finished.
+overlapping them. It copies each tensor out into a new one on its current device, on
+its current stream; once those copies are done it hands the frame on and tells the
+sender that ring space is free again (a small frame of its own), so a sender reuses
+space only after the copies out of it finished.
 CPU tensors and byte buffers travel through shm as on ``shm://``. A frame whose CUDA
 tensors do not fit the ring at once travels through host memory whole (copied to the
 CPU and back), slower but the same frame.

@@ -6,10 +6,12 @@ kernel launches, which at small batches cost more CPU time than the GPU spends o
 Each (micro-batch, slice, bucket) is captured once, the first time a step needs it, for
 the smallest bucket of BUCKETS that holds B rows; a step copies the inputs the slice
 reads into the graph's input tensors (the first B rows; the rest keep what they held,
-rows no step reads), replays it, and takes the first B rows of its outputs. Every graph has tensors
-of its own: a micro-batch's outputs stay untouched while another micro-batch replays
-the same slice, and a slice's outputs live until the same micro-batch replays that
-slice again, a step later, after its tokens were sampled. A step that is not a decode
+rows no step reads), replays it, and takes the first B rows of its outputs. Every
+micro-batch's graphs have tensors of their own: its outputs stay untouched while another
+micro-batch replays the same slice. A slice's outputs live until the same micro-batch's
+next step starts replaying (its graphs share a pool, below: a later slice's outputs may
+sit where an earlier slice's intermediates were), after that step's tokens were
+sampled and its attention replies received. A step that is not a decode
 step (several new tokens a sequence) or larger than the largest bucket runs eagerly,
 as does a slice whose capture failed (logged once).
 
