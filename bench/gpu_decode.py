@@ -15,9 +15,10 @@ Contenders, for each model, batch and context, in one run on the same device, on
 another (each one's memory given back to the device before the next):
 - transformers' `generate` with `cache_implementation="static"`, loaded once per model,
   eager (`disable_compile`: its compile of the decode step would land in the timings);
-- the local engine on the device (`lamina.engine`, torch's linears in the dtype), after
-  an untimed run of the same batch with short prompts (Triton compiles its kernels'
-  variants for the first steps);
+- the local engine on the device (`lamina.engine`, torch's linears in the dtype; on a
+  GPU its decode slices replayed as CUDA graphs, as the stack's model worker's are),
+  after an untimed run of the same batch with short prompts (Triton compiles its
+  kernels' variants for the first steps, the graphs of the batch's bucket are captured);
 - the stack as `lamina up --device D --dtype T` starts it (every service on the one
   device; transport cuda_ipc on a GPU, tcp on the CPU; `--transport` names another), one
   model worker, 1 and 2 attention workers, 1 and 2 micro-batches (`--no-stack`: left out),
@@ -194,7 +195,8 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"device: {device} ({name}), copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
     print(f"workload: batches {batches}, contexts {contexts}, {steps} decode steps timed, greedy, EOS ignored; "
-          f"the stack over {transport}")
+          f"the stack over {transport}; decode slices as CUDA graphs (engine and model worker): "
+          f"{device.type == 'cuda'}")
     out_file = Path(args.out) if args.out else None
     report: dict[str, Any] = {"device": f"{device} ({name})", "engine_tok_s": {}, "transformers_tok_s": {},
                               "stack_tok_s": {"mb1": {}, "mb2": {}}, "step_vs_bound": {},

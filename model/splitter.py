@@ -90,6 +90,8 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 AsyncAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], Awaitable[torch.Tensor]]
 # run_slice(j, inputs, attention output (None for slice 0), context) -> slice j's output
 RunSlice = Callable[[int, dict[str, Any], torch.Tensor | None, Sequence[torch.Tensor]], Awaitable[SliceOutput]]
+# call_slice(j, inputs, attn, context): slice j run in place of calling it
+CallSlice = Callable[[int, dict[str, Any], torch.Tensor | None, Sequence[torch.Tensor]], SliceOutput]
 
 
 @dataclass
@@ -105,11 +107,10 @@ class SplitModel:
         return len(self.attention_modules)
 
     def run(self, inputs: dict[str, Any], attend: Attend, *, reuse_outputs: bool = False,
-            call_slice: Callable[[int, dict[str, Any], torch.Tensor | None, Sequence[torch.Tensor]], SliceOutput]
-            | None = None) -> Any:
+            call_slice: CallSlice | None = None) -> Any:
         """Compose the slices with an attention function; equals the unsplit model.
         Grad mode is the caller's. `call_slice(j, inputs, attn, context)`: runs slice j in
-        place of calling it (a GPU's CUDA graphs: services/model/slice_graphs.py).
+        place of calling it (a GPU's CUDA graphs: model/slice_graphs.py).
 
         reuse_outputs: the middle slices may write into outputs they keep from step to step
         (lamina.model.fused_slice's REUSE_OUTPUTS), so no Q, K, V or context outlives the

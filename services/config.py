@@ -152,7 +152,7 @@ class ModelWorkerSection:
     device: str = "cpu"
     dtype: str = "float32"
     # On a GPU, each decode slice captured as a CUDA graph per batch-size bucket and
-    # replayed (services/model/slice_graphs.py); false: every slice runs eagerly.
+    # replayed (model/slice_graphs.py); false: every slice runs eagerly.
     cuda_graphs: bool = True
 
 

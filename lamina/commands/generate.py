@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=COMPUTE_DTYPES,
                    help="weights, activations and KV (default float32; another, or a device other than the CPU, "
                         "uses torch's own linears instead of packed weights: --weights float32)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a GPU, replay the decode steps' slices as CUDA graphs (default; --no-cuda-graphs: "
+                        "every slice eagerly)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -79,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
           f" {loaded.weight_formats})", file=sys.stderr)
     tok = loaded.tokenizer
     prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
-    engine = Engine(loaded, EngineConfig(device=str(device), dtype=args.dtype))
+    engine = Engine(loaded, EngineConfig(device=str(device), dtype=args.dtype, cuda_graphs=args.cuda_graphs))
     start = time.perf_counter()
     try:
         (out,) = engine.generate([prompt_ids], params)

@@ -21,6 +21,7 @@ from lamina.model.batch import StepBatch
 from lamina.model.llama import split_llama
 from lamina.model.loader import LoadedModel
 from lamina.model.placement import COMPUTE_DTYPES, place, runs_natively
+from lamina.model.slice_graphs import SliceGraphs
 from lamina.sampling.grammar import Grammars
 from lamina.sampling.logprobs import TokenLogprobs
 from lamina.sampling.params import SamplingParams
@@ -37,6 +38,9 @@ class EngineConfig:
     # cpu/float32, the model must be loaded with torch's own linears (load_model(packed=False)).
     device: str = "cpu"
     dtype: str = "float32"
+    # On a GPU, each decode slice captured as a CUDA graph per batch-size bucket and
+    # replayed (lamina.model.slice_graphs, as a model worker's); false: every slice eagerly.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_capacity_bytes <= 0:
@@ -67,6 +71,9 @@ class Engine:
         self.device, self.dtype = torch.device(self.config.device), getattr(torch, self.config.dtype)
         if not runs_natively(self.device, self.dtype):
             place([loaded.model, *(piece.module for piece in self.split.slices)], self.device, self.dtype)
+        # The decode slices as CUDA graphs (a GPU's); `graphs.replays` counts the slices replayed.
+        self.graphs = SliceGraphs(self.split, self.device) if self.device.type == "cuda" and self.config.cuda_graphs \
+            else None
         self.kv = KVStore(loaded.config, self.config.kv_capacity_bytes, dtype=self.dtype, device=self.device)
         self.max_model_len = self.config.max_model_len or loaded.config.max_position_embeddings
         self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
@@ -143,7 +150,7 @@ class Engine:
             [s.seq_id for s in plan.running], [s.next_input() for s in plan.running],
             [s.num_cached for s in plan.running],
         )
-        logits = run_step(self.split, self.kv, batch)
+        logits = run_step(self.split, self.kv, batch, self.graphs)
         self.num_steps += 1
         self.sum_batch_size += len(plan.running)
         tokens, logprobs = self.sampler(logits, [s.sampling for s in plan.running])

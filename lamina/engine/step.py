@@ -14,6 +14,7 @@ from lamina.model.batch import StepBatch
 from lamina.model.kv_attention import BufferBatch
 from lamina.model.paged_decode import BufferRows, attend_buffers, paged_available
 from lamina.model.placement import runs_natively
+from lamina.model.slice_graphs import SliceGraphs
 from lamina.model.splitter import SplitModel
 
 # Sequences with at most this many new tokens attend through the batched kernel; longer
@@ -132,13 +133,15 @@ def in_process_attention(kv: KVStore, batch: StepBatch) -> LocalAttention | Devi
     return DeviceAttention(kv, batch)
 
 
-def run_step(split: SplitModel, kv: KVStore, batch: StepBatch) -> torch.Tensor:
+def run_step(split: SplitModel, kv: KVStore, batch: StepBatch, graphs: SliceGraphs | None = None) -> torch.Tensor:
     """Run the batch; its new K, V are stored. Returns logits [B, V] float32 on the KV
-    store's device, where the sampler picks the tokens (lamina.sampling.sampler)."""
+    store's device, where the sampler picks the tokens (lamina.sampling.sampler); with
+    `graphs` (a GPU's), a decode step's slices are replayed as CUDA graphs, and its
+    logits live until the next step."""
     attention = in_process_attention(kv, batch)
     with torch.inference_mode():
         # Attention copies each layer's K and V into the store: the slices may keep their outputs.
         logits = split.run(batch.model_inputs(kv.device), lambda i, q, k, v: attention.attend(i, q, k, v),
-                           reuse_outputs=True)
+                           reuse_outputs=True, call_slice=None if graphs is None else graphs.caller(0))
     attention.commit()
     return logits

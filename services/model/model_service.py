@@ -42,6 +42,7 @@ from lamina.model.batch import StepBatch
 from lamina.model.llama import split_llama
 from lamina.model.loader import LoadedModel, load_model
 from lamina.model.placement import place, runs_natively
+from lamina.model.slice_graphs import SliceGraphs
 from lamina.model.splitter import Attend, SliceOutput
 from lamina.model.threads import set_compute_threads
 from lamina.sampling.grammar import Grammars
@@ -51,7 +52,6 @@ from lamina.services.attention_pool import AttentionPool, SeqRows
 from lamina.services.config import PortsSection, StackConfig
 from lamina.services.devices import compute_dtype, open_device
 from lamina.services.model.decode_runner import DecodeRunner
-from lamina.services.model.slice_graphs import SliceGraphs
 from lamina.services.model.slice_peers import SliceExecutors
 from lamina.services.model.slice_server import SliceServer
 from lamina.services.model.staging import Staging
@@ -119,13 +119,8 @@ class ModelSlices:
         process (colocated): the slices and attention called in turn, in one inference-mode
         block, with no await (no other task runs mid-step, so none sees the grad mode)."""
         t0, attending = time.thread_time(), pool.local_s
-        graphs = self.graphs
-        call_slice = None
-        if graphs is not None:  # a GPU's decode slices replayed (colocated: one micro-batch)
-            def call_slice(j: int, inputs: dict, attn: torch.Tensor | None,
-                           context: Sequence[torch.Tensor]) -> SliceOutput:
-                return graphs.run(0, j, inputs, attn, context) or self.split.slices[j](inputs, attn, context)
-
+        # A GPU's decode slices replayed (colocated: one micro-batch, 0).
+        call_slice = None if self.graphs is None else self.graphs.caller(0)
         with torch.inference_mode():
             # The attention core copies each layer's K and V into its slabs: the slices may
             # keep their outputs from step to step.

@@ -133,7 +133,10 @@ def test_lamina_generate_in_bfloat16_prints_the_engines_tokens(unpacked, capsys)
 @NO_CUDA
 def test_the_engine_on_cuda_in_float32_equals_transformers_token_for_token(monkeypatch):
     """A random model of SmolLM2's shape (no GGUF file needed on a GPU machine), the
-    same weights directory read by transformers; its decode steps through BufferAttention."""
+    same weights directory read by transformers; its decode steps through BufferAttention,
+    their slices replayed as CUDA graphs. The outputs end at 32, 24, 16 and 8 tokens, so
+    the batch shrinks from 4 to 1 and the steps replay the graphs of buckets 4, 2 and 1,
+    a batch of 3 in bucket 4's graphs."""
     from lamina.model.hf_reference import reference_model
 
     loaded = load_model("random:smollm2-135m", packed=False)
@@ -142,10 +145,16 @@ def test_the_engine_on_cuda_in_float32_equals_transformers_token_for_token(monke
     engine = Engine(loaded, EngineConfig(device="cuda"))
     assert engine.kv.device == torch.device("cuda")
     ids = [loaded.tokenizer.encode(p) for p in PROMPTS]
-    outs = engine.generate(ids, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
-    for prompt, out in zip(ids, outs):
+    lengths = [32, 24, 16, 8]
+    outs = engine.generate(ids, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
+    for prompt, out, n in zip(ids, outs, lengths):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=32, min_new_tokens=32, do_sample=False)
+                              max_new_tokens=n, min_new_tokens=n, do_sample=False)
         assert out.output_token_ids == ref[0, len(prompt):].tolist()
-    assert any(len(lens) == len(PROMPTS) and set(lens) == {1} for lens in taken)
+    graphs = engine.graphs
+    assert graphs is not None and graphs.failures == 0
+    decode_steps = [lens for lens in taken if set(lens) == {1}]
+    assert {len(PROMPTS), 3, 1} <= {len(lens) for lens in decode_steps}
+    # Every decode step replays every slice: the layers' and the last.
+    assert graphs.replays == len(decode_steps) * (loaded.config.num_hidden_layers + 1)

@@ -194,7 +194,7 @@ async def test_decode_slices_replayed_as_cuda_graphs_give_the_eager_logits():
     micro-batches at once, each with tokens of its own (graphs of the two that shared
     memory would mix them up as they replay at once); a step with a prompt's rows runs
     eagerly."""
-    from lamina.services.model.slice_graphs import SliceGraphs
+    from lamina.model.slice_graphs import SliceGraphs
 
     on_gpu = ModelSlices.load("random:smollm2-135m", "float32", "cuda", torch.float32)
     batches = [_batch(), _batch((3, 1000, 77))]

@@ -1,4 +1,5 @@
-"""A model worker's decode slices on a GPU, captured as CUDA graphs and replayed.
+"""Decode slices on a GPU, captured as CUDA graphs and replayed: a model worker's (each
+of its micro-batches apart) and the local engine's (one micro-batch, 0).
 
 A decode step of B sequences (one new token each) runs each slice of the split model
 (lamina.model.splitter) between two attentions; on a GPU each slice is a few dozen
@@ -15,7 +16,7 @@ sampled and its attention replies received. A step that is not a decode
 step (several new tokens a sequence) or larger than the largest bucket runs eagerly,
 as does a slice whose capture failed (logged once).
 
-Graphs are replayed on the thread's current stream: the micro-batch's
+Graphs are replayed on the thread's current stream: on a model worker the micro-batch's
 (services/model/staging.py). The graphs of one (micro-batch, bucket) share a memory pool
 for their intermediates: they replay one after another on one stream, in the order they
 were captured (slice 0, 1, ...), which is when graphs may share one. Two micro-batches'
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-from lamina.model.splitter import SliceOutput, SplitModel
+from lamina.model.splitter import CallSlice, SliceOutput, SplitModel
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,15 @@ class SliceGraphs:
     def failures(self) -> int:
         """(slice, bucket) pairs whose capture failed and that run eagerly."""
         return len(self._failed)
+
+    def caller(self, micro_batch: int) -> CallSlice:
+        """SplitModel.run's `call_slice` for one micro-batch: slice j by its graph where
+        one serves the step, else eagerly (grad mode is the caller's)."""
+        def call_slice(j: int, inputs: dict[str, Any], attn: torch.Tensor | None,
+                       context: Sequence[torch.Tensor]) -> SliceOutput:
+            return self.run(micro_batch, j, inputs, attn, context) or self.split.slices[j](inputs, attn, context)
+
+        return call_slice
 
     def run(self, micro_batch: int, j: int, inputs: dict[str, Any], attn: torch.Tensor | None,
             context: Sequence[torch.Tensor]) -> SliceOutput | None:
