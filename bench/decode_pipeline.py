@@ -107,6 +107,7 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int, device: str
     from lamina.engine.kv import KVStore
     from lamina.engine.step import in_process_attention
     from lamina.model.batch import StepBatch
+    from lamina.planner.measure.kernels import synchronize
     from lamina.services.attention.attention_core import AttentionCore
     from lamina.services.wire import StoreKV
 
@@ -118,11 +119,14 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int, device: str
     q = torch.randn(batch, hq, d)
     k = torch.randn(batch, hkv, d)
     v = torch.randn(batch, hkv, d)
-    need = batch * (context + repeats + 128) * cfg.kv_bytes_per_token()  # with the engine's 64-token chunks
-
     dtype = getattr(torch, dtype_name)
+    # With the engine's 64-token chunks; KV in the dtype.
+    need = batch * (context + repeats + 128) * cfg.kv_bytes_per_token(dtype.itemsize)
+
     prompt_k, prompt_v = prompt_k.to(dtype), prompt_v.to(dtype)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    # Q, K, V on the device for both sides, as cuda_ipc hands them to the worker: neither
+    # timing holds a copy of its inputs.
+    q, k, v = (x.to(device, dtype) for x in (q, k, v))
     core = AttentionCore(cfg, need + (64 << 20), hkv, device=device, dtype=dtype)
     for s in ids:
         for layer in range(cfg.num_layers):
@@ -141,14 +145,16 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int, device: str
         layer = 1 + r % (cfg.num_layers - 1)  # not layer 0: the step's KV is already extended there
         if r == 0:
             core.attend(0, seqs, q, k, v, need_lse=False)
+        synchronize(torch.device(device))
+        # Each side's output copied to the host: that waits for the device, as a reply does.
         t = time.perf_counter()
-        core.attend(layer, seqs, q, k, v, need_lse=False)
+        core.attend(layer, seqs, q, k, v, need_lse=False)[0].cpu()
         worker.append(time.perf_counter() - t)
         batch_ = StepBatch.build(ids, [[0]] * batch, [context + r] * batch)
         local = in_process_attention(kv, batch_)
-        qd, kd, vd = (x.to(device) for x in (q, k, v))
+        synchronize(torch.device(device))
         t = time.perf_counter()
-        local.attend(layer, qd, kd, vd).cpu()  # .cpu(): waits for the device, as the worker's reply does
+        local.attend(layer, q, k, v).cpu()
         engine.append(time.perf_counter() - t)
         local.commit()
     return {"worker": 1e3 * statistics.median(worker), "engine": 1e3 * statistics.median(engine)}

@@ -22,12 +22,20 @@ another (each one's memory given back to the device before the next):
 - the stack as `lamina up --device D --dtype T` starts it (every service on the one
   device; transport cuda_ipc on a GPU, tcp on the CPU; `--transport` names another), one
   model worker, 1 and 2 attention workers, 1 and 2 micro-batches (`--no-stack`: left out),
-  each warmed up with the whole batch, short (planner/measure/stack_run.py);
+  each warmed up with the whole batch, short (planner/measure/stack_run.py), and timed
+  over S steps of the whole batch: each request may make `--stack-hold` more tokens, so
+  the sequences prefilled first still decode when the last one has made its S (the
+  streams are closed there; an error where the hold was too short);
 - attention alone per layer: the attention worker's core against the engine's
   attention, on the device (bench/decode_pipeline.py's `attention_per_layer`).
 
-Per point it also prints the engine's step against the bandwidth bound: the bytes a
-decode step must read (the weights once, every sequence's KV) over the device's copy
+The engine's decode throughput is timed over exactly S steps of the whole batch (each
+sequence's token budget leaves room for the steps the first sequences decode while the
+last prompts are prefilled; a timed step without every sequence is an error), then what
+is left is aborted. Per point it also prints the engine's step against the bandwidth
+bound, recorded as soon as the engine's figure is: the bytes a decode step must read
+(every weight once, except an untied embedding table, of which a step reads B rows;
+every sequence's KV at the window's mean length, C + 1 + S/2) over the device's copy
 bandwidth measured in the same run (the fastest of five 1 GiB copies, the estimator of
 `lamina profile`). Prints the device, the workload and a table; a point's row is
 appended to `--out` (JSON lines) after each contender, with what it has so far (a
@@ -89,14 +97,16 @@ def prompts_of(batch: int, context: int, vocab: int) -> list[list[int]]:
     return torch.randint(100, min(vocab, 49_152), (batch, context), generator=gen).tolist()
 
 
-def make_engine(loaded, dtype: str, max_batch: int, kv_bytes: int, device: torch.device):
+def make_engine(loaded, dtype: str, max_batch: int, max_context: int, kv_bytes: int, device: torch.device):
     """One engine per model, for all its points: it splits the model while it is still on
-    the CPU (the split traces it there), then moves it to the device."""
+    the CPU (the split traces it there), then moves it to the device. A step's token
+    budget holds the longest prompt beside every other sequence's decode token: a
+    prompt as long as the budget would otherwise wait until nothing else runs."""
     from lamina.engine import Engine, EngineConfig
     from lamina.engine.scheduler import SchedulerLimits
 
-    return Engine(loaded, EngineConfig(kv_capacity_bytes=kv_bytes, device=str(device), dtype=dtype,
-                                       limits=SchedulerLimits(max_batch_size=max_batch, max_step_tokens=8192)))
+    limits = SchedulerLimits(max_batch_size=max_batch, max_step_tokens=max(8192, max_context + max_batch))
+    return Engine(loaded, EngineConfig(kv_capacity_bytes=kv_bytes, device=str(device), dtype=dtype, limits=limits))
 
 
 def measure(row: dict[str, Any], name: str, record: Callable[[dict[str, Any]], None], run: Callable[..., Any],
@@ -133,18 +143,38 @@ def warm_then_run_engine(engine, prompts: list[list[int]], steps: int) -> float:
 
 
 def run_engine(engine, prompts: list[list[int]], steps: int) -> float:
+    """The engine's decode tokens/s over `steps` steps of the whole batch, timed once every
+    sequence has its first token. Each prompt step admits at least one prompt, and the
+    sequences already decoding take a token in it: a budget of steps + 2 + B tokens
+    outlasts the prompt steps and the timed ones. Every sequence is aborted after (or on
+    an error), so the engine is empty for the next point."""
     from lamina.engine import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-    for p in prompts:
-        engine.add_request(p, params)
-    first: set[str] = set()
-    while len(first) < len(prompts):  # prefill and the first token of every prompt: not timed
-        first.update(o.seq_id for o in engine.step())
-    tokens, start = 0, time.perf_counter()
-    while engine.has_work():
-        tokens += sum(len(o.new_token_ids) for o in engine.step())  # each step ends on the CPU: synchronized
-    return tokens / (time.perf_counter() - start)
+    params = SamplingParams(max_tokens=steps + 2 + len(prompts), temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    try:
+        first: set[str] = set()
+        while len(first) < len(prompts):  # prefill and the first token of every prompt: not timed
+            first.update(o.seq_id for o in engine.step())
+        start = time.perf_counter()
+        for _ in range(steps):
+            made = len(engine.step())  # each step ends on the CPU (its tokens): synchronized
+            if made != len(prompts):
+                raise RuntimeError(f"a timed step ran {made} of the batch's {len(prompts)} sequences")
+        elapsed = time.perf_counter() - start
+    finally:
+        for seq_id in ids:
+            engine.abort(seq_id)
+    return len(prompts) * steps / elapsed
+
+
+def step_against_bound(row: dict[str, Any], point: Point, read_bytes: int, kv_bytes_per_token: int,
+                       steps: int, bandwidth: float) -> None:
+    """The engine's step and the bandwidth bound into the row (ms): the weight bytes a step
+    reads and every sequence's KV at the timed window's mean length."""
+    step_s = point.batch / row["engine_tok_s"]
+    bound_s = (read_bytes + point.batch * (point.context + 1 + steps / 2) * kv_bytes_per_token) / bandwidth
+    row["step_ms"], row["bound_ms"] = 1e3 * step_s, 1e3 * bound_s
 
 
 def run_transformers(hf: Any, point: Point, prompts: list[list[int]], steps: int, device: torch.device) -> float:
@@ -179,6 +209,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="decode steps timed (default 32; --quick: 8)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--stack", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--stack-hold", type=int, default=512,
+                    help="tokens a stack request may make beyond S + 1, at least those its sequence decodes while the "
+                         "last prompts are prefilled (default 512; the KV holds them too)")
     ap.add_argument("--transport", default=None, choices=("tcp", "shm", "ucx", "cuda_ipc"),
                     help="the stack's data plane (default cuda_ipc on a GPU, tcp on the CPU)")
     ap.add_argument("--out", default=None, help="append each row as a JSON line to this file")
@@ -192,6 +225,7 @@ def main() -> None:
     steps = args.steps or (8 if quick else 32)
     transport = args.transport or ("cuda_ipc" if device.type == "cuda" else "tcp")
     bandwidth = copy_bandwidth((1 << 30) if device.type == "cuda" else (128 << 20), 5, device)
+    release(device)  # the copies' buffers, before the fit checks read the free memory
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"device: {device} ({name}), copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
     print(f"workload: batches {batches}, contexts {contexts}, {steps} decode steps timed, greedy, EOS ignored; "
@@ -217,6 +251,9 @@ def main() -> None:
         cfg, weights_dir = loaded.config, loaded.weights_dir
         elem = getattr(torch, dtype).itemsize
         weight_bytes = sum(p.numel() for p in loaded.model.parameters()) * elem
+        # What a decode step reads of them: all, but of an untied embedding table only the
+        # batch's rows (the head's own matrix is read whole).
+        read_bytes = weight_bytes - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * elem)
         points: list[tuple[Point, list[list[int]], int]] = []  # (point, prompts, KV bytes)
         for context in contexts:
             for batch in batches:
@@ -233,10 +270,14 @@ def main() -> None:
             continue
         rows: dict[str, dict[str, Any]] = {p.key: {"point": p.key, "steps": steps} for p, _, _ in points}
 
-        engine = make_engine(loaded, dtype, max(p.batch for p, _, _ in points), max(kv for _, _, kv in points),
-                             device)
+        engine = make_engine(loaded, dtype, max(p.batch for p, _, _ in points), max(p.context for p, _, _ in points),
+                             max(kv for _, _, kv in points), device)
         for point, prompts, _ in points:
-            measure(rows[point.key], "engine_tok_s", record, warm_then_run_engine, engine, prompts, steps)
+            row = rows[point.key]
+            measure(row, "engine_tok_s", record, warm_then_run_engine, engine, prompts, steps)
+            if "engine_tok_s" in row:  # recorded now: a run cut short later keeps it
+                step_against_bound(row, point, read_bytes, cfg.kv_bytes_per_token(elem), steps, bandwidth)
+                record(row)
         del engine, loaded
         release(device)  # the device's memory for transformers, then the stack
         hf = reference_model(weights_dir, getattr(torch, dtype), device)
@@ -250,25 +291,23 @@ def main() -> None:
             release(device)
         weights = "as_file" if dtype == "float32" and device.type == "cpu" else "float32"
         for point, prompts, kv_bytes in points if args.stack else ():
+            hold = max(0, min(args.stack_hold, cfg.max_position_embeddings - point.context - steps - 1))
+            stack_kv = kv_bytes + point.batch * hold * cfg.kv_bytes_per_token(elem)
             # Every service on the one device: the prefill's and the model worker's weights, the KV.
-            if 2 * weight_bytes + kv_bytes > 0.8 * free_bytes(device):
+            if 2 * weight_bytes + stack_kv > 0.8 * free_bytes(device):
                 rows[point.key]["stack_error"] = "does not fit: the prefill's and model worker's weights and the KV"
                 record(rows[point.key])
                 continue
             for mb in (1, 2):
                 for workers in (1, 2):
                     measure(rows[point.key], f"stack_mb{mb}_aw{workers}_tok_s", record, stack_tok_s, prompts, steps,
-                            transport, mb, False, 1, kv_bytes + (256 << 20), weights, attention_workers=workers,
-                            model=point.checkpoint, device=str(device), dtype=dtype)
+                            transport, mb, False, 1, stack_kv + (256 << 20), weights, attention_workers=workers,
+                            model=point.checkpoint, device=str(device), dtype=dtype, hold=hold)
         for point, _, _ in points:
             row, key = rows[point.key], point.key
             if "engine_tok_s" in row:
-                step_s = point.batch / row["engine_tok_s"]
-                bound_s = (weight_bytes + point.batch * point.context * cfg.kv_bytes_per_token(elem)) / bandwidth
-                row["step_ms"], row["bound_ms"] = 1e3 * step_s, 1e3 * bound_s
                 report["engine_tok_s"][key] = row["engine_tok_s"]
-                report["step_vs_bound"][key] = step_s / bound_s
-                record(row)
+                report["step_vs_bound"][key] = row["step_ms"] / row["bound_ms"]
             if "transformers_tok_s" in row:
                 report["transformers_tok_s"][key] = row["transformers_tok_s"]
             for side in ("worker", "engine"):

@@ -289,10 +289,13 @@ def split_llama(model: LlamaForCausalLM, example_tokens: int = 8) -> SplitModel:
         def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return attention_with_lse(q, k, v)[0]
 
+    # The example runs through the model (shape propagation): on its device, which is not
+    # the CPU where an engine before this one placed the same model elsewhere.
+    device = next(model.parameters()).device
     example = {
-        "input_ids": torch.zeros(example_tokens, dtype=torch.long),
-        "positions": torch.arange(example_tokens),
-        "logits_index": torch.tensor([example_tokens - 1]),
+        "input_ids": torch.zeros(example_tokens, dtype=torch.long, device=device),
+        "positions": torch.arange(example_tokens, device=device),
+        "logits_index": torch.tensor([example_tokens - 1], device=device),
         "ctx": _Dense(),
     }
     with torch.no_grad():

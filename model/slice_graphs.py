@@ -138,7 +138,12 @@ class SliceGraphs:
             pool = self._pools[(micro_batch, bucket)] = torch.cuda.graph_pool_handle()
         cap = self._capture_streams.get(micro_batch)
         if cap is None:
-            cap = self._capture_streams[micro_batch] = torch.cuda.Stream(self.device)
+            # From the high-priority pool: torch hands out each priority's 32 streams round
+            # robin, and the default pool's serve every micro-batch's compute stream and the
+            # transports' copy streams, so after 32 of those (reconnects) one could be another
+            # micro-batch's capture stream again, its cuBLAS workspace shared. Only capture
+            # streams come from this pool (a replay runs at the priority of its own stream).
+            cap = self._capture_streams[micro_batch] = torch.cuda.Stream(self.device, priority=-1)
         current = torch.cuda.current_stream(self.device)
         graph = None
         try:
@@ -156,14 +161,16 @@ class SliceGraphs:
                     out = slice_j(g_inputs, g_attn, g_context)
                 finally:
                     graph.capture_end()
-            current.wait_stream(cap)  # the warm-up wrote the memory the replays use
         except RuntimeError as exc:
+            with contextlib.suppress(RuntimeError):  # the warm-up's reads of the static tensors, before they are freed
+                current.wait_stream(cap)
             self._failed.add((j, bucket))
             if graph is not None:
                 self._abandon(micro_batch, bucket, graph, pool)
             log.warning("slice %d at batch %d cannot be captured as a CUDA graph (it runs eagerly): %s", j, bucket,
                         exc)
             return None
+        current.wait_stream(cap)  # the warm-up wrote the memory the replays use
         self.captures += 1
         return _Graph(graph, g_inputs, g_attn, g_context, out)
 

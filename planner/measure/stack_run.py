@@ -3,9 +3,14 @@
 Every service in its own process (embedded Redis, gateway, scheduler, prefill, model
 and attention workers), driven over the OpenAI API with streaming (with aiohttp: the
 openai client is not a dependency of the package): one short warm-up request, then B
-sequences decoding S steps each (greedy, EOS ignored). The services' Prometheus
-counters are read when every sequence has its first token and again at the end, so
-prefill is not in the figures: per process, the CPU time spent computing, the wall time
+sequences decoding S steps each (greedy, EOS ignored). The window starts when every
+sequence has its first token and ends at the last token; with `hold` H, every request
+may make S + 1 + H tokens and the window ends once each sequence made S tokens in it (the
+streams are closed there): the sequences whose prompts were prefilled first keep
+decoding to the end, so the whole batch decodes throughout, as a benchmark at batch B
+needs (an error where one ended before: H was smaller than the tokens it made while
+the last prompts were prefilled). The services' Prometheus counters are read at the
+window's start and end, so prefill is not in the figures: per process, the CPU time spent computing, the wall time
 spent sending and the whole process's CPU, as shares of the decode's wall time, and from
 them the model worker's idle share and the cores the workers kept busy (`window_shares`).
 `lamina profile` calibrates the services' overheads with one small run (planner/profile.py);
@@ -108,13 +113,25 @@ async def _drive(base_url: str, model: str, prompts: list[list[int]], steps: int
         await asyncio.gather(*(_stream(session, base_url, model, p, steps + 1, lambda: None) for p in prompts))
 
 
+async def _set_first(event: asyncio.Event, ended: asyncio.Future) -> bool:
+    """Waits until `event` is set or `ended` is done; whether the event is set."""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter, ended}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    return event.is_set()
+
+
 def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batches: int, q_early: bool,
               model_workers: int, kv_bytes: int, weights: str, mode: str = "fixed", attention_workers: int = 2,
               model_threads: int = 1, layout: str = "disaggregated", model: str | None = None,
-              device: str = "cpu", dtype: str = "float32") -> dict[str, Any]:
+              device: str = "cpu", dtype: str = "float32", hold: int = 0) -> dict[str, Any]:
     """Decode `steps` tokens after the first for every prompt through a stack of that
     configuration; its decode throughput, wall seconds, each model and attention
-    worker's shares of that time and the run's figures from them (`window_shares`)."""
+    worker's shares of that time and the run's figures from them (`window_shares`).
+    `hold`: the extra tokens a request may make so that the whole batch decodes
+    throughout the window (the module's docstring); `kv_bytes` must hold them too."""
     from lamina.services.config import (
         AttentionSection,
         GatewaySection,
@@ -149,39 +166,65 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
         # of its bucket, Triton's compiles of its kernels' variants).
         warm = prompts[:1] if device == "cpu" else [p[:32] for p in prompts]
         asyncio.run(_drive(stack.base_url, model, warm, 2))
-        # The counters are read when every sequence has its first token, and at the end.
+        # The counters are read at the window's start and end.
         before: dict[str, Any] = {}
+        after: dict[str, Any] = {}
+        window: dict[str, float] = {}
 
         async def drive_and_mark() -> list[list[float]]:
             times: list[list[float]] = [[] for _ in prompts]
-            all_first = asyncio.Event()
+            in_window = [0] * len(prompts)  # each sequence's tokens after the window's start
+            all_first, full = asyncio.Event(), asyncio.Event()
 
             def chunk_of(i: int) -> Callable[[], None]:
                 def arrived() -> None:
-                    times[i].append(time.perf_counter())
-                    if len(times[i]) == 1 and all(times):
+                    now = time.perf_counter()
+                    times[i].append(now)
+                    if all_first.is_set():
+                        in_window[i] += 1
+                        if hold and not full.is_set() and min(in_window) >= steps:
+                            window["end"] = now
+                            full.set()
+                    elif all(times):
+                        window["start"] = now
                         all_first.set()
 
                 return arrived
 
-            async def mark() -> None:
-                await all_first.wait()
-                before.update(await asyncio.to_thread(read_counters, ports))
-                before["_t"] = time.perf_counter()
-
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
-                await asyncio.gather(mark(), *(_stream(session, stack.base_url, model, prompts[i], steps + 1,
-                                                       chunk_of(i)) for i in range(len(prompts))))
+                streams = [asyncio.create_task(_stream(session, stack.base_url, model, prompts[i],
+                                                       steps + 1 + hold, chunk_of(i))) for i in range(len(prompts))]
+                ended = asyncio.gather(*streams)
+                try:
+                    if await _set_first(all_first, ended):
+                        before.update(await asyncio.to_thread(read_counters, ports))
+                    if hold:
+                        if not await _set_first(full, ended):
+                            await ended  # a stream's error, if one failed
+                            raise RuntimeError(f"a sequence ended before the window did: it made more than hold={hold} "
+                                               f"tokens while the last prompts were prefilled")
+                        after.update(await asyncio.to_thread(read_counters, ports))
+                    else:
+                        await ended
+                finally:
+                    for t in streams:
+                        t.cancel()  # closes the stream: the gateway aborts the request
+                    await asyncio.gather(ended, return_exceptions=True)
+                if not all_first.is_set():
+                    raise RuntimeError("the streams ended before every sequence had its first token")
             return times
 
         times = asyncio.run(drive_and_mark())
-        after = read_counters(ports)
-        t_end = max(t[-1] for t in times)
+        if not hold:
+            after = read_counters(ports)
+            window["end"] = max(t[-1] for t in times)
     finally:
         stack.stop()
-    t0 = before["_t"]
-    tokens = sum(sum(1 for x in t if x > t0) for t in times)
+    t0, t_end = window["start"], window["end"]
+    tokens = sum(sum(1 for x in t if t0 < x <= t_end) for t in times)
     wall = t_end - t0
+    if tokens == 0 or wall <= 0:
+        raise RuntimeError(f"no token in the timed window ({tokens} tokens, {wall:.6f} s)")
     figures = window_shares(before, after, wall, model_threads, colocated=layout == "colocated")
     return {"tok_s": tokens / wall, "tokens": tokens, "seconds": wall, **figures,
             "cpu_ms_per_token": 1e3 * figures["model_compute_s"] / tokens}

@@ -157,4 +157,4 @@ def test_the_engine_on_cuda_in_float32_equals_transformers_token_for_token(monke
     decode_steps = [lens for lens in taken if set(lens) == {1}]
     assert {len(PROMPTS), 3, 1} <= {len(lens) for lens in decode_steps}
     # Every decode step replays every slice: the layers' and the last.
-    assert graphs.replays == len(decode_steps) * (loaded.config.num_hidden_layers + 1)
+    assert graphs.replays == len(decode_steps) * (loaded.config.num_layers + 1)

@@ -137,3 +137,15 @@ def test_split_of_a_parallel_block_model_with_an_extra_residual_branch():
         expected = model(ids, inputs["positions"], _Dense())
         got = split.run(inputs, _dense)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_a_model_placed_off_the_cpu_is_split_where_it_is():
+    """A second engine on a model the first one placed on a GPU splits it there: the
+    split's example inputs run through the model (shape propagation), so they follow its
+    parameters. The meta device stands in for the GPU (any device but the CPU fails the
+    same way when the example stays on the CPU)."""
+    from lamina.model.loader import load_model
+
+    placed = load_model("random:smollm2-135m", packed=False).model.to("meta")
+    split = split_llama(placed)
+    assert len(split.slices) == split.num_attention + 1 == placed.config.num_layers + 1
