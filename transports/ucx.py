@@ -378,7 +378,8 @@ class UcxTransport(Transport):
     @classmethod
     def availability(cls) -> str | None:
         if importlib.util.find_spec("ucxx") is None:
-            return "ucxx is not installed (pip install 'lamina[ucx]', i.e. ucxx-cu12)"
+            return ("ucxx is not installed (pip install 'lamina[ucx]', i.e. ucxx-cu12; 'lamina[ucx-cu13]' beside a "
+                    "CUDA 13 torch)")
         return None
 
     async def listen(self, address: str, handler: Handler | None, config: TransportConfig) -> UcxListener:

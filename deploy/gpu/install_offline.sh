@@ -14,12 +14,11 @@ site=${2:-/tmp/lamina-site}
 python=${PYTHON:-python3}
 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
     "$wheels"/*.whl
-# requires-python names only the versions the suite has run on; the GPU image's is 3.12.
 # An image whose setuptools refuses the project's metadata (pyproject's SPDX license
 # needs setuptools 77) leaves the package importable from the checkout (PYTHONPATH), with
 # the native extensions built in place where they build: the GPU paths do not need them.
-PYTHONPATH=$site "$python" -m pip install -q --no-index --no-deps --no-build-isolation --ignore-requires-python \
-    -e . || echo "the editable install failed: lamina imports from the checkout (put it on PYTHONPATH)"
+PYTHONPATH=$site "$python" -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+    || echo "the editable install failed: lamina imports from the checkout (put it on PYTHONPATH)"
 PYTHONPATH=$site "$python" setup.py -q build_ext --inplace || echo "the native extensions did not build"
 PYTHONPATH=$site:$PWD "$python" -c "import torch, lamina.cli; print('lamina installed; torch', torch.__version__,
       'CUDA', torch.cuda.is_available())"
