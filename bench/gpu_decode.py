@@ -127,6 +127,13 @@ def stack_tok_s(*args: Any, **kwargs: Any) -> float:
     return run_stack(*args, **kwargs)["tok_s"]
 
 
+def attention_slab(per_seq: int, batch: int, workers: int) -> int:
+    """Each of `workers` attention workers' KV bytes for a batch of sequences of `per_seq`
+    bytes each: its share under request partitioning (the least reserved worker takes
+    the next sequence), one sequence more where there are several."""
+    return per_seq * (-(-batch // workers) + (workers > 1))
+
+
 def release(device: torch.device) -> None:
     """The device memory a contender left in the caching allocator, given back (the next
     one, or the stack's processes, need it)."""
@@ -209,9 +216,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="decode steps timed (default 32; --quick: 8)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--stack", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--stack-hold", type=int, default=512,
+    ap.add_argument("--stack-hold", type=int, default=1024,
                     help="tokens a stack request may make beyond S + 1, at least those its sequence decodes while the "
-                         "last prompts are prefilled (default 512; the KV holds them too)")
+                         "last prompts are prefilled (default 1024; the KV holds them too)")
     ap.add_argument("--transport", default=None, choices=("tcp", "shm", "ucx", "cuda_ipc"),
                     help="the stack's data plane (default cuda_ipc on a GPU, tcp on the CPU)")
     ap.add_argument("--out", default=None, help="append each row as a JSON line to this file")
@@ -292,16 +299,18 @@ def main() -> None:
         weights = "as_file" if dtype == "float32" and device.type == "cpu" else "float32"
         for point, prompts, kv_bytes in points if args.stack else ():
             hold = max(0, min(args.stack_hold, cfg.max_position_embeddings - point.context - steps - 1))
-            stack_kv = kv_bytes + point.batch * hold * cfg.kv_bytes_per_token(elem)
+            per_seq = kv_bytes // point.batch + hold * cfg.kv_bytes_per_token(elem)
             # Every service on the one device: the prefill's and the model worker's weights, the KV.
-            if 2 * weight_bytes + stack_kv > 0.8 * free_bytes(device):
+            if 2 * weight_bytes + max(w * attention_slab(per_seq, point.batch, w) for w in (1, 2)) \
+                    > 0.8 * free_bytes(device):
                 rows[point.key]["stack_error"] = "does not fit: the prefill's and model worker's weights and the KV"
                 record(rows[point.key])
                 continue
             for mb in (1, 2):
                 for workers in (1, 2):
+                    slab = attention_slab(per_seq, point.batch, workers) + (256 << 20)
                     measure(rows[point.key], f"stack_mb{mb}_aw{workers}_tok_s", record, stack_tok_s, prompts, steps,
-                            transport, mb, False, 1, stack_kv + (256 << 20), weights, attention_workers=workers,
+                            transport, mb, False, 1, slab, weights, attention_workers=workers,
                             model=point.checkpoint, device=str(device), dtype=dtype, hold=hold)
         for point, _, _ in points:
             row, key = rows[point.key], point.key

@@ -202,7 +202,8 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
                         if not await _set_first(full, ended):
                             await ended  # a stream's error, if one failed
                             raise RuntimeError(f"a sequence ended before the window did: it made more than hold={hold} "
-                                               f"tokens while the last prompts were prefilled")
+                                               f"tokens while the last prompts were prefilled (a larger hold, and the "
+                                               f"KV for it, would keep it decoding)")
                         after.update(await asyncio.to_thread(read_counters, ports))
                     else:
                         await ended

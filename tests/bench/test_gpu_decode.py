@@ -49,3 +49,14 @@ def test_the_stack_is_timed_over_steps_of_the_whole_batch(loaded_model):
     run = run_stack(prompts, steps, "tcp", 1, False, 1, kv_bytes, "as_file", attention_workers=1, hold=hold)
     assert batch * steps <= run["tokens"] < batch * (steps + 1)
     assert run["tok_s"] == run["tokens"] / run["seconds"] > 0
+
+
+def test_each_attention_workers_slab_holds_its_share_of_the_sequences():
+    """Request partitioning puts each sequence on the least reserved worker: with two,
+    each holds half the batch rounded up, and one more; a single sequence fits either."""
+    from gpu_decode import attention_slab
+
+    assert attention_slab(100, 64, 1) == 6400
+    assert attention_slab(100, 64, 2) == 3300
+    assert attention_slab(100, 1, 2) == 200  # the one sequence, on whichever worker
+    assert attention_slab(100, 5, 2) == 400
