@@ -10,11 +10,12 @@ streams are closed there): the sequences whose prompts were prefilled first keep
 decoding to the end, so the whole batch decodes throughout, as a benchmark at batch B
 needs (an error where one ended before: H was smaller than the tokens it made while
 the last prompts were prefilled). The services' Prometheus counters are read at the
-window's start and end, so prefill is not in the figures: per process, the CPU time spent computing, the wall time
-spent sending and the whole process's CPU, as shares of the decode's wall time, and from
-them the model worker's idle share and the cores the workers kept busy (`window_shares`).
-`lamina profile` calibrates the services' overheads with one small run (planner/profile.py);
-bench/decode_pipeline.py and bench/planner_validation.py compare configurations with it.
+window's start and end, so prefill is not in the figures: per process, the CPU time
+spent computing, the wall time spent sending and the whole process's CPU, as shares of
+the decode's wall time, and from them the model worker's idle share and the cores the
+workers kept busy (`window_shares`). `lamina profile` calibrates the services' overheads
+with one small run (planner/profile.py); bench/decode_pipeline.py and
+bench/planner_validation.py compare configurations with it.
 """
 
 from __future__ import annotations
@@ -196,8 +197,10 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
                                                        steps + 1 + hold, chunk_of(i))) for i in range(len(prompts))]
                 ended = asyncio.gather(*streams)
                 try:
-                    if await _set_first(all_first, ended):
-                        before.update(await asyncio.to_thread(read_counters, ports))
+                    if not await _set_first(all_first, ended):
+                        await ended  # a stream's error, if one failed
+                        raise RuntimeError("the streams ended before every sequence had its first token")
+                    before.update(await asyncio.to_thread(read_counters, ports))
                     if hold:
                         if not await _set_first(full, ended):
                             await ended  # a stream's error, if one failed
@@ -211,8 +214,6 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
                     for t in streams:
                         t.cancel()  # closes the stream: the gateway aborts the request
                     await asyncio.gather(ended, return_exceptions=True)
-                if not all_first.is_set():
-                    raise RuntimeError("the streams ended before every sequence had its first token")
             return times
 
         times = asyncio.run(drive_and_mark())
