@@ -37,7 +37,8 @@ bound, recorded as soon as the engine's figure is: the bytes a decode step must 
 (every weight once, except an untied embedding table, of which a step reads B rows;
 every sequence's KV at the window's mean length, C + 1 + S/2) over the device's copy
 bandwidth measured in the same run (the fastest of five 1 GiB copies, the estimator of
-`lamina profile`). Prints the device, the workload and a table; a point's row is
+`lamina profile`). Prints the device, the workload and a table (with the ratios
+engine/transformers, the stack's 2 micro-batches/engine, step/bound); a point's row is
 appended to `--out` (JSON lines) after each contender, with what it has so far (a
 contender that fails leaves its error in the row, `NAME_error`, and the others run); the
 last line is one JSON object: {"device", "engine_tok_s", "transformers_tok_s",
@@ -328,14 +329,14 @@ def main() -> None:
                     report["stack_tok_s"][f"mb{mb}"][key] = best
             report["errors"].update({f"{key} {k}": v for k, v in row.items() if k.endswith("_error")})
     print(f"\n{'point':<32} {'engine':>9} {'transformers':>13} {'eng/hf':>7} {'stack mb1':>10} {'stack mb2':>10} "
-          f"{'step/bound':>11} {'attn w/e ms':>12}")
+          f"{'mb2/eng':>8} {'step/bound':>11} {'attn w/e ms':>12}")
     for key, eng in report["engine_tok_s"].items():
         hf = report["transformers_tok_s"].get(key, float("nan"))
         mb1, mb2 = report["stack_tok_s"]["mb1"].get(key), report["stack_tok_s"]["mb2"].get(key)
         w = report["attention_ms_per_layer"]["worker"].get(key, float("nan"))
         e = report["attention_ms_per_layer"]["engine"].get(key, float("nan"))
         print(f"{key:<32} {eng:>9.1f} {hf:>13.1f} {eng / hf:>6.2f}x {mb1 or 0:>10.1f} {mb2 or 0:>10.1f} "
-              f"{report['step_vs_bound'][key]:>10.2f}x {w:>5.2f}/{e:<5.2f}")
+              f"{(mb2 or float('nan')) / eng:>7.2f}x {report['step_vs_bound'][key]:>10.2f}x {w:>5.2f}/{e:<5.2f}")
     for what, error in report["errors"].items():
         print(f"failed: {what}: {error.splitlines()[-1] if error else ''}")
     print(json.dumps(report))
