@@ -16,18 +16,22 @@ streams never wait on the sender's (one slow peer cannot hold back the receiver'
 work, and a peer that dies leaves nothing to wait on); the price is that the frame's trip
 through shm (a 4 KiB round trip takes about 14 us here) follows the copies instead of
 overlapping them. It copies each tensor out into a new one on its current device, on
-its current stream; once those copies are done it hands the frame on and tells the
-sender that ring space is free again (a small frame of its own), so a sender reuses
-space only after the copies out of it finished.
+its current stream, and hands the frame on at once: what the caller queues on that
+stream runs after the copies (a caller computing on another stream makes it wait for
+the current one, as for any tensor made there), so the receiving end's host never
+waits for its GPU on a frame's way in. Once the copies are done, a task of the
+connection tells the sender that ring space is free again (a small frame of its own),
+so a sender reuses space only after the copies out of it finished.
 CPU tensors and byte buffers travel through shm as on ``shm://``. A frame whose CUDA
 tensors do not fit the ring at once travels through host memory whole (copied to the
 CPU and back), slower but the same frame.
 
 Frames keep their semantics: order, kinds, headers (any msgpack value), timeouts, the
 ``max_frame_bytes`` bound over every byte of a frame, and a closed or vanished peer
-(PeerClosed). Each connection owns one task that reads the shm connection: it takes the
+(PeerClosed). Each connection owns two tasks: one reads the shm connection (it takes the
 receiver's space-free frames at once, whether or not the caller is receiving, and queues
-at most ``_QUEUED`` data frames ahead of the caller.
+at most ``_QUEUED`` data frames ahead of the caller), the other sends this end's
+space-free frames as its copies out finish.
 
 Two ends in one process (a test, or services sharing a process) share the ring object
 itself: a process cannot open its own CUDA IPC handles. The peer's GPU is named by its
@@ -187,8 +191,13 @@ class CudaIpcConnection(Connection):
         # The last copies out of the peer's ring, which close() lets finish before unmapping it.
         self._copied_out: torch.cuda.Event | None = None
         self._frames: asyncio.Queue[Frame | TransportError] = asyncio.Queue(_QUEUED)
+        # Copies out of the peer's ring still running, in order, with the ring position
+        # that each frees (unbounded: the sender's ring bounds what can be in flight).
+        self._copying: asyncio.Queue[tuple[torch.cuda.Event, int]] = asyncio.Queue()
         self._ended = asyncio.Event()  # set by close()
-        self._pump = asyncio.get_running_loop().create_task(self._read())
+        loop = asyncio.get_running_loop()
+        self._pump = loop.create_task(self._read())
+        self._freer = loop.create_task(self._free())
 
     @classmethod
     async def open(cls, inner: Connection, config: TransportConfig, is_client: bool) -> CudaIpcConnection:
@@ -305,14 +314,26 @@ class CudaIpcConnection(Connection):
             done = torch.cuda.Event()
             done.record(stream)
             self._copied_out = done
-            await until_done(done)
-            await self._inner.send(Frame(0, [_FREE, int(upto)]))
+            self._copying.put_nowait((done, int(upto)))
         for i in through_host:
             moved = tensors[i]
             if not isinstance(moved, torch.Tensor):
                 raise FrameError("cuda_ipc: a buffer sent through host memory is not a tensor")
             tensors[i] = moved.to(self._device)
         return Frame(kind, header, tensors)
+
+    async def _free(self) -> None:
+        """Gives the peer its ring space back as the copies out of it finish, in order."""
+        try:
+            while True:
+                done, upto = await self._copying.get()
+                await until_done(done)
+                await self._inner.send(Frame(0, [_FREE, upto]))
+        except TransportError:
+            pass  # the connection ended: the reader reports it to the caller
+        except Exception:  # a failed copy: the sender would wait for its space forever
+            log.exception("cuda_ipc: freeing ring space for %s failed; closing the connection", self.peer)
+            await self._inner.close()
 
     async def _recv_frame(self, out) -> Frame:
         item = await self._frames.get()
@@ -332,9 +353,10 @@ class CudaIpcConnection(Connection):
         if self._closed:
             return
         self._closed = True
-        self._pump.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._pump
+        for task in (self._pump, self._freer):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         # Copies still queued into this end's ring, or out of the peer's (a cancelled
         # reader's), finish before the peer may unmap it or this end drops its mapping.
         self._copy.synchronize()
