@@ -74,6 +74,7 @@ from pathlib import Path
 from cpu_anchor import round_order
 
 from lamina.planner.estimate import decode_step
+from lamina.planner.gpu_layout import cuda_link
 from lamina.planner.hardware import THIS_MACHINE, device_from_entry, load_catalogue
 from lamina.planner.layouts import Layout
 from lamina.planner.local_layout import host_layout, weights_precision
@@ -426,19 +427,6 @@ def gpu_validation(rows_path: Path, profile_path: Path, steps: int) -> list[dict
 
 # The catalogue name of the device profile's entry with cuda_ipc's figures for its link.
 GPU_STACK = "this-machine (cuda_ipc)"
-
-
-def cuda_link(prof: dict) -> tuple[float, float] | None:
-    """(bytes/s one way, seconds one way) of cuda_ipc on the profiled device, from its
-    round trips of CUDA tensors (`cuda_ipc_device`: the ring copies, their waits and frames, in
-    one process) else of CPU tensors between processes (`cuda_ipc`); None where the
-    profile measured neither."""
-    transports = prof.get("measurements", {}).get("transports", {})
-    for name in ("cuda_ipc_device", "cuda_ipc"):
-        figures = transports.get(name, {})
-        if "rtt_us_64B" in figures and "gbit_s_1MiB" in figures:
-            return figures["gbit_s_1MiB"] / 2 * 1e9 / 8, figures["rtt_us_64B"] / 2 * 1e-6
-    return None
 
 
 def stack_keys(row: dict) -> list[tuple[str, int, int]]:

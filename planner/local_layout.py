@@ -116,6 +116,7 @@ class LocalChoice:
     keeps_up: bool | None = None  # an open workload's rate: whether it is served (None: a closed one)
     threads: int = 1  # the model worker's compute threads (ranked for colocated; 1 disaggregated)
     weights: str = ""  # the `model.weights` choice, where it was ranked ("": the configured one)
+    device: str = ""  # the GPU every service computes on ("": the host's cores)
 
     def predicted(self) -> str:
         """What the planner predicts of it, in words."""
@@ -127,7 +128,11 @@ class LocalChoice:
 
     def describe(self) -> str:
         weights = f", weights {self.weights}" if self.weights else ""
-        if self.layout == "colocated":
+        if self.device:
+            if self.layout == "colocated":
+                return f"colocated on {self.device}{weights}"
+            weights = f" on {self.device}{weights}"
+        elif self.layout == "colocated":
             return f"colocated, {self.threads} thread{'s' * (self.threads > 1)}{weights}"
         return (f"disaggregated, {self.attention_workers} attention worker{'s' * (self.attention_workers > 1)}, "
                 f"{self.micro_batches} micro-batch{'es' * (self.micro_batches > 1)}{weights}")
@@ -158,8 +163,9 @@ def auto_model_threads(choice: LocalChoice, cores: int, model_workers: int) -> i
     """The compute threads `lamina up --layout auto` gives each model worker when nothing
     sets them: colocated, the thread count the planner ranked first (`choice.threads`),
     within the host's `cores` shared among the model workers; None (the configured default,
-    one) for a disaggregated layout, whose attention workers need cores of their own."""
-    if choice.layout != "colocated":
+    one) for a disaggregated layout, whose attention workers need cores of their own, and
+    on a GPU (`choice.device`: torch's products there, not the packed kernels' threads)."""
+    if choice.layout != "colocated" or choice.device:
         return None
     return max(1, min(choice.threads, cores // max(1, model_workers)))
 
@@ -200,8 +206,17 @@ def rank_layouts(device_entry: Mapping[str, Any], shape: ModelShape, weights: Ma
         for workers in ATTENTION_WORKER_CHOICES:
             for micro in MICRO_BATCH_CHOICES:
                 candidates.append(("disaggregated", workers, micro, choice, host_layout(workers, micro, precision)))
+    labelled = [(name, workers, micro, choice if len(weights) > 1 else "", layout)
+                for name, workers, micro, choice, layout in candidates]
+    return rank_candidates(labelled, shape, catalogue, workload)
+
+
+def rank_candidates(candidates: list[tuple[str, int, int, str, Layout]], shape: ModelShape,
+                    catalogue: Mapping[str, Any], workload: LocalWorkload, device: str = "") -> list[LocalChoice]:
+    """(layout name, attention workers, micro-batches, weights label, Layout) candidates as
+    LocalChoices predicted on `catalogue`, fastest first (`device`: the GPU they run on)."""
     ranked = []
-    for name, workers, micro, choice, layout in candidates:
+    for name, workers, micro, label, layout in candidates:
         def step_s(c: int, layout: Layout = layout) -> float:
             return decode_step(shape, layout, catalogue, c, workload.mean_context).step_s
 
@@ -211,7 +226,7 @@ def rank_layouts(device_entry: Mapping[str, Any], shape: ModelShape, weights: Ma
             batch, keeps_up = concurrency_at_rate(step_s, workload.rate, workload.output_tokens, workload.concurrency)
         step = decode_step(shape, layout, catalogue, batch, workload.mean_context)
         ranked.append(LocalChoice(name, workers, micro, batch / step.step_s, step.bottleneck, batch, step.step_s,
-                                  keeps_up, layout.threads, choice if len(weights) > 1 else ""))
+                                  keeps_up, layout.threads, label, device))
     if workload.rate is None:
         return sorted(ranked, key=lambda c: -c.tok_s)
     # Those that keep up serve the same tokens/s: the shortest time per token first; then

@@ -74,6 +74,7 @@ for step in $steps; do
             tests/model/test_paged_decode.py tests/model/test_sampling_sampler.py tests/model/test_kv_attention.py \
             tests/model/test_engine_devices.py tests/services/test_attention_core.py tests/services/test_devices.py \
             tests/services/test_rotation.py tests/transports/test_cuda_ipc.py tests/kvstore/test_kv_prefix_cache_cuda.py \
+            tests/planner/test_gpu_layout.py \
             > "$out/tests.log" 2>&1
         note "tests: exit $? ($(tail -1 "$out/tests.log"))" ;;
     e2e)

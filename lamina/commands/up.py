@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from lamina.commands._service_args import (
@@ -257,7 +258,9 @@ def choose_layout(config, workload: str | None, profile_path: Path, weights_set:
     (measured into `profile_path` when it holds none for this machine and version), with
     `config`'s weights where `weights_set`, else with the weights precision it ranks first
     among those that keep the checkpoint's values; prints the three best with their
-    predicted tokens/s. None after printing why there is no choice."""
+    predicted tokens/s. Model or attention workers on a GPU: `_choose_on_gpu`, which
+    neither reads nor measures the host's profile. None after printing why there is no
+    choice."""
     from lamina.model.checkpoints import checkpoint_name, file_weight_formats, load_config
     from lamina.planner.local_layout import (
         LocalWorkload,
@@ -275,10 +278,11 @@ def choose_layout(config, workload: str | None, profile_path: Path, weights_set:
         print(f"lamina up: {exc}", file=sys.stderr)
         return None
     say = lambda line: print(f"lamina up: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    if config.model_worker.device != "cpu" or config.attention.device != "cpu":
+        return _choose_on_gpu(config, load, profile_path, say)
     measured = machine_profile(profile_path, lambda: profile(1, 0.1, quick=True), say)
     shape = ModelShape.of(load_config(config.model), checkpoint_name(config.model))
-    # Off the CPU the linears are torch's whatever the choice: nothing to rank there.
-    ranked_here = not weights_set and config.model_worker.device == "cpu"
+    ranked_here = not weights_set
     # Only as_file's precision depends on the file's blocks; reading them repacks a GGUF
     # file's blocks the first time, which set float weights never need.
     formats = file_weight_formats(config.model) if ranked_here or config.weights == "as_file" else {}
@@ -289,6 +293,49 @@ def choose_layout(config, workload: str | None, profile_path: Path, weights_set:
         + "; ".join(f"{c.describe()} {c.predicted()}" for c in ranked[:3])
         + f" (profile {profile_path}; `lamina profile` re-measures, --layout names one)")
     return best
+
+
+def _choose_on_gpu(config, load, profile_path: Path, say: Callable[[str], None]):
+    """choose_layout where model or attention workers compute on a GPU: on one GPU, the
+    layout the planner ranks first on that GPU's figures (lamina.planner.gpu_layout);
+    with the two on different devices, disaggregated (attention workers of their own
+    there), as configured."""
+    import torch
+
+    from lamina.model.checkpoints import checkpoint_name, load_config
+    from lamina.planner.gpu_layout import device_profile_paths, gpu_figures, rank_gpu_layouts
+    from lamina.planner.local_layout import LocalChoice
+    from lamina.planner.perf.quantization import FP16, FP32
+    from lamina.planner.shapes import ModelShape
+
+    model, attention = (_device_name(config.model_worker.device), _device_name(config.attention.device))
+    if model != attention:
+        choice = LocalChoice("disaggregated", config.attention.workers, config.pipeline.micro_batches, 0.0, "")
+        say(f"layout auto: {choice.describe()} (model workers on {model}, attention workers on {attention}: "
+            "the layout that computes attention there; --layout names one)")
+        return choice
+    gpu = torch.cuda.get_device_name(torch.device(model))
+    figures = gpu_figures(gpu, device_profile_paths(profile_path, model))
+    if figures is None:
+        say(f"layout auto: colocated on {model} (the {gpu} has no device profile, `lamina profile --device "
+            f"{model}`, and no catalogue entry; on one GPU the planner ranks colocated first on every GPU it "
+            "knows, docs/planner.md; --layout names one)")
+        return LocalChoice("colocated", 0, 1, 0.0, "", device=model)
+    shape = ModelShape.of(load_config(config.model), checkpoint_name(config.model))
+    precision = {"float32": FP32}
+    ranked = rank_gpu_layouts(figures, shape, precision.get(config.model_worker.dtype, FP16),
+                              precision.get(config.attention.dtype, FP16), load, model)
+    best = ranked[0]
+    say(f"layout auto: {best.describe()}; predicted for {load.describe()}: "
+        + "; ".join(f"{c.describe()} {c.predicted()}" for c in ranked[:3])
+        + f" ({gpu}: {figures.source}; `lamina profile --device {model}` measures it, --layout names one)")
+    return best
+
+
+def _device_name(name: str) -> str:
+    """A device setting as one name per device: a plain `cuda` is the first GPU (each
+    service's current device at its start)."""
+    return "cuda:0" if name == "cuda" else name
 
 
 def _attention(config) -> str:
