@@ -15,13 +15,14 @@ and only then sends the frame through shm, with each CUDA tensor's place in the 
 streams never wait on the sender's (one slow peer cannot hold back the receiver's other
 work, and a peer that dies leaves nothing to wait on); the price is that the frame's trip
 through shm (a 4 KiB round trip takes about 14 us here) follows the copies instead of
-overlapping them. It copies each tensor out into a new one on its current device, on
-its current stream, and hands the frame on at once: what the caller queues on that
-stream runs after the copies (a caller computing on another stream makes it wait for
-the current one, as for any tensor made there), so the receiving end's host never
-waits for its GPU on a frame's way in. Once the copies are done, a task of the
-connection tells the sender that ring space is free again (a small frame of its own),
-so a sender reuses space only after the copies out of it finished.
+overlapping them. It copies each tensor out into a new one on its current device, on a
+stream of the connection, and hands the frame on at once: `recv` makes the caller's
+current stream wait for those copies (on the device: the receiving end's host never
+waits for its GPU on a frame's way in) and has the allocator keep their memory for that
+stream, so a caller computing on another stream makes it wait for the current one, as
+for any tensor made there. Once the copies are done, a task of the connection tells the
+sender that ring space is free again (a small frame of its own), so a sender reuses
+space only after the copies out of it finished.
 CPU tensors and byte buffers travel through shm as on ``shm://``. A frame whose CUDA
 tensors do not fit the ring at once travels through host memory whole (copied to the
 CPU and back), slower but the same frame.
@@ -31,7 +32,10 @@ Frames keep their semantics: order, kinds, headers (any msgpack value), timeouts
 (PeerClosed). Each connection owns two tasks: one reads the shm connection (it takes the
 receiver's space-free frames at once, whether or not the caller is receiving, and queues
 at most ``_QUEUED`` data frames ahead of the caller), the other sends this end's
-space-free frames as its copies out finish.
+space-free frames as its copies out finish. The space-free frames for this end's ring
+come behind the peer's data frames, so an end that sends CUDA tensors without ever
+receiving can wait for ring space once the peer has sent it more than ``_QUEUED``
+frames (the services always read their connections).
 
 Two ends in one process (a test, or services sharing a process) share the ring object
 itself: a process cannot open its own CUDA IPC handles. The peer's GPU is named by its
@@ -117,13 +121,18 @@ class _Exported:
 
 def _mapped(desc: dict[str, Any]) -> torch.Tensor:
     """The peer's ring, mapped in this process."""
+    handle = desc["ring"]  # _share_cuda_()'s: device, handle, size, offset, ref counter (2), event (2)
     if desc["pid"] == os.getpid() and desc["process"] == _PROCESS:
         exported = _LOCAL.get(desc["token"])
         if exported is None:
             raise TransportError("the peer's ring is gone (same process)")
+        # Exporting counted one user of the ring that no _new_shared_cuda will count off:
+        # without this the freed ring would wait in torch's limbo for good.
+        torch.UntypedStorage._release_ipc_counter_cuda(handle[4], handle[5])
         return exported.ring
     device = _local_device(desc)
-    storage = torch.UntypedStorage._new_shared_cuda(*desc["ring"])
+    # Opened on this process's index of the peer's GPU (the handle carries the peer's).
+    storage = torch.UntypedStorage._new_shared_cuda(device.index, *handle[1:])
     ring = torch.empty(0, dtype=torch.uint8, device=device)
     ring.set_(storage, 0, (storage.nbytes(),), (1,))
     return ring
@@ -188,9 +197,11 @@ class CudaIpcConnection(Connection):
         self._device = exported.ring.device
         # The ring's copies run here, after the sender's current stream.
         self._copy = torch.cuda.Stream(self._device)
-        # The last copies out of the peer's ring, which close() lets finish before unmapping it.
-        self._copied_out: torch.cuda.Event | None = None
-        self._frames: asyncio.Queue[Frame | TransportError] = asyncio.Queue(_QUEUED)
+        # The copies out of the peer's ring run here (the reader's, whatever stream the
+        # caller computes on when it runs); the caller's stream waits for a frame's at recv.
+        self._copy_out = torch.cuda.Stream(self._device)
+        # Received frames, each with the event of its copies out (None: it had none).
+        self._frames: asyncio.Queue[tuple[Frame, torch.cuda.Event | None] | TransportError] = asyncio.Queue(_QUEUED)
         # Copies out of the peer's ring still running, in order, with the ring position
         # that each frees (unbounded: the sender's ring bounds what can be in flight).
         self._copying: asyncio.Queue[tuple[torch.cuda.Event, int]] = asyncio.Queue()
@@ -252,23 +263,41 @@ class CudaIpcConnection(Connection):
                 tensors[i] = t.cpu()
             through_host = on_gpu
         elif gpu:
+            head = self._space.head
             offsets = await self._space.take([buffer_nbytes(t) for t in gpu.values()])
-            ring = self._out.ring
-            copy = self._copy
-            copy.wait_stream(torch.cuda.current_stream(self._device))  # the tensors are made there
-            with torch.cuda.stream(copy):
-                for (i, t), at in zip(gpu.items(), offsets):
-                    n = buffer_nbytes(t)
-                    if n:
-                        ring[at:at + n].copy_(t.contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
-                        t.record_stream(copy)
-                    places.append([i, at, n, str(t.dtype).removeprefix("torch."), list(t.shape)])
-                    tensors[i] = _EMPTY
-            copied = torch.cuda.Event()
-            copied.record(copy)
-            await until_done(copied)  # the receiver reads finished bytes (see the module's docstring)
+            try:
+                self._into_ring(gpu, offsets, places, tensors)
+                copied = torch.cuda.Event()
+                copied.record(self._copy)
+                await until_done(copied)  # the receiver reads finished bytes (see the module's docstring)
+                await self._inner.send(Frame(frame.kind, [_DATA, frame.header, places, self._space.head, []],
+                                             tensors))
+            except BaseException:
+                # Never sent: its space is this end's again (sends are one at a time, and
+                # the next frame's copies queue behind these on the copy stream).
+                self._space.head = head
+                raise
+            return
         await self._inner.send(Frame(frame.kind, [_DATA, frame.header, places, self._space.head, through_host],
                                      tensors))
+
+    def _into_ring(self, gpu: dict[int, torch.Tensor], offsets: list[int], places: list[list[Any]],
+                   tensors: list[Buffer]) -> None:
+        """Queues the copies of a frame's CUDA tensors into this end's ring at `offsets`, on
+        the copy stream after the current one (the tensors are made there), and puts each
+        one's place in `places` and an empty stand-in in `tensors`."""
+        ring = self._out.ring
+        copy = self._copy
+        copy.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(copy):
+            for (i, t), at in zip(gpu.items(), offsets):
+                n = buffer_nbytes(t)
+                if n:
+                    src = t.detach().resolve_conj().resolve_neg().contiguous()
+                    ring[at:at + n].copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
+                    t.record_stream(copy)
+                places.append([i, at, n, str(t.dtype).removeprefix("torch."), list(t.shape)])
+                tensors[i] = _EMPTY
 
     # -- receiving ----------------------------------------------------------------------
     async def _read(self) -> None:
@@ -283,7 +312,7 @@ class CudaIpcConnection(Connection):
                 if body[0] == _FREE:
                     self._space.free(int(body[1]))
                     continue
-                await self._frames.put(await self._unpack(frame.kind, body, frame.tensors))
+                await self._frames.put(self._unpack(frame.kind, body, frame.tensors))
         except TransportError as exc:
             error = exc
         except Exception as exc:
@@ -293,15 +322,20 @@ class CudaIpcConnection(Connection):
         self._space.fail(PeerClosed(f"connection to {self.peer} ended: {error}"))
         await self._frames.put(error)
 
-    async def _unpack(self, kind: int, body: list, tensors: list[Buffer]) -> Frame:
+    def _unpack(self, kind: int, body: list, tensors: list[Buffer]) -> tuple[Frame, torch.cuda.Event | None]:
+        """A data frame with its CUDA tensors' copies queued on the copy-out stream, and
+        the event recorded after them (the ring's places also queued for `_free`)."""
         try:
             _, header, places, upto, through_host = body
         except ValueError:
             raise FrameError("cuda_ipc: malformed header") from None
+        if not (places or through_host):
+            return Frame(kind, header, tensors), None
         tensors = list(tensors)
-        if places:
-            stream = torch.cuda.current_stream(self._device)
-            ring = self._peer_ring
+        ring = self._peer_ring
+        # Allocated and written on the copy-out stream: the caller's stream is made to wait
+        # for it, and to keep the memory, at recv.
+        with torch.cuda.stream(self._copy_out):
             for i, at, n, dtype_name, shape in places:
                 dtype = DTYPES.get(dtype_name)
                 if (dtype is None or not 0 <= i < len(tensors) or not 0 <= at <= at + n <= ring.numel()
@@ -311,16 +345,16 @@ class CudaIpcConnection(Connection):
                 if n:
                     out.reshape(-1).view(torch.uint8).copy_(ring[at:at + n], non_blocking=True)
                 tensors[i] = out
+            for i in through_host:
+                moved = tensors[i]
+                if not isinstance(moved, torch.Tensor):
+                    raise FrameError("cuda_ipc: a buffer sent through host memory is not a tensor")
+                tensors[i] = moved.to(self._device)
             done = torch.cuda.Event()
-            done.record(stream)
-            self._copied_out = done
+            done.record(self._copy_out)
+        if places:
             self._copying.put_nowait((done, int(upto)))
-        for i in through_host:
-            moved = tensors[i]
-            if not isinstance(moved, torch.Tensor):
-                raise FrameError("cuda_ipc: a buffer sent through host memory is not a tensor")
-            tensors[i] = moved.to(self._device)
-        return Frame(kind, header, tensors)
+        return Frame(kind, header, tensors), done
 
     async def _free(self) -> None:
         """Gives the peer its ring space back as the copies out of it finish, in order."""
@@ -336,10 +370,19 @@ class CudaIpcConnection(Connection):
             await self._inner.close()
 
     async def _recv_frame(self, out) -> Frame:
-        item = await self._frames.get()
-        if isinstance(item, BaseException):
-            self._frames.put_nowait(item)  # every later recv says the same
-            raise item
+        got = await self._frames.get()
+        if isinstance(got, BaseException):
+            self._frames.put_nowait(got)  # every later recv says the same
+            raise got
+        item, copied = got
+        if copied is not None:
+            # The caller's current stream reads the copies after they are done, on the
+            # device (the host does not wait), and the allocator keeps their memory for it.
+            current = torch.cuda.current_stream(self._device)
+            current.wait_event(copied)
+            for t in item.tensors:
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(current)
         if out:
             for i, dest in enumerate(out[:len(item.tensors)]):
                 if dest is not None:
@@ -353,19 +396,20 @@ class CudaIpcConnection(Connection):
         if self._closed:
             return
         self._closed = True
-        for task in (self._pump, self._freer):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        # Copies still queued into this end's ring, or out of the peer's (a cancelled
-        # reader's), finish before the peer may unmap it or this end drops its mapping.
-        self._copy.synchronize()
-        if self._copied_out is not None:
-            self._copied_out.synchronize()
-        await self._inner.close()
-        _LOCAL.pop(self._out.token, None)
-        self._space.fail(PeerClosed(f"connection to {self.peer} is closed"))
-        self._ended.set()
+        try:
+            for task in (self._pump, self._freer):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            # Copies still queued into this end's ring, or out of the peer's, finish before
+            # the peer may unmap it or this end drops its mapping.
+            self._copy.synchronize()
+            self._copy_out.synchronize()
+        finally:
+            await self._inner.close()
+            _LOCAL.pop(self._out.token, None)
+            self._space.fail(PeerClosed(f"connection to {self.peer} is closed"))
+            self._ended.set()
 
     async def wait_closed(self) -> None:
         await self._ended.wait()

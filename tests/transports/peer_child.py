@@ -1,7 +1,8 @@
 """A real peer process for the kill tests: ``sender ADDRESS`` connects and streams large
 frames until killed; ``server ADDRESS`` listens, prints its address, receives one frame
-and then never answers; ``echo ADDRESS`` listens, prints its address and sends every
-frame back (its tensors as it received them: cuda_ipc's on its GPU)."""
+and then never answers; ``echo ADDRESS [RING_BYTES]`` listens, prints its address and
+sends every frame back (its tensors as it received them: cuda_ipc's on its GPU, in rings
+of RING_BYTES where given)."""
 
 import asyncio
 import sys
@@ -32,16 +33,18 @@ async def server(address: str) -> None:
     await stop.wait()
 
 
-async def echo(address: str) -> None:
+async def echo(address: str, ring_bytes: str | None = None) -> None:
     async def handler(conn) -> None:
         while True:
             await conn.send(await conn.recv())
 
-    listener = await transports.listen(address, handler)
+    config = transports.TransportConfig() if ring_bytes is None else transports.TransportConfig(
+        cuda_ipc_ring_bytes=int(ring_bytes))
+    listener = await transports.listen(address, handler, config)
     print(listener.address, flush=True)
     await asyncio.Event().wait()
 
 
 if __name__ == "__main__":
-    mode, address = sys.argv[1], sys.argv[2]
-    asyncio.run({"sender": sender, "server": server, "echo": echo}[mode](address))
+    mode, address, *more = sys.argv[1:]
+    asyncio.run({"sender": sender, "server": server, "echo": echo}[mode](address, *more))

@@ -75,9 +75,9 @@ async def test_the_ring_wraps_and_a_frame_larger_than_it_goes_through_host_memor
         assert got.tensors[0].is_cuda and torch.equal(got.tensors[0], big)
 
 
-def _echo_child() -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-P", CHILD, "echo", address_for("cuda_ipc")], stdout=subprocess.PIPE,
-                            text=True)
+def _echo_child(*more: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-P", CHILD, "echo", address_for("cuda_ipc"), *more],
+                            stdout=subprocess.PIPE, text=True)
 
 
 async def test_gpu_tensors_to_a_peer_process_and_back():
@@ -94,6 +94,32 @@ async def test_gpu_tensors_to_a_peer_process_and_back():
                 got = await conn.recv(timeout=30)
                 assert got.header == {"i": i}
                 _same(got.tensors, sent)
+    finally:
+        child.kill()
+        child.wait()
+
+
+async def test_small_rings_wrap_between_processes_and_a_frame_is_read_on_the_callers_stream():
+    """Both 1 MiB rings wrap many times across processes: each end reuses space only once
+    the other's copies out of it are done (space-free frames sent as they finish). A frame
+    received while another stream is current is read there after its copies."""
+    child = _echo_child(str(1 << 20))
+    config = TransportConfig(cuda_ipc_ring_bytes=1 << 20)
+    side = torch.cuda.Stream()
+    try:
+        address = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)
+        conn = await transports.connect(address.strip(), config)
+        async with conn:
+            for start in range(0, 120, 4):
+                batch = [torch.full((75_000,), float(start + j), device="cuda") for j in range(4)]
+                for j, t in enumerate(batch):
+                    await conn.send(Frame(1, {"n": start + j}, [t]))
+                for j in range(4):
+                    with torch.cuda.stream(side):
+                        torch.cuda._sleep(1_000_000)  # the side stream busy while the frame arrives
+                        got = await conn.recv(timeout=30)
+                        total = got.tensors[0].sum()  # queued on the side stream
+                    assert got.header == {"n": start + j} and total.item() == 75_000 * (start + j)
     finally:
         child.kill()
         child.wait()
