@@ -28,7 +28,7 @@
 #                the planner's predictions of its rows (after the profile step)
 #                                                          stack.log, stack-rows.jsonl, stack-planner.log
 #   conformance  the transport conformance suite over cuda_ipc                 conformance.log
-# Each step's limit in seconds: LIMIT_<step> (defaults: tests 150, e2e 240, bench 120,
+# Each step's limit in seconds: LIMIT_<step> (defaults: tests 150, e2e 420, bench 120,
 # profile 90, stack 180, conformance 60). Logs of stacks that failed to start or stop go
 # to OUT/stack-logs.
 set -uo pipefail
@@ -48,7 +48,7 @@ limited() {
     local var="LIMIT_$step"
     timeout -s INT -k 20 "${!var}" "$@"
 }
-: "${LIMIT_tests:=150}" "${LIMIT_e2e:=240}" "${LIMIT_bench:=120}" "${LIMIT_profile:=90}" "${LIMIT_stack:=180}" \
+: "${LIMIT_tests:=150}" "${LIMIT_e2e:=420}" "${LIMIT_bench:=120}" "${LIMIT_profile:=90}" "${LIMIT_stack:=180}" \
   "${LIMIT_conformance:=60}"
 {
     date; nvidia-smi; "$python" --version; "$python" -m pip list 2>/dev/null

@@ -324,7 +324,7 @@ class PrefillService:
     async def _forward(self, kv: KVStore, prompts: list[_Prompt]) -> torch.Tensor:
         """Run the prompts' uncached tokens through the slices, handing each layer's KV to
         the attention workers as it is computed; returns the scored rows' logits [R, V]
-        on CPU once every worker answered (a refusal is kept in `stored`)."""
+        on the prefill device once every worker answered (a refusal is kept in `stored`)."""
         computing = time.perf_counter()
         batch = StepBatch.build([p.seq_id for p in prompts], [p.token_ids[p.cached:] for p in prompts],
                                 [p.cached for p in prompts])
