@@ -21,8 +21,11 @@ another (each one's memory given back to the device before the next):
   kernels' variants for the first steps, the graphs of the batch's bucket are captured);
 - the stack as `lamina up --device D --dtype T` starts it (every service on the one
   device; transport cuda_ipc on a GPU, tcp on the CPU; `--transport` names another), one
-  model worker, 1 and 2 attention workers, 1 and 2 micro-batches (`--no-stack`: left out),
-  each warmed up with the whole batch, short (planner/measure/stack_run.py), and timed
+  model worker: colocated (attending on the device itself: what `lamina up --device cuda`
+  starts, docs/services.md, Layouts), then with 2 and 1 micro-batches each over 1 and 2
+  attention workers (`--no-stack`: left out; runs in that order, so that a run cut short
+  keeps the layout users get and the issue's 2 micro-batches first), each warmed up with
+  the whole batch, short (planner/measure/stack_run.py), and timed
   over S steps of the whole batch: each request may make `--stack-hold` more tokens, so
   the sequences prefilled first still decode when the last one has made its S (the
   streams are closed there; an error where the hold was too short);
@@ -38,12 +41,13 @@ bound, recorded as soon as the engine's figure is: the bytes a decode step must 
 every sequence's KV at the window's mean length, C + 1 + S/2) over the device's copy
 bandwidth measured in the same run (the fastest of five 1 GiB copies, the estimator of
 `lamina profile`). Prints the device, the workload and a table (with the ratios
-engine/transformers, the stack's 2 micro-batches/engine, step/bound); a point's row is
+engine/transformers, the stack's 2 micro-batches/engine and colocated/engine, step/bound); a point's row is
 appended to `--out` (JSON lines) after each contender, with what it has so far (a
 contender that fails leaves its error in the row, `NAME_error`, and the others run); the
 last line is one JSON object: {"device", "engine_tok_s", "transformers_tok_s",
-"stack_tok_s": {"mb1", "mb2"}, "step_vs_bound", "attention_ms_per_layer": {"worker",
-"engine"}, "skipped", "errors"}, each keyed by "model/dtype/bB/cC".
+"stack_tok_s": {"mb1", "mb2", "colocated"}, "step_vs_bound", "attention_ms_per_layer":
+{"worker", "engine"}, "skipped", "errors"}, each keyed by "model/dtype/bB/cC" (mb1 and
+mb2: the faster of 1 and 2 attention workers).
 
     python bench/gpu_decode.py                 # on CUDA: the issue's matrix
     python bench/gpu_decode.py --device cpu --quick   # SmolLM2 float32, small points (a check of the script)
@@ -241,7 +245,7 @@ def main() -> None:
           f"{device.type == 'cuda'}")
     out_file = Path(args.out) if args.out else None
     report: dict[str, Any] = {"device": f"{device} ({name})", "engine_tok_s": {}, "transformers_tok_s": {},
-                              "stack_tok_s": {"mb1": {}, "mb2": {}}, "step_vs_bound": {},
+                              "stack_tok_s": {"mb1": {}, "mb2": {}, "colocated": {}}, "step_vs_bound": {},
                               "attention_ms_per_layer": {"worker": {}, "engine": {}}, "skipped": [],
                               "errors": {}}
 
@@ -307,7 +311,10 @@ def main() -> None:
                 rows[point.key]["stack_error"] = "does not fit: the prefill's and model worker's weights and the KV"
                 record(rows[point.key])
                 continue
-            for mb in (1, 2):
+            measure(rows[point.key], "stack_colocated_tok_s", record, stack_tok_s, prompts, steps, transport, 1,
+                    False, 1, attention_slab(per_seq, point.batch, 1) + (256 << 20), weights, layout="colocated",
+                    model=point.checkpoint, device=str(device), dtype=dtype, hold=hold)
+            for mb in (2, 1):
                 for workers in (1, 2):
                     slab = attention_slab(per_seq, point.batch, workers) + (256 << 20)
                     measure(rows[point.key], f"stack_mb{mb}_aw{workers}_tok_s", record, stack_tok_s, prompts, steps,
@@ -327,16 +334,20 @@ def main() -> None:
                 best = max(row.get(f"stack_mb{mb}_aw{w}_tok_s", 0.0) for w in (1, 2))
                 if best:
                     report["stack_tok_s"][f"mb{mb}"][key] = best
+            if "stack_colocated_tok_s" in row:
+                report["stack_tok_s"]["colocated"][key] = row["stack_colocated_tok_s"]
             report["errors"].update({f"{key} {k}": v for k, v in row.items() if k.endswith("_error")})
     print(f"\n{'point':<32} {'engine':>9} {'transformers':>13} {'eng/hf':>7} {'stack mb1':>10} {'stack mb2':>10} "
-          f"{'mb2/eng':>8} {'step/bound':>11} {'attn w/e ms':>12}")
+          f"{'mb2/eng':>8} {'colocated':>10} {'col/eng':>8} {'step/bound':>11} {'attn w/e ms':>12}")
     for key, eng in report["engine_tok_s"].items():
         hf = report["transformers_tok_s"].get(key, float("nan"))
-        mb1, mb2 = report["stack_tok_s"]["mb1"].get(key), report["stack_tok_s"]["mb2"].get(key)
+        stack = report["stack_tok_s"]
+        mb1, mb2, col = (stack[k].get(key) for k in ("mb1", "mb2", "colocated"))
         w = report["attention_ms_per_layer"]["worker"].get(key, float("nan"))
         e = report["attention_ms_per_layer"]["engine"].get(key, float("nan"))
         print(f"{key:<32} {eng:>9.1f} {hf:>13.1f} {eng / hf:>6.2f}x {mb1 or 0:>10.1f} {mb2 or 0:>10.1f} "
-              f"{(mb2 or float('nan')) / eng:>7.2f}x {report['step_vs_bound'][key]:>10.2f}x {w:>5.2f}/{e:<5.2f}")
+              f"{(mb2 or float('nan')) / eng:>7.2f}x {col or 0:>10.1f} {(col or float('nan')) / eng:>7.2f}x "
+              f"{report['step_vs_bound'][key]:>10.2f}x {w:>5.2f}/{e:<5.2f}")
     for what, error in report["errors"].items():
         print(f"failed: {what}: {error.splitlines()[-1] if error else ''}")
     print(json.dumps(report))

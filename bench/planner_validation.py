@@ -371,11 +371,11 @@ def gpu_validation(rows_path: Path, profile_path: Path, steps: int) -> list[dict
     """The planner's prediction of each point bench/gpu_decode.py measured (its --out
     rows), on the device profile `lamina profile --device D` wrote, against the measured
     tokens/s, weights and KV in the row's dtype, at the steps' mean context: the engine
-    colocated on `this-machine`, and each stack run (`stack_mb{N}_aw{n}_tok_s`: one model
-    worker, n attention workers, N micro-batches, request partitioning) as a
-    disaggregated layout with every worker on that one device (`Layout.shared_device`),
-    exchanging over cuda_ipc (`cuda_link`). Prints the table and the errors' median and
-    largest; returns the rows."""
+    and the colocated stack (`stack_colocated_tok_s`) as a colocated layout on
+    `this-machine`, and each disaggregated stack run (`stack_mb{N}_aw{n}_tok_s`: one
+    model worker, n attention workers, N micro-batches, request partitioning) with every
+    worker on that one device (`Layout.shared_device`), exchanging over cuda_ipc
+    (`cuda_link`). Prints the table and the errors' median and largest; returns the rows."""
     from lamina.model.random_models import SHAPES
     from lamina.planner.perf.quantization import FP16
     from lamina.planner.shapes import ModelShape
@@ -398,7 +398,9 @@ def gpu_validation(rows_path: Path, profile_path: Path, steps: int) -> list[dict
         shape = BUILTIN["smollm2-135m"] if model == "smollm2" else ModelShape.of(SHAPES[model], model)
         precision = FP32 if dtype == "float32" else FP16
         mean_context = context_n + 1 + row.get("steps", steps) / 2
-        contenders = [("engine", "engine_tok_s", Layout(THIS_MACHINE, 1, weights=precision, kv=precision))]
+        colocated = Layout(THIS_MACHINE, 1, weights=precision, kv=precision)
+        # The stack colocated on the device is predicted as the engine is (it has no link).
+        contenders = [("engine", "engine_tok_s", colocated), ("stack colocated", "stack_colocated_tok_s", colocated)]
         if link is not None:
             contenders += [(f"stack mb{n} aw{a}", key, Layout(GPU_STACK, 1, 1, GPU_STACK, a, n, "request", precision,
                                                              precision, shared_device=True))

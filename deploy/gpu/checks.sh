@@ -29,7 +29,7 @@
 #                                                          stack.log, stack-rows.jsonl, stack-planner.log
 #   conformance  the transport conformance suite over cuda_ipc                 conformance.log
 # Each step's limit in seconds: LIMIT_<step> (defaults: tests 150, e2e 420, bench 120,
-# profile 90, stack 180, conformance 60). Logs of stacks that failed to start or stop go
+# profile 90, stack 400, conformance 60). Logs of stacks that failed to start or stop go
 # to OUT/stack-logs.
 set -uo pipefail
 out=${1:?usage: deploy/gpu/checks.sh OUT [WHEELS] [-- BENCH ARGS...]}
@@ -48,7 +48,7 @@ limited() {
     local var="LIMIT_$step"
     timeout -s INT -k 20 "${!var}" "$@"
 }
-: "${LIMIT_tests:=150}" "${LIMIT_e2e:=420}" "${LIMIT_bench:=120}" "${LIMIT_profile:=90}" "${LIMIT_stack:=180}" \
+: "${LIMIT_tests:=150}" "${LIMIT_e2e:=420}" "${LIMIT_bench:=120}" "${LIMIT_profile:=90}" "${LIMIT_stack:=400}" \
   "${LIMIT_conformance:=60}"
 {
     date; nvidia-smi; "$python" --version; "$python" -m pip list 2>/dev/null

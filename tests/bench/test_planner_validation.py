@@ -109,37 +109,40 @@ def test_gpu_rows_are_compared_with_the_planner_on_a_device_profile(tmp_path, ca
     (tmp_path / "profile.json").write_text(json.dumps({"device": catalogue["H200"],
                                                        "measurements": {"transports": transports}}))
     rows = [{"point": "llama-3.2-1b/bfloat16/b64/c2048", "engine_tok_s": 5000.0, "steps": 16,
-             "stack_mb2_aw1_tok_s": 3000.0, "stack_mb1_aw1_tok_s": 2500.0, "stack_mb1_aw2_error": "RuntimeError"},
+             "stack_colocated_tok_s": 4600.0, "stack_mb2_aw1_tok_s": 3000.0, "stack_mb1_aw1_tok_s": 2500.0,
+             "stack_mb1_aw2_error": "RuntimeError"},
             {"point": "smollm2/float32/b1/c512", "engine_tok_s": 900.0},
             {"point": "llama-3.1-8b/bfloat16/b256/c8192", "skipped": "does not fit"}]
     earlier = {"point": rows[0]["point"], "engine_tok_s": 1.0, "steps": 16}  # that point's first row
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [earlier, *rows]))
     out = gpu_validation(tmp_path / "rows.jsonl", tmp_path / "profile.json", steps=32)
     assert [(r["point"], r["contender"]) for r in out] == [
-        (rows[0]["point"], "engine"), (rows[0]["point"], "stack mb1 aw1"), (rows[0]["point"], "stack mb2 aw1"),
-        (rows[1]["point"], "engine")]
+        (rows[0]["point"], "engine"), (rows[0]["point"], "stack colocated"), (rows[0]["point"], "stack mb1 aw1"),
+        (rows[0]["point"], "stack mb2 aw1"), (rows[1]["point"], "engine")]
     device = {THIS_MACHINE: device_from_entry(THIS_MACHINE, catalogue["H200"])}
     shape = ModelShape.of(SHAPES["llama-3.2-1b"], "llama-3.2-1b")
     step = decode_step(shape, Layout(THIS_MACHINE, 1, weights=FP16, kv=FP16), device, 64, 2048 + 1 + 16 / 2)
     assert abs(out[0]["predicted_tok_s"] - 64 / step.step_s) < 1e-6
     assert abs(out[0]["rel_error"] - (64 / step.step_s - 5000) / 5000) < 1e-9
-    assert out[3]["measured_tok_s"] == 900.0 and out[3]["predicted_tok_s"] > 0
+    # The colocated stack is predicted as the engine is.
+    assert out[1]["predicted_tok_s"] == out[0]["predicted_tok_s"] and out[1]["measured_tok_s"] == 4600.0
+    assert out[4]["measured_tok_s"] == 900.0 and out[4]["predicted_tok_s"] > 0
     # The stack: one device for every worker, its link cuda_ipc's (20 us and 25 GB/s one way).
     gpu = replace(device[THIS_MACHINE], network_bw=400 / 2 * 1e9 / 8, network_latency=20e-6)
-    for row, micro in ((out[1], 1), (out[2], 2)):
+    for row, micro in ((out[2], 1), (out[3], 2)):
         layout = Layout(THIS_MACHINE, 1, 1, THIS_MACHINE, 1, micro, "request", FP16, FP16, shared_device=True)
         stack = decode_step(shape, layout, {THIS_MACHINE: gpu}, 64, 2048 + 1 + 16 / 2)
         assert abs(row["predicted_tok_s"] - 64 / stack.step_s) < 1e-6, row
         assert row["predicted_tok_s"] < out[0]["predicted_tok_s"]  # never faster than the engine on one device
-    assert out[2]["bottleneck"] == "shared device"
+    assert out[3]["bottleneck"] == "shared device"
     printed = capsys.readouterr().out
-    assert "engine: 2 points, median error" in printed and "stack: 2 points, median error" in printed
+    assert "engine: 2 points, median error" in printed and "stack: 3 points, median error" in printed
     assert json.loads(printed.splitlines()[-1])["gpu"] == out
 
 
 def test_gpu_stack_rows_need_a_profile_with_cuda_ipc(tmp_path, capsys):
-    """A device profile without cuda_ipc's round trips predicts the engine only, and says
-    why the stack rows are left out."""
+    """A device profile without cuda_ipc's round trips predicts the engine (and a colocated
+    stack, which has no link) only, and says why the disaggregated stack rows are left out."""
     import json
     from importlib import resources
 
