@@ -31,7 +31,7 @@ clear message naming the setting.
               insecure: false}   # insecure: serve without api_key on a host other than loopback
     scheduler: {max_batch_size: 64, max_queue: 256, policy: fcfs,   # policy: fcfs | fpf | relaxed_fpf
                 join_hold_ms: 5000.0}   # services/scheduler/join_hold.py
-    prefill: {workers: 1, threads: 0, device: cpu, dtype: float32, cache_block_tokens: 16,
+    prefill: {workers: 1, threads: 0, device: cpu, dtype: auto, cache_block_tokens: 16,
               cache_device_bytes: 268435456,
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru,
               routing: prefix, routing_load_weight: 0.0, routing_min_gain_tokens: 32,
@@ -44,9 +44,10 @@ clear message naming the setting.
                                 # threads a forward (0: model_worker.threads), each forward taking the
                                 # host's cores other processes' threads leave; device: cpu | cuda | cuda:N, where
                                 # the prefill workers compute and their cache's device tier lives
-                                # (float32 weights off CPU; LAMINA_PREFILL_DEVICE); dtype: float32 |
-                                # bfloat16 | float16, of their weights, activations and KV (another than
-                                # float32 needs weights: float32 on the CPU; LAMINA_PREFILL_DTYPE); routing: prefix (the
+                                # (float32 weights off CPU; LAMINA_PREFILL_DEVICE); dtype: auto (float32
+                                # on the CPU, bfloat16 on a GPU) | float32 | bfloat16 | float16, of their
+                                # weights, activations and KV (another than float32 needs weights:
+                                # float32 on the CPU; LAMINA_PREFILL_DTYPE); routing: prefix (the
                                 # worker holding the longest prefix among those queued at most
                                 # routing_max_queue_gap_tokens more than the least; a prefix no worker
                                 # holds routing_min_gain_tokens more of than the others counts for
@@ -56,21 +57,22 @@ clear message naming the setting.
                                 # transfer beats recomputing it) | always | off (docs/kvstore.md);
                                 # prefetch: waiting prompts' prefixes move up to the device tier
                                 # while a forward computes (LAMINA_PREFILL_PREFETCH)
-    model_worker: {threads: 1, workers: 1, device: cpu, dtype: float32, cuda_graphs: true}
+    model_worker: {threads: 1, workers: 1, device: cpu, dtype: auto, cuda_graphs: true}
                                 # threads: the packed products' (torch's ops run on one);
                                 # LAMINA_MODEL_THREADS; device: cpu | cuda | cuda:N, where the slices
-                                # and sampling compute (LAMINA_MODEL_DEVICE); dtype: float32 |
-                                # bfloat16 | float16 of weights and activations (other than float32
-                                # needs weights: float32 on the CPU; LAMINA_MODEL_DTYPE); cuda_graphs:
+                                # and sampling compute (LAMINA_MODEL_DEVICE); dtype: auto (float32 on
+                                # the CPU, bfloat16 on a GPU) | float32 | bfloat16 | float16 of weights
+                                # and activations (other than float32 needs weights: float32 on the
+                                # CPU; LAMINA_MODEL_DTYPE); cuda_graphs:
                                 # decode slices replayed as CUDA graphs on a GPU (LAMINA_MODEL_CUDA_GRAPHS)
     pipeline: {micro_batches: 2, min_micro_batch: 16, q_early: false,
                mode: fixed}     # fixed: micro-batches per model worker (colocated: 1); rotational: M + 1 over M workers
     attention: {workers: 2, max_workers: 0, threads: 1, kv_capacity_bytes: 1073741824,
-                kv_quant: none, device: cpu, dtype: float32}
+                kv_quant: none, device: cpu, dtype: auto}
                                 # kv_quant: none | q4: KV rows stored 4-bit group-wise (docs/model.md;
                                 # q4 on the CPU only); device, dtype: where the KV slab lives and
-                                # attention computes, and the KV's dtype (LAMINA_ATTENTION_DEVICE,
-                                # LAMINA_ATTENTION_DTYPE);
+                                # attention computes, and the KV's dtype (auto: float32 on the CPU,
+                                # bfloat16 on a GPU; LAMINA_ATTENTION_DEVICE, LAMINA_ATTENTION_DTYPE);
                                 # workers: LAMINA_ATTENTION_WORKERS, started with; max_workers
                                 # (0: = workers): more may join the running stack up to it, and
                                 # leave (request partitioning); LAMINA_ATTENTION_MAX_WORKERS
@@ -110,6 +112,30 @@ PEER_FETCH_MODES = ("auto", "always", "off")  # lamina.services.scheduler.prefix
 # Dtypes a model or attention worker computes in (torch's names;
 # lamina.model.placement.COMPUTE_DTYPES, tested equal).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# What a service's `dtype` may say: one of those, or auto (the default): float32 on the
+# CPU (the packed kernels' and the exactness checks'), bfloat16 on a GPU (half the bytes
+# a decode step reads, as vLLM and SGLang serve by default).
+DTYPE_SETTINGS = ("auto", *COMPUTE_DTYPES)
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """A `*.dtype` setting as the dtype computed in on `device`: auto is float32 on the
+    CPU and bfloat16 elsewhere; any other setting is itself."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if device.split(":")[0] == "cpu" else "bfloat16"
+
+
+class _Computes:
+    """A section of a service that computes on `device` in `dtype` (a setting)."""
+
+    device: str
+    dtype: str
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype it computes in: `dtype`, auto resolved for `device` (resolve_dtype)."""
+        return resolve_dtype(self.dtype, self.device)
 
 
 def _is_device(name: str) -> bool:
@@ -143,14 +169,15 @@ class SchedulerSection:
 
 
 @dataclass(frozen=True)
-class ModelWorkerSection:
+class ModelWorkerSection(_Computes):
     threads: int = 1
     workers: int = 1  # model-slice worker processes; the scheduler spreads sequences over them
     # Where the slices and sampling compute (cpu, cuda, cuda:N) and in which dtype: packed
     # weights run on CPU kernels in float32, so elsewhere (or in another dtype) the
-    # linears are plain float32 or cast to `dtype`.
+    # linears are plain float32 or cast to `dtype` (auto: float32 on the CPU, bfloat16 on
+    # a GPU; `compute_dtype` says which).
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     # On a GPU, each decode slice captured as a CUDA graph per batch-size bucket and
     # replayed (model/slice_graphs.py); false: every slice runs eagerly.
     cuda_graphs: bool = True
@@ -168,7 +195,7 @@ class PipelineSection:
 
 
 @dataclass(frozen=True)
-class PrefillSection:
+class PrefillSection(_Computes):
     workers: int = 1  # prefill worker processes (prefill-0..P-1), each with its own prefix cache
     # At most this many compute threads a forward (0: model_worker.threads); each forward
     # takes the host's cores that other processes' threads leave (services/prefill/free_cores.py).
@@ -177,9 +204,10 @@ class PrefillSection:
     # cuda / cuda:N (the host tier is then pinned CPU memory; weights float32, since the
     # packed ones run on CPU kernels). KV goes to the attention workers from CPU memory.
     device: str = "cpu"
-    # The dtype of their weights, activations and the KV they send and cache (float32 |
-    # bfloat16 | float16); another than float32 on the CPU needs weights: float32.
-    dtype: str = "float32"
+    # The dtype of their weights, activations and the KV they send and cache (auto |
+    # float32 | bfloat16 | float16; auto: float32 on the CPU, bfloat16 on a GPU); another
+    # than float32 on the CPU needs weights: float32.
+    dtype: str = "auto"
     cache_block_tokens: int = 16  # prefix-cache block size (tokens)
     cache_device_bytes: int = 256 << 20  # 0 disables the prefix cache
     cache_host_bytes: int = 512 << 20
@@ -226,7 +254,7 @@ class PrefillSection:
 
 
 @dataclass(frozen=True)
-class AttentionSection:
+class AttentionSection(_Computes):
     workers: int = 2  # started with, and waited for, by the stack
     # The most the pool takes: workers with indexes workers .. max_workers - 1 join the
     # running stack when they register and leave when they deregister (request-level
@@ -236,9 +264,10 @@ class AttentionSection:
     kv_capacity_bytes: int = 1 << 30
     kv_quant: str = "none"  # q4: the KV pools hold 4-bit group-wise rows (lamina.model.kv_quant)
     # Where the KV slab lives and attention computes, and the dtype of its KV: the native
-    # kernel on cpu/float32, torch's operators elsewhere (lamina.model.device_attention).
+    # kernel on cpu/float32, torch's operators elsewhere (lamina.model.device_attention);
+    # auto: float32 on the CPU, bfloat16 on a GPU.
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
 
     @property
     def pool_limit(self) -> int:
@@ -337,16 +366,17 @@ class StackConfig:
             _check(isinstance(device, str) and _is_device(device), name, "must be cpu, cuda or cuda:N", device)
         for name, dtype in (("model_worker.dtype", self.model_worker.dtype), ("attention.dtype", self.attention.dtype),
                             ("prefill.dtype", self.prefill.dtype)):
-            _check(dtype in COMPUTE_DTYPES, name, f"must be one of {', '.join(COMPUTE_DTYPES)}", dtype)
+            _check(dtype in DTYPE_SETTINGS, name, f"must be one of {', '.join(DTYPE_SETTINGS)}", dtype)
         for name, section in (("model_worker", self.model_worker), ("prefill", self.prefill)):
-            _check(section.dtype == "float32" or self.weights == "float32" or section.device != "cpu", "weights",
+            _check(section.compute_dtype == "float32" or self.weights == "float32" or section.device != "cpu",
+                   "weights",
                    f"must be float32 when {name}.dtype is not float32 on the CPU (packed weights compute in float32)",
                    self.weights)
         _check(self.pipeline.mode == "fixed" or self.model_worker.device == "cpu", "pipeline.mode",
                "must be fixed when model_worker.device is not cpu (rotational slices reach peers as host "
                "tensors, which only a CPU worker computes on as they arrive)", self.pipeline.mode)
         _check(self.attention.kv_quant == "none" or (self.attention.device == "cpu"
-                                                     and self.attention.dtype == "float32"),
+                                                     and self.attention.compute_dtype == "float32"),
                "attention.kv_quant", "must be none unless attention.device is cpu and attention.dtype float32 "
                "(4-bit KV rows are decoded by the CPU kernel)", self.attention.kv_quant)
         _check(isinstance(self.prefill.routing_min_gain_tokens, int) and self.prefill.routing_min_gain_tokens >= 0,

@@ -9,7 +9,7 @@ import sys
 import time
 
 from lamina.model.packing import WEIGHT_CHOICES
-from lamina.services.config import COMPUTE_DTYPES
+from lamina.services.config import DTYPE_SETTINGS, resolve_dtype
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,9 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the linears hold their weights: float32, q8_0, q4 (group-wise 4-bit) or as_file "
                         "(a GGUF's own quantized blocks, float32 for other checkpoints); default as_file")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: where the engine computes")
-    p.add_argument("--dtype", default="float32", choices=COMPUTE_DTYPES,
-                   help="weights, activations and KV (default float32; another, or a device other than the CPU, "
-                        "uses torch's own linears instead of packed weights: --weights float32)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_SETTINGS,
+                   help="weights, activations and KV (default auto: float32 on the CPU, bfloat16 on a GPU; another "
+                        "than float32, or a device other than the CPU, uses torch's own linears instead of packed "
+                        "weights: --weights float32)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU, replay the decode steps' slices as CUDA graphs (default; --no-cuda-graphs: "
                         "every slice eagerly)")
@@ -67,10 +68,11 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, RuntimeError) as exc:  # RuntimeError: a device name torch does not know
         print(f"lamina generate: {exc}", file=sys.stderr)
         return 2
-    native = runs_natively(device, compute_dtype(args.dtype))
+    dtype = resolve_dtype(args.dtype, args.device)
+    native = runs_natively(device, compute_dtype(dtype))
     if not native and args.weights not in ("float32", "as_file"):
         print(f"lamina generate: --weights {args.weights} is packed for the CPU in float32; on {device} in "
-              f"{args.dtype} the weights are float32 (torch's linears)", file=sys.stderr)
+              f"{dtype} the weights are float32 (torch's linears)", file=sys.stderr)
         return 2
     try:
         loaded = load_model(args.model, weights=args.weights if native else "float32", packed=native)
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
           f" {loaded.weight_formats})", file=sys.stderr)
     tok = loaded.tokenizer
     prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
-    engine = Engine(loaded, EngineConfig(device=str(device), dtype=args.dtype, cuda_graphs=args.cuda_graphs))
+    engine = Engine(loaded, EngineConfig(device=str(device), dtype=dtype, cuda_graphs=args.cuda_graphs))
     start = time.perf_counter()
     try:
         (out,) = engine.generate([prompt_ids], params)

@@ -20,7 +20,7 @@ from lamina.commands._service_args import (
     stack_config,
 )
 from lamina.commands.plan import DEFAULT_PROFILE
-from lamina.services.config import COMPUTE_DTYPES, ConfigError, set_outside_defaults
+from lamina.services.config import DTYPE_SETTINGS, ConfigError, set_outside_defaults
 
 # How often lamina up looks for a stop signal and at its processes.
 STOP_POLL_S = 0.5
@@ -72,9 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-device", default=None, metavar="DEVICE", help="where model workers compute")
     p.add_argument("--attention-device", default=None, metavar="DEVICE",
                    help="where attention workers keep KV and attend")
-    p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
-                   help="prefill, model and attention workers' dtype (default float32; another needs --weights "
-                        "float32 on the CPU)")
+    p.add_argument("--dtype", default=None, choices=DTYPE_SETTINGS,
+                   help="prefill, model and attention workers' dtype (default auto: float32 on the CPU, bfloat16 "
+                        "on a GPU; another than float32 needs --weights float32 on the CPU)")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="staggered micro-batches per model worker (default 2; 1 turns staggering off)")
     p.add_argument("--pipeline", default=None, choices=("fixed", "rotational"),
@@ -323,8 +323,8 @@ def _choose_on_gpu(config, load, profile_path: Path, say: Callable[[str], None])
         return LocalChoice("colocated", 0, 1, 0.0, "", device=model)
     shape = ModelShape.of(load_config(config.model), checkpoint_name(config.model))
     precision = {"float32": FP32}
-    ranked = rank_gpu_layouts(figures, shape, precision.get(config.model_worker.dtype, FP16),
-                              precision.get(config.attention.dtype, FP16), load, model)
+    ranked = rank_gpu_layouts(figures, shape, precision.get(config.model_worker.compute_dtype, FP16),
+                              precision.get(config.attention.compute_dtype, FP16), load, model)
     best = ranked[0]
     say(f"layout auto: {best.describe()}; predicted for {load.describe()}: "
         + "; ".join(f"{c.describe()} {c.predicted()}" for c in ranked[:3])

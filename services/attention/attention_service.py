@@ -104,7 +104,7 @@ class AttentionService:
         device = open_device("attention.device", config.attention.device)
         self.core = AttentionCore(model_cfg, config.attention.kv_capacity_bytes, heads,
                                   kv_quant=config.attention.kv_quant, device=device,
-                                  dtype=compute_dtype(config.attention.dtype))
+                                  dtype=compute_dtype(config.attention.compute_dtype))
         t0 = time.monotonic()
         if self.core.warm_up():
             log.info("attention kernels ready on %s in %.1f s", device, time.monotonic() - t0)

@@ -179,7 +179,7 @@ class ModelService:
         self.index = index
         mw = config.model_worker
         device = open_device("model_worker.device", mw.device)
-        self.slices = ModelSlices.load(config.model, config.weights, device, compute_dtype(mw.dtype))
+        self.slices = ModelSlices.load(config.model, config.weights, device, compute_dtype(mw.compute_dtype))
         # cuda_ipc carries device memory, and ucx where UCX can: Q, K, V leave from the GPU as
         # they are (a ucx connection that cannot stages them itself, after the same wait).
         device_frames = config.transport == "cuda_ipc" or (config.transport == "ucx"

@@ -106,7 +106,7 @@ class PrefillService:
     def __init__(self, config: StackConfig, index: int = 0) -> None:
         self.config = config
         self.device = open_device("prefill.device", config.prefill.device)
-        self.dtype = compute_dtype(config.prefill.dtype)
+        self.dtype = compute_dtype(config.prefill.compute_dtype)
         self.slices = ModelSlices.load(config.model, config.weights, self.device, self.dtype)
         self.cfg = self.slices.cfg
         self.sampler = Sampler(self.slices.grammars, self.slices.loaded.tokenizer.eos_token_ids)

@@ -44,7 +44,8 @@ def test_prefill_on_the_gpu_hits_device_and_host_tiers_and_matches_transformers(
     shared_blocks = len(tok.encode(SHARED)) // BLOCK_TOKENS
     assert shared_blocks >= 3 and len(filler) // BLOCK_TOKENS > shared_blocks + 2
     # The device tier holds the shared prefix and a question, not the filler as well.
-    section = PrefillSection(device="cuda", cache_block_tokens=BLOCK_TOKENS,
+    # float32 on the GPU too (its default is bfloat16): transformers' float32 tokens are the check.
+    section = PrefillSection(device="cuda", dtype="float32", cache_block_tokens=BLOCK_TOKENS,
                              cache_device_bytes=(shared_blocks + 2) * block_bytes, cache_host_bytes=64 * block_bytes)
     stack = start_stack(workers=1, micro_batches=1, prefill=section)
     try:

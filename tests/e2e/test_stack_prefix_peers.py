@@ -71,7 +71,8 @@ def test_prefix_fetched_from_a_peer_and_from_lower_tiers(loaded_model, hf_refere
 
     cfg = load_config(None)
     block_bytes = cfg.num_layers * 2 * BLOCK_TOKENS * cfg.num_kv_heads * cfg.head_dim * 4  # float32
-    section = PrefillSection(workers=2, device=device, routing="round_robin", peer_fetch="always",
+    # float32 on the GPU too (its default is bfloat16): transformers' float32 tokens are the check.
+    section = PrefillSection(workers=2, device=device, dtype="float32", routing="round_robin", peer_fetch="always",
                              cache_block_tokens=BLOCK_TOKENS,
                              cache_device_bytes=DEVICE_BLOCKS * block_bytes, cache_host_bytes=HOST_BLOCKS * block_bytes,
                              cache_disk_bytes=DISK_BLOCKS * block_bytes, cache_dir=str(tmp_path / "kv"))

@@ -35,7 +35,8 @@ def test_blocks_and_placements_in_the_store(device):
     # cuda: the prefill worker computes on the GPU; its device tier is GPU memory, its host tier pinned.
     cfg = load_config(None)
     block_bytes = cfg.num_layers * 2 * BLOCK_TOKENS * cfg.num_kv_heads * cfg.head_dim * 4  # float32
-    section = PrefillSection(device=device, cache_block_tokens=BLOCK_TOKENS,
+    # float32 on the GPU too (its default is bfloat16): the blocks' bytes are counted in float32.
+    section = PrefillSection(device=device, dtype="float32", cache_block_tokens=BLOCK_TOKENS,
                              cache_device_bytes=DEVICE_BLOCKS * block_bytes, cache_host_bytes=HOST_BLOCKS * block_bytes)
     stack = start_stack(workers=1, micro_batches=1, prefill=section)
     try:

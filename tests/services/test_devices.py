@@ -18,25 +18,43 @@ def test_the_configurations_dtypes_are_the_models():
     assert COMPUTE_DTYPES == MODEL_DTYPES
 
 
+def test_auto_computes_in_float32_on_the_cpu_and_bfloat16_on_a_gpu():
+    """The default dtype, auto, per service by its own device; a dtype set is kept there."""
+    from lamina.services.config import resolve_dtype
+
+    cfg = load_config(env={"LAMINA_MODEL_DEVICE": "cuda", "LAMINA_ATTENTION_DEVICE": "cuda:1"})
+    assert (cfg.model_worker.compute_dtype, cfg.attention.compute_dtype, cfg.prefill.compute_dtype) == (
+        "bfloat16", "bfloat16", "float32")
+    # Off the CPU, bfloat16 needs no float32 weights (packed ones are for the CPU's kernels).
+    assert cfg.weights == "as_file"
+    cfg = load_config(env={"LAMINA_MODEL_DEVICE": "cuda", "LAMINA_MODEL_DTYPE": "float32"})
+    assert cfg.model_worker.compute_dtype == "float32"
+    assert [resolve_dtype(d, "cuda:0") for d in ("auto", "float16", "float32")] == ["bfloat16", "float16", "float32"]
+    assert resolve_dtype("auto", "cpu") == "float32"
+    # q4 KV needs float32 on the CPU: auto is that there.
+    assert load_config(env={"LAMINA_KV_QUANT": "q4"}).attention.kv_quant == "q4"
+
+
 def test_each_service_kind_has_its_device_and_dtype_from_file_environment_and_flags():
     cfg = load_config(env={})
     assert (cfg.model_worker.device, cfg.model_worker.dtype, cfg.attention.device, cfg.attention.dtype) == (
-        "cpu", "float32", "cpu", "float32")
+        "cpu", "auto", "cpu", "auto")
+    assert (cfg.model_worker.compute_dtype, cfg.attention.compute_dtype, cfg.prefill.compute_dtype) == ("float32",) * 3
     cfg = load_config(env={"LAMINA_MODEL_DEVICE": "cuda:1", "LAMINA_ATTENTION_DEVICE": "cuda",
                            "LAMINA_MODEL_DTYPE": "bfloat16", "LAMINA_ATTENTION_DTYPE": "float16"})
     assert (cfg.model_worker.device, cfg.model_worker.dtype, cfg.attention.device, cfg.attention.dtype) == (
         "cuda:1", "bfloat16", "cuda", "float16")
     cfg = load_config(env={}, overrides={"model_worker.dtype": "bfloat16", "weights": "float32"})
     assert cfg.model_worker.dtype == "bfloat16" and compute_dtype(cfg.model_worker.dtype) is torch.bfloat16
-    assert load_config(env={}).prefill.dtype == "float32"
+    assert load_config(env={}).prefill.compute_dtype == "float32"
     cfg = load_config(env={"LAMINA_PREFILL_DTYPE": "float16", "LAMINA_WEIGHTS": "float32"})
-    assert cfg.prefill.dtype == "float16" and cfg.model_worker.dtype == "float32"
+    assert cfg.prefill.dtype == "float16" and cfg.model_worker.compute_dtype == "float32"
 
 
 @pytest.mark.parametrize(("env", "message"), [
     ({"LAMINA_MODEL_DEVICE": "gpu"}, r"model_worker\.device must be cpu, cuda or cuda:N \(got 'gpu'\)"),
     ({"LAMINA_ATTENTION_DEVICE": "cuda:x"}, r"attention\.device must be cpu, cuda or cuda:N"),
-    ({"LAMINA_MODEL_DTYPE": "float64"}, r"model_worker\.dtype must be one of float32, bfloat16, float16"),
+    ({"LAMINA_MODEL_DTYPE": "float64"}, r"model_worker\.dtype must be one of auto, float32, bfloat16, float16"),
     ({"LAMINA_ATTENTION_DTYPE": "half"}, r"attention\.dtype must be one of"),
     # Packed weights run on CPU kernels in float32.
     ({"LAMINA_MODEL_DTYPE": "bfloat16"}, r"weights must be float32 when model_worker\.dtype is not float32"),
