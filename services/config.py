@@ -67,8 +67,11 @@ clear message naming the setting.
                                 # decode slices replayed as CUDA graphs on a GPU (LAMINA_MODEL_CUDA_GRAPHS)
     pipeline: {micro_batches: 2, min_micro_batch: 16, q_early: false,
                mode: fixed}     # fixed: micro-batches per model worker (colocated: 1); rotational: M + 1 over M workers
-    attention: {workers: 2, max_workers: 0, threads: 1, kv_capacity_bytes: 1073741824,
+    attention: {workers: 2, max_workers: 0, threads: 1, kv_capacity_bytes: 0, gpu_memory_utilization: 0.9,
                 kv_quant: none, device: cpu, dtype: auto}
+                                # kv_capacity_bytes: each core's KV; 0 (auto): 1 GiB on the CPU, on a
+                                # GPU what the stack's processes there leave of gpu_memory_utilization
+                                # of its memory (services/kv_budget.py; LAMINA_GPU_MEMORY_UTILIZATION);
                                 # kv_quant: none | q4: KV rows stored 4-bit group-wise (docs/model.md;
                                 # q4 on the CPU only); device, dtype: where the KV slab lives and
                                 # attention computes, and the KV's dtype (auto: float32 on the CPU,
@@ -261,7 +264,11 @@ class AttentionSection(_Computes):
     # partitioning only). 0: the same as workers (a fixed pool).
     max_workers: int = 0
     threads: int = 1
-    kv_capacity_bytes: int = 1 << 30
+    # KV bytes each attention core holds; 0 (auto): 1 GiB on the CPU, on a GPU what the
+    # stack's processes there leave of gpu_memory_utilization of its memory
+    # (services/kv_budget.py).
+    kv_capacity_bytes: int = 0
+    gpu_memory_utilization: float = 0.9
     kv_quant: str = "none"  # q4: the KV pools hold 4-bit group-wise rows (lamina.model.kv_quant)
     # Where the KV slab lives and attention computes, and the dtype of its KV: the native
     # kernel on cpu/float32, torch's operators elsewhere (lamina.model.device_attention);
@@ -405,10 +412,13 @@ class StackConfig:
                             ("pipeline.min_micro_batch", self.pipeline.min_micro_batch),
                             ("attention.workers", self.attention.workers),
                             ("attention.threads", self.attention.threads),
-                            ("attention.kv_capacity_bytes", self.attention.kv_capacity_bytes),
                             ("prefill.cache_block_tokens", self.prefill.cache_block_tokens)):
             _check(isinstance(value, int) and value > 0, name, "must be a positive integer", value)
-        for name, value in (("prefill.threads", self.prefill.threads),
+        utilization = self.attention.gpu_memory_utilization
+        _check(isinstance(utilization, (int, float)) and 0 < utilization <= 1, "attention.gpu_memory_utilization",
+               "must be above 0 and at most 1", utilization)
+        for name, value in (("attention.kv_capacity_bytes", self.attention.kv_capacity_bytes),
+                            ("prefill.threads", self.prefill.threads),
                             ("prefill.cache_device_bytes", self.prefill.cache_device_bytes),
                             ("prefill.cache_host_bytes", self.prefill.cache_host_bytes),
                             ("prefill.cache_disk_bytes", self.prefill.cache_disk_bytes)):
@@ -570,6 +580,7 @@ ENV_OVERRIDES = {
     "LAMINA_MODEL_CUDA_GRAPHS": "model_worker.cuda_graphs",
     "LAMINA_ATTENTION_DEVICE": "attention.device",
     "LAMINA_ATTENTION_DTYPE": "attention.dtype",
+    "LAMINA_GPU_MEMORY_UTILIZATION": "attention.gpu_memory_utilization",
     "LAMINA_PEER_FETCH": "prefill.peer_fetch",
     "LAMINA_PREFILL_PREFETCH": "prefill.prefetch",
     "LAMINA_HOST": "host",

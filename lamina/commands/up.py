@@ -168,6 +168,16 @@ def run(args: argparse.Namespace) -> int:
     from lamina.services.launch.launcher import Stack
     from lamina.services.launch.supervision import describe_exit
 
+    if args.ray is None and config.attention.device != "cpu":
+        from lamina.services.kv_budget import kv_budget_here
+
+        try:  # a GPU whose memory leaves no KV room: said once, before anything starts
+            budget = kv_budget_here(config)
+        except ConfigError as exc:
+            print(f"lamina: {exc}", file=sys.stderr)
+            return 2
+        print(f"lamina up: KV {budget.per_holder / (1 << 30):.1f} GiB per attention core ({budget.why})",
+              file=sys.stderr, flush=True)
     if args.ray:
         stack = _ray_stack(args, config)
         if stack is None:

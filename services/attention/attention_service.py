@@ -26,6 +26,7 @@ from lamina.services.addresses import with_host
 from lamina.services.attention.attention_core import AttentionCore
 from lamina.services.config import StackConfig
 from lamina.services.devices import compute_dtype, open_device
+from lamina.services.kv_budget import kv_budget_here
 from lamina.services.placement import head_range
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime, abort_for_remote_error
@@ -102,7 +103,9 @@ class AttentionService:
             start, end = head_range(index, config.attention.workers, model_cfg.num_kv_heads)
             heads = end - start
         device = open_device("attention.device", config.attention.device)
-        self.core = AttentionCore(model_cfg, config.attention.kv_capacity_bytes, heads,
+        budget = kv_budget_here(config)
+        log.info("attention KV: %.2f GiB on %s (%s)", budget.per_holder / (1 << 30), device, budget.why)
+        self.core = AttentionCore(model_cfg, budget.per_holder, heads,
                                   kv_quant=config.attention.kv_quant, device=device,
                                   dtype=compute_dtype(config.attention.compute_dtype))
         t0 = time.monotonic()

@@ -1,0 +1,97 @@
+"""How much KV each attention core holds when `attention.kv_capacity_bytes` is 0 (auto, the default).
+
+On the CPU, 1 GiB (`CPU_KV_BYTES`), as before there was an auto. On a GPU, what the stack's
+processes there leave of its memory, as vLLM's `gpu_memory_utilization` does for one
+process: they may use `attention.gpu_memory_utilization` of it (0.9 by default); from that
+come the weights of each prefill and model worker on that GPU (in its dtype), each such
+prefill worker's device tier of the prefix cache (`prefill.cache_device_bytes`) and a
+reserve for each process there (its CUDA context, cuBLAS workspaces, activations and the
+CUDA graphs' memory pools: `PROCESS_RESERVE_BYTES`); the rest is divided equally among the
+KV holders on it (the attention workers, or colocated each model worker's own core). It
+is computed from the configuration and the GPU's total memory alone, not from what is
+free when the process starts: the services start at once, and a figure that depended on
+which of them had loaded its weights yet would differ from start to start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lamina.services.config import ConfigError, StackConfig
+
+CPU_KV_BYTES = 1 << 30
+# Per process on a GPU: the CUDA context (about 0.5 GiB), cuBLAS and Triton workspaces,
+# a step's activations and the decode slices' CUDA graph pools.
+PROCESS_RESERVE_BYTES = 2 << 30
+# Less KV than this per core is refused: a stack that could hold a few sequences at best.
+MIN_KV_BYTES = 64 << 20
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_GIB = float(1 << 30)
+
+
+def same_device(a: str, b: str) -> bool:
+    """Whether two device settings name one device (a plain `cuda` is cuda:0, the device a
+    service computes on when it names no index)."""
+    def norm(name: str) -> str:
+        return "cuda:0" if name == "cuda" else name
+
+    return norm(a) == norm(b)
+
+
+@dataclass(frozen=True)
+class KvBudget:
+    """Each KV holder's bytes on one device, and how they were counted (for the log)."""
+
+    per_holder: int
+    why: str
+
+
+def kv_budget(config: StackConfig, num_params: int, total_bytes: int | None) -> KvBudget:
+    """The KV bytes each attention core of `config` holds on `attention.device`, whose
+    total memory is `total_bytes` (None on the CPU); `num_params`: the model's weights.
+    ConfigError where a GPU's memory leaves less than MIN_KV_BYTES a holder."""
+    att = config.attention
+    if att.kv_capacity_bytes:
+        return KvBudget(att.kv_capacity_bytes, "attention.kv_capacity_bytes")
+    if total_bytes is None or att.device == "cpu":
+        return KvBudget(CPU_KV_BYTES, "auto: 1 GiB on the CPU")
+    here = att.device
+    weights = reserve = 0
+    parts = []
+    processes = 0
+    for kind, section, workers in (("prefill", config.prefill, config.prefill.workers),
+                                   ("model", config.model_worker, config.model_worker.workers)):
+        if same_device(section.device, here):
+            weights += workers * num_params * _DTYPE_BYTES[section.compute_dtype]
+            processes += workers
+            parts.append(f"{workers} {kind} worker(s)' weights in {section.compute_dtype}")
+    if same_device(config.prefill.device, here) and config.prefill.cache_device_bytes:
+        weights += config.prefill.workers * config.prefill.cache_device_bytes
+        parts.append("their prefix caches' device tier")
+    holders = att.workers
+    if not config.colocated:
+        processes += att.workers
+    reserve = processes * PROCESS_RESERVE_BYTES
+    usable = att.gpu_memory_utilization * total_bytes
+    per_holder = int((usable - weights - reserve) // holders) >> 20 << 20  # whole MiB
+    why = (f"auto: {att.gpu_memory_utilization:g} of {total_bytes / _GIB:.1f} GiB on {here}, less "
+           f"{weights / _GIB:.1f} GiB ({', '.join(parts) or 'no weights there'}) and "
+           f"{reserve / _GIB:.1f} GiB for {processes} process(es), over {holders} KV holder(s)")
+    if per_holder < MIN_KV_BYTES:
+        raise ConfigError(f"attention.kv_capacity_bytes {why}: {max(per_holder, 0) / _GIB:.2f} GiB each, less than "
+                          f"{MIN_KV_BYTES >> 20} MiB; set attention.kv_capacity_bytes, or put a service on another "
+                          "device")
+    return KvBudget(per_holder, why)
+
+
+def kv_budget_here(config: StackConfig) -> KvBudget:
+    """kv_budget on this host: its attention device's total memory as torch reports it,
+    the configured model's weights."""
+    import torch
+
+    from lamina.model.checkpoints import load_config
+    from lamina.planner.shapes import ModelShape
+
+    device = torch.device(config.attention.device)
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return kv_budget(config, ModelShape.of(load_config(config.model), "").num_params, total)
