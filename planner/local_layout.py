@@ -38,8 +38,9 @@ from lamina.planner.workload import load_trace
 
 ATTENTION_WORKER_CHOICES = (1, 2)
 MICRO_BATCH_CHOICES = (1, 2)
-# An open workload's requests decoding at once are at most this many (the scheduler's
-# default max_batch_size): a layout that needs more to keep up falls behind.
+# An open workload's requests decoding at once are at most this many as parsed (the
+# scheduler's largest default max_batch_size, a GPU's); lamina up caps it at the
+# configured one: a layout that needs more to keep up falls behind.
 RATE_MAX_CONCURRENCY = 256
 WORKLOAD_FORMS = ("CONCURRENCY,PROMPT_TOKENS,OUTPUT_TOKENS (e.g. 8,512,256), PROMPT_TOKENS,OUTPUT_TOKENS@RATE "
                   "(requests per second, e.g. 512,256@2.5) or a trace file (Azure CSV or Kimi JSONL)")

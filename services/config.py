@@ -29,8 +29,10 @@ clear message naming the setting.
                                 # refuses non-zero); LAMINA_GRPC_PORT, LAMINA_METRICS_PORT
     gateway: {port: 8000, api_key: null, max_queue: 256, served_model_name: null,
               insecure: false}   # insecure: serve without api_key on a host other than loopback
-    scheduler: {max_batch_size: 64, max_queue: 256, policy: fcfs,   # policy: fcfs | fpf | relaxed_fpf
+    scheduler: {max_batch_size: 0, max_queue: 256, policy: fcfs,   # policy: fcfs | fpf | relaxed_fpf
                 join_hold_ms: 5000.0}   # services/scheduler/join_hold.py
+                                # max_batch_size: sequences decoding at once (0, auto: 64 with the
+                                # model workers on the CPU, 256 on a GPU)
     prefill: {workers: 1, threads: 0, device: cpu, dtype: auto, cache_block_tokens: 16,
               cache_device_bytes: 268435456,
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru,
@@ -160,9 +162,17 @@ class GatewaySection:
     insecure: bool = False
 
 
+# scheduler.max_batch_size auto (0): sequences decoding at once with the model workers on
+# the CPU, and on a GPU (the largest batch bucket its CUDA graphs capture).
+CPU_MAX_BATCH = 64
+GPU_MAX_BATCH = 256
+
+
 @dataclass(frozen=True)
 class SchedulerSection:
-    max_batch_size: int = 64
+    # Sequences decoding at once; 0 (auto): CPU_MAX_BATCH with the model workers on the CPU,
+    # GPU_MAX_BATCH on a GPU, set when the configuration is read.
+    max_batch_size: int = 0
     max_queue: int = 256
     policy: str = "fcfs"
     # A prefilled request whose model worker decodes nothing waits up to this long for the
@@ -356,6 +366,9 @@ class StackConfig:
 
     def __post_init__(self) -> None:
         self._check_layout()
+        if self.scheduler.max_batch_size == 0:
+            batch = CPU_MAX_BATCH if self.model_worker.device == "cpu" else GPU_MAX_BATCH
+            object.__setattr__(self, "scheduler", dataclasses.replace(self.scheduler, max_batch_size=batch))
         _check(self.weights in WEIGHT_CHOICES, "weights", f"must be one of {', '.join(WEIGHT_CHOICES)}",
                self.weights)
         _check(self.transport in TRANSPORTS, "transport", f"must be one of {', '.join(TRANSPORTS)}", self.transport)

@@ -4,6 +4,7 @@ child processes of this one, or, with `--ray ADDRESS`, as actors on a Ray cluste
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -287,6 +288,8 @@ def choose_layout(config, workload: str | None, profile_path: Path, weights_set:
     except ValueError as exc:
         print(f"lamina up: {exc}", file=sys.stderr)
         return None
+    if load.rate is not None:  # no more decode at once than the scheduler admits
+        load = dataclasses.replace(load, concurrency=min(load.concurrency, config.scheduler.max_batch_size))
     say = lambda line: print(f"lamina up: {line}", file=sys.stderr, flush=True)  # noqa: E731
     if config.model_worker.device != "cpu" or config.attention.device != "cpu":
         return _choose_on_gpu(config, load, profile_path, say)

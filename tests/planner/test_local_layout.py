@@ -354,3 +354,25 @@ def test_a_colocated_choice_gives_the_model_workers_its_threads_unless_set(tmp_p
     assert _auto_threads(_up_args("--config", str(config)), colocated, 1) == 0
     monkeypatch.setenv("LAMINA_MODEL_THREADS", "1")
     assert _auto_threads(_up_args(), colocated, 1) == 0
+
+
+def test_an_open_workload_decodes_no_more_at_once_than_the_scheduler_admits(tmp_path, monkeypatch, capsys):
+    """scheduler.max_batch_size auto is 64 with the model workers on the CPU (256 on a GPU):
+    a rate that would need more decoding at once falls behind at 64, as the scheduler
+    would hold the rest back."""
+    import lamina.planner.profile as prof
+    from lamina.commands.up import choose_layout
+    from lamina.services.config import load_config
+
+    config = load_config(env={})
+    assert config.scheduler.max_batch_size == 64
+    assert load_config(env={"LAMINA_MODEL_DEVICE": "cuda"}).scheduler.max_batch_size == 256
+    assert load_config(env={}, overrides={"scheduler.max_batch_size": 8}).scheduler.max_batch_size == 8
+    monkeypatch.setattr(prof, "profile", lambda *a, **k: pytest.fail("measured although a profile was there"))
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"device": _entry(2, 50, 50, 300), "fingerprint": local_layout.machine_fingerprint()}))
+    choice = choose_layout(config, "64,32@1000", path)
+    assert choice is not None and choice.batch == 64 and choice.keeps_up is False
+    assert capsys.readouterr().err.count("falls behind") == 3
+    capped = choose_layout(load_config(env={}, overrides={"scheduler.max_batch_size": 8}), "64,32@1000", path)
+    assert capped is not None and capped.batch == 8
