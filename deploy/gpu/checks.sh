@@ -18,8 +18,9 @@
 #                against transformers, micro-batches on their own streams, decode slices
 #                replayed as CUDA graphs, cuda_ipc in one process and to a child, the
 #                prefix cache's GPU tier)                                     tests.log
-#   e2e          tests/e2e/test_stack_cuda.py, its tests filtered by E2E_K (default all:
-#                seven stacks against transformers and the one-GPU engine)   e2e.log
+#   e2e          tests/e2e/test_stack_cuda.py and test_lamina_up_cuda.py, filtered by
+#                E2E_K (default all: seven stacks against transformers and the
+#                one-GPU engine, and lamina up --device cuda with its defaults) e2e.log
 #   bench        bench/gpu_decode.py --no-stack on BENCH ARGS                 bench.log, rows.jsonl
 #   profile      lamina profile --device cuda --quick, then the planner's predictions of
 #                the benchmark's engine points from it                        profile.log, planner.log
@@ -79,7 +80,7 @@ for step in $steps; do
         note "tests: exit $? ($(tail -1 "$out/tests.log"))" ;;
     e2e)
         limited e2e "$python" -P -m pytest -q -rs --durations=0 ${E2E_K:+-k "$E2E_K"} tests/e2e/test_stack_cuda.py \
-            > "$out/e2e.log" 2>&1
+            tests/e2e/test_lamina_up_cuda.py > "$out/e2e.log" 2>&1
         note "e2e: exit $? ($(tail -1 "$out/e2e.log"))" ;;
     bench)
         limited bench "$python" bench/gpu_decode.py --no-stack --out "$out/rows.jsonl" "$@" > "$out/bench.log" 2>&1
