@@ -54,8 +54,8 @@ def devices_here(config: StackConfig, kinds: tuple[str, ...]) -> bool:
 
 def add_kv_quant(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-quant", default=None, choices=KV_QUANT_CHOICES,
-                   help="how attention workers store KV: none (float32, the default) or q4 (4-bit group-wise; "
-                        "docs/model.md) (attention.kv_quant)")
+                   help="how attention workers store KV: none (in attention.dtype, the default) or q4 (4-bit "
+                        "group-wise; docs/model.md) (attention.kv_quant)")
 
 
 def add_gateway_exposure(p: argparse.ArgumentParser) -> None:

@@ -75,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
               f"{dtype} the weights are float32 (torch's linears)", file=sys.stderr)
         return 2
     try:
-        loaded = load_model(args.model, weights=args.weights if native else "float32", packed=native)
+        # Off the CPU's kernels, loaded in the dtype at once: the engine then only moves it.
+        loaded = load_model(args.model, dtype=compute_dtype(dtype), weights=args.weights if native else "float32",
+                            packed=native)
     except CheckpointError as exc:
         print(f"lamina generate: cannot load model: {exc}", file=sys.stderr)
         return 1

@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (the default where nothing names a layout: none of --layout, --attention-workers, "
                         "--attention-max-workers, --micro-batches, --pipeline, --partition, --ray, nor those "
                         "settings in the configuration or environment): the layout the planner predicts fastest on "
-                        "this machine's profile, measured once (docs/services.md, Layouts); disaggregated: "
+                        "this machine's profile, measured once, or with the services on a GPU on that GPU's "
+                        "figures (docs/services.md, Layouts); disaggregated: "
                         "attention workers in processes of their own; colocated: each model worker attends in "
                         "its own process, no attention workers (layout)")
     p.add_argument("--workload", default=None, metavar="CONCURRENCY,PROMPT,OUTPUT | PROMPT,OUTPUT@RATE | TRACE",
@@ -53,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "rate, the layouts that keep up rank by time per token")
     p.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, metavar="PATH",
                    help=f"this machine's profile for --layout auto (default {DEFAULT_PROFILE}; measured there by "
-                        "`lamina profile --quick` when missing, from another machine or another version)")
+                        "`lamina profile --quick` when missing, from another machine or another version; with "
+                        "the services on a GPU, the profile-cudaN.json `lamina profile --device` wrote beside it)")
     p.add_argument("--model-workers", type=int, default=None, help="number of model-slice workers (default 1)")
     p.add_argument("--model-threads", type=int, default=None,
                    help="threads of each model worker's packed products and attention; torch's ops run on one "
@@ -169,16 +171,17 @@ def run(args: argparse.Namespace) -> int:
     from lamina.services.launch.launcher import Stack
     from lamina.services.launch.supervision import describe_exit
 
-    if args.ray is None and config.attention.device != "cpu":
-        from lamina.services.kv_budget import kv_budget_here
+    if args.ray is None:
+        from lamina.services.kv_budget import with_kv_budget
 
         try:  # a GPU whose memory leaves no KV room: said once, before anything starts
-            budget = kv_budget_here(config)
+            config, budget = with_kv_budget(config)
         except ConfigError as exc:
             print(f"lamina: {exc}", file=sys.stderr)
             return 2
-        print(f"lamina up: KV {budget.per_holder / (1 << 30):.1f} GiB per attention core ({budget.why})",
-              file=sys.stderr, flush=True)
+        if budget is not None:
+            print(f"lamina up: KV {budget.per_holder / (1 << 30):.1f} GiB per attention core ({budget.why})",
+                  file=sys.stderr, flush=True)
     if args.ray:
         stack = _ray_stack(args, config)
         if stack is None:
@@ -288,8 +291,8 @@ def choose_layout(config, workload: str | None, profile_path: Path, weights_set:
     except ValueError as exc:
         print(f"lamina up: {exc}", file=sys.stderr)
         return None
-    if load.rate is not None:  # no more decode at once than the scheduler admits
-        load = dataclasses.replace(load, concurrency=min(load.concurrency, config.scheduler.max_batch_size))
+    # No more decode at once than the scheduler admits.
+    load = dataclasses.replace(load, concurrency=min(load.concurrency, config.scheduler.max_batch_size))
     say = lambda line: print(f"lamina up: {line}", file=sys.stderr, flush=True)  # noqa: E731
     if config.model_worker.device != "cpu" or config.attention.device != "cpu":
         return _choose_on_gpu(config, load, profile_path, say)
@@ -342,6 +345,9 @@ def _choose_on_gpu(config, load, profile_path: Path, say: Callable[[str], None])
     say(f"layout auto: {best.describe()}; predicted for {load.describe()}: "
         + "; ".join(f"{c.describe()} {c.predicted()}" for c in ranked[:3])
         + f" ({gpu}: {figures.source}; `lamina profile --device {model}` measures it, --layout names one)")
+    if best.layout == "disaggregated" and config.transport != "cuda_ipc":
+        say(f"layout auto: the split was predicted over cuda_ipc; this stack's transport is {config.transport} "
+            "(--transport cuda_ipc serves as predicted)")
     return best
 
 

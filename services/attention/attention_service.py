@@ -103,7 +103,9 @@ class AttentionService:
             start, end = head_range(index, config.attention.workers, model_cfg.num_kv_heads)
             heads = end - start
         device = open_device("attention.device", config.attention.device)
-        budget = kv_budget_here(config)
+        # Under a Stack the capacity is set already (with_kv_budget); started on its own,
+        # this process counts only itself.
+        budget = kv_budget_here(config, whole_host=False)
         log.info("attention KV: %.2f GiB on %s (%s)", budget.per_holder / (1 << 30), device, budget.why)
         self.core = AttentionCore(model_cfg, budget.per_holder, heads,
                                   kv_quant=config.attention.kv_quant, device=device,

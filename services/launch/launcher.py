@@ -41,6 +41,7 @@ from lamina.lifetime import child_env, spawn_logged
 from lamina.model.checkpoints import resolve_checkpoint
 from lamina.services import stack_dumps
 from lamina.services.config import StackConfig
+from lamina.services.kv_budget import with_kv_budget
 from lamina.services.launch import local_stacks
 from lamina.services.launch.supervision import GiveUp, RestartPolicy, Run, decide, describe_exit
 
@@ -156,6 +157,9 @@ class Stack:
         local_stacks.runtime_dir()  # where it will be found: refused (UnsafeDirectory) before anything starts
         # Convert the checkpoint once here, so the services do not race to do it.
         resolve_checkpoint(self.config.model)
+        # Auto KV on a GPU counted over every service this host runs, once, for all of them
+        # (ConfigError, before anything starts, where the GPU leaves it no room).
+        self.config, _ = with_kv_budget(self.config)
         if not self.config.redis_url:
             self._start_redis()
         if self.config.cluster_token is None:  # every service authenticates its peers with it (docs/security.md)

@@ -74,3 +74,42 @@ def test_the_gpu_memory_utilization_is_a_fraction(value):
         load_config(env={"LAMINA_GPU_MEMORY_UTILIZATION": value})
     with pytest.raises(ConfigError, match=r"attention\.kv_capacity_bytes must be a non-negative integer"):
         load_config(env={}, overrides={"attention.kv_capacity_bytes": -1})
+
+
+def test_an_elastic_pool_and_a_service_on_its_own_count_what_may_be_there():
+    """A pool that may grow to 3 workers gives each its third; a service started on its
+    own (its peers elsewhere) counts only its own process: an attention worker its reserve,
+    a colocated model worker also its weights."""
+    grown = load_config(env=ON_GPU, overrides={"layout": "disaggregated", "attention.workers": 1,
+                                               "attention.max_workers": 3})
+    weights = 2 * PARAMS_8B * 2 + (256 << 20)
+    assert kv_budget(grown, PARAMS_8B, 140 * GIB).per_holder == int(
+        (0.9 * 140 * GIB - weights - 5 * PROCESS_RESERVE_BYTES) / 3) >> 20 << 20
+    alone = kv_budget(grown, PARAMS_8B, 140 * GIB, whole_host=False)
+    assert alone.per_holder == int(0.9 * 140 * GIB - PROCESS_RESERVE_BYTES) >> 20 << 20
+    assert alone.why.endswith("over 1 KV holder(s), counting only this process")
+    colocated = load_config(env=ON_GPU, overrides={"layout": "colocated"})
+    own = kv_budget(colocated, PARAMS_8B, 140 * GIB, whole_host=False)
+    assert own.per_holder == int(0.9 * 140 * GIB - PARAMS_8B * 2 - PROCESS_RESERVE_BYTES) >> 20 << 20
+
+
+def test_a_stack_writes_the_counted_bytes_for_its_services(monkeypatch):
+    """with_kv_budget (what Stack.start and lamina up apply): on a GPU, auto becomes the
+    bytes counted over the whole host, which the services then read as set; on the CPU,
+    or with a capacity set, the configuration is left as it is."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lamina.services.kv_budget import with_kv_budget
+
+    cpu = load_config(env={})
+    assert with_kv_budget(cpu) == (cpu, None)
+    set_here = load_config(env=ON_GPU, overrides={"attention.kv_capacity_bytes": GIB})
+    assert with_kv_budget(set_here) == (set_here, None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=40 * GIB))
+    gpu = load_config(env=ON_GPU, overrides={"layout": "colocated"})
+    written, budget = with_kv_budget(gpu)
+    assert budget is not None and written.attention.kv_capacity_bytes == budget.per_holder > MIN_KV_BYTES
+    assert "over 1 KV holder(s)" in budget.why and "counting only" not in budget.why
+    assert kv_budget(written, PARAMS_8B, None, whole_host=False).why == "attention.kv_capacity_bytes"
