@@ -39,6 +39,7 @@ GPU = "this-gpu"  # the catalogue name the ranking gives the GPU
 # cuda_ipc between services on one GPU where no device profile measured it: a 40 us round
 # trip and 400 Gbit/s at 1 MiB (as cuda_link reads a profile: bytes/s and seconds one way).
 ASSUMED_CUDA_IPC = (400 / 2 * 1e9 / 8, 40e-6 / 2)
+_ASSUMED = f"cuda_ipc assumed at {2e6 * ASSUMED_CUDA_IPC[1]:.0f} us a round trip"
 
 
 def cuda_link(prof: Mapping[str, Any]) -> tuple[float, float] | None:
@@ -86,21 +87,19 @@ def gpu_figures(gpu_name: str, profiles: Iterable[Path]) -> GpuFigures | None:
     for path in profiles:
         try:
             prof = json.loads(path.read_text())
-        except FileNotFoundError:
-            continue
         except (OSError, ValueError):
-            continue  # unreadable: the catalogue's figures serve
+            continue  # none there, or unreadable: the catalogue's figures serve
         if not (isinstance(prof, dict) and prof.get("measurements", {}).get("device") == gpu_name):
             continue  # another GPU's
         link = cuda_link(prof)
-        source = f"device profile {path}" + ("" if link else ", cuda_ipc assumed at 40 us a round trip")
+        source = f"device profile {path}" + ("" if link else f", {_ASSUMED}")
         return GpuFigures(device_from_entry(GPU, prof["device"]), link or ASSUMED_CUDA_IPC, source)
     catalogue = load_catalogue()
     kind = catalogue_kind(gpu_name, catalogue)
     if kind is None:
         return None
     return GpuFigures(replace(catalogue[kind], name=GPU), ASSUMED_CUDA_IPC,
-                      f"the catalogue's {kind}, cuda_ipc assumed at 40 us a round trip")
+                      f"the catalogue's {kind}, {_ASSUMED}")
 
 
 def rank_gpu_layouts(figures: GpuFigures, shape: ModelShape, weights: Precision, kv: Precision,

@@ -202,14 +202,13 @@ def rank_layouts(device_entry: Mapping[str, Any], shape: ModelShape, weights: Ma
     host_cores = device.host_cores or 1
     candidates = []
     for choice, precision in weights.items():
-        candidates += [("colocated", 0, 1, choice, host_layout(0, 1, precision, threads))
+        label = choice if len(weights) > 1 else ""  # printed only where it was ranked
+        candidates += [("colocated", 0, 1, label, host_layout(0, 1, precision, threads))
                        for threads in device.measured_threads if threads <= host_cores]
         for workers in ATTENTION_WORKER_CHOICES:
             for micro in MICRO_BATCH_CHOICES:
-                candidates.append(("disaggregated", workers, micro, choice, host_layout(workers, micro, precision)))
-    labelled = [(name, workers, micro, choice if len(weights) > 1 else "", layout)
-                for name, workers, micro, choice, layout in candidates]
-    return rank_candidates(labelled, shape, catalogue, workload)
+                candidates.append(("disaggregated", workers, micro, label, host_layout(workers, micro, precision)))
+    return rank_candidates(candidates, shape, catalogue, workload)
 
 
 def rank_candidates(candidates: list[tuple[str, int, int, str, Layout]], shape: ModelShape,

@@ -148,6 +148,12 @@ def _is_device(name: str) -> bool:
     return name in ("cpu", "cuda") or (name.startswith("cuda:") and name[5:].isdigit())
 
 
+def canonical_device(name: str) -> str:
+    """A device setting as one name per device: a plain `cuda` is cuda:0, the device a
+    service computes on when it names no index."""
+    return "cuda:0" if name == "cuda" else name
+
+
 class ConfigError(ValueError):
     """A configuration value is missing or invalid; the message names the setting."""
 

@@ -22,7 +22,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lamina.services.config import ConfigError, ModelWorkerSection, PrefillSection, StackConfig
+from lamina.model.config import ModelConfig
+from lamina.services.config import (
+    ConfigError,
+    ModelWorkerSection,
+    PrefillSection,
+    StackConfig,
+    canonical_device,
+)
 
 CPU_KV_BYTES = 1 << 30
 # Per process on a GPU: the CUDA context (about 0.5 GiB), cuBLAS and Triton workspaces,
@@ -35,12 +42,8 @@ _GIB = float(1 << 30)
 
 
 def same_device(a: str, b: str) -> bool:
-    """Whether two device settings name one device (a plain `cuda` is cuda:0, the device a
-    service computes on when it names no index)."""
-    def norm(name: str) -> str:
-        return "cuda:0" if name == "cuda" else name
-
-    return norm(a) == norm(b)
+    """Whether two device settings name one device (canonical_device)."""
+    return canonical_device(a) == canonical_device(b)
 
 
 @dataclass(frozen=True)
@@ -99,9 +102,10 @@ def kv_budget(config: StackConfig, num_params: int, total_bytes: int | None, who
     return KvBudget(per_holder, why)
 
 
-def kv_budget_here(config: StackConfig, whole_host: bool = True) -> KvBudget:
+def kv_budget_here(config: StackConfig, whole_host: bool = True, model: ModelConfig | None = None) -> KvBudget:
     """kv_budget on this host (`whole_host`: as kv_budget's): its attention device's total
-    memory as torch reports it, the configured model's weights."""
+    memory as torch reports it, the configured model's weights (`model`: its configuration
+    where the caller has read it already)."""
     import torch
 
     from lamina.model.checkpoints import load_config
@@ -109,7 +113,8 @@ def kv_budget_here(config: StackConfig, whole_host: bool = True) -> KvBudget:
 
     device = torch.device(config.attention.device)
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    return kv_budget(config, ModelShape.of(load_config(config.model), "").num_params, total, whole_host)
+    shape = ModelShape.of(model or load_config(config.model), "")
+    return kv_budget(config, shape.num_params, total, whole_host)
 
 
 def with_kv_budget(config: StackConfig) -> tuple[StackConfig, KvBudget | None]:

@@ -323,8 +323,9 @@ def _choose_on_gpu(config, load, profile_path: Path, say: Callable[[str], None])
     from lamina.planner.local_layout import LocalChoice
     from lamina.planner.perf.quantization import FP16, FP32
     from lamina.planner.shapes import ModelShape
+    from lamina.services.config import canonical_device
 
-    model, attention = (_device_name(config.model_worker.device), _device_name(config.attention.device))
+    model, attention = (canonical_device(config.model_worker.device), canonical_device(config.attention.device))
     if model != attention:
         choice = LocalChoice("disaggregated", config.attention.workers, config.pipeline.micro_batches, 0.0, "")
         say(f"layout auto: {choice.describe()} (model workers on {model}, attention workers on {attention}: "
@@ -349,12 +350,6 @@ def _choose_on_gpu(config, load, profile_path: Path, say: Callable[[str], None])
         say(f"layout auto: the split was predicted over cuda_ipc; this stack's transport is {config.transport} "
             "(--transport cuda_ipc serves as predicted)")
     return best
-
-
-def _device_name(name: str) -> str:
-    """A device setting as one name per device: a plain `cuda` is the first GPU (each
-    service's current device at its start)."""
-    return "cuda:0" if name == "cuda" else name
 
 
 def _attention(config) -> str:

@@ -105,7 +105,7 @@ class AttentionService:
         device = open_device("attention.device", config.attention.device)
         # Under a Stack the capacity is set already (with_kv_budget); started on its own,
         # this process counts only itself.
-        budget = kv_budget_here(config, whole_host=False)
+        budget = kv_budget_here(config, whole_host=False, model=model_cfg)
         log.info("attention KV: %.2f GiB on %s (%s)", budget.per_holder / (1 << 30), device, budget.why)
         self.core = AttentionCore(model_cfg, budget.per_holder, heads,
                                   kv_quant=config.attention.kv_quant, device=device,
