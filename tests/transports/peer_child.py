@@ -2,7 +2,8 @@
 frames until killed; ``server ADDRESS`` listens, prints its address, receives one frame
 and then never answers; ``echo ADDRESS [RING_BYTES]`` listens, prints its address and
 sends every frame back (its tensors as it received them: cuda_ipc's on its GPU, in rings
-of RING_BYTES where given)."""
+of RING_BYTES where given), after ``header["sleep"]`` seconds where a frame's header
+names them."""
 
 import asyncio
 import sys
@@ -36,7 +37,10 @@ async def server(address: str) -> None:
 async def echo(address: str, ring_bytes: str | None = None) -> None:
     async def handler(conn) -> None:
         while True:
-            await conn.send(await conn.recv())
+            frame = await conn.recv()
+            if isinstance(frame.header, dict) and "sleep" in frame.header:
+                await asyncio.sleep(frame.header["sleep"])
+            await conn.send(frame)
 
     config = transports.TransportConfig() if ring_bytes is None else transports.TransportConfig(
         cuda_ipc_ring_bytes=int(ring_bytes))

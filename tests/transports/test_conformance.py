@@ -354,6 +354,63 @@ async def test_sender_killed_mid_frame(address):
             await conn.send(Frame(1, {"alive": 1}))
 
 
+@pytest.fixture
+async def streaming_echo(request):
+    """(scheme, echo child's address, client connection spinning 10 ms) for the byte-stream
+    transports, whose frames over their in-place size are streamed."""
+    scheme = request.param
+    proc = _spawn("echo", address_for(scheme))
+    try:
+        address = await _readline(proc)
+        conn = await transports.connect(address, TransportConfig(busy_poll_us=10_000.0))
+        try:
+            yield scheme, conn
+        finally:
+            await conn.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+STREAMED = 300 << 10  # over TCP's scratch buffer (256 KiB) and shm's in-place size (64 KiB)
+
+
+@pytest.mark.parametrize("streaming_echo", ["tcp", "shm"], indirect=True)
+async def test_streamed_frames_of_a_quick_peer_count_as_answers(streaming_echo):
+    # Two slow replies with a quick one between: one miss, a hit, a miss. A streamed
+    # frame's start that came while the wait spun must count as the hit it is, else the
+    # second miss would stop the spinning (misses in a row are counted between hits).
+    _, conn = streaming_echo
+    payload = torch.randint(0, 255, (STREAMED,), dtype=torch.uint8)
+    for header in ({"sleep": 0.1}, {}, {"sleep": 0.1}):
+        await conn.send(Frame(1, header, [payload]))
+        assert torch.equal((await conn.recv()).tensors[0], payload)
+    assert conn._poll.spinning
+
+
+@pytest.mark.parametrize("streaming_echo", ["tcp", "shm"], indirect=True)
+async def test_a_streamed_frame_is_received_without_parking_between_its_pieces(streaming_echo, monkeypatch):
+    # The rest of a frame the peer is sending now is microseconds away: the receiver spins
+    # for it rather than parking in the event loop for each piece (4 MiB: 16 shm pieces).
+    scheme, conn = streaming_echo
+    parks = 0
+    park_name = "_sleep" if scheme == "shm" else "_wait_readable"
+    park = getattr(conn, park_name)
+
+    async def counted():
+        nonlocal parks
+        parks += 1
+        await park()
+
+    monkeypatch.setattr(conn, park_name, counted)
+    payload = torch.randint(0, 255, (4 << 20,), dtype=torch.uint8)
+    rounds = 8
+    for _ in range(rounds):
+        await conn.send(Frame(1, {}, [payload]))
+        assert torch.equal((await conn.recv()).tensors[0], payload)
+    assert parks <= 1, f"parked {parks} times in {rounds} round trips of 4 MiB"
+
+
 async def test_server_killed_while_client_waits(scheme):
     proc = _spawn("server", address_for(scheme))
     try:
