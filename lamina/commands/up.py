@@ -21,7 +21,7 @@ from lamina.commands._service_args import (
     stack_config,
 )
 from lamina.commands.plan import DEFAULT_PROFILE
-from lamina.services.config import DTYPE_SETTINGS, ConfigError, set_outside_defaults
+from lamina.services.config import DTYPE_SETTINGS, ConfigError, canonical_device, set_outside_defaults
 
 # How often lamina up looks for a stop signal and at its processes.
 STOP_POLL_S = 0.5
@@ -137,6 +137,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.ray is None and not devices_here(config, ("prefill", "model_worker", "attention")):
         return 2  # before anything starts (under Ray each service checks on its own node)
+    try:
+        gpu_transport = transport_on_gpus(args, config)
+    except ConfigError as exc:
+        print(f"lamina: {exc}", file=sys.stderr)
+        return 2
+    if gpu_transport:
+        overrides["transport"] = "cuda_ipc"
+        config = stack_config(args, **overrides)
+        if config is None:
+            return 2
+        print("lamina up: transport cuda_ipc (every service computes on a GPU of this host: prompt KV and "
+              "layer tensors stay in device memory; --transport names another)", file=sys.stderr, flush=True)
     if args.ray is None:  # every layout's prefill workers send KV over it
         from lamina.transports.registry import availability
 
@@ -227,6 +239,27 @@ def run(args: argparse.Namespace) -> int:
         print("stopping...", file=sys.stderr)
         stack.stop()
     return 0
+
+
+def all_on_gpus(config) -> bool:
+    """Whether prefill, model and attention workers all compute on GPUs: on one host, where
+    the cuda_ipc transport carries their tensors in device memory. Over TCP (the
+    configuration's default) each frame of CUDA tensors is staged through host memory on
+    both sides: a 2,048-token prompt's KV of an 8B model in bfloat16 is 256 MiB, some
+    50 ms at the 5-6 GB/s of loopback TCP measured here (docs/transports.md), about what
+    an H200 takes to compute that prompt's prefill."""
+    devices = (config.prefill.device, config.model_worker.device, config.attention.device)
+    return all(canonical_device(d).startswith("cuda:") for d in devices)
+
+
+def transport_on_gpus(args: argparse.Namespace, config) -> bool:
+    """Whether lamina up takes the cuda_ipc transport: every service computes on a GPU of
+    this host (not under Ray, whose services may be on several) and nothing names a
+    transport (--transport, LAMINA_TRANSPORT, the configuration file). Raises ConfigError
+    where the file cannot be read."""
+    if args.ray is not None or args.transport is not None or config.transport == "cuda_ipc":
+        return False
+    return all_on_gpus(config) and not set_outside_defaults(args.config, ("transport",))
 
 
 def _auto_layout(args: argparse.Namespace) -> bool | None:
@@ -323,7 +356,6 @@ def _choose_on_gpu(config, load, profile_path: Path, say: Callable[[str], None])
     from lamina.planner.local_layout import LocalChoice
     from lamina.planner.perf.quantization import FP16, FP32
     from lamina.planner.shapes import ModelShape
-    from lamina.services.config import canonical_device
 
     model, attention = (canonical_device(config.model_worker.device), canonical_device(config.attention.device))
     if model != attention:

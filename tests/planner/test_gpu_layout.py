@@ -151,6 +151,30 @@ def test_lamina_up_ranks_a_gpu_stack_on_the_gpu_not_on_the_cpu_profile(tmp_path,
         assert "attention workers on" in capsys.readouterr().err
 
 
+def test_lamina_up_takes_cuda_ipc_where_every_service_is_on_a_gpu_and_no_transport_is_named(tmp_path, monkeypatch):
+    from test_local_layout import _up_args
+
+    from lamina.commands.up import transport_on_gpus
+
+    monkeypatch.delenv("LAMINA_TRANSPORT", raising=False)
+    gpus = {"LAMINA_PREFILL_DEVICE": "cuda", "LAMINA_MODEL_DEVICE": "cuda", "LAMINA_ATTENTION_DEVICE": "cuda:0"}
+    assert transport_on_gpus(_up_args(), _config(**gpus))
+    assert transport_on_gpus(_up_args("--device", "cuda:1"), _config(**{k: "cuda:1" for k in gpus}))
+    for kind in gpus:  # one kind on the CPU: its tensors are in host memory anyway
+        assert not transport_on_gpus(_up_args(), _config(**{**gpus, kind: "cpu"}))
+    assert not transport_on_gpus(_up_args("--transport", "tcp"), _config(**gpus))
+    assert not transport_on_gpus(_up_args("--ray", "auto"), _config(**gpus))
+    monkeypatch.setenv("LAMINA_TRANSPORT", "shm")
+    assert not transport_on_gpus(_up_args(), _config(**gpus))
+    monkeypatch.delenv("LAMINA_TRANSPORT")
+    named = tmp_path / "stack.yaml"
+    named.write_text("transport: tcp\n")
+    assert not transport_on_gpus(_up_args("--config", str(named)), _config(**gpus))
+    unnamed = tmp_path / "other.yaml"
+    unnamed.write_text("gateway: {port: 8001}\n")
+    assert transport_on_gpus(_up_args("--config", str(unnamed)), _config(**gpus))
+
+
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device (torch finds none here)")
 def test_on_a_cuda_device_layout_auto_names_its_gpu_and_starts_colocated(tmp_path, monkeypatch, capsys):
     """The same choice on a real GPU, by torch's own name for it."""
