@@ -166,6 +166,7 @@ class CompletionRequest:
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "suffix": ("",),
+    "modalities": (["text"],),  # chat: text out is what every model here makes; audio is refused
 }
 # vLLM's extensions that load generators and evaluation tools send: accepted at the value
 # that says what this server always does (the tokenizer's own spacing of special tokens,
@@ -178,7 +179,7 @@ _EXTENSION_OFF_VALUES: dict[str, tuple[Any, ...]] = {
 }
 _OFF_VALUES.update(_EXTENSION_OFF_VALUES)
 # Accepted and ignored: they do not change the output.
-_IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 
 _COMMON = frozenset(
     {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed", "stop",
@@ -187,7 +188,7 @@ _COMMON = frozenset(
 ) | frozenset(_EXTENSION_OFF_VALUES)
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | _IGNORED | {
     "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "tools",
-    "tool_choice", "response_format", "parallel_tool_calls"}
+    "tool_choice", "response_format", "parallel_tool_calls", "modalities"}
 _COMPLETION_FIELDS = _COMMON | {"prompt"} | _IGNORED | {
     "presence_penalty", "frequency_penalty", "logprobs", "logit_bias", "best_of", "echo", "suffix"}
 

@@ -39,7 +39,7 @@ def test_chat_request_with_every_supported_field():
     req = parse_chat_request(chat(
         stream=True, stream_options={"include_usage": True}, max_tokens=7, temperature=0, top_p=0.5,
         top_k=40, seed=3, stop="\n", n=1, stop_token_ids=[5], ignore_eos=True, user="u",
-        presence_penalty=0, logprobs=False))
+        presence_penalty=0, logprobs=False, modalities=["text"], safety_identifier="s", prompt_cache_key="k"))
     assert req.stream and req.include_usage
     assert req.sampling == SamplingFields(max_tokens=7, temperature=0.0, top_p=0.5, top_k=40, seed=3,
                                           stop=("\n",), stop_token_ids=(5,), ignore_eos=True)
@@ -215,6 +215,9 @@ def test_top_k_minus_one_means_no_top_k():
      "Invalid type for 'stream_options.continuous_usage_stats': expected a boolean, but got a string instead.",
      "stream_options.continuous_usage_stats", "invalid_type"),
     (chat(min_p=0.1), "'min_p' is not supported by this server; omit it or leave it at its default.", "min_p",
+     "unsupported_parameter"),
+    (chat(modalities=["text", "audio"]),
+     "'modalities' is not supported by this server; omit it or leave it at its default.", "modalities",
      "unsupported_parameter"),
     (chat(spaces_between_special_tokens=False),
      "'spaces_between_special_tokens' is not supported by this server; omit it or leave it at its default.",
