@@ -57,6 +57,10 @@ _HEAD, _TAIL, _READER_WAITING, _WRITER_WAITING = 0, 8, 16, 24  # u64 indices
 _SAFETY_S = 0.02
 _CHUNKS = 4  # a large frame is streamed through the ring in pieces of ring/_CHUNKS,
 _CHUNK_MAX = 256 * 1024  # at most this: the reader copies one out while the writer copies the next
+# A read or write inside a frame (copying, or waiting for the peer) lets the event loop
+# run its other tasks at least this often: a frame of hundreds of megabytes would
+# otherwise hold it for its whole trip, every other connection of the process waiting.
+_TURN_S = 0.001
 _COALESCE = 4096  # frames up to this size are copied into the ring in one piece
 _WHOLE = 64 * 1024  # frames up to this size (and the ring's) are parsed in place
 _MAX_RING = 1 << 30
@@ -267,7 +271,8 @@ class ShmConnection(StreamConnection):
     # ------------------------------------------------------------------ byte stream
     def _spin_mid_frame(self, deadline: float) -> float:
         """One look of a wait inside a frame (its rest to read, or ring space to write
-        it into): the deadline to spin until, or 0.0 to park now.
+        it into): the deadline to spin until, or -1.0 to park now and until the wait is
+        over (``deadline``: 0.0 on a wait's first look, -1.0 once its spin ran out).
 
         The peer is copying the other side of this very frame, so its next bytes (or
         free space) are microseconds away: parking here would cost a doorbell and a
@@ -275,15 +280,14 @@ class ShmConnection(StreamConnection):
         ones ten times larger. Such a wait spins up to the busy-poll budget whatever the
         policy says of frame starts (whose waits measure how quickly the peer answers),
         and is not counted in it; with no budget (more busy processes than cores) it
-        parks, as there the spin would take the core the peer is copying on.
-        ``deadline``: 0.0 on a wait's first look."""
+        parks, as there the spin would take the core the peer is copying on."""
         budget = self._poll.budget
-        if budget <= 0:
-            return 0.0
+        if budget <= 0 or deadline < 0:
+            return -1.0
         now = time.perf_counter()
         if not deadline:
             return now + budget
-        return deadline if now < deadline else 0.0
+        return deadline if now < deadline else -1.0
 
     async def _read_exact(self, view: memoryview, *, first: bool = False) -> None:
         ring = self._in
@@ -294,6 +298,7 @@ class ShmConnection(StreamConnection):
         # other waits for bytes the peer is writing right now.
         spin = not first
         deadline = 0.0
+        turn = time.perf_counter() + _TURN_S
         while pos < need:
             if self._closed:
                 raise PeerClosed(f"connection to {self._peer} is closed")
@@ -302,7 +307,7 @@ class ShmConnection(StreamConnection):
             if avail == 0:
                 if spin and not self._eof:
                     deadline = self._spin_mid_frame(deadline)
-                    if deadline:
+                    if deadline > 0:
                         continue
                 ctrl[_READER_WAITING] = 1
                 if ctrl[_HEAD] == tail:
@@ -323,6 +328,9 @@ class ShmConnection(StreamConnection):
             pos += k
             if ctrl[_WRITER_WAITING]:
                 self._ring_bell()
+            if pos < need and time.perf_counter() >= turn:
+                await asyncio.sleep(0)  # the event loop's other tasks, during a huge frame
+                turn = time.perf_counter() + _TURN_S
 
     async def _write(self, views: list[memoryview]) -> None:
         ring = self._out
@@ -330,6 +338,7 @@ class ShmConnection(StreamConnection):
         if len(views) > 1 and sum(v.nbytes for v in views) <= _COALESCE:
             views = [memoryview(b"".join(views))]  # one ring update and bell check, not one per view
         deadline = 0.0
+        turn = time.perf_counter() + _TURN_S
         for view in views:
             n = view.nbytes
             pos = 0
@@ -341,7 +350,7 @@ class ShmConnection(StreamConnection):
                 if space == 0:
                     if not self._eof:
                         deadline = self._spin_mid_frame(deadline)
-                        if deadline:
+                        if deadline > 0:
                             continue
                     ctrl[_WRITER_WAITING] = 1
                     if size - (head - ctrl[_TAIL]) == 0:
@@ -364,6 +373,9 @@ class ShmConnection(StreamConnection):
                 deadline = 0.0
                 if ctrl[_READER_WAITING]:
                     self._ring_bell()
+                if time.perf_counter() >= turn:
+                    await asyncio.sleep(0)  # the event loop's other tasks, during a huge frame
+                    turn = time.perf_counter() + _TURN_S
 
     async def close(self) -> None:
         if self._closed:
@@ -426,10 +438,12 @@ def require_same_user(sock: socket.socket, peer: str) -> None:
 
 
 def _map(fd: int, ring_bytes: int) -> mmap.mmap:
-    # Populated at once: a page first touched mid-frame faults in each process that
-    # touches it, which made the first pass round a 16 MiB ring (the first 256 frames of
-    # 64 KiB) take four times as long as the later ones. The ring's pages are touched
-    # anyway as frames go round it.
+    """Both rings of a connection, mapped in this process (which closes ``fd``).
+
+    Populated at once, on both sides: a page first touched mid-frame faults in each
+    process that touches it, which made the first pass round a 16 MiB ring (the first
+    256 frames of 64 KiB) take four times as long as the later ones. The ring's pages
+    are touched anyway as frames go round it."""
     try:
         return mmap.mmap(fd, 2 * (_CTRL + ring_bytes), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     finally:
@@ -531,9 +545,10 @@ class ShmTransport(Transport):
             try:
                 os.ftruncate(fd, 2 * (_CTRL + ring_bytes))
                 socket.send_fds(sock, [_SETUP.pack(ring_bytes)], [fd])
-                mm = mmap.mmap(fd, 2 * (_CTRL + ring_bytes))
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
+            mm = _map(fd, ring_bytes)
             try:
                 if await _recv_exact(loop, sock, 1) != b"A":
                     raise FrameError("server refused the shared-memory ring")

@@ -366,13 +366,13 @@ class TcpConnection(StreamConnection):
 
         The peer is sending this very frame, so its next bytes are microseconds away:
         waiting for them in the event loop (a wake-up per low-water mark) cost a 256 KiB
-        round trip about half its time. Like the shared-memory ring's mid-frame wait,
+        round trip about half its time. As the shared-memory ring's waits inside a frame do,
         this spins whatever the policy says of frame starts, and not with no budget (an
         oversubscribed host). It hands over to the event loop after ``_SPIN_READ_BUDGETS``
         budgets in all (1 ms by default): a payload still arriving then comes slowly
         enough (a slow link) that a wake-up per low-water mark costs little, and the loop
-        has other connections to serve. An error or EOF is left to the waiting path, which
-        reports it."""
+        has other connections to serve. An error or EOF is recorded as the reader
+        callback records it (`_fail`), for the waiting path to raise."""
         budget = self._poll.budget
         if budget <= 0:
             return dest
@@ -385,9 +385,15 @@ class TcpConnection(StreamConnection):
                 n = recv_into(dest)
             except (BlockingIOError, InterruptedError):
                 continue
-            except OSError:
+            except _PEER_GONE as exc:
+                self._fail(PeerClosed(f"connection to {self._peer} lost: {exc}"))
+                break
+            except OSError as exc:
+                self._fail(TransportError(f"recv from {self._peer} failed: {exc}"))
                 break
             if n == 0:
+                self._eof = True
+                self._fail(None)
                 break
             dest = dest[n:]
             deadline = min(clock() + budget, stop)

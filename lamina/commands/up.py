@@ -138,17 +138,17 @@ def run(args: argparse.Namespace) -> int:
     if args.ray is None and not devices_here(config, ("prefill", "model_worker", "attention")):
         return 2  # before anything starts (under Ray each service checks on its own node)
     try:
-        gpu_transport = transport_on_gpus(args, config)
+        gpu_transport, why = transport_on_gpus(args, config)
     except ConfigError as exc:
         print(f"lamina: {exc}", file=sys.stderr)
         return 2
+    if why:
+        print(f"lamina up: {why}", file=sys.stderr, flush=True)
     if gpu_transport:
-        overrides["transport"] = "cuda_ipc"
+        overrides["transport"] = gpu_transport
         config = stack_config(args, **overrides)
         if config is None:
             return 2
-        print("lamina up: transport cuda_ipc (every service computes on a GPU of this host: prompt KV and "
-              "layer tensors stay in device memory; --transport names another)", file=sys.stderr, flush=True)
     if args.ray is None:  # every layout's prefill workers send KV over it
         from lamina.transports.registry import availability
 
@@ -252,14 +252,25 @@ def all_on_gpus(config) -> bool:
     return all(canonical_device(d).startswith("cuda:") for d in devices)
 
 
-def transport_on_gpus(args: argparse.Namespace, config) -> bool:
-    """Whether lamina up takes the cuda_ipc transport: every service computes on a GPU of
-    this host (not under Ray, whose services may be on several) and nothing names a
-    transport (--transport, LAMINA_TRANSPORT, the configuration file). Raises ConfigError
-    where the file cannot be read."""
+def transport_on_gpus(args: argparse.Namespace, config) -> tuple[str | None, str]:
+    """The transport lamina up takes for a stack whose prefill, model and attention
+    workers all compute on GPUs of this host, where nothing names one (--transport,
+    LAMINA_TRANSPORT, the configuration file) and not under Ray (whose services may be on
+    several hosts): cuda_ipc where it can run here, else none (the configured TCP); and
+    the line that says so ("" where no such stack). Raises ConfigError where the file
+    cannot be read."""
     if args.ray is not None or args.transport is not None or config.transport == "cuda_ipc":
-        return False
-    return all_on_gpus(config) and not set_outside_defaults(args.config, ("transport",))
+        return None, ""
+    if not all_on_gpus(config) or set_outside_defaults(args.config, ("transport",)):
+        return None, ""
+    from lamina.transports.registry import availability
+
+    missing = availability("cuda_ipc")
+    if missing is not None:
+        return None, (f"transport {config.transport}: cuda_ipc, which keeps a GPU stack's tensors in device "
+                      f"memory, cannot run here ({missing})")
+    return "cuda_ipc", ("transport cuda_ipc (prefill, model and attention workers all compute on GPUs of this "
+                        "host: prompt KV and layer tensors stay in device memory; --transport names another)")
 
 
 def _auto_layout(args: argparse.Namespace) -> bool | None:

@@ -47,7 +47,8 @@ def test_lamina_up_on_a_gpu_starts_colocated_in_bfloat16_and_serves(tmp_path: Pa
         assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 8
         printed = log_path.read_text()
         assert "layout auto: colocated on cuda:0" in printed, printed[-3000:]
-        assert "lamina up: transport cuda_ipc (every service computes on a GPU" in printed, printed[-3000:]
+        assert "lamina up: transport cuda_ipc (prefill, model and attention workers all compute on GPUs" in printed, \
+            printed[-3000:]
         assert "transport cuda_ipc, request-level partitioning" in printed, printed[-3000:]
         assert "GiB per attention core (auto: 0.9 of" in printed, printed[-3000:]
         assert not (tmp_path / "profile.json").exists()  # the host's CPU was not measured for a GPU stack

@@ -154,25 +154,38 @@ def test_lamina_up_ranks_a_gpu_stack_on_the_gpu_not_on_the_cpu_profile(tmp_path,
 def test_lamina_up_takes_cuda_ipc_where_every_service_is_on_a_gpu_and_no_transport_is_named(tmp_path, monkeypatch):
     from test_local_layout import _up_args
 
+    import lamina.transports.registry as registry
     from lamina.commands.up import transport_on_gpus
 
+    monkeypatch.setattr(registry, "availability", lambda scheme: None)  # cuda_ipc can run: a GPU stood in for
     monkeypatch.delenv("LAMINA_TRANSPORT", raising=False)
+
+    def chosen(*argv: str, **env: str) -> str | None:
+        return transport_on_gpus(_up_args(*argv), _config(**env))[0]
+
     gpus = {"LAMINA_PREFILL_DEVICE": "cuda", "LAMINA_MODEL_DEVICE": "cuda", "LAMINA_ATTENTION_DEVICE": "cuda:0"}
-    assert transport_on_gpus(_up_args(), _config(**gpus))
-    assert transport_on_gpus(_up_args("--device", "cuda:1"), _config(**{k: "cuda:1" for k in gpus}))
+    assert transport_on_gpus(_up_args(), _config(**gpus)) == (
+        "cuda_ipc", "transport cuda_ipc (prefill, model and attention workers all compute on GPUs of this host: "
+                    "prompt KV and layer tensors stay in device memory; --transport names another)")
+    assert chosen("--device", "cuda:1", **{k: "cuda:1" for k in gpus}) == "cuda_ipc"
     for kind in gpus:  # one kind on the CPU: its tensors are in host memory anyway
-        assert not transport_on_gpus(_up_args(), _config(**{**gpus, kind: "cpu"}))
-    assert not transport_on_gpus(_up_args("--transport", "tcp"), _config(**gpus))
-    assert not transport_on_gpus(_up_args("--ray", "auto"), _config(**gpus))
+        assert transport_on_gpus(_up_args(), _config(**{**gpus, kind: "cpu"})) == (None, "")
+    assert chosen("--transport", "tcp", **gpus) is None
+    assert chosen("--ray", "auto", **gpus) is None
     monkeypatch.setenv("LAMINA_TRANSPORT", "shm")
-    assert not transport_on_gpus(_up_args(), _config(**gpus))
+    assert chosen(**gpus) is None
     monkeypatch.delenv("LAMINA_TRANSPORT")
     named = tmp_path / "stack.yaml"
     named.write_text("transport: tcp\n")
-    assert not transport_on_gpus(_up_args("--config", str(named)), _config(**gpus))
+    assert chosen("--config", str(named), **gpus) is None
     unnamed = tmp_path / "other.yaml"
     unnamed.write_text("gateway: {port: 8001}\n")
-    assert transport_on_gpus(_up_args("--config", str(unnamed)), _config(**gpus))
+    assert chosen("--config", str(unnamed), **gpus) == "cuda_ipc"
+    # Where cuda_ipc cannot run (e.g. the asynchronous allocator), the stack keeps TCP and says why.
+    monkeypatch.setattr(registry, "availability", lambda scheme: "the allocator cannot export")
+    assert transport_on_gpus(_up_args(), _config(**gpus)) == (
+        None, "transport tcp: cuda_ipc, which keeps a GPU stack's tensors in device memory, cannot run here "
+              "(the allocator cannot export)")
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device (torch finds none here)")

@@ -410,7 +410,7 @@ async def test_a_streamed_frame_that_starts_while_the_wait_spins_is_a_hit(stream
 async def test_a_streamed_frame_is_received_without_parking_between_its_pieces(streaming_echo, monkeypatch):
     # The rest of a frame the peer is sending now is microseconds away: the receiver spins
     # for it rather than parking in the event loop for each piece (4 MiB: 16 shm pieces).
-    # Counted: parks inside a frame's reads after its preamble.
+    # Counted: parks inside _read_exact after a frame's preamble (on TCP, its payload's).
     scheme, conn = streaming_echo
     parks = 0
     inside = False
@@ -438,6 +438,58 @@ async def test_a_streamed_frame_is_received_without_parking_between_its_pieces(s
         await conn.send(Frame(1, {}, [payload]))
         assert torch.equal((await conn.recv()).tensors[0], payload)
     assert parks <= 2, f"parked {parks} times inside {rounds} frames of 4 MiB"
+
+
+@pytest.mark.parametrize("streaming_echo", ["shm"], indirect=True)
+async def test_a_huge_frame_through_shm_leaves_the_event_loop_to_other_tasks(streaming_echo):
+    # A peer as quick as this end keeps a 64 MiB frame's pieces coming (or the ring's
+    # space freeing) within any spin, so nothing ever waits in the event loop: reads and
+    # writes inside a frame give the loop a turn every millisecond, so the process's
+    # other tasks (other connections) run while it travels.
+    _, conn = streaming_echo
+    ticks = 0
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0)
+
+    payload = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8)
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    start = ticks
+    try:
+        await conn.send(Frame(1, {}, [payload]))
+        assert torch.equal((await conn.recv()).tensors[0], payload)
+    finally:
+        stop.set()
+        await task
+    assert ticks - start >= 3, f"the event loop ran other tasks {ticks - start} times during a 64 MiB round trip"
+
+
+def _shm_mappings() -> tuple[list[int], list[int]]:
+    """Size and resident size (KiB) of each of this process's mappings of shm rings."""
+    sizes, rss = [], []
+    mapping = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if "-" in line.split(" ", 1)[0]:  # a mapping's first line: its address range
+                mapping = "lamina-shm-" in line
+            elif mapping and line.startswith(("Size:", "Rss:")):
+                (sizes if line.startswith("Size:") else rss).append(int(line.split()[1]))
+    return sizes, rss
+
+
+async def test_both_ends_of_a_shm_connection_map_its_rings_populated():
+    # A page first touched by a frame would fault in each process that touches it.
+    listener, conn = await pair(address_for("shm"))
+    async with listener, conn:
+        await conn.send(Frame(1, {}, [b"x"]))
+        await conn.recv()
+        sizes, rss = _shm_mappings()
+        assert len(sizes) == 2 and rss == sizes, (sizes, rss)
 
 
 async def test_server_killed_while_client_waits(scheme):
