@@ -469,14 +469,15 @@ async def test_a_huge_frame_through_shm_leaves_the_event_loop_to_other_tasks(str
     assert ticks - start >= 3, f"the event loop ran other tasks {ticks - start} times during a 64 MiB round trip"
 
 
-def _shm_mappings() -> tuple[list[int], list[int]]:
-    """Size and resident size (KiB) of each of this process's mappings of shm rings."""
+def _shm_mappings(name: str) -> tuple[list[int], list[int]]:
+    """Size and resident size (KiB) of each of this process's mappings of the rings of
+    the shm connections made to `name` (their memfd is named after it)."""
     sizes, rss = [], []
     mapping = False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             if "-" in line.split(" ", 1)[0]:  # a mapping's first line: its address range
-                mapping = "lamina-shm-" in line
+                mapping = f"lamina-shm-{name} " in line
             elif mapping and line.startswith(("Size:", "Rss:")):
                 (sizes if line.startswith("Size:") else rss).append(int(line.split()[1]))
     return sizes, rss
@@ -484,11 +485,12 @@ def _shm_mappings() -> tuple[list[int], list[int]]:
 
 async def test_both_ends_of_a_shm_connection_map_its_rings_populated():
     # A page first touched by a frame would fault in each process that touches it.
-    listener, conn = await pair(address_for("shm"))
+    address = address_for("shm")
+    listener, conn = await pair(address)
     async with listener, conn:
         await conn.send(Frame(1, {}, [b"x"]))
         await conn.recv()
-        sizes, rss = _shm_mappings()
+        sizes, rss = _shm_mappings(address.removeprefix("shm://"))
         assert len(sizes) == 2 and rss == sizes, (sizes, rss)
 
 
