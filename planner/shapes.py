@@ -1,5 +1,6 @@
-"""Model shapes: the sizes the performance models need, from a built-in name or a Hugging
-Face `config.json` (a `lamina.model.config.ModelConfig`, read by the repository's one parser).
+"""Model shapes: the sizes the performance models need, from a built-in name, a `random:`
+model's shape, a Hugging Face `config.json` or a GGUF file (a
+`lamina.model.config.ModelConfig`, read by the repository's one parser).
 
 Counts are elements, not bytes: the precision lives in `perf.quantization`.
 """
@@ -73,16 +74,30 @@ BUILTIN: dict[str, ModelShape] = {s.name: s for s in (
 
 
 def resolve_model(name_or_config: str) -> ModelShape:
-    """A built-in name (case-insensitive, `Llama-3-70B` or `llama-3-70b`), a `config.json`
-    file, or a checkpoint directory holding one."""
+    """What `lamina up --model` takes, as a shape: a built-in name (case-insensitive,
+    `Llama-3-70B` or `llama-3-70b`) or a shape `random:` models have (`llama-3.1-8b`,
+    with or without the prefix and a seed: lamina.model.random_models, no weights
+    written), a `config.json` file, a checkpoint directory holding one, or a `.gguf` file
+    (its configuration read as the services read it, the file converted once)."""
+    from lamina.model import random_models
+
     key = name_or_config.strip().lower().replace("_", "-")
     if key in BUILTIN:
         return BUILTIN[key]
+    if random_models.is_random(key):
+        key = random_models.parse_spec(key).shape  # refuses an unknown shape, naming the known ones
+    if key in random_models.SHAPES:
+        return ModelShape.of(random_models.SHAPES[key], key)
     path = Path(name_or_config)
+    if path.is_file() and path.suffix == ".gguf":
+        from lamina.model.checkpoints import checkpoint_name, load_config
+
+        return ModelShape.of(load_config(path), checkpoint_name(path))
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"unknown model {name_or_config!r}: not a built-in name "
-                         f"({', '.join(BUILTIN)}) nor a config.json")
+                         f"({', '.join(BUILTIN)}), a random model's shape ({', '.join(random_models.SHAPES)}), "
+                         "a config.json, a checkpoint directory nor a .gguf file")
     shape = ModelShape.from_hf_dict(json.loads(path.read_text()), source=path)
     return replace(shape, name=path.parent.name or path.stem)

@@ -12,7 +12,9 @@ DEFAULT_PROFILE = Path.home() / ".cache" / "lamina" / "profile.json"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="built-in name (e.g. llama-3-70b) or a config.json / checkpoint dir")
+    p.add_argument("--model", required=True,
+                   help="what lamina up --model takes: a built-in name (e.g. llama-3-70b), random:SHAPE "
+                        "(e.g. random:llama-3.1-8b), a config.json, a checkpoint dir or a .gguf file")
     p.add_argument("--hardware", default=None,
                    help="catalogue kinds the planner may combine, optionally with counts: H100:8,H20:16 or H100,H20 "
                         "(default: every catalogue kind, for a --budget)")

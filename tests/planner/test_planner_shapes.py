@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from lamina.model.errors import CheckpointError
 from lamina.planner.shapes import BUILTIN, resolve_model
 
 
@@ -36,3 +37,24 @@ def test_config_json_file_and_directory(tmp_path):
 def test_unknown_model_is_refused():
     with pytest.raises(ValueError, match="unknown model"):
         resolve_model("gpt-17")
+    with pytest.raises(CheckpointError, match="no random model shape 'gpt-17'"):
+        resolve_model("random:gpt-17")
+
+
+@pytest.mark.parametrize("spec, billions", [
+    ("random:llama-3.1-8b", 8.03), ("llama-3.1-8b", 8.03), ("random:llama-3.2-1b@7", 1.236),
+    ("random:smollm2-135m", 0.1345),
+])
+def test_what_lamina_up_serves_as_random_weights_plans_by_its_shape(spec, billions, tmp_path, monkeypatch):
+    monkeypatch.setenv("LAMINA_CACHE_DIR", str(tmp_path))  # nothing may be written for a shape
+    shape = resolve_model(spec)
+    assert shape.name == spec.removeprefix("random:").partition("@")[0]
+    assert shape.num_params / 1e9 == pytest.approx(billions, rel=2e-3)
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_default_gguf_file_plans_as_its_checkpoint():
+    from lamina.model.checkpoints import default_model_path
+
+    shape = resolve_model(str(default_model_path()))
+    assert shape.num_params == BUILTIN["smollm2-135m"].num_params and shape.name != "model"
