@@ -43,7 +43,10 @@ up_main = _entry("up")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from lamina import __version__
+
     parser = argparse.ArgumentParser(prog="lamina", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"lamina {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_module, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)

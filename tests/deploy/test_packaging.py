@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import tomllib
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +38,20 @@ def _tracked_python_files() -> list[Path]:
     out = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     # A file deleted in the working tree but not yet in git's index is not code any more.
     return [REPO / line for line in out.split() if (REPO / line).is_file() and not (REPO / line).is_symlink()]
+
+
+def _project_version() -> str:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+
+
+def test_lamina_version_is_the_projects(capsys):
+    from lamina import __version__
+    from lamina.cli import main
+
+    assert __version__ == _project_version()
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"lamina {__version__}\n"
 
 
 def test_the_namespace_links_point_at_the_top_level_folders():
@@ -265,6 +280,7 @@ def test_the_wheel_runs_every_other_command(installed, tmp_path, loaded_model, h
 
     for script in SCRIPTS_RUN:
         assert "usage:" in installed.run(script, "--help").stdout, script
+    assert installed.run("lamina", "--version").stdout.strip() == f"lamina {_project_version()}"
 
     out = installed.run("lamina", "generate", "--chat", "--prompt", PROMPTS[0], "--max-tokens", str(MAX_TOKENS),
                         "--json", timeout=600)
@@ -280,6 +296,11 @@ def test_the_wheel_runs_every_other_command(installed, tmp_path, loaded_model, h
     plan = json.loads(installed.run("lamina", "plan", "--model", "llama-3-70b", "--hardware", "H100,H20", *workload,
                                     "--json").stdout)
     assert plan["configurations"] and plan["configurations"][0]["throughput_tok_s"] > 0, plan
+    # What lamina up serves, planned by the same name (a random model's shape: nothing written).
+    plan = json.loads(installed.run("lamina", "plan", "--model", "random:llama-3.1-8b", "--hardware", "H200",
+                                    "--prompt-tokens", "2048", "--output-tokens", "256", "--rate", "4",
+                                    "--json").stdout)
+    assert plan["configurations"], plan
 
     profile = tmp_path / "profile.json"
     t0 = time.monotonic()
