@@ -4,8 +4,9 @@ Each connection maps one memfd holding two single-producer/single-consumer byte 
 (one per direction); frames are copied into the ring by the sender and out of it,
 straight into the destination tensor, by the receiver. Frames larger than 64 KiB are
 streamed through it in pieces of at most 256 KiB, so both copies overlap (a 4 MiB frame's
-round trip took half the time it took in 4 MiB pieces), and the receiver spins for the
-next piece as for a frame (below), since the peer is copying it.
+round trip took about two thirds of its time in 4 MiB pieces, docs/transports.md), and
+the receiver spins for the next piece as for a frame (below), since the peer is copying
+it.
 
 The connection's unix-domain socket (abstract namespace, derived from ``name``) carries
 the handshake, passes the memfd, and then serves as the doorbell. An abstract socket has
