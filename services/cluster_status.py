@@ -40,6 +40,7 @@ class ServiceStatus:
     grpc: str | None  # its control plane's gRPC address (None: it has none, or is not registered)
     healthy: bool  # registered, and its health check answers SERVING (the gateway: /health 200)
     restarts: int  # times its launcher restarted it (metadata store, NS:restarts)
+    device: str | None = None  # where it computes (prefill, model and attention workers: cpu, cuda:0, ...)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ async def read_status(config: StackConfig) -> ClusterStatus:
     healthy = await asyncio.gather(*(_is_healthy(info, token, deadline) for info in infos))
     services = [ServiceStatus(info.kind, info.service_id, _index(info.service_id, info.meta), info.meta.get("pid"),
                               info.meta.get("host"), info.endpoint, info.meta.get("grpc"), ok,
-                              restarts.get(info.service_id, 0))
+                              restarts.get(info.service_id, 0), info.meta.get("device"))
                 for info, ok in zip(infos, healthy)]
     # A restarted service that is not registered (again) is down: show it too.
     registered = {info.service_id for info in infos}

@@ -133,7 +133,7 @@ function showServices(cluster) {
     const tr = element("tr", { dataset: { name: s.name, healthy: String(s.healthy) } },
       cell(s.kind), cell(s.name),
       element("td", {}, element("span", { className: s.healthy ? "badge ok" : "badge bad" }, s.healthy ? "healthy" : "down")),
-      cell(s.host), cell(s.pid), cell(s.endpoint, "endpoint"), cell(s.restarts));
+      cell(s.host), cell(s.pid), cell(s.device), cell(s.endpoint, "endpoint"), cell(s.restarts));
     return tr;
   });
   document.querySelector("#services tbody").replaceChildren(...rows);

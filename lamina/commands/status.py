@@ -74,10 +74,10 @@ def _find_cluster(args: argparse.Namespace):
 
 
 def _table(status) -> str:
-    rows: list[tuple[str, ...]] = [("KIND", "NAME", "INDEX", "HOST", "PID", "ENDPOINT", "GRPC", "HEALTHY",
+    rows: list[tuple[str, ...]] = [("KIND", "NAME", "INDEX", "HOST", "PID", "DEVICE", "ENDPOINT", "GRPC", "HEALTHY",
                                     "RESTARTS")]
-    rows += [(s.kind, s.name, _text(s.index), _text(s.host), _text(s.pid), _text(s.endpoint), _text(s.grpc),
-              "yes" if s.healthy else "NO", str(s.restarts)) for s in status.services]
+    rows += [(s.kind, s.name, _text(s.index), _text(s.host), _text(s.pid), _text(s.device), _text(s.endpoint),
+              _text(s.grpc), "yes" if s.healthy else "NO", str(s.restarts)) for s in status.services]
     out = [_columns(rows), ""]
     if status.attention:
         rows = [("ATTENTION", "SEQUENCES", "TOKENS", "CAPACITY (TOKENS)", "OCCUPANCY", "FRAGMENTATION")]

@@ -221,7 +221,7 @@ class AttentionService:
             await self.runtime.serve(
                 lambda s: lamina_pb2_grpc.add_AttentionControlServicer_to_server(_Control(self.core), s),
                 endpoint=with_host(self._listener.address, self.config.advertised_host),
-                meta={"index": self.index, "kv_heads": self.core.num_kv_heads},
+                meta={"index": self.index, "kv_heads": self.core.num_kv_heads, "device": str(self.core.device)},
                 stats=self.occupancy)
         finally:
             await self._listener.close()

@@ -319,7 +319,7 @@ class ModelService:
     async def _serve(self) -> None:
         local = {} if self.attention is None else {self.index: self.attention.core}
         self.pool = await AttentionPool.from_registry(self.runtime.store, self.config, self.slices.cfg, local)
-        meta: dict = {"index": self.index}
+        meta: dict = {"index": self.index, "device": str(self.slices.device)}
         listener = None
         try:
             if self.config.rotational:

@@ -456,7 +456,7 @@ class PrefillService:
 
     async def run(self) -> None:
         self.pool = await AttentionPool.from_registry(self.runtime.store, self.config, self.cfg)
-        meta = {}
+        meta: dict = {"device": str(self.device)}
         if self.peer_server is not None:  # peers fetch prefix KV from here
             address = await self.peer_server.start(self.config.data_address(self.runtime.service_id),
                                                    self.config.transport_config())

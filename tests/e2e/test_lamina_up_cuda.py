@@ -1,10 +1,12 @@
 """`lamina up --device cuda` as a user starts it, with every default for a GPU: the layout
 auto chooses there (colocated on one GPU: planner/gpu_layout.py), the transport it takes
 there (cuda_ipc), the dtype auto resolves to (bfloat16), the KV that auto leaves the core
-(services/kv_budget.py) and the batch limit (256). It needs a CUDA device and skips, saying so, elsewhere."""
+(services/kv_budget.py) and the batch limit (256); `lamina status` names the GPU its
+workers compute on. It needs a CUDA device and skips, saying so, elsewhere."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -52,6 +54,11 @@ def test_lamina_up_on_a_gpu_starts_colocated_in_bfloat16_and_serves(tmp_path: Pa
         assert "transport cuda_ipc, request-level partitioning" in printed, printed[-3000:]
         assert "GiB per attention core (auto: 0.9 of" in printed, printed[-3000:]
         assert not (tmp_path / "profile.json").exists()  # the host's CPU was not measured for a GPU stack
+        status = subprocess.run([sys.executable, "-P", "-m", "lamina.cli", "status", "--json", "--port", str(port)],
+                                capture_output=True, text=True, timeout=120)
+        assert status.returncode == 0, status.stderr
+        devices = {s["kind"]: s["device"] for s in json.loads(status.stdout)["services"]}
+        assert devices["model"] == devices["prefill"] == "cuda:0", devices
         up.send_signal(signal.SIGINT)  # Ctrl-C: the launcher's ordered stop
         assert up.wait(120) == 0, log_path.read_text()[-3000:]
     finally:

@@ -62,7 +62,9 @@ def test_status_json_shape(stack):
     assert [s["name"] for s in status["services"]] == ["attention-0", "model-0", "prefill-0", "scheduler-0",
                                                        "gateway-0"]
     for s in status["services"]:
-        assert set(s) == {"kind", "name", "index", "pid", "host", "endpoint", "grpc", "healthy", "restarts"}
+        assert set(s) == {"kind", "name", "index", "pid", "host", "endpoint", "grpc", "healthy", "restarts", "device"}
+        # Where each compute service computes, as it opened its device; the others compute nothing.
+        assert s["device"] == ("cpu" if s["kind"] in ("attention", "model", "prefill") else None), s
         assert s["healthy"] is True and s["restarts"] == 0 and s["index"] == 0
         assert isinstance(s["host"], str) and s["endpoint"]
         # Every gRPC service's control-plane address beside its data-plane endpoint.
@@ -81,6 +83,7 @@ def test_status_json_shape(stack):
     table = lamina_status("--port", str(stack.config.gateway.port))
     assert table.returncode == 0, table.stderr
     assert "prefill-0" in table.stdout and "requests: 0 running, 0 waiting" in table.stdout
+    assert table.stdout.splitlines()[0].split()[:6] == ["KIND", "NAME", "INDEX", "HOST", "PID", "DEVICE"]
 
 
 def test_no_cluster_is_an_error():
