@@ -18,7 +18,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="checkpoint directory, .gguf file or random:SHAPE (seeded random weights, docs/model.md)")
     p.add_argument("--redis-url", default=None, help="metadata store (default: REDIS_URL)")
     p.add_argument("--transport", default=None, choices=("tcp", "ucx", "shm", "cuda_ipc"),
-                   help="data-plane transport")
+                   help="data-plane transport (default: the configuration's, tcp; lamina up takes cuda_ipc where "
+                        "prefill, model and attention workers all compute on GPUs)")
     p.add_argument("--partition", default=None, choices=("request", "head"), help="KV partitioning")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--insecure", action="store_true", default=None,
