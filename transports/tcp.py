@@ -150,19 +150,8 @@ class TcpConnection(StreamConnection):
         dest = self._dest
         assert dest is not None  # called only while a payload's destination is set
         while True:
-            try:
-                n = self._sock.recv_into(dest)
-            except (BlockingIOError, InterruptedError):
-                break
-            except _PEER_GONE as exc:
-                self._fail(PeerClosed(f"connection to {self._peer} lost: {exc}"))
-                break
-            except OSError as exc:
-                self._fail(TransportError(f"recv from {self._peer} failed: {exc}"))
-                break
-            if n == 0:
-                self._eof = True
-                self._fail(None)
+            n = self._recv_direct(dest)
+            if n <= 0:
                 break
             if n == dest.nbytes:
                 self._dest = None
@@ -173,6 +162,26 @@ class TcpConnection(StreamConnection):
         self._dest = dest
         if dest.nbytes < self._lowat:
             self._set_lowat(dest.nbytes)
+
+    def _recv_direct(self, dest: memoryview) -> int:
+        """One non-blocking read straight into ``dest`` (not empty): bytes read; 0 when
+        there is nothing to read; -1 when reading stops here (EOF or an error, recorded
+        for the receiver as `_pull` records them)."""
+        try:
+            n = self._sock.recv_into(dest)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except _PEER_GONE as exc:
+            self._fail(PeerClosed(f"connection to {self._peer} lost: {exc}"))
+            return -1
+        except OSError as exc:
+            self._fail(TransportError(f"recv from {self._peer} failed: {exc}"))
+            return -1
+        if n == 0:
+            self._eof = True
+            self._fail(None)
+            return -1
+        return n
 
     def _set_lowat(self, n: int) -> None:
         """Wake the reader callback only once `n` bytes are buffered (Linux also signals
@@ -372,31 +381,21 @@ class TcpConnection(StreamConnection):
         budgets in all (1 ms by default): a payload still arriving then comes slowly
         enough (a slow link) that a wake-up per low-water mark costs little, and the loop
         has other connections to serve. An error or EOF is recorded as the reader
-        callback records it (`_fail`), for the waiting path to raise."""
+        callback records it (`_recv_direct`), for the waiting path to raise."""
         budget = self._poll.budget
         if budget <= 0:
             return dest
-        recv_into, clock = self._sock.recv_into, time.perf_counter
+        clock = time.perf_counter
         now = clock()
         stop = now + _SPIN_READ_BUDGETS * budget
         deadline = now + budget
         while dest.nbytes and clock() < deadline:
-            try:
-                n = recv_into(dest)
-            except (BlockingIOError, InterruptedError):
-                continue
-            except _PEER_GONE as exc:
-                self._fail(PeerClosed(f"connection to {self._peer} lost: {exc}"))
+            n = self._recv_direct(dest)
+            if n < 0:
                 break
-            except OSError as exc:
-                self._fail(TransportError(f"recv from {self._peer} failed: {exc}"))
-                break
-            if n == 0:
-                self._eof = True
-                self._fail(None)
-                break
-            dest = dest[n:]
-            deadline = min(clock() + budget, stop)
+            if n:
+                dest = dest[n:]
+                deadline = min(clock() + budget, stop)
         return dest
 
 
