@@ -127,21 +127,9 @@ class TcpConnection(StreamConnection):
                 return -1
             self._compact()
             end = self._rend
-        try:
-            n = self._sock.recv_into(self._rview[end:])
-        except (BlockingIOError, InterruptedError):
-            return 0
-        except _PEER_GONE as exc:
-            self._fail(PeerClosed(f"connection to {self._peer} lost: {exc}"))
-            return -1
-        except OSError as exc:
-            self._fail(TransportError(f"recv from {self._peer} failed: {exc}"))
-            return -1
-        if n == 0:
-            self._eof = True
-            self._fail(None)
-            return -1
-        self._rend = end + n
+        n = self._recv_direct(self._rview[end:])
+        if n > 0:
+            self._rend = end + n
         return n
 
     def _read_direct(self) -> None:
@@ -164,9 +152,9 @@ class TcpConnection(StreamConnection):
             self._set_lowat(dest.nbytes)
 
     def _recv_direct(self, dest: memoryview) -> int:
-        """One non-blocking read straight into ``dest`` (not empty): bytes read; 0 when
-        there is nothing to read; -1 when reading stops here (EOF or an error, recorded
-        for the receiver as `_pull` records them)."""
+        """One non-blocking read into ``dest`` (not empty: the scratch buffer's free end,
+        or a large payload's destination): bytes read; 0 when there is nothing to read;
+        -1 when reading stops here (EOF or an error, recorded for the receiver)."""
         try:
             n = self._sock.recv_into(dest)
         except (BlockingIOError, InterruptedError):
