@@ -51,6 +51,8 @@ mb2: the faster of 1 and 2 attention workers).
 
     python bench/gpu_decode.py                 # on CUDA: the issue's matrix
     python bench/gpu_decode.py --device cpu --quick   # SmolLM2 float32, small points (a check of the script)
+    python bench/gpu_decode.py --models random:llama-3.2-1b:bfloat16 --batches 64 --contexts 2048 \
+        --contenders engine,colocated,mb2_aw1     # some of the contenders only
 """
 
 from __future__ import annotations
@@ -128,8 +130,11 @@ def measure(row: dict[str, Any], name: str, record: Callable[[dict[str, Any]], N
 
 
 def stack_tok_s(*args: Any, **kwargs: Any) -> float:
-    """The stack's decode tokens/s (planner/measure/stack_run.run_stack's arguments)."""
-    return run_stack(*args, **kwargs)["tok_s"]
+    """The stack's decode tokens/s (planner/measure/stack_run.run_stack's arguments); the
+    run's other figures (its workers' shares of the window) are printed."""
+    result = run_stack(*args, **kwargs)
+    print("stack run:", json.dumps(result), flush=True)
+    return result["tok_s"]
 
 
 def attention_slab(per_seq: int, batch: int, workers: int) -> int:
@@ -210,6 +215,10 @@ def run_transformers(hf: Any, point: Point, prompts: list[list[int]], steps: int
     return point.batch * steps / max(many - one, 1e-9)
 
 
+# What --contenders names: the engine, transformers, attention alone, and the stack's runs.
+CONTENDERS = ("engine", "transformers", "attention", "colocated", "mb2_aw1", "mb2_aw2", "mb1_aw1", "mb1_aw2")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -227,7 +236,13 @@ def main() -> None:
     ap.add_argument("--transport", default=None, choices=("tcp", "shm", "ucx", "cuda_ipc"),
                     help="the stack's data plane (default cuda_ipc on a GPU, tcp on the CPU)")
     ap.add_argument("--out", default=None, help="append each row as a JSON line to this file")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS),
+                    help=f"which to run, of {','.join(CONTENDERS)} (default all; the engine's step is measured "
+                         "whenever `engine` is named, and the stack's runs only with --stack)")
     args = ap.parse_args()
+    chosen = set(args.contenders.split(","))
+    if chosen - set(CONTENDERS):
+        ap.error(f"--contenders: unknown {sorted(chosen - set(CONTENDERS))}; known: {','.join(CONTENDERS)}")
     device = torch.device(args.device)
     quick = args.quick
     models = args.models or ("smollm2:float32" if quick else
@@ -283,8 +298,8 @@ def main() -> None:
         rows: dict[str, dict[str, Any]] = {p.key: {"point": p.key, "steps": steps} for p, _, _ in points}
 
         engine = make_engine(loaded, dtype, max(p.batch for p, _, _ in points), max(p.context for p, _, _ in points),
-                             max(kv for _, _, kv in points), device)
-        for point, prompts, _ in points:
+                             max(kv for _, _, kv in points), device) if "engine" in chosen else None
+        for point, prompts, _ in points if engine is not None else ():
             row = rows[point.key]
             measure(row, "engine_tok_s", record, warm_then_run_engine, engine, prompts, steps)
             if "engine_tok_s" in row:  # recorded now: a run cut short later keeps it
@@ -292,12 +307,14 @@ def main() -> None:
                 record(row)
         del engine, loaded
         release(device)  # the device's memory for transformers, then the stack
-        hf = reference_model(weights_dir, getattr(torch, dtype), device)
-        for point, prompts, _ in points:
-            measure(rows[point.key], "transformers_tok_s", record, run_transformers, hf, point, prompts, steps, device)
-        del hf
-        release(device)
-        for point, _, _ in points:
+        if "transformers" in chosen:
+            hf = reference_model(weights_dir, getattr(torch, dtype), device)
+            for point, prompts, _ in points:
+                measure(rows[point.key], "transformers_tok_s", record, run_transformers, hf, point, prompts, steps,
+                        device)
+            del hf
+            release(device)
+        for point, _, _ in points if "attention" in chosen else ():
             measure(rows[point.key], "attention_ms_per_layer", record, attention_per_layer, cfg, point.batch,
                     point.context, 5, str(device), dtype)
             release(device)
@@ -311,11 +328,14 @@ def main() -> None:
                 rows[point.key]["stack_error"] = "does not fit: the prefill's and model worker's weights and the KV"
                 record(rows[point.key])
                 continue
-            measure(rows[point.key], "stack_colocated_tok_s", record, stack_tok_s, prompts, steps, transport, 1,
-                    False, 1, attention_slab(per_seq, point.batch, 1) + (256 << 20), weights, layout="colocated",
-                    model=point.checkpoint, device=str(device), dtype=dtype, hold=hold)
+            if "colocated" in chosen:
+                measure(rows[point.key], "stack_colocated_tok_s", record, stack_tok_s, prompts, steps, transport, 1,
+                        False, 1, attention_slab(per_seq, point.batch, 1) + (256 << 20), weights, layout="colocated",
+                        model=point.checkpoint, device=str(device), dtype=dtype, hold=hold)
             for mb in (2, 1):
                 for workers in (1, 2):
+                    if f"mb{mb}_aw{workers}" not in chosen:
+                        continue
                     slab = attention_slab(per_seq, point.batch, workers) + (256 << 20)
                     measure(rows[point.key], f"stack_mb{mb}_aw{workers}_tok_s", record, stack_tok_s, prompts, steps,
                             transport, mb, False, 1, slab, weights, attention_workers=workers,

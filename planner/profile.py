@@ -234,7 +234,9 @@ def measure_kv_quantize(tokens: int, repeats: int) -> float:
 TRANSPORTS = ("tcp", "shm", "ucx", "rdma", "fhbn", "cuda_ipc")
 # How a scheme's frames travel, where that is not what its name suggests.
 TRANSPORT_PATHS = {"fhbn": "host-driven RDMA: frames go from host memory as rdma:// sends them; the GPU-initiated "
-                           "send (csrc/fhbn.cu) is not wired to connections yet"}
+                           "send (csrc/fhbn.cu) is not wired to connections yet",
+                   "cuda_ipc": "frames of host memory through its shm:// connection (these figures); device tensors "
+                               "through its rings of device memory (cuda_ipc_device)"}
 
 
 def measure_transport(quick: bool = True, scheme: str = "tcp") -> dict[str, Any]:

@@ -45,6 +45,10 @@ def open_device(setting: str, name: str) -> torch.device:
     (`use_device`): what every compute service and command does once at its start."""
     device = compute_device(setting, name)
     use_device(device)
+    if device.type == "cuda" and device.index is None:
+        # A plain `cuda` is the current device: named by its index, as `lamina status` and
+        # the logs show it (and as the tensors made on it report theirs).
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 

@@ -29,7 +29,8 @@
 #                the planner's predictions of its rows (after the profile step)
 #                                                          stack.log, stack-rows.jsonl, stack-planner.log
 #   conformance  the transport conformance suite over cuda_ipc                 conformance.log
-# Each step's limit in seconds: LIMIT_<step> (defaults: tests 150, e2e 420, bench 120,
+# INSTALL=0 skips the install (a second run beside the first, steps in parallel: each with
+# its own OUT). Each step's limit in seconds: LIMIT_<step> (defaults: tests 150, e2e 420, bench 120,
 # profile 90, stack 400, conformance 60). Logs of stacks that failed to start or stop go
 # to OUT/stack-logs.
 set -uo pipefail
@@ -58,7 +59,7 @@ limited() {
 # Float32 products in full float32 in every process (an image may turn TF32 on for cuBLAS
 # through the environment; tests/conftest.py sets the same for pytest's processes).
 export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0 NVIDIA_TF32_OVERRIDE=0
-if ! deploy/gpu/install_offline.sh "$wheels" "$site" > "$out/install.log" 2>&1; then
+if [ "${INSTALL:-1}" != 0 ] && ! deploy/gpu/install_offline.sh "$wheels" "$site" > "$out/install.log" 2>&1; then
     note "install failed: $out/install.log"; tail -20 "$out/install.log"; exit 1
 fi
 # The checkout itself too: where the image's setuptools refused the editable install, the

@@ -141,6 +141,18 @@ def _serve(address: str, ready: Queue[Any], native: bool) -> None:
     asyncio.run(main())
 
 
+def loopback_address(scheme: str) -> str:
+    """Where a pingpong's echo process listens for `scheme` on this host (rdma and fhbn
+    name a verbs device: pingpong finds theirs). cuda_ipc's frames of host memory travel
+    through its shm connection: that path is what a pingpong measures there (its device
+    path: device_profile's device_round_trips)."""
+    addresses = {"tcp": "tcp://127.0.0.1:0", "ucx": "ucx://127.0.0.1:0", "shm": f"shm://bench-{os.getpid()}",
+                 "cuda_ipc": f"cuda_ipc://bench-{os.getpid()}"}
+    if scheme not in addresses:
+        raise ValueError(f"pingpong: no loopback address for {scheme!r} (known: {', '.join(addresses)})")
+    return addresses[scheme]
+
+
 def pingpong(name: str, sizes: list[int], quick: bool) -> dict[str, dict[str, float]]:
     """``name``: a scheme, or ``<scheme>+py`` for that transport with the Python codec;
     its `figures` at each of `sizes`."""
@@ -157,8 +169,7 @@ def pingpong(name: str, sizes: list[int], quick: bool) -> dict[str, dict[str, fl
         from pyverbs.device import get_device_list
         address = f"{scheme}://{get_device_list()[0].name.decode()}/1/127.0.0.1:0"
     else:
-        address = {"tcp": "tcp://127.0.0.1:0", "ucx": "ucx://127.0.0.1:0",
-                   "shm": f"shm://bench-{os.getpid()}"}[scheme]
+        address = loopback_address(scheme)
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
     server = ctx.Process(target=_serve, args=(address, ready, native), daemon=True)

@@ -60,3 +60,15 @@ def test_each_attention_workers_slab_holds_its_share_of_the_sequences():
     assert attention_slab(100, 64, 2) == 3300
     assert attention_slab(100, 1, 2) == 200  # the one sequence, on whichever worker
     assert attention_slab(100, 5, 2) == 400
+
+
+def test_an_unknown_contender_is_refused_before_anything_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "gpu_decode.py"
+    run = subprocess.run([sys.executable, str(script), "--device", "cpu", "--contenders", "engine,mb3_aw1"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "--contenders: unknown ['mb3_aw1']; known: engine,transformers,attention,colocated,mb2_aw1" in run.stderr

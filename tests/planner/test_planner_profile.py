@@ -265,3 +265,16 @@ def test_a_kernel_counts_its_fastest_repeat():
     calls = []
     assert kernels._fastest_time(lambda: calls.append(1), 3, lambda: next(ticks)) == 1.0
     assert len(calls) == 4
+
+
+def test_every_transport_the_profile_measures_has_a_loopback_address():
+    """measure_transports pingpongs each scheme this machine runs: each one but the verbs
+    transports (their address names a device) listens on this host as its own scheme. A
+    GPU machine's profile once stopped at cuda_ipc, which had none."""
+    from lamina.planner.measure.pingpong import loopback_address
+    from lamina.planner.profile import TRANSPORTS
+
+    for scheme in set(TRANSPORTS) - {"rdma", "fhbn"}:
+        assert loopback_address(scheme).startswith(f"{scheme}://")
+    with pytest.raises(ValueError, match="no loopback address for 'carrier-pigeon'"):
+        loopback_address("carrier-pigeon")
