@@ -75,6 +75,7 @@ from decode_pipeline import attention_per_layer  # bench/'s own (a script's fold
 from lamina.model.hf_reference import reference_model
 from lamina.planner.measure.kernels import copy_bandwidth, synchronize
 from lamina.planner.measure.stack_run import run_stack
+from lamina.services.tracing import Tracer
 
 
 @dataclass(frozen=True)
@@ -152,19 +153,20 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def warm_then_run_engine(engine, prompts: list[list[int]], steps: int) -> float:
+def warm_then_run_engine(engine, prompts: list[list[int]], steps: int, trace: Path | None = None) -> float:
     """run_engine after an untimed run of the same batch, short (its first steps: Triton
     compiles its kernels' variants for them)."""
     run_engine(engine, [p[:64] for p in prompts], 2)
-    return run_engine(engine, prompts, steps)
+    return run_engine(engine, prompts, steps, trace)
 
 
-def run_engine(engine, prompts: list[list[int]], steps: int) -> float:
+def run_engine(engine, prompts: list[list[int]], steps: int, trace: Path | None = None) -> float:
     """The engine's decode tokens/s over `steps` steps of the whole batch, timed once every
     sequence has its first token. Each prompt step admits at least one prompt, and the
     sequences already decoding take a token in it: a budget of steps + 2 + B tokens
     outlasts the prompt steps and the timed ones. Every sequence is aborted after (or on
-    an error), so the engine is empty for the next point."""
+    an error), so the engine is empty for the next point. `trace`: a torch.profiler
+    trace of the timed steps written there (services/tracing.py's files)."""
     from lamina.engine import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 2 + len(prompts), temperature=0.0, ignore_eos=True)
@@ -173,12 +175,18 @@ def run_engine(engine, prompts: list[list[int]], steps: int) -> float:
         first: set[str] = set()
         while len(first) < len(prompts):  # prefill and the first token of every prompt: not timed
             first.update(o.seq_id for o in engine.step())
+        tracer = None
+        if trace is not None:
+            tracer = Tracer("engine", trace)
+            tracer.start()
         start = time.perf_counter()
         for _ in range(steps):
             made = len(engine.step())  # each step ends on the CPU (its tokens): synchronized
             if made != len(prompts):
                 raise RuntimeError(f"a timed step ran {made} of the batch's {len(prompts)} sequences")
         elapsed = time.perf_counter() - start
+        if tracer is not None:
+            tracer.stop()
     finally:
         for seq_id in ids:
             engine.abort(seq_id)
@@ -236,6 +244,10 @@ def main() -> None:
     ap.add_argument("--transport", default=None, choices=("tcp", "shm", "ucx", "cuda_ipc"),
                     help="the stack's data plane (default cuda_ipc on a GPU, tcp on the CPU)")
     ap.add_argument("--out", default=None, help="append each row as a JSON line to this file")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="torch.profiler traces into DIR, a folder per point and contender: the engine's timed "
+                         "steps, and each stack run's model and attention workers over its window "
+                         "(services/tracing.py); the figures then include the profiler's cost")
     ap.add_argument("--contenders", default=",".join(CONTENDERS),
                     help=f"which to run, of {','.join(CONTENDERS)} (default all; the engine's step is measured "
                          "whenever `engine` is named, and the stack's runs only with --stack)")
@@ -259,6 +271,11 @@ def main() -> None:
           f"the stack over {transport}; decode slices as CUDA graphs (engine and model worker): "
           f"{device.type == 'cuda'}")
     out_file = Path(args.out) if args.out else None
+
+    def traced(point: Point, contender: str) -> Path | None:
+        """Where a contender's trace goes at a point, with --trace."""
+        return None if args.trace is None else Path(args.trace) / f"{point.key.replace('/', '-')}-{contender}"
+
     report: dict[str, Any] = {"device": f"{device} ({name})", "engine_tok_s": {}, "transformers_tok_s": {},
                               "stack_tok_s": {"mb1": {}, "mb2": {}, "colocated": {}}, "step_vs_bound": {},
                               "attention_ms_per_layer": {"worker": {}, "engine": {}}, "skipped": [],
@@ -301,7 +318,8 @@ def main() -> None:
                              max(kv for _, _, kv in points), device) if "engine" in chosen else None
         for point, prompts, _ in points if engine is not None else ():
             row = rows[point.key]
-            measure(row, "engine_tok_s", record, warm_then_run_engine, engine, prompts, steps)
+            measure(row, "engine_tok_s", record, warm_then_run_engine, engine, prompts, steps,
+                    traced(point, "engine"))
             if "engine_tok_s" in row:  # recorded now: a run cut short later keeps it
                 step_against_bound(row, point, read_bytes, cfg.kv_bytes_per_token(elem), steps, bandwidth)
                 record(row)
@@ -331,7 +349,8 @@ def main() -> None:
             if "colocated" in chosen:
                 measure(rows[point.key], "stack_colocated_tok_s", record, stack_tok_s, prompts, steps, transport, 1,
                         False, 1, attention_slab(per_seq, point.batch, 1) + (256 << 20), weights, layout="colocated",
-                        model=point.checkpoint, device=str(device), dtype=dtype, hold=hold)
+                        model=point.checkpoint, device=str(device), dtype=dtype, hold=hold,
+                        trace_dir=traced(point, "colocated"))
             for mb in (2, 1):
                 for workers in (1, 2):
                     if f"mb{mb}_aw{workers}" not in chosen:
@@ -339,7 +358,8 @@ def main() -> None:
                     slab = attention_slab(per_seq, point.batch, workers) + (256 << 20)
                     measure(rows[point.key], f"stack_mb{mb}_aw{workers}_tok_s", record, stack_tok_s, prompts, steps,
                             transport, mb, False, 1, slab, weights, attention_workers=workers,
-                            model=point.checkpoint, device=str(device), dtype=dtype, hold=hold)
+                            model=point.checkpoint, device=str(device), dtype=dtype, hold=hold,
+                            trace_dir=traced(point, f"mb{mb}_aw{workers}"))
         for point, _, _ in points:
             row, key = rows[point.key], point.key
             if "engine_tok_s" in row:

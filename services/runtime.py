@@ -31,7 +31,7 @@ from lamina.kvstore.metadata import (
     ServiceInfo,
     ServiceRegistration,
 )
-from lamina.services import stack_dumps
+from lamina.services import stack_dumps, tracing
 from lamina.services.addresses import host_port
 from lamina.services.attention_members import membership
 from lamina.services.auth import server_interceptors
@@ -136,6 +136,7 @@ class ServiceRuntime:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stopping.set)
         stack_dumps.install(loop)
+        tracing.install(loop, self.service_id)
 
     async def close(self) -> None:
         """Drain: stop being found, refuse new calls, finish in-flight ones, then stop."""

@@ -29,10 +29,19 @@
 #                the planner's predictions of its rows (after the profile step)
 #                                                          stack.log, stack-rows.jsonl, stack-planner.log
 #   conformance  the transport conformance suite over cuda_ipc                 conformance.log
+#   trace        bench/gpu_decode.py --trace on TRACE_ARGS (default random:llama-3.2-1b bfloat16,
+#                batches 1 and 64, context 2048, 8 steps: the engine, colocated and one
+#                micro-batch over one attention worker): torch.profiler traces of the
+#                engine's steps and of each stack's model and attention workers (their
+#                host's operators and Python, CUDA calls and kernels; services/tracing.py)
+#                                                               trace.log, traces.tgz
 # INSTALL=0 skips the install (a second run beside the first, steps in parallel: each with
-# its own OUT). Each step's limit in seconds: LIMIT_<step> (defaults: tests 150, e2e 420, bench 120,
-# profile 90, stack 400, conformance 60). Logs of stacks that failed to start or stop go
-# to OUT/stack-logs.
+# its own OUT). Each step's limit in seconds: LIMIT_<step> (defaults: tests 150, e2e 420,
+# bench 120, profile 90, stack 400, conformance 60, trace 240). Logs of stacks that failed
+# to start or stop go to OUT/stack-logs.
+# ARCHIVE=FILE: OUT packed into FILE (a .tgz) when the script ends, cut short or not: the
+# device tool brings back only a few files, so give it a temporary OUT and ARCHIVE under
+# the tool's own folder.
 set -uo pipefail
 out=${1:?usage: deploy/gpu/checks.sh OUT [WHEELS] [-- BENCH ARGS...]}
 shift
@@ -51,7 +60,10 @@ limited() {
     timeout -s INT -k 20 "${!var}" "$@"
 }
 : "${LIMIT_tests:=150}" "${LIMIT_e2e:=420}" "${LIMIT_bench:=120}" "${LIMIT_profile:=90}" "${LIMIT_stack:=400}" \
-  "${LIMIT_conformance:=60}"
+  "${LIMIT_conformance:=60}" "${LIMIT_trace:=240}"
+archive() { if [ -n "${ARCHIVE:-}" ]; then tar czf "$ARCHIVE" -C "$(dirname "$out")" "$(basename "$out")"; fi; }
+trap archive EXIT
+trap 'exit 143' INT TERM  # so that the archive is made when the script is stopped too
 {
     date; nvidia-smi; "$python" --version; "$python" -m pip list 2>/dev/null
     echo "environment (TF32, allocator, CUDA):"; env | grep -iE 'tf32|alloc_conf|^cuda_' || true
@@ -112,8 +124,15 @@ for step in $steps; do
         limited conformance "$python" -P -m pytest -q -rs -k cuda_ipc tests/transports/test_conformance.py \
             > "$out/conformance.log" 2>&1
         note "conformance: exit $? ($(tail -1 "$out/conformance.log"))" ;;
+    trace)
+        # shellcheck disable=SC2086  # TRACE_ARGS is a list of arguments
+        limited trace "$python" bench/gpu_decode.py --trace "$out/traces" ${TRACE_ARGS:---models \
+            random:llama-3.2-1b:bfloat16 --batches 1,64 --contexts 2048 --steps 8 --contenders engine,colocated,mb1_aw1} \
+            > "$out/trace.log" 2>&1
+        note "trace: exit $? ($(find "$out/traces" -name '*.txt' 2>/dev/null | wc -l) traces)"
+        tar czf "$out/traces.tgz" -C "$out" traces 2>/dev/null && rm -rf "$out/traces" ;;
     *)
-        note "unknown step $step (tests e2e bench profile stack conformance)" ;;
+        note "unknown step $step (tests e2e bench profile stack conformance trace)" ;;
     esac
     if compgen -G "/tmp/lamina-stack-*" > /dev/null; then
         mkdir -p "$out/stack-logs" && cp -r /tmp/lamina-stack-* "$out/stack-logs/" 2>/dev/null

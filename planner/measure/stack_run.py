@@ -26,12 +26,14 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from lamina.model.tokenizer import Tokenizer
 from lamina.ports import free_port
+from lamina.services.tracing import TRACE_DIR_ENV, TRACE_START, TRACE_STOP
 
 DISTINCT_TAIL = 16  # the prompts' last tokens that differ; the rest is shared
 
@@ -127,12 +129,15 @@ async def _set_first(event: asyncio.Event, ended: asyncio.Future) -> bool:
 def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batches: int, q_early: bool,
               model_workers: int, kv_bytes: int, weights: str, mode: str = "fixed", attention_workers: int = 2,
               model_threads: int = 1, layout: str = "disaggregated", model: str | None = None,
-              device: str = "cpu", dtype: str = "float32", hold: int = 0) -> dict[str, Any]:
+              device: str = "cpu", dtype: str = "float32", hold: int = 0,
+              trace_dir: Path | None = None) -> dict[str, Any]:
     """Decode `steps` tokens after the first for every prompt through a stack of that
     configuration; its decode throughput, wall seconds, each model and attention
     worker's shares of that time and the run's figures from them (`window_shares`).
     `hold`: the extra tokens a request may make so that the whole batch decodes
-    throughout the window (the module's docstring); `kv_bytes` must hold them too."""
+    throughout the window (the module's docstring); `kv_bytes` must hold them too.
+    `trace_dir`: the model and attention workers trace the timed window into it
+    (services/tracing.py; without a hold, until the last stream ended)."""
     from lamina.services.config import (
         AttentionSection,
         GatewaySection,
@@ -155,7 +160,13 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
                          pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1,
                                                   mode=mode))
     config = replace(config, gateway=GatewaySection(port=free_port()))
-    stack = Stack(config)
+    stack = Stack(config, env={TRACE_DIR_ENV: str(trace_dir)} if trace_dir is not None else None)
+
+    def signal_traced(sig: int) -> None:
+        """`sig` to every model and attention worker, where the run is traced."""
+        for sp in stack.processes if trace_dir is not None else ():
+            if sp.name.startswith(("model-", "attention-")) and sp.proc is not None:
+                sp.proc.send_signal(sig)
     try:
         stack.start()
         model = _model_id(stack.base_url)
@@ -201,6 +212,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
                         await ended  # a stream's error, if one failed
                         raise RuntimeError("the streams ended before every sequence had its first token")
                     before.update(await asyncio.to_thread(read_counters, ports))
+                    signal_traced(TRACE_START)
                     if hold:
                         if not await _set_first(full, ended):
                             await ended  # a stream's error, if one failed
@@ -210,6 +222,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
                         after.update(await asyncio.to_thread(read_counters, ports))
                     else:
                         await ended
+                    signal_traced(TRACE_STOP)
                 finally:
                     for t in streams:
                         t.cancel()  # closes the stream: the gateway aborts the request
@@ -220,6 +233,9 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
         if not hold:
             after = read_counters(ports)
             window["end"] = max(t[-1] for t in times)
+        if trace_dir is not None:
+            _wait_for_traces(trace_dir, [sp.proc.pid for sp in stack.processes
+                                         if sp.name.startswith(("model-", "attention-")) and sp.proc is not None])
     finally:
         stack.stop()
     t0, t_end = window["start"], window["end"]
@@ -230,6 +246,20 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
     figures = window_shares(before, after, wall, model_threads, colocated=layout == "colocated")
     return {"tok_s": tokens / wall, "tokens": tokens, "seconds": wall, **figures,
             "cpu_ms_per_token": 1e3 * figures["model_compute_s"] / tokens}
+
+
+def _wait_for_traces(trace_dir: Path, pids: list[int], timeout_s: float = 300.0) -> None:
+    """Returns once each of `pids` wrote its trace's table into `trace_dir` (a service
+    writes it after the trace's events, which can take seconds), or raises."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [pid for pid in pids if not any(trace_dir.glob(f"*-pid{pid}-*.txt"))]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no trace from the workers with pids {missing} in {trace_dir} after {timeout_s:.0f} s "
+                               "(their logs say why)")
+        time.sleep(0.2)  # another process's file: there is no event to wait on
 
 
 def window_shares(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], wall: float,

@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -128,8 +129,9 @@ class GivenUp:
 class Stack:
     def __init__(self, config: StackConfig, log_dir: Path | None = None, supervise: bool = False,
                  restart_policy: RestartPolicy = RestartPolicy(),  # noqa: B008 (frozen: one shared default is safe)
-                 keep_logs: bool = False) -> None:
+                 keep_logs: bool = False, env: Mapping[str, str] | None = None) -> None:
         self.config = config
+        self.extra_env = dict(env or {})  # set in the services' environment, over this process's
         self.redis: EmbeddedRedis | None = None
         self.processes: list[ServiceProcess] = []
         # Private (0700): the stack's configuration file, which holds its token, and by
@@ -168,7 +170,8 @@ class Stack:
         cfg_path.write_text(yaml.safe_dump(self.config.to_dict()))
         self._argv = ([sys.executable, "-m", "lamina.cli"], ["--config", str(cfg_path)])
         base, common = self._argv
-        self._env = child_env({**os.environ, "PYTHONUNBUFFERED": "1"})  # the services end with this process
+        # The services end with this process.
+        self._env = child_env({**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env})
         try:
             for name, service_id, command in service_commands(self.config):
                 sp = ServiceProcess(name, base + command + common, service_id=service_id, command=command)

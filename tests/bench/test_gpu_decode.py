@@ -37,18 +37,27 @@ def test_the_engine_is_timed_over_steps_of_the_whole_batch_and_left_empty(loaded
     assert not engine.has_work() and engine.kv.used_bytes == 0
 
 
-def test_the_stack_is_timed_over_steps_of_the_whole_batch(loaded_model):
+def test_the_stack_is_timed_over_steps_of_the_whole_batch(loaded_model, tmp_path):
     """With a hold, the window ends once every sequence made S tokens in it, the streams
     closed there: between S and S + 1 tokens a sequence counted (one micro-batch steps them
-    together), where each request could make S + 1 + hold."""
+    together), where each request could make S + 1 + hold. Traced, the model and the
+    attention worker each write what they ran over the window (services/tracing.py, by
+    its signals): the model worker its decode slices, the attention worker its kernel."""
     from lamina.planner.measure.stack_run import make_prompts, run_stack
 
     batch, context, steps, hold = 3, 48, 4, 24
     prompts = make_prompts(loaded_model.tokenizer, batch, context)
     kv_bytes = batch * (context + steps + hold + 128) * loaded_model.config.kv_bytes_per_token() + (64 << 20)
-    run = run_stack(prompts, steps, "tcp", 1, False, 1, kv_bytes, "as_file", attention_workers=1, hold=hold)
+    run = run_stack(prompts, steps, "tcp", 1, False, 1, kv_bytes, "as_file", attention_workers=1, hold=hold,
+                    trace_dir=tmp_path)
     assert batch * steps <= run["tokens"] < batch * (steps + 1)
     assert run["tok_s"] == run["tokens"] / run["seconds"] > 0
+    (model,) = tmp_path.glob("model-0-pid*-0.txt")
+    (attention,) = tmp_path.glob("attention-0-pid*-0.txt")
+    assert "operators by self CPU time" in model.read_text() and "aten::" in model.read_text()
+    assert "operators by self CPU time" in attention.read_text()
+    assert {p.name.removesuffix(".txt") for p in (model, attention)} == \
+        {p.name.removesuffix(".json.gz") for p in tmp_path.glob("*.json.gz")}
 
 
 def test_each_attention_workers_slab_holds_its_share_of_the_sequences():
