@@ -5,7 +5,7 @@ write of a step's new K, V rows into those buffers.
 
 Imported only where triton is installed (the GPU machines have it; the CPU install runs
 it under Triton's interpreter in the tests). This module holds the kernels alone: their
-launch, the split plan and the combine of the splits are lamina.model.paged_decode's.
+launch and the split plan are lamina.model.paged_decode's; combine_splits joins the splits.
 """
 
 import triton
@@ -122,6 +122,46 @@ def buffer_decode(q, row_base, row_cap, row_len, layer, out, lse, stride_qt, str
     acc, l_i, m_i = _attend_split(qd, kp, kp + plane, row_base, 0, lo, hi, HKV * D, HKV * D, scale, d, d_ok,
                                   G_PAD, D_PAD, BLOCK_N, False, F32_DOTS)
     _store_split(out, lse, t, heads, tl.num_programs(1) * G, g_ok, d, d_ok, acc, l_i, m_i, D)
+
+
+@triton.jit
+def combine_splits(parts, part_lse, out, lse, splits, D: tl.constexpr, D_PAD: tl.constexpr,
+                   S_BLOCK: tl.constexpr):
+    """One program per (query row, query head), row-major: parts [T, Hq, splits, D]
+    float32 (each split normalized within itself) and part_lse [T, Hq, splits] (natural
+    log) combined by their log-sum-exp: out [T, Hq, D] (stored in its dtype) = the splits
+    weighted by exp(part_lse - lse), lse [T, Hq] float32; where no split saw a key, out 0
+    and lse -inf. One launch where torch's operators took eight. The splits are read
+    S_BLOCK at a time, each lane keeping a running maximum, so that no split count
+    compiles a variant of its own."""
+    row = tl.program_id(0)
+    s = tl.arange(0, S_BLOCK)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    m_lane = tl.full([S_BLOCK], float("-inf"), tl.float32)
+    total_lane = tl.zeros([S_BLOCK], tl.float32)
+    acc = tl.zeros([S_BLOCK, D_PAD], tl.float32)
+    for s0 in range(0, splits, S_BLOCK):
+        ok = s0 + s < splits
+        part = tl.load(part_lse + row * splits + s0 + s, mask=ok, other=float("-inf"))  # [S_BLOCK]
+        p = tl.load(parts + (row * splits + s0 + s)[:, None] * D + d[None, :], mask=ok[:, None] & d_ok[None, :],
+                    other=0.0)  # [S_BLOCK, D_PAD]
+        m_new = tl.maximum(m_lane, part)
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a lane that saw no key yet adds 0 below
+        alpha = tl.exp(m_lane - m_safe)
+        w = tl.exp(part - m_safe)
+        acc = acc * alpha[:, None] + p * w[:, None]
+        total_lane = total_lane * alpha + w
+        m_lane = m_new
+    m = tl.max(m_lane, 0)
+    seen = m > float("-inf")
+    m_safe = tl.where(seen, m, 0.0)
+    scale = tl.exp(m_lane - m_safe)  # [S_BLOCK]
+    total = tl.sum(total_lane * scale, 0)
+    total_safe = tl.where(seen, total, 1.0)
+    o = tl.sum(acc * scale[:, None], 0) / total_safe  # [D_PAD]
+    tl.store(out + row * D + d, o, mask=d_ok)
+    tl.store(lse + row, tl.where(seen, m_safe + tl.log(total_safe), float("-inf")))
 
 
 @triton.jit

@@ -144,3 +144,44 @@ def test_splits_fill_the_multiprocessors_and_no_split_is_shorter_than_a_block():
     assert plan_splits(rows=1, kv_heads=8, longest=100, multiprocessors=132) == 2  # 100 keys: two blocks at most
     assert plan_splits(rows=1, kv_heads=8, longest=BLOCK_N, multiprocessors=132) == 1
     assert plan_splits(rows=4, kv_heads=1, longest=0, multiprocessors=132) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_combine_of_many_splits_is_their_log_sum_exp(device):
+    """combine_splits, one launch, against torch's log-sum-exp combine: 37 splits (read 16
+    at a time), a head dim that is not a power of two, splits without keys among them
+    (lse -inf) and a row none of whose splits saw a key (out 0, lse -inf)."""
+    from lamina.model import paged_decode_kernel
+    from lamina.model.paged_decode import COMBINE_BLOCK
+
+    gen = torch.Generator().manual_seed(5)
+    t, h, s, d = 3, 4, 37, 24
+    parts = torch.randn(t, h, s, d, generator=gen).to(device)
+    part_lse = (torch.randn(t, h, s, generator=gen) * 4).to(device)
+    part_lse[0, 1, ::3] = float("-inf")
+    part_lse[2, 3] = float("-inf")
+    parts[part_lse == float("-inf")] = 0.0  # what the split kernel writes where it saw no key
+    out = torch.empty(t, h, d, dtype=torch.bfloat16, device=device)
+    lse = torch.empty(t, h, device=device)
+    paged_decode_kernel.combine_splits[(t * h,)](parts, part_lse, out, lse, s, D=d, D_PAD=32,
+                                                 S_BLOCK=COMBINE_BLOCK)
+    want_lse = torch.logsumexp(part_lse, dim=-1)
+    weight = torch.exp(part_lse - want_lse.masked_fill(want_lse == float("-inf"), 0.0)[..., None])
+    want = (weight[..., None] * parts).sum(dim=2)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, want.to(torch.bfloat16))
+    assert lse[2, 3] == float("-inf") and not out[2, 3].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_long_row_split_many_ways_attends_as_sdpa_does(device):
+    """2,600 keys in 41 splits of one block each: the splits' combine reads them in three
+    blocks of 16."""
+    k_pool, v_pool, batch = _scattered([2600], 2, 32, seed=3)
+    q = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(4))
+    out, _ = paged_attention(q.to(device), [1], k_pool.to(device), v_pool.to(device), PagedSlots.of(batch, device),
+                             splits=41)
+    keys = k_pool[batch.slots]  # [2600, Hkv, D] in the sequence's order
+    values = v_pool[batch.slots]
+    want = causal_attention(q, keys, values)
+    torch.testing.assert_close(out.cpu(), want, rtol=2e-5, atol=2e-5)
