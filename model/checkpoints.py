@@ -70,10 +70,28 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lamina"
 
 
+# What content_key reads of a file: this many blocks of this many bytes, spread over it.
+_KEY_SAMPLES, _KEY_SAMPLE_BYTES = 64, 16 << 10
+
+
+def content_key(path: Path) -> str:
+    """A digest of a file's size and of 64 blocks of 16 KiB spread over it, the first and
+    the last among them: 1 MiB read, not the file. The same file has one key under any
+    path, copied or installed again (a key of path and mtime gave every virtual
+    environment, and every reinstall, a conversion of its own: 609 MB each for
+    SmolLM2-135M, never removed), and a different model of the same size differs in its
+    tensor data wherever the blocks fall."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        for i in range(_KEY_SAMPLES):
+            f.seek(max(0, size - _KEY_SAMPLE_BYTES) * i // (_KEY_SAMPLES - 1))
+            digest.update(f.read(_KEY_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
 def _cache_dir_for(gguf_path: Path) -> Path:
-    st = gguf_path.stat()
-    key = f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{_CACHE_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(f"{content_key(gguf_path)}:{_CACHE_VERSION}".encode()).hexdigest()[:16]
     return cache_root() / "models" / f"{gguf_path.stem}-{digest}"
 
 

@@ -62,10 +62,9 @@ def _transformers_load(gguf: Path):
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
-    from lamina.model.checkpoints import cache_root
+    from lamina.model.checkpoints import cache_root, content_key
 
-    st = gguf.stat()
-    key = f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
+    key = f"{content_key(gguf)}:{transformers.__version__}"
     saved = cache_root() / "transformers-reference" / f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if (saved / "model.safetensors").is_file():
         return AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32)

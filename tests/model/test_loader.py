@@ -9,6 +9,7 @@ the Hugging Face directory tests borrow the default model's tokenizer files.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from gguf import GGMLQuantizationType as QT  # noqa: N814 (gguf's enum, named on
 
 from lamina.model import gguf_file
 from lamina.model.attention import attention_with_lse
-from lamina.model.checkpoints import convert_gguf
+from lamina.model.checkpoints import content_key, convert_gguf
 from lamina.model.errors import CheckpointError
 from lamina.model.loader import load_model
 from lamina.model.quant import QuantLinear, float_weight
@@ -464,6 +465,26 @@ def test_cache_key_follows_the_file(tiny_gguf, cache_dir, tmp_path):
     b = load_model(copy)
     assert not b.was_cached and b.weights_dir != a.weights_dir
     assert not torch.equal(float_weight(a.model.lm_head), float_weight(b.model.lm_head))
+
+
+def test_one_conversion_serves_the_same_file_under_any_path(tiny_gguf, cache_dir, tmp_path):
+    """A copy elsewhere, written later (another virtual environment's install of the same
+    wheel), takes the first copy's conversion: the key is the file's content, sampled, not
+    its path or mtime. A file of the same size with a byte changed at its end, inside the
+    last sampled block, is another model."""
+    path, _ = tiny_gguf
+    first = load_model(path)
+    other = tmp_path / "elsewhere" / path.name
+    other.parent.mkdir()
+    shutil.copyfile(path, other)
+    os.utime(other, ns=(1, 1))
+    again = load_model(other)
+    assert again.was_cached and again.weights_dir == first.weights_dir
+    assert [p.name for p in cache_dir.joinpath("models").iterdir()] == [first.weights_dir.name]
+    data = bytearray(other.read_bytes())
+    data[-1] ^= 0xFF
+    other.write_bytes(bytes(data))
+    assert content_key(other) != content_key(path)
 
 
 # -- Hugging Face directories -------------------------------------------------------------
