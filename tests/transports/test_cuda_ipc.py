@@ -119,7 +119,9 @@ async def test_small_rings_wrap_between_processes_and_a_frame_is_read_on_the_cal
                         torch.cuda._sleep(1_000_000)  # the side stream busy while the frame arrives
                         got = await conn.recv(timeout=30)
                         total = got.tensors[0].sum()  # queued on the side stream
-                    assert got.header == {"n": start + j} and total.item() == 75_000 * (start + j)
+                        # Read on the side stream too: the default stream does not wait for it (an
+                        # `item()` after the block read the sum's memory before the sum was there).
+                        assert got.header == {"n": start + j} and total.item() == 75_000 * (start + j)
     finally:
         child.kill()
         child.wait()
