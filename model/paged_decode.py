@@ -163,30 +163,21 @@ def _split_and_combine(q: torch.Tensor, hkv: int, longest: int, kv_dtype: torch.
     splits = max(1, math.ceil(longest / chunk))
     parts = torch.empty(t, hq, splits, d, dtype=torch.float32, device=q.device)  # [T, Hq, splits, D]
     part_lse = torch.empty(t, hq, splits, dtype=torch.float32, device=q.device)  # [T, Hq, splits]
+    if t:
+        kernels = _kernels(q.device)
+        g = hq // hkv
+        shape = {"G": g, "G_PAD": max(16, triton_pow2(g)), "D": d, "D_PAD": max(16, triton_pow2(d)),
+                 "BLOCK_N": BLOCK_N, "F32_DOTS": products_in_float32(kv_dtype, q.device)}
+        with _current(q.device):
+            launch(kernels, (t, hkv, splits), parts, part_lse, chunk, shape)
     if splits == 1 or not t:
-        if t:
-            _launch_splits(q, hkv, kv_dtype, launch, parts, part_lse, chunk, splits)
         return parts[:, :, 0].to(q.dtype), part_lse[:, :, 0] if need_lse else None
     out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)  # [T, Hq, D]
     lse = torch.empty(t, hq, dtype=torch.float32, device=q.device)  # [T, Hq]; -inf where no split saw a key
-    kernels = _launch_splits(q, hkv, kv_dtype, launch, parts, part_lse, chunk, splits)
     with _current(q.device):
         kernels.combine_splits[(t * hq,)](parts, part_lse, out, lse, splits, D=d, D_PAD=max(16, triton_pow2(d)),
                                           S_BLOCK=COMBINE_BLOCK)
     return out, lse if need_lse else None
-
-
-def _launch_splits(q: torch.Tensor, hkv: int, kv_dtype: torch.dtype, launch: Any, parts: torch.Tensor,
-                   part_lse: torch.Tensor, chunk: int, splits: int) -> Any:
-    """The splits' kernel over q's rows (launch's); returns the kernels' module."""
-    t, hq, d = q.shape
-    g = hq // hkv
-    shape = {"G": g, "G_PAD": max(16, triton_pow2(g)), "D": d, "D_PAD": max(16, triton_pow2(d)),
-             "BLOCK_N": BLOCK_N, "F32_DOTS": products_in_float32(kv_dtype, q.device)}
-    kernels = _kernels(q.device)
-    with _current(q.device):
-        launch(kernels, (t, hkv, splits), parts, part_lse, chunk, shape)
-    return kernels
 
 
 @dataclass(frozen=True)

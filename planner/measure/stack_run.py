@@ -162,11 +162,14 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
     config = replace(config, gateway=GatewaySection(port=free_port()))
     stack = Stack(config, env={TRACE_DIR_ENV: str(trace_dir)} if trace_dir is not None else None)
 
+    def traced() -> list[Any]:
+        """The model and attention workers' processes, where the run is traced."""
+        return [sp.proc for sp in stack.processes if trace_dir is not None
+                and sp.name.startswith(("model-", "attention-")) and sp.proc is not None]
+
     def signal_traced(sig: int) -> None:
-        """`sig` to every model and attention worker, where the run is traced."""
-        for sp in stack.processes if trace_dir is not None else ():
-            if sp.name.startswith(("model-", "attention-")) and sp.proc is not None:
-                sp.proc.send_signal(sig)
+        for proc in traced():
+            proc.send_signal(sig)
     try:
         stack.start()
         model = _model_id(stack.base_url)
@@ -234,8 +237,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
             after = read_counters(ports)
             window["end"] = max(t[-1] for t in times)
         if trace_dir is not None:
-            _wait_for_traces(trace_dir, [sp.proc.pid for sp in stack.processes
-                                         if sp.name.startswith(("model-", "attention-")) and sp.proc is not None])
+            _wait_for_traces(trace_dir, [proc.pid for proc in traced()])
     finally:
         stack.stop()
     t0, t_end = window["start"], window["end"]
