@@ -175,18 +175,19 @@ def run_engine(engine, prompts: list[list[int]], steps: int, trace: Path | None 
         first: set[str] = set()
         while len(first) < len(prompts):  # prefill and the first token of every prompt: not timed
             first.update(o.seq_id for o in engine.step())
-        tracer = None
-        if trace is not None:
-            tracer = Tracer("engine", trace)
-            tracer.start()
-        start = time.perf_counter()
-        for _ in range(steps):
-            made = len(engine.step())  # each step ends on the CPU (its tokens): synchronized
-            if made != len(prompts):
-                raise RuntimeError(f"a timed step ran {made} of the batch's {len(prompts)} sequences")
-        elapsed = time.perf_counter() - start
+        tracer = None if trace is None else Tracer("engine", trace)
         if tracer is not None:
-            tracer.stop()
+            tracer.start()
+        try:
+            start = time.perf_counter()
+            for _ in range(steps):
+                made = len(engine.step())  # each step ends on the CPU (its tokens): synchronized
+                if made != len(prompts):
+                    raise RuntimeError(f"a timed step ran {made} of the batch's {len(prompts)} sequences")
+            elapsed = time.perf_counter() - start
+        finally:  # a failed step too: the next contender's trace could not start beside this one
+            if tracer is not None:
+                tracer.stop()
     finally:
         for seq_id in ids:
             engine.abort(seq_id)
