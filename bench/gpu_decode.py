@@ -16,9 +16,13 @@ another (each one's memory given back to the device before the next):
 - transformers' `generate` with `cache_implementation="static"`, loaded once per model,
   eager (`disable_compile`: its compile of the decode step would land in the timings);
 - the local engine on the device (`lamina.engine`, torch's linears in the dtype; on a
-  GPU its decode slices replayed as CUDA graphs, as the stack's model worker's are),
+  GPU each decode step replayed whole as a CUDA graph, lamina.model.step_graphs),
   after an untimed run of the same batch with short prompts (Triton compiles its
   kernels' variants for the first steps, the graphs of the batch's bucket are captured);
+  `engine_slices`: the same engine with its step graphs off (its decode slices replayed
+  as CUDA graphs, as the stack's model worker's are, their attention eager), measured
+  alternately with the whole steps (slices, whole, slices after the first whole run;
+  the best of each);
 - the stack as `lamina up --device D --dtype T` starts it (every service on the one
   device; transport cuda_ipc on a GPU, tcp on the CPU; `--transport` names another), one
   model worker: colocated (attending on the device itself: what `lamina up --device cuda`
@@ -44,7 +48,7 @@ bandwidth measured in the same run (the fastest of five 1 GiB copies, the estima
 engine/transformers, the stack's 2 micro-batches/engine and colocated/engine, step/bound); a point's row is
 appended to `--out` (JSON lines) after each contender, with what it has so far (a
 contender that fails leaves its error in the row, `NAME_error`, and the others run); the
-last line is one JSON object: {"device", "engine_tok_s", "transformers_tok_s",
+last line is one JSON object: {"device", "engine_tok_s", "engine_slices_tok_s", "transformers_tok_s",
 "stack_tok_s": {"mb1", "mb2", "colocated"}, "step_vs_bound", "attention_ms_per_layer":
 {"worker", "engine"}, "skipped", "errors"}, each keyed by "model/dtype/bB/cC" (mb1 and
 mb2: the faster of 1 and 2 attention workers).
@@ -160,6 +164,27 @@ def warm_then_run_engine(engine, prompts: list[list[int]], steps: int, trace: Pa
     return run_engine(engine, prompts, steps, trace)
 
 
+def slices_alternately(engine, prompts: list[list[int]], steps: int, row: dict[str, Any]) -> float:
+    """The engine with its decode slices' graphs only (step graphs off) against its whole
+    steps' graphs, measured alternately after the whole steps' first run (row's
+    engine_tok_s): slices, whole, slices. Returns the slices' best and keeps the whole
+    steps' best in the row."""
+    whole_graphs = engine.step_graphs
+    best = 0.0
+    for whole in (False, True, False):
+        engine.step_graphs = whole_graphs if whole else None
+        try:
+            tok_s = warm_then_run_engine(engine, prompts, steps) if not whole and not best else \
+                run_engine(engine, prompts, steps)
+        finally:
+            engine.step_graphs = whole_graphs
+        if whole:
+            row["engine_tok_s"] = max(row["engine_tok_s"], tok_s)
+        else:
+            best = max(best, tok_s)
+    return best
+
+
 def run_engine(engine, prompts: list[list[int]], steps: int, trace: Path | None = None) -> float:
     """The engine's decode tokens/s over `steps` steps of the whole batch, timed once every
     sequence has its first token. Each prompt step admits at least one prompt, and the
@@ -225,7 +250,8 @@ def run_transformers(hf: Any, point: Point, prompts: list[list[int]], steps: int
 
 
 # What --contenders names: the engine, transformers, attention alone, and the stack's runs.
-CONTENDERS = ("engine", "transformers", "attention", "colocated", "mb2_aw1", "mb2_aw2", "mb1_aw1", "mb1_aw2")
+CONTENDERS = ("engine", "engine_slices", "transformers", "attention", "colocated", "mb2_aw1", "mb2_aw2", "mb1_aw1",
+              "mb1_aw2")
 
 
 def main() -> None:
@@ -277,7 +303,8 @@ def main() -> None:
         """Where a contender's trace goes at a point, with --trace."""
         return None if args.trace is None else Path(args.trace) / f"{point.key.replace('/', '-')}-{contender}"
 
-    report: dict[str, Any] = {"device": f"{device} ({name})", "engine_tok_s": {}, "transformers_tok_s": {},
+    report: dict[str, Any] = {"device": f"{device} ({name})", "engine_tok_s": {}, "engine_slices_tok_s": {},
+                              "transformers_tok_s": {},
                               "stack_tok_s": {"mb1": {}, "mb2": {}, "colocated": {}}, "step_vs_bound": {},
                               "attention_ms_per_layer": {"worker": {}, "engine": {}}, "skipped": [],
                               "errors": {}}
@@ -321,6 +348,8 @@ def main() -> None:
             row = rows[point.key]
             measure(row, "engine_tok_s", record, warm_then_run_engine, engine, prompts, steps,
                     traced(point, "engine"))
+            if "engine_slices" in chosen and "engine_tok_s" in row and engine.step_graphs is not None:
+                measure(row, "engine_slices_tok_s", record, slices_alternately, engine, prompts, steps, row)
             if "engine_tok_s" in row:  # recorded now: a run cut short later keeps it
                 step_against_bound(row, point, read_bytes, cfg.kv_bytes_per_token(elem), steps, bandwidth)
                 record(row)
@@ -366,6 +395,8 @@ def main() -> None:
             if "engine_tok_s" in row:
                 report["engine_tok_s"][key] = row["engine_tok_s"]
                 report["step_vs_bound"][key] = row["step_ms"] / row["bound_ms"]
+            if "engine_slices_tok_s" in row:
+                report["engine_slices_tok_s"][key] = row["engine_slices_tok_s"]
             if "transformers_tok_s" in row:
                 report["transformers_tok_s"][key] = row["transformers_tok_s"]
             for side in ("worker", "engine"):
@@ -389,6 +420,10 @@ def main() -> None:
         print(f"{key:<32} {eng:>9.1f} {hf:>13.1f} {eng / hf:>6.2f}x {mb1 or 0:>10.1f} {mb2 or 0:>10.1f} "
               f"{(mb2 or float('nan')) / eng:>7.2f}x {col or 0:>10.1f} {(col or float('nan')) / eng:>7.2f}x "
               f"{report['step_vs_bound'][key]:>10.2f}x {w:>5.2f}/{e:<5.2f}")
+    for key, sliced in report["engine_slices_tok_s"].items():
+        whole = report["engine_tok_s"][key]
+        print(f"{key}: engine {whole:.1f} tok/s with whole steps as CUDA graphs, {sliced:.1f} with its slices' "
+              f"graphs only: {whole / sliced:.2f}x (alternately, best of two each)")
     for what, error in report["errors"].items():
         print(f"failed: {what}: {error.splitlines()[-1] if error else ''}")
     print(json.dumps(report))

@@ -105,7 +105,8 @@ def _current(device: torch.device) -> contextlib.AbstractContextManager[Any]:
 
 
 @functools.cache
-def _multiprocessors(device: torch.device) -> int:
+def multiprocessors(device: torch.device) -> int:
+    """The device's streaming multiprocessors (1 for the CPU): what splits fill."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
@@ -158,7 +159,7 @@ def _split_and_combine(q: torch.Tensor, hkv: int, longest: int, kv_dtype: torch.
     dtype, lse [T, Hq] float32 (or None)."""
     t, hq, d = q.shape
     if splits is None:
-        splits = plan_splits(t, hkv, longest, _multiprocessors(q.device))
+        splits = plan_splits(t, hkv, longest, multiprocessors(q.device))
     chunk = max(BLOCK_N, math.ceil(math.ceil(longest / splits) / BLOCK_N) * BLOCK_N)
     splits = max(1, math.ceil(longest / chunk))
     parts = torch.empty(t, hq, splits, d, dtype=torch.float32, device=q.device)  # [T, Hq, splits, D]
@@ -184,21 +185,26 @@ def _split_and_combine(q: torch.Tensor, hkv: int, longest: int, kv_dtype: torch.
 class BufferRows:
     """One step's rows over the local engine's per-sequence KV buffers
     ([num_layers, 2, cap, Hkv, D] each, lamina.engine.kv.SequenceKV), on their device,
-    built once per step: where each new row is written, and what each query row reads."""
+    built once per step: where each new row is written, and what each query row reads.
+    The four are the rows of one int64 [4, T] table (`table`), uploaded in one copy."""
 
     base: torch.Tensor  # int64 [T]: the address of each row's sequence buffer
     cap: torch.Tensor  # int64 [T]: that buffer's capacity in tokens
     pos: torch.Tensor  # int64 [T]: the position each new row is written at
     visible: torch.Tensor  # int64 [T]: the keys each query row sees (causal), its own included
-    longest: int  # the most keys a row sees
+    longest: int  # the most keys a row sees (a CUDA graph's: the most its splits cover)
     dtype: torch.dtype  # the buffers'
     num_kv_heads: int
 
-    @classmethod
-    def of(cls, buffers: Sequence[torch.Tensor], held: Sequence[int], query_lens: Sequence[int]) -> BufferRows:
-        """buffers: each sequence's buffer (contiguous, all of one dtype on one device, big
-        enough for its new rows); held: the tokens each holds before the step; query_lens:
-        its new rows, which are its next positions and its queries."""
+    @staticmethod
+    def table(buffers: Sequence[torch.Tensor], held: Sequence[int], query_lens: Sequence[int],
+              rows: int | None = None) -> torch.Tensor:
+        """int64 [4, rows] on the CPU: each new row's base, cap, pos and visible (above),
+        in row order. buffers: each sequence's buffer (contiguous, all of one dtype on one
+        device, big enough for its new rows); held: the tokens each holds before the
+        step; query_lens: its new rows, which are its next positions and its queries.
+        `rows` (default: the new rows) pads the table with rows of zeros, which write
+        nothing and see no key (a CUDA graph's rows past the step's)."""
         if not buffers or len(buffers) != len(held) or len(held) != len(query_lens):
             raise ValueError("one buffer, one held length and one query length per sequence")
         first = buffers[0]
@@ -207,20 +213,30 @@ class BufferRows:
             raise ValueError("the buffers must be contiguous, of one shape but capacity, dtype and device")
         if any(h + n > b.shape[2] for b, h, n in zip(buffers, held, query_lens)):
             raise ValueError("a sequence's new rows do not fit its buffer")
-        base: list[int] = []
-        cap: list[int] = []
-        pos: list[int] = []
-        visible: list[int] = []
+        t = sum(query_lens)
+        if rows is not None and rows < t:
+            raise ValueError(f"{t} new rows do not fit a table of {rows}")
+        out = torch.zeros(4, t if rows is None else rows, dtype=torch.int64)  # [4, rows]
+        at = 0
         for b, h, n in zip(buffers, held, query_lens):
-            base += [b.data_ptr()] * n
-            cap += [b.shape[2]] * n
-            pos += range(h, h + n)
-            visible += range(h + 1, h + n + 1)
+            out[0, at:at + n] = b.data_ptr()
+            out[1, at:at + n] = b.shape[2]
+            out[2, at:at + n] = torch.arange(h, h + n)
+            out[3, at:at + n] = torch.arange(h + 1, h + n + 1)
+            at += n
+        return out
 
-        def on(values: list[int]) -> torch.Tensor:
-            return upload(torch.tensor(values, dtype=torch.int64), first.device)
+    @classmethod
+    def of(cls, buffers: Sequence[torch.Tensor], held: Sequence[int], query_lens: Sequence[int]) -> BufferRows:
+        """The step's rows on the buffers' device (`table`'s arguments)."""
+        table = cls.table(buffers, held, query_lens)
+        longest = int(table[3].max()) if table.shape[1] else 0
+        return cls.over(upload(table, buffers[0].device), longest, buffers[0].dtype, buffers[0].shape[3])
 
-        return cls(on(base), on(cap), on(pos), on(visible), max(visible, default=0), first.dtype, first.shape[3])
+    @classmethod
+    def over(cls, table: torch.Tensor, longest: int, dtype: torch.dtype, num_kv_heads: int) -> BufferRows:
+        """Rows read from a table on the device (int64 [4, T]: `table`'s layout)."""
+        return cls(table[0], table[1], table[2], table[3], longest, dtype, num_kv_heads)
 
 
 def attend_buffers(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: BufferRows,

@@ -169,14 +169,17 @@ def buffer_append(k, v, row_base, row_cap, row_pos, layer, stride_kt, stride_vt,
                   KV: tl.constexpr, HKV: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
     """k, v: [T, HKV, D] (heads and dims contiguous): row t is written at position
     row_pos[t] of `layer` in its sequence's buffer (address row_base[t], cap row_cap[t],
-    laid out as buffer_decode reads it), converted to KV."""
+    laid out as buffer_decode reads it), converted to KV. A row whose position is not
+    below its cap writes nothing: a CUDA graph's padding rows (cap 0, address 0)."""
     t = tl.program_id(0)
     h = tl.arange(0, H_PAD)
     d = tl.arange(0, D_PAD)
-    inside = (h < HKV)[:, None] & (d < D)[None, :]
+    cap = tl.load(row_cap + t)
+    pos = tl.load(row_pos + t)
+    inside = (h < HKV)[:, None] & (d < D)[None, :] & (pos < cap)
     cell = h[:, None] * D + d[None, :]  # [H_PAD, D_PAD]
     base = tl.load(row_base + t).to(tl.pointer_type(KV))
-    plane = tl.load(row_cap + t) * (HKV * D)
-    at = base + (2 * layer) * plane + tl.load(row_pos + t) * (HKV * D) + cell
+    plane = cap * (HKV * D)
+    at = base + (2 * layer) * plane + pos * (HKV * D) + cell
     tl.store(at, tl.load(k + t * stride_kt + cell, mask=inside).to(KV), mask=inside)
     tl.store(at + plane, tl.load(v + t * stride_vt + cell, mask=inside).to(KV), mask=inside)

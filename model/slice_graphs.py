@@ -33,15 +33,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from lamina.model.splitter import CallSlice, SliceOutput, SplitModel
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -144,45 +146,70 @@ class SliceGraphs:
             # micro-batch's capture stream again, its cuBLAS workspace shared. Only capture
             # streams come from this pool (a replay runs at the priority of its own stream).
             cap = self._capture_streams[micro_batch] = torch.cuda.Stream(self.device, priority=-1)
-        current = torch.cuda.current_stream(self.device)
-        graph = None
         try:
-            cap.wait_stream(current)  # the static inputs were filled there
-            # capture_begin/end, not torch.cuda.graph: that one synchronizes the device and
-            # empties the allocator's caches at every capture, mid-decode (a step's first
-            # batch of a new size captures a graph per slice). Errors only for this thread's
-            # unsafe calls: other micro-batches' work stays queued on their streams.
-            with torch.cuda.stream(cap), torch.inference_mode():
-                for _ in range(2):  # warm up (lazy initialisation must not be captured)
-                    slice_j(g_inputs, g_attn, g_context)
-                graph = torch.cuda.CUDAGraph()
-                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-                try:
-                    out = slice_j(g_inputs, g_attn, g_context)
-                finally:
-                    graph.capture_end()
-        except RuntimeError as exc:
-            with contextlib.suppress(RuntimeError):  # the warm-up's reads of the static tensors, before they are freed
-                current.wait_stream(cap)
+            graph, out = capture(lambda: slice_j(g_inputs, g_attn, g_context), cap, pool)
+        except CaptureFailed as failed:
             self._failed.add((j, bucket))
-            if graph is not None:
-                self._abandon(micro_batch, bucket, graph, pool)
+            if failed.graph is not None:
+                self._abandon(micro_batch, bucket, failed.graph, pool)
             log.warning("slice %d at batch %d cannot be captured as a CUDA graph (it runs eagerly): %s", j, bucket,
-                        exc)
+                        failed.error)
             return None
-        current.wait_stream(cap)  # the warm-up wrote the memory the replays use
         self.captures += 1
         return _Graph(graph, g_inputs, g_attn, g_context, out)
 
     def _abandon(self, micro_batch: int, bucket: int, graph: torch.cuda.CUDAGraph, pool: Any) -> None:
-        """After a capture that failed once begun: the allocator is told the capture into
-        `pool` is over (where the failed end of capture did not get that far, every block
-        freed with a pending use on another stream would be held back for good), the
-        graph is kept (the allocator may still refer to it), and the (micro-batch,
-        bucket) takes a new pool for later captures."""
-        self._failed_graphs.append(graph)
-        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        if end is not None:
-            with contextlib.suppress(RuntimeError):  # the capture's end had told it already
-                end(self.device.index if self.device.index is not None else torch.cuda.current_device(), pool)
+        """After a capture that failed once begun: the graph kept and the pool ended
+        (`end_pool`), and the (micro-batch, bucket) takes a new pool for later captures."""
+        end_pool(self.device, graph, pool, self._failed_graphs)
         self._pools.pop((micro_batch, bucket), None)
+
+
+class CaptureFailed(RuntimeError):
+    """A capture that raised: `graph` is the graph begun (None: it failed before), `error` why."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph | None, error: RuntimeError) -> None:
+        super().__init__(str(error))
+        self.graph, self.error = graph, error
+
+
+def capture(fn: Callable[[], T], stream: torch.cuda.Stream, pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
+    """fn's launches captured as a CUDA graph on `stream` into the memory pool `pool`,
+    after two eager calls there (lazy initialisation, a first call's compiles, must not
+    be captured), with (graph, what the captured call returned) returned. The current
+    stream waits for them (what fn read was written there; what the warm-up wrote, the
+    replays use). capture_begin/end, not torch.cuda.graph: that one synchronizes the
+    device and empties the allocator's caches at every capture, mid-decode. Errors only
+    for this thread's unsafe calls: other streams' work stays queued. A failure raises
+    CaptureFailed and leaves the thread on the stream it was on."""
+    current = torch.cuda.current_stream(stream.device)
+    graph = None
+    try:
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):
+                fn()
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()
+    except RuntimeError as exc:
+        with contextlib.suppress(RuntimeError):  # the warm-up's reads of the static tensors, before they are freed
+            current.wait_stream(stream)
+        raise CaptureFailed(graph, exc) from exc
+    current.wait_stream(stream)
+    return graph, out
+
+
+def end_pool(device: torch.device, graph: torch.cuda.CUDAGraph, pool: Any, keep: list) -> None:
+    """After a capture that failed once begun: the allocator is told the capture into
+    `pool` is over (where the failed end of capture did not get that far, every block
+    freed with a pending use on another stream would be held back for good), and the
+    graph is kept in `keep` (the allocator may still refer to it). The pool is not used again."""
+    keep.append(graph)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:
+        with contextlib.suppress(RuntimeError):  # the capture's end had told it already
+            end(device.index if device.index is not None else torch.cuda.current_device(), pool)

@@ -16,7 +16,8 @@
 #                kernels against the native kernel and SDPA, the attention core, the
 #                sampler against the CPU, the engine and the model and attention workers
 #                against transformers, micro-batches on their own streams, decode slices
-#                replayed as CUDA graphs, cuda_ipc in one process and to a child, the
+#                replayed as CUDA graphs, whole engine steps as CUDA graphs against the
+#                eager steps, cuda_ipc in one process and to a child, the
 #                prefix cache's GPU tier)                                     tests.log
 #   e2e          tests/e2e/test_stack_cuda.py and test_lamina_up_cuda.py, filtered by
 #                E2E_K (default all: seven stacks against transformers and the
@@ -86,7 +87,8 @@ for step in $steps; do
     tests)
         limited tests "$python" -P -m pytest -q -rs --durations=0 -k cuda \
             tests/model/test_paged_decode.py tests/model/test_sampling_sampler.py tests/model/test_kv_attention.py \
-            tests/model/test_engine_devices.py tests/services/test_attention_core.py tests/services/test_devices.py \
+            tests/model/test_engine_devices.py tests/model/test_step_graphs.py tests/services/test_attention_core.py \
+            tests/services/test_devices.py \
             tests/services/test_rotation.py tests/transports/test_cuda_ipc.py tests/kvstore/test_kv_prefix_cache_cuda.py \
             tests/planner/test_gpu_layout.py \
             > "$out/tests.log" 2>&1

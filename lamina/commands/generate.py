@@ -26,8 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "than float32, or a device other than the CPU, uses torch's own linears instead of packed "
                         "weights: --weights float32)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="on a GPU, replay the decode steps' slices as CUDA graphs (default; --no-cuda-graphs: "
-                        "every slice eagerly)")
+                   help="on a GPU, replay each decode step as a CUDA graph, whole where triton is installed, "
+                        "else slice by slice (default; --no-cuda-graphs: everything eagerly)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)

@@ -20,8 +20,10 @@ from lamina.engine.step import run_step
 from lamina.model.batch import StepBatch
 from lamina.model.llama import split_llama
 from lamina.model.loader import LoadedModel
+from lamina.model.paged_decode import paged_available
 from lamina.model.placement import COMPUTE_DTYPES, place, runs_natively
 from lamina.model.slice_graphs import SliceGraphs
+from lamina.model.step_graphs import StepGraphs
 from lamina.sampling.grammar import Grammars
 from lamina.sampling.logprobs import TokenLogprobs
 from lamina.sampling.params import SamplingParams
@@ -41,6 +43,9 @@ class EngineConfig:
     # On a GPU, each decode slice captured as a CUDA graph per batch-size bucket and
     # replayed (lamina.model.slice_graphs, as a model worker's); false: every slice eagerly.
     cuda_graphs: bool = True
+    # With cuda_graphs, a decode step captured whole, its attention included, per batch and
+    # context bucket (lamina.model.step_graphs; triton needed); false: the slices' graphs only.
+    step_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_capacity_bytes <= 0:
@@ -72,8 +77,12 @@ class Engine:
         if not runs_natively(self.device, self.dtype):
             place([loaded.model, *(piece.module for piece in self.split.slices)], self.device, self.dtype)
         # The decode slices as CUDA graphs (a GPU's); `graphs.replays` counts the slices replayed.
-        self.graphs = SliceGraphs(self.split, self.device) if self.device.type == "cuda" and self.config.cuda_graphs \
-            else None
+        on_gpu = self.device.type == "cuda" and self.config.cuda_graphs
+        self.graphs = SliceGraphs(self.split, self.device) if on_gpu else None
+        # Whole decode steps as CUDA graphs where their attention is the buffer kernels';
+        # `step_graphs.replays` counts the steps replayed.
+        self.step_graphs = StepGraphs(self.split, self.device) \
+            if on_gpu and self.config.step_graphs and paged_available(self.device) else None
         self.kv = KVStore(loaded.config, self.config.kv_capacity_bytes, dtype=self.dtype, device=self.device)
         self.max_model_len = self.config.max_model_len or loaded.config.max_position_embeddings
         self.eos_token_ids = set(loaded.tokenizer.eos_token_ids)
@@ -150,7 +159,7 @@ class Engine:
             [s.seq_id for s in plan.running], [s.next_input() for s in plan.running],
             [s.num_cached for s in plan.running],
         )
-        logits = run_step(self.split, self.kv, batch, self.graphs)
+        logits = run_step(self.split, self.kv, batch, self.graphs, self.step_graphs)
         self.num_steps += 1
         self.sum_batch_size += len(plan.running)
         tokens, logprobs = self.sampler(logits, [s.sampling for s in plan.running])

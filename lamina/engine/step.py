@@ -16,6 +16,7 @@ from lamina.model.paged_decode import BufferRows, attend_buffers, paged_availabl
 from lamina.model.placement import runs_natively
 from lamina.model.slice_graphs import SliceGraphs
 from lamina.model.splitter import SplitModel
+from lamina.model.step_graphs import StepGraphs
 
 # Sequences with at most this many new tokens attend through the batched kernel; longer
 # ones (prompts) through fused SDPA, whose matmuls win from about 16 queries per sequence
@@ -133,11 +134,22 @@ def in_process_attention(kv: KVStore, batch: StepBatch) -> LocalAttention | Devi
     return DeviceAttention(kv, batch)
 
 
-def run_step(split: SplitModel, kv: KVStore, batch: StepBatch, graphs: SliceGraphs | None = None) -> torch.Tensor:
+def run_step(split: SplitModel, kv: KVStore, batch: StepBatch, graphs: SliceGraphs | None = None,
+             step_graphs: StepGraphs | None = None) -> torch.Tensor:
     """Run the batch; its new K, V are stored. Returns logits [B, V] float32 on the KV
     store's device, where the sampler picks the tokens (lamina.sampling.sampler); with
-    `graphs` (a GPU's), a decode step's slices are replayed as CUDA graphs, and its
-    logits live until the next step."""
+    `step_graphs` (a GPU's), a decode step it serves is replayed whole as a CUDA graph,
+    else with `graphs` its slices are replayed one by one; either way its logits live
+    until the next step."""
+    if step_graphs is not None:
+        seqs = [kv.get(s) for s in batch.seq_ids]
+        with torch.inference_mode():
+            logits = step_graphs.run([seq.buf for seq in seqs], [seq.length for seq in seqs], batch.query_lens,
+                                     batch.input_ids, batch.positions)
+        if logits is not None:
+            for seq, n in zip(seqs, batch.query_lens):
+                seq.length += n
+            return logits
     attention = in_process_attention(kv, batch)
     with torch.inference_mode():
         # Attention copies each layer's K and V into the store: the slices may keep their outputs.

@@ -131,18 +131,29 @@ def test_lamina_generate_in_bfloat16_prints_the_engines_tokens(unpacked, capsys)
 
 
 @NO_CUDA
-def test_the_engine_on_cuda_in_float32_equals_transformers_token_for_token(monkeypatch):
+@pytest.mark.parametrize("whole_steps", [True, False], ids=["step-graphs", "slice-graphs"])
+def test_the_engine_on_cuda_in_float32_equals_transformers_token_for_token(monkeypatch, whole_steps):
     """A random model of SmolLM2's shape (no GGUF file needed on a GPU machine), the
-    same weights directory read by transformers; its decode steps through BufferAttention,
-    their slices replayed as CUDA graphs. The outputs end at 32, 24, 16 and 8 tokens, so
-    the batch shrinks from 4 to 1 and the steps replay the graphs of buckets 4, 2 and 1,
-    a batch of 3 in bucket 4's graphs."""
+    same weights directory read by transformers. The outputs end at 32, 24, 16 and 8
+    tokens, so the batch shrinks from 4 to 1 and the steps replay the graphs of buckets
+    4, 2 and 1, a batch of 3 in bucket 4's graphs. Its decode steps replayed whole as
+    CUDA graphs (lamina.model.step_graphs), or through BufferAttention with their slices
+    replayed as CUDA graphs (`step_graphs=False`)."""
+    from lamina.engine import engine as engine_module
     from lamina.model.hf_reference import reference_model
 
     loaded = load_model("random:smollm2-135m", packed=False)
     hf = reference_model(loaded.weights_dir, torch.float32)
     taken = _count_buffer_steps(monkeypatch)
-    engine = Engine(loaded, EngineConfig(device="cuda"))
+    steps: list[list[int]] = []  # every step's query lengths
+    run_step = engine_module.run_step
+
+    def counted(split, kv, batch, *args):
+        steps.append(list(batch.query_lens))
+        return run_step(split, kv, batch, *args)
+
+    monkeypatch.setattr(engine_module, "run_step", counted)
+    engine = Engine(loaded, EngineConfig(device="cuda", step_graphs=whole_steps))
     assert engine.kv.device == torch.device("cuda")
     ids = [loaded.tokenizer.encode(p) for p in PROMPTS]
     lengths = [32, 24, 16, 8]
@@ -154,7 +165,14 @@ def test_the_engine_on_cuda_in_float32_equals_transformers_token_for_token(monke
         assert out.output_token_ids == ref[0, len(prompt):].tolist()
     graphs = engine.graphs
     assert graphs is not None and graphs.failures == 0
-    decode_steps = [lens for lens in taken if set(lens) == {1}]
+    decode_steps = [lens for lens in steps if set(lens) == {1}]
     assert {len(PROMPTS), 3, 1} <= {len(lens) for lens in decode_steps}
-    # Every decode step replays every slice: the layers' and the last.
-    assert graphs.replays == len(decode_steps) * (loaded.config.num_layers + 1)
+    if whole_steps:
+        whole = engine.step_graphs
+        assert whole is not None and whole.failures == 0
+        assert whole.replays == len(decode_steps) and whole.captures == 3  # buckets 4, 2, 1; 512 keys
+        assert graphs.replays == 0 and all(set(lens) != {1} for lens in taken)  # the prompts' step only
+    else:
+        assert engine.step_graphs is None and [lens for lens in taken if set(lens) == {1}] == decode_steps
+        # Every decode step replays every slice: the layers' and the last.
+        assert graphs.replays == len(decode_steps) * (loaded.config.num_layers + 1)

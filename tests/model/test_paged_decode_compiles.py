@@ -86,10 +86,11 @@ def _launches(monkeypatch) -> list[tuple[str, dict]]:
         pool = torch.zeros(8, hkv, d, dtype=dtype)
         slots = paged_decode.PagedSlots.of(SlotBatch.build([[1, 2, 3], [4, 5]], 8), "cpu")
         paged_decode.paged_attention(q, [1, 1], pool, pool, slots)
-        buffers = [torch.zeros(1, 2, 4, hkv, d, dtype=dtype) for _ in range(2)]
-        rows = paged_decode.BufferRows.of(buffers, [2, 1], [1, 1])
+        # A row of 151 keys in 3 splits: their combine is launched too.
+        buffers = [torch.zeros(1, 2, 160, hkv, d, dtype=dtype) for _ in range(2)]
+        rows = paged_decode.BufferRows.of(buffers, [150, 1], [1, 1])
         paged_decode.attend_buffers(0, q, torch.zeros(2, hkv, d, dtype=dtype), torch.zeros(2, hkv, d, dtype=dtype),
-                                    rows)
+                                    rows, splits=3)
         made += [(f"{model} {str(dtype).removeprefix('torch.')}", launch) for launch in recorder.launches[start:]]
     unique = {json.dumps(launch, sort_keys=True): (shape, launch) for shape, launch in made}
     return list(unique.values())
@@ -97,7 +98,8 @@ def _launches(monkeypatch) -> list[tuple[str, dict]]:
 
 def test_the_kernels_compile_for_hopper_as_launched(monkeypatch):
     launches = _launches(monkeypatch)
-    assert {launch["kernel"] for _, launch in launches} == {"paged_decode", "buffer_decode", "buffer_append"}
+    assert {launch["kernel"] for _, launch in launches} == {"paged_decode", "buffer_decode", "buffer_append",
+                                                             "combine_splits"}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     job = json.dumps({"arch": HOPPER, "launches": [launch for _, launch in launches]})
     done = subprocess.run([sys.executable, "-P", str(Path(__file__).with_name("compile_for_gpu.py"))], input=job,
@@ -109,5 +111,6 @@ def test_the_kernels_compile_for_hopper_as_launched(monkeypatch):
         what = f"{launch['kernel']} for {shape}"
         assert "error" not in result, f"{what}: {result.get('error')}"
         assert result["shared"] <= SHARED_LIMIT, f"{what}: {result['shared']} bytes of shared memory"
-        if "fp32" not in launch["signature"]["q" if "q" in launch["signature"] else "k"]:
+        served = next(launch["signature"][name] for name in ("q", "k", "out") if name in launch["signature"])
+        if "fp32" not in served:  # a half-precision kernel
             assert result["stack"] == 0, f"{what} spills: {result}"
