@@ -18,6 +18,11 @@ splits' partial results are combined by their log-sum-exp. Outputs are as
 `padded_attention`'s: out [T, Hq, D] in q's dtype and lse [T, Hq] float32, -inf (with
 out 0) for a query that sees no key, so partials combine exactly (Q-early).
 
+A decode step replayed as a CUDA graph (lamina.model.step_graphs) reads its rows from
+tables filled before each replay, whose padding rows write nothing and see no key:
+`SlabRows` and `attend_slab` over the slab (one launch writes the new K, V rows into
+their slots, then the same kernel), `BufferRows` over the engine's buffers.
+
 The local engine's decode steps on a GPU take the same kernel over each sequence's own
 KV buffer instead of the slab (`BufferRows`, `attend_buffers`: the buffers addressed
 by their device addresses), after one more launch that writes the step's new K, V rows
@@ -127,22 +132,98 @@ def paged_attention(q: torch.Tensor, query_lens: Sequence[int], k_pool: torch.Te
     or float16 on q's device. Sequence b attends over its first kv_lens[b] slots (default:
     all); with `causal`, its i-th of n queries sees keys 0 .. L - n + i. `splits`: into
     how many pieces a row's keys go (default: enough to fill the GPU)."""
-    _, hq, d = q.shape
-    hkv = k_pool.shape[1]
-    if hq % hkv or k_pool.stride(2) != 1 or v_pool.stride(2) != 1 or k_pool.dtype != v_pool.dtype:
-        raise ValueError(f"pools {tuple(k_pool.shape)} / {tuple(v_pool.shape)} do not fit q {tuple(q.shape)}")
     check_rows(query_lens, q)  # the kernel reads a row's start and length for each of q's rows
     row_start, row_len, longest = slots.rows(query_lens, kv_lens, causal)
+    return _paged(q, k_pool, v_pool, slots.slots, row_start, row_len, longest, need_lse, splits)
+
+
+def _check_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
+    hq, hkv = q.shape[1], k_pool.shape[1]
+    if hq % hkv or k_pool.stride(2) != 1 or v_pool.stride(2) != 1 or k_pool.dtype != v_pool.dtype \
+            or k_pool.shape[1:] != v_pool.shape[1:] or k_pool.shape[2] != q.shape[2]:
+        raise ValueError(f"pools {tuple(k_pool.shape)} / {tuple(v_pool.shape)} do not fit q {tuple(q.shape)}")
+
+
+def _paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, row_start: torch.Tensor,
+           row_len: torch.Tensor, longest: int, need_lse: bool, splits: int | None
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The paged kernel and the splits' combine: q [T, Hq, D]; slots int32 [N]; row_start,
+    row_len int64 [T] (where each row's keys start in `slots`, how many it sees); longest:
+    the most keys a row sees (the splits cover that many)."""
+    _check_pools(q, k_pool, v_pool)
+    _, _, d = q.shape
+    hkv = k_pool.shape[1]
     q = q.contiguous()
 
     def launch(kernels: Any, grid: tuple[int, int, int], parts: torch.Tensor, part_lse: torch.Tensor,
                chunk: int, shape: dict[str, Any]) -> None:
         kernels.paged_decode[grid](
-            q, k_pool, v_pool, slots.slots, row_start, row_len, parts, part_lse,
+            q, k_pool, v_pool, slots, row_start, row_len, parts, part_lse,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
             chunk, d**-0.5, **shape)
 
     return _split_and_combine(q, hkv, longest, k_pool.dtype, launch, need_lse, splits)
+
+
+@dataclass(frozen=True)
+class SlabRows:
+    """A decode step's rows over a slab pool's 1-token pages, as a CUDA graph reads them
+    (lamina.model.step_graphs): every sequence has one new token, whose K, V go to its
+    last slot, and its query sees all of its keys. The three int64 rows of one table
+    ([3, T]: `table`), and the slots, on the pools' device."""
+
+    start: torch.Tensor  # int64 [T]: where each row's sequence starts in `slots`
+    visible: torch.Tensor  # int64 [T]: the keys it sees (all its sequence's)
+    new: torch.Tensor  # int64 [T]: the slot its new K, V are written to (-1: none, a padding row)
+    slots: torch.Tensor  # int32 [N]: every sequence's slots, in order, one after another
+    longest: int  # the most keys a row sees (a CUDA graph's: the most its splits cover)
+
+    @staticmethod
+    def table(lens: Sequence[int], slots: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """int64 [3, rows] on the CPU (start, visible, new), for sequences of `lens` keys
+        each (their new token included) whose slots are `slots` (int64 [sum(lens)], in
+        order). `rows` (default one per sequence) pads the table with rows that write
+        nothing and see no key."""
+        b = len(lens)
+        if any(n < 1 for n in lens) or sum(lens) != slots.numel():
+            raise ValueError(f"{slots.numel()} slots for sequences of {list(lens)[:8]} keys (each at least 1)")
+        if rows is not None and rows < b:
+            raise ValueError(f"{b} rows do not fit a table of {rows}")
+        out = torch.zeros(3, b if rows is None else rows, dtype=torch.int64)  # [3, rows]
+        out[2] = -1
+        if b:
+            ends = torch.tensor(lens, dtype=torch.int64).cumsum(0)  # [B]
+            out[1, :b] = torch.tensor(lens, dtype=torch.int64)
+            out[0, :b] = ends - out[1, :b]
+            out[2, :b] = slots[ends - 1]
+        return out
+
+    @classmethod
+    def over(cls, table: torch.Tensor, slots: torch.Tensor, longest: int) -> SlabRows:
+        """Rows read from a table on the device (int64 [3, T]: `table`'s layout) over
+        `slots` (int32 [N] there)."""
+        return cls(table[0], table[1], table[2], slots, longest)
+
+
+def attend_slab(k_pool: torch.Tensor, v_pool: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rows: SlabRows, splits: int | None = None) -> torch.Tensor:
+    """A decode step's layer over a slab pool, for a CUDA graph: the new rows' k, v
+    [T, Hkv, D] written into their slots of the pools [S, Hkv, D] (one launch; padding
+    rows write nothing), then attention of q [T, Hq, D] over each row's sequence (one
+    launch, and the splits' combine). Returns out [T, Hq, D] in q's dtype."""
+    t, _, d = q.shape
+    _check_pools(q, k_pool, v_pool)
+    hkv = k_pool.shape[1]
+    if k.shape != (t, hkv, d) or v.shape != k.shape or rows.new.numel() != t:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not fit "
+                         f"{rows.new.numel()} rows over pools of {hkv} KV heads")
+    k, v = k.contiguous(), v.contiguous()
+    if t:
+        with _current(q.device):
+            _kernels(q.device).slab_append[(t,)](k, v, k_pool, v_pool, rows.new, k.stride(0), v.stride(0),
+                                                 k_pool.stride(0), v_pool.stride(0), HKV=hkv,
+                                                 H_PAD=triton_pow2(hkv), D=d, D_PAD=triton_pow2(d))
+    return _paged(q, k_pool, v_pool, rows.slots, rows.start, rows.visible, rows.longest, False, splits)[0]
 
 
 def products_in_float32(kv_dtype: torch.dtype, device: torch.device) -> bool:

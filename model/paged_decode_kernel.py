@@ -183,3 +183,22 @@ def buffer_append(k, v, row_base, row_cap, row_pos, layer, stride_kt, stride_vt,
     at = base + (2 * layer) * plane + pos * (HKV * D) + cell
     tl.store(at, tl.load(k + t * stride_kt + cell, mask=inside).to(KV), mask=inside)
     tl.store(at + plane, tl.load(v + t * stride_vt + cell, mask=inside).to(KV), mask=inside)
+
+
+@triton.jit
+def slab_append(k, v, k_pool, v_pool, row_slot, stride_kt, stride_vt, stride_ks, stride_vs,
+                HKV: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """k, v: [T, HKV, D] (heads and dims contiguous): row t is written into slot
+    row_slot[t] (int64) of the pools [S, HKV, D] (heads and dims contiguous, rows of
+    stride_ks / stride_vs elements), converted to the pools' dtype. A row whose slot is
+    negative writes nothing: a CUDA graph's padding rows."""
+    t = tl.program_id(0)
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D_PAD)
+    slot = tl.load(row_slot + t)
+    inside = (h < HKV)[:, None] & (d < D)[None, :] & (slot >= 0)
+    cell = h[:, None] * D + d[None, :]  # [H_PAD, D_PAD]
+    kv_k = tl.load(k + t * stride_kt + cell, mask=inside)
+    tl.store(k_pool + slot * stride_ks + cell, kv_k.to(k_pool.dtype.element_ty), mask=inside)
+    kv_v = tl.load(v + t * stride_vt + cell, mask=inside)
+    tl.store(v_pool + slot * stride_vs + cell, kv_v.to(v_pool.dtype.element_ty), mask=inside)

@@ -1,5 +1,8 @@
-"""The local engine's decode step on a GPU as one CUDA graph: every slice and every
-layer's attention over the engine's KV buffers, launched by one replay.
+"""A decode step on a GPU as one CUDA graph: every slice and every layer's attention,
+launched by one replay. `StepGraphs` serves the local engine, attending over its
+per-sequence KV buffers (lamina.model.paged_decode's buffer kernels); `SlabStepGraphs` a
+colocated model worker, attending over its attention core's slab pools (the paged
+kernel, `attend_slab`). Both are keyed, filled and replayed alike; below, the engine's.
 
 Slice graphs (lamina.model.slice_graphs) leave each layer's attention eager: its launches
 (the buffer kernels' write, attention and combine, lamina.model.paged_decode) and the
@@ -42,7 +45,14 @@ from typing import Any
 
 import torch
 
-from lamina.model.paged_decode import BufferRows, attend_buffers, multiprocessors, plan_splits
+from lamina.model.paged_decode import (
+    BufferRows,
+    SlabRows,
+    attend_buffers,
+    attend_slab,
+    multiprocessors,
+    plan_splits,
+)
 from lamina.model.slice_graphs import CaptureFailed, bucket_for, capture, end_pool
 from lamina.model.splitter import SplitModel
 
@@ -51,8 +61,6 @@ log = logging.getLogger(__name__)
 # The smallest context bucket: below it, a split of the kernels' grid would cover fewer
 # keys than a block, and each bucket is a capture of its own.
 CONTEXT_MIN = 512
-# The step table's rows: BufferRows' four (base, cap, pos, visible), then the inputs.
-_INPUT_IDS, _POSITIONS = 4, 5
 
 
 def context_bucket(longest: int) -> int:
@@ -63,16 +71,15 @@ def context_bucket(longest: int) -> int:
 @dataclass
 class _StepGraph:
     replay: Callable[[], torch.Tensor]  # runs the step (a graph's replay, or the body itself): logits [bucket, V]
-    table: torch.Tensor  # int64 [6, bucket] on the device: the rows table, then the inputs
+    table: torch.Tensor  # int64 [rows, bucket] on the device: the attention's rows, then the inputs
+    slots: torch.Tensor | None = None  # int32 [bucket * keys]: the slab's page table (SlabStepGraphs)
 
 
-class StepGraphs:
-    """One engine's decode steps as CUDA graphs, on `device` (see the module's docstring).
-    `multiprocessors` (default the device's) sizes the attention's splits, as for eager
-    steps."""
+class _Graphs:
+    """What both kinds of step graph share: the graphs by (batch bucket, context bucket),
+    their capture into one pool on a stream of their own, and the counts."""
 
-    def __init__(self, split: SplitModel, device: torch.device, *, capture: bool = True,
-                 multiprocessors: int | None = None) -> None:
+    def __init__(self, split: SplitModel, device: torch.device, capture: bool, multiprocessors: int | None) -> None:
         self.split = split
         self.device = torch.device(device)
         self.capture = capture
@@ -82,69 +89,24 @@ class StepGraphs:
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
         self._failed_graphs: list[torch.cuda.CUDAGraph] = []  # kept: the allocator may still name them
-        self.replays = 0  # steps replayed (the tests' and the benchmark's witness)
+        self.replays = 0  # steps replayed (the tests', the metrics' and the benchmark's witness)
         self.captures = 0
 
     @property
     def failures(self) -> int:
-        """(batch bucket, context bucket) pairs whose capture failed: their steps run as before."""
+        """(batch bucket, context bucket) pairs whose capture failed."""
         return len(self._failed)
 
-    def run(self, buffers: Sequence[torch.Tensor], held: Sequence[int], query_lens: Sequence[int],
-            input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """A decode step's logits [B, V] float32, its new K, V written into the buffers
-        (each sequence's, holding `held` tokens; input_ids, positions: [B] on the CPU), or
-        None where no graph serves it (the caller runs it as before)."""
-        rows = len(query_lens)
-        bucket = bucket_for(rows)
-        if bucket is None or any(n != 1 for n in query_lens) or not buffers:
-            return None
-        key = (bucket, context_bucket(max(held) + 1))
-        if key in self._failed:
-            return None
-        host = torch.empty(6, bucket, dtype=torch.int64)  # [6, bucket]
-        host[:4] = BufferRows.table(buffers, held, query_lens, rows=bucket)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._capture(key, buffers[0])
-            if graph is None:
-                return None
-            self._graphs[key] = graph
-        # Padding rows keep the inputs an earlier step left there (valid tokens and positions).
-        host[_INPUT_IDS, :rows] = input_ids
-        host[_POSITIONS, :rows] = positions
-        table = graph.table
-        if table.is_cuda:
-            table[:, :rows].copy_(host[:, :rows].pin_memory(), non_blocking=True)
-            table[:4, rows:].zero_()
-        else:
-            table[:, :rows] = host[:, :rows]
-            table[:4, rows:] = 0
-        logits = graph.replay()
-        self.replays += 1
-        return logits[:rows]
+    def splits(self, bucket: int, keys: int, kv_heads: int) -> int:
+        """The attention's splits a row for a graph of `bucket` rows over up to `keys` keys."""
+        return plan_splits(bucket, kv_heads, keys, self._multiprocessors or multiprocessors(self.device))
 
-    def _capture(self, key: tuple[int, int], like: torch.Tensor) -> _StepGraph | None:
-        """The step for `key`'s rows and keys over buffers like `like` ([layers, 2, cap, Hkv, D])."""
-        bucket, keys = key
-        hkv = like.shape[3]
-        # Plain tensors, filled in place before each replay (run_step runs in inference mode).
-        with torch.inference_mode(False):
-            table = torch.zeros(6, bucket, dtype=torch.int64, device=self.device)  # [6, bucket]
-            inputs = {"input_ids": table[_INPUT_IDS], "positions": table[_POSITIONS],
-                      "logits_index": torch.arange(bucket, device=self.device)}  # every row is a sequence's last
-        rows = BufferRows.over(table[:4], keys, like.dtype, hkv)
-        sms = self._multiprocessors or multiprocessors(self.device)
-        splits = plan_splits(bucket, hkv, keys, sms)
-
-        def body() -> torch.Tensor:
-            # q: [bucket, Hq, D]; k, v: [bucket, Hkv, D]. New outputs each call: the
-            # captured ones are the graph's.
-            return self.split.run(inputs, lambda i, q, k, v: attend_buffers(i, q, k, v, rows, splits=splits))
-
+    def _graph(self, key: tuple[int, int], body: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor] | None:
+        """The step's replay for `key`: `body` captured (or `body` itself, capture=False);
+        None where the capture failed (logged; the key is failed for good)."""
         if not self.capture:
             self.captures += 1
-            return _StepGraph(body, table)
+            return body
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             # High priority, as slice_graphs' capture streams: none of the default pool's
@@ -158,8 +120,8 @@ class StepGraphs:
             if failed.graph is not None:
                 end_pool(self.device, failed.graph, self._pool, self._failed_graphs)
                 self._pool = torch.cuda.graph_pool_handle()
-            log.warning("the decode step of %d rows over up to %d keys cannot be captured as a CUDA graph (its "
-                        "slices replay one by one): %s", bucket, keys, failed.error)
+            log.warning("the decode step of %d rows over up to %d keys cannot be captured as a CUDA graph: %s",
+                        *key, failed.error)
             return None
         self.captures += 1
 
@@ -167,4 +129,141 @@ class StepGraphs:
             graph.replay()
             return logits  # the captured call's, written again by each replay
 
-        return _StepGraph(replay, table)
+        return replay
+
+    def _inputs(self, table: torch.Tensor, bucket: int) -> dict[str, torch.Tensor]:
+        """The slices' inputs as rows of the step's table (its last two: token ids,
+        positions); every row is a sequence's last token."""
+        return {"input_ids": table[-2], "positions": table[-1],
+                "logits_index": torch.arange(bucket, device=self.device)}
+
+    def _replay(self, graph: _StepGraph, host: torch.Tensor, rows: int, attention_rows: int,
+                input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Fills the graph's table (the attention's `attention_rows` rows of `host`, with
+        its padding as `host` has it, then the step's tokens) and replays: logits [rows, V]."""
+        host[-2, :rows] = input_ids
+        host[-1, :rows] = positions
+        # Padding rows keep the inputs an earlier step left there (valid tokens and positions).
+        table = graph.table
+        if table.is_cuda:
+            table[:, :rows].copy_(host[:, :rows].pin_memory(), non_blocking=True)
+            table[:attention_rows, rows:].copy_(host[:attention_rows, rows:].pin_memory(), non_blocking=True)
+        else:
+            table[:, :rows] = host[:, :rows]
+            table[:attention_rows, rows:] = host[:attention_rows, rows:]
+        logits = graph.replay()
+        self.replays += 1
+        return logits[:rows]
+
+
+class StepGraphs(_Graphs):
+    """The local engine's decode steps as CUDA graphs, on `device` (see the module's
+    docstring). `multiprocessors` (default the device's) sizes the attention's splits,
+    as for eager steps."""
+
+    def __init__(self, split: SplitModel, device: torch.device, *, capture: bool = True,
+                 multiprocessors: int | None = None) -> None:
+        super().__init__(split, device, capture, multiprocessors)
+
+    def run(self, buffers: Sequence[torch.Tensor], held: Sequence[int], query_lens: Sequence[int],
+            input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """A decode step's logits [B, V] float32, its new K, V written into the buffers
+        (each sequence's, holding `held` tokens; input_ids, positions: [B] on the CPU), or
+        None where no graph serves it (the caller runs it as before)."""
+        rows = len(query_lens)
+        bucket = bucket_for(rows)
+        if bucket is None or any(n != 1 for n in query_lens) or not buffers:
+            return None
+        key = (bucket, context_bucket(max(held) + 1))
+        if key in self._failed:
+            return None
+        host = torch.empty(6, bucket, dtype=torch.int64)  # [6, bucket]: BufferRows' four, then the inputs
+        host[:4] = BufferRows.table(buffers, held, query_lens, rows=bucket)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(key, buffers[0])
+            if graph is None:
+                return None
+            self._graphs[key] = graph
+        return self._replay(graph, host, rows, 4, input_ids, positions)
+
+    def _capture(self, key: tuple[int, int], like: torch.Tensor) -> _StepGraph | None:
+        """The step for `key`'s rows and keys over buffers like `like` ([layers, 2, cap, Hkv, D])."""
+        bucket, keys = key
+        hkv = like.shape[3]
+        # Plain tensors, filled in place before each replay (run_step runs in inference mode).
+        with torch.inference_mode(False):
+            table = torch.zeros(6, bucket, dtype=torch.int64, device=self.device)  # [6, bucket]
+            inputs = self._inputs(table, bucket)
+        rows = BufferRows.over(table[:4], keys, like.dtype, hkv)
+        splits = self.splits(bucket, keys, hkv)
+
+        def body() -> torch.Tensor:
+            # q: [bucket, Hq, D]; k, v: [bucket, Hkv, D]. New outputs each call: the
+            # captured ones are the graph's.
+            return self.split.run(inputs, lambda i, q, k, v: attend_buffers(i, q, k, v, rows, splits=splits))
+
+        replay = self._graph(key, body)
+        return None if replay is None else _StepGraph(replay, table)
+
+
+class SlabStepGraphs(_Graphs):
+    """A colocated model worker's decode steps as CUDA graphs, attending over its
+    attention core's slab pools (`k_pools`, `v_pools`: one [S, Hkv, D] tensor a layer,
+    allocated once; lamina.kvstore.slab) by the paged kernel (lamina.model.paged_decode's
+    attend_slab): the same graphs as StepGraphs', whose rows table holds each row's start
+    in the step's page table, its keys and its new slot, and whose page table (the step's
+    slots, int32) is copied in beside it. Where a capture fails, its steps run the same
+    body eagerly: the caller has already extended the sequences for the step."""
+
+    def __init__(self, split: SplitModel, k_pools: Sequence[torch.Tensor], v_pools: Sequence[torch.Tensor], *,
+                 capture: bool = True, multiprocessors: int | None = None) -> None:
+        super().__init__(split, k_pools[0].device, capture, multiprocessors)
+        self.k_pools, self.v_pools = list(k_pools), list(v_pools)
+
+    @staticmethod
+    def serves(query_lens: Sequence[int]) -> bool:
+        """Whether a graph serves a step of sequences with these new tokens."""
+        return bool(query_lens) and bucket_for(len(query_lens)) is not None and all(n == 1 for n in query_lens)
+
+    def run(self, lens: Sequence[int], slots: torch.Tensor, input_ids: torch.Tensor,
+            positions: torch.Tensor) -> torch.Tensor:
+        """A decode step's logits [B, V] float32 (a step `serves`): sequences of `lens` keys,
+        each extended by its new token already, whose slots are `slots` (int64 [sum(lens)],
+        in order, the CPU); input_ids, positions: [B] on the CPU."""
+        rows = len(lens)
+        bucket = bucket_for(rows)
+        if bucket is None:
+            raise ValueError(f"no graph serves a step of {rows} sequences")
+        key = (bucket, context_bucket(max(lens)))
+        host = torch.empty(5, bucket, dtype=torch.int64)  # [5, bucket]: SlabRows' three, then the inputs
+        host[:3] = SlabRows.table(lens, slots, rows=bucket)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._capture(key)
+        assert graph.slots is not None
+        n = slots.numel()
+        if graph.slots.is_cuda:
+            graph.slots[:n].copy_(slots.to(torch.int32).pin_memory(), non_blocking=True)
+        else:
+            graph.slots[:n] = slots
+        return self._replay(graph, host, rows, 3, input_ids, positions)
+
+    def _capture(self, key: tuple[int, int]) -> _StepGraph:
+        bucket, keys = key
+        pool = self.k_pools[0]
+        hkv = pool.shape[1]
+        with torch.inference_mode(False):
+            table = torch.zeros(5, bucket, dtype=torch.int64, device=self.device)  # [5, bucket]
+            table[2] = -1  # every row padding until a step fills it
+            slots = torch.zeros(bucket * keys, dtype=torch.int32, device=self.device)  # [bucket * keys]
+            inputs = self._inputs(table, bucket)
+        rows = SlabRows.over(table[:3], slots, keys)
+        splits = self.splits(bucket, keys, hkv)
+
+        def body() -> torch.Tensor:
+            # q: [bucket, Hq, D]; k, v: [bucket, Hkv, D].
+            return self.split.run(inputs, lambda i, q, k, v: attend_slab(self.k_pools[i], self.v_pools[i], q, k, v,
+                                                                         rows, splits=splits))
+
+        return _StepGraph(self._graph(key, body) or body, table, slots)

@@ -57,6 +57,8 @@ class LocalAttention(Protocol):
 
     def local_step(self, seqs: list[tuple[str, int]]) -> AttendCall: ...
 
+    def decode_step(self, seqs: list[tuple[str, int]]) -> tuple[list[int], torch.Tensor]: ...
+
 
 @dataclass(frozen=True)
 class SeqRows:
@@ -346,6 +348,19 @@ class AttentionPool:
         for (_, rows, _), o in zip(route.parts, outs):
             out[rows] = o
         return out
+
+    def step_here(self, route: Route) -> tuple[LocalAttention, list[tuple[str, int]]] | None:
+        """The core in this process holding every row of the step, in the step's row
+        order, and the step's (seq_id, new tokens) on it; None where any is elsewhere (a
+        caller that then runs a whole step on the core, colocated: `decode_step`)."""
+        if self.partition == "head" or len(route.parts) != 1:
+            return None
+        w, _, members = route.parts[0]  # one part: every row, in order
+        return (self.local[w], members) if w in self.local else None
+
+    def timed(self, call: Callable[..., T], *args: Any) -> T:
+        """call(*args), its CPU time in this thread counted as attention on the local cores."""
+        return self._timed(call, *args)
 
     def attend_here(self, route: Route, device: torch.device | None = None) -> AttendCall | None:
         """A step's attention as a plain call, when all of it is on one core in this

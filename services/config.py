@@ -59,14 +59,16 @@ clear message naming the setting.
                                 # transfer beats recomputing it) | always | off (docs/kvstore.md);
                                 # prefetch: waiting prompts' prefixes move up to the device tier
                                 # while a forward computes (LAMINA_PREFILL_PREFETCH)
-    model_worker: {threads: 1, workers: 1, device: cpu, dtype: auto, cuda_graphs: true}
+    model_worker: {threads: 1, workers: 1, device: cpu, dtype: auto, cuda_graphs: true, step_graphs: true}
                                 # threads: the packed products' (torch's ops run on one);
                                 # LAMINA_MODEL_THREADS; device: cpu | cuda | cuda:N, where the slices
                                 # and sampling compute (LAMINA_MODEL_DEVICE); dtype: auto (float32 on
                                 # the CPU, bfloat16 on a GPU) | float32 | bfloat16 | float16 of weights
                                 # and activations (other than float32 needs weights: float32 on the
                                 # CPU; LAMINA_MODEL_DTYPE); cuda_graphs:
-                                # decode slices replayed as CUDA graphs on a GPU (LAMINA_MODEL_CUDA_GRAPHS)
+                                # decode slices replayed as CUDA graphs on a GPU (LAMINA_MODEL_CUDA_GRAPHS);
+                                # step_graphs: with them, colocated on the attention core's GPU, a
+                                # decode step replayed whole, its attention included (LAMINA_MODEL_STEP_GRAPHS)
     pipeline: {micro_batches: 2, min_micro_batch: 16, q_early: false,
                mode: fixed}     # fixed: micro-batches per model worker (colocated: 1); rotational: M + 1 over M workers
     attention: {workers: 2, max_workers: 0, threads: 1, kv_capacity_bytes: 0, gpu_memory_utilization: 0.9,
@@ -200,6 +202,10 @@ class ModelWorkerSection(_Computes):
     # On a GPU, each decode slice captured as a CUDA graph per batch-size bucket and
     # replayed (model/slice_graphs.py); false: every slice runs eagerly.
     cuda_graphs: bool = True
+    # With cuda_graphs, colocated (layout colocated) on the GPU of its attention core's
+    # paged kernel: each decode step captured whole, every layer's attention included, per
+    # batch and context bucket (model/step_graphs.py); false: the slices' graphs only.
+    step_graphs: bool = True
 
 
 @dataclass(frozen=True)
@@ -597,6 +603,7 @@ ENV_OVERRIDES = {
     "LAMINA_MODEL_DEVICE": "model_worker.device",
     "LAMINA_MODEL_DTYPE": "model_worker.dtype",
     "LAMINA_MODEL_CUDA_GRAPHS": "model_worker.cuda_graphs",
+    "LAMINA_MODEL_STEP_GRAPHS": "model_worker.step_graphs",
     "LAMINA_ATTENTION_DEVICE": "attention.device",
     "LAMINA_ATTENTION_DTYPE": "attention.dtype",
     "LAMINA_GPU_MEMORY_UTILIZATION": "attention.gpu_memory_utilization",

@@ -68,17 +68,27 @@ def check_attend(shape: KVShape, slabs: SlabAllocator, storing: Container[str], 
     (which extends the sequences) a sequence holds its new tokens already, so it
     cannot have more new tokens than tokens: those rows would be another sequence's."""
     check_layer(shape, layer)
+    check_members(seqs)
+    rows = sum(n for _, n in seqs)
+    check_tensor(shape, "q", q, rows, shape.num_q_heads)
+    if kv is not None:
+        check_tensor(shape, "k", kv[0], rows, shape.num_kv_heads)
+        check_tensor(shape, "v", kv[1], rows, shape.num_kv_heads)
+    check_held(slabs, storing, layer, seqs)
+
+
+def check_members(seqs: list[tuple[str, int]]) -> None:
+    """At least one sequence, none twice, each with at least one new token."""
     if not seqs:
         raise _bad("no sequences")
     if any(n < 1 for _, n in seqs):
         raise _bad(f"every sequence has at least one new token, got {short_repr(seqs)}")
     if len({s for s, _ in seqs}) != len(seqs):
         raise _bad(f"a sequence appears twice in {short_repr(seqs)}")
-    rows = sum(n for _, n in seqs)
-    check_tensor(shape, "q", q, rows, shape.num_q_heads)
-    if kv is not None:
-        check_tensor(shape, "k", kv[0], rows, shape.num_kv_heads)
-        check_tensor(shape, "v", kv[1], rows, shape.num_kv_heads)
+
+
+def check_held(slabs: SlabAllocator, storing: Container[str], layer: int, seqs: list[tuple[str, int]]) -> None:
+    """Every sequence held here whole; past layer 0, none with more new tokens than it holds."""
     unknown = [s for s, _ in seqs if not slabs.has_request(s) or s in storing]
     if unknown:
         # Decoding a sequence whose prompt KV never arrived whole (or was freed) would

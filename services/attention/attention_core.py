@@ -50,7 +50,14 @@ from lamina.model.kv_quant import KV_QUANT_CHOICES, Q4Rows
 from lamina.model.paged_decode import PagedSlots, paged_attention, paged_available
 from lamina.model.placement import runs_natively
 from lamina.model.uploads import upload
-from lamina.services.attention.attention_checks import KVShape, PendingStore, check_attend, check_store
+from lamina.services.attention.attention_checks import (
+    KVShape,
+    PendingStore,
+    check_attend,
+    check_held,
+    check_members,
+    check_store,
+)
 from lamina.services.wire import RemoteError, StoreKV, short_repr
 
 # What Q, K and V may arrive as: each is converted to the worker's device and KV dtype.
@@ -216,13 +223,7 @@ class AttentionCore:
         """Write the step's new K, V (extending the sequences at layer 0) in one indexed
         write per pool; the new slots are fresh (never shared), so no copy-on-write."""
         if layer == 0:
-            needed = sum(n for _, n in seqs)
-            if not self.slabs.can_allocate(needed):
-                raise RemoteError("kv_full", f"{needed} more tokens asked, {self.slabs.num_free_tokens} free")
-            now = monotonic()
-            for seq_id, n in seqs:
-                self.slabs.extend(seq_id, n)
-                self._touched[seq_id] = now
+            self._extend(seqs)
         step = self._slots(seqs)
         fast = step.decode_path([n for _, n in seqs])
         if fast is not None and k.dtype == v.dtype == torch.float32:
@@ -278,6 +279,28 @@ class AttentionCore:
             return out
 
         return call
+
+    def decode_step(self, seqs: list[tuple[str, int]]) -> tuple[list[int], torch.Tensor]:
+        """A decode step's sequences extended by their new tokens, for a caller that then
+        writes and attends every layer itself (a colocated model worker's step replayed as
+        a CUDA graph, lamina.model.step_graphs.SlabStepGraphs, over this core's pools):
+        what `attend` checks and does at layer 0, without its K, V. Returns each sequence's
+        keys (its new ones included) and their slots (int64 [sum], in order, on the CPU)."""
+        check_members(seqs)
+        check_held(self.slabs, self._storing, 0, seqs)
+        self._extend(seqs)
+        ids = [s for s, _ in seqs]
+        return [self.slabs.num_tokens(s) for s in ids], self.slabs.batch_slots(ids)
+
+    def _extend(self, seqs: list[tuple[str, int]]) -> None:
+        """Every sequence extended by its new tokens (a step's layer 0), or none: kv_full."""
+        needed = sum(n for _, n in seqs)
+        if not self.slabs.can_allocate(needed):
+            raise RemoteError("kv_full", f"{needed} more tokens asked, {self.slabs.num_free_tokens} free")
+        now = monotonic()
+        for seq_id, n in seqs:
+            self.slabs.extend(seq_id, n)
+            self._touched[seq_id] = now
 
     def attend_held(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,11 +44,12 @@ from lamina.model.loader import LoadedModel, load_model
 from lamina.model.placement import place, runs_natively
 from lamina.model.slice_graphs import SliceGraphs
 from lamina.model.splitter import Attend, SliceOutput
+from lamina.model.step_graphs import SlabStepGraphs
 from lamina.model.threads import set_compute_threads
 from lamina.sampling.grammar import Grammars
 from lamina.services.addresses import with_host
 from lamina.services.attention.attention_service import AttentionService
-from lamina.services.attention_pool import AttentionPool, SeqRows
+from lamina.services.attention_pool import AttentionPool, LocalAttention, SeqRows
 from lamina.services.config import PortsSection, StackConfig
 from lamina.services.devices import compute_dtype, open_device
 from lamina.services.model.decode_runner import DecodeRunner
@@ -79,6 +80,8 @@ class ModelSlices:
         self.device = torch.device("cpu")  # where the slices compute (load() moves them)
         self.staging = Staging(self.device)  # each micro-batch's stream and pinned buffers there
         self.graphs: SliceGraphs | None = None  # the decode slices as CUDA graphs (a GPU's)
+        # Whole decode steps as CUDA graphs over a colocated attention core's pools (a GPU's).
+        self.step_graphs: SlabStepGraphs | None = None
 
     @classmethod
     def load(cls, model_path: str | None, weights: str = "float32", device: str | torch.device = "cpu",
@@ -130,6 +133,20 @@ class ModelSlices:
         self.compute_s += time.thread_time() - t0 - (pool.local_s - attending)
         return logits
 
+    def _graph_step(self, batch: StepBatch, pool: AttentionPool, core: LocalAttention,
+                    members: list[tuple[str, int]]) -> torch.Tensor:
+        """Logits [B, V] of a decode step replayed whole as a CUDA graph over the colocated
+        core's pools (`step_graphs`): the core extends the sequences first (refusing the
+        step as its attend would at layer 0), and its share of the CPU time is counted
+        as attention's."""
+        assert self.step_graphs is not None
+        lens, slots = pool.timed(core.decode_step, members)
+        t0 = time.thread_time()
+        with torch.inference_mode():
+            logits = self.step_graphs.run(lens, slots, batch.input_ids, batch.positions)  # [B, V] float32
+        self.compute_s += time.thread_time() - t0
+        return logits
+
     async def forward(self, micro_batch: int, step: int, batch: StepBatch, seqs: list[SeqRows],
                       pool: AttentionPool, executors: SliceExecutors | None = None) -> torch.Tensor:
         """Logits [B, V] of the batch on the slices' device, where they are sampled;
@@ -137,6 +154,10 @@ class ModelSlices:
         whichever model worker `executors` finds free."""
         route = pool.route(seqs)
         device = self.device
+        whole = self.step_graphs is not None and executors is None and self.step_graphs.serves(batch.query_lens)
+        local = pool.step_here(route) if whole else None
+        if local is not None:
+            return self._graph_step(batch, pool, *local)
         here = pool.attend_here(route, device) if executors is None else None
         if here is not None:
             return self._forward_here(batch, pool, here)
@@ -207,11 +228,20 @@ class ModelService:
         self.m_graph_failures = prometheus_client.Counter(
             "lamina_model_graph_capture_failures", "slices and batch buckets whose CUDA graph capture failed "
             "(they run eagerly)", registry=r)
-        self._graphs_reported = (0, 0)  # replays and capture failures already counted
+        self.m_step_replays = prometheus_client.Counter(
+            "lamina_model_step_graph_replays", "decode steps replayed whole as CUDA graphs (colocated)", registry=r)
+        self.m_step_failures = prometheus_client.Counter(
+            "lamina_model_step_graph_capture_failures", "batch and context buckets whose whole-step CUDA graph "
+            "capture failed (their steps run the same launches eagerly)", registry=r)
+        self._graphs_reported = (0, 0, 0, 0)  # slice and step replays and capture failures already counted
         self.pool: AttentionPool | None = None
         self.executors: SliceExecutors | None = None  # rotational only
         self.slice_server = SliceServer(self.slices.split.slices, self._serve_slice)
         self.attention = _colocated_attention(config, index, self.runtime.stopping) if config.colocated else None
+        core = None if self.attention is None else self.attention.core
+        if core is not None and core.paged and core.device == self.slices.device and mw.cuda_graphs \
+                and mw.step_graphs:
+            self.slices.step_graphs = SlabStepGraphs(self.slices.split, core.slabs.k_pools, core.slabs.v_pools)
         self._runner: DecodeRunner | None = None
         # compute and send seconds, remote slices, local attention seconds already counted
         self._reported = (0.0, 0.0, 0, 0.0)
@@ -234,13 +264,13 @@ class ModelService:
                self.executors.remote_slices if self.executors else 0, self.pool.local_s if self.pool else 0.0)
         for counter, value, before in zip((self.m_compute, self.m_send, self.m_remote), now, self._reported):
             counter.inc(value - before)
-        graphs = self.slices.graphs
-        if graphs is not None:
-            counts = (graphs.replays, graphs.failures)
-            for counter, value, before in zip((self.m_graph_replays, self.m_graph_failures), counts,
-                                              self._graphs_reported):
-                counter.inc(value - before)
-            self._graphs_reported = counts
+        graphs, steps = self.slices.graphs, self.slices.step_graphs
+        counts = ((0, 0) if graphs is None else (graphs.replays, graphs.failures)) \
+            + ((0, 0) if steps is None else (steps.replays, steps.failures))
+        for counter, value, before in zip((self.m_graph_replays, self.m_graph_failures, self.m_step_replays,
+                                           self.m_step_failures), counts, self._graphs_reported):
+            counter.inc(value - before)
+        self._graphs_reported = counts
         if self.attention is not None:
             self.attention.count_local(now[3] - self._reported[3])
         self._reported = now

@@ -3,7 +3,7 @@ random model of SmolLM2's shape (no GGUF file needs to reach a GPU machine), gre
 output through the OpenAI API equal to transformers' token for token in float32, over
 cuda_ipc and tcp, with 1 and 2 micro-batches, Q-early on and off, request and head
 partitioning, and colocated (each model worker attending on its own GPU core, its decode
-slices replayed as CUDA graphs); in bfloat16, greedy tokens against transformers'
+steps replayed whole as CUDA graphs); in bfloat16, greedy tokens against transformers'
 bfloat16 and logprobs against the one-GPU engine's; and an attention worker killed
 mid-decode on the GPU, rebuilt as on the CPU. Runs only where CUDA is present (skipped,
 saying so, elsewhere)."""
@@ -93,10 +93,13 @@ def test_greedy_through_the_stack_on_cuda_equals_transformers(row, model_refs):
             outs = list(pool.map(lambda p: complete(stack, p, NEW_TOKENS, return_token_ids=True), prompts))
         for prompt, out in zip(prompts, outs):
             assert out["choices"][0]["token_ids"] == completions[tuple(prompt)]
-        # The decode slices ran as CUDA graphs (a failed capture would run them eagerly, as right).
-        model_workers = row[2] if row[5] == "colocated" else 1
-        graphs = [(metric_total(stack, "model", f"model-{i}", "lamina_model_graph_replays_total"),
-                   metric_total(stack, "model", f"model-{i}", "lamina_model_graph_capture_failures_total"))
+        # The decode slices ran as CUDA graphs (a failed capture would run them eagerly, as
+        # right); colocated, whole decode steps did (lamina.model.step_graphs.SlabStepGraphs).
+        colocated = row[5] == "colocated"
+        model_workers = row[2] if colocated else 1
+        kind = "step_graph" if colocated else "graph"
+        graphs = [(metric_total(stack, "model", f"model-{i}", f"lamina_model_{kind}_replays_total"),
+                   metric_total(stack, "model", f"model-{i}", f"lamina_model_{kind}_capture_failures_total"))
                   for i in range(model_workers)]
         assert sum(r for r, _ in graphs) > 0 and all(f == 0 for _, f in graphs), graphs
     finally:

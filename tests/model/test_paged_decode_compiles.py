@@ -91,6 +91,12 @@ def _launches(monkeypatch) -> list[tuple[str, dict]]:
         rows = paged_decode.BufferRows.of(buffers, [150, 1], [1, 1])
         paged_decode.attend_buffers(0, q, torch.zeros(2, hkv, d, dtype=dtype), torch.zeros(2, hkv, d, dtype=dtype),
                                     rows, splits=3)
+        # A CUDA graph's decode step over the slab (model/step_graphs.py), in 3 splits.
+        table = paged_decode.SlabRows.table([3, 2], torch.tensor([1, 2, 3, 4, 5]), rows=4)
+        slab = paged_decode.SlabRows.over(table, torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32), 512)
+        q4 = torch.zeros(4, hq, d, dtype=dtype)
+        paged_decode.attend_slab(pool, pool, q4, torch.zeros(4, hkv, d, dtype=dtype),
+                                 torch.zeros(4, hkv, d, dtype=dtype), slab, splits=3)
         made += [(f"{model} {str(dtype).removeprefix('torch.')}", launch) for launch in recorder.launches[start:]]
     unique = {json.dumps(launch, sort_keys=True): (shape, launch) for shape, launch in made}
     return list(unique.values())
@@ -99,7 +105,7 @@ def _launches(monkeypatch) -> list[tuple[str, dict]]:
 def test_the_kernels_compile_for_hopper_as_launched(monkeypatch):
     launches = _launches(monkeypatch)
     assert {launch["kernel"] for _, launch in launches} == {"paged_decode", "buffer_decode", "buffer_append",
-                                                             "combine_splits"}
+                                                             "combine_splits", "slab_append"}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     job = json.dumps({"arch": HOPPER, "launches": [launch for _, launch in launches]})
     done = subprocess.run([sys.executable, "-P", str(Path(__file__).with_name("compile_for_gpu.py"))], input=job,

@@ -16,11 +16,14 @@ pytest.importorskip("triton", reason="needs triton (pip install '.[dev]' install
 from lamina.engine.kv import KVStore
 from lamina.engine.step import run_step
 from lamina.model import step_graphs
+from lamina.model.attention import causal_attention
 from lamina.model.batch import StepBatch
 from lamina.model.llama import split_llama
 from lamina.model.loader import load_model
 from lamina.model.placement import place
-from lamina.model.step_graphs import StepGraphs, context_bucket
+from lamina.model.step_graphs import SlabStepGraphs, StepGraphs, context_bucket
+from lamina.services.attention.attention_core import AttentionCore
+from lamina.services.wire import RemoteError, StoreKV
 
 SENTINEL = 7.0  # what every buffer holds where no step wrote
 
@@ -35,23 +38,31 @@ def split_model():
     return load_model("random:smollm2-135m", packed=False)
 
 
-@pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_decode_steps_through_the_graphs_equal_the_eager_steps(split_model, device, monkeypatch):
-    """Four sequences, then three (bucket 4's graph again, its last row now padding: the
-    buffer of the sequence that finished, still allocated, is not written), three across
-    a context bucket's edge (512 -> 1024 keys: a graph of its own), then one (bucket 1):
-    each step's logits equal the eager path's (a CPU engine's native kernels; on a GPU
-    the buffer kernels launched one by one), its K, V rows are the eager path's, and no buffer changes past the rows a step
-    wrote. Three graphs, four replays; several splits a row (multiprocessors=8)."""
-    loaded = split_model
+STEP_LENS = {"a": 510, "b": 200, "c": 40, "d": 100}  # prompts: across 512 keys after two steps
+
+
+def _steps_setup(loaded, device: str, seed: int):
+    """The model split (and placed on `device`), the prompts' lengths and random prompts."""
     cfg = loaded.config
     split = split_llama(loaded.model)
     dev = torch.device(device)
     if dev.type != "cpu":
         place([loaded.model, *(piece.module for piece in split.slices)], dev, torch.float32)
-    lens = {"a": 510, "b": 200, "c": 40, "d": 100}
-    gen = torch.Generator().manual_seed(0)
-    prompts = {s: torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for s, n in lens.items()}
+    gen = torch.Generator().manual_seed(seed)
+    prompts = {s: torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for s, n in STEP_LENS.items()}
+    return cfg, split, dev, dict(STEP_LENS), prompts
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_decode_steps_through_the_graphs_equal_the_eager_steps(split_model, device):
+    """Four sequences, then three (bucket 4's graph again, its last row now padding: the
+    buffer of the sequence that finished, still allocated, is not written), three across
+    a context bucket's edge (512 -> 1024 keys: a graph of its own), then one (bucket 1):
+    each step's logits equal the eager path's (a CPU engine's native kernels; on a GPU
+    the buffer kernels launched one by one), its K, V rows are the eager path's, and no
+    buffer changes past the rows a step wrote. Three graphs, four replays; several splits
+    a row (multiprocessors=8)."""
+    cfg, split, dev, lens, prompts = _steps_setup(split_model, device, seed=0)
     stores = []
     for _ in range(2):  # the eager path's, the graphs'
         kv = KVStore(cfg, 1 << 30, device=dev if dev.type != "cpu" else None)
@@ -108,3 +119,70 @@ def test_steps_no_graph_serves_are_left_to_the_caller(split_model, monkeypatch):
     assert graphs.run(bufs[:1], [0], [3], ids, torch.arange(3)) is None
     assert graphs.run(bufs, [0, 0, 0], [1, 1, 1], ids, torch.zeros(3, dtype=torch.long)) is None
     assert graphs.captures == graphs.replays == 0 and all(bool((b == SENTINEL).all()) for b in bufs)
+
+
+def _prompt_kv(split, prompt: list[int], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's K, V [P, Hkv, D] of a prompt, by the split model with causal attention."""
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def attend(i, q, k, v):
+        kv.append((k.clone(), v.clone()))
+        return causal_attention(q, k, v)
+
+    batch = StepBatch.build(["p"], [prompt], [0])
+    with torch.inference_mode():
+        split.run(batch.model_inputs(device), attend)
+    return kv
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_colocated_decode_steps_through_the_graphs_equal_the_cores_own_steps(split_model, device):
+    """A colocated model worker's steps over its attention core's slab pools
+    (SlabStepGraphs): the same four steps as the engine's test, each extended by the core
+    (`decode_step`) and replayed, against a twin core attending layer by layer
+    (`local_step`): equal logits, each step's new slots written as the twin wrote them,
+    every other slot of every layer's pools unchanged (the finished sequence's slots,
+    freed and handed out again, included), three graphs and four replays."""
+    cfg, split, dev, lens, prompts = _steps_setup(split_model, device, seed=1)
+    cores = [AttentionCore(cfg, 1200 * cfg.kv_bytes_per_token(4), cfg.num_kv_heads, device=dev) for _ in range(2)]
+    for core in cores:
+        for pool in (*core.slabs.k_pools, *core.slabs.v_pools):
+            pool.fill_(SENTINEL)
+    for s, prompt in prompts.items():
+        for layer, (k, v) in enumerate(_prompt_kv(split, prompt, dev)):
+            for core in cores:
+                core.store(StoreKV(s, layer, cfg.num_layers, k, v))
+    eager, graphed = cores
+    graphs = SlabStepGraphs(split, graphed.slabs.k_pools, graphed.slabs.v_pools, capture=dev.type == "cuda",
+                            multiprocessors=8)
+    last = {s: prompts[s][-1] for s in lens}
+    for members in (["a", "b", "c", "d"], ["a", "b", "c"], ["a", "b", "c"], ["b"]):
+        if "d" not in members and graphed.slabs.has_request("d"):
+            for core in cores:
+                core.free(["d"])
+        assert SlabStepGraphs.serves([1] * len(members))
+        positions = [graphed.slabs.num_tokens(s) for s in members]
+        batch = StepBatch.build(members, [[last[s]] for s in members], positions)
+        with torch.inference_mode():
+            want = split.run(batch.model_inputs(dev), eager.local_step([(s, 1) for s in members]))  # [B, V]
+        before = [p.clone() for p in (*graphed.slabs.k_pools, *graphed.slabs.v_pools)]
+        lens_now, slots = graphed.decode_step([(s, 1) for s in members])
+        assert lens_now == [p + 1 for p in positions]
+        with torch.inference_mode():
+            got = graphs.run(lens_now, slots, batch.input_ids, batch.positions)
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+        new = [graphed.slabs.slots(s)[-1] for s in members]
+        assert new == [eager.slabs.slots(s)[-1] for s in members]  # the twins hand out the same slots
+        pools = (*graphed.slabs.k_pools, *graphed.slabs.v_pools)
+        twins = (*eager.slabs.k_pools, *eager.slabs.v_pools)
+        for pool, old, twin in zip(pools, before, twins):
+            torch.testing.assert_close(pool[new], twin[new], atol=2e-4, rtol=1e-4)
+            pool[new] = old[new]
+            assert torch.equal(pool, old)  # nothing else written
+            pool[new] = twin[new]
+        last.update(zip(members, want.argmax(-1).tolist()))
+    assert (graphs.captures, graphs.replays, graphs.failures) == (3, 4, 0)
+    with pytest.raises(RemoteError, match="no KV for sequence"):
+        graphed.decode_step([("d", 1)])
+    with pytest.raises(RemoteError, match="appears twice"):
+        graphed.decode_step([("a", 1), ("a", 1)])

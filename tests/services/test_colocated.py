@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+from importlib.util import find_spec
 
 import pytest
 import torch
@@ -134,3 +136,62 @@ def test_a_step_on_one_local_core_is_a_plain_call_equal_to_the_awaited_one():
 
     asyncio.run(step())
     assert cores[0].slabs.num_tokens("a") == cores[1].slabs.num_tokens("a") == 6
+
+
+@pytest.mark.skipif(find_spec("triton") is None, reason="needs triton (pip install '.[dev]' installs it)")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton's interpreter is off (a CUDA host: tests/e2e/test_stack_cuda.py's colocated row)")
+def test_a_colocated_step_replayed_whole_equals_the_layer_by_layer_step():
+    """A colocated model worker's decode step through its step graphs (SlabStepGraphs, run
+    here without capture: the graph's body, its kernels under Triton's interpreter) over
+    its core's pools: the logits of the same step attended layer by layer on a twin core,
+    the core's sequences extended alike, the attention's CPU time counted; a step with a
+    sequence the core does not hold is refused as its attend refuses it, before anything
+    is written; a step on two cores is left to the layer-by-layer path."""
+    from lamina.model.attention import causal_attention
+    from lamina.model.batch import StepBatch
+    from lamina.model.step_graphs import SlabStepGraphs
+    from lamina.services.model.model_service import ModelSlices
+
+    slices = ModelSlices.load("random:smollm2-135m", "float32")
+    cfg = slices.cfg
+    split = slices.split
+    gen = torch.Generator().manual_seed(0)
+    prompts = {s: torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for s, n in (("a", 9), ("b", 14))}
+    cores = [AttentionCore(cfg, 64 * cfg.kv_bytes_per_token(4), cfg.num_kv_heads) for _ in range(2)]
+    for s, prompt in prompts.items():
+        kv: list = []
+
+        def attend(i, q, k, v, kv=kv):
+            kv.append((k.clone(), v.clone()))
+            return causal_attention(q, k, v)
+
+        with torch.inference_mode():
+            split.run(StepBatch.build([s], [prompt], [0]).model_inputs(), attend)
+        for layer, (k, v) in enumerate(kv):
+            for core in cores:
+                core.store(StoreKV(s, layer, cfg.num_layers, k, v))
+    graphs = SlabStepGraphs(split, cores[1].slabs.k_pools, cores[1].slabs.v_pools, capture=False)
+    seqs = [SeqRows("a", 1, [0]), SeqRows("b", 1, [0])]
+    batch = StepBatch.build(["a", "b"], [[prompts["a"][-1]], [prompts["b"][-1]]], [9, 14])
+
+    async def step() -> None:
+        pools = [AttentionPool([None], "request", cfg, local={0: core}) for core in cores]
+        try:
+            want = await slices.forward(0, 0, batch, seqs, pools[0])  # [2, V]
+            slices.step_graphs = graphs
+            got = await slices.forward(0, 0, batch, seqs, pools[1])
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+            assert graphs.replays == 1 and pools[1].local_s > 0.0
+            with pytest.raises(RemoteError, match="no KV for sequence"):
+                await slices.forward(0, 1, StepBatch.build(["c"], [[1]], [3]), [SeqRows("c", 1, [0])], pools[1])
+            assert graphs.replays == 1
+            two = AttentionPool([None, None], "request", cfg, local=dict(enumerate(cores)))
+            assert two.step_here(two.route([SeqRows("a", 1, [0]), SeqRows("b", 1, [1])])) is None
+            await two.close()
+        finally:
+            slices.step_graphs = None
+            await asyncio.gather(*(p.close() for p in pools))
+
+    asyncio.run(step())
+    assert [c.slabs.num_tokens("a") for c in cores] == [10, 10] and [c.slabs.num_tokens("b") for c in cores] == [15, 15]
