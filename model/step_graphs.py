@@ -14,8 +14,8 @@ host time, which kept the engine at 5 to 10 times its bandwidth bound at 1B
 What a graph fixes at capture, and how a step fits it:
 - Rows: the smallest bucket of slice_graphs.BUCKETS holding the step's B sequences. Rows
   past B are padding: zeros in the rows table (address 0, cap 0: the buffer write stores
-  nothing for them, and they see no key); their inputs keep what an earlier step left
-  (a valid token at a valid position), and only the first B rows' logits are read.
+  nothing for them, and they see no key); their inputs are token 0 at position 0, and
+  only the first B rows' logits are read.
 - Keys: the attention kernels' grid, and so how many keys each split covers, is fixed,
   for rows of at most the context bucket's keys (the smallest power of two of at least
   CONTEXT_MIN holding the step's longest row); a split that starts past its row's keys
@@ -137,20 +137,17 @@ class _Graphs:
         return {"input_ids": table[-2], "positions": table[-1],
                 "logits_index": torch.arange(bucket, device=self.device)}
 
-    def _replay(self, graph: _StepGraph, host: torch.Tensor, rows: int, attention_rows: int,
-                input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Fills the graph's table (the attention's `attention_rows` rows of `host`, with
-        its padding as `host` has it, then the step's tokens) and replays: logits [rows, V]."""
+    def _replay(self, graph: _StepGraph, host: torch.Tensor, rows: int, input_ids: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        """Fills the graph's table from `host` (the attention's rows, padding included,
+        then the inputs: the step's tokens in its first `rows` columns, token 0 at position
+        0 in the padding's) in one copy, and replays: logits [rows, V]."""
         host[-2, :rows] = input_ids
         host[-1, :rows] = positions
-        # Padding rows keep the inputs an earlier step left there (valid tokens and positions).
-        table = graph.table
-        if table.is_cuda:
-            table[:, :rows].copy_(host[:, :rows].pin_memory(), non_blocking=True)
-            table[:attention_rows, rows:].copy_(host[:attention_rows, rows:].pin_memory(), non_blocking=True)
+        if graph.table.is_cuda:
+            graph.table.copy_(host.pin_memory(), non_blocking=True)
         else:
-            table[:, :rows] = host[:, :rows]
-            table[:attention_rows, rows:] = host[:attention_rows, rows:]
+            graph.table.copy_(host)
         logits = graph.replay()
         self.replays += 1
         return logits[:rows]
@@ -177,7 +174,7 @@ class StepGraphs(_Graphs):
         key = (bucket, context_bucket(max(held) + 1))
         if key in self._failed:
             return None
-        host = torch.empty(6, bucket, dtype=torch.int64)  # [6, bucket]: BufferRows' four, then the inputs
+        host = torch.zeros(6, bucket, dtype=torch.int64)  # [6, bucket]: BufferRows' four, then the inputs
         host[:4] = BufferRows.table(buffers, held, query_lens, rows=bucket)
         graph = self._graphs.get(key)
         if graph is None:
@@ -185,7 +182,7 @@ class StepGraphs(_Graphs):
             if graph is None:
                 return None
             self._graphs[key] = graph
-        return self._replay(graph, host, rows, 4, input_ids, positions)
+        return self._replay(graph, host, rows, input_ids, positions)
 
     def _capture(self, key: tuple[int, int], like: torch.Tensor) -> _StepGraph | None:
         """The step for `key`'s rows and keys over buffers like `like` ([layers, 2, cap, Hkv, D])."""
@@ -236,7 +233,7 @@ class SlabStepGraphs(_Graphs):
         if bucket is None:
             raise ValueError(f"no graph serves a step of {rows} sequences")
         key = (bucket, context_bucket(max(lens)))
-        host = torch.empty(5, bucket, dtype=torch.int64)  # [5, bucket]: SlabRows' three, then the inputs
+        host = torch.zeros(5, bucket, dtype=torch.int64)  # [5, bucket]: SlabRows' three, then the inputs
         host[:3] = SlabRows.table(lens, slots, rows=bucket)
         graph = self._graphs.get(key)
         if graph is None:
@@ -247,7 +244,7 @@ class SlabStepGraphs(_Graphs):
             graph.slots[:n].copy_(slots.to(torch.int32).pin_memory(), non_blocking=True)
         else:
             graph.slots[:n] = slots
-        return self._replay(graph, host, rows, 3, input_ids, positions)
+        return self._replay(graph, host, rows, input_ids, positions)
 
     def _capture(self, key: tuple[int, int]) -> _StepGraph:
         bucket, keys = key
