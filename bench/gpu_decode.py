@@ -28,7 +28,9 @@ another (each one's memory given back to the device before the next):
   model worker: colocated (attending on the device itself: what `lamina up --device cuda`
   starts, docs/services.md, Layouts), then with 2 and 1 micro-batches each over 1 and 2
   attention workers (`--no-stack`: left out; runs in that order, so that a run cut short
-  keeps the layout users get and the issue's 2 micro-batches first), each warmed up with
+  keeps the layout users get and the issue's 2 micro-batches first; `colocated_slices`,
+  right after colocated: the same with model_worker.step_graphs off, its decode slices'
+  graphs only), each warmed up with
   the whole batch, short (planner/measure/stack_run.py), and timed
   over S steps of the whole batch: each request may make `--stack-hold` more tokens, so
   the sequences prefilled first still decode when the last one has made its S (the
@@ -49,7 +51,7 @@ engine/transformers, the stack's 2 micro-batches/engine and colocated/engine, st
 appended to `--out` (JSON lines) after each contender, with what it has so far (a
 contender that fails leaves its error in the row, `NAME_error`, and the others run); the
 last line is one JSON object: {"device", "engine_tok_s", "engine_slices_tok_s", "transformers_tok_s",
-"stack_tok_s": {"mb1", "mb2", "colocated"}, "step_vs_bound", "attention_ms_per_layer":
+"stack_tok_s": {"mb1", "mb2", "colocated", "colocated_slices"}, "step_vs_bound", "attention_ms_per_layer":
 {"worker", "engine"}, "skipped", "errors"}, each keyed by "model/dtype/bB/cC" (mb1 and
 mb2: the faster of 1 and 2 attention workers).
 
@@ -250,8 +252,8 @@ def run_transformers(hf: Any, point: Point, prompts: list[list[int]], steps: int
 
 
 # What --contenders names: the engine, transformers, attention alone, and the stack's runs.
-CONTENDERS = ("engine", "engine_slices", "transformers", "attention", "colocated", "mb2_aw1", "mb2_aw2", "mb1_aw1",
-              "mb1_aw2")
+CONTENDERS = ("engine", "engine_slices", "transformers", "attention", "colocated", "colocated_slices", "mb2_aw1",
+              "mb2_aw2", "mb1_aw1", "mb1_aw2")
 
 
 def main() -> None:
@@ -305,7 +307,8 @@ def main() -> None:
 
     report: dict[str, Any] = {"device": f"{device} ({name})", "engine_tok_s": {}, "engine_slices_tok_s": {},
                               "transformers_tok_s": {},
-                              "stack_tok_s": {"mb1": {}, "mb2": {}, "colocated": {}}, "step_vs_bound": {},
+                              "stack_tok_s": {"mb1": {}, "mb2": {}, "colocated": {}, "colocated_slices": {}},
+                              "step_vs_bound": {},
                               "attention_ms_per_layer": {"worker": {}, "engine": {}}, "skipped": [],
                               "errors": {}}
 
@@ -376,11 +379,12 @@ def main() -> None:
                 rows[point.key]["stack_error"] = "does not fit: the prefill's and model worker's weights and the KV"
                 record(rows[point.key])
                 continue
-            if "colocated" in chosen:
-                measure(rows[point.key], "stack_colocated_tok_s", record, stack_tok_s, prompts, steps, transport, 1,
-                        False, 1, attention_slab(per_seq, point.batch, 1) + (256 << 20), weights, layout="colocated",
-                        model=point.checkpoint, device=str(device), dtype=dtype, hold=hold,
-                        trace_dir=traced(point, "colocated"))
+            for name, whole in (("colocated", True), ("colocated_slices", False)):
+                if name in chosen:
+                    measure(rows[point.key], f"stack_{name}_tok_s", record, stack_tok_s, prompts, steps, transport,
+                            1, False, 1, attention_slab(per_seq, point.batch, 1) + (256 << 20), weights,
+                            layout="colocated", model=point.checkpoint, device=str(device), dtype=dtype, hold=hold,
+                            trace_dir=traced(point, name), step_graphs=whole)
             for mb in (2, 1):
                 for workers in (1, 2):
                     if f"mb{mb}_aw{workers}" not in chosen:
@@ -406,8 +410,9 @@ def main() -> None:
                 best = max(row.get(f"stack_mb{mb}_aw{w}_tok_s", 0.0) for w in (1, 2))
                 if best:
                     report["stack_tok_s"][f"mb{mb}"][key] = best
-            if "stack_colocated_tok_s" in row:
-                report["stack_tok_s"]["colocated"][key] = row["stack_colocated_tok_s"]
+            for name in ("colocated", "colocated_slices"):
+                if f"stack_{name}_tok_s" in row:
+                    report["stack_tok_s"][name][key] = row[f"stack_{name}_tok_s"]
             report["errors"].update({f"{key} {k}": v for k, v in row.items() if k.endswith("_error")})
     print(f"\n{'point':<32} {'engine':>9} {'transformers':>13} {'eng/hf':>7} {'stack mb1':>10} {'stack mb2':>10} "
           f"{'mb2/eng':>8} {'colocated':>10} {'col/eng':>8} {'step/bound':>11} {'attn w/e ms':>12}")
@@ -424,6 +429,11 @@ def main() -> None:
         whole = report["engine_tok_s"][key]
         print(f"{key}: engine {whole:.1f} tok/s with whole steps as CUDA graphs, {sliced:.1f} with its slices' "
               f"graphs only: {whole / sliced:.2f}x (alternately, best of two each)")
+    for key, sliced in report["stack_tok_s"]["colocated_slices"].items():
+        whole = report["stack_tok_s"]["colocated"].get(key)
+        if whole:
+            print(f"{key}: stack colocated {whole:.1f} tok/s with whole steps as CUDA graphs, {sliced:.1f} with its "
+                  f"slices' graphs only: {whole / sliced:.2f}x (one after the other)")
     for what, error in report["errors"].items():
         print(f"failed: {what}: {error.splitlines()[-1] if error else ''}")
     print(json.dumps(report))

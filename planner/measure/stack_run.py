@@ -130,14 +130,15 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
               model_workers: int, kv_bytes: int, weights: str, mode: str = "fixed", attention_workers: int = 2,
               model_threads: int = 1, layout: str = "disaggregated", model: str | None = None,
               device: str = "cpu", dtype: str = "float32", hold: int = 0,
-              trace_dir: Path | None = None) -> dict[str, Any]:
+              trace_dir: Path | None = None, step_graphs: bool = True) -> dict[str, Any]:
     """Decode `steps` tokens after the first for every prompt through a stack of that
     configuration; its decode throughput, wall seconds, each model and attention
     worker's shares of that time and the run's figures from them (`window_shares`).
     `hold`: the extra tokens a request may make so that the whole batch decodes
     throughout the window (the module's docstring); `kv_bytes` must hold them too.
     `trace_dir`: the model and attention workers trace the timed window into it
-    (services/tracing.py; without a hold, until the last stream ended)."""
+    (services/tracing.py; without a hold, until the last stream ended). `step_graphs`:
+    model_worker.step_graphs (false: a colocated GPU worker replays its slices' graphs only)."""
     from lamina.services.config import (
         AttentionSection,
         GatewaySection,
@@ -154,7 +155,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
                          attention=AttentionSection(workers=attention_workers, kv_capacity_bytes=kv_bytes,
                                                     device=device, dtype=dtype),
                          model_worker=ModelWorkerSection(workers=model_workers, threads=model_threads, device=device,
-                                                         dtype=dtype),
+                                                         dtype=dtype, step_graphs=step_graphs),
                          prefill=PrefillSection(device=device, dtype=dtype),
                          # Exactly the micro-batches asked for, however small they get.
                          pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1,

@@ -80,5 +80,5 @@ def test_an_unknown_contender_is_refused_before_anything_runs():
     run = subprocess.run([sys.executable, str(script), "--device", "cpu", "--contenders", "engine,mb3_aw1"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
-    known = "engine,engine_slices,transformers,attention,colocated,mb2_aw1"
+    known = "engine,engine_slices,transformers,attention,colocated,colocated_slices,mb2_aw1"
     assert f"--contenders: unknown ['mb3_aw1']; known: {known}" in run.stderr
