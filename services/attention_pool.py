@@ -358,10 +358,6 @@ class AttentionPool:
         w, _, members = route.parts[0]  # one part: every row, in order
         return (self.local[w], members) if w in self.local else None
 
-    def timed(self, call: Callable[..., T], *args: Any) -> T:
-        """call(*args), its CPU time in this thread counted as attention on the local cores."""
-        return self._timed(call, *args)
-
     def attend_here(self, route: Route, device: torch.device | None = None) -> AttendCall | None:
         """A step's attention as a plain call, when all of it is on one core in this
         process (layout colocated): attend(layer, q, k, v) -> out, what `attend` would
@@ -378,21 +374,21 @@ class AttentionPool:
         step = core.local_step(members)
         if core.native and device is not None and device.type != "cpu":
             def staged(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                out = self._timed(step, layer, q.cpu(), k.cpu(), v.cpu())
+                out = self.timed(step, layer, q.cpu(), k.cpu(), v.cpu())
                 return out.to(device, non_blocking=True)
 
             return staged
-        return lambda layer, q, k, v: self._timed(step, layer, q, k, v)
+        return lambda layer, q, k, v: self.timed(step, layer, q, k, v)
 
     def _attend_here(self, w: int, layer: int, members: list[tuple[str, int]], q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> torch.Tensor:
         """Attention on a core in this process: what its worker would answer to the frame
         (a refusal raises the same RemoteError), with nothing sent."""
-        out, _ = self._timed(lambda: self.local[w].attend(layer, members, q.contiguous(), k.contiguous(),
+        out, _ = self.timed(lambda: self.local[w].attend(layer, members, q.contiguous(), k.contiguous(),
                                                           v.contiguous(), need_lse=False))
         return out
 
-    def _timed(self, call: Callable[..., T], *args: Any) -> T:
+    def timed(self, call: Callable[..., T], *args: Any) -> T:
         """call(*args), its CPU time in this thread added to `local_s`."""
         t0 = time.thread_time()
         try:
