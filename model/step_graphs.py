@@ -29,7 +29,8 @@ Only steps where every sequence has one new token, of at most the largest bucket
 sequences, are replayed; the others (prompts, larger batches) run as before. All graphs
 of one engine share one memory pool: they replay one at a time on the thread's current
 stream, and a step's logits are sampled before the next step replays (run_step's
-contract: they live until the next step), which may reuse their memory.
+contract: they live until the next step), which may reuse their memory: the graphs of
+one batch bucket write their logits into one output tensor of that bucket.
 
 `capture=False` runs a graph's body eagerly instead of capturing it, over the same static
 tensors: the same arithmetic, where CUDA graphs cannot run (the CPU, its kernels under
@@ -89,6 +90,7 @@ class _Graphs:
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
         self._failed_graphs: list[torch.cuda.CUDAGraph] = []  # kept: the allocator may still name them
+        self._outputs: dict[int, torch.Tensor] = {}  # by batch bucket: logits [bucket, V], every replay's
         self.replays = 0  # steps replayed (the tests', the metrics' and the benchmark's witness)
         self.captures = 0
 
@@ -102,11 +104,26 @@ class _Graphs:
         return plan_splits(bucket, kv_heads, keys, self._multiprocessors or multiprocessors(self.device))
 
     def _graph(self, key: tuple[int, int], body: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor] | None:
-        """The step's replay for `key`: `body` captured (or `body` itself, capture=False);
-        None where the capture failed (logged; the key is failed for good)."""
+        """The step's replay for `key`: `body` captured (or run as it is, capture=False),
+        its logits in the batch bucket's output; None where the capture failed (logged;
+        the key is failed for good)."""
+        bucket = key[0]
+
+        def into_output() -> torch.Tensor:
+            # The logits copied into the bucket's one output, made outside the pool by the
+            # first warm-up: the graph's own logits are then intermediates, which the
+            # other graphs reuse, so the graphs of one bucket hold one [bucket, V] between
+            # them however many context buckets a run meets (128k-token vocabularies make
+            # 0.5 MB a row).
+            logits = body()
+            out = self._outputs.get(bucket)
+            if out is None:
+                out = self._outputs[bucket] = torch.empty_like(logits)
+            return out.copy_(logits)
+
         if not self.capture:
             self.captures += 1
-            return body
+            return into_output
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             # High priority, as slice_graphs' capture streams: none of the default pool's
@@ -114,7 +131,7 @@ class _Graphs:
             self._stream = torch.cuda.Stream(self.device, priority=-1)
         assert self._stream is not None
         try:
-            graph, logits = capture(body, self._stream, self._pool)
+            graph, logits = capture(into_output, self._stream, self._pool)
         except CaptureFailed as failed:
             self._failed.add(key)
             if failed.graph is not None:
@@ -127,7 +144,7 @@ class _Graphs:
 
         def replay() -> torch.Tensor:
             graph.replay()
-            return logits  # the captured call's, written again by each replay
+            return logits  # the bucket's output, written again by each replay of its graphs
 
         return replay
 

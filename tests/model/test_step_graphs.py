@@ -60,8 +60,8 @@ def test_decode_steps_through_the_graphs_equal_the_eager_steps(split_model, devi
     a context bucket's edge (512 -> 1024 keys: a graph of its own), then one (bucket 1):
     each step's logits equal the eager path's (a CPU engine's native kernels; on a GPU
     the buffer kernels launched one by one), its K, V rows are the eager path's, and no
-    buffer changes past the rows a step wrote. Three graphs, four replays; several splits
-    a row (multiprocessors=8)."""
+    buffer changes past the rows a step wrote. Three graphs, four replays, one output a
+    batch bucket; several splits a row (multiprocessors=8)."""
     cfg, split, dev, lens, prompts = _steps_setup(split_model, device, seed=0)
     stores = []
     for _ in range(2):  # the eager path's, the graphs'
@@ -75,6 +75,7 @@ def test_decode_steps_through_the_graphs_equal_the_eager_steps(split_model, devi
     graphs = StepGraphs(split, dev, capture=dev.type == "cuda", multiprocessors=8)
     last = {s: prompts[s][-1] for s in lens}
     finished = None  # d's buffer once it finished: memory a later sequence could hold
+    outputs = []  # where each step's logits are
     for members in (["a", "b", "c", "d"], ["a", "b", "c"], ["a", "b", "c"], ["b"]):
         if finished is None and "d" not in members:
             finished = graph_kv.get("d").buf
@@ -88,6 +89,7 @@ def test_decode_steps_through_the_graphs_equal_the_eager_steps(split_model, devi
         want = run_step(split, eager_kv, batch)  # [B, V]
         got = run_step(split, graph_kv, batch, step_graphs=graphs)
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+        outputs.append(got.data_ptr())
         for s in live:
             buf, old = graph_kv.get(s).buf, before[s]
             if s in members:  # the new row written, as the eager path wrote it; the rest as it was
@@ -103,6 +105,8 @@ def test_decode_steps_through_the_graphs_equal_the_eager_steps(split_model, devi
         last.update(zip(members, want.argmax(-1).tolist()))
     assert (graphs.captures, graphs.replays, graphs.failures) == (3, 4, 0)
     assert graph_kv.get("a").length == 513
+    # Bucket 4's graphs (512 and 1024 keys) share one output; bucket 1's is another.
+    assert outputs[0] == outputs[1] == outputs[2] != outputs[3]
 
 
 def test_steps_no_graph_serves_are_left_to_the_caller(split_model, monkeypatch):
