@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, overload
 
+import redis
 import torch
 
 from lamina import transports
@@ -80,6 +81,17 @@ def _rows_selector(rows: list[int]) -> slice | torch.Tensor:
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return slice(rows[0], rows[0] + len(rows))
     return torch.tensor(rows, dtype=torch.long)
+
+
+async def registered_endpoint(store: MetadataStore, w: int) -> tuple[str | None, str | None]:
+    """Attention worker w's endpoint in the registry, or (None, why there is none)."""
+    try:
+        info = await store.get_service("attention", f"attention-{w}")
+    except (redis.RedisError, OSError) as exc:
+        return None, f"not found: the registry is unreachable ({exc})"
+    if info is None:
+        return None, "not registered (down or restarting)"
+    return info.endpoint, None
 
 
 def _ended_reader() -> asyncio.Future:
@@ -140,16 +152,28 @@ class AttentionPool:
         pool's next use of it, so a restarted worker (same index, new endpoint) is
         found without restarting this process; so is a worker that joined the pool
         after it started (an index past `attention.workers`: services/attention_members.py),
-        on the first use of that index."""
+        on the first use of that index. Where the registry names no endpoint for it
+        (Redis cut off, or its registration lapsed while it could not renew it) the last
+        endpoint it was reached at is tried: a worker that is up there serves on."""
         ac = config.attention
         endpoints = await workers_by_index(store, "attention", ac.workers, ac.pool_limit, lambda info: info.endpoint)
         tcfg = config.transport_config()
+        last = dict(endpoints)  # each worker's endpoint when it was last connected
 
         async def reconnect(w: int) -> transports.Connection:
-            info = await store.get_service("attention", f"attention-{w}")
-            if info is None:
-                raise transports.TransportError(f"attention worker {w} is not registered (down or restarting)")
-            return await asyncio.wait_for(transports.connect(info.endpoint, tcfg), config.deadlines.health_s)
+            endpoint, why = await registered_endpoint(store, w)
+            endpoint = endpoint or last.get(w)
+            if endpoint is None:
+                raise transports.TransportError(f"attention worker {w} is {why}")
+            try:
+                conn = await asyncio.wait_for(transports.connect(endpoint, tcfg), config.deadlines.health_s)
+            except (TimeoutError, OSError, transports.TransportError) as exc:
+                if why is None:
+                    raise
+                raise transports.TransportError(f"attention worker {w} is {why}, and its last endpoint {endpoint} "
+                                                f"did not answer: {exc or type(exc).__name__}") from exc
+            last[w] = endpoint
+            return conn
 
         size = max(ac.workers, max(endpoints, default=-1) + 1)
         return await cls.connect([endpoints.get(w) for w in range(size)], config.partition, cfg, tcfg,

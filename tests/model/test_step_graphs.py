@@ -38,11 +38,15 @@ def split_model():
     return load_model("random:smollm2-135m", packed=False)
 
 
-STEP_LENS = {"a": 510, "b": 200, "c": 40, "d": 100}  # prompts: across 512 keys after two steps
+# Prompts whose longest crosses a context bucket after two steps: 128 keys, the smallest
+# bucket made 128 for these tests (the interpreter's time grows with the keys).
+STEP_LENS = {"a": 126, "b": 50, "c": 10, "d": 30}
 
 
-def _steps_setup(loaded, device: str, seed: int):
-    """The model split (and placed on `device`), the prompts' lengths and random prompts."""
+def _steps_setup(loaded, device: str, seed: int, monkeypatch):
+    """The model split (and placed on `device`), the prompts' lengths and random prompts;
+    the smallest context bucket 128."""
+    monkeypatch.setattr(step_graphs, "CONTEXT_MIN", 128)
     cfg = loaded.config
     split = split_llama(loaded.model)
     dev = torch.device(device)
@@ -54,15 +58,15 @@ def _steps_setup(loaded, device: str, seed: int):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_decode_steps_through_the_graphs_equal_the_eager_steps(split_model, device):
+def test_decode_steps_through_the_graphs_equal_the_eager_steps(split_model, device, monkeypatch):
     """Four sequences, then three (bucket 4's graph again, its last row now padding: the
     buffer of the sequence that finished, still allocated, is not written), three across
-    a context bucket's edge (512 -> 1024 keys: a graph of its own), then one (bucket 1):
+    a context bucket's edge (128 -> 256 keys: a graph of its own), then one (bucket 1):
     each step's logits equal the eager path's (a CPU engine's native kernels; on a GPU
     the buffer kernels launched one by one), its K, V rows are the eager path's, and no
     buffer changes past the rows a step wrote. Three graphs, four replays, one output a
     batch bucket; several splits a row (multiprocessors=8)."""
-    cfg, split, dev, lens, prompts = _steps_setup(split_model, device, seed=0)
+    cfg, split, dev, lens, prompts = _steps_setup(split_model, device, seed=0, monkeypatch=monkeypatch)
     stores = []
     for _ in range(2):  # the eager path's, the graphs'
         kv = KVStore(cfg, 1 << 30, device=dev if dev.type != "cpu" else None)
@@ -104,8 +108,8 @@ def test_decode_steps_through_the_graphs_equal_the_eager_steps(split_model, devi
             assert bool((finished == SENTINEL).all())
         last.update(zip(members, want.argmax(-1).tolist()))
     assert (graphs.captures, graphs.replays, graphs.failures) == (3, 4, 0)
-    assert graph_kv.get("a").length == 513
-    # Bucket 4's graphs (512 and 1024 keys) share one output; bucket 1's is another.
+    assert graph_kv.get("a").length == 129
+    # Bucket 4's graphs (128 and 256 keys) share one output; bucket 1's is another.
     assert outputs[0] == outputs[1] == outputs[2] != outputs[3]
 
 
@@ -140,14 +144,14 @@ def _prompt_kv(split, prompt: list[int], device: torch.device) -> list[tuple[tor
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_colocated_decode_steps_through_the_graphs_equal_the_cores_own_steps(split_model, device):
+def test_colocated_decode_steps_through_the_graphs_equal_the_cores_own_steps(split_model, device, monkeypatch):
     """A colocated model worker's steps over its attention core's slab pools
     (SlabStepGraphs): the same four steps as the engine's test, each extended by the core
     (`decode_step`) and replayed, against a twin core attending layer by layer
     (`local_step`): equal logits, each step's new slots written as the twin wrote them,
     every other slot of every layer's pools unchanged (the finished sequence's slots,
     freed and handed out again, included), three graphs and four replays."""
-    cfg, split, dev, lens, prompts = _steps_setup(split_model, device, seed=1)
+    cfg, split, dev, lens, prompts = _steps_setup(split_model, device, seed=1, monkeypatch=monkeypatch)
     cores = [AttentionCore(cfg, 1200 * cfg.kv_bytes_per_token(4), cfg.num_kv_heads, device=dev) for _ in range(2)]
     for core in cores:
         for pool in (*core.slabs.k_pools, *core.slabs.v_pools):

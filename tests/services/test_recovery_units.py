@@ -92,6 +92,48 @@ async def test_without_a_reconnect_rule_a_lost_link_stays_an_error():
         await lost.close()
 
 
+async def test_a_worker_the_registry_no_longer_names_is_reached_at_its_last_endpoint():
+    """A pool from a real registry (Redis): a worker whose link failed and whose
+    registration is gone (as one lapses while Redis is cut off from it) is connected
+    again at the endpoint it was last reached at, and serves; once nothing answers there
+    either, the step fails saying both."""
+    import uuid
+
+    from lamina.kvstore.metadata import MetadataConfig, MetadataStore
+    from lamina.kvstore.redis_server import EmbeddedRedis
+
+    cfg = load_config(None)
+    opened = 0
+
+    async def first_closes(conn: transports.Connection) -> None:
+        nonlocal opened
+        opened += 1
+        await (_closing if opened == 1 else _answering)(conn)
+
+    with EmbeddedRedis() as server:
+        async with MetadataStore(MetadataConfig(url=server.url, namespace=f"t{uuid.uuid4().hex[:8]}")) as store:
+            worker = await transports.listen("tcp://127.0.0.1:0", first_closes)
+            await store.register_service("attention", "attention-0", worker.address)
+            config = load_stack_config(env={}, overrides={"attention.workers": 1})
+            pool = await AttentionPool.from_registry(store, config, cfg)
+            try:
+                route = pool.route([SeqRows("s", 1, (0,))])
+                with pytest.raises(transports.TransportError):
+                    await pool.attend(decode_tag(0, 1, 0), 0, route, *_qkv(cfg))  # the first link closes
+                await store.deregister_service("attention", "attention-0")
+                out = await pool.attend(decode_tag(0, 2, 0), 0, route, *_qkv(cfg))
+                assert out.shape == (1, cfg.num_heads, cfg.head_dim) and pool.reconnects == 1 and opened == 2
+                await worker.close()  # the worker gone: its link ends, and its endpoint refuses
+                with pytest.raises(transports.TransportError):
+                    await pool.attend(decode_tag(0, 3, 0), 0, route, *_qkv(cfg))
+                with pytest.raises(transports.TransportError,
+                                   match=r"not registered \(down or restarting\), and its last endpoint tcp://"):
+                    await pool.attend(decode_tag(0, 4, 0), 0, route, *_qkv(cfg))
+            finally:
+                await pool.close()
+                await worker.close()
+
+
 def test_a_rebuild_recomputes_every_token_but_the_newest_output():
     req = Request("r", [1, 2, 3], lamina_pb2.SamplingParams(max_tokens=8), asyncio.Queue())
     req.output_ids = [7, 8, 9]
