@@ -46,6 +46,14 @@ log = logging.getLogger(__name__)
 MAX_RECOVERIES = 3
 
 
+def pause_before(recovery: int) -> float:
+    """Seconds a request's `recovery`-th rebuild (1, 2, ...) waits before its first
+    attempt: none for the first; a request lost again soon after a rebuild waits 0.25 s,
+    then 0.5 s, so that a passing cause (a worker renewing its registration, a link
+    coming back) has time to pass before the rebuilds run out."""
+    return 0.0 if recovery <= 1 else min(0.25 * 2 ** (recovery - 2), 2.0)
+
+
 class Recovery:
     def __init__(self, scheduler: SchedulerService, registry: prometheus_client.CollectorRegistry) -> None:
         self._s = scheduler
@@ -83,6 +91,8 @@ class Recovery:
             # A new KV id: frames of the old one still on their way (from a worker that
             # was only stopped and resumes) find no sequence instead of corrupting this one.
             req.recoveries += 1
+            if req.recoveries <= MAX_RECOVERIES:
+                await asyncio.sleep(pause_before(req.recoveries))
             while True:
                 if req.abort_requested or req.status is Status.FINISHED:
                     await s.finish(req, "abort")

@@ -134,6 +134,14 @@ async def test_a_worker_the_registry_no_longer_names_is_reached_at_its_last_endp
                 await worker.close()
 
 
+def test_a_request_lost_again_waits_longer_before_its_rebuild():
+    from lamina.services.scheduler.scheduler_recovery import MAX_RECOVERIES, pause_before
+
+    pauses = [pause_before(n) for n in range(1, MAX_RECOVERIES + 1)]
+    assert pauses == [0.0, 0.25, 0.5]  # the first at once; under a second in all
+    assert pause_before(10) == 2.0
+
+
 def test_a_rebuild_recomputes_every_token_but_the_newest_output():
     req = Request("r", [1, 2, 3], lamina_pb2.SamplingParams(max_tokens=8), asyncio.Queue())
     req.output_ids = [7, 8, 9]
