@@ -297,15 +297,19 @@ class BufferRows:
         t = sum(query_lens)
         if rows is not None and rows < t:
             raise ValueError(f"{t} new rows do not fit a table of {rows}")
-        out = torch.zeros(4, t if rows is None else rows, dtype=torch.int64)  # [4, rows]
-        at = 0
+        # Python lists, one tensor at the end: per-sequence tensor writes would cost a
+        # few operators a sequence on every step.
+        base: list[int] = []
+        cap: list[int] = []
+        pos: list[int] = []
+        visible: list[int] = []
         for b, h, n in zip(buffers, held, query_lens):
-            out[0, at:at + n] = b.data_ptr()
-            out[1, at:at + n] = b.shape[2]
-            out[2, at:at + n] = torch.arange(h, h + n)
-            out[3, at:at + n] = torch.arange(h + 1, h + n + 1)
-            at += n
-        return out
+            base += [b.data_ptr()] * n
+            cap += [b.shape[2]] * n
+            pos += range(h, h + n)
+            visible += range(h + 1, h + n + 1)
+        pad = [0] * ((t if rows is None else rows) - t)
+        return torch.tensor([base + pad, cap + pad, pos + pad, visible + pad], dtype=torch.int64)  # [4, rows]
 
     @classmethod
     def of(cls, buffers: Sequence[torch.Tensor], held: Sequence[int], query_lens: Sequence[int]) -> BufferRows:

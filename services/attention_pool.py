@@ -83,7 +83,7 @@ def _rows_selector(rows: list[int]) -> slice | torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
-async def registered_endpoint(store: MetadataStore, w: int) -> tuple[str | None, str | None]:
+async def _registered_endpoint(store: MetadataStore, w: int) -> tuple[str | None, str | None]:
     """Attention worker w's endpoint in the registry, or (None, why there is none)."""
     try:
         info = await store.get_service("attention", f"attention-{w}")
@@ -161,7 +161,7 @@ class AttentionPool:
         last = dict(endpoints)  # each worker's endpoint when it was last connected
 
         async def reconnect(w: int) -> transports.Connection:
-            endpoint, why = await registered_endpoint(store, w)
+            endpoint, why = await _registered_endpoint(store, w)
             endpoint = endpoint or last.get(w)
             if endpoint is None:
                 raise transports.TransportError(f"attention worker {w} is {why}")
@@ -391,10 +391,10 @@ class AttentionPool:
         whose native kernels read CPU memory gets them staged through it from another
         device, its output moved back; any other core takes them where they are (a GPU's
         pools and slices: no host round trip) and answers on their device."""
-        if self.partition == "head" or len(route.parts) != 1 or route.parts[0][0] not in self.local:
+        here = self.step_here(route)
+        if here is None:
             return None
-        w, _, members = route.parts[0]
-        core = self.local[w]
+        core, members = here
         step = core.local_step(members)
         if core.native and device is not None and device.type != "cpu":
             def staged(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
