@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import asyncio
-import os
-from importlib.util import find_spec
 
 import pytest
 import torch
+from triton_helpers import INTERPRETER_OFF, NO_TRITON
 
 from lamina.model.attention import batched_attention
 from lamina.model.config import ModelConfig
@@ -138,9 +137,8 @@ def test_a_step_on_one_local_core_is_a_plain_call_equal_to_the_awaited_one():
     assert cores[0].slabs.num_tokens("a") == cores[1].slabs.num_tokens("a") == 6
 
 
-@pytest.mark.skipif(find_spec("triton") is None, reason="needs triton (pip install '.[dev]' installs it)")
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="Triton's interpreter is off (a CUDA host: tests/e2e/test_stack_cuda.py's colocated row)")
+@NO_TRITON
+@INTERPRETER_OFF  # on a CUDA host the colocated row of tests/e2e/test_stack_cuda.py replays the graphs
 def test_a_colocated_step_replayed_whole_equals_the_layer_by_layer_step():
     """A colocated model worker's decode step through its step graphs (SlabStepGraphs, run
     here without capture: the graph's body, its kernels under Triton's interpreter) over
