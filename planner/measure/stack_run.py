@@ -3,8 +3,9 @@
 Every service in its own process (embedded Redis, gateway, scheduler, prefill, model
 and attention workers), driven over the OpenAI API with streaming (with aiohttp: the
 openai client is not a dependency of the package): one short warm-up request, then B
-sequences decoding S steps each (greedy, EOS ignored). The window starts when every
-sequence has its first token and ends at the last token; with `hold` H, every request
+sequences decoding S steps each (greedy, EOS ignored), their tokens counted by the ids
+each streamed event carries (`tokens_in`: an event can carry several). The window starts
+when every sequence has its first token and ends at the last token; with `hold` H, every request
 may make S + 1 + H tokens and the window ends once each sequence made S tokens in it (the
 streams are closed there): the sequences whose prompts were prefilled first keep
 decoding to the end, so the whole batch decodes throughout, as a benchmark at batch B
@@ -96,24 +97,34 @@ def _model_id(base_url: str) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
+def tokens_in(line: bytes) -> int:
+    """The generated tokens one server-sent event line of a completion stream carries
+    (asked with `return_token_ids`). An event is sent when there is text to send, so one
+    can carry several tokens: those whose text was held back (an incomplete UTF-8
+    character, a possible stop string's start) come with the next text."""
+    text = line.decode().strip()
+    if not text.startswith("data: ") or text == "data: [DONE]":
+        return 0
+    return sum(len(choice.get("token_ids") or ()) for choice in json.loads(text[6:]).get("choices") or ())
+
+
 async def _stream(session: aiohttp.ClientSession, base_url: str, model: str, prompt: list[int], max_tokens: int,
-                  on_chunk: Callable[[], None]) -> None:
-    """One streamed greedy completion over the OpenAI API (EOS ignored); `on_chunk` at
-    each event that carries a choice, as it arrives."""
+                  on_tokens: Callable[[int], None]) -> None:
+    """One streamed greedy completion over the OpenAI API (EOS ignored); `on_tokens(n)` at
+    each event that carries n > 0 generated tokens, as it arrives."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "return_token_ids": True}
     async with session.post(base_url + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.content:  # server-sent events, one `data: {...}` line each
-            text = line.decode().strip()
-            if text.startswith("data: ") and text != "data: [DONE]" and json.loads(text[6:]).get("choices"):
-                on_chunk()
+            if n := tokens_in(line):
+                on_tokens(n)
 
 
 async def _drive(base_url: str, model: str, prompts: list[list[int]], steps: int) -> None:
     """Stream a completion of `steps` + 1 tokens for every prompt at once."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
-        await asyncio.gather(*(_stream(session, base_url, model, p, steps + 1, lambda: None) for p in prompts))
+        await asyncio.gather(*(_stream(session, base_url, model, p, steps + 1, lambda n: None) for p in prompts))
 
 
 async def _set_first(event: asyncio.Event, ended: asyncio.Future) -> bool:
@@ -187,17 +198,17 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
         after: dict[str, Any] = {}
         window: dict[str, float] = {}
 
-        async def drive_and_mark() -> list[list[float]]:
-            times: list[list[float]] = [[] for _ in prompts]
+        async def drive_and_mark() -> list[list[tuple[float, int]]]:
+            times: list[list[tuple[float, int]]] = [[] for _ in prompts]  # (arrival, tokens) per event
             in_window = [0] * len(prompts)  # each sequence's tokens after the window's start
             all_first, full = asyncio.Event(), asyncio.Event()
 
-            def chunk_of(i: int) -> Callable[[], None]:
-                def arrived() -> None:
+            def chunk_of(i: int) -> Callable[[int], None]:
+                def arrived(n: int) -> None:
                     now = time.perf_counter()
-                    times[i].append(now)
+                    times[i].append((now, n))
                     if all_first.is_set():
-                        in_window[i] += 1
+                        in_window[i] += n
                         if hold and not full.is_set() and min(in_window) >= steps:
                             window["end"] = now
                             full.set()
@@ -236,13 +247,13 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
         times = asyncio.run(drive_and_mark())
         if not hold:
             after = read_counters(ports)
-            window["end"] = max(t[-1] for t in times)
+            window["end"] = max(t[-1][0] for t in times)
         if trace_dir is not None:
             _wait_for_traces(trace_dir, [proc.pid for proc in traced()])
     finally:
         stack.stop()
     t0, t_end = window["start"], window["end"]
-    tokens = sum(sum(1 for x in t if t0 < x <= t_end) for t in times)
+    tokens = sum(n for t in times for at, n in t if t0 < at <= t_end)
     wall = t_end - t0
     if tokens == 0 or wall <= 0:
         raise RuntimeError(f"no token in the timed window ({tokens} tokens, {wall:.6f} s)")

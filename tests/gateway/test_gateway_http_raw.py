@@ -195,3 +195,30 @@ async def test_gaps_between_tokens_are_counted_per_choice(tokenizer, make_backen
     assert f'lamina_gateway_generation_tokens_total{{model="{MODEL}"}} 8.0' in lines
     assert f'lamina_gateway_time_to_first_token_seconds_count{{model="{MODEL}"}} 1.0' in lines
     assert f'lamina_gateway_inter_token_latency_seconds_count{{model="{MODEL}"}} 6.0' in lines
+
+
+async def test_a_stream_event_carries_every_token_whose_text_was_held_back(tokenizer):
+    """Ids past the tokenizer's vocabulary (a random LLaMA's, 128k against SmolLM2's 49k)
+    and a split UTF-8 character decode to no text, so their tokens come with the next event
+    that has some: the benchmarks count tokens by the ids an event carries
+    (stack_run.tokens_in), not by events, or they would count fewer tokens than were made."""
+    from gateway_helpers import ScriptedBackend
+
+    from lamina.planner.measure.stack_run import tokens_in
+
+    beyond = tokenizer.vocab_size + 1000
+    emoji = tokenizer.encode("🙂")  # several byte tokens, text only with the last
+    assert len(emoji) > 1 and all(tokenizer.decode(emoji[:k]).strip("\ufffd") == "" for k in range(1, len(emoji)))
+    hello = tokenizer.encode(" Hello")
+    script = [*hello, beyond, beyond, *hello, *emoji, *hello]
+    backend = ScriptedBackend(script, tokenizer.eos_token_ids[0])
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 100, "stream": True, "return_token_ids": True}
+    async with serve(backend, tokenizer) as srv:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(srv.url + "/v1/completions", json=body) as resp:
+                lines = [line async for line in resp.content if line.strip()]
+    counts = [tokens_in(line) for line in lines]
+    events = [n for n in counts if n]
+    assert sum(counts) == len(script) + 1  # the EOS comes with the last event
+    assert len(events) < len(script)  # some events carried several tokens
+    assert max(events) >= 3  # the two ids past the vocabulary with the next " Hello"
