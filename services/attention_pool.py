@@ -122,6 +122,9 @@ class AttentionPool:
         self._waiting: dict[tuple[int, Tag], asyncio.Future] = {}
         self._acks: dict[str, list[asyncio.Future]] = {}  # seq_id -> its workers' STORE_KV replies
         self.send_s = 0.0  # time in send calls: a figure for the pipeline's time shares
+        # Wall time callers awaited replies (summed over callers: two micro-batches waiting
+        # at once count twice), from their last frame sent to their replies in hand.
+        self.reply_wait_s = 0.0
         self.reconnects = 0
         self._readers = [asyncio.create_task(self._read(w), name=f"attention-reader-{w}") if c is not None
                          else _ended_reader() for w, c in enumerate(conns)]
@@ -303,7 +306,11 @@ class AttentionPool:
         """The frames answering `futures`, within the reply deadline. A worker that lets
         it pass loses its link (its late replies would answer nobody), and the caller
         gets a TransportError naming it."""
-        _, pending = await asyncio.wait(futures, timeout=self.reply_timeout_s)
+        t0 = time.perf_counter()
+        try:
+            _, pending = await asyncio.wait(futures, timeout=self.reply_timeout_s)
+        finally:
+            self.reply_wait_s += time.perf_counter() - t0
         if pending:
             late = sorted({w for (w, _), f in list(self._waiting.items()) if f in pending})
             exc = transports.TransportError(f"attention worker(s) {late} did not answer within "

@@ -361,7 +361,7 @@ class CudaIpcConnection(Connection):
         try:
             while True:
                 done, upto = await self._copying.get()
-                await until_done(done)
+                await until_done(done, clock=None)  # off the senders' path: not a device wait of theirs
                 await self._inner.send(Frame(0, [_FREE, upto]))
         except TransportError:
             pass  # the connection ended: the reader reports it to the caller

@@ -14,6 +14,7 @@ memory itself and does not stage).
 from __future__ import annotations
 
 import asyncio
+import time
 
 import torch
 
@@ -25,12 +26,32 @@ def has_cuda(frame: Frame) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in frame.tensors)
 
 
-async def until_done(event: torch.cuda.Event) -> None:
+class WaitClock:
+    """Wall seconds this process's tasks spent waiting for their GPU before sending
+    (`until_done`), summed over the tasks: two waiting at once count twice. A service
+    reports its increase as a metric (lamina_*_device_wait_seconds_total)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+
+DEVICE_WAITS = WaitClock()
+
+
+async def until_done(event: torch.cuda.Event, clock: WaitClock | None = DEVICE_WAITS) -> None:
     """Returns once the work recorded before `event` is done, other tasks running
     meanwhile: a CUDA event has no file descriptor to await, so its state is polled
-    between their turns (a copy takes tens to hundreds of microseconds)."""
-    while not event.query():  # noqa: ASYNC110
-        await asyncio.sleep(0)
+    between their turns (a copy takes tens to hundreds of microseconds). The wait is
+    added to `clock` (None: a wait off the senders' path, not counted)."""
+    if event.query():
+        return
+    t0 = time.perf_counter()
+    try:
+        while not event.query():  # noqa: ASYNC110
+            await asyncio.sleep(0)
+    finally:
+        if clock is not None:
+            clock.seconds += time.perf_counter() - t0
 
 
 class PinnedBuffers:

@@ -68,6 +68,10 @@ trap 'exit 143' INT TERM  # so that the archive is made when the script is stopp
 {
     date; nvidia-smi; "$python" --version; "$python" -m pip list 2>/dev/null
     echo "environment (TF32, allocator, CUDA):"; env | grep -iE 'tf32|alloc_conf|^cuda_' || true
+    # Whether processes sharing the GPU could run their kernels at once (MPS) or take turns
+    # (time slices): every stack service of the benchmark shares the one GPU.
+    echo "compute mode and MPS:"; nvidia-smi -q | grep -iE 'compute mode|mig mode' || true
+    command -v nvidia-cuda-mps-control || echo "no nvidia-cuda-mps-control on PATH"
 } > "$out/device.txt" 2>&1
 # Float32 products in full float32 in every process (an image may turn TF32 on for cuBLAS
 # through the environment; tests/conftest.py sets the same for pytest's processes).

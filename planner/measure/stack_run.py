@@ -144,7 +144,10 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
               trace_dir: Path | None = None, step_graphs: bool = True) -> dict[str, Any]:
     """Decode `steps` tokens after the first for every prompt through a stack of that
     configuration; its decode throughput, wall seconds, each model and attention
-    worker's shares of that time and the run's figures from them (`window_shares`).
+    worker's shares of that time and the run's figures from them (`window_shares`), and
+    the shares as milliseconds a decode step (`ms_per_step`: a share times the window's
+    wall seconds over the steps it timed, its tokens over the sequences; over the layers,
+    a layer's).
     `hold`: the extra tokens a request may make so that the whole batch decodes
     throughout the window (the module's docstring); `kv_bytes` must hold them too.
     `trace_dir`: the model and attention workers trace the timed window into it
@@ -258,8 +261,11 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
     if tokens == 0 or wall <= 0:
         raise RuntimeError(f"no token in the timed window ({tokens} tokens, {wall:.6f} s)")
     figures = window_shares(before, after, wall, model_threads, colocated=layout == "colocated")
+    steps_timed = tokens / len(prompts)  # each sequence gains a token a step
     return {"tok_s": tokens / wall, "tokens": tokens, "seconds": wall, **figures,
-            "cpu_ms_per_token": 1e3 * figures["model_compute_s"] / tokens}
+            "cpu_ms_per_token": 1e3 * figures["model_compute_s"] / tokens,
+            "ms_per_step": {sid: {k: 1e3 * v * wall / steps_timed for k, v in share.items()}
+                            for sid, share in figures["shares"].items()}}
 
 
 def _wait_for_traces(trace_dir: Path, pids: list[int], timeout_s: float = 300.0) -> None:
@@ -288,7 +294,12 @@ def window_shares(before: dict[str, dict[str, float]], after: dict[str, dict[str
     - send: wall seconds in send calls (an `await`: other micro-batches may compute meanwhile);
     - cpu: CPU seconds of the whole process, every thread (`process_cpu_seconds_total`):
       the mean number of cores it used. A colocated attention service reports its model
-      worker's process.
+      worker's process;
+    - device_wait: wall seconds the process's tasks waited for their GPU's work before
+      sending (a copy's event polled; 0 on the CPU), summed over the tasks;
+    - reply_wait (model workers): wall seconds its micro-batches awaited attention
+      replies after sending a layer's frames, summed over the micro-batches.
+    The waits are not CPU time: a share over 1 says several tasks waited at once.
     The run's figures, CPU seconds over wall seconds both:
     - model_idle: the model workers' mean of max(0, 1 - cpu / model_threads), the share
       of their compute threads' cores they left unused; with one thread, the share of the
@@ -306,7 +317,10 @@ def window_shares(before: dict[str, dict[str, float]], after: dict[str, dict[str
         kind = "model" if sid.startswith("model") else "attention"
         shares[sid] = {"compute": grew(sid, f"lamina_{kind}_compute_seconds_total") / wall,
                        "send": grew(sid, f"lamina_{kind}_send_seconds_total") / wall,
-                       "cpu": grew(sid, "process_cpu_seconds_total") / wall}
+                       "cpu": grew(sid, "process_cpu_seconds_total") / wall,
+                       "device_wait": grew(sid, f"lamina_{kind}_device_wait_seconds_total") / wall}
+        if kind == "model":
+            shares[sid]["reply_wait"] = grew(sid, "lamina_model_reply_wait_seconds_total") / wall
     models = [v for k, v in shares.items() if k.startswith("model")]
     processes = models if colocated else list(shares.values())
     return {"shares": shares,

@@ -43,7 +43,7 @@ from lamina.services.wire import (
     result_frame,
     short_repr,
 )
-from lamina.transports.host_staging import has_cuda
+from lamina.transports.host_staging import DEVICE_WAITS, has_cuda
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,10 @@ class AttentionService:
         self.m_compute = prometheus_client.Counter("lamina_attention_compute_seconds",
                                                    "CPU time handling frames (KV writes, attention)", registry=r)
         self.m_send = prometheus_client.Counter("lamina_attention_send_seconds", "time sending replies", registry=r)
+        self.m_device_wait = prometheus_client.Counter(
+            "lamina_attention_device_wait_seconds", "time this process waited for its GPU's work before sending "
+            "(replies: part of the send time)", registry=r)
+        self._device_waited = DEVICE_WAITS.seconds  # the process's clock when last counted
         self._listener: transports.Listener | None = None
 
     async def _serve_connection(self, conn: transports.Connection) -> None:
@@ -142,6 +146,13 @@ class AttentionService:
             if reply is not None:
                 await conn.send(reply)
                 self.m_send.inc(time.perf_counter() - t1)
+            self._count_device_waits()
+
+    def _count_device_waits(self) -> None:
+        """The process's device waits since the last count (one clock for every connection)."""
+        now = DEVICE_WAITS.seconds
+        self.m_device_wait.inc(now - self._device_waited)
+        self._device_waited = now
 
     def _handle(self, frame: transports.Frame, held: dict) -> transports.Frame | None:
         """The reply to one frame (None when it needs none). A frame that cannot be

@@ -59,6 +59,7 @@ from lamina.services.model.staging import Staging
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime
 from lamina.services.wire import decode_tag, slice_tag
+from lamina.transports.host_staging import DEVICE_WAITS
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +220,12 @@ class ModelService:
                                                    "CPU time computing the slices", registry=r)
         self.m_send = prometheus_client.Counter("lamina_model_send_seconds",
                                                 "time sending Q, K, V to attention workers", registry=r)
+        self.m_reply_wait = prometheus_client.Counter(
+            "lamina_model_reply_wait_seconds", "time awaiting attention workers' replies, from a layer's last frame "
+            "sent (summed over micro-batches)", registry=r)
+        self.m_device_wait = prometheus_client.Counter(
+            "lamina_model_device_wait_seconds", "time waiting for the GPU's copies before sending Q, K, V (summed "
+            "over micro-batches)", registry=r)
         self.m_remote = prometheus_client.Counter("lamina_model_remote_slices",
                                                   "slices this coordinator ran on peer model workers", registry=r)
         self.m_served = prometheus_client.Counter("lamina_model_served_slices",
@@ -243,8 +250,11 @@ class ModelService:
                 and mw.step_graphs:
             self.slices.step_graphs = SlabStepGraphs(self.slices.split, core.slabs.k_pools, core.slabs.v_pools)
         self._runner: DecodeRunner | None = None
-        # compute and send seconds, remote slices, local attention seconds already counted
-        self._reported = (0.0, 0.0, 0, 0.0)
+        # What _count_work counted already: seconds computing, sending, attending here, awaiting
+        # replies and waiting for the GPU (a process-wide clock, so from its value now), slices
+        # run on peers.
+        self._reported = {"compute": 0.0, "send": 0.0, "remote": 0.0, "local": 0.0, "reply_wait": 0.0,
+                          "device_wait": DEVICE_WAITS.seconds}
 
     def _serve_slice(self, j, inputs, attn, context) -> SliceOutput:
         out = self.slices.run_slice(j, inputs, attn, context)
@@ -260,10 +270,14 @@ class ModelService:
 
     def _count_work(self) -> None:
         """Add what the slices, the pool and the executors did since the last count to the counters."""
-        now = (self.slices.compute_s, self.pool.send_s if self.pool is not None else 0.0,
-               self.executors.remote_slices if self.executors else 0, self.pool.local_s if self.pool else 0.0)
-        for counter, value, before in zip((self.m_compute, self.m_send, self.m_remote), now, self._reported):
-            counter.inc(value - before)
+        pool = self.pool
+        now = {"compute": self.slices.compute_s, "send": pool.send_s if pool else 0.0,
+               "remote": float(self.executors.remote_slices if self.executors else 0),
+               "local": pool.local_s if pool else 0.0, "reply_wait": pool.reply_wait_s if pool else 0.0,
+               "device_wait": DEVICE_WAITS.seconds}
+        for name, counter in (("compute", self.m_compute), ("send", self.m_send), ("remote", self.m_remote),
+                              ("reply_wait", self.m_reply_wait), ("device_wait", self.m_device_wait)):
+            counter.inc(now[name] - self._reported[name])
         graphs, steps = self.slices.graphs, self.slices.step_graphs
         counts = ((0, 0) if graphs is None else (graphs.replays, graphs.failures)) \
             + ((0, 0) if steps is None else (steps.replays, steps.failures))
@@ -272,7 +286,7 @@ class ModelService:
             counter.inc(value - before)
         self._graphs_reported = counts
         if self.attention is not None:
-            self.attention.count_local(now[3] - self._reported[3])
+            self.attention.count_local(now["local"] - self._reported["local"])
         self._reported = now
 
     async def decode(self, updates):

@@ -2,6 +2,7 @@
 once, so one failure (an out-of-memory stack, a library's missing keyword) loses that
 figure alone and a run cut short keeps what it measured."""
 
+import pytest
 from gpu_decode import measure
 
 
@@ -52,6 +53,13 @@ def test_the_stack_is_timed_over_steps_of_the_whole_batch(loaded_model, tmp_path
                     trace_dir=tmp_path)
     assert batch * steps <= run["tokens"] < batch * (steps + 1)
     assert run["tok_s"] == run["tokens"] / run["seconds"] > 0
+    # Each worker's shares as ms a step. The model worker awaits the attention worker's
+    # replies every layer, and nothing waits for a GPU on the CPU.
+    model_ms, attention_ms = run["ms_per_step"]["model-0"], run["ms_per_step"]["attention-0"]
+    assert model_ms["reply_wait"] > 0 and model_ms["device_wait"] == attention_ms["device_wait"] == 0
+    step_ms = 1e3 * run["seconds"] * batch / run["tokens"]
+    assert model_ms["compute"] == pytest.approx(run["shares"]["model-0"]["compute"] * step_ms)
+    assert model_ms["reply_wait"] < step_ms  # one micro-batch: one wait at a time
     (model,) = tmp_path.glob("model-0-pid*-0.txt")
     (attention,) = tmp_path.glob("attention-0-pid*-0.txt")
     assert "operators by self CPU time" in model.read_text() and "aten::" in model.read_text()

@@ -7,17 +7,26 @@ import pytest
 from lamina.planner.measure.stack_run import window_shares
 
 
-def _counters(kind: str, compute: float, send: float, cpu: float) -> dict[str, float]:
-    return {f"lamina_{kind}_compute_seconds_total": compute, f"lamina_{kind}_send_seconds_total": send,
-            "process_cpu_seconds_total": cpu}
+def _counters(kind: str, compute: float, send: float, cpu: float, device_wait: float = 0.0,
+              reply_wait: float = 0.0) -> dict[str, float]:
+    out = {f"lamina_{kind}_compute_seconds_total": compute, f"lamina_{kind}_send_seconds_total": send,
+           "process_cpu_seconds_total": cpu, f"lamina_{kind}_device_wait_seconds_total": device_wait}
+    if kind == "model":
+        out["lamina_model_reply_wait_seconds_total"] = reply_wait
+    return out
 
 
 def test_shares_are_counter_increases_over_the_window():
-    before = {"model-0": _counters("model", 10.0, 1.0, 20.0), "attention-0": _counters("attention", 5.0, 0.0, 6.0)}
-    after = {"model-0": _counters("model", 16.0, 2.0, 27.0), "attention-0": _counters("attention", 7.0, 0.5, 9.0)}
+    before = {"model-0": _counters("model", 10.0, 1.0, 20.0, 1.0, 3.0),
+              "attention-0": _counters("attention", 5.0, 0.0, 6.0, 0.5)}
+    after = {"model-0": _counters("model", 16.0, 2.0, 27.0, 2.5, 15.0),
+             "attention-0": _counters("attention", 7.0, 0.5, 9.0, 0.7)}
     got = window_shares(before, after, wall=10.0)
-    assert got["shares"]["model-0"] == pytest.approx({"compute": 0.6, "send": 0.1, "cpu": 0.7})
-    assert got["shares"]["attention-0"] == pytest.approx({"compute": 0.2, "send": 0.05, "cpu": 0.3})
+    # The waits are wall seconds summed over the tasks waiting: over 1 where several waited at once.
+    assert got["shares"]["model-0"] == pytest.approx({"compute": 0.6, "send": 0.1, "cpu": 0.7, "device_wait": 0.15,
+                                                      "reply_wait": 1.2})
+    assert got["shares"]["attention-0"] == pytest.approx({"compute": 0.2, "send": 0.05, "cpu": 0.3,
+                                                          "device_wait": 0.02})
     assert got["model_idle"] == pytest.approx(0.3)  # 1 - the model worker's process CPU share
     assert got["cores_busy"] == pytest.approx(1.0)
     assert got["model_compute_s"] == pytest.approx(6.0)  # CPU seconds in the slices
