@@ -29,6 +29,10 @@
 #                and point: random:llama-3.2-1b bfloat16, batch 16, context 512), then
 #                the planner's predictions of its rows (after the profile step)
 #                                                          stack.log, stack-rows.jsonl, stack-planner.log
+#   handoff      bench/gpu_handoff.py: a GPU's handoff of work between two processes
+#                (host-polled, as cuda_ipc does, and ordered on the device by the
+#                driver's stream memory operations) against one process's, and a
+#                vanished CUDA IPC exporter's mapping (HANDOFF_ITERS, default 500)  handoff.log
 #   conformance  the transport conformance suite over cuda_ipc                 conformance.log
 #   trace        bench/gpu_decode.py --trace on TRACE_ARGS (default random:llama-3.2-1b bfloat16,
 #                batches 1 and 64, context 2048, 8 steps: the engine, colocated and one
@@ -38,7 +42,7 @@
 #                                                               trace.log, traces.tgz
 # INSTALL=0 skips the install (a second run beside the first, steps in parallel: each with
 # its own OUT). Each step's limit in seconds: LIMIT_<step> (defaults: tests 150, e2e 420,
-# bench 120, profile 90, stack 400, conformance 60, trace 240). Logs of stacks that failed
+# bench 120, profile 90, stack 400, handoff 150, conformance 60, trace 240). Logs of stacks that failed
 # to start or stop go to OUT/stack-logs.
 # ARCHIVE=FILE: OUT packed into FILE (a .tgz) when the script ends, cut short or not: the
 # device tool brings back only a few files, so give it a temporary OUT and ARCHIVE under
@@ -61,7 +65,7 @@ limited() {
     timeout -s INT -k 20 "${!var}" "$@"
 }
 : "${LIMIT_tests:=150}" "${LIMIT_e2e:=420}" "${LIMIT_bench:=120}" "${LIMIT_profile:=90}" "${LIMIT_stack:=400}" \
-  "${LIMIT_conformance:=60}" "${LIMIT_trace:=240}"
+  "${LIMIT_handoff:=150}" "${LIMIT_conformance:=60}" "${LIMIT_trace:=240}"
 archive() { if [ -n "${ARCHIVE:-}" ]; then tar czf "$ARCHIVE" -C "$(dirname "$out")" "$(basename "$out")"; fi; }
 trap archive EXIT
 trap 'exit 143' INT TERM  # so that the archive is made when the script is stopped too
@@ -126,6 +130,11 @@ for step in $steps; do
                 > "$out/stack-planner.log" 2>&1
             note "stack planner: exit $? ($(tail -2 "$out/stack-planner.log" | head -1))"
         fi ;;
+    handoff)
+        limited handoff "$python" bench/gpu_handoff.py --iters "${HANDOFF_ITERS:-500}" --timeout 40 \
+            > "$out/handoff.log" 2>&1
+        note "handoff: exit $?"
+        tail -8 "$out/handoff.log" ;;
     conformance)
         limited conformance "$python" -P -m pytest -q -rs -k cuda_ipc tests/transports/test_conformance.py \
             > "$out/conformance.log" 2>&1
@@ -138,7 +147,7 @@ for step in $steps; do
         note "trace: exit $? ($(find "$out/traces" -name '*.txt' 2>/dev/null | wc -l) traces)"
         tar czf "$out/traces.tgz" -C "$out" traces 2>/dev/null && rm -rf "$out/traces" ;;
     *)
-        note "unknown step $step (tests e2e bench profile stack conformance trace)" ;;
+        note "unknown step $step (tests e2e bench profile stack handoff conformance trace)" ;;
     esac
     if compgen -G "/tmp/lamina-stack-*" > /dev/null; then
         mkdir -p "$out/stack-logs" && cp -r /tmp/lamina-stack-* "$out/stack-logs/" 2>/dev/null
