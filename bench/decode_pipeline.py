@@ -100,8 +100,9 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int, device: str
     """ms per layer of one decode step over `batch` sequences of `context` tokens: the
     attention worker's core and the local engine's attention, on `device` in that dtype
     (the native kernels on cpu/float32; on a GPU the Triton kernels of
-    lamina.model.paged_decode, over the slab and over the engine's buffers; torch's
-    operators elsewhere)."""
+    lamina.model.paged_decode, over the slab and over the engine's buffers, the core's
+    replayed as CUDA graphs as the attention service's are; torch's operators
+    elsewhere)."""
     import torch
 
     from lamina.engine.kv import KVStore
@@ -127,7 +128,8 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int, device: str
     # Q, K, V on the device for both sides, as cuda_ipc hands them to the worker: neither
     # timing holds a copy of its inputs.
     q, k, v = (x.to(device, dtype) for x in (q, k, v))
-    core = AttentionCore(cfg, need + (64 << 20), hkv, device=device, dtype=dtype)
+    # As the attention service makes it: on a GPU its decode frames replay CUDA graphs.
+    core = AttentionCore(cfg, need + (64 << 20), hkv, device=device, dtype=dtype, cuda_graphs=True)
     for s in ids:
         for layer in range(cfg.num_layers):
             core.store(StoreKV(s, layer, cfg.num_layers, prompt_k, prompt_v))
@@ -143,8 +145,9 @@ def attention_per_layer(cfg, batch: int, context: int, repeats: int, device: str
     worker, engine = [], []
     for r in range(repeats):
         layer = 1 + r % (cfg.num_layers - 1)  # not layer 0: the step's KV is already extended there
-        if r == 0:
-            core.attend(0, seqs, q, k, v, need_lse=False)
+        if r == 0:  # the step extended, then every layer's graph captured before any is timed
+            for warm in range(cfg.num_layers):
+                core.attend(warm, seqs, q, k, v, need_lse=False)
         synchronize(torch.device(device))
         # Each side's output copied to the host: that waits for the device, as a reply does.
         t = time.perf_counter()

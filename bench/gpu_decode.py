@@ -35,8 +35,9 @@ another (each one's memory given back to the device before the next):
   over S steps of the whole batch: each request may make `--stack-hold` more tokens, so
   the sequences prefilled first still decode when the last one has made its S (the
   streams are closed there; an error where the hold was too short);
-- attention alone per layer: the attention worker's core against the engine's
-  attention, on the device (bench/decode_pipeline.py's `attention_per_layer`).
+- attention alone per layer: the attention worker's core (its decode frames replayed as
+  CUDA graphs, as the service's are) against the engine's eager attention, on the device
+  (bench/decode_pipeline.py's `attention_per_layer`).
 
 The engine's decode throughput is timed over exactly S steps of the whole batch (each
 sequence's token budget leaves room for the steps the first sequences decode while the

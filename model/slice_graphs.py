@@ -203,6 +203,45 @@ def capture(fn: Callable[[], T], stream: torch.cuda.Stream, pool: Any) -> tuple[
     return graph, out
 
 
+class CapturePool:
+    """One memory pool that a family of graphs (lamina.model.step_graphs',
+    lamina.model.attend_graphs') is captured into, on a high-priority stream of its own
+    (see SliceGraphs._capture: none of the default pool's streams is handed out as it). A
+    capture that fails once begun ends the pool (`end_pool`) and the next one starts a new
+    one; the failed graphs are kept, since the allocator may still name them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pool: Any = None
+        self._stream: torch.cuda.Stream | None = None
+        self._failed_graphs: list[torch.cuda.CUDAGraph] = []
+
+    def capture(self, fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+        """`capture(fn, ...)` into this pool: (graph, what the captured call returned), or CaptureFailed."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device, priority=-1)
+        assert self._stream is not None
+        try:
+            return capture(fn, self._stream, self._pool)
+        except CaptureFailed as failed:
+            if failed.graph is not None:
+                end_pool(self.device, failed.graph, self._pool, self._failed_graphs)
+                self._pool = torch.cuda.graph_pool_handle()
+            raise
+
+    def replayer(self, fn: Callable[[], T]) -> Callable[[], T]:
+        """fn captured (`capture`): a call that replays its graph and returns what the
+        captured call returned, which each replay writes again."""
+        graph, out = self.capture(fn)
+
+        def replay() -> T:
+            graph.replay()
+            return out
+
+        return replay
+
+
 def end_pool(device: torch.device, graph: torch.cuda.CUDAGraph, pool: Any, keep: list) -> None:
     """After a capture that failed once begun: the allocator is told the capture into
     `pool` is over (where the failed end of capture did not get that far, every block

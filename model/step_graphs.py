@@ -42,7 +42,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -54,7 +53,7 @@ from lamina.model.paged_decode import (
     multiprocessors,
     plan_splits,
 )
-from lamina.model.slice_graphs import CaptureFailed, bucket_for, capture, end_pool
+from lamina.model.slice_graphs import CaptureFailed, CapturePool, bucket_for
 from lamina.model.splitter import SplitModel
 
 log = logging.getLogger(__name__)
@@ -87,9 +86,7 @@ class _Graphs:
         self._multiprocessors = multiprocessors
         self._graphs: dict[tuple[int, int], _StepGraph] = {}
         self._failed: set[tuple[int, int]] = set()
-        self._pool: Any = None
-        self._stream: torch.cuda.Stream | None = None
-        self._failed_graphs: list[torch.cuda.CUDAGraph] = []  # kept: the allocator may still name them
+        self._pool = CapturePool(self.device)
         self._outputs: dict[int, torch.Tensor] = {}  # by batch bucket: logits [bucket, V], every replay's
         self.replays = 0  # steps replayed (the tests', the metrics' and the benchmark's witness)
         self.captures = 0
@@ -124,28 +121,14 @@ class _Graphs:
         if not self.capture:
             self.captures += 1
             return into_output
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-            # High priority, as slice_graphs' capture streams: none of the default pool's
-            # streams (compute, transports' copies) is handed out as this one.
-            self._stream = torch.cuda.Stream(self.device, priority=-1)
-        assert self._stream is not None
         try:
-            graph, logits = capture(into_output, self._stream, self._pool)
+            replay = self._pool.replayer(into_output)  # returns the bucket's output, written again by each replay
         except CaptureFailed as failed:
             self._failed.add(key)
-            if failed.graph is not None:
-                end_pool(self.device, failed.graph, self._pool, self._failed_graphs)
-                self._pool = torch.cuda.graph_pool_handle()
             log.warning("the decode step of %d rows over up to %d keys cannot be captured as a CUDA graph: %s",
                         *key, failed.error)
             return None
         self.captures += 1
-
-        def replay() -> torch.Tensor:
-            graph.replay()
-            return logits  # the bucket's output, written again by each replay of its graphs
-
         return replay
 
     def _inputs(self, table: torch.Tensor, bucket: int) -> dict[str, torch.Tensor]:

@@ -72,7 +72,7 @@ clear message naming the setting.
     pipeline: {micro_batches: 2, min_micro_batch: 16, q_early: false,
                mode: fixed}     # fixed: micro-batches per model worker (colocated: 1); rotational: M + 1 over M workers
     attention: {workers: 2, max_workers: 0, threads: 1, kv_capacity_bytes: 0, gpu_memory_utilization: 0.9,
-                kv_quant: none, device: cpu, dtype: auto}
+                kv_quant: none, device: cpu, dtype: auto, cuda_graphs: true}
                                 # kv_capacity_bytes: each core's KV; 0 (auto): 1 GiB on the CPU, on a
                                 # GPU what the stack's processes there leave of gpu_memory_utilization
                                 # of its memory (services/kv_budget.py; LAMINA_GPU_MEMORY_UTILIZATION);
@@ -80,6 +80,8 @@ clear message naming the setting.
                                 # q4 on the CPU only); device, dtype: where the KV slab lives and
                                 # attention computes, and the KV's dtype (auto: float32 on the CPU,
                                 # bfloat16 on a GPU; LAMINA_ATTENTION_DEVICE, LAMINA_ATTENTION_DTYPE);
+                                # cuda_graphs: on a GPU each decode frame's attention replayed as
+                                # a CUDA graph (LAMINA_ATTENTION_CUDA_GRAPHS);
                                 # workers: LAMINA_ATTENTION_WORKERS, started with; max_workers
                                 # (0: = workers): more may join the running stack up to it, and
                                 # leave (request partitioning); LAMINA_ATTENTION_MAX_WORKERS
@@ -297,6 +299,10 @@ class AttentionSection(_Computes):
     # auto: float32 on the CPU, bfloat16 on a GPU.
     device: str = "cpu"
     dtype: str = "auto"
+    # On a GPU, each decode frame's attention (the new K, V written, the paged kernel and
+    # its combine) replayed as a CUDA graph per layer, batch and context bucket
+    # (model/attend_graphs.py); false: launched eagerly.
+    cuda_graphs: bool = True
 
     @property
     def pool_limit(self) -> int:
@@ -605,6 +611,7 @@ ENV_OVERRIDES = {
     "LAMINA_MODEL_CUDA_GRAPHS": "model_worker.cuda_graphs",
     "LAMINA_MODEL_STEP_GRAPHS": "model_worker.step_graphs",
     "LAMINA_ATTENTION_DEVICE": "attention.device",
+    "LAMINA_ATTENTION_CUDA_GRAPHS": "attention.cuda_graphs",
     "LAMINA_ATTENTION_DTYPE": "attention.dtype",
     "LAMINA_GPU_MEMORY_UTILIZATION": "attention.gpu_memory_utilization",
     "LAMINA_PEER_FETCH": "prefill.peer_fetch",

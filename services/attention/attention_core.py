@@ -35,13 +35,14 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate, chain
 from time import monotonic
 
 import torch
 
 from lamina.kvstore.slab import KVAllocationError, SlabAllocator, SlabConfig
+from lamina.model.attend_graphs import AttendGraphs, StepTables
 from lamina.model.attention import combine_partials
 from lamina.model.config import ModelConfig
 from lamina.model.device_attention import PaddedSlots, padded_attention
@@ -80,6 +81,9 @@ class _StepSlots:
     table: PagedSlots | PaddedSlots | None
     # The native kernel's decode path (float32 pools), addressed once for every layer.
     fast: SlotStep | None = None
+    # The step's tables for the attention's CUDA graphs (lamina.model.attend_graphs), made
+    # by the first decode frame they serve.
+    graph_tables: StepTables | None = None
 
     def decode_path(self, query_lens: Sequence[int]) -> SlotStep | None:
         """The step's SlotStep when it serves these new tokens per sequence (it was built
@@ -90,8 +94,11 @@ class _StepSlots:
 
 class AttentionCore:
     def __init__(self, cfg: ModelConfig, capacity_bytes: int, num_kv_heads: int, tokens_per_slab: int = 64,
-                 kv_quant: str = "none", device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-                 ) -> None:
+                 kv_quant: str = "none", device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 cuda_graphs: bool = False) -> None:
+        """`cuda_graphs`: where the paged kernel serves (a GPU), each decode frame's
+        attention replayed as a CUDA graph (lamina.model.attend_graphs; on other devices
+        that serve it, under Triton's interpreter, its body run eagerly)."""
         if kv_quant not in KV_QUANT_CHOICES:
             raise ValueError(f"attention.kv_quant must be one of {', '.join(KV_QUANT_CHOICES)}, got {kv_quant!r}")
         self.cfg = cfg
@@ -125,6 +132,9 @@ class AttentionCore:
         # The native kernel's decode path over float32 pools (SlotStep), its pools checked once.
         self._slot_pools = (SlotPools(self.slabs.k_pools, self.slabs.v_pools)
                             if self.native and self.packed is None and NATIVE is not None else None)
+        self.graphs = (AttendGraphs(self.slabs.k_pools, self.slabs.v_pools, self.shape.num_q_heads,
+                                    capture=self.device.type == "cuda")
+                       if cuda_graphs and self.paged else None)
 
     def warm_up(self) -> int:
         """The paged kernel compiled (and Triton's launcher built) before the first frame
@@ -242,8 +252,32 @@ class AttentionCore:
         Returns out [T, Hq, D] and, if asked, lse [T, Hq]: one kernel call over every
         sequence, reading the slab pools in place."""
         self._check(layer, seqs, q, (k, v))
+        if not need_lse and self._graphed(seqs, q, k, v):
+            return self._attend_graphed(layer, seqs, q, k, v), None
         step = self._append(layer, seqs, k, v)
         return self._attention(layer, q, [n for _, n in seqs], step, need_lse=need_lse)
+
+    def _graphed(self, seqs: list[tuple[str, int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether the attention's CUDA graphs serve this decode frame."""
+        graphs = self.graphs
+        return graphs is not None and graphs.serves([n for _, n in seqs]) and graphs.accepts(q, k, v)
+
+    def _attend_graphed(self, layer: int, seqs: list[tuple[str, int]], q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor) -> torch.Tensor:
+        """`attend` of a frame the graphs serve (checked already): the sequences extended at
+        layer 0, the step's tables made once, and one replay that writes the new K, V and
+        attends. The output on q's device, as the eager path answers."""
+        graphs = self.graphs
+        assert graphs is not None  # _graphed said so
+        if layer == 0:
+            self._extend(seqs)
+        step = self._slots(seqs)
+        tables = step.graph_tables
+        if tables is None:
+            assert isinstance(step.table, PagedSlots)  # the graphs exist where the paged kernel serves
+            tables = graphs.tables(step.batch.lens, step.batch.slots, step.table.slots)
+            self._step_slots[tuple(s for s, _ in seqs)] = replace(step, graph_tables=tables)
+        return graphs.attend(layer, tables, q, k, v).to(q.device)
 
     def local_step(self, seqs: list[tuple[str, int]]) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor],
                                                                    torch.Tensor]:

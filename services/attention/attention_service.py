@@ -109,7 +109,8 @@ class AttentionService:
         log.info("attention KV: %.2f GiB on %s (%s)", budget.per_holder / (1 << 30), device, budget.why)
         self.core = AttentionCore(model_cfg, budget.per_holder, heads,
                                   kv_quant=config.attention.kv_quant, device=device,
-                                  dtype=compute_dtype(config.attention.compute_dtype))
+                                  dtype=compute_dtype(config.attention.compute_dtype),
+                                  cuda_graphs=config.attention.cuda_graphs)
         t0 = time.monotonic()
         if self.core.warm_up():
             log.info("attention kernels ready on %s in %.1f s", device, time.monotonic() - t0)
@@ -127,6 +128,12 @@ class AttentionService:
             "lamina_attention_device_wait_seconds", "time this process waited for its GPU's work before sending "
             "(replies: part of the send time)", registry=r)
         self._device_waited = DEVICE_WAITS.seconds  # the process's clock when last counted
+        self.m_graph_replays = prometheus_client.Counter(
+            "lamina_attention_graph_replays", "decode frames whose attention was replayed as a CUDA graph", registry=r)
+        self.m_graph_failures = prometheus_client.Counter(
+            "lamina_attention_graph_capture_failures", "layer, batch and context buckets whose CUDA graph capture "
+            "failed (their frames run eagerly)", registry=r)
+        self._graphs_counted = (0, 0)  # replays and failures already counted
         self._listener: transports.Listener | None = None
 
     async def _serve_connection(self, conn: transports.Connection) -> None:
@@ -146,13 +153,21 @@ class AttentionService:
             if reply is not None:
                 await conn.send(reply)
                 self.m_send.inc(time.perf_counter() - t1)
-            self._count_device_waits()
+            self._count_waits_and_graphs()
 
-    def _count_device_waits(self) -> None:
-        """The process's device waits since the last count (one clock for every connection)."""
+    def _count_waits_and_graphs(self) -> None:
+        """The process's device waits (one clock for every connection) and the core's graph
+        replays and capture failures since the last count."""
         now = DEVICE_WAITS.seconds
         self.m_device_wait.inc(now - self._device_waited)
         self._device_waited = now
+        graphs = self.core.graphs
+        if graphs is not None:
+            counts = (graphs.replays, graphs.failures)
+            for counter, value, before in zip((self.m_graph_replays, self.m_graph_failures), counts,
+                                              self._graphs_counted):
+                counter.inc(value - before)
+            self._graphs_counted = counts
 
     def _handle(self, frame: transports.Frame, held: dict) -> transports.Frame | None:
         """The reply to one frame (None when it needs none). A frame that cannot be
@@ -218,6 +233,7 @@ class AttentionService:
         self.m_compute.inc(compute_s)
         self.m_used.set(self.core.used_bytes)
         self.m_seqs.set(self.core.num_sequences)
+        self._count_waits_and_graphs()
 
     def occupancy(self) -> dict:
         """KV held here, as published to the metadata store."""

@@ -312,3 +312,74 @@ def test_the_paged_kernel_is_warmed_up_without_storing_anything(device, dtype, p
     q, k, v = _step_inputs([("a", 1)], CFG.num_groups * 3, 3, dtype)
     out, _ = core.attend(0, [("a", 1)], q, k, v)
     assert out.shape == q.shape and torch.isfinite(out.float()).all()
+
+
+SENTINEL = 7.0  # what every pool slot holds where nothing was stored or written
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=INTERPRETED), pytest.param("cuda", marks=NO_CUDA)])
+def test_decode_frames_through_the_attention_graphs_equal_the_history_and_write_nothing_else(device, monkeypatch):
+    """cuda_graphs: decode frames (a new token a sequence, in the pools' dtype, no lse)
+    attend through lamina.model.attend_graphs (on the CPU its bodies run eagerly, the
+    kernels under Triton's interpreter; on a GPU they are captured and replayed). Two
+    micro-batches interleave their layers over three steps: one of 3 rows (a bucket of 4,
+    a padding row) whose longest sequence crosses a context bucket, one of 1 row. Each
+    frame equals attention over the history; each step writes its new K, V into the new
+    slots and nothing else anywhere in the pools; one capture per (layer, batch bucket,
+    context bucket). Frames the graphs do not serve (several new tokens, lse asked, Q in
+    another dtype) take the eager path, agree with the history and replay nothing."""
+    from lamina.model import step_graphs
+
+    monkeypatch.setattr(step_graphs, "CONTEXT_MIN", 16)
+    if device == "cpu":  # the paged kernel serves the CPU only when told to (under the interpreter)
+        monkeypatch.setattr("lamina.services.attention.attention_core.paged_available", lambda device: True)
+    dtype, kv_heads, hq = torch.bfloat16, 3, CFG.num_heads
+    tol = {"atol": 2e-2, "rtol": 2e-2}  # the output in bfloat16
+    assert AttentionCore(CFG, capacity_bytes=1 << 20, num_kv_heads=kv_heads, cuda_graphs=True).graphs is None  # native
+    core = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=kv_heads, tokens_per_slab=4, device=device,
+                         dtype=dtype, cuda_graphs=True)
+    graphs = core.graphs
+    assert graphs is not None and graphs.capture == (device == "cuda")
+    pools = [*core.slabs.k_pools, *core.slabs.v_pools]
+    for pool in pools:
+        pool.fill_(SENTINEL)
+    torch.manual_seed(0)
+    history = History(kv_heads, dtype)
+    for s, n in {"a": 14, "b": 3, "c": 8, "d": 20}.items():
+        history.prompt([core], s, n)
+    micro_batches = [["a", "b", "c"], ["d"]]
+    for _step in range(3):
+        batches = [[(s, 1) for s in mb] for mb in micro_batches]
+        before = [p.clone() for p in pools]
+        written: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # seq -> per layer (k row, v row)
+        for layer in range(CFG.num_layers):
+            for seqs in batches:  # layer l of one micro-batch, then of the other
+                q, k, v = (t.to(dtype) for t in _step_inputs(seqs, hq, kv_heads))
+                out, lse = core.attend(layer, seqs, q, k, v)
+                assert lse is None and out.dtype == dtype and out.device.type == device
+                history.append(layer, seqs, k.float(), v.float())
+                torch.testing.assert_close(out.float(), history.attention(layer, seqs, q.float())[0].to(device),
+                                           **tol)
+                for i, (s, _) in enumerate(seqs):
+                    written.setdefault(s, []).append((k[i], v[i]))
+        for pool, old, layer, kind in zip(pools, before, [*range(CFG.num_layers)] * 2, [0] * CFG.num_layers
+                                          + [1] * CFG.num_layers):
+            new = [core.slabs.slots(s)[-1] for s in written]
+            rows = torch.stack([written[s][layer][kind] for s in written])
+            assert torch.equal(pool[new], rows.to(device))  # the new K, V as sent, in their slots
+            pool[new] = old[new]
+            assert torch.equal(pool, old)  # nothing else written
+            pool[new] = rows.to(device)
+    # (layer, bucket 4, context 16), (layer, bucket 4, context 32), (layer, bucket 1, context 32)
+    assert (graphs.captures, graphs.replays, graphs.failures) == (3 * CFG.num_layers, 3 * 2 * CFG.num_layers, 0)
+    served = graphs.replays
+    for layer in range(CFG.num_layers):
+        for seqs, need_lse, q_dtype in (([("b", 2)], False, dtype), ([("a", 1), ("c", 1)], True, dtype),
+                                        ([("d", 1)], False, torch.float32)):
+            q, k, v = _step_inputs(seqs, hq, kv_heads, dtype)
+            k, v = k.to(dtype), v.to(dtype)
+            out, _ = core.attend(layer, seqs, q.to(q_dtype), k, v, need_lse=need_lse)
+            history.append(layer, seqs, k.float(), v.float())
+            torch.testing.assert_close(out.float(), history.attention(layer, seqs, q.to(q_dtype).float())[0]
+                                       .to(device), **tol)
+    assert graphs.replays == served

@@ -49,6 +49,9 @@ def test_each_service_kind_has_its_device_and_dtype_from_file_environment_and_fl
     assert load_config(env={}).prefill.compute_dtype == "float32"
     cfg = load_config(env={"LAMINA_PREFILL_DTYPE": "float16", "LAMINA_WEIGHTS": "float32"})
     assert cfg.prefill.dtype == "float16" and cfg.model_worker.compute_dtype == "float32"
+    # The attention's CUDA graphs: on by default, off by the environment.
+    assert load_config(env={}).attention.cuda_graphs is True
+    assert load_config(env={"LAMINA_ATTENTION_CUDA_GRAPHS": "false"}).attention.cuda_graphs is False
 
 
 @pytest.mark.parametrize(("env", "message"), [
