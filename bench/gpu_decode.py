@@ -30,7 +30,7 @@ another (each one's memory given back to the device before the next):
   attention workers (`--no-stack`: left out; runs in that order, so that a run cut short
   keeps the layout users get and the issue's 2 micro-batches first; `colocated_slices`,
   right after colocated: the same with model_worker.step_graphs off, its decode slices'
-  graphs only), each warmed up with
+  graphs and its core's per-layer attention graphs instead), each warmed up with
   the whole batch, short (planner/measure/stack_run.py), and timed
   over S steps of the whole batch: each request may make `--stack-hold` more tokens, so
   the sequences prefilled first still decode when the last one has made its S (the
