@@ -37,6 +37,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import count
 
 import torch
@@ -74,16 +75,16 @@ class SlabConfig:
                              f"{self.tokens_per_slab} tokens "
                              f"({self.bytes_per_token} bytes per token)")
 
-    @property
+    # Computed once (the fields never change): a decode frame reads them several times.
+    @cached_property
     def bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
-    @property
+    @cached_property
     def num_slabs(self) -> int:
         return self.capacity_bytes // (self.bytes_per_token * self.tokens_per_slab)
 
-    @property
+    @cached_property
     def num_slots(self) -> int:
         return self.num_slabs * self.tokens_per_slab
 

@@ -134,6 +134,7 @@ class AttentionService:
             "lamina_attention_graph_capture_failures", "layer, batch and context buckets whose CUDA graph capture "
             "failed (their frames run eagerly)", registry=r)
         self._graphs_counted = (0, 0)  # replays and failures already counted
+        self._frame_counters: dict[int, prometheus_client.Counter] = {}  # m_frames' child by frame kind
         self._listener: transports.Listener | None = None
 
     async def _serve_connection(self, conn: transports.Connection) -> None:
@@ -146,8 +147,7 @@ class AttentionService:
             reply = self._handle(frame, held)
             t1 = time.perf_counter()
             self.m_compute.inc(time.thread_time() - t0)
-            kind = Kind(frame.kind).name if frame.kind in Kind._value2member_map_ else "other"
-            self.m_frames.labels(kind).inc()
+            self._frames_of(frame.kind).inc()
             self.m_used.set(self.core.used_bytes)
             self.m_seqs.set(self.core.num_sequences)
             if reply is not None:
@@ -155,14 +155,24 @@ class AttentionService:
                 self.m_send.inc(time.perf_counter() - t1)
             self._count_waits_and_graphs()
 
+    def _frames_of(self, kind: int) -> prometheus_client.Counter:
+        """The frame counter of a kind, its labelled child looked up once (every frame counts)."""
+        counter = self._frame_counters.get(kind)
+        if counter is None:
+            name = Kind(kind).name if kind in Kind._value2member_map_ else "other"
+            counter = self._frame_counters[kind] = self.m_frames.labels(name)
+        return counter
+
     def _count_waits_and_graphs(self) -> None:
         """The process's device waits (one clock for every connection) and the core's graph
-        replays and capture failures since the last count."""
+        replays and capture failures since the last count (each counter touched only when
+        it grew: on the CPU they never do)."""
         now = DEVICE_WAITS.seconds
-        self.m_device_wait.inc(now - self._device_waited)
-        self._device_waited = now
+        if now != self._device_waited:
+            self.m_device_wait.inc(now - self._device_waited)
+            self._device_waited = now
         graphs = self.core.graphs
-        if graphs is not None:
+        if graphs is not None and (graphs.replays, graphs.failures) != self._graphs_counted:
             counts = (graphs.replays, graphs.failures)
             for counter, value, before in zip((self.m_graph_replays, self.m_graph_failures), counts,
                                               self._graphs_counted):
