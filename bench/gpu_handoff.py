@@ -21,6 +21,10 @@ shared int64 tensor, whose final value checks that the kernels ran in turn:
   flag says the other side's kernel is done (cuStreamWaitValue64) and followed by a
   write of the flag (cuStreamWriteValue64): the GPU orders the processes. This is the
   path a host-free cuda_ipc would take; it needs the driver's stream memory operations.
+- two_processes_cuda_ipc: the same turns through lamina's own cuda_ipc transport: one
+  side adds and sends the tensor, the other receives it (its copy out of the sender's
+  ring), adds and sends it back: a layer's handoff as the stack makes it, Python, frames
+  and the transport's waits included;
 - exporter_exit: a child process exports a buffer by CUDA IPC, another maps it and reads
   it, the child is killed, and the mapping is read and written again: whether a receiver
   may still touch a vanished sender's ring (what a host-free receiver would do to release
@@ -52,7 +56,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-CONTENDERS = ("one_process_host", "one_process_device", "two_processes_host", "two_processes_device")
+CONTENDERS = ("one_process_host", "one_process_device", "two_processes_host", "two_processes_device",
+              "two_processes_cuda_ipc")
 WARMUP = 20  # round trips run before the timed ones (kernels loaded, contexts made)
 
 
@@ -200,6 +205,81 @@ def two_processes(iters: int, device_ordered: bool) -> tuple[float, bool]:
     return seconds / iters, value == 2 * (WARMUP + iters)
 
 
+# -- through the cuda_ipc transport --------------------------------------------------------------
+def _adding_echo(address: str, ready: queue.Queue) -> None:
+    """The second side over cuda_ipc: each tensor received is added to and sent back."""
+    import asyncio
+
+    from lamina import transports
+    from lamina.aio import install_uvloop
+    from lamina.planner.measure.pingpong import transport_config
+
+    async def main() -> None:
+        done = asyncio.Event()
+
+        async def echo(conn: transports.Connection) -> None:
+            try:
+                while True:
+                    t = (await conn.recv()).tensors[0]
+                    assert isinstance(t, torch.Tensor)
+                    t.add_(1)  # on the current stream, which recv made wait for the copy out
+                    await conn.send(transports.Frame(1, {}, [t]))
+            except transports.PeerClosed:
+                done.set()
+
+        listener = await transports.listen(address, echo, transport_config())
+        ready.put(listener.address)
+        await done.wait()
+        await listener.close()
+
+    torch.cuda.init()
+    install_uvloop()
+    asyncio.run(main())
+
+
+def cuda_ipc_round_trips(iters: int) -> tuple[float, bool]:
+    """Seconds per round trip through lamina's cuda_ipc transport, and whether the value
+    came out right."""
+    import asyncio
+
+    from lamina import transports
+    from lamina.aio import install_uvloop
+    from lamina.planner.measure.pingpong import transport_config
+
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    child = ctx.Process(target=_adding_echo, args=(f"cuda_ipc://handoff-{os.getpid()}", ready), daemon=True)
+    child.start()
+
+    async def main() -> tuple[float, int]:
+        conn = await transports.connect(ready.get(timeout=60), transport_config())
+        data = torch.zeros(1, dtype=torch.int64, device="cuda")
+        seconds = 0.0
+        for n in (WARMUP, iters):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(n):
+                data.add_(1)
+                await conn.send(transports.Frame(1, {}, [data]))
+                got = (await conn.recv()).tensors[0]
+                assert isinstance(got, torch.Tensor)
+                data = got
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+        value = int(data.item())
+        await conn.close()
+        return seconds, value
+
+    try:
+        install_uvloop()
+        seconds, value = asyncio.run(main())
+        child.join(10)
+    finally:
+        if child.is_alive():
+            child.kill()
+    return seconds / iters, value == 2 * (WARMUP + iters)
+
+
 # -- a vanished exporter -------------------------------------------------------------------------
 def _exporter(tensors: queue.Queue) -> None:
     tensors.put(torch.full((1 << 20,), 7, dtype=torch.int64, device="cuda"))
@@ -232,14 +312,19 @@ def exporter_exit() -> dict[str, Any]:
 
 
 # -- each contender in processes of its own ------------------------------------------------------
+RUNS: dict[str, Callable[[int], tuple[float, bool]]] = {
+    "one_process_host": lambda n: one_process(n, device_ordered=False),
+    "one_process_device": lambda n: one_process(n, device_ordered=True),
+    "two_processes_host": lambda n: two_processes(n, device_ordered=False),
+    "two_processes_device": lambda n: two_processes(n, device_ordered=True),
+    "two_processes_cuda_ipc": cuda_ipc_round_trips,
+}
 def _run(name: str, iters: int, results: queue.Queue) -> None:
     try:
         if name == "exporter_exit":
             results.put(("ok", exporter_exit()))
             return
-        kind, ordered = name.rsplit("_", 1)
-        run: Callable[[int, bool], tuple[float, bool]] = one_process if kind == "one_process" else two_processes
-        seconds, correct = run(iters, ordered == "device")
+        seconds, correct = RUNS[name](iters)
         results.put(("ok", {"us": 1e6 * seconds, "correct": correct}))
     except Exception as exc:  # noqa: BLE001 (reported as the contender's result)
         results.put(("error", f"{type(exc).__name__}: {exc}"[:500]))

@@ -30,8 +30,8 @@
 #                the planner's predictions of its rows (after the profile step)
 #                                                          stack.log, stack-rows.jsonl, stack-planner.log
 #   handoff      bench/gpu_handoff.py: a GPU's handoff of work between two processes
-#                (host-polled, as cuda_ipc does, and ordered on the device by the
-#                driver's stream memory operations) against one process's, and a
+#                (host-polled, as cuda_ipc does; through cuda_ipc itself; ordered on the
+#                device by the driver's stream memory operations) against one process's, and a
 #                vanished CUDA IPC exporter's mapping (HANDOFF_ITERS, default 500)  handoff.log
 #   conformance  the transport conformance suite over cuda_ipc                 conformance.log
 #   trace        bench/gpu_decode.py --trace on TRACE_ARGS (default random:llama-3.2-1b bfloat16,

@@ -28,7 +28,7 @@ def test_on_a_gpu_each_handoff_is_timed_and_ordered():
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    host = ("one_process_host", "one_process_device", "two_processes_host")
+    host = ("one_process_host", "one_process_device", "two_processes_host", "two_processes_cuda_ipc")
     assert set(host) <= got["us_per_round_trip"].keys(), got["errors"]
     assert all(got["correct"][name] for name in host) and all(got["us_per_round_trip"][n] > 0 for n in host)
     # The driver's stream memory operations may be missing: then the error says which call failed.
