@@ -6,9 +6,10 @@ writes into the slab pools, the paged kernel and the splits' combine (Triton ker
 launched from Python), and the Python around them. On the H200 measured so far a layer of
 the attention worker's core took about 310 us whatever its KV, of which the same calls'
 Python takes 28 us on this project's CPU host (docs/services.md, "On an H200"), and the
-disaggregated stack pays it once a layer and micro-batch. Here `attend_slab` (lamina.model.paged_decode: the rows' writes in one
-launch, then the paged kernel and its combine) is captured once per (layer, batch bucket,
-context bucket), the first time a frame needs it, and replayed.
+disaggregated stack pays it once a layer and micro-batch. Here `attend_slab`
+(lamina.model.paged_decode: the rows' writes in one launch, then the paged kernel and its
+combine) is captured once per (layer, batch bucket, context bucket), the first time a frame
+needs it, and replayed.
 
 What a graph reads, static per (batch bucket, context bucket) and shared by the layers'
 graphs: the rows table (SlabRows: each row's start in the page table, its keys, its new
