@@ -25,6 +25,7 @@ from lamina.model.checkpoints import load_config
 from lamina.services.addresses import with_host
 from lamina.services.attention.attention_core import AttentionCore
 from lamina.services.config import StackConfig
+from lamina.services.counter_totals import CounterTotals
 from lamina.services.devices import compute_dtype, open_device
 from lamina.services.kv_budget import kv_budget_here
 from lamina.services.placement import head_range
@@ -127,13 +128,16 @@ class AttentionService:
         self.m_device_wait = prometheus_client.Counter(
             "lamina_attention_device_wait_seconds", "time this process waited for its GPU's work before sending "
             "(replies: part of the send time)", registry=r)
-        self._device_waited = DEVICE_WAITS.seconds  # the process's clock when last counted
         self.m_graph_replays = prometheus_client.Counter(
             "lamina_attention_graph_replays", "decode frames whose attention was replayed as a CUDA graph", registry=r)
         self.m_graph_failures = prometheus_client.Counter(
             "lamina_attention_graph_capture_failures", "layer, batch and context buckets whose CUDA graph capture "
             "failed (their frames run eagerly)", registry=r)
-        self._graphs_counted = (0, 0)  # replays and failures already counted
+        # The process's device waits (one clock for every connection: counted from its value
+        # now) and the core's graph replays and failed captures.
+        self._totals = CounterTotals({"device_wait": self.m_device_wait, "graph_replays": self.m_graph_replays,
+                                      "graph_failures": self.m_graph_failures},
+                                     start={"device_wait": DEVICE_WAITS.seconds})
         self._frame_counters: dict[int, prometheus_client.Counter] = {}  # m_frames' child by frame kind
         self._listener: transports.Listener | None = None
 
@@ -164,20 +168,11 @@ class AttentionService:
         return counter
 
     def _count_waits_and_graphs(self) -> None:
-        """The process's device waits (one clock for every connection) and the core's graph
-        replays and capture failures since the last count (each counter touched only when
-        it grew: on the CPU they never do)."""
-        now = DEVICE_WAITS.seconds
-        if now != self._device_waited:
-            self.m_device_wait.inc(now - self._device_waited)
-            self._device_waited = now
+        """The process's device waits and the core's graph replays and failed captures
+        since the last count."""
         graphs = self.core.graphs
-        if graphs is not None and (graphs.replays, graphs.failures) != self._graphs_counted:
-            counts = (graphs.replays, graphs.failures)
-            for counter, value, before in zip((self.m_graph_replays, self.m_graph_failures), counts,
-                                              self._graphs_counted):
-                counter.inc(value - before)
-            self._graphs_counted = counts
+        self._totals.report({"device_wait": DEVICE_WAITS.seconds, "graph_replays": graphs.replays if graphs else 0,
+                             "graph_failures": graphs.failures if graphs else 0})
 
     def _handle(self, frame: transports.Frame, held: dict) -> transports.Frame | None:
         """The reply to one frame (None when it needs none). A frame that cannot be

@@ -51,6 +51,7 @@ from lamina.services.addresses import with_host
 from lamina.services.attention.attention_service import AttentionService
 from lamina.services.attention_pool import AttentionPool, LocalAttention, SeqRows
 from lamina.services.config import PortsSection, StackConfig
+from lamina.services.counter_totals import CounterTotals
 from lamina.services.devices import compute_dtype, open_device
 from lamina.services.model.decode_runner import DecodeRunner
 from lamina.services.model.slice_peers import SliceExecutors
@@ -240,7 +241,6 @@ class ModelService:
         self.m_step_failures = prometheus_client.Counter(
             "lamina_model_step_graph_capture_failures", "batch and context buckets whose whole-step CUDA graph "
             "capture failed (their steps run the same launches eagerly)", registry=r)
-        self._graphs_reported = (0, 0, 0, 0)  # slice and step replays and capture failures already counted
         self.pool: AttentionPool | None = None
         self.executors: SliceExecutors | None = None  # rotational only
         self.slice_server = SliceServer(self.slices.split.slices, self._serve_slice)
@@ -250,11 +250,16 @@ class ModelService:
                 and mw.step_graphs:
             self.slices.step_graphs = SlabStepGraphs(self.slices.split, core.slabs.k_pools, core.slabs.v_pools)
         self._runner: DecodeRunner | None = None
-        # What _count_work counted already: seconds computing, sending, attending here, awaiting
-        # replies and waiting for the GPU (a process-wide clock, so from its value now), slices
-        # run on peers.
-        self._reported = {"compute": 0.0, "send": 0.0, "remote": 0.0, "local": 0.0, "reply_wait": 0.0,
-                          "device_wait": DEVICE_WAITS.seconds}
+        # The totals _count_work reports: seconds computing, sending, awaiting replies and
+        # waiting for the GPU (a process-wide clock, counted from its value now), slices run
+        # on peers, graph replays and failed captures, and seconds attending here (passed to
+        # the colocated attention service, not counted here).
+        self._totals = CounterTotals(
+            {"compute": self.m_compute, "send": self.m_send, "remote": self.m_remote, "reply_wait": self.m_reply_wait,
+             "device_wait": self.m_device_wait, "slice_replays": self.m_graph_replays,
+             "slice_failures": self.m_graph_failures, "step_replays": self.m_step_replays,
+             "step_failures": self.m_step_failures, "local": None},
+            start={"device_wait": DEVICE_WAITS.seconds})
 
     def _serve_slice(self, j, inputs, attn, context) -> SliceOutput:
         out = self.slices.run_slice(j, inputs, attn, context)
@@ -270,24 +275,16 @@ class ModelService:
 
     def _count_work(self) -> None:
         """Add what the slices, the pool and the executors did since the last count to the counters."""
-        pool = self.pool
-        now = {"compute": self.slices.compute_s, "send": pool.send_s if pool else 0.0,
-               "remote": float(self.executors.remote_slices if self.executors else 0),
-               "local": pool.local_s if pool else 0.0, "reply_wait": pool.reply_wait_s if pool else 0.0,
-               "device_wait": DEVICE_WAITS.seconds}
-        for name, counter in (("compute", self.m_compute), ("send", self.m_send), ("remote", self.m_remote),
-                              ("reply_wait", self.m_reply_wait), ("device_wait", self.m_device_wait)):
-            counter.inc(now[name] - self._reported[name])
-        graphs, steps = self.slices.graphs, self.slices.step_graphs
-        counts = ((0, 0) if graphs is None else (graphs.replays, graphs.failures)) \
-            + ((0, 0) if steps is None else (steps.replays, steps.failures))
-        for counter, value, before in zip((self.m_graph_replays, self.m_graph_failures, self.m_step_replays,
-                                           self.m_step_failures), counts, self._graphs_reported):
-            counter.inc(value - before)
-        self._graphs_reported = counts
+        pool, graphs, steps = self.pool, self.slices.graphs, self.slices.step_graphs
+        grew = self._totals.report({
+            "compute": self.slices.compute_s, "send": pool.send_s if pool else 0.0,
+            "remote": self.executors.remote_slices if self.executors else 0,
+            "reply_wait": pool.reply_wait_s if pool else 0.0, "device_wait": DEVICE_WAITS.seconds,
+            "slice_replays": graphs.replays if graphs else 0, "slice_failures": graphs.failures if graphs else 0,
+            "step_replays": steps.replays if steps else 0, "step_failures": steps.failures if steps else 0,
+            "local": pool.local_s if pool else 0.0})
         if self.attention is not None:
-            self.attention.count_local(now["local"] - self._reported["local"])
-        self._reported = now
+            self.attention.count_local(grew["local"])
 
     async def decode(self, updates):
         """One Decode stream: apply the scheduler's updates, yield step results.

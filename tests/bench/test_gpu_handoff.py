@@ -11,18 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from triton_helpers import NO_CUDA
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_handoff.py"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a host without CUDA: this machine has a GPU")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA (this one has a CUDA device)")
 def test_without_a_gpu_it_stops_and_names_what_is_missing():
     run = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert "gpu_handoff needs a CUDA device" in run.stderr and torch.__version__ in run.stderr
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch finds none here)")
+@NO_CUDA
 def test_on_a_gpu_each_handoff_is_timed_and_ordered():
     run = subprocess.run([sys.executable, str(SCRIPT), "--iters", "50", "--timeout", "60"], capture_output=True,
                          text=True, timeout=600)
