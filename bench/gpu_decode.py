@@ -30,7 +30,10 @@ another (each one's memory given back to the device before the next):
   attention workers (`--no-stack`: left out; runs in that order, so that a run cut short
   keeps the layout users get and the issue's 2 micro-batches first; `colocated_slices`,
   right after colocated: the same with model_worker.step_graphs off, its decode slices'
-  graphs and its core's per-layer attention graphs instead), each warmed up with
+  graphs and its core's per-layer attention graphs instead; `mb2_aw1_dev` and
+  `mb1_aw1_dev`, last: 2 and 1 micro-batches over 1 attention worker with cuda_ipc's
+  frames ordered on the GPU, `data_plane.cuda_ipc_device_order`, printed against the same
+  runs ordered by the hosts; over cuda_ipc only), each warmed up with
   the whole batch, short (planner/measure/stack_run.py), and timed
   over S steps of the whole batch: each request may make `--stack-hold` more tokens, so
   the sequences prefilled first still decode when the last one has made its S (the
@@ -52,9 +55,10 @@ engine/transformers, the stack's 2 micro-batches/engine and colocated/engine, st
 appended to `--out` (JSON lines) after each contender, with what it has so far (a
 contender that fails leaves its error in the row, `NAME_error`, and the others run); the
 last line is one JSON object: {"device", "engine_tok_s", "engine_slices_tok_s", "transformers_tok_s",
-"stack_tok_s": {"mb1", "mb2", "colocated", "colocated_slices"}, "step_vs_bound", "attention_ms_per_layer":
-{"worker", "engine"}, "skipped", "errors"}, each keyed by "model/dtype/bB/cC" (mb1 and
-mb2: the faster of 1 and 2 attention workers).
+"stack_tok_s": {"mb1", "mb2", "mb1_dev", "mb2_dev", "colocated", "colocated_slices"}, "step_vs_bound",
+"attention_ms_per_layer": {"worker", "engine"}, "skipped", "errors"}, each keyed by
+"model/dtype/bB/cC" (mb1 and mb2: the fastest of 1 and 2 attention workers and both
+orderings; mb1_dev and mb2_dev: the device-ordered runs alone).
 
     python bench/gpu_decode.py                 # on CUDA: the issue's matrix
     python bench/gpu_decode.py --device cpu --quick   # SmolLM2 float32, small points (a check of the script)
@@ -252,9 +256,12 @@ def run_transformers(hf: Any, point: Point, prompts: list[list[int]], steps: int
     return point.batch * steps / max(many - one, 1e-9)
 
 
+# The disaggregated stack's runs, in the order they run: (micro-batches, attention workers,
+# "_dev" where cuda_ipc's frames are device-ordered, data_plane.cuda_ipc_device_order).
+STACK_RUNS = ((2, 1, ""), (2, 2, ""), (1, 1, ""), (1, 2, ""), (2, 1, "_dev"), (1, 1, "_dev"))
 # What --contenders names: the engine, transformers, attention alone, and the stack's runs.
 CONTENDERS = ("engine", "engine_slices", "transformers", "attention", "colocated", "colocated_slices", "mb2_aw1",
-              "mb2_aw2", "mb1_aw1", "mb1_aw2")
+              "mb2_aw2", "mb1_aw1", "mb1_aw2", "mb2_aw1_dev", "mb1_aw1_dev")
 
 
 def main() -> None:
@@ -308,7 +315,8 @@ def main() -> None:
 
     report: dict[str, Any] = {"device": f"{device} ({name})", "engine_tok_s": {}, "engine_slices_tok_s": {},
                               "transformers_tok_s": {},
-                              "stack_tok_s": {"mb1": {}, "mb2": {}, "colocated": {}, "colocated_slices": {}},
+                              "stack_tok_s": {"mb1": {}, "mb2": {}, "mb1_dev": {}, "mb2_dev": {},
+                                              "colocated": {}, "colocated_slices": {}},
                               "step_vs_bound": {},
                               "attention_ms_per_layer": {"worker": {}, "engine": {}}, "skipped": [],
                               "errors": {}}
@@ -320,6 +328,8 @@ def main() -> None:
                 f.write(json.dumps(row) + "\n")
 
     from lamina.model.loader import load_model
+
+    all_rows: dict[str, dict[str, Any]] = {}  # every point's row, by key
 
     for spec in models.split(","):
         model, _, dtype = spec.rpartition(":")
@@ -345,6 +355,7 @@ def main() -> None:
         if not points:
             continue
         rows: dict[str, dict[str, Any]] = {p.key: {"point": p.key, "steps": steps} for p, _, _ in points}
+        all_rows.update(rows)
 
         engine = make_engine(loaded, dtype, max(p.batch for p, _, _ in points), max(p.context for p, _, _ in points),
                              max(kv for _, _, kv in points), device) if "engine" in chosen else None
@@ -386,15 +397,15 @@ def main() -> None:
                             1, False, 1, attention_slab(per_seq, point.batch, 1) + (256 << 20), weights,
                             layout="colocated", model=point.checkpoint, device=str(device), dtype=dtype, hold=hold,
                             trace_dir=traced(point, name), step_graphs=whole)
-            for mb in (2, 1):
-                for workers in (1, 2):
-                    if f"mb{mb}_aw{workers}" not in chosen:
-                        continue
-                    slab = attention_slab(per_seq, point.batch, workers) + (256 << 20)
-                    measure(rows[point.key], f"stack_mb{mb}_aw{workers}_tok_s", record, stack_tok_s, prompts, steps,
-                            transport, mb, False, 1, slab, weights, attention_workers=workers,
-                            model=point.checkpoint, device=str(device), dtype=dtype, hold=hold,
-                            trace_dir=traced(point, f"mb{mb}_aw{workers}"))
+            for mb, workers, suffix in STACK_RUNS:
+                name = f"mb{mb}_aw{workers}{suffix}"
+                if name not in chosen or (suffix == "_dev" and transport != "cuda_ipc"):
+                    continue  # device order is cuda_ipc's: over another transport the same as without
+                slab = attention_slab(per_seq, point.batch, workers) + (256 << 20)
+                measure(rows[point.key], f"stack_{name}_tok_s", record, stack_tok_s, prompts, steps,
+                        transport, mb, False, 1, slab, weights, attention_workers=workers,
+                        model=point.checkpoint, device=str(device), dtype=dtype, hold=hold,
+                        trace_dir=traced(point, name), device_order=suffix == "_dev")
         for point, _, _ in points:
             row, key = rows[point.key], point.key
             if "engine_tok_s" in row:
@@ -408,7 +419,11 @@ def main() -> None:
                 if "attention_ms_per_layer" in row:
                     report["attention_ms_per_layer"][side][key] = row["attention_ms_per_layer"][side]
             for mb in (1, 2):
-                best = max(row.get(f"stack_mb{mb}_aw{w}_tok_s", 0.0) for w in (1, 2))
+                for suffix in ("", "_dev"):
+                    got = max(row.get(f"stack_mb{mb}_aw{w}{suffix}_tok_s", 0.0) for w in (1, 2))
+                    if got:
+                        report["stack_tok_s"][f"mb{mb}{suffix}"][key] = got
+                best = max(report["stack_tok_s"][f"mb{mb}{s}"].get(key, 0.0) for s in ("", "_dev"))
                 if best:
                     report["stack_tok_s"][f"mb{mb}"][key] = best
             for name in ("colocated", "colocated_slices"):
@@ -435,6 +450,12 @@ def main() -> None:
         if whole:
             print(f"{key}: stack colocated {whole:.1f} tok/s with whole steps as CUDA graphs, {sliced:.1f} with its "
                   f"slices' graphs only: {whole / sliced:.2f}x (one after the other)")
+    for mb in (1, 2):
+        for key, dev in report["stack_tok_s"][f"mb{mb}_dev"].items():
+            host = all_rows.get(key, {}).get(f"stack_mb{mb}_aw1_tok_s", 0.0)
+            if host:
+                print(f"{key}: stack, {mb} micro-batch(es), 1 attention worker: {dev:.1f} tok/s with cuda_ipc's frames "
+                      f"ordered on the GPU, {host:.1f} ordered by the hosts: {dev / host:.2f}x (one after the other)")
     for what, error in report["errors"].items():
         print(f"failed: {what}: {error.splitlines()[-1] if error else ''}")
     print(json.dumps(report))

@@ -21,19 +21,30 @@ shared int64 tensor, whose final value checks that the kernels ran in turn:
   flag says the other side's kernel is done (cuStreamWaitValue64) and followed by a
   write of the flag (cuStreamWriteValue64): the GPU orders the processes. This is the
   path a host-free cuda_ipc would take; it needs the driver's stream memory operations.
+- two_processes_event: the same two processes, each kernel after its stream's wait on the
+  other process's interprocess CUDA event, each side telling the other through the pipe
+  as soon as its kernel and event record are queued (not done): the hosts pass turns,
+  the GPU orders the kernels (what cuda_ipc's device-ordered frames do);
 - two_processes_cuda_ipc: the same turns through lamina's own cuda_ipc transport: one
   side adds and sends the tensor, the other receives it (its copy out of the sender's
   ring), adds and sends it back: a layer's handoff as the stack makes it, Python, frames
-  and the transport's waits included;
+  and the transport's waits included; two_processes_cuda_ipc_device: the same with
+  `cuda_ipc_device_order` on both sides;
 - exporter_exit: a child process exports a buffer by CUDA IPC, another maps it and reads
   it, the child is killed, and the mapping is read and written again: whether a receiver
   may still touch a vanished sender's ring (what a host-free receiver would do to release
-  its own waits), or the driver faults.
+  its own waits), or the driver faults;
+- event_exit: a child records an interprocess event behind some two seconds of GPU work
+  and hands it over; this process's stream waits on it, the child is killed before its
+  work ends, and this process watches whether its waiting stream ever runs (the child's
+  death releasing it, or this process recording the imported event itself on another
+  stream), and whether its other streams still run: what a device-ordered cuda_ipc
+  receiver's streams do when the sender dies between a frame and its copies.
 Each contender runs in processes of its own (a stream stuck in a wait, or a fault, cannot
 touch the others' figures), stopped after --timeout seconds. Prints the device, the table
 (microseconds per round trip and per handoff, each against one_process_host) and a
 last-line JSON: {"device": ..., "iters": N, "us_per_round_trip": {name: us},
-"correct": {name: bool}, "errors": {name: text}, "exporter_exit": {...}}.
+"correct": {name: bool}, "errors": {name: text}, "exporter_exit": {...}, "event_exit": {...}}.
 
     python bench/gpu_handoff.py [--iters 500] [--timeout 60]
 
@@ -43,6 +54,7 @@ Without a CUDA device it stops at once and says so (exit status 2).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -50,14 +62,15 @@ import platform
 import queue
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
 CONTENDERS = ("one_process_host", "one_process_device", "two_processes_host", "two_processes_device",
-              "two_processes_cuda_ipc")
+              "two_processes_event", "two_processes_cuda_ipc", "two_processes_cuda_ipc_device")
+PROBES = ("exporter_exit", "event_exit")
 WARMUP = 20  # round trips run before the timed ones (kernels loaded, contexts made)
 
 
@@ -177,9 +190,7 @@ def two_processes(iters: int, device_ordered: bool) -> tuple[float, bool]:
     ops = _MemOps() if device_ordered else None
     tensors = ctx.Queue()
     here, there = ctx.Pipe()
-    child = ctx.Process(target=_side_b, args=(there, tensors, iters, device_ordered), daemon=True)
-    child.start()
-    try:
+    with _second_side(_side_b, there, tensors, iters, device_ordered) as child:
         tensors.put((data, flag))
         seconds = 0.0
         for n, base in ((WARMUP, 0), (iters, WARMUP)):
@@ -198,17 +209,92 @@ def two_processes(iters: int, device_ordered: bool) -> tuple[float, bool]:
                     here.send_bytes(b"")
                     here.recv_bytes()
             seconds = time.perf_counter() - start
-        value = int(data.item())
-        here.send_bytes(b"end")
-        child.join(10)
+        value = _ended(here, child, data)
+    return seconds / iters, value == 2 * (WARMUP + iters)
+
+
+@contextlib.contextmanager
+def _second_side(target: Callable[..., None], *args: Any) -> Iterator[Any]:
+    """The second side's process, spawned (it maps the first side's CUDA tensors), killed
+    at the end if still there."""
+    child = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
+    child.start()
+    try:
+        yield child
     finally:
         if child.is_alive():
             child.kill()
+
+
+def _ended(here: Any, child: Any, data: torch.Tensor) -> int:
+    """The shared value, read once both sides are done; then the second side may end."""
+    value = int(data.item())
+    here.send_bytes(b"end")
+    child.join(10)
+    return value
+
+
+def _event_side_b(conn: Any, shared: queue.Queue, handles: queue.Queue, iters: int) -> None:
+    """The second process of two_processes_event: each turn after the first side's event."""
+    dev = torch.device("cuda")
+    data = shared.get()
+    stream = torch.cuda.Stream(dev)
+    mine = torch.cuda.Event(interprocess=True)
+    handles.put(bytes(mine.ipc_handle()))
+    theirs = torch.cuda.Event.from_ipc_handle(dev, conn.recv_bytes())
+    for n in (WARMUP, iters):
+        for _ in range(n):
+            conn.recv_bytes()  # the first side's kernel and record are queued
+            _turn_after(stream, theirs, mine, data)
+            conn.send_bytes(b"")
+    conn.recv_bytes()  # the first side's end: it has read the shared value
+
+
+def _turn_after(stream: torch.cuda.Stream, theirs: torch.cuda.Event, mine: torch.cuda.Event,
+                data: torch.Tensor) -> None:
+    """One side's turn ordered on the device: its stream waits for the other side's last
+    record, adds, and records its own event (nothing here waits for the GPU)."""
+    stream.wait_event(theirs)
+    with torch.cuda.stream(stream):
+        data.add_(1)
+    mine.record(stream)
+
+
+def two_processes_event(iters: int) -> tuple[float, bool]:
+    """Seconds per round trip with the turns passed through the pipe at once and ordered
+    by interprocess events on the GPU, and whether the shared value came out right. An
+    event is recorded again only after the other side said it queued its wait on it."""
+    dev = torch.device("cuda")
+    ctx = mp.get_context("spawn")
+    data = torch.zeros(1, dtype=torch.int64, device=dev)
+    stream = torch.cuda.Stream(dev)
+    mine = torch.cuda.Event(interprocess=True)
+    shared, handles = ctx.Queue(), ctx.Queue()
+    here, there = ctx.Pipe()
+    with _second_side(_event_side_b, there, shared, handles, iters) as child:
+        shared.put(data)
+        theirs = torch.cuda.Event.from_ipc_handle(dev, handles.get(timeout=60))
+        here.send_bytes(bytes(mine.ipc_handle()))
+        seconds = 0.0
+        for n in (WARMUP, iters):
+            start = time.perf_counter()
+            for _ in range(n):
+                # After the second side's last record (before its first, a wait on a
+                # never-recorded event: none).
+                _turn_after(stream, theirs, mine, data)
+                here.send_bytes(b"")
+                here.recv_bytes()
+            stream.wait_event(theirs)
+            done = torch.cuda.Event()
+            done.record(stream)
+            _poll(done)
+            seconds = time.perf_counter() - start
+        value = _ended(here, child, data)
     return seconds / iters, value == 2 * (WARMUP + iters)
 
 
 # -- through the cuda_ipc transport --------------------------------------------------------------
-def _adding_echo(address: str, ready: queue.Queue) -> None:
+def _adding_echo(address: str, ready: queue.Queue, device_order: bool) -> None:
     """The second side over cuda_ipc: each tensor received is added to and sent back."""
     import asyncio
 
@@ -229,7 +315,8 @@ def _adding_echo(address: str, ready: queue.Queue) -> None:
             except transports.PeerClosed:
                 done.set()
 
-        listener = await transports.listen(address, echo, transport_config())
+        listener = await transports.listen(address, echo,
+                                           transport_config().replace(cuda_ipc_device_order=device_order))
         ready.put(listener.address)
         await done.wait()
         await listener.close()
@@ -239,9 +326,9 @@ def _adding_echo(address: str, ready: queue.Queue) -> None:
     asyncio.run(main())
 
 
-def cuda_ipc_round_trips(iters: int) -> tuple[float, bool]:
-    """Seconds per round trip through lamina's cuda_ipc transport, and whether the value
-    came out right."""
+def cuda_ipc_round_trips(iters: int, device_order: bool) -> tuple[float, bool]:
+    """Seconds per round trip through lamina's cuda_ipc transport (both ends host- or
+    device-ordered), and whether the value came out right."""
     import asyncio
 
     from lamina import transports
@@ -250,11 +337,13 @@ def cuda_ipc_round_trips(iters: int) -> tuple[float, bool]:
 
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
-    child = ctx.Process(target=_adding_echo, args=(f"cuda_ipc://handoff-{os.getpid()}", ready), daemon=True)
+    child = ctx.Process(target=_adding_echo, args=(f"cuda_ipc://handoff-{os.getpid()}", ready, device_order),
+                        daemon=True)
     child.start()
 
     async def main() -> tuple[float, int]:
-        conn = await transports.connect(ready.get(timeout=60), transport_config())
+        conn = await transports.connect(ready.get(timeout=60),
+                                        transport_config().replace(cuda_ipc_device_order=device_order))
         data = torch.zeros(1, dtype=torch.int64, device="cuda")
         seconds = 0.0
         for n in (WARMUP, iters):
@@ -313,18 +402,82 @@ def exporter_exit() -> dict[str, Any]:
     return out
 
 
+def _event_recorder(handles: queue.Queue, cycles: int) -> None:
+    event = torch.cuda.Event(interprocess=True)
+    torch.cuda._sleep(cycles)  # the GPU busy: the record below waits behind it
+    event.record()
+    handles.put(bytes(event.ipc_handle()))
+    time.sleep(3600)  # killed by the other side
+
+
+def _watch(event: torch.cuda.Event, seconds: float) -> float | None:
+    """Seconds until the event is done, None if it is not within `seconds`."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        if event.query():
+            return time.perf_counter() - start
+        time.sleep(0.001)
+    return None
+
+
+def event_exit(work_s: float = 2.0, kill_after_s: float = 0.3, watch_s: float = 8.0) -> dict[str, Any]:
+    """A stream waiting on a killed child's interprocess event, recorded behind `work_s`
+    of the child's GPU work, killed `kill_after_s` after the record was queued: does the
+    wait end by itself, or once this process records the imported event, and do this
+    process's other streams run meanwhile? A stuck stream is left behind (this runs in a
+    process of its own)."""
+    dev = torch.device("cuda")
+    rate_khz = getattr(torch.cuda.get_device_properties(dev), "clock_rate", 0) or 1_800_000
+    ctx = mp.get_context("spawn")
+    handles = ctx.Queue()
+    child = ctx.Process(target=_event_recorder, args=(handles, int(work_s * rate_khz * 1000)), daemon=True)
+    child.start()
+    out: dict[str, Any] = {"work_s": work_s, "kill_after_s": kill_after_s}
+    try:
+        theirs = torch.cuda.Event.from_ipc_handle(dev, handles.get(timeout=60))
+        waiting = torch.cuda.Stream(dev)
+        waiting.wait_event(theirs)
+        after = torch.cuda.Event()
+        after.record(waiting)  # done once the wait ended
+        out["pending_before_kill"] = not after.query()
+        time.sleep(kill_after_s)
+        child.kill()
+        child.join(10)
+        out["released_after_kill_s"] = _watch(after, watch_s)
+        other = torch.cuda.Stream(dev)
+        with torch.cuda.stream(other):
+            probe = torch.ones(1, device=dev) + 1
+        ran = torch.cuda.Event()
+        ran.record(other)
+        out["other_stream_runs"] = _watch(ran, 5.0) is not None and float(probe.item()) == 2.0
+        if out["released_after_kill_s"] is None:
+            try:
+                theirs.record(other)  # the importer records the event itself
+                out["released_by_own_record_s"] = _watch(after, 5.0)
+            except Exception as exc:  # noqa: BLE001 (the driver's answer is the result)
+                out["released_by_own_record_s"] = f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        if child.is_alive():
+            child.kill()
+    return out
+
+
 # -- each contender in processes of its own ------------------------------------------------------
 RUNS: dict[str, Callable[[int], tuple[float, bool]]] = {
     "one_process_host": lambda n: one_process(n, device_ordered=False),
     "one_process_device": lambda n: one_process(n, device_ordered=True),
     "two_processes_host": lambda n: two_processes(n, device_ordered=False),
     "two_processes_device": lambda n: two_processes(n, device_ordered=True),
-    "two_processes_cuda_ipc": cuda_ipc_round_trips,
+    "two_processes_event": two_processes_event,
+    "two_processes_cuda_ipc": lambda n: cuda_ipc_round_trips(n, device_order=False),
+    "two_processes_cuda_ipc_device": lambda n: cuda_ipc_round_trips(n, device_order=True),
 }
+PROBE_RUNS: dict[str, Callable[[], dict[str, Any]]] = {"exporter_exit": exporter_exit, "event_exit": event_exit}
+
 def _run(name: str, iters: int, results: queue.Queue) -> None:
     try:
-        if name == "exporter_exit":
-            results.put(("ok", exporter_exit()))
+        if name in PROBE_RUNS:
+            results.put(("ok", PROBE_RUNS[name]()))
             return
         seconds, correct = RUNS[name](iters)
         results.put(("ok", {"us": 1e6 * seconds, "correct": correct}))
@@ -381,18 +534,20 @@ def main() -> None:
             us[name], correct[name] = got["us"], got["correct"]
         else:
             errors[name] = got
-    status, exporter = isolated("exporter_exit", args.iters, args.timeout)
+    probes = {name: isolated(name, args.iters, args.timeout) for name in PROBES}
     base = us.get("one_process_host")
-    print(f"{'contender':<22} {'us/round trip':>14} {'us/handoff':>11} {'vs one_process_host':>20}  value right")
+    print(f"{'contender':<30} {'us/round trip':>14} {'us/handoff':>11} {'vs one_process_host':>20}  value right")
     for name in CONTENDERS:
         if name in errors:
-            print(f"{name:<22} failed: {errors[name]}")
+            print(f"{name:<30} failed: {errors[name]}")
             continue
         ratio = f"{us[name] / base:.2f}x" if base else "-"
-        print(f"{name:<22} {us[name]:>14.1f} {us[name] / 2:>11.1f} {ratio:>20}  {correct[name]}")
-    print(f"exporter_exit: {exporter if status == 'ok' else 'failed: ' + str(exporter)}")
+        print(f"{name:<30} {us[name]:>14.1f} {us[name] / 2:>11.1f} {ratio:>20}  {correct[name]}")
+    for name, (status, got) in probes.items():
+        print(f"{name}: {got if status == 'ok' else 'failed: ' + str(got)}")
     print(json.dumps({"device": device, "iters": args.iters, "us_per_round_trip": us, "correct": correct,
-                      "errors": errors, "exporter_exit": exporter if status == "ok" else {"error": exporter}}))
+                      "errors": errors} | {name: got if status == "ok" else {"error": got}
+                                           for name, (status, got) in probes.items()}))
 
 
 if __name__ == "__main__":

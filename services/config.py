@@ -86,8 +86,11 @@ clear message naming the setting.
                                 # (0: = workers): more may join the running stack up to it, and
                                 # leave (request partitioning); LAMINA_ATTENTION_MAX_WORKERS
     data_plane: {busy_poll_us: null, checksum_payloads: false, shm_ring_bytes: 16777216,
-                 cuda_ipc_ring_bytes: 67108864, ucx_progress_mode: blocking, ucx_tls: null,
-                 ucx_device_memory: true, native_frames: true}   # see docs/transports.md
+                 cuda_ipc_ring_bytes: 67108864, cuda_ipc_device_order: false,
+                 ucx_progress_mode: blocking, ucx_tls: null,
+                 ucx_device_memory: true, native_frames: true}   # see docs/transports.md;
+                                # cuda_ipc_device_order: frames sent without waiting for the
+                                # GPU, ordered on it (LAMINA_CUDA_IPC_DEVICE_ORDER)
     # deadlines: every wait on a peer (docs/reliability.md)
     deadlines: {reply_s: 10, rpc_s: 30, step_s: 30, health_s: 2, recovery_s: 120, startup_s: 60,
                 kv_reclaim_s: 60}
@@ -320,6 +323,9 @@ class DataPlaneSection:
     checksum_payloads: bool = False  # crc32 of payloads too (headers always are)
     shm_ring_bytes: int = 16 << 20  # per direction, shm transport
     cuda_ipc_ring_bytes: int = 64 << 20  # per direction, device memory of the cuda_ipc transport
+    # cuda_ipc: a frame sent before its copies are done, the receiver's stream waiting on
+    # the sender's interprocess event (false: the sender's host waits for its copies first)
+    cuda_ipc_device_order: bool = False
     ucx_progress_mode: str = "blocking"  # blocking | thread | polling | thread-polling
     ucx_tls: str | None = None  # UCX_TLS for the ucx transport (null: UCX decides)
     ucx_device_memory: bool = True  # ucx: CUDA tensors from device memory where UCX can (false: staged)
@@ -523,6 +529,7 @@ class StackConfig:
         return TransportConfig(auth_token=self.cluster_token, busy_poll_us=busy_poll,
                                checksum_payloads=dp.checksum_payloads, shm_ring_bytes=dp.shm_ring_bytes,
                                cuda_ipc_ring_bytes=dp.cuda_ipc_ring_bytes,
+                               cuda_ipc_device_order=dp.cuda_ipc_device_order,
                                ucx_progress_mode=dp.ucx_progress_mode, ucx_tls=dp.ucx_tls,
                                ucx_device_memory=dp.ucx_device_memory, native_frames=dp.native_frames)
 
@@ -595,6 +602,7 @@ ENV_OVERRIDES = {
     "LAMINA_API_KEY": "gateway.api_key",
     "LAMINA_PORT": "gateway.port",
     "LAMINA_BUSY_POLL_US": "data_plane.busy_poll_us",
+    "LAMINA_CUDA_IPC_DEVICE_ORDER": "data_plane.cuda_ipc_device_order",
     "LAMINA_MICRO_BATCHES": "pipeline.micro_batches",
     "LAMINA_Q_EARLY": "pipeline.q_early",
     "LAMINA_KV_QUANT": "attention.kv_quant",

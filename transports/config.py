@@ -34,6 +34,11 @@ class TransportConfig:
     # cuda_ipc: bytes of each direction's ring of device memory; a frame whose CUDA
     # tensors do not fit it at once goes through host memory.
     cuda_ipc_ring_bytes: int = 64 << 20
+    # cuda_ipc: a sender records an interprocess event after a frame's copies into its
+    # ring and sends the frame at once, the receiver's stream waiting for the event on
+    # the device (transports/cuda_ipc.py); False: the sender waits for its copies on the
+    # host first, and the receiver's streams never wait on the sender's.
+    cuda_ipc_device_order: bool = False
     # Receivers spin this long on the socket or ring before parking in the event loop
     # (0: never). Adaptive: spinning stops on a connection whose peer answers slower
     # than this, and resumes when it is quick again (transports/polling.py). None:

@@ -8,21 +8,37 @@ CUDA IPC cannot export between unrelated processes). No handle travels per frame
 
 Sending a frame, its CUDA tensors are copied into the sender's ring on the connection's
 copy stream, after whatever the sender's current stream queued before (a caller
-computing on another stream makes the current one wait for it first); the sender waits
-until those copies are done (polling their event, as the event loop's other tasks run)
-and only then sends the frame through shm, with each CUDA tensor's place in the ring
-(offset, dtype, shape) in place of its bytes. The receiver so reads finished bytes: its
-streams never wait on the sender's (one slow peer cannot hold back the receiver's other
-work, and a peer that dies leaves nothing to wait on); the price is that the frame's trip
-through shm (a 4 KiB round trip takes about 14 us here) follows the copies instead of
-overlapping them. It copies each tensor out into a new one on its current device, on a
-stream of the connection, and hands the frame on at once: `recv` makes the caller's
-current stream wait for those copies (on the device: the receiving end's host never
-waits for its GPU on a frame's way in) and has the allocator keep their memory for that
-stream, so a caller computing on another stream makes it wait for the current one, as
-for any tensor made there. Once the copies are done, a task of the connection tells the
-sender that ring space is free again (a small frame of its own), so a sender reuses
-space only after the copies out of it finished.
+computing on another stream makes the current one wait for it first). What comes next
+is the sender's choice (``TransportConfig.cuda_ipc_device_order``; the receiver reads
+both kinds of frame):
+
+- host-ordered (the default): the sender waits until those copies are done (polling
+  their event, as the event loop's other tasks run) and only then sends the frame
+  through shm, with each CUDA tensor's place in the ring (offset, dtype, shape) in place
+  of its bytes. The receiver so reads finished bytes: its streams never wait on the
+  sender's (one slow peer cannot hold back the receiver's other work, and a peer that
+  dies leaves nothing to wait on); the price is that the frame's trip through shm (a 4
+  KiB round trip takes about 14 us here) and the receiver's launches follow the
+  sender's GPU work instead of overlapping it.
+- device-ordered: the sender records one of its interprocess CUDA events after the
+  copies (a pool of them per connection, exported with the ring at connect) and sends
+  the frame at once, naming the event; the receiver's copy-out stream waits for that
+  event on the device before copying. Neither host waits for a GPU on the frame's way,
+  so each side launches its next work while the other's still runs. An event is
+  recorded again only after the receiver has freed the frame that last used it (so its
+  wait was queued on that record). What a wait on the event of a peer that dies before
+  its copies ran does is the driver's (bench/gpu_handoff.py's `event_exit` measures it):
+  closing such a connection waits a bounded time for the copies out, then logs that its
+  stream may be stuck and keeps the events mapped.
+
+The receiver copies each tensor out into a new one on its current device, on a stream of
+the connection, and hands the frame on at once: `recv` makes the caller's current stream
+wait for those copies (on the device: the receiving end's host never waits for its GPU
+on a frame's way in) and has the allocator keep their memory for that stream, so a
+caller computing on another stream makes it wait for the current one, as for any tensor
+made there. Once the copies are done, a task of the connection tells the sender that
+ring space (and the frames' events) are free again (a small frame of its own), so a
+sender reuses space only after the copies out of it finished.
 CPU tensors and byte buffers travel through shm as on ``shm://``. A frame whose CUDA
 tensors do not fit the ring at once travels through host memory whole (copied to the
 CPU and back), slower but the same frame.
@@ -38,8 +54,9 @@ receiving can wait for ring space once the peer has sent it more than ``_QUEUED`
 frames (the services always read their connections).
 
 Two ends in one process (a test, or services sharing a process) share the ring object
-itself: a process cannot open its own CUDA IPC handles. The peer's GPU is named by its
-UUID, so processes that see the GPUs under other indices (CUDA_VISIBLE_DEVICES) agree.
+and events themselves: a process cannot open its own CUDA IPC handles. The peer's GPU is
+named by its UUID, so processes that see the GPUs under other indices
+(CUDA_VISIBLE_DEVICES) agree.
 """
 
 from __future__ import annotations
@@ -70,9 +87,21 @@ _ALIGN = 256  # each tensor starts at a multiple of this in the ring (any dtype'
 # still holds back its sender (as a full shm ring does) and few copies wait in device memory.
 _QUEUED = 4
 _SETUP, _DATA, _FREE = 0, 1, 2  # the inner header's first item
+# Interprocess events a device-ordered sender records in turn: at most this many of its
+# frames are out before the receiver frees the oldest (the reader queues only _QUEUED).
+_EVENTS = 32
+# Seconds a closing device-ordered receiver waits for its copies out (which wait on the
+# peer's events) before it reports them stuck.
+_CLOSE_WAIT_S = 10.0
 _EMPTY = torch.empty(0, dtype=torch.uint8)  # what stands in a frame for a tensor that is in the ring
 # This process's rings by token, for a peer in the same process.
 _LOCAL: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+# Interprocess event pools of closed connections, reused by later ones: an exported event
+# is never destroyed while a peer may still hold it open (the driver leaves a wait on a
+# destroyed IPC event undefined), and a peer's imported events whose waits did not finish
+# by close are kept here too.
+_SPARE_EVENTS: list[tuple[torch.device, list[torch.cuda.Event]]] = []
+_STUCK: list[Any] = []
 # With the pid, what tells this process from another (pids repeat across pid namespaces;
 # a child forked after this import shares this value, but not the pid).
 _PROCESS = uuid.uuid4().hex
@@ -108,15 +137,54 @@ def _local_device(desc: dict[str, Any]) -> torch.device:
 class _Exported:
     """A direction's ring, as the sending end holds it (kept alive by it)."""
 
-    def __init__(self, device: torch.device, nbytes: int) -> None:
+    def __init__(self, device: torch.device, nbytes: int, device_order: bool) -> None:
         self.ring = _ipc_exportable(nbytes, device)
         self.token = uuid.uuid4().hex
+        # Device-ordered sends: the events this end records after a frame's copies.
+        self.events: list[torch.cuda.Event] = _event_pool(device) if device_order else []
 
     def describe(self) -> dict[str, Any]:
-        """What the peer needs to map this ring (plain values, for msgpack)."""
+        """What the peer needs to map this ring and its events (plain values, for msgpack)."""
         storage = self.ring.untyped_storage()
         return {"pid": os.getpid(), "process": _PROCESS, "token": self.token,
-                "device_uuid": _device_uuid(self.ring.device.index), "ring": list(storage._share_cuda_())}
+                "device_uuid": _device_uuid(self.ring.device.index), "ring": list(storage._share_cuda_()),
+                "events": [bytes(e.ipc_handle()) for e in self.events]}
+
+    def give_back(self) -> None:
+        """The connection ended (its copies into the ring are done): the events wait for
+        another connection."""
+        if self.events:
+            _SPARE_EVENTS.append((self.ring.device, self.events))
+            self.events = []
+
+
+def _event_pool(device: torch.device) -> list[torch.cuda.Event]:
+    """_EVENTS interprocess events on `device`: a closed connection's, or new ones."""
+    for i, (on, pool) in enumerate(_SPARE_EVENTS):
+        if on == device:
+            del _SPARE_EVENTS[i]
+            return pool
+    stream = torch.cuda.current_stream(device)
+    pool = [torch.cuda.Event(interprocess=True) for _ in range(_EVENTS)]
+    for event in pool:
+        event.record(stream)  # made now, on the stream's device (torch makes an event at its first use)
+    return pool
+
+
+def _mapped_events(desc: dict[str, Any]) -> list[torch.cuda.Event]:
+    """The peer's interprocess events (none: it sends host-ordered), opened in this process."""
+    handles = desc.get("events") or []
+    if not isinstance(handles, list) or not all(isinstance(h, bytes) for h in handles):
+        raise TransportError("cuda_ipc: the peer's events are not IPC handles")
+    if not handles:
+        return []
+    if desc["pid"] == os.getpid() and desc["process"] == _PROCESS:
+        exported = _LOCAL.get(desc["token"])
+        if exported is None:
+            raise TransportError("the peer's events are gone (same process)")
+        return list(exported.events)
+    device = _local_device(desc)
+    return [torch.cuda.Event.from_ipc_handle(device, h) for h in handles]
 
 
 def _mapped(desc: dict[str, Any]) -> torch.Tensor:
@@ -140,18 +208,25 @@ def _mapped(desc: dict[str, Any]) -> torch.Tensor:
 
 class _Space:
     """The sending end's view of its ring: bytes handed out (`head`) and given back by the
-    receiver (`freed`), both counted since the connection opened, and a wait for space."""
+    receiver (`freed`), and frames through the ring sent (`frames`) and freed
+    (`frames_freed`), all counted since the connection opened, and a wait for space.
+    `max_frames` (0: no bound): how many frames may be out at once (a device-ordered
+    sender's events)."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, max_frames: int = 0) -> None:
         self.size = nbytes
         self.head = 0
         self.freed = 0
+        self.frames = 0
+        self.frames_freed = 0
+        self.max_frames = max_frames
         self._more = asyncio.Event()
         self._failed: TransportError | None = None
 
-    def free(self, upto: int) -> None:
-        if upto > self.freed:
-            self.freed = upto
+    def free(self, upto: int, frames: int = 0) -> None:
+        if upto > self.freed or frames > self.frames_freed:
+            self.freed = max(self.freed, upto)
+            self.frames_freed = max(self.frames_freed, frames)
             self._more.set()
 
     def fail(self, exc: TransportError) -> None:
@@ -161,8 +236,9 @@ class _Space:
 
     async def take(self, sizes: Sequence[int]) -> list[int]:
         """Ring offsets for tensors of these byte sizes, one run of contiguous space (a run
-        that would wrap starts over at the ring's start, skipping the rest); waits for the
-        receiver to free enough."""
+        that would wrap starts over at the ring's start, skipping the rest), for frame
+        number `frames` (counted up by one); waits for the receiver to free enough, and
+        under `max_frames` for it to free the frame that many before this one."""
         need = sum(-(-n // _ALIGN) * _ALIGN for n in sizes)
         while True:
             if self._failed is not None:
@@ -171,7 +247,8 @@ class _Space:
             skip = 0 if at + need <= self.size else self.size - at
             # The skipped end is never written: once everything before it is freed, so is it.
             freed = self.freed + skip if self.freed >= self.head else self.freed
-            if self.head + skip + need - freed <= self.size:
+            frame_free = not self.max_frames or self.frames - self.frames_freed < self.max_frames
+            if self.head + skip + need - freed <= self.size and frame_free:
                 break
             self._more.clear()
             await self._more.wait()
@@ -181,6 +258,7 @@ class _Space:
             offsets.append(pos)
             pos += -(-n // _ALIGN) * _ALIGN
         self.head += skip + need
+        self.frames += 1
         return offsets
 
 
@@ -188,12 +266,15 @@ class CudaIpcConnection(Connection):
     stages_cuda = False  # its rings of device memory carry CUDA tensors
 
     def __init__(self, inner: Connection, config: TransportConfig, exported: _Exported,
-                 peer_ring: torch.Tensor) -> None:
+                 peer_ring: torch.Tensor, peer_events: list[torch.cuda.Event]) -> None:
         super().__init__(config)
         self._inner = inner
         self._out = exported
-        self._space = _Space(exported.ring.numel())
+        self._space = _Space(exported.ring.numel(), max_frames=len(exported.events))
         self._peer_ring = peer_ring
+        # The peer's events (empty: it sends host-ordered), which its frames name.
+        self._peer_events = peer_events
+        self._received = 0  # frames through the peer's ring unpacked: what a space-free frame counts
         self._device = exported.ring.device
         # The ring's copies run here, after the sender's current stream.
         self._copy = torch.cuda.Stream(self._device)
@@ -203,8 +284,9 @@ class CudaIpcConnection(Connection):
         # Received frames, each with the event of its copies out (None: it had none).
         self._frames: asyncio.Queue[tuple[Frame, torch.cuda.Event | None] | TransportError] = asyncio.Queue(_QUEUED)
         # Copies out of the peer's ring still running, in order, with the ring position
-        # that each frees (unbounded: the sender's ring bounds what can be in flight).
-        self._copying: asyncio.Queue[tuple[torch.cuda.Event, int]] = asyncio.Queue()
+        # and the count of frames that each frees (unbounded: the sender's ring bounds
+        # what can be in flight).
+        self._copying: asyncio.Queue[tuple[torch.cuda.Event, int, int]] = asyncio.Queue()
         self._ended = asyncio.Event()  # set by close()
         loop = asyncio.get_running_loop()
         self._pump = loop.create_task(self._read())
@@ -216,7 +298,7 @@ class CudaIpcConnection(Connection):
         try:
             try:
                 device = torch.device("cuda", torch.cuda.current_device())
-                exported = _Exported(device, config.cuda_ipc_ring_bytes)
+                exported = _Exported(device, config.cuda_ipc_ring_bytes, config.cuda_ipc_device_order)
                 _LOCAL[exported.token] = exported
                 mine = Frame(0, [_SETUP, exported.describe()])
             except (RuntimeError, AttributeError) as exc:  # out of memory, or a ring CUDA IPC cannot export
@@ -231,12 +313,13 @@ class CudaIpcConnection(Connection):
                 raise FrameError("cuda_ipc: the peer's first frame is not its ring (an shm:// peer?)")
             try:
                 ring = _mapped(theirs.header[1])
+                events = _mapped_events(theirs.header[1])
             except (RuntimeError, KeyError, TypeError) as exc:
                 raise TransportError(f"cuda_ipc: cannot map the peer's ring: {exc!r}") from exc
         except BaseException:
             await inner.close()
             raise
-        return cls(inner, config, exported, ring)
+        return cls(inner, config, exported, ring, events)
 
     @property
     def peer(self) -> str:
@@ -263,22 +346,28 @@ class CudaIpcConnection(Connection):
                 tensors[i] = t.cpu()
             through_host = on_gpu
         elif gpu:
-            head = self._space.head
+            head, number = self._space.head, self._space.frames
             offsets = await self._space.take([buffer_nbytes(t) for t in gpu.values()])
             try:
                 self._into_ring(gpu, offsets, places, tensors)
-                copied = torch.cuda.Event()
-                copied.record(self._copy)
-                await until_done(copied)  # the receiver reads finished bytes (see the module's docstring)
-                await self._inner.send(Frame(frame.kind, [_DATA, frame.header, places, self._space.head, []],
+                events = self._out.events
+                if events:  # device-ordered: the receiver's stream waits for this record
+                    event: int | None = number % len(events)
+                    events[number % len(events)].record(self._copy)
+                else:
+                    event = None
+                    copied = torch.cuda.Event()
+                    copied.record(self._copy)
+                    await until_done(copied)  # the receiver reads finished bytes (see the module's docstring)
+                await self._inner.send(Frame(frame.kind, [_DATA, frame.header, places, self._space.head, [], event],
                                              tensors))
             except BaseException:
-                # Never sent: its space is this end's again (sends are one at a time, and
-                # the next frame's copies queue behind these on the copy stream).
-                self._space.head = head
+                # Never sent: its space (and event) are this end's again (sends are one at
+                # a time, and the next frame's copies queue behind these on the copy stream).
+                self._space.head, self._space.frames = head, number
                 raise
             return
-        await self._inner.send(Frame(frame.kind, [_DATA, frame.header, places, self._space.head, through_host],
+        await self._inner.send(Frame(frame.kind, [_DATA, frame.header, places, self._space.head, through_host, None],
                                      tensors))
 
     def _into_ring(self, gpu: dict[int, torch.Tensor], offsets: list[int], places: list[list[Any]],
@@ -310,7 +399,7 @@ class CudaIpcConnection(Connection):
                 if not (isinstance(body, list) and body and body[0] in (_DATA, _FREE)):
                     raise FrameError("cuda_ipc: a frame without its cuda_ipc header")
                 if body[0] == _FREE:
-                    self._space.free(int(body[1]))
+                    self._space.free(int(body[1]), int(body[2]))
                     continue
                 await self._frames.put(self._unpack(frame.kind, body, frame.tensors))
         except TransportError as exc:
@@ -326,13 +415,18 @@ class CudaIpcConnection(Connection):
         """A data frame with its CUDA tensors' copies queued on the copy-out stream, and
         the event recorded after them (the ring's places also queued for `_free`)."""
         try:
-            _, header, places, upto, through_host = body
+            _, header, places, upto, through_host, event = body
         except ValueError:
             raise FrameError("cuda_ipc: malformed header") from None
         if not (places or through_host):
             return Frame(kind, header, tensors), None
         tensors = list(tensors)
         ring = self._peer_ring
+        if event is not None:
+            if not (places and isinstance(event, int) and 0 <= event < len(self._peer_events)):
+                raise FrameError(f"cuda_ipc: a frame names event {event!r} of the peer's {len(self._peer_events)}")
+            # Device-ordered: the copies out wait on the device for the sender's into the ring.
+            self._copy_out.wait_event(self._peer_events[event])
         # Allocated and written on the copy-out stream: the caller's stream is made to wait
         # for it, and to keep the memory, at recv.
         with torch.cuda.stream(self._copy_out):
@@ -353,16 +447,17 @@ class CudaIpcConnection(Connection):
             done = torch.cuda.Event()
             done.record(self._copy_out)
         if places:
-            self._copying.put_nowait((done, int(upto)))
+            self._received += 1
+            self._copying.put_nowait((done, int(upto), self._received))
         return Frame(kind, header, tensors), done
 
     async def _free(self) -> None:
         """Gives the peer its ring space back as the copies out of it finish, in order."""
         try:
             while True:
-                done, upto = await self._copying.get()
+                done, upto, frames = await self._copying.get()
                 await until_done(done, clock=None)  # off the senders' path: not a device wait of theirs
-                await self._inner.send(Frame(0, [_FREE, upto]))
+                await self._inner.send(Frame(0, [_FREE, upto, frames]))
         except TransportError:
             pass  # the connection ended: the reader reports it to the caller
         except Exception:  # a failed copy: the sender would wait for its space forever
@@ -404,15 +499,34 @@ class CudaIpcConnection(Connection):
             # Copies still queued into this end's ring, or out of the peer's, finish before
             # the peer may unmap it or this end drops its mapping.
             self._copy.synchronize()
-            self._copy_out.synchronize()
+            await self._copies_out_done()
         finally:
             await self._inner.close()
             _LOCAL.pop(self._out.token, None)
+            self._out.give_back()
             self._space.fail(PeerClosed(f"connection to {self.peer} is closed"))
             self._ended.set()
 
     async def wait_closed(self) -> None:
         await self._ended.wait()
+
+    async def _copies_out_done(self) -> None:
+        """Waits for the copies out of the peer's ring. Those of device-ordered frames wait
+        on the peer's events, which a peer that died before its copies ran may never
+        complete: after _CLOSE_WAIT_S they are reported, and the peer's ring and events
+        stay mapped (freeing what a queued wait refers to is undefined)."""
+        if not self._peer_events:
+            self._copy_out.synchronize()
+            return
+        done = torch.cuda.Event()
+        done.record(self._copy_out)
+        try:
+            await asyncio.wait_for(until_done(done, clock=None), _CLOSE_WAIT_S)
+        except TimeoutError:
+            log.error("cuda_ipc: copies out of %s's ring still wait on its events %.0f s after the connection "
+                      "ended (the peer died before its copies ran?); this process's work queued behind them may "
+                      "not run", self.peer, _CLOSE_WAIT_S)
+            _STUCK.append((self._peer_ring, self._peer_events, self._copy_out))
 
 
 def _into(dest: Buffer, got: Buffer) -> Buffer:

@@ -20,8 +20,10 @@
 #                eager steps, cuda_ipc in one process and to a child, the
 #                prefix cache's GPU tier)                                     tests.log
 #   e2e          tests/e2e/test_stack_cuda.py and test_lamina_up_cuda.py, filtered by
-#                E2E_K (default all: seven stacks against transformers and the
-#                one-GPU engine, and lamina up --device cuda with its defaults) e2e.log
+#                E2E_K (default all: eight stacks against transformers and the
+#                one-GPU engine, one with cuda_ipc's frames ordered on the GPU, an
+#                attention worker killed with host- and device-ordered frames, and
+#                lamina up --device cuda with its defaults)                   e2e.log
 #   bench        bench/gpu_decode.py --no-stack on BENCH ARGS                 bench.log, rows.jsonl
 #   profile      lamina profile --device cuda --quick, then the planner's predictions of
 #                the benchmark's engine points from it                        profile.log, planner.log
@@ -30,9 +32,11 @@
 #                the planner's predictions of its rows (after the profile step)
 #                                                          stack.log, stack-rows.jsonl, stack-planner.log
 #   handoff      bench/gpu_handoff.py: a GPU's handoff of work between two processes
-#                (host-polled, as cuda_ipc does; through cuda_ipc itself; ordered on the
-#                device by the driver's stream memory operations) against one process's, and a
-#                vanished CUDA IPC exporter's mapping (HANDOFF_ITERS, default 500)  handoff.log
+#                (host-polled; ordered by interprocess events; through cuda_ipc itself,
+#                host- and device-ordered; ordered on the device by the driver's stream
+#                memory operations) against one process's, a vanished CUDA IPC
+#                exporter's mapping, and a stream waiting on a killed process's event
+#                (HANDOFF_ITERS, default 500)                                 handoff.log
 #   conformance  the transport conformance suite over cuda_ipc                 conformance.log
 #   trace        bench/gpu_decode.py --trace on TRACE_ARGS (default random:llama-3.2-1b bfloat16,
 #                batches 1 and 64, context 2048, 8 steps: the engine, colocated and one

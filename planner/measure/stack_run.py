@@ -141,7 +141,8 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
               model_workers: int, kv_bytes: int, weights: str, mode: str = "fixed", attention_workers: int = 2,
               model_threads: int = 1, layout: str = "disaggregated", model: str | None = None,
               device: str = "cpu", dtype: str = "float32", hold: int = 0,
-              trace_dir: Path | None = None, step_graphs: bool = True) -> dict[str, Any]:
+              trace_dir: Path | None = None, step_graphs: bool = True,
+              device_order: bool = False) -> dict[str, Any]:
     """Decode `steps` tokens after the first for every prompt through a stack of that
     configuration; its decode throughput, wall seconds, each model and attention
     worker's shares of that time and the run's figures from them (`window_shares`), and
@@ -152,9 +153,11 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
     throughout the window (the module's docstring); `kv_bytes` must hold them too.
     `trace_dir`: the model and attention workers trace the timed window into it
     (services/tracing.py; without a hold, until the last stream ended). `step_graphs`:
-    model_worker.step_graphs (false: a colocated GPU worker replays its slices' graphs only)."""
+    model_worker.step_graphs (false: a colocated GPU worker replays its slices' graphs only).
+    `device_order`: data_plane.cuda_ipc_device_order (cuda_ipc frames ordered on the GPU)."""
     from lamina.services.config import (
         AttentionSection,
+        DataPlaneSection,
         GatewaySection,
         ModelWorkerSection,
         PipelineSection,
@@ -171,6 +174,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
                          model_worker=ModelWorkerSection(workers=model_workers, threads=model_threads, device=device,
                                                          dtype=dtype, step_graphs=step_graphs),
                          prefill=PrefillSection(device=device, dtype=dtype),
+                         data_plane=DataPlaneSection(cuda_ipc_device_order=device_order),
                          # Exactly the micro-batches asked for, however small they get.
                          pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1,
                                                   mode=mode))

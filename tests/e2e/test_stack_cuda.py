@@ -2,11 +2,12 @@
 random model of SmolLM2's shape (no GGUF file needs to reach a GPU machine), greedy
 output through the OpenAI API equal to transformers' token for token in float32, over
 cuda_ipc and tcp, with 1 and 2 micro-batches, Q-early on and off, request and head
-partitioning, and colocated (each model worker attending on its own GPU core, its decode
-steps replayed whole as CUDA graphs); in bfloat16, greedy tokens against transformers'
-bfloat16 and logprobs against the one-GPU engine's; and an attention worker killed
-mid-decode on the GPU, rebuilt as on the CPU. Runs only where CUDA is present (skipped,
-saying so, elsewhere)."""
+partitioning, cuda_ipc's frames ordered by the hosts and on the GPU
+(`data_plane.cuda_ipc_device_order`), and colocated (each model worker attending on its own
+GPU core, its decode steps replayed whole as CUDA graphs); in bfloat16, greedy tokens
+against transformers' bfloat16 and logprobs against the one-GPU engine's; and an attention
+worker killed mid-decode on the GPU, rebuilt as on the CPU (with host- and device-ordered
+frames). Runs only where CUDA is present (skipped, saying so, elsewhere)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from precision_helpers import bfloat16_ties
 
 from lamina.services.config import (
     AttentionSection,
+    DataPlaneSection,
     GatewaySection,
     ModelWorkerSection,
     PipelineSection,
@@ -37,12 +39,13 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 
 MODEL = "random:smollm2-135m"
 NEW_TOKENS = 16
-# (transport, partitioning, attention workers, micro-batches, Q-early, layout): every
-# transport with both partitionings, both micro-batch counts and Q-early on and off; and
-# the colocated layout (each model worker attends on its own GPU core; two of them).
+# (transport, partitioning, attention workers, micro-batches, Q-early, layout[, device
+# order]): every transport with both partitionings, both micro-batch counts and Q-early on
+# and off; cuda_ipc's frames ordered on the GPU; and the colocated layout (each model
+# worker attends on its own GPU core; two of them).
 ROWS = [("cuda_ipc", "request", 2, 2, False, "disaggregated"), ("cuda_ipc", "head", 2, 1, True, "disaggregated"),
         ("tcp", "request", 1, 2, True, "disaggregated"), ("tcp", "head", 2, 1, False, "disaggregated"),
-        ("cuda_ipc", "request", 2, 1, False, "colocated")]
+        ("cuda_ipc", "request", 2, 1, False, "colocated"), ("cuda_ipc", "request", 2, 2, True, "disaggregated", True)]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,8 @@ def model_refs():
 
 
 def _stack(transport: str, partition: str, workers: int, micro_batches: int, q_early: bool,
-           layout: str = "disaggregated", dtype: str = "float32", device: str = "cuda") -> Stack:
+           layout: str = "disaggregated", device_order: bool = False, dtype: str = "float32",
+           device: str = "cuda") -> Stack:
     colocated = layout == "colocated"
     config = StackConfig(model=MODEL, transport=transport, partition=partition, weights="float32", layout=layout,
                          gateway=GatewaySection(port=free_port()),
@@ -78,7 +82,8 @@ def _stack(transport: str, partition: str, workers: int, micro_batches: int, q_e
                          model_worker=ModelWorkerSection(device=device, workers=workers if colocated else 1,
                                                          dtype=dtype),
                          prefill=PrefillSection(device=device, dtype=dtype),
-                         pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1))
+                         pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1),
+                         data_plane=DataPlaneSection(cuda_ipc_device_order=device_order))
     stack = Stack(config)
     stack.start(timeout_s=300)
     return stack
@@ -106,11 +111,14 @@ def test_greedy_through_the_stack_on_cuda_equals_transformers(row, model_refs):
         stack.stop()
 
 
-def test_a_killed_attention_worker_on_cuda_is_rebuilt(model_refs):
+@pytest.mark.parametrize("device_order", [False, True], ids=["host_ordered", "device_ordered"])
+def test_a_killed_attention_worker_on_cuda_is_rebuilt(model_refs, device_order):
     """Eight greedy chat streams over cuda_ipc; attention-0 killed once every stream has three
-    chunks: each stream ends with transformers' text, and the scheduler counted a rebuild."""
+    chunks: each stream ends with transformers' text, and the scheduler counted a rebuild.
+    Device-ordered, the model worker's streams may have queued waits on the killed worker's
+    events (what the driver does with them: bench/gpu_handoff.py's event_exit)."""
     _, _, chats = model_refs
-    stack = _stack("cuda_ipc", "request", 2, 2, False)
+    stack = _stack("cuda_ipc", "request", 2, 2, False, device_order=device_order)
     try:
         victim = service_pid(stack, "attention-0")
         texts = asyncio.run(stream_all(stack.base_url, lambda: os.kill(victim, signal.SIGKILL), 3))

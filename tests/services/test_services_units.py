@@ -55,6 +55,9 @@ def test_data_plane_settings_reach_the_transport_config(tmp_path):
             tcfg.native_frames) == ("s3cret", 0.0, True, "thread", False)
     default = load_config(env={})
     assert default.transport_config().native_frames
+    assert not default.transport_config().cuda_ipc_device_order  # host-ordered unless asked
+    ordered = load_config(env={"LAMINA_CUDA_IPC_DEVICE_ORDER": "true"}).transport_config()
+    assert ordered.cuda_ipc_device_order
     # Unset, the spin budget follows the host: 2 attention + 1 model + 1 prefill worker.
     assert default.data_plane_processes == 4
     assert default.transport_config().busy_poll_us == default_budget_us(4)

@@ -2,8 +2,9 @@
 frames until killed; ``server ADDRESS`` listens, prints its address, receives one frame
 and then never answers; ``echo ADDRESS [RING_BYTES]`` listens, prints its address and
 sends every frame back (its tensors as it received them: cuda_ipc's on its GPU, in rings
-of RING_BYTES where given), after ``header["sleep"]`` seconds where a frame's header
-names them."""
+of RING_BYTES where given, device-ordered where ORDER is ``device``), after
+``header["sleep"]`` seconds where a frame's header names them.
+``echo ADDRESS [RING_BYTES [ORDER]]``."""
 
 import asyncio
 import sys
@@ -34,7 +35,7 @@ async def server(address: str) -> None:
     await stop.wait()
 
 
-async def echo(address: str, ring_bytes: str | None = None) -> None:
+async def echo(address: str, ring_bytes: str | None = None, order: str = "host") -> None:
     async def handler(conn) -> None:
         while True:
             frame = await conn.recv()
@@ -42,8 +43,9 @@ async def echo(address: str, ring_bytes: str | None = None) -> None:
                 await asyncio.sleep(frame.header["sleep"])
             await conn.send(frame)
 
-    config = transports.TransportConfig() if ring_bytes is None else transports.TransportConfig(
-        cuda_ipc_ring_bytes=int(ring_bytes))
+    config = transports.TransportConfig(cuda_ipc_device_order=order == "device")
+    if ring_bytes is not None:
+        config = config.replace(cuda_ipc_ring_bytes=int(ring_bytes))
     listener = await transports.listen(address, handler, config)
     print(listener.address, flush=True)
     await asyncio.Event().wait()

@@ -1,8 +1,8 @@
 """cuda_ipc:// (transports/cuda_ipc.py): CUDA tensors between processes through rings of
 device memory mapped once per connection. The conformance suite runs it like the other
 transports (frames of CPU tensors, errors, timeouts, peers killed); these tests send GPU
-tensors, in one process and to a real peer process. They need a CUDA device and skip,
-saying so, elsewhere."""
+tensors, in one process and to a real peer process, host-ordered and device-ordered
+(`cuda_ipc_device_order`). They need a CUDA device and skip, saying so, elsewhere."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(
     transports.availability("cuda_ipc") is not None, reason=f"cuda_ipc: {transports.availability('cuda_ipc')}")]
 
 CHILD = os.path.join(os.path.dirname(__file__), "peer_child.py")
+ORDERS = pytest.mark.parametrize("order", ["host", "device"])
+
+
+def _config(order: str, **more) -> TransportConfig:
+    return TransportConfig(cuda_ipc_device_order=order == "device", **more)
 
 
 def _mixed(seed: int) -> list:
@@ -44,9 +49,10 @@ def _same(got: list, sent: list) -> None:
             assert bytes(g) == s
 
 
-async def test_gpu_tensors_arrive_on_the_gpu_in_one_process():
-    listener = await transports.listen(address_for("cuda_ipc"), echo)
-    conn = await transports.connect(listener.address)
+@ORDERS
+async def test_gpu_tensors_arrive_on_the_gpu_in_one_process(order):
+    listener = await transports.listen(address_for("cuda_ipc"), echo, _config(order))
+    conn = await transports.connect(listener.address, _config(order))
     async with listener, conn:
         for i in range(5):
             sent = _mixed(i)
@@ -56,8 +62,9 @@ async def test_gpu_tensors_arrive_on_the_gpu_in_one_process():
             _same(got.tensors, sent)
 
 
-async def test_the_ring_wraps_and_a_frame_larger_than_it_goes_through_host_memory():
-    config = TransportConfig(cuda_ipc_ring_bytes=1 << 20)
+@ORDERS
+async def test_the_ring_wraps_and_a_frame_larger_than_it_goes_through_host_memory(order):
+    config = _config(order, cuda_ipc_ring_bytes=1 << 20)
     listener = await transports.listen(address_for("cuda_ipc"), echo, config)
     conn = await transports.connect(listener.address, config)
     async with listener, conn:
@@ -80,13 +87,14 @@ def _echo_child(*more: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
 
 
-async def test_gpu_tensors_to_a_peer_process_and_back():
-    """The child maps this process's ring by its IPC handle and sends back from its own:
-    both directions cross processes."""
-    child = _echo_child()
+@ORDERS
+async def test_gpu_tensors_to_a_peer_process_and_back(order):
+    """The child maps this process's ring (and events) by their IPC handles and sends back
+    from its own: both directions cross processes."""
+    child = _echo_child(str(64 << 20), order)
     try:
         address = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)
-        conn = await transports.connect(address.strip())
+        conn = await transports.connect(address.strip(), _config(order))
         async with conn:
             for i in range(20):
                 sent = _mixed(100 + i)
@@ -99,12 +107,14 @@ async def test_gpu_tensors_to_a_peer_process_and_back():
         child.wait()
 
 
-async def test_small_rings_wrap_between_processes_and_a_frame_is_read_on_the_callers_stream():
+@ORDERS
+async def test_small_rings_wrap_between_processes_and_a_frame_is_read_on_the_callers_stream(order):
     """Both 1 MiB rings wrap many times across processes: each end reuses space only once
-    the other's copies out of it are done (space-free frames sent as they finish). A frame
-    received while another stream is current is read there after its copies."""
-    child = _echo_child(str(1 << 20))
-    config = TransportConfig(cuda_ipc_ring_bytes=1 << 20)
+    the other's copies out of it are done (space-free frames sent as they finish); device-
+    ordered, the 120 frames each way record every event several times. A frame received
+    while another stream is current is read there after its copies."""
+    child = _echo_child(str(1 << 20), order)
+    config = _config(order, cuda_ipc_ring_bytes=1 << 20)
     side = torch.cuda.Stream()
     try:
         address = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)
@@ -122,6 +132,30 @@ async def test_small_rings_wrap_between_processes_and_a_frame_is_read_on_the_cal
                         # Read on the side stream too: the default stream does not wait for it (an
                         # `item()` after the block read the sum's memory before the sum was there).
                         assert got.header == {"n": start + j} and total.item() == 75_000 * (start + j)
+    finally:
+        child.kill()
+        child.wait()
+
+
+async def test_a_device_ordered_send_does_not_wait_for_the_gpu_and_the_receiver_reads_after_it():
+    """Device-ordered, a send returns while the GPU still computes the tensor it carries
+    (host-ordered, it would return only once the copies after that work are done), and
+    the peer's copy out waits for it on the device: the echo comes back whole."""
+    child = _echo_child(str(64 << 20), "device")
+    try:
+        address = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)
+        conn = await transports.connect(address.strip(), _config("device"))
+        async with conn:
+            for i in range(3):
+                t = torch.zeros(1 << 20, device="cuda")
+                torch.cuda._sleep(400_000_000)  # some 0.2 s of GPU work before the tensor is written
+                t.fill_(float(i + 1))
+                written = torch.cuda.Event()
+                written.record()
+                await conn.send(Frame(1, {"i": i}, [t]))
+                assert not written.query()  # sent before the GPU got to it
+                got = await conn.recv(timeout=30)
+                assert got.header == {"i": i} and got.tensors[0].sum().item() == (i + 1) * (1 << 20)
     finally:
         child.kill()
         child.wait()

@@ -56,6 +56,30 @@ def test_a_peer_with_this_pid_in_another_pid_namespace_is_another_process(monkey
         cuda_ipc._mapped({**theirs, "process": cuda_ipc._PROCESS})  # this process's: no such token
 
 
+def test_the_peers_events_a_host_ordered_peer_has_none_and_one_in_this_process_shares_its_own():
+    """A device-ordered peer's setup names its interprocess events: none for a
+    host-ordered one, this process's own objects for a peer here (a process cannot open
+    its own IPC handles), and anything but handles is refused."""
+    here = {"pid": os.getpid(), "process": cuda_ipc._PROCESS, "token": "t-events", "device_uuid": "GPU-x"}
+    assert cuda_ipc._mapped_events({**here, "events": []}) == []
+    assert cuda_ipc._mapped_events(here) == []  # a setup without the key: host-ordered
+    with pytest.raises(TransportError, match="not IPC handles"):
+        cuda_ipc._mapped_events({**here, "events": ["not bytes"]})
+    with pytest.raises(TransportError, match="the peer's events are gone"):
+        cuda_ipc._mapped_events({**here, "events": [b"h"]})
+
+    class Exported:  # what _LOCAL holds: the sending end's ring and events
+        def __init__(self) -> None:
+            self.events = ["event 0", "event 1"]
+
+    exported = Exported()
+    cuda_ipc._LOCAL["t-events"] = exported
+    try:
+        assert cuda_ipc._mapped_events({**here, "events": [b"h0", b"h1"]}) == ["event 0", "event 1"]
+    finally:
+        cuda_ipc._LOCAL.pop("t-events", None)
+
+
 def test_the_async_allocator_is_refused_before_any_connection(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")

@@ -57,3 +57,31 @@ async def test_a_sender_waiting_for_space_raises_when_the_connection_ends():
     space.fail(PeerClosed("connection to x ended"))
     with pytest.raises(PeerClosed, match="ended"):
         await asyncio.wait_for(waiting, 1)
+
+
+async def test_a_device_ordered_sender_waits_until_the_frame_its_event_last_marked_is_freed():
+    """With max_frames (a device-ordered sender's events), frame n takes event n % max_frames:
+    it waits until the receiver freed frame n - max_frames, whose copies out were queued
+    after a wait on that event's earlier record, whatever the ring's space."""
+    space = _Space(1 << 20, max_frames=2)
+    await space.take([256])
+    await space.take([256])
+    assert space.frames == 2
+    waiting = asyncio.ensure_future(space.take([256]))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # space enough, but both events are out
+    space.free(256)  # bytes alone, as a host-ordered receiver's older count: still out
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    space.free(256, frames=1)
+    assert await asyncio.wait_for(waiting, 1) == [512]
+    assert space.frames == 3 and space.frames_freed == 1
+    space.free(0, frames=0)  # an older count changes nothing
+    assert space.freed == 256 and space.frames_freed == 1
+
+
+async def test_without_max_frames_only_space_bounds_the_frames_out():
+    space = _Space(1 << 20)
+    for _ in range(100):
+        await asyncio.wait_for(space.take([256]), 1)
+    assert space.frames == 100 and space.frames_freed == 0
