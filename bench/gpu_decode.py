@@ -57,8 +57,8 @@ contender that fails leaves its error in the row, `NAME_error`, and the others r
 last line is one JSON object: {"device", "engine_tok_s", "engine_slices_tok_s", "transformers_tok_s",
 "stack_tok_s": {"mb1", "mb2", "mb1_dev", "mb2_dev", "colocated", "colocated_slices"}, "step_vs_bound",
 "attention_ms_per_layer": {"worker", "engine"}, "skipped", "errors"}, each keyed by
-"model/dtype/bB/cC" (mb1 and mb2: the fastest of 1 and 2 attention workers and both
-orderings; mb1_dev and mb2_dev: the device-ordered runs alone).
+"model/dtype/bB/cC" (mb1 and mb2: the faster of 1 and 2 attention workers; mb1_dev and
+mb2_dev: the same with cuda_ipc's frames ordered on the GPU).
 
     python bench/gpu_decode.py                 # on CUDA: the matrix
     python bench/gpu_decode.py --device cpu --quick   # SmolLM2 float32, small points (a check of the script)
@@ -420,12 +420,9 @@ def main() -> None:
                     report["attention_ms_per_layer"][side][key] = row["attention_ms_per_layer"][side]
             for mb in (1, 2):
                 for suffix in ("", "_dev"):
-                    got = max(row.get(f"stack_mb{mb}_aw{w}{suffix}_tok_s", 0.0) for w in (1, 2))
-                    if got:
-                        report["stack_tok_s"][f"mb{mb}{suffix}"][key] = got
-                best = max(report["stack_tok_s"][f"mb{mb}{s}"].get(key, 0.0) for s in ("", "_dev"))
-                if best:
-                    report["stack_tok_s"][f"mb{mb}"][key] = best
+                    best = max(row.get(f"stack_mb{mb}_aw{w}{suffix}_tok_s", 0.0) for w in (1, 2))
+                    if best:
+                        report["stack_tok_s"][f"mb{mb}{suffix}"][key] = best
             for name in ("colocated", "colocated_slices"):
                 if f"stack_{name}_tok_s" in row:
                     report["stack_tok_s"][name][key] = row[f"stack_{name}_tok_s"]

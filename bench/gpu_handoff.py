@@ -34,7 +34,7 @@ shared int64 tensor, whose final value checks that the kernels ran in turn:
   it, the child is killed, and the mapping is read and written again: whether a receiver
   may still touch a vanished sender's ring (what a host-free receiver would do to release
   its own waits), or the driver faults;
-- event_exit: a child records an interprocess event behind some two seconds of GPU work
+- event_exit: a child records an interprocess event behind some five seconds of GPU work
   and hands it over; this process's stream waits on it, the child is killed before its
   work ends, and this process watches whether its waiting stream ever runs (the child's
   death releasing it, or this process recording the imported event itself on another
@@ -162,6 +162,7 @@ def _side_b(conn: Any, tensors: queue.Queue, iters: int, device_ordered: bool) -
     dev = torch.device("cuda")
     data, flag = tensors.get()
     stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))  # where the shared tensors arrived
     ops = _MemOps() if device_ordered else None
     for n, base in ((WARMUP, 0), (iters, WARMUP)):
         conn.recv_bytes()  # the first side is ready for this run
@@ -187,6 +188,7 @@ def two_processes(iters: int, device_ordered: bool) -> tuple[float, bool]:
     data = torch.zeros(1, dtype=torch.int64, device=dev)
     flag = torch.zeros(1, dtype=torch.int64, device=dev)
     stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))  # the zeros first
     ops = _MemOps() if device_ordered else None
     tensors = ctx.Queue()
     here, there = ctx.Pipe()
@@ -239,6 +241,7 @@ def _event_side_b(conn: Any, shared: queue.Queue, handles: queue.Queue, iters: i
     dev = torch.device("cuda")
     data = shared.get()
     stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))  # where the shared tensor arrived
     mine = torch.cuda.Event(interprocess=True)
     handles.put(bytes(mine.ipc_handle()))
     theirs = torch.cuda.Event.from_ipc_handle(dev, conn.recv_bytes())
@@ -268,6 +271,7 @@ def two_processes_event(iters: int) -> tuple[float, bool]:
     ctx = mp.get_context("spawn")
     data = torch.zeros(1, dtype=torch.int64, device=dev)
     stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))  # the zeros first
     mine = torch.cuda.Event(interprocess=True)
     shared, handles = ctx.Queue(), ctx.Queue()
     here, there = ctx.Pipe()
@@ -374,7 +378,7 @@ def cuda_ipc_round_trips(iters: int, device_order: bool) -> tuple[float, bool]:
 # -- a vanished exporter -------------------------------------------------------------------------
 def _exporter(tensors: queue.Queue) -> None:
     tensors.put(torch.full((1 << 20,), 7, dtype=torch.int64, device="cuda"))
-    time.sleep(3600)  # killed by the other side
+    _until_orphaned()  # killed by the other side
 
 
 def exporter_exit() -> dict[str, Any]:
@@ -407,26 +411,38 @@ def _event_recorder(handles: queue.Queue, cycles: int) -> None:
     torch.cuda._sleep(cycles)  # the GPU busy: the record below waits behind it
     event.record()
     handles.put(bytes(event.ipc_handle()))
-    time.sleep(3600)  # killed by the other side
+    _until_orphaned()  # killed by the other side
 
 
-def _watch(event: torch.cuda.Event, seconds: float) -> float | None:
-    """Seconds until the event is done, None if it is not within `seconds`."""
+def _until_orphaned() -> None:
+    """Sleeps until this process's parent is gone (a probe killed at its timeout takes
+    no daemon child with it: this one then ends too)."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.5)
+
+
+def _watch(event: torch.cuda.Event, seconds: float, since: float | None = None) -> float | None:
+    """Seconds from `since` (default now) until the event is done, None if it is not
+    within `seconds` from now."""
     start = time.perf_counter()
+    since = start if since is None else since
     while time.perf_counter() - start < seconds:
         if event.query():
-            return time.perf_counter() - start
+            return time.perf_counter() - since
         time.sleep(0.001)
     return None
 
 
-def event_exit(work_s: float = 2.0, kill_after_s: float = 0.3, watch_s: float = 8.0) -> dict[str, Any]:
+def event_exit(work_s: float = 5.0, kill_after_s: float = 0.3, watch_s: float = 8.0) -> dict[str, Any]:
     """A stream waiting on a killed child's interprocess event, recorded behind `work_s`
     of the child's GPU work, killed `kill_after_s` after the record was queued: does the
     wait end by itself, or once this process records the imported event, and do this
     process's other streams run meanwhile? A stuck stream is left behind (this runs in a
     process of its own)."""
     dev = torch.device("cuda")
+    torch.zeros(1, device=dev)  # this process's context made first, not while the child's work runs
+    torch.cuda.synchronize(dev)
     rate_khz = getattr(torch.cuda.get_device_properties(dev), "clock_rate", 0) or 1_800_000
     ctx = mp.get_context("spawn")
     handles = ctx.Queue()
@@ -441,9 +457,10 @@ def event_exit(work_s: float = 2.0, kill_after_s: float = 0.3, watch_s: float = 
         after.record(waiting)  # done once the wait ended
         out["pending_before_kill"] = not after.query()
         time.sleep(kill_after_s)
+        killed = time.perf_counter()
         child.kill()
         child.join(10)
-        out["released_after_kill_s"] = _watch(after, watch_s)
+        out["released_after_kill_s"] = _watch(after, watch_s, since=killed)
         other = torch.cuda.Stream(dev)
         with torch.cuda.stream(other):
             probe = torch.ones(1, device=dev) + 1

@@ -13,6 +13,7 @@ says why one cannot run here.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from .config import TransportConfig
@@ -47,7 +48,7 @@ __all__ = [
     "AuthError", "Connection", "Frame", "FrameError", "Handler", "Listener", "PeerClosed",
     "Transport", "TransportConfig", "TransportError", "TransportTimeout",
     "TransportUnavailable", "availability", "connect", "get_transport",
-    "listen", "schemes",
+    "listen", "schemes", "torn_frames",
 ]
 
 _DEFAULT = TransportConfig()
@@ -66,3 +67,12 @@ async def connect(address: str, config: TransportConfig | None = None) -> Connec
     from .registry import get_transport
 
     return await get_transport(address).connect(address, config or _DEFAULT)
+
+
+def torn_frames() -> int:
+    """Frames this process received that were torn, read before their sender wrote them
+    whole (cuda_ipc's device-ordered frames of a sender that vanished), counted so far:
+    every such frame whose copies out are done is checked first. 0 where cuda_ipc was
+    never used in this process."""
+    module = sys.modules.get(f"{__name__}.cuda_ipc")
+    return 0 if module is None else module.torn_frames()

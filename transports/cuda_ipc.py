@@ -24,12 +24,19 @@ both kinds of frame):
   copies (a pool of them per connection, exported with the ring at connect) and sends
   the frame at once, naming the event; the receiver's copy-out stream waits for that
   event on the device before copying. Neither host waits for a GPU on the frame's way,
-  so each side launches its next work while the other's still runs. An event is
-  recorded again only after the receiver has freed the frame that last used it (so its
-  wait was queued on that record). What a wait on the event of a peer that dies before
-  its copies ran does is the driver's (bench/gpu_handoff.py's `event_exit` measures it):
-  closing such a connection waits a bounded time for the copies out, then logs that its
-  stream may be stuck and keeps the events mapped.
+  so each side launches its next work while the other's still runs; the sender's
+  current stream waits for the copies on the device (a write into a sent tensor queued
+  there comes after them). An event is recorded again only after the receiver has freed
+  the frame that last used it (so its wait was queued on that record), and a closed
+  connection's events are destroyed only when every frame naming them was freed.
+  What a wait on the event of a peer that dies before its copies ran does is the
+  driver's (bench/gpu_handoff.py's `event_exit` measures it): closing such a connection
+  waits a bounded time for its copies, then logs that its streams may be stuck and keeps
+  the rings and events mapped. Where the driver ends such a wait, the frame was read
+  before it was written: each device-ordered frame carries a seal, written into the ring
+  after its tensors and read back to the receiver's host with them (`_Seals`), and
+  `torn_frames()` counts the frames whose seal was not theirs (the model worker fails a
+  step that read one).
 
 The receiver copies each tensor out into a new one on its current device, on a stream of
 the connection, and hands the frame on at once: `recv` makes the caller's current stream
@@ -66,8 +73,10 @@ import contextlib
 import logging
 import math
 import os
+import secrets
 import uuid
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -90,17 +99,18 @@ _SETUP, _DATA, _FREE = 0, 1, 2  # the inner header's first item
 # Interprocess events a device-ordered sender records in turn: at most this many of its
 # frames are out before the receiver frees the oldest (the reader queues only _QUEUED).
 _EVENTS = 32
-# Seconds a closing device-ordered receiver waits for its copies out (which wait on the
-# peer's events) before it reports them stuck.
+# Seconds a closing end waits for its copies where either end orders frames on the device
+# (they may wait on the peer's events) before it reports them stuck.
 _CLOSE_WAIT_S = 10.0
 _EMPTY = torch.empty(0, dtype=torch.uint8)  # what stands in a frame for a tensor that is in the ring
 # This process's rings by token, for a peer in the same process.
 _LOCAL: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-# Interprocess event pools of closed connections, reused by later ones: an exported event
-# is never destroyed while a peer may still hold it open (the driver leaves a wait on a
-# destroyed IPC event undefined), and a peer's imported events whose waits did not finish
-# by close are kept here too.
-_SPARE_EVENTS: list[tuple[torch.device, list[torch.cuda.Event]]] = []
+_SEAL_BYTES = 8  # a device-ordered frame's seal in the ring: one int64 after its tensors
+_SEAL_MASK = (1 << 62) - 1
+# What closed connections left that a queued wait may still refer to, kept for the
+# process's life (the driver leaves a wait on a destroyed IPC event undefined): event pools
+# whose frames the peer did not all free, rings, events and streams whose copies did not
+# finish.
 _STUCK: list[Any] = []
 # With the pid, what tells this process from another (pids repeat across pid namespaces;
 # a child forked after this import shares this value, but not the pid).
@@ -140,30 +150,22 @@ class _Exported:
     def __init__(self, device: torch.device, nbytes: int, device_order: bool) -> None:
         self.ring = _ipc_exportable(nbytes, device)
         self.token = uuid.uuid4().hex
-        # Device-ordered sends: the events this end records after a frame's copies.
+        # Device-ordered sends: the events this end records after a frame's copies, and
+        # what its seals start from (random: no tensor's bytes are likely to equal one).
         self.events: list[torch.cuda.Event] = _event_pool(device) if device_order else []
+        self.salt = secrets.randbits(62) if device_order else 0
 
     def describe(self) -> dict[str, Any]:
         """What the peer needs to map this ring and its events (plain values, for msgpack)."""
         storage = self.ring.untyped_storage()
         return {"pid": os.getpid(), "process": _PROCESS, "token": self.token,
                 "device_uuid": _device_uuid(self.ring.device.index), "ring": list(storage._share_cuda_()),
-                "events": [bytes(e.ipc_handle()) for e in self.events]}
-
-    def give_back(self) -> None:
-        """The connection ended (its copies into the ring are done): the events wait for
-        another connection."""
-        if self.events:
-            _SPARE_EVENTS.append((self.ring.device, self.events))
-            self.events = []
+                "events": [bytes(e.ipc_handle()) for e in self.events], "salt": self.salt}
 
 
 def _event_pool(device: torch.device) -> list[torch.cuda.Event]:
-    """_EVENTS interprocess events on `device`: a closed connection's, or new ones."""
-    for i, (on, pool) in enumerate(_SPARE_EVENTS):
-        if on == device:
-            del _SPARE_EVENTS[i]
-            return pool
+    """_EVENTS new interprocess events on `device` (a connection's own: a pool is never
+    handed to another connection, whose peer might then open the same handles twice)."""
     stream = torch.cuda.current_stream(device)
     pool = [torch.cuda.Event(interprocess=True) for _ in range(_EVENTS)]
     for event in pool:
@@ -181,7 +183,7 @@ def _mapped_events(desc: dict[str, Any]) -> list[torch.cuda.Event]:
     if desc["pid"] == os.getpid() and desc["process"] == _PROCESS:
         exported = _LOCAL.get(desc["token"])
         if exported is None:
-            raise TransportError("the peer's events are gone (same process)")
+            raise TransportError("cuda_ipc: the peer's events are gone (same process)")
         return list(exported.events)
     device = _local_device(desc)
     return [torch.cuda.Event.from_ipc_handle(device, h) for h in handles]
@@ -204,6 +206,70 @@ def _mapped(desc: dict[str, Any]) -> torch.Tensor:
     ring = torch.empty(0, dtype=torch.uint8, device=device)
     ring.set_(storage, 0, (storage.nbytes(),), (1,))
     return ring
+
+
+def seal_of(salt: int, number: int) -> int:
+    """What a device-ordered sender writes after frame `number`'s tensors in its ring."""
+    return (salt + number) & _SEAL_MASK
+
+
+class _Seals:
+    """A receiving end's check of its device-ordered frames. A sender writes a seal into
+    its ring after a frame's tensors (`seal_of` its frame number), before the event the
+    receiver's copies out wait for; the receiver copies the seal to pinned host memory
+    with the tensors. Once those copies are done the seal must be the frame's: a frame
+    whose wait ended although its sender never ran its copies (a sender that vanished,
+    where the driver then ends the waits on its events) reads an older value, and is
+    counted torn. Kept (in `_TALLY`) until every frame is checked, past the connection's
+    end: a caller may hold a frame of a connection that is gone."""
+
+    def __init__(self, slots: int, salt: int, peer: str) -> None:
+        self.copies = torch.empty(slots, dtype=torch.int64, pin_memory=True)  # by event index
+        self.salt = salt
+        self.peer = peer
+        self.pending: deque[tuple[torch.cuda.Event, int, int]] = deque()  # (copies done, slot, seal)
+        self.ended = False
+
+    def expect(self, done: torch.cuda.Event, slot: int, number: int) -> None:
+        self.pending.append((done, slot, seal_of(self.salt, number)))
+
+    def check(self) -> int:
+        """Checks the frames whose copies are done (in order: one stream copies them);
+        how many of them were torn."""
+        torn = 0
+        while self.pending and self.pending[0][0].query():
+            _, slot, expected = self.pending.popleft()
+            if int(self.copies[slot]) != expected:
+                torn += 1
+                log.error("cuda_ipc: a frame from %s was read before its sender wrote it whole (the sender "
+                          "vanished?)", self.peer)
+        return torn
+
+
+class _Tally:
+    """This process's receiving ends' seals and the torn frames found in them."""
+
+    def __init__(self) -> None:
+        self.torn = 0
+        self.seals: list[_Seals] = []
+
+    def check(self, seals: _Seals) -> None:
+        self.torn += seals.check()
+
+
+_TALLY = _Tally()
+
+
+def torn_frames() -> int:
+    """Device-ordered frames this process received that were torn (read before their
+    sender wrote them whole), counted so far: every frame whose copies out are done is
+    checked first. A caller that read frames compares the count before and after (after
+    its GPU work on them is done) to know whether one of its frames was torn."""
+    for seals in list(_TALLY.seals):
+        _TALLY.check(seals)
+        if seals.ended and not seals.pending:
+            _TALLY.seals.remove(seals)
+    return _TALLY.torn
 
 
 class _Space:
@@ -266,7 +332,7 @@ class CudaIpcConnection(Connection):
     stages_cuda = False  # its rings of device memory carry CUDA tensors
 
     def __init__(self, inner: Connection, config: TransportConfig, exported: _Exported,
-                 peer_ring: torch.Tensor, peer_events: list[torch.cuda.Event]) -> None:
+                 peer_ring: torch.Tensor, peer_events: list[torch.cuda.Event], peer_salt: int = 0) -> None:
         super().__init__(config)
         self._inner = inner
         self._out = exported
@@ -275,6 +341,10 @@ class CudaIpcConnection(Connection):
         # The peer's events (empty: it sends host-ordered), which its frames name.
         self._peer_events = peer_events
         self._received = 0  # frames through the peer's ring unpacked: what a space-free frame counts
+        self._seals: _Seals | None = None
+        if peer_events:
+            self._seals = _Seals(len(peer_events), peer_salt, inner.peer)
+            _TALLY.seals.append(self._seals)
         self._device = exported.ring.device
         # The ring's copies run here, after the sender's current stream.
         self._copy = torch.cuda.Stream(self._device)
@@ -314,12 +384,13 @@ class CudaIpcConnection(Connection):
             try:
                 ring = _mapped(theirs.header[1])
                 events = _mapped_events(theirs.header[1])
+                salt = int(theirs.header[1].get("salt", 0))
             except (RuntimeError, KeyError, TypeError) as exc:
                 raise TransportError(f"cuda_ipc: cannot map the peer's ring: {exc!r}") from exc
         except BaseException:
             await inner.close()
             raise
-        return cls(inner, config, exported, ring, events)
+        return cls(inner, config, exported, ring, events, salt)
 
     @property
     def peer(self) -> str:
@@ -340,35 +411,44 @@ class CudaIpcConnection(Connection):
                              f"({self.config.max_frame_bytes})")
         places: list[list[Any]] = []
         through_host: list[int] = []
-        fits = sum(-(-buffer_nbytes(t) // _ALIGN) * _ALIGN for t in gpu.values()) <= self._space.size
+        events = self._out.events
+        seal = [_SEAL_BYTES] if events else []  # a device-ordered frame's seal after its tensors
+        sizes = [buffer_nbytes(t) for t in gpu.values()] + seal
+        fits = sum(-(-n // _ALIGN) * _ALIGN for n in sizes) <= self._space.size
         if gpu and not fits:
             for i, t in gpu.items():  # too big for the ring at once: through host memory, whole
                 tensors[i] = t.cpu()
             through_host = on_gpu
         elif gpu:
             head, number = self._space.head, self._space.frames
-            offsets = await self._space.take([buffer_nbytes(t) for t in gpu.values()])
+            offsets = await self._space.take(sizes)
             try:
                 self._into_ring(gpu, offsets, places, tensors)
-                events = self._out.events
                 if events:  # device-ordered: the receiver's stream waits for this record
                     event: int | None = number % len(events)
+                    at = offsets[-1]
+                    sealed: list[int] | None = [at, number]  # where the seal is, and whose
+                    with torch.cuda.stream(self._copy):  # written last: the frame is whole once it is
+                        self._out.ring[at:at + _SEAL_BYTES].view(torch.int64).fill_(seal_of(self._out.salt, number))
                     events[number % len(events)].record(self._copy)
+                    # The send returns before the copies ran: what the caller's stream
+                    # queues next (a write into a sent tensor) comes after them.
+                    torch.cuda.current_stream(self._device).wait_stream(self._copy)
                 else:
-                    event = None
+                    event = sealed = None
                     copied = torch.cuda.Event()
                     copied.record(self._copy)
                     await until_done(copied)  # the receiver reads finished bytes (see the module's docstring)
-                await self._inner.send(Frame(frame.kind, [_DATA, frame.header, places, self._space.head, [], event],
-                                             tensors))
+                await self._inner.send(Frame(frame.kind, [_DATA, frame.header, places, self._space.head, [], event,
+                                                          sealed], tensors))
             except BaseException:
                 # Never sent: its space (and event) are this end's again (sends are one at
                 # a time, and the next frame's copies queue behind these on the copy stream).
                 self._space.head, self._space.frames = head, number
                 raise
             return
-        await self._inner.send(Frame(frame.kind, [_DATA, frame.header, places, self._space.head, through_host, None],
-                                     tensors))
+        await self._inner.send(Frame(frame.kind, [_DATA, frame.header, places, self._space.head, through_host, None,
+                                      None], tensors))
 
     def _into_ring(self, gpu: dict[int, torch.Tensor], offsets: list[int], places: list[list[Any]],
                    tensors: list[Buffer]) -> None:
@@ -399,7 +479,7 @@ class CudaIpcConnection(Connection):
                 if not (isinstance(body, list) and body and body[0] in (_DATA, _FREE)):
                     raise FrameError("cuda_ipc: a frame without its cuda_ipc header")
                 if body[0] == _FREE:
-                    self._space.free(int(body[1]), int(body[2]))
+                    self._space.free(int(body[1]), int(body[2]) if len(body) > 2 else 0)
                     continue
                 await self._frames.put(self._unpack(frame.kind, body, frame.tensors))
         except TransportError as exc:
@@ -414,8 +494,8 @@ class CudaIpcConnection(Connection):
     def _unpack(self, kind: int, body: list, tensors: list[Buffer]) -> tuple[Frame, torch.cuda.Event | None]:
         """A data frame with its CUDA tensors' copies queued on the copy-out stream, and
         the event recorded after them (the ring's places also queued for `_free`)."""
-        try:
-            _, header, places, upto, through_host, event = body
+        try:  # (a peer from before device-ordered frames sends five items: host-ordered)
+            _, header, places, upto, through_host, event, sealed = body if len(body) != 5 else [*body, None, None]
         except ValueError:
             raise FrameError("cuda_ipc: malformed header") from None
         if not (places or through_host):
@@ -425,6 +505,9 @@ class CudaIpcConnection(Connection):
         if event is not None:
             if not (places and isinstance(event, int) and 0 <= event < len(self._peer_events)):
                 raise FrameError(f"cuda_ipc: a frame names event {event!r} of the peer's {len(self._peer_events)}")
+            if not (isinstance(sealed, list) and len(sealed) == 2 and all(isinstance(x, int) for x in sealed)
+                    and sealed[0] % _SEAL_BYTES == 0 and 0 <= sealed[0] <= ring.numel() - _SEAL_BYTES):
+                raise FrameError(f"cuda_ipc: a frame's seal {sealed!r} is not in the ring")
             # Device-ordered: the copies out wait on the device for the sender's into the ring.
             self._copy_out.wait_event(self._peer_events[event])
         # Allocated and written on the copy-out stream: the caller's stream is made to wait
@@ -444,8 +527,14 @@ class CudaIpcConnection(Connection):
                 if not isinstance(moved, torch.Tensor):
                     raise FrameError("cuda_ipc: a buffer sent through host memory is not a tensor")
                 tensors[i] = moved.to(self._device)
+            if event is not None and self._seals is not None:
+                seal_at = sealed[0]
+                self._seals.copies[event:event + 1].copy_(ring[seal_at:seal_at + _SEAL_BYTES].view(torch.int64),
+                                                          non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._copy_out)
+        if event is not None and self._seals is not None:
+            self._seals.expect(done, event, sealed[1])
         if places:
             self._received += 1
             self._copying.put_nowait((done, int(upto), self._received))
@@ -457,6 +546,8 @@ class CudaIpcConnection(Connection):
             while True:
                 done, upto, frames = await self._copying.get()
                 await until_done(done, clock=None)  # off the senders' path: not a device wait of theirs
+                if self._seals is not None:  # before the seals' slots may be used again
+                    _TALLY.check(self._seals)
                 await self._inner.send(Frame(0, [_FREE, upto, frames]))
         except TransportError:
             pass  # the connection ended: the reader reports it to the caller
@@ -491,6 +582,9 @@ class CudaIpcConnection(Connection):
         if self._closed:
             return
         self._closed = True
+        # From here no send takes ring space or an event.
+        self._space.fail(PeerClosed(f"connection to {self.peer} is closed"))
+        finished = False
         try:
             for task in (self._pump, self._freer):
                 task.cancel()
@@ -498,35 +592,52 @@ class CudaIpcConnection(Connection):
                     await task
             # Copies still queued into this end's ring, or out of the peer's, finish before
             # the peer may unmap it or this end drops its mapping.
-            self._copy.synchronize()
-            await self._copies_out_done()
+            finished = await self._copies_done()
         finally:
             await self._inner.close()
             _LOCAL.pop(self._out.token, None)
-            self._out.give_back()
-            self._space.fail(PeerClosed(f"connection to {self.peer} is closed"))
+            # The events are destroyed with this end only once the peer freed every frame
+            # that named them (its waits on them were queued and are over); else they are
+            # kept, never recorded again nor destroyed.
+            if not (finished and self._space.frames_freed >= self._space.frames) and self._out.events:
+                _STUCK.append(self._out.events)
+            if self._seals is not None:
+                self._seals.ended = True  # checked on until its last frame is
             self._ended.set()
 
     async def wait_closed(self) -> None:
         await self._ended.wait()
 
-    async def _copies_out_done(self) -> None:
-        """Waits for the copies out of the peer's ring. Those of device-ordered frames wait
-        on the peer's events, which a peer that died before its copies ran may never
-        complete: after _CLOSE_WAIT_S they are reported, and the peer's ring and events
-        stay mapped (freeing what a queued wait refers to is undefined)."""
-        if not self._peer_events:
+    async def _copies_done(self) -> bool:
+        """Waits for the copies into this end's ring and out of the peer's; whether they
+        finished. Where either end orders frames on the device, these copies may wait on
+        the peer's events (the copies out directly, the copies in through the caller's
+        stream, which waited for received frames), which a peer that died before its
+        copies ran may never complete: the wait ends after _CLOSE_WAIT_S with a report,
+        and both rings, the events and the streams stay mapped (freeing what a queued
+        wait refers to is undefined)."""
+        if not (self._peer_events or self._out.events):
+            self._copy.synchronize()
             self._copy_out.synchronize()
-            return
-        done = torch.cuda.Event()
-        done.record(self._copy_out)
+            return True
+        marks = []
+        for stream in (self._copy, self._copy_out):
+            mark = torch.cuda.Event()
+            mark.record(stream)
+            marks.append(mark)
+
+        async def both() -> None:
+            for mark in marks:
+                await until_done(mark, clock=None)
         try:
-            await asyncio.wait_for(until_done(done, clock=None), _CLOSE_WAIT_S)
+            await asyncio.wait_for(both(), _CLOSE_WAIT_S)
         except TimeoutError:
-            log.error("cuda_ipc: copies out of %s's ring still wait on its events %.0f s after the connection "
-                      "ended (the peer died before its copies ran?); this process's work queued behind them may "
-                      "not run", self.peer, _CLOSE_WAIT_S)
-            _STUCK.append((self._peer_ring, self._peer_events, self._copy_out))
+            log.error("cuda_ipc: copies into this end's ring or out of %s's still wait %.0f s after the "
+                      "connection ended (the peer died before its copies ran?); this process's work queued "
+                      "behind them may not run", self.peer, _CLOSE_WAIT_S)
+            _STUCK.append((self._out, self._peer_ring, self._peer_events, self._copy, self._copy_out))
+            return False
+        return True
 
 
 def _into(dest: Buffer, got: Buffer) -> Buffer:

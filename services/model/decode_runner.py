@@ -203,8 +203,15 @@ class DecodeRunner:
         batch = StepBatch.build([s.seq_id for s in members], [[s.token] for s in members],
                                 [s.position for s in members])
         rows = [SeqRows(s.seq_id, 1, s.workers) for s in members]
+        torn = transports.torn_frames()
         logits = await self._forward(mb, step, batch, rows)
         tokens, logprobs = self._sampler(logits, [s.sampling for s in members])
+        # The sampled ids are on the host, so every frame the step read is copied: a
+        # torn one (a vanished peer's device-ordered reply) fails the step, which the
+        # scheduler rebuilds, rather than a wrong token going out.
+        if transports.torn_frames() != torn:
+            raise transports.TransportError(f"step {step} of micro-batch {mb} read a frame its sender did not "
+                                            "write whole (the sender vanished)")
         out = lamina_pb2.DecodeResult(micro_batch=mb, step=step)
         done: set[str] = set()
         for seq, tok, lp in zip(members, tokens, logprobs):

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from lamina import transports
 from lamina.services.model.decode_runner import DecodeRunner
 from lamina.services.model.micro_batches import join_target, num_active, rebalance
 from lamina.services.protos import lamina_pb2
@@ -186,6 +187,40 @@ def test_a_failed_step_fails_its_micro_batch_only(failure, code):
     assert set(failed) == doomed == {"b", "d"} and set(failed.values()) == {code}
     assert set(_tokens(results)) == {"a", "c"}  # the other micro-batch went on
     assert all("b" not in ids and "d" not in ids for _, _, ids in fake.steps[2:])
+
+
+def test_a_torn_frame_found_during_a_step_fails_it_and_no_token_of_it_goes_out(monkeypatch):
+    """A frame found torn (transports.torn_frames grew: a vanished peer's device-ordered
+    reply) while micro-batch 1's first step read its replies fails that step, and micro-
+    batch 0's, in flight at the time (the count does not say whose frame it was); the
+    steps after it, of sequences that joined later, go on."""
+    found = [0]
+    monkeypatch.setattr(transports, "torn_frames", lambda: found[0])
+
+    class Tearing(FakeSlices):
+        async def forward(self, mb, step, batch, rows):
+            if (mb, step) == (1, 1):
+                found[0] += 1  # found while this step's replies arrive
+            return await super().forward(mb, step, batch, rows)
+
+    async def main():
+        fake = Tearing()
+        runner = DecodeRunner(fake.forward, 2, lamina_pb2.StopRule(max_model_len=1000))
+        runner.join([_seq("a", 0), _seq("b", 0), _seq("c", 0), _seq("d", 0)])
+        runner.start()
+        try:
+            results = await _collect(runner, lambda rs: sum(len(r.failed) for r in rs) == 4)
+            runner.join([_seq("e", 0)])
+            results += await _collect(runner, lambda rs: len(rs) == 2)
+        finally:
+            await runner.close()
+        return results
+
+    results = _run(main())
+    failed = {f.seq_id: f.code for r in results for f in r.failed}
+    assert failed == dict.fromkeys("abcd", "transport")
+    assert all("sender did not write whole" in f.message for r in results for f in r.failed)
+    assert set(_tokens(results)) == {"e"}  # nothing of the failed steps; the next one's tokens
 
 
 def test_few_sequences_run_in_one_micro_batch_until_there_are_enough_for_two():

@@ -153,9 +153,32 @@ async def test_a_device_ordered_send_does_not_wait_for_the_gpu_and_the_receiver_
                 written = torch.cuda.Event()
                 written.record()
                 await conn.send(Frame(1, {"i": i}, [t]))
-                assert not written.query()  # sent before the GPU got to it
+                # Sent before the GPU got to it (from the second frame: the first one's
+                # launches may wait for the kernels to load).
+                assert i == 0 or not written.query()
                 got = await conn.recv(timeout=30)
                 assert got.header == {"i": i} and got.tensors[0].sum().item() == (i + 1) * (1 << 20)
     finally:
         child.kill()
         child.wait()
+
+
+async def test_device_ordered_frames_are_sealed_and_one_its_sender_did_not_seal_is_counted_torn():
+    """Each device-ordered frame's seal is read back with it: whole frames count nothing;
+    frames whose seals are not what the receiver expects (the sender's salt changed after
+    the setup, as a sender that never ran its copies leaves an old seal) count torn."""
+    listener = await transports.listen(address_for("cuda_ipc"), echo, _config("host"))
+    conn = await transports.connect(listener.address, _config("device"))
+    async with listener, conn:
+        before = transports.torn_frames()
+        for i in range(3):
+            await conn.send(Frame(1, {"i": i}, [torch.full((1000,), float(i), device="cuda")]))
+            assert (await conn.recv(timeout=30)).tensors[0].sum().item() == 1000 * i
+        torch.cuda.synchronize()
+        assert transports.torn_frames() == before
+        conn._out.salt += 1  # the sender's seals no longer what the receiver expects
+        for i in range(3):
+            await conn.send(Frame(1, {"i": i}, [torch.full((1000,), float(i), device="cuda")]))
+            await conn.recv(timeout=30)
+        torch.cuda.synchronize()
+        assert transports.torn_frames() == before + 3

@@ -1,14 +1,17 @@
 """The sending end's account of its cuda_ipc ring (transports/cuda_ipc.py `_Space`): where
 each frame's tensors go, when a frame waits for the receiver to free space, and that a
-connection's end wakes a waiting sender with an error. Pure bookkeeping: no GPU needed."""
+connection's end wakes a waiting sender with an error; and a receiving end's check of its
+device-ordered frames' seals (`_Seals`). Pure bookkeeping: no GPU needed."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 import pytest
+import torch
 
-from lamina.transports import PeerClosed
+from lamina.transports import PeerClosed, cuda_ipc
 from lamina.transports.cuda_ipc import _ALIGN, _Space
 
 
@@ -85,3 +88,46 @@ async def test_without_max_frames_only_space_bounds_the_frames_out():
     for _ in range(100):
         await asyncio.wait_for(space.take([256]), 1)
     assert space.frames == 100 and space.frames_freed == 0
+
+
+class _Done:
+    """Stands in for a frame's copies-done event."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def _seals(slots: int, salt: int) -> cuda_ipc._Seals:
+    """A receiving end's seals with host memory for the copies (pinned memory needs a GPU)."""
+    seals = object.__new__(cuda_ipc._Seals)
+    seals.copies, seals.salt, seals.peer, seals.pending, seals.ended = (
+        torch.zeros(slots, dtype=torch.int64), salt, "peer", deque(), False)
+    return seals
+
+
+def test_a_frame_whose_seal_is_not_its_own_is_torn_and_each_is_checked_once_its_copies_are_done(monkeypatch):
+    """Each device-ordered frame is checked when its copies out are done, in order: its
+    seal copy must be seal_of(salt, its number); an older one (its sender never wrote it)
+    is counted torn. torn_frames() checks every receiving end, and forgets an ended one
+    once its last frame is checked."""
+    tally = cuda_ipc._Tally()
+    monkeypatch.setattr(cuda_ipc, "_TALLY", tally)
+    salt = (1 << 62) - 3  # wraps: seal_of stays in 62 bits
+    seals = _seals(4, salt)
+    tally.seals.append(seals)
+    first, second, third = _Done(True), _Done(True), _Done(False)
+    seals.expect(first, 0, 0)
+    seals.copies[0] = cuda_ipc.seal_of(salt, 0)  # written whole
+    seals.expect(second, 1, 1)
+    seals.copies[1] = cuda_ipc.seal_of(salt, 1 - 4)  # what the frame 4 before left in the ring
+    seals.expect(third, 2, 2)
+    assert cuda_ipc.seal_of(salt, 3) == 0 and cuda_ipc.seal_of(salt, 1) == (1 << 62) - 2
+    assert cuda_ipc.torn_frames() == 1  # the second; the third's copies are not done
+    assert len(seals.pending) == 1
+    seals.ended = True
+    seals.copies[2] = cuda_ipc.seal_of(salt, 2)
+    third.done = True
+    assert cuda_ipc.torn_frames() == 1 and tally.seals == []  # checked, then forgotten
