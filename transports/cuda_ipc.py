@@ -102,6 +102,9 @@ _EVENTS = 32
 # Seconds a closing end waits for its copies where either end orders frames on the device
 # (they may wait on the peer's events) before it reports them stuck.
 _CLOSE_WAIT_S = 10.0
+# Seconds a closing device-ordered sender waits for the peer to free its last frames (else
+# its events are kept for the process's life).
+_FREE_WAIT_S = 1.0
 _EMPTY = torch.empty(0, dtype=torch.uint8)  # what stands in a frame for a tensor that is in the ring
 # This process's rings by token, for a peer in the same process.
 _LOCAL: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
@@ -255,6 +258,8 @@ class _Tally:
 
     def check(self, seals: _Seals) -> None:
         self.torn += seals.check()
+        if seals.ended and not seals.pending and seals in self.seals:
+            self.seals.remove(seals)  # its connection is closed and its last frame checked
 
 
 _TALLY = _Tally()
@@ -267,8 +272,6 @@ def torn_frames() -> int:
     its GPU work on them is done) to know whether one of its frames was torn."""
     for seals in list(_TALLY.seals):
         _TALLY.check(seals)
-        if seals.ended and not seals.pending:
-            _TALLY.seals.remove(seals)
     return _TALLY.torn
 
 
@@ -294,6 +297,12 @@ class _Space:
             self.freed = max(self.freed, upto)
             self.frames_freed = max(self.frames_freed, frames)
             self._more.set()
+
+    async def drained(self) -> None:
+        """Returns once the receiver freed every frame taken (waits as long as it takes)."""
+        while self.frames_freed < self.frames:
+            self._more.clear()
+            await self._more.wait()
 
     def fail(self, exc: TransportError) -> None:
         """No more space will be freed (the connection ended): waiting senders raise exc."""
@@ -341,6 +350,7 @@ class CudaIpcConnection(Connection):
         # The peer's events (empty: it sends host-ordered), which its frames name.
         self._peer_events = peer_events
         self._received = 0  # frames through the peer's ring unpacked: what a space-free frame counts
+        self._sealed = 0  # device-ordered frames sealed (their seals' numbers)
         self._seals: _Seals | None = None
         if peer_events:
             self._seals = _Seals(len(peer_events), peer_salt, inner.peer)
@@ -425,30 +435,34 @@ class CudaIpcConnection(Connection):
             try:
                 self._into_ring(gpu, offsets, places, tensors)
                 if events:  # device-ordered: the receiver's stream waits for this record
-                    event: int | None = number % len(events)
+                    event = number % len(events)
                     at = offsets[-1]
-                    sealed: list[int] | None = [at, number]  # where the seal is, and whose
+                    # Where the seal is, and whose: a count never rewound (a failed send's
+                    # seal may be in the ring; the next frame's must not equal it).
+                    self._sealed += 1
+                    ordered = [event, [at, self._sealed]]
                     with torch.cuda.stream(self._copy):  # written last: the frame is whole once it is
-                        self._out.ring[at:at + _SEAL_BYTES].view(torch.int64).fill_(seal_of(self._out.salt, number))
+                        self._out.ring[at:at + _SEAL_BYTES].view(torch.int64).fill_(
+                            seal_of(self._out.salt, self._sealed))
                     events[number % len(events)].record(self._copy)
                     # The send returns before the copies ran: what the caller's stream
                     # queues next (a write into a sent tensor) comes after them.
                     torch.cuda.current_stream(self._device).wait_stream(self._copy)
                 else:
-                    event = sealed = None
+                    ordered = []
                     copied = torch.cuda.Event()
                     copied.record(self._copy)
                     await until_done(copied)  # the receiver reads finished bytes (see the module's docstring)
-                await self._inner.send(Frame(frame.kind, [_DATA, frame.header, places, self._space.head, [], event,
-                                                          sealed], tensors))
+                await self._inner.send(Frame(frame.kind, [_DATA, frame.header, places, self._space.head, [],
+                                                          *ordered], tensors))
             except BaseException:
                 # Never sent: its space (and event) are this end's again (sends are one at
                 # a time, and the next frame's copies queue behind these on the copy stream).
                 self._space.head, self._space.frames = head, number
                 raise
             return
-        await self._inner.send(Frame(frame.kind, [_DATA, frame.header, places, self._space.head, through_host, None,
-                                      None], tensors))
+        await self._inner.send(Frame(frame.kind, [_DATA, frame.header, places, self._space.head, through_host],
+                                     tensors))
 
     def _into_ring(self, gpu: dict[int, torch.Tensor], offsets: list[int], places: list[list[Any]],
                    tensors: list[Buffer]) -> None:
@@ -494,7 +508,7 @@ class CudaIpcConnection(Connection):
     def _unpack(self, kind: int, body: list, tensors: list[Buffer]) -> tuple[Frame, torch.cuda.Event | None]:
         """A data frame with its CUDA tensors' copies queued on the copy-out stream, and
         the event recorded after them (the ring's places also queued for `_free`)."""
-        try:  # (a peer from before device-ordered frames sends five items: host-ordered)
+        try:  # five items host-ordered, seven device-ordered (the event and the seal)
             _, header, places, upto, through_host, event, sealed = body if len(body) != 5 else [*body, None, None]
         except ValueError:
             raise FrameError("cuda_ipc: malformed header") from None
@@ -586,6 +600,8 @@ class CudaIpcConnection(Connection):
         self._space.fail(PeerClosed(f"connection to {self.peer} is closed"))
         finished = False
         try:
+            if self._out.events:
+                await self._peer_freed()
             for task in (self._pump, self._freer):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -603,6 +619,7 @@ class CudaIpcConnection(Connection):
                 _STUCK.append(self._out.events)
             if self._seals is not None:
                 self._seals.ended = True  # checked on until its last frame is
+                _TALLY.check(self._seals)
             self._ended.set()
 
     async def wait_closed(self) -> None:
@@ -631,13 +648,25 @@ class CudaIpcConnection(Connection):
                 await until_done(mark, clock=None)
         try:
             await asyncio.wait_for(both(), _CLOSE_WAIT_S)
-        except TimeoutError:
-            log.error("cuda_ipc: copies into this end's ring or out of %s's still wait %.0f s after the "
-                      "connection ended (the peer died before its copies ran?); this process's work queued "
-                      "behind them may not run", self.peer, _CLOSE_WAIT_S)
+        except BaseException as exc:  # timed out, or the close itself cancelled
+            if isinstance(exc, TimeoutError):
+                log.error("cuda_ipc: copies into this end's ring or out of %s's still wait %.0f s after the "
+                          "connection ended (the peer died before its copies ran?); this process's streams that "
+                          "waited for them, and any stream torch hands out again later, may not run: restart "
+                          "it", self.peer, _CLOSE_WAIT_S)
             _STUCK.append((self._out, self._peer_ring, self._peer_events, self._copy, self._copy_out))
+            if not isinstance(exc, TimeoutError):
+                raise
             return False
         return True
+
+    async def _peer_freed(self) -> None:
+        """Waits briefly (the reader still taking space-free frames) until the peer freed
+        every frame this end sent through its ring: then each wait of the peer's on this
+        end's events is over, and they may be destroyed with it."""
+        if not self._pump.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._space.drained(), _FREE_WAIT_S)
 
 
 def _into(dest: Buffer, got: Buffer) -> Buffer:

@@ -205,13 +205,18 @@ class DecodeRunner:
         rows = [SeqRows(s.seq_id, 1, s.workers) for s in members]
         torn = transports.torn_frames()
         logits = await self._forward(mb, step, batch, rows)
-        tokens, logprobs = self._sampler(logits, [s.sampling for s in members])
-        # The sampled ids are on the host, so every frame the step read is copied: a
-        # torn one (a vanished peer's device-ordered reply) fails the step, which the
-        # scheduler rebuilds, rather than a wrong token going out.
+        # Once the sampled ids are on the host every frame the step read is copied: a torn
+        # one found since the step began (a vanished peer's device-ordered reply; the count
+        # does not say which step read it, so every step in flight fails) fails the step,
+        # which the scheduler rebuilds, rather than a wrong token going out.
+        try:
+            tokens, logprobs = self._sampler(logits, [s.sampling for s in members])
+        except Exception as exc:
+            if transports.torn_frames() != torn:
+                raise _torn(mb, step) from exc
+            raise
         if transports.torn_frames() != torn:
-            raise transports.TransportError(f"step {step} of micro-batch {mb} read a frame its sender did not "
-                                            "write whole (the sender vanished)")
+            raise _torn(mb, step)
         out = lamina_pb2.DecodeResult(micro_batch=mb, step=step)
         done: set[str] = set()
         for seq, tok, lp in zip(members, tokens, logprobs):
@@ -227,3 +232,8 @@ class DecodeRunner:
         if done:
             self._drop(mb, done)
         return out
+
+
+def _torn(mb: int, step: int) -> transports.TransportError:
+    return transports.TransportError(f"step {step} of micro-batch {mb} ran while a frame this process read was "
+                                     "found torn (its sender vanished before writing it whole)")

@@ -83,6 +83,20 @@ async def test_a_device_ordered_sender_waits_until_the_frame_its_event_last_mark
     assert space.freed == 256 and space.frames_freed == 1
 
 
+async def test_a_closing_sender_can_wait_until_the_receiver_freed_every_frame():
+    space = _Space(1 << 20, max_frames=4)
+    await space.take([256])
+    await space.take([256])
+    space.fail(PeerClosed("closing"))  # as close() does first: no more sends
+    drained = asyncio.ensure_future(space.drained())
+    await asyncio.sleep(0.01)
+    space.free(256, frames=1)
+    await asyncio.sleep(0.01)
+    assert not drained.done()
+    space.free(512, frames=2)
+    await asyncio.wait_for(drained, 1)
+
+
 async def test_without_max_frames_only_space_bounds_the_frames_out():
     space = _Space(1 << 20)
     for _ in range(100):
