@@ -70,7 +70,6 @@ import torch.multiprocessing as mp
 
 CONTENDERS = ("one_process_host", "one_process_device", "two_processes_host", "two_processes_device",
               "two_processes_event", "two_processes_cuda_ipc", "two_processes_cuda_ipc_device")
-PROBES = ("exporter_exit", "event_exit")
 WARMUP = 20  # round trips run before the timed ones (kernels loaded, contexts made)
 
 
@@ -217,8 +216,8 @@ def two_processes(iters: int, device_ordered: bool) -> tuple[float, bool]:
 
 @contextlib.contextmanager
 def _second_side(target: Callable[..., None], *args: Any) -> Iterator[Any]:
-    """The second side's process, spawned (it maps the first side's CUDA tensors), killed
-    at the end if still there."""
+    """A child process of this contender's (spawned: a forked child could not use CUDA),
+    killed at the end if still there."""
     child = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
     child.start()
     try:
@@ -339,11 +338,7 @@ def cuda_ipc_round_trips(iters: int, device_order: bool) -> tuple[float, bool]:
     from lamina.aio import install_uvloop
     from lamina.planner.measure.pingpong import transport_config
 
-    ctx = mp.get_context("spawn")
-    ready = ctx.Queue()
-    child = ctx.Process(target=_adding_echo, args=(f"cuda_ipc://handoff-{os.getpid()}", ready, device_order),
-                        daemon=True)
-    child.start()
+    ready = mp.get_context("spawn").Queue()
 
     async def main() -> tuple[float, int]:
         conn = await transports.connect(ready.get(timeout=60),
@@ -365,13 +360,10 @@ def cuda_ipc_round_trips(iters: int, device_order: bool) -> tuple[float, bool]:
         await conn.close()
         return seconds, value
 
-    try:
+    with _second_side(_adding_echo, f"cuda_ipc://handoff-{os.getpid()}", ready, device_order) as child:
         install_uvloop()
         seconds, value = asyncio.run(main())
         child.join(10)
-    finally:
-        if child.is_alive():
-            child.kill()
     return seconds / iters, value == 2 * (WARMUP + iters)
 
 
@@ -383,12 +375,9 @@ def _exporter(tensors: queue.Queue) -> None:
 
 def exporter_exit() -> dict[str, Any]:
     """Map a child's buffer, read it, kill the child, then read and write the mapping."""
-    ctx = mp.get_context("spawn")
-    tensors = ctx.Queue()
-    child = ctx.Process(target=_exporter, args=(tensors,), daemon=True)
-    child.start()
+    tensors = mp.get_context("spawn").Queue()
     out: dict[str, Any] = {}
-    try:
+    with _second_side(_exporter, tensors) as child:
         mapped = tensors.get(timeout=60)
         out["read_before"] = int(mapped[0].item())
         child.kill()
@@ -400,9 +389,6 @@ def exporter_exit() -> dict[str, Any]:
                 out[what] = act()
             except Exception as exc:  # noqa: BLE001 (the driver's answer is the result)
                 out[what] = f"{type(exc).__name__}: {exc}"[:300]
-    finally:
-        if child.is_alive():
-            child.kill()
     return out
 
 
@@ -444,12 +430,9 @@ def event_exit(work_s: float = 5.0, kill_after_s: float = 0.3, watch_s: float = 
     torch.zeros(1, device=dev)  # this process's context made first, not while the child's work runs
     torch.cuda.synchronize(dev)
     rate_khz = getattr(torch.cuda.get_device_properties(dev), "clock_rate", 0) or 1_800_000
-    ctx = mp.get_context("spawn")
-    handles = ctx.Queue()
-    child = ctx.Process(target=_event_recorder, args=(handles, int(work_s * rate_khz * 1000)), daemon=True)
-    child.start()
+    handles = mp.get_context("spawn").Queue()
     out: dict[str, Any] = {"work_s": work_s, "kill_after_s": kill_after_s}
-    try:
+    with _second_side(_event_recorder, handles, int(work_s * rate_khz * 1000)) as child:
         theirs = torch.cuda.Event.from_ipc_handle(dev, handles.get(timeout=60))
         waiting = torch.cuda.Stream(dev)
         waiting.wait_event(theirs)
@@ -473,9 +456,6 @@ def event_exit(work_s: float = 5.0, kill_after_s: float = 0.3, watch_s: float = 
                 out["released_by_own_record_s"] = _watch(after, 5.0)
             except Exception as exc:  # noqa: BLE001 (the driver's answer is the result)
                 out["released_by_own_record_s"] = f"{type(exc).__name__}: {exc}"[:300]
-    finally:
-        if child.is_alive():
-            child.kill()
     return out
 
 
@@ -490,6 +470,7 @@ RUNS: dict[str, Callable[[int], tuple[float, bool]]] = {
     "two_processes_cuda_ipc_device": lambda n: cuda_ipc_round_trips(n, device_order=True),
 }
 PROBE_RUNS: dict[str, Callable[[], dict[str, Any]]] = {"exporter_exit": exporter_exit, "event_exit": event_exit}
+PROBES = tuple(PROBE_RUNS)
 
 def _run(name: str, iters: int, results: queue.Queue) -> None:
     try:

@@ -35,8 +35,8 @@ both kinds of frame):
   the rings and events mapped. Where the driver ends such a wait, the frame was read
   before it was written: each device-ordered frame carries a seal, written into the ring
   after its tensors and read back to the receiver's host with them (`_Seals`), and
-  `torn_frames()` counts the frames whose seal was not theirs (the model worker fails a
-  step that read one).
+  `torn_frames()` counts the frames whose seal was not theirs (the model worker fails
+  the steps in flight when one is found).
 
 The receiver copies each tensor out into a new one on its current device, on a stream of
 the connection, and hands the frame on at once: `recv` makes the caller's current stream
@@ -211,6 +211,16 @@ def _mapped(desc: dict[str, Any]) -> torch.Tensor:
     return ring
 
 
+def _aligned(nbytes: int) -> int:
+    """The ring bytes a buffer of `nbytes` takes (each starts at a multiple of _ALIGN)."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _span(sizes: Sequence[int]) -> int:
+    """The ring bytes a frame of buffers of these sizes takes, one after another."""
+    return sum(map(_aligned, sizes))
+
+
 def seal_of(salt: int, number: int) -> int:
     """What a device-ordered sender writes after frame `number`'s tensors in its ring."""
     return (salt + number) & _SEAL_MASK
@@ -314,7 +324,7 @@ class _Space:
         that would wrap starts over at the ring's start, skipping the rest), for frame
         number `frames` (counted up by one); waits for the receiver to free enough, and
         under `max_frames` for it to free the frame that many before this one."""
-        need = sum(-(-n // _ALIGN) * _ALIGN for n in sizes)
+        need = _span(sizes)
         while True:
             if self._failed is not None:
                 raise self._failed
@@ -331,7 +341,7 @@ class _Space:
         offsets, pos = [], start
         for n in sizes:
             offsets.append(pos)
-            pos += -(-n // _ALIGN) * _ALIGN
+            pos += _aligned(n)
         self.head += skip + need
         self.frames += 1
         return offsets
@@ -424,7 +434,7 @@ class CudaIpcConnection(Connection):
         events = self._out.events
         seal = [_SEAL_BYTES] if events else []  # a device-ordered frame's seal after its tensors
         sizes = [buffer_nbytes(t) for t in gpu.values()] + seal
-        fits = sum(-(-n // _ALIGN) * _ALIGN for n in sizes) <= self._space.size
+        fits = _span(sizes) <= self._space.size
         if gpu and not fits:
             for i, t in gpu.items():  # too big for the ring at once: through host memory, whole
                 tensors[i] = t.cpu()
@@ -444,7 +454,7 @@ class CudaIpcConnection(Connection):
                     with torch.cuda.stream(self._copy):  # written last: the frame is whole once it is
                         self._out.ring[at:at + _SEAL_BYTES].view(torch.int64).fill_(
                             seal_of(self._out.salt, self._sealed))
-                    events[number % len(events)].record(self._copy)
+                    events[event].record(self._copy)
                     # The send returns before the copies ran: what the caller's stream
                     # queues next (a write into a sent tensor) comes after them.
                     torch.cuda.current_stream(self._device).wait_stream(self._copy)
@@ -541,14 +551,16 @@ class CudaIpcConnection(Connection):
                 if not isinstance(moved, torch.Tensor):
                     raise FrameError("cuda_ipc: a buffer sent through host memory is not a tensor")
                 tensors[i] = moved.to(self._device)
-            if event is not None and self._seals is not None:
+            # A device-ordered frame's seal (its event names one of the peer's, so it has seals).
+            seals = self._seals if event is not None else None
+            if seals is not None:
                 seal_at = sealed[0]
-                self._seals.copies[event:event + 1].copy_(ring[seal_at:seal_at + _SEAL_BYTES].view(torch.int64),
-                                                          non_blocking=True)
+                seals.copies[event:event + 1].copy_(ring[seal_at:seal_at + _SEAL_BYTES].view(torch.int64),
+                                                    non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._copy_out)
-        if event is not None and self._seals is not None:
-            self._seals.expect(done, event, sealed[1])
+        if seals is not None:
+            seals.expect(done, event, sealed[1])
         if places:
             self._received += 1
             self._copying.put_nowait((done, int(upto), self._received))
@@ -646,18 +658,19 @@ class CudaIpcConnection(Connection):
         async def both() -> None:
             for mark in marks:
                 await until_done(mark, clock=None)
+        left = (self._out, self._peer_ring, self._peer_events, self._copy, self._copy_out)
         try:
             await asyncio.wait_for(both(), _CLOSE_WAIT_S)
-        except BaseException as exc:  # timed out, or the close itself cancelled
-            if isinstance(exc, TimeoutError):
-                log.error("cuda_ipc: copies into this end's ring or out of %s's still wait %.0f s after the "
-                          "connection ended (the peer died before its copies ran?); this process's streams that "
-                          "waited for them, and any stream torch hands out again later, may not run: restart "
-                          "it", self.peer, _CLOSE_WAIT_S)
-            _STUCK.append((self._out, self._peer_ring, self._peer_events, self._copy, self._copy_out))
-            if not isinstance(exc, TimeoutError):
-                raise
+        except TimeoutError:
+            log.error("cuda_ipc: copies into this end's ring or out of %s's still wait %.0f s after the "
+                      "connection ended (the peer died before its copies ran?); this process's streams that "
+                      "waited for them, and any stream torch hands out again later, may not run: restart "
+                      "it", self.peer, _CLOSE_WAIT_S)
+            _STUCK.append(left)
             return False
+        except BaseException:  # the close itself cancelled: what the copies use is kept all the same
+            _STUCK.append(left)
+            raise
         return True
 
     async def _peer_freed(self) -> None:
