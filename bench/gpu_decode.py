@@ -2,7 +2,8 @@
 
 Workload: B sequences with contexts of C tokens (random token ids, so nothing is
 shared) decoding S steps each, greedy, EOS ignored; decode throughput is measured from
-the moment every sequence has its first token (transformers: its generate of 1 + S
+the moment every sequence has its first token (on a GPU, the engine and the stack from a
+step or two later: planner/measure/stack_run.py, `run_engine`; transformers: its generate of 1 + S
 tokens minus its generate of 1, each with the static cache, after an untimed one of
 1 + S). Models are `NAME:DTYPE` (NAME: `smollm2`, the default GGUF's weights, or a
 `random:` shape, docs/model.md; a GPU machine gets no GGUF, so the default list has
@@ -18,7 +19,8 @@ another (each one's memory given back to the device before the next):
 - the local engine on the device (`lamina.engine`, torch's linears in the dtype; on a
   GPU each decode step replayed whole as a CUDA graph, lamina.model.step_graphs),
   after an untimed run of the same batch with short prompts (Triton compiles its
-  kernels' variants for the first steps, the graphs of the batch's bucket are captured);
+  kernels' variants for the first steps, the graphs of the batch's bucket are captured)
+  and an untimed step of the timed batch (the graphs of its context bucket);
   `engine_slices`: the same engine with its step graphs off (its decode slices replayed
   as CUDA graphs, as the stack's model worker's are, their attention eager), measured
   alternately with the whole steps (slices, whole, slices after the first whole run;
@@ -48,7 +50,7 @@ last prompts are prefilled; a timed step without every sequence is an error), th
 is left is aborted. Per point it also prints the engine's step against the bandwidth
 bound, recorded as soon as the engine's figure is: the bytes a decode step must read
 (every weight once, except an untied embedding table, of which a step reads B rows;
-every sequence's KV at the window's mean length, C + 1 + S/2) over the device's copy
+every sequence's KV at the window's mean length, C + 2 + S/2) over the device's copy
 bandwidth measured in the same run (the fastest of five 1 GiB copies, the estimator of
 `lamina profile`). Prints the device, the workload and a table (with the ratios
 engine/transformers, the stack's 2 micro-batches/engine and colocated/engine, step/bound); a point's row is
@@ -193,20 +195,24 @@ def slices_alternately(engine, prompts: list[list[int]], steps: int, row: dict[s
 
 
 def run_engine(engine, prompts: list[list[int]], steps: int, trace: Path | None = None) -> float:
-    """The engine's decode tokens/s over `steps` steps of the whole batch, timed once every
-    sequence has its first token. Each prompt step admits at least one prompt, and the
-    sequences already decoding take a token in it: a budget of steps + 2 + B tokens
-    outlasts the prompt steps and the timed ones. Every sequence is aborted after (or on
+    """The engine's decode tokens/s over `steps` steps of the whole batch, timed from the
+    step after every sequence has its first token (that untimed step is the whole batch's
+    first at the prompts' length: on a GPU it captures the step graph of that context
+    bucket, lamina.model.step_graphs.context_bucket, which a warm-up with short prompts
+    does not reach). Each prompt step admits at least one prompt, and the sequences
+    already decoding take a token in it: a budget of steps + 3 + B tokens outlasts the
+    prompt steps, the untimed one and the timed ones. Every sequence is aborted after (or on
     an error), so the engine is empty for the next point. `trace`: a torch.profiler
     trace of the timed steps written there (services/tracing.py's files)."""
     from lamina.engine import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 2 + len(prompts), temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 3 + len(prompts), temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     try:
         first: set[str] = set()
         while len(first) < len(prompts):  # prefill and the first token of every prompt: not timed
             first.update(o.seq_id for o in engine.step())
+        engine.step()  # the whole batch's first decode step at this length: not timed
         tracer = None if trace is None else Tracer("engine", trace)
         if tracer is not None:
             tracer.start()
@@ -229,9 +235,10 @@ def run_engine(engine, prompts: list[list[int]], steps: int, trace: Path | None 
 def step_against_bound(row: dict[str, Any], point: Point, read_bytes: int, kv_bytes_per_token: int,
                        steps: int, bandwidth: float) -> None:
     """The engine's step and the bandwidth bound into the row (ms): the weight bytes a step
-    reads and every sequence's KV at the timed window's mean length."""
+    reads and every sequence's KV at the timed window's mean length (run_engine's window
+    starts with C + 2 keys)."""
     step_s = point.batch / row["engine_tok_s"]
-    bound_s = (read_bytes + point.batch * (point.context + 1 + steps / 2) * kv_bytes_per_token) / bandwidth
+    bound_s = (read_bytes + point.batch * (point.context + 2 + steps / 2) * kv_bytes_per_token) / bandwidth
     row["step_ms"], row["bound_ms"] = 1e3 * step_s, 1e3 * bound_s
 
 
@@ -383,7 +390,7 @@ def main() -> None:
             release(device)
         weights = "as_file" if dtype == "float32" and device.type == "cpu" else "float32"
         for point, prompts, kv_bytes in points if args.stack else ():
-            hold = max(0, min(args.stack_hold, cfg.max_position_embeddings - point.context - steps - 1))
+            hold = max(0, min(args.stack_hold, cfg.max_position_embeddings - point.context - steps - 3))
             per_seq = kv_bytes // point.batch + hold * cfg.kv_bytes_per_token(elem)
             # Every service on the one device: the prefill's and the model worker's weights, the KV.
             if 2 * weight_bytes + max(w * attention_slab(per_seq, point.batch, w) for w in (1, 2)) \

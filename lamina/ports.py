@@ -33,6 +33,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"no free port found on {host} below {low}")
 
 
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why a listener could not bind `host`:`port` now (None: it could). Bound as an HTTP
+    server binds (SO_REUSEADDR), so a port left in TIME_WAIT by a stopped server counts
+    as free and only a listener there counts as taken."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc
+    return None
+
+
 def ephemeral_low() -> int:
     """The first port of the kernel's ephemeral range (Linux's /proc; its default elsewhere)."""
     try:

@@ -168,7 +168,7 @@ class SliceGraphs:
 class CaptureFailed(RuntimeError):
     """A capture that raised: `graph` is the graph begun (None: it failed before), `error` why."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph | None, error: RuntimeError) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph | None, error: Exception) -> None:
         super().__init__(str(error))
         self.graph, self.error = graph, error
 
@@ -195,7 +195,7 @@ def capture(fn: Callable[[], T], stream: torch.cuda.Stream, pool: Any) -> tuple[
                 out = fn()
             finally:
                 graph.capture_end()
-    except RuntimeError as exc:
+    except Exception as exc:  # CUDA's errors, and any other a warm-up call raises (a Triton compile's)
         with contextlib.suppress(RuntimeError):  # the warm-up's reads of the static tensors, before they are freed
             current.wait_stream(stream)
         raise CaptureFailed(graph, exc) from exc

@@ -77,8 +77,10 @@ class LocalWorkload:
         if Path(text).is_file():
             try:
                 stats = load_trace(text).stats()
-            except (OSError, ValueError, KeyError) as exc:
-                raise ValueError(f"--workload {text}: not a trace this reads ({exc})") from None
+            except ValueError as exc:  # names the file, the line and what it lacks
+                raise ValueError(f"--workload {exc}") from None
+            except OSError as exc:
+                raise ValueError(f"--workload {text}: {exc.strerror or exc}") from None
             return cls(RATE_MAX_CONCURRENCY, max(1, round(stats.mean_prompt)), max(1, round(stats.mean_output)),
                        stats.rate, Path(text).name)
         lengths, at, rate = text.partition("@")

@@ -76,16 +76,27 @@ def load_trace(path: str | Path) -> Workload:
     (`{"timestamp": ms, "input_length", "output_length", ...}`) trace, in arrival order."""
     path = Path(path)
     rows: list[tuple[float, int, int]] = []
-    if path.suffix == ".jsonl":
-        with path.open() as f:
-            for line in f:
-                if line.strip():
-                    r = json.loads(line)
-                    rows.append((float(r["timestamp"]) / 1000, int(r["input_length"]), int(r["output_length"])))
-    else:
-        with path.open(newline="") as f:
-            for r in csv.DictReader(f):
-                rows.append((_azure_time(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"])))
+    jsonl = path.suffix == ".jsonl"
+    kind = ("a Kimi JSONL trace (timestamp, input_length, output_length)" if jsonl
+            else "an Azure CSV trace (TIMESTAMP,ContextTokens,GeneratedTokens)")
+    line = 0
+    try:
+        if jsonl:
+            with path.open() as f:
+                for n, text in enumerate(f, 1):
+                    line = n  # named by the error, if this one raises
+                    if text.strip():
+                        r = json.loads(text)
+                        rows.append((float(r["timestamp"]) / 1000, int(r["input_length"]), int(r["output_length"])))
+        else:
+            with path.open(newline="") as f:
+                for n, r in enumerate(csv.DictReader(f), 2):  # line 1: the header
+                    line = n
+                    rows.append((_azure_time(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"])))
+    except (KeyError, ValueError, TypeError, csv.Error) as exc:  # OSError: the caller's to report
+        what = f"no field {exc}" if isinstance(exc, KeyError) else str(exc)
+        where = f"line {line}: " if line else ""
+        raise ValueError(f"{path}: {where}not {kind}: {what}") from None
     if not rows:
         raise ValueError(f"{path}: no requests")
     rows.sort(key=lambda r: r[0])

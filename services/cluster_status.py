@@ -56,6 +56,7 @@ class AttentionOccupancy:
     error: str | None = None  # why the numbers are missing
 
 
+UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED.name
 TIERS = ("device", "host", "disk")  # BlockRecord.tier 0, 1, 2
 
 
@@ -84,6 +85,14 @@ class ClusterStatus:
     # their mean batch (tokens per step) since it started; None: it did not answer.
     decode_steps: int | None = None
     mean_decode_batch: float | None = None
+    scheduler_error: str | None = None  # why it did not answer: the gRPC status code's name
+
+    @property
+    def token_refused(self) -> bool:
+        """Whether a service refused this reader's cluster token (services/auth.py): its
+        figures are missing for want of the cluster's configuration, not for a fault."""
+        codes = [self.scheduler_error, *(a.error.split(":", 1)[0] for a in self.attention if a.error)]
+        return UNAUTHENTICATED in codes
 
     def to_dict(self) -> dict:
         # used_tokens and sequences: the names the prefix-cache issue asked for, beside the older keys.
@@ -130,8 +139,8 @@ async def read_status(config: StackConfig) -> ClusterStatus:
                                        for info in infos if info.kind == "attention"))
     schedulers = [info for info in infos if info.kind == "scheduler"]
     s = await _scheduler_stats(schedulers[0], token, deadline) if schedulers else None
-    if s is None:
-        return ClusterStatus(services, list(attention), None, None, caches)
+    if not isinstance(s, lamina_pb2.SchedulerStats):
+        return ClusterStatus(services, list(attention), None, None, caches, scheduler_error=s)
     return ClusterStatus(services, list(attention), s.num_running, s.num_waiting, caches, s.num_steps,
                          s.mean_batch_size)
 
@@ -180,9 +189,10 @@ async def _attention_occupancy(info: ServiceInfo, token: str | None, deadline_s:
 
 
 async def _scheduler_stats(scheduler: ServiceInfo, token: str | None,
-                           deadline_s: float) -> lamina_pb2.SchedulerStats | None:
+                           deadline_s: float) -> lamina_pb2.SchedulerStats | str:
+    """Its figures, or why it did not answer (the gRPC status code's name)."""
     async with open_channel(scheduler.meta.get("grpc") or scheduler.endpoint, token) as channel:
         try:
             return await lamina_pb2_grpc.SchedulerStub(channel).Stats(lamina_pb2.Empty(), timeout=deadline_s)
-        except grpc.aio.AioRpcError:
-            return None
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name

@@ -87,14 +87,23 @@ def open_refused(config: StackConfig, service: str) -> bool:
 
 
 def store_reachable(config: StackConfig) -> bool:
-    """Whether the configured Redis answers within deadlines.startup_s (no URL: nothing
-    to wait for); says what it waits for, in one line each."""
+    """Whether the configured Redis answers within deadlines.startup_s; says what it waits
+    for, in one line each. Every service keeps its state there: none starts without one,
+    and a wait stopped by Ctrl-C ends in one line too."""
     from lamina.services.startup import wait_for_store
 
+    def say(line: str) -> None:
+        print(f"lamina: {line}", file=sys.stderr, flush=True)
+
     if not config.redis_url:
-        return True
-    return wait_for_store(config.redis_url, config.deadlines.startup_s,
-                          lambda line: print(f"lamina: {line}", file=sys.stderr, flush=True))
+        say("no Redis configured: set redis_url in the configuration file, REDIS_URL or --redis-url "
+            "(lamina up starts one of its own)")
+        return False
+    try:
+        return wait_for_store(config.redis_url, config.deadlines.startup_s, say)
+    except KeyboardInterrupt:
+        say("interrupted while waiting for Redis")
+        return False
 
 
 def run_service(args: argparse.Namespace, module: str, **extra: object) -> int:

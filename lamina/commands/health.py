@@ -16,9 +16,10 @@ from collections.abc import Mapping
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--grpc", default=None, metavar="HOST:PORT", help="probe this gRPC health service")
+    target = p.add_mutually_exclusive_group()  # one probe: its exit status is that target's health
+    target.add_argument("--grpc", default=None, metavar="HOST:PORT", help="probe this gRPC health service")
     p.add_argument("--service", default="", help="gRPC health service name (default '': the whole server)")
-    p.add_argument("--http", default=None, metavar="URL", help="probe this URL (200: healthy)")
+    target.add_argument("--http", default=None, metavar="URL", help="probe this URL (200: healthy)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds before the probe fails (default 3)")
 
 

@@ -45,6 +45,11 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     print(json.dumps(status.to_dict()) if args.json else _table(status))
+    if status.token_refused:
+        print("lamina status: the cluster refused this cluster token (UNAUTHENTICATED), so figures are missing: "
+              "give the cluster's configuration with --config (a lamina up's is stack.yaml in its log directory; "
+              "--port finds it) or set LAMINA_CLUSTER_TOKEN", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -82,8 +87,8 @@ def _table(status) -> str:
     if status.attention:
         rows = [("ATTENTION", "SEQUENCES", "TOKENS", "CAPACITY (TOKENS)", "OCCUPANCY", "FRAGMENTATION")]
         for a in status.attention:
-            if a.error is not None:
-                rows.append((a.name, f"unavailable: {a.error}", "", "", "", ""))
+            if a.error is not None:  # the code's name: the details (in --json) would widen the column
+                rows.append((a.name, f"unavailable: {a.error.split(':', 1)[0]}", "", "", "", ""))
             else:
                 rows.append((a.name, str(a.num_sequences), str(a.num_tokens), str(a.capacity_tokens),
                              f"{a.occupancy:.1%}", f"{a.fragmentation:.1%}"))
@@ -96,7 +101,8 @@ def _table(status) -> str:
             rows.append((p.name, *tiers, ratio, _text(p.hit_tokens), _text(p.fetched_tokens)))
         out += [_columns(rows), ""]
     if status.running is None:
-        out.append("requests: unknown (the scheduler did not answer)")
+        why = f": {status.scheduler_error}" if status.scheduler_error else ""
+        out.append(f"requests: unknown (the scheduler did not answer{why})")
     else:
         out.append(f"requests: {status.running} running, {status.waiting} waiting")
     return "\n".join(out)

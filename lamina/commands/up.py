@@ -135,6 +135,13 @@ def run(args: argparse.Namespace) -> int:
     config = stack_config(args, **overrides)
     if config is None or gateway_refused(config):
         return 2
+    if args.ray is None:  # before the machine is measured for --layout auto
+        from lamina.services.launch.launcher import gateway_port_taken
+
+        taken = gateway_port_taken(config)
+        if taken is not None:
+            print(f"lamina up: {taken}", file=sys.stderr)
+            return 2
     if args.ray is None and not devices_here(config, ("prefill", "model_worker", "attention")):
         return 2  # before anything starts (under Ray each service checks on its own node)
     try:

@@ -5,8 +5,10 @@ and attention workers), driven over the OpenAI API with streaming (with aiohttp:
 openai client is not a dependency of the package): one short warm-up request, then B
 sequences decoding S steps each (greedy, EOS ignored), their tokens counted by the ids
 each streamed event carries (`tokens_in`: an event can carry several). The window starts
-when every sequence has its first token and ends at the last token; with `hold` H, every request
-may make S + 1 + H tokens and the window ends once each sequence made S tokens in it (the
+when every sequence has its first token (on a GPU, its third: the whole batch's first
+decode steps at the prompts' length capture that context bucket's CUDA graphs) and ends at
+the last token; with `hold` H, every request
+may make S + 1 + H tokens (S + 3 + H on a GPU) and the window ends once each sequence made S tokens in it (the
 streams are closed there): the sequences whose prompts were prefilled first keep
 decoding to the end, so the whole batch decodes throughout, as a benchmark at batch B
 needs (an error where one ended before: H was smaller than the tokens it made while
@@ -142,7 +144,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
               model_threads: int = 1, layout: str = "disaggregated", model: str | None = None,
               device: str = "cpu", dtype: str = "float32", hold: int = 0,
               trace_dir: Path | None = None, step_graphs: bool = True,
-              device_order: bool = False) -> dict[str, Any]:
+              device_order: bool = False, untimed_steps: int | None = None) -> dict[str, Any]:
     """Decode `steps` tokens after the first for every prompt through a stack of that
     configuration; its decode throughput, wall seconds, each model and attention
     worker's shares of that time and the run's figures from them (`window_shares`), and
@@ -154,7 +156,9 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
     `trace_dir`: the model and attention workers trace the timed window into it
     (services/tracing.py; without a hold, until the last stream ended). `step_graphs`:
     model_worker.step_graphs (false: a colocated GPU worker replays its slices' graphs only).
-    `device_order`: data_plane.cuda_ipc_device_order (cuda_ipc frames ordered on the GPU)."""
+    `device_order`: data_plane.cuda_ipc_device_order (cuda_ipc frames ordered on the GPU).
+    `untimed_steps`: the decode steps of the whole batch before the window starts
+    (default: none on the CPU, 2 on a GPU: the module's docstring)."""
     from lamina.services.config import (
         AttentionSection,
         DataPlaneSection,
@@ -200,6 +204,11 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
         # of its bucket, Triton's compiles of its kernels' variants).
         warm = prompts[:1] if device == "cpu" else [p[:32] for p in prompts]
         asyncio.run(_drive(stack.base_url, model, warm, 2))
+        # A GPU's graphs are also per context bucket (lamina.model.step_graphs.context_bucket),
+        # which the short warm-up does not reach: the whole batch's first decode steps at the
+        # prompts' length capture them (a step of each micro-batch, in whichever order they
+        # interleave), so the window starts two steps later there.
+        untimed = untimed_steps if untimed_steps is not None else 0 if device == "cpu" else 2
         # The counters are read at the window's start and end.
         before: dict[str, Any] = {}
         after: dict[str, Any] = {}
@@ -207,6 +216,7 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
 
         async def drive_and_mark() -> list[list[tuple[float, int]]]:
             times: list[list[tuple[float, int]]] = [[] for _ in prompts]  # (arrival, tokens) per event
+            made = [0] * len(prompts)  # each sequence's tokens so far
             in_window = [0] * len(prompts)  # each sequence's tokens after the window's start
             all_first, full = asyncio.Event(), asyncio.Event()
 
@@ -214,12 +224,13 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
                 def arrived(n: int) -> None:
                     now = time.perf_counter()
                     times[i].append((now, n))
+                    made[i] += n
                     if all_first.is_set():
                         in_window[i] += n
                         if hold and not full.is_set() and min(in_window) >= steps:
                             window["end"] = now
                             full.set()
-                    elif all(times):
+                    elif min(made) >= 1 + untimed:
                         window["start"] = now
                         all_first.set()
 
@@ -227,7 +238,8 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
 
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
                 streams = [asyncio.create_task(_stream(session, stack.base_url, model, prompts[i],
-                                                       steps + 1 + hold, chunk_of(i))) for i in range(len(prompts))]
+                                                       steps + 1 + untimed + hold, chunk_of(i)))
+                           for i in range(len(prompts))]
                 ended = asyncio.gather(*streams)
                 try:
                     if not await _set_first(all_first, ended):

@@ -40,6 +40,7 @@ from lamina.kvstore.metadata import REDIS_ERRORS, MetadataConfig, MetadataStore
 from lamina.kvstore.redis_server import EmbeddedRedis
 from lamina.lifetime import child_env, spawn_logged
 from lamina.model.checkpoints import resolve_checkpoint
+from lamina.ports import bind_error
 from lamina.services import stack_dumps
 from lamina.services.config import StackConfig
 from lamina.services.kv_budget import with_kv_budget
@@ -126,6 +127,24 @@ class GivenUp:
     reason: str  # how it last exited and why the policy gave up
 
 
+
+def gateway_port_taken(config: StackConfig) -> str | None:
+    """Why the stack's gateway could not listen on its port, naming the `lamina up` there if
+    one is (None: the port is free, or 0). Checked before anything starts: another server
+    there would answer the health checks of a stack whose own gateway cannot bind, and that
+    stack would say it serves while its gateway kept exiting."""
+    port = config.gateway.port
+    error = bind_error(config.host, port) if port else None
+    if error is None:
+        return None
+    who = ""
+    with contextlib.suppress(OSError, RuntimeError):  # the runtime directory's own errors: no name
+        found = local_stacks.find(port)
+        if found is not None:
+            who = f", by a lamina up (`lamina status --port {port}` shows it)"
+    return (f"port {port} on {config.host} is taken ({error.strerror or error}){who}: "
+            f"choose another with --port, gateway.port or LAMINA_PORT")
+
 class Stack:
     def __init__(self, config: StackConfig, log_dir: Path | None = None, supervise: bool = False,
                  restart_policy: RestartPolicy = RestartPolicy(),  # noqa: B008 (frozen: one shared default is safe)
@@ -155,8 +174,12 @@ class Stack:
         return f"http://{self.config.host}:{self.config.gateway.port}"
 
     def start(self, timeout_s: float = 300.0) -> None:
-        """Start everything and wait until the gateway answers /health."""
+        """Start everything and wait until the gateway answers /health (RuntimeError before
+        anything starts where another process listens on the gateway's port)."""
         local_stacks.runtime_dir()  # where it will be found: refused (UnsafeDirectory) before anything starts
+        taken = gateway_port_taken(self.config)
+        if taken is not None:
+            raise RuntimeError(taken)
         # Convert the checkpoint once here, so the services do not race to do it.
         resolve_checkpoint(self.config.model)
         # Auto KV on a GPU counted over every service this host runs, once, for all of them

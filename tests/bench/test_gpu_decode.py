@@ -22,9 +22,10 @@ def test_a_contender_that_fails_leaves_its_error_and_the_row_is_recorded_each_ti
 
 def test_the_engine_is_timed_over_steps_of_the_whole_batch_and_left_empty(loaded_model):
     """A step's budget of 40 tokens takes one 30-token prompt at a time: the first
-    sequence decodes 3 tokens while the other prompts are prefilled, and would end 3 steps
-    before the last one with a budget of exactly S + 1 tokens. Every one of the S timed
-    steps runs all 4; after, nothing is left in the engine."""
+    sequence decodes 3 tokens while the other prompts are prefilled, and would end 4 steps
+    before the last one with a budget of exactly S + 1 tokens. One untimed step of all 4
+    (on a GPU it captures the graph of their context bucket), then every one of the S
+    timed steps runs all 4; after, nothing is left in the engine."""
     from gpu_decode import run_engine
 
     from lamina.engine import Engine, EngineConfig
@@ -33,8 +34,8 @@ def test_the_engine_is_timed_over_steps_of_the_whole_batch_and_left_empty(loaded
     engine = Engine(loaded_model, EngineConfig(limits=SchedulerLimits(max_batch_size=4, max_step_tokens=40)))
     prompts = [[100 + i] * 30 for i in range(4)]
     assert run_engine(engine, prompts, 5) > 0
-    assert engine.num_steps == 4 + 5  # one prompt a step, then the timed steps
-    assert engine.sum_batch_size == (1 + 2 + 3 + 4) + 5 * 4
+    assert engine.num_steps == 4 + 1 + 5  # one prompt a step, the untimed step, then the timed steps
+    assert engine.sum_batch_size == (1 + 2 + 3 + 4) + 4 + 5 * 4
     assert not engine.has_work() and engine.kv.used_bytes == 0
 
 
@@ -50,7 +51,7 @@ def test_the_stack_is_timed_over_steps_of_the_whole_batch(loaded_model, tmp_path
     prompts = make_prompts(loaded_model.tokenizer, batch, context)
     kv_bytes = batch * (context + steps + hold + 128) * loaded_model.config.kv_bytes_per_token() + (64 << 20)
     run = run_stack(prompts, steps, "tcp", 1, False, 1, kv_bytes, "as_file", attention_workers=1, hold=hold,
-                    trace_dir=tmp_path)
+                    trace_dir=tmp_path, untimed_steps=2)  # as on a GPU: the window from every sequence's third token
     assert batch * steps <= run["tokens"] < batch * (steps + 1)
     assert run["tok_s"] == run["tokens"] / run["seconds"] > 0
     # Each worker's shares as ms a step. The model worker awaits the attention worker's

@@ -86,6 +86,21 @@ def test_status_json_shape(stack):
     assert table.stdout.splitlines()[0].split()[:6] == ["KIND", "NAME", "INDEX", "HOST", "PID", "DEVICE"]
 
 
+def test_a_reader_without_the_cluster_token_is_told_how_to_give_it(stack):
+    """`--redis-url` alone finds the services but not the cluster token: the table shows what
+    the metadata store holds, the calls the services refused are named by their code, and
+    lamina status says how to give the token and exits 1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LAMINA_") and k != "REDIS_URL"}
+    env["LAMINA_NAMESPACE"] = stack.config.namespace
+    result = subprocess.run([sys.executable, "-m", "lamina.cli", "status", "--redis-url", stack.config.redis_url],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1, result.stderr
+    assert "attention-0  unavailable: UNAUTHENTICATED" in result.stdout, result.stdout
+    assert "requests: unknown (the scheduler did not answer: UNAUTHENTICATED)" in result.stdout
+    assert result.stderr.startswith("lamina status: the cluster refused this cluster token (UNAUTHENTICATED)")
+    assert "--config" in result.stderr and "LAMINA_CLUSTER_TOKEN" in result.stderr
+
+
 def test_no_cluster_is_an_error():
     result = lamina_status("--json", "--port", str(free_port()))
     assert result.returncode == 1

@@ -77,3 +77,20 @@ def test_plan_with_a_budget_and_no_hardware_picks_from_the_catalogue(capsys):
 def test_plan_refuses_bad_input(argv, capsys):
     assert main(["plan", "--model", "llama-2-7b", *argv]) == 2
     assert "lamina plan:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "text", "said"), [
+    ("other.csv", "a,b\n1,2\n", "line 2: not an Azure CSV trace (TIMESTAMP,ContextTokens,GeneratedTokens): "
+                                "no field 'TIMESTAMP'"),
+    ("bad.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,12,x\n",
+     "line 2: not an Azure CSV trace"),
+    ("other.jsonl", '{"timestamp": 1, "input_length": 3, "output_length": 4}\n{"x": 1}\n',
+     "line 2: not a Kimi JSONL trace (timestamp, input_length, output_length): no field 'timestamp'"),
+    ("text.jsonl", "not json\n", "line 1: not a Kimi JSONL trace"),
+])
+def test_plan_names_the_line_of_a_trace_it_cannot_read(tmp_path, capsys, name, text, said):
+    path = tmp_path / name
+    path.write_text(text)
+    assert main(["plan", "--model", "llama-2-7b", "--hardware", "H100", "--trace", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lamina plan: {path}: {said}") and err.count("\n") == 1  # one line, no traceback

@@ -354,11 +354,13 @@ def test_decode_frames_through_the_attention_graphs_equal_the_history_and_write_
         written: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # seq -> per layer (k row, v row)
         for layer in range(CFG.num_layers):
             for seqs in batches:  # layer l of one micro-batch, then of the other
-                q, k, v = (t.to(dtype) for t in _step_inputs(seqs, hq, kv_heads))
+                # On the core's device, as cuda_ipc delivers a frame there (the output
+                # comes back on Q's device); the history is kept on the CPU.
+                q, k, v = (t.to(device, dtype) for t in _step_inputs(seqs, hq, kv_heads))
                 out, lse = core.attend(layer, seqs, q, k, v)
-                assert lse is None and out.dtype == dtype and out.device.type == device
-                history.append(layer, seqs, k.float(), v.float())
-                torch.testing.assert_close(out.float(), history.attention(layer, seqs, q.float())[0].to(device),
+                assert lse is None and out.dtype == dtype and out.device == q.device
+                history.append(layer, seqs, k.float().cpu(), v.float().cpu())
+                torch.testing.assert_close(out.float().cpu(), history.attention(layer, seqs, q.float().cpu())[0],
                                            **tol)
                 for i, (s, _) in enumerate(seqs):
                     written.setdefault(s, []).append((k[i], v[i]))
@@ -376,10 +378,11 @@ def test_decode_frames_through_the_attention_graphs_equal_the_history_and_write_
     for layer in range(CFG.num_layers):
         for seqs, need_lse, q_dtype in (([("b", 2)], False, dtype), ([("a", 1), ("c", 1)], True, dtype),
                                         ([("d", 1)], False, torch.float32)):
-            q, k, v = _step_inputs(seqs, hq, kv_heads, dtype)
+            q, k, v = (t.to(device) for t in _step_inputs(seqs, hq, kv_heads, dtype))
             k, v = k.to(dtype), v.to(dtype)
             out, _ = core.attend(layer, seqs, q.to(q_dtype), k, v, need_lse=need_lse)
-            history.append(layer, seqs, k.float(), v.float())
-            torch.testing.assert_close(out.float(), history.attention(layer, seqs, q.to(q_dtype).float())[0]
-                                       .to(device), **tol)
+            assert out.device == q.device
+            history.append(layer, seqs, k.float().cpu(), v.float().cpu())
+            want = history.attention(layer, seqs, q.to(q_dtype).float().cpu())[0]
+            torch.testing.assert_close(out.float().cpu(), want, **tol)
     assert graphs.replays == served

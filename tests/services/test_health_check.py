@@ -52,3 +52,16 @@ def test_only_an_http_200_is_healthy():
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
     assert not health_ok(f"http://127.0.0.1:{closed}")
+
+
+def test_lamina_health_probes_one_target(capsys):
+    """Its exit status is one target's health: --grpc and --http together are refused
+    (the second was ignored)."""
+    import pytest
+
+    from lamina.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["health", "--grpc", "127.0.0.1:1", "--http", "http://127.0.0.1:1/health"])
+    assert exited.value.code == 2
+    assert "argument --http: not allowed with argument --grpc" in capsys.readouterr().err

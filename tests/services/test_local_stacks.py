@@ -76,3 +76,32 @@ def test_kept_logs_do_not_keep_the_cluster_token(tmp_path):
         assert text.startswith("# cluster_token removed when the stack stopped")
     finally:
         shutil.rmtree(stack.work_dir, ignore_errors=True)
+
+
+def test_lamina_up_on_a_port_another_listener_holds_refuses_before_anything_starts(runtime, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """A second `lamina up` on a serving stack's port: the first stack's gateway would answer
+    its health checks, so it would say it serves while its own gateway kept exiting, and at
+    its stop remove the first stack's file. It is refused before anything starts, the port's
+    `lamina up` named and its file kept."""
+    import socket
+
+    from lamina.cli import main
+
+    monkeypatch.delenv("LAMINA_PORT", raising=False)
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert main(["up", "--port", str(port), "--layout", "colocated"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"lamina up: port {port} on 127.0.0.1 is taken (Address already in use): choose another "
+                       "with --port, gateway.port or LAMINA_PORT")
+        config = tmp_path / "stack.yaml"
+        local_stacks.publish(port, config)  # as a live lamina up (this process) leaves it
+        assert main(["up", "--port", str(port), "--layout", "colocated"]) == 2
+        assert f"by a lamina up (`lamina status --port {port}` shows it)" in capsys.readouterr().err
+        assert local_stacks.find(port) == config
+    assert main(["up", "--port", "0", "--layout", "colocated", "--micro-batches", "0"]) == 2  # port 0: not checked
+    assert "port 0" not in capsys.readouterr().err

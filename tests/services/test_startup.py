@@ -2,6 +2,7 @@
 deadlines.startup_s and exits non-zero; one that comes up meanwhile is waited for."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -47,3 +48,32 @@ def test_each_service_exits_non_zero_with_two_lines_instead_of_a_traceback(tmp_p
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 2 and "Traceback" not in out.stderr, out.stderr
     assert "cannot reach Redis at redis://127.0.0.1:1" in lines[0] and "giving up" in lines[1]
+
+
+@pytest.mark.parametrize("argv", [["scheduler"], ["gateway"], ["model", "--index", "0"]])
+def test_each_service_without_a_redis_says_which_settings_name_one(argv):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LAMINA_") and k != "REDIS_URL"}
+    out = subprocess.run([sys.executable, "-m", "lamina.cli", *argv], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "lamina: no Redis configured: set redis_url in the configuration file, REDIS_URL or --redis-url "
+        "(lamina up starts one of its own)"], out.stderr
+
+
+def test_ctrl_c_while_a_service_waits_for_redis_ends_it_in_one_line_more(tmp_path):
+    f = tmp_path / "stack.yaml"
+    f.write_text("redis_url: redis://127.0.0.1:1\ndeadlines: {startup_s: 60}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LAMINA_") and k != "REDIS_URL"}
+    proc = subprocess.Popen([sys.executable, "-m", "lamina.cli", "scheduler", "--config", str(f)], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()  # it is waiting once it said so
+        assert "cannot reach Redis at redis://127.0.0.1:1" in first
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=30)[1]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 1 and rest.strip().splitlines() == ["lamina: interrupted while waiting for Redis"], rest
