@@ -30,6 +30,7 @@ from lamina.gateway.protocol import (
     GenerateRequest,
     SamplingFields,
     SamplingParams,
+    bad_value,
     check_token_ids,
     invalid,
     parse_chat_request,
@@ -109,7 +110,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def read_json(request: web.Request) -> Any:
     """The request's JSON body; every way it can be unreadable is the client's 4xx."""
-    if request.headers.get(hdrs.CONTENT_TYPE) is not None and not _is_json(request.content_type):
+    # An empty header counts as none (aiohttp would read it as application/octet-stream).
+    if request.headers.get(hdrs.CONTENT_TYPE, "").strip() and not _is_json(request.content_type):
         raise ApiError(415, f"Unsupported Content-Type '{request.content_type}': send the request body as "
                             f"application/json.", code="unsupported_media_type")
     limit = request.app[STATE_KEY].config.max_request_bytes
@@ -162,7 +164,9 @@ def chat_prompt_ids(state: GatewayState, messages: Sequence[dict[str, str]], par
 
 def _check_sampling_ids(state: GatewayState, sampling: SamplingFields) -> None:
     check_token_ids(sampling.stop_token_ids, state.vocab_size, "stop_token_ids")
-    check_token_ids(tuple(t for t, _ in sampling.logit_bias), state.vocab_size, "logit_bias")
+    for t, _ in sampling.logit_bias:  # named by its key, as a bias out of range is
+        if not 0 <= t < state.vocab_size:
+            raise bad_value(f"logit_bias.{t}", f"token id {t} is outside the vocabulary [0, {state.vocab_size}).")
 
 
 def check_model(state: GatewayState, model: str) -> None:

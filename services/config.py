@@ -93,7 +93,7 @@ clear message naming the setting.
                                 # GPU, ordered on it (LAMINA_CUDA_IPC_DEVICE_ORDER)
     # deadlines: every wait on a peer (docs/reliability.md)
     deadlines: {reply_s: 10, rpc_s: 30, step_s: 30, health_s: 2, recovery_s: 120, startup_s: 60,
-                kv_reclaim_s: 60}
+                kv_reclaim_s: 60, prefill_tokens_per_s: 50}
 """
 
 from __future__ import annotations
@@ -346,7 +346,11 @@ class DeadlinesSection:
     """How long any wait on a peer may last before the waiter gives up (seconds)."""
 
     reply_s: float = 10.0  # an attention worker's reply to one layer, or its acknowledgement of prompt KV
-    rpc_s: float = 30.0  # a unary gRPC call between services (Free, Stats, a prefill's whole forward)
+    rpc_s: float = 30.0  # a unary gRPC call between services (Free, Stats; a prefill's: below)
+    # A prefill call may take rpc_s more than the prompt tokens queued at its worker (its
+    # own among them) take at the worker's published forward rate slowed 8 times, or at this
+    # rate before it published one (services/scheduler/prefill_deadline.py).
+    prefill_tokens_per_s: float = 50.0
     step_s: float = 30.0  # a model worker holding sequences that sends no step result for this long is lost
     health_s: float = 2.0  # a liveness probe of a peer during recovery
     recovery_s: float = 120.0  # a request waiting for its workers to be back before it ends with an error

@@ -41,6 +41,7 @@ from lamina.kvstore.metadata import REDIS_ERRORS, MetadataStore, ServiceInfo
 from lamina.services.config import StackConfig
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import refresh_every_half_ttl
+from lamina.services.scheduler.prefill_deadline import prefill_deadline_s
 from lamina.services.scheduler.prefill_routing import PrefillLoad, choose, matched_tokens
 from lamina.services.scheduler.prefix_claims import PrefixClaims
 from lamina.services.scheduler.prefix_fetch_policy import FetchPlan, plan_fetch
@@ -220,7 +221,7 @@ class PrefillClients:
         try:
             if w.stub is None:  # routing chooses connected workers only
                 raise RuntimeError(f"{w.name} was never connected")
-            return await w.stub.Prefill(request, timeout=self.config.deadlines.rpc_s)
+            return await w.stub.Prefill(request, timeout=self.deadline_s(w))
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _LOST and w.alive:
                 log.warning("%s failed (%s: %s); routing around it until it answers", w.name, exc.code().name,
@@ -232,6 +233,13 @@ class PrefillClients:
             if self._claims_on:
                 hashes = block_hashes(list(request.token_ids), self.config.prefill.cache_block_tokens)
                 self.claims.settle(w.name, hashes, time.monotonic() + _CLAIM_GRACE_S)
+
+    def deadline_s(self, w: _Worker) -> float:
+        """How long a prefill call to `w` may take, with its tokens already counted in
+        `w.queued_tokens` (lamina.services.scheduler.prefill_deadline)."""
+        d = self.config.deadlines
+        return prefill_deadline_s(d.rpc_s, w.queued_tokens, (w.figures or {}).get("compute_tokens_per_s"),
+                                  d.prefill_tokens_per_s)
 
     async def tier_distances(self, prompts: list[list[int]]) -> list[int] | None:
         """Each prompt's tier distance at the worker that holds it nearest (prefix-aware

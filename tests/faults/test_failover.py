@@ -293,3 +293,36 @@ def test_n_choices_survive_a_killed_attention_worker():
         assert asyncio.run(left()) == (set(), [])
     finally:
         stack.stop()
+
+
+def test_a_prefill_longer_than_the_rpc_deadline_is_not_a_lost_worker():
+    """A prompt whose forward outlasts `deadlines.rpc_s` on these cores, and a short request
+    queued behind it at the one prefill worker: the scheduler waits for the tokens queued
+    there (services/scheduler/prefill_deadline.py) instead of taking the worker for lost
+    at rpc_s, rebuilding the prompt onto it again and failing both. The long call did
+    outlast rpc_s; nothing was rebuilt and no prefill call failed."""
+    rpc_s = 3.0
+    stack = start_stack(workers=1, micro_batches=1, deadlines=DeadlinesSection(rpc_s=rpc_s))
+    try:
+        client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        long_prompt = [100 + (i * 7919) % 40000 for i in range(4000)]
+
+        async def both() -> tuple[float, list]:
+            model = (await client.models.list()).data[0].id
+            start = time.monotonic()
+            long = asyncio.create_task(client.completions.create(model=model, prompt=long_prompt, max_tokens=4,
+                                                                 temperature=0))
+            await asyncio.sleep(0.5)  # queued behind it at the worker
+            short = await client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
+                                                    temperature=0)
+            done = await long
+            return time.monotonic() - start, [done, short]
+
+        elapsed, (long, short) = asyncio.run(both())
+        assert long.usage.prompt_tokens == 4000 and long.usage.completion_tokens == 4
+        assert short.usage.completion_tokens == 4
+        assert elapsed > rpc_s, f"the prompt took {elapsed:.1f} s: no longer than rpc_s, so this proves nothing"
+        assert metric_total(stack, "scheduler", "scheduler-0", "lamina_scheduler_rebuilds_total") == 0
+        assert "failed (DEADLINE_EXCEEDED" not in (stack.log_dir / "scheduler.log").read_text()
+    finally:
+        stack.stop()

@@ -222,3 +222,28 @@ async def test_a_stream_event_carries_every_token_whose_text_was_held_back(token
     assert sum(counts) == len(script) + 1  # the EOS comes with the last event
     assert len(events) < len(script)  # some events carried several tokens
     assert max(events) >= 3  # the two ids past the vocabulary with the next " Hello"
+
+
+async def test_an_empty_content_type_is_read_as_json_as_none_is(tokenizer, make_backend):
+    import asyncio
+
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
+    async with serve(make_backend(), tokenizer) as srv:
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(srv.url.rsplit(":", 1)[1]))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: \r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 200 "), head
+
+
+async def test_a_biased_token_outside_the_vocabulary_is_named_by_its_key(tokenizer, make_backend):
+    """As a bias out of range is: `logit_bias.ID`, not the entry's position."""
+    async with serve(make_backend(), tokenizer) as srv:
+        status, body = await post(srv.url + "/v1/completions",
+                                  {"model": MODEL, "prompt": "x", "logit_bias": {"5": 1, "999999": 1}})
+        range_status, out_of_range = await post(srv.url + "/v1/completions",
+                                                {"model": MODEL, "prompt": "x", "logit_bias": {"5": 200}})
+    assert (status, body["error"]["param"]) == (400, "logit_bias.999999"), body
+    assert "token id 999999 is outside the vocabulary" in body["error"]["message"]
+    assert (range_status, out_of_range["error"]["param"]) == (400, "logit_bias.5")

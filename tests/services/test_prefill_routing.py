@@ -391,3 +391,22 @@ def _request_of(token_ids: list[int]):
     from lamina.services.protos import lamina_pb2
 
     return lamina_pb2.PrefillRequest(seq_id="r", token_ids=token_ids)
+
+
+def test_a_prefill_calls_deadline_covers_the_tokens_queued_at_its_worker():
+    """rpc_s plus the queued tokens at the worker's published rate slowed SLOWDOWN times,
+    or at the configured prior before it published one; the clients read both from the
+    worker's figures and the configuration."""
+    from lamina.services.config import DeadlinesSection
+    from lamina.services.scheduler.prefill_deadline import SLOWDOWN, prefill_deadline_s
+
+    assert prefill_deadline_s(30.0, 0, None, 50.0) == 30.0
+    assert prefill_deadline_s(30.0, 8000, None, 50.0) == 30.0 + 160.0
+    assert prefill_deadline_s(30.0, 8000, 1600.0, 50.0) == 30.0 + 8000 / (1600.0 / SLOWDOWN)
+    config = StackConfig(deadlines=DeadlinesSection(rpc_s=5.0, prefill_tokens_per_s=100.0))
+    clients = PrefillClients(config, None, open_channel=lambda address: None)  # type: ignore[arg-type]
+    w = clients.workers[0]
+    w.queued_tokens = 1000
+    assert clients.deadline_s(w) == 5.0 + 10.0
+    w.figures = {"compute_tokens_per_s": 4000.0}
+    assert clients.deadline_s(w) == 5.0 + 1000 / (4000.0 / SLOWDOWN)
