@@ -37,7 +37,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +138,9 @@ class PrefillService:
         self.m_deferred = prometheus_client.Counter(
             "lamina_prefill_deferred", "prompts held for the next forward because a prompt of the forward "
             "computes blocks of their prefix", registry=r)
+        self.m_abandoned = prometheus_client.Counter(
+            "lamina_prefill_abandoned", "prompts dropped from the queue unforwarded: their callers went away "
+            "(cancelled, or past their deadline)", registry=r)
         self.pool: AttentionPool | None = None
         self._queue: list[tuple[lamina_pb2.PrefillRequest, asyncio.Future]] = []
         self._wake = asyncio.Event()
@@ -192,6 +195,8 @@ class PrefillService:
                 # Requests leave the queue only while no prefetch run is in flight, so a
                 # request taken is never named by a run after its release (Prefetcher).
                 await self._end_prefetch()
+                if not self._drop_abandoned():
+                    continue
                 batch = take_batch(self._queue, self.config.prefill.max_batch_tokens,
                                    self._waits if self.cache is not None else None)
                 reqs = [r for r, _ in batch]
@@ -213,6 +218,13 @@ class PrefillService:
                         fut.set_exception(res)
                     else:
                         fut.set_result(res)
+
+    def _drop_abandoned(self) -> bool:
+        """`drop_abandoned` on the queue, ending the dropped requests' prefetch protection;
+        whether any request is left. Called with no prefetch run in flight."""
+        release = None if self.prefetcher is None else self.prefetcher.release
+        self.m_abandoned.inc(drop_abandoned(self._queue, release))
+        return bool(self._queue)
 
     async def _rest_of_burst(self, queued: int, window: float) -> bool:
         """The batch waits for the rest of a burst (`rest_of_burst`); True when it did."""
@@ -532,6 +544,19 @@ async def rest_of_burst(arrivals: Callable[[], int], tokens: Callable[[], int], 
 def queued_tokens(queue: list) -> int:
     """The prompt tokens of the queue's (request, future) pairs."""
     return sum(len(req.token_ids) for req, _ in queue)
+
+
+def drop_abandoned(queue: list, release: Callable[[Hashable], None] | None) -> int:
+    """Remove the queue's (request, future) pairs whose callers went away (the future done:
+    the call was cancelled, or outlived its deadline, as the scheduler's does when it takes
+    this worker for lost), so that no forward computes for nobody; `release(id(request))`
+    for each (its prefetch protection); how many were removed."""
+    gone = [req for req, fut in queue if fut.done()]
+    queue[:] = [(req, fut) for req, fut in queue if not fut.done()]
+    if release is not None:
+        for req in gone:
+            release(id(req))
+    return len(gone)
 
 
 def take_batch(queue: list, max_tokens: int, waits: Callable[[Any, list], bool] | None = None) -> list:

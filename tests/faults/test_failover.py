@@ -299,8 +299,8 @@ def test_a_prefill_longer_than_the_rpc_deadline_is_not_a_lost_worker():
     """A prompt whose forward outlasts `deadlines.rpc_s` on these cores, and a short request
     queued behind it at the one prefill worker: the scheduler waits for the tokens queued
     there (services/scheduler/prefill_deadline.py) instead of taking the worker for lost
-    at rpc_s, rebuilding the prompt onto it again and failing both. The long call did
-    outlast rpc_s; nothing was rebuilt and no prefill call failed."""
+    at rpc_s, rebuilding the prompt onto it again and failing both (as it did). The long
+    call did outlast rpc_s; nothing was rebuilt and no prefill call failed."""
     rpc_s = 3.0
     stack = start_stack(workers=1, micro_batches=1, deadlines=DeadlinesSection(rpc_s=rpc_s))
     try:

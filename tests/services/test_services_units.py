@@ -270,6 +270,25 @@ def test_prefill_batches_take_waiting_prompts_up_to_the_token_limit():
     assert queue == [] and take_batch(queue, 60) == []
 
 
+def test_queued_prompts_whose_callers_went_away_are_dropped_and_released():
+    """A prefill call cancelled, or past its deadline, while its prompt waited: its future is
+    done, so it leaves the queue unforwarded and its prefetch protection ends; the others
+    keep their order."""
+    from concurrent.futures import Future
+
+    from lamina.services.prefill.prefill_service import drop_abandoned
+    from lamina.services.protos import lamina_pb2
+
+    queue = [(lamina_pb2.PrefillRequest(seq_id=f"s{i}"), Future()) for i in range(4)]
+    queue[1][1].cancel()
+    queue[3][1].set_exception(TimeoutError())
+    gone = [id(queue[1][0]), id(queue[3][0])]
+    released: list = []
+    assert drop_abandoned(queue, released.append) == 2
+    assert [r.seq_id for r, _ in queue] == ["s0", "s2"] and released == gone
+    assert drop_abandoned(queue, None) == 0 and len(queue) == 2
+
+
 def test_a_prompt_whose_prefix_the_batch_computes_waits_for_the_next_batch():
     from lamina.services.prefill.prefill_service import shares_uncached_block, take_batch
     from lamina.services.protos import lamina_pb2
