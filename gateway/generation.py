@@ -160,13 +160,15 @@ class Generation:
         # Journal first: the backend may need the entry as soon as it has admitted the request.
         for c in self.choices:
             self._journal.begin(self._journal_id(c.index), self.request.prompt_token_ids)
+        # In flight from here: the backend may take a long prompt's prefill before it answers.
+        self._metrics.requests_in_flight.inc()
         try:
             self._events = await self._backend.generate(self.request)
         except BaseException:
+            self._metrics.requests_in_flight.dec()
             self._end_journal()
             raise
         self._metrics.prompt_tokens.inc(self.num_prompt_tokens)
-        self._metrics.requests_in_flight.inc()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

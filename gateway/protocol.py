@@ -354,7 +354,7 @@ def _parse_completion_logprobs(body: dict[str, Any]) -> int | None:
 
 def _parse_logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     """OpenAI's `logit_bias`: {"token id": bias in [-100, 100]}; ids are checked against
-    the vocabulary by the handler (check_token_ids)."""
+    the vocabulary by the handler (`_check_sampling_ids`)."""
     value = body.get("logit_bias")
     if value is None:
         return ()

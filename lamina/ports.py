@@ -34,15 +34,24 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def bind_error(host: str, port: int) -> OSError | None:
-    """Why a listener could not bind `host`:`port` now (None: it could). Bound as an HTTP
-    server binds (SO_REUSEADDR), so a port left in TIME_WAIT by a stopped server counts
-    as free and only a listener there counts as taken."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            return exc
+    """Why a listener could not bind `host`:`port` now (None: it could), trying every
+    address the host resolves to, as an HTTP server binds them (SO_REUSEADDR: a port left
+    in TIME_WAIT by a stopped server counts as free). EADDRINUSE: something holds the port
+    there; any other error (a name that does not resolve, an address not of this host, a
+    privileged port) says the host or port cannot be listened on at all."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return exc
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # bound alone, as the IPv4 address gets its own socket
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(address)
+            except OSError as exc:
+                return exc
     return None
 
 

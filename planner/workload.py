@@ -65,6 +65,9 @@ class Workload:
         return Workload(f"{self.name} (first {n})", self.requests[:n])
 
 
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")  # an Azure trace's, in its order
+
+
 def _azure_time(text: str) -> float:
     # "2023-11-16 18:15:46.6805900": seven fractional digits, more than datetime parses.
     head, _, frac = text.strip().partition(".")
@@ -90,8 +93,12 @@ def load_trace(path: str | Path) -> Workload:
                         rows.append((float(r["timestamp"]) / 1000, int(r["input_length"]), int(r["output_length"])))
         else:
             with path.open(newline="") as f:
-                for n, r in enumerate(csv.DictReader(f), 2):  # line 1: the header
-                    line = n
+                reader = csv.DictReader(f)
+                for r in reader:
+                    line = reader.line_num  # the row's last line (a quoted field may span several)
+                    missing = [k for k in AZURE_COLUMNS if r.get(k) is None]
+                    if missing:  # a column absent, or a row shorter than the header
+                        raise KeyError(missing[0])
                     rows.append((_azure_time(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"])))
     except (KeyError, ValueError, TypeError, csv.Error) as exc:  # OSError: the caller's to report
         what = f"no field {exc}" if isinstance(exc, KeyError) else str(exc)

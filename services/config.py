@@ -343,7 +343,8 @@ class PortsSection:
 
 @dataclass(frozen=True)
 class DeadlinesSection:
-    """How long any wait on a peer may last before the waiter gives up (seconds)."""
+    """How long any wait on a peer may last before the waiter gives up (seconds; a rate in
+    tokens a second where the name ends in _per_s)."""
 
     reply_s: float = 10.0  # an attention worker's reply to one layer, or its acknowledgement of prompt KV
     rpc_s: float = 30.0  # a unary gRPC call between services (Free, Stats; a prefill's: below)
@@ -471,8 +472,9 @@ class StackConfig:
                    f"must be a number of milliseconds in 0..{most}", wait)
         for f in dataclasses.fields(DeadlinesSection):
             value = getattr(self.deadlines, f.name)
-            _check(isinstance(value, (int, float)) and value > 0, f"deadlines.{f.name}", "must be a positive number "
-                   "of seconds", value)
+            unit = "tokens a second" if f.name.endswith("_per_s") else "seconds"
+            _check(isinstance(value, (int, float)) and value > 0, f"deadlines.{f.name}",
+                   f"must be a positive number of {unit}", value)
         _check(self.prefill.peer_fetch in PEER_FETCH_MODES, "prefill.peer_fetch",
                f"must be one of {', '.join(PEER_FETCH_MODES)}", self.prefill.peer_fetch)
         prior_gbps = self.prefill.peer_fetch_prior_gbps

@@ -244,7 +244,8 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
                 try:
                     if not await _set_first(all_first, ended):
                         await ended  # a stream's error, if one failed
-                        raise RuntimeError("the streams ended before every sequence had its first token")
+                        raise RuntimeError(f"the streams ended before every sequence had its first {1 + untimed} "
+                                           "token(s)")
                     before.update(await asyncio.to_thread(read_counters, ports))
                     signal_traced(TRACE_START)
                     if hold:

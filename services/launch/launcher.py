@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import http.client
 import logging
 import os
@@ -127,7 +128,6 @@ class GivenUp:
     reason: str  # how it last exited and why the policy gave up
 
 
-
 def gateway_port_taken(config: StackConfig) -> str | None:
     """Why the stack's gateway could not listen on its port, naming the `lamina up` there if
     one is (None: the port is free, or 0). Checked before anything starts: another server
@@ -137,6 +137,8 @@ def gateway_port_taken(config: StackConfig) -> str | None:
     error = bind_error(config.host, port) if port else None
     if error is None:
         return None
+    if error.errno != errno.EADDRINUSE:  # an address not of this host, a privileged port, a name unknown
+        return f"the gateway cannot listen on {config.host} port {port}: {error.strerror or error}"
     who = ""
     with contextlib.suppress(OSError, RuntimeError):  # the runtime directory's own errors: no name
         found = local_stacks.find(port)
@@ -144,6 +146,7 @@ def gateway_port_taken(config: StackConfig) -> str | None:
             who = f", by a lamina up (`lamina status --port {port}` shows it)"
     return (f"port {port} on {config.host} is taken ({error.strerror or error}){who}: "
             f"choose another with --port, gateway.port or LAMINA_PORT")
+
 
 class Stack:
     def __init__(self, config: StackConfig, log_dir: Path | None = None, supervise: bool = False,
@@ -177,7 +180,7 @@ class Stack:
         """Start everything and wait until the gateway answers /health (RuntimeError before
         anything starts where another process listens on the gateway's port)."""
         local_stacks.runtime_dir()  # where it will be found: refused (UnsafeDirectory) before anything starts
-        taken = gateway_port_taken(self.config)
+        taken = self._gateway_port_taken()
         if taken is not None:
             raise RuntimeError(taken)
         # Convert the checkpoint once here, so the services do not race to do it.
@@ -209,6 +212,11 @@ class Stack:
             self.keep_logs = True  # the error (or the caller) points at them
             self.stop()
             raise
+
+    def _gateway_port_taken(self) -> str | None:
+        """Why the gateway could not listen on its port here (None: it could): the gateway
+        runs on this host (a launcher whose services run elsewhere checks nothing here)."""
+        return gateway_port_taken(self.config)
 
     def _start_redis(self) -> None:
         """Start the stack's own Redis and point the configuration at it."""

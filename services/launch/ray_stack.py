@@ -220,6 +220,11 @@ class RayStack(Stack):
             self.stop()  # what was started (Stack.start may have stopped it already), and disconnect
             raise
 
+    def _gateway_port_taken(self) -> str | None:
+        """Nothing to check here: the gateway's actor may run on another node (under Ray
+        each service binds on its own node, and one that cannot says so in its log)."""
+        return None
+
     def _check_cluster(self) -> None:
         """Refuse a cluster that cannot hold the stack, before any actor is created."""
         import ray

@@ -191,7 +191,6 @@ class PrefillService:
                 elif window:
                     await asyncio.sleep(window)
                     await self._rest_of_burst(queued, window)
-                self.m_threads.labels(threads=str(threads)).inc()
                 # Requests leave the queue only while no prefetch run is in flight, so a
                 # request taken is never named by a run after its release (Prefetcher).
                 await self._end_prefetch()
@@ -199,6 +198,7 @@ class PrefillService:
                     continue
                 batch = take_batch(self._queue, self.config.prefill.max_batch_tokens,
                                    self._waits if self.cache is not None else None)
+                self.m_threads.labels(threads=str(threads)).inc()
                 reqs = [r for r, _ in batch]
                 results: Sequence[lamina_pb2.PrefillResult | BaseException]
                 try:

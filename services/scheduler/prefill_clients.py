@@ -179,11 +179,12 @@ class PrefillClients:
         self._num_decisions += 1
         w = self.workers[i]
         w.last_chosen = self._num_decisions
-        if self._claims_on:
-            self.claims.claim(w.name, prompt_hashes, now + self.config.deadlines.rpc_s)
         plan = self._plan_fetch(w, matched)
         held = plan.tokens if plan is not None else routing_matched.get(w.name, matched.get(w.name, 0))
-        w.add_recent(max(len(token_ids) - held, 1), now)
+        uncached = max(len(token_ids) - held, 1)
+        if self._claims_on:  # until the deadline of the call this routing is for
+            self.claims.claim(w.name, prompt_hashes, now + self.deadline_s(w, uncached))
+        w.add_recent(uncached, now)
         return i, held, plan
 
     def _plan_fetch(self, chosen: _Worker, matched: dict[str, int]) -> FetchPlan | None:
@@ -234,12 +235,12 @@ class PrefillClients:
                 hashes = block_hashes(list(request.token_ids), self.config.prefill.cache_block_tokens)
                 self.claims.settle(w.name, hashes, time.monotonic() + _CLAIM_GRACE_S)
 
-    def deadline_s(self, w: _Worker) -> float:
-        """How long a prefill call to `w` may take, with its tokens already counted in
-        `w.queued_tokens` (lamina.services.scheduler.prefill_deadline)."""
+    def deadline_s(self, w: _Worker, more_tokens: int = 0) -> float:
+        """How long a prefill call to `w` may take: the tokens queued there (a call's own
+        among them once sent) and `more_tokens` (lamina.services.scheduler.prefill_deadline)."""
         d = self.config.deadlines
-        return prefill_deadline_s(d.rpc_s, w.queued_tokens, (w.figures or {}).get("compute_tokens_per_s"),
-                                  d.prefill_tokens_per_s)
+        return prefill_deadline_s(d.rpc_s, w.queued_tokens + more_tokens,
+                                  (w.figures or {}).get("compute_tokens_per_s"), d.prefill_tokens_per_s)
 
     async def tier_distances(self, prompts: list[list[int]]) -> list[int] | None:
         """Each prompt's tier distance at the worker that holds it nearest (prefix-aware

@@ -11,7 +11,8 @@ reads the store's holders together with the claims (`add_to`). Claims steer rout
 only: a peer fetch reads what the store shows, never a claim (the blocks may not exist
 yet).
 
-A claim lasts until `until` (the call's deadline when routed, shortened to a moment
+A claim lasts until `until` (the call's deadline when routed, which grows with the tokens
+queued at the worker (lamina.services.scheduler.prefill_deadline), shortened to a moment
 after the answer by `settle`), so a prompt routed and never sent, or a worker that
 failed, leaves nothing behind for long.
 """

@@ -11,9 +11,10 @@ import os
 import signal
 import time
 
+import aiohttp
 import openai
 import pytest
-from e2e_helpers import metric_total, start_stack
+from e2e_helpers import metric_total, start_stack, until
 from fault_helpers import MAX_TOKENS, PROMPTS
 from fault_helpers import pid as _pid
 from fault_helpers import stream_all as _stream_all
@@ -305,21 +306,27 @@ def test_a_prefill_longer_than_the_rpc_deadline_is_not_a_lost_worker():
     stack = start_stack(workers=1, micro_batches=1, deadlines=DeadlinesSection(rpc_s=rpc_s))
     try:
         client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        long_prompt = [100 + (i * 7919) % 40000 for i in range(4000)]
+        long_prompt = [100 + (i * 7919) % 40000 for i in range(5000)]  # within an attention worker's KV
+
+        async def in_flight() -> bool:
+            async with aiohttp.ClientSession() as session, session.get(stack.base_url + "/metrics") as r:
+                text = await r.text()
+            return sum(float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith("lamina_gateway_requests_in_flight")) >= 1
 
         async def both() -> tuple[float, list]:
             model = (await client.models.list()).data[0].id
             start = time.monotonic()
             long = asyncio.create_task(client.completions.create(model=model, prompt=long_prompt, max_tokens=4,
                                                                  temperature=0))
-            await asyncio.sleep(0.5)  # queued behind it at the worker
+            await until(in_flight, every_s=0.05)  # the short request is sent after it
             short = await client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
                                                     temperature=0)
             done = await long
             return time.monotonic() - start, [done, short]
 
         elapsed, (long, short) = asyncio.run(both())
-        assert long.usage.prompt_tokens == 4000 and long.usage.completion_tokens == 4
+        assert long.usage.prompt_tokens == 5000 and long.usage.completion_tokens == 4
         assert short.usage.completion_tokens == 4
         assert elapsed > rpc_s, f"the prompt took {elapsed:.1f} s: no longer than rpc_s, so this proves nothing"
         assert metric_total(stack, "scheduler", "scheduler-0", "lamina_scheduler_rebuilds_total") == 0

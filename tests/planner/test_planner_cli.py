@@ -84,6 +84,8 @@ def test_plan_refuses_bad_input(argv, capsys):
                                 "no field 'TIMESTAMP'"),
     ("bad.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,12,x\n",
      "line 2: not an Azure CSV trace"),
+    ("short.csv", "ContextTokens,GeneratedTokens,TIMESTAMP\n3,4,2023-11-16 18:15:46.68\n\n5,6\n",
+     "line 4: not an Azure CSV trace (TIMESTAMP,ContextTokens,GeneratedTokens): no field 'TIMESTAMP'"),
     ("other.jsonl", '{"timestamp": 1, "input_length": 3, "output_length": 4}\n{"x": 1}\n',
      "line 2: not a Kimi JSONL trace (timestamp, input_length, output_length): no field 'timestamp'"),
     ("text.jsonl", "not json\n", "line 1: not a Kimi JSONL trace"),

@@ -410,3 +410,4 @@ def test_a_prefill_calls_deadline_covers_the_tokens_queued_at_its_worker():
     assert clients.deadline_s(w) == 5.0 + 10.0
     w.figures = {"compute_tokens_per_s": 4000.0}
     assert clients.deadline_s(w) == 5.0 + 1000 / (4000.0 / SLOWDOWN)
+    assert clients.deadline_s(w, 500) == 5.0 + 1500 / (4000.0 / SLOWDOWN)  # a prompt routed, not yet sent
