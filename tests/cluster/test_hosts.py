@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -28,6 +29,15 @@ pytestmark = pytest.mark.timeout(900)
 APART = ("model-1", "attention-1")
 REBUILDS = "lamina_scheduler_rebuilds_total"
 RECLAIMED = "lamina_scheduler_kv_reclaimed_total"
+
+
+def _status(cluster) -> subprocess.CompletedProcess:
+    """`lamina status --json` from the gateway's host, finding the cluster by its Redis URL
+    (the token from the environment, as a reader without the cluster's file gives it)."""
+    env = {**os.environ, "LAMINA_CLUSTER_TOKEN": cluster.config.cluster_token}
+    return cluster.inside(lambda: subprocess.run(
+        [sys.executable, "-m", "lamina.cli", "status", "--json", "--redis-url", cluster.config.redis_url],
+        capture_output=True, text=True, timeout=60, env=env))
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +75,7 @@ def test_every_service_serves_from_its_own_host(cluster, references):
     """Greedy outputs equal transformers' with every hop between two addresses; each
     service is registered at its own host's address; the API wants its key."""
     assert stream_all(cluster) == references
-    status = cluster.inside(lambda: subprocess.run(
-        [sys.executable, "-m", "lamina.cli", "status", "--json", "--redis-url", cluster.config.redis_url],
-        capture_output=True, text=True, timeout=60))
+    status = _status(cluster)
     assert status.returncode == 0, status.stderr
     services = json.loads(status.stdout)["services"]
     assert sorted(s["name"] for s in services) == sorted(
@@ -195,9 +203,7 @@ def test_redis_cut_off_for_ten_seconds(cluster, references):
     assert cluster.alive() == before
 
     def registered() -> bool:
-        status = cluster.inside(lambda: subprocess.run(
-            [sys.executable, "-m", "lamina.cli", "status", "--json", "--redis-url", cluster.config.redis_url],
-            capture_output=True, text=True, timeout=60))
+        status = _status(cluster)
         services = json.loads(status.stdout)["services"] if status.returncode == 0 else []
         return len(services) == len(cluster.processes) and all(s["healthy"] for s in services)
 
