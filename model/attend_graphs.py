@@ -173,7 +173,7 @@ class AttendGraphs:
         except CaptureFailed as failed:
             self._failed.add(key)
             log.warning("layer %d's decode attention of %d rows over up to %d keys cannot be captured as a CUDA "
-                        "graph (it runs eagerly): %s", *key, failed.error)
+                        "graph (it runs eagerly): %s", *key, failed.error, exc_info=failed.error)
             return body
         self.captures += 1
         return replay

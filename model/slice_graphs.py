@@ -153,7 +153,7 @@ class SliceGraphs:
             if failed.graph is not None:
                 self._abandon(micro_batch, bucket, failed.graph, pool)
             log.warning("slice %d at batch %d cannot be captured as a CUDA graph (it runs eagerly): %s", j, bucket,
-                        failed.error)
+                        failed.error, exc_info=failed.error)
             return None
         self.captures += 1
         return _Graph(graph, g_inputs, g_attn, g_context, out)
@@ -166,7 +166,9 @@ class SliceGraphs:
 
 
 class CaptureFailed(RuntimeError):
-    """A capture that raised: `graph` is the graph begun (None: it failed before), `error` why."""
+    """A capture that raised: `graph` is the graph begun (None: it failed before), `error` why
+    (logged with its traceback where the graphs fall back to eager: an error not CUDA's is
+    likely a bug of the captured code, which the eager run then meets again)."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph | None, error: Exception) -> None:
         super().__init__(str(error))

@@ -126,7 +126,7 @@ class _Graphs:
         except CaptureFailed as failed:
             self._failed.add(key)
             log.warning("the decode step of %d rows over up to %d keys cannot be captured as a CUDA graph: %s",
-                        *key, failed.error)
+                        *key, failed.error, exc_info=failed.error)
             return None
         self.captures += 1
         return replay
