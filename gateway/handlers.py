@@ -30,7 +30,6 @@ from lamina.gateway.protocol import (
     GenerateRequest,
     SamplingFields,
     SamplingParams,
-    bad_value,
     check_token_ids,
     invalid,
     parse_chat_request,
@@ -164,9 +163,7 @@ def chat_prompt_ids(state: GatewayState, messages: Sequence[dict[str, str]], par
 
 def _check_sampling_ids(state: GatewayState, sampling: SamplingFields) -> None:
     check_token_ids(sampling.stop_token_ids, state.vocab_size, "stop_token_ids")
-    for t, _ in sampling.logit_bias:  # named by its key, as a bias out of range is
-        if not 0 <= t < state.vocab_size:
-            raise bad_value(f"logit_bias.{t}", f"token id {t} is outside the vocabulary [0, {state.vocab_size}).")
+    check_token_ids(tuple(t for t, _ in sampling.logit_bias), state.vocab_size, "logit_bias", keyed=True)
 
 
 def check_model(state: GatewayState, model: str) -> None:

@@ -552,10 +552,14 @@ def parse_completion_request(body: Any) -> CompletionRequest:
                              continuous_usage, echo, prompt_only, _parse_n(body))
 
 
-def check_token_ids(ids: tuple[int, ...], vocab_size: int, param: str = "prompt") -> None:
+def check_token_ids(ids: tuple[int, ...], vocab_size: int, param: str = "prompt", keyed: bool = False) -> None:
+    """Every id inside the vocabulary; the first outside it named `param[i]` by its position,
+    or `param.ID` where the ids are an object's keys (`keyed`: logit_bias, whose values are
+    named so too)."""
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:
-            raise bad_value(f"{param}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size}).")
+            raise bad_value(f"{param}.{t}" if keyed else f"{param}[{i}]",
+                            f"token id {t} is outside the vocabulary [0, {vocab_size}).")
 
 
 def resolve_sampling(

@@ -53,7 +53,12 @@ class AttentionOccupancy:
     capacity_bytes: int | None = None
     occupancy: float | None = None
     fragmentation: float | None = None
-    error: str | None = None  # why the numbers are missing
+    error: str | None = None  # why the numbers are missing: "CODE: details" (the gRPC status)
+
+    @property
+    def error_code(self) -> str | None:
+        """The gRPC status code's name of `error`."""
+        return None if self.error is None else self.error.split(":", 1)[0]
 
 
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED.name
@@ -91,7 +96,7 @@ class ClusterStatus:
     def token_refused(self) -> bool:
         """Whether a service refused this reader's cluster token (services/auth.py): its
         figures are missing for want of the cluster's configuration, not for a fault."""
-        codes = [self.scheduler_error, *(a.error.split(":", 1)[0] for a in self.attention if a.error)]
+        codes = [self.scheduler_error, *(a.error_code for a in self.attention)]
         return UNAUTHENTICATED in codes
 
     def to_dict(self) -> dict:

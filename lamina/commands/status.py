@@ -88,7 +88,7 @@ def _table(status) -> str:
         rows = [("ATTENTION", "SEQUENCES", "TOKENS", "CAPACITY (TOKENS)", "OCCUPANCY", "FRAGMENTATION")]
         for a in status.attention:
             if a.error is not None:  # the code's name: the details (in --json) would widen the column
-                rows.append((a.name, f"unavailable: {a.error.split(':', 1)[0]}", "", "", "", ""))
+                rows.append((a.name, f"unavailable: {a.error_code}", "", "", "", ""))
             else:
                 rows.append((a.name, str(a.num_sequences), str(a.num_tokens), str(a.capacity_tokens),
                              f"{a.occupancy:.1%}", f"{a.fragmentation:.1%}"))

@@ -178,7 +178,7 @@ class Stack:
 
     def start(self, timeout_s: float = 300.0) -> None:
         """Start everything and wait until the gateway answers /health (RuntimeError before
-        anything starts where another process listens on the gateway's port)."""
+        anything starts where the gateway could not listen on its port: `gateway_port_taken`)."""
         local_stacks.runtime_dir()  # where it will be found: refused (UnsafeDirectory) before anything starts
         taken = self._gateway_port_taken()
         if taken is not None:
