@@ -32,10 +32,12 @@ def compute_device(setting: str, name: str) -> torch.device:
 
 
 def use_device(device: torch.device) -> None:
-    """Makes a CUDA `device` this process's current one. Triton's launches, CUDA graph
-    capture and cuda_ipc's ring follow the current device, not the tensors': a service on
-    cuda:1 that left it at cuda:0 would launch its kernels on the wrong device. A plain
-    `cuda` is the current device already (and set_device refuses a device without index)."""
+    """Makes a CUDA `device` the calling thread's current one (each thread has its own:
+    a service's compute thread calls this too, services/prefill/forward_thread.py).
+    Triton's launches, CUDA graph capture and cuda_ipc's ring follow the current device,
+    not the tensors': a service on cuda:1 that left it at cuda:0 would launch its kernels
+    on the wrong device. A plain `cuda` is the current device already (and set_device
+    refuses a device without index)."""
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
 

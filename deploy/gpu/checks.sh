@@ -19,11 +19,13 @@
 #                replayed as CUDA graphs, whole engine steps as CUDA graphs against the
 #                eager steps, cuda_ipc in one process and to a child, the
 #                prefix cache's GPU tier)                                     tests.log
-#   e2e          tests/e2e/test_stack_cuda.py and test_lamina_up_cuda.py, filtered by
-#                E2E_K (default all: eight stacks against transformers and the
-#                one-GPU engine, one with cuda_ipc's frames ordered on the GPU, an
-#                attention worker killed with host- and device-ordered frames, and
-#                lamina up --device cuda with its defaults)                   e2e.log
+#   e2e          tests/e2e/test_stack_cuda.py, test_lamina_up_cuda.py and
+#                test_stack_prefill_cuda.py, filtered by E2E_K (default all: eight
+#                stacks against transformers and the one-GPU engine, one with
+#                cuda_ipc's frames ordered on the GPU, an attention worker killed
+#                with host- and device-ordered frames, lamina up --device cuda with
+#                its defaults, and a prefill worker's forwards on the GPU through
+#                its prefix cache's tiers)                                    e2e.log
 #   bench        bench/gpu_decode.py --no-stack on BENCH ARGS                 bench.log, rows.jsonl
 #   profile      lamina profile --device cuda --quick, then the planner's predictions of
 #                the benchmark's engine points from it                        profile.log, planner.log
@@ -107,7 +109,7 @@ for step in $steps; do
         note "tests: exit $? ($(tail -1 "$out/tests.log"))" ;;
     e2e)
         limited e2e "$python" -P -m pytest -q -rs --durations=0 ${E2E_K:+-k "$E2E_K"} tests/e2e/test_stack_cuda.py \
-            tests/e2e/test_lamina_up_cuda.py > "$out/e2e.log" 2>&1
+            tests/e2e/test_lamina_up_cuda.py tests/e2e/test_stack_prefill_cuda.py > "$out/e2e.log" 2>&1
         note "e2e: exit $? ($(tail -1 "$out/e2e.log"))" ;;
     bench)
         limited bench "$python" bench/gpu_decode.py --no-stack --out "$out/rows.jsonl" "$@" > "$out/bench.log" 2>&1

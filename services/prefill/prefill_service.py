@@ -24,9 +24,10 @@ request; the KV of layer i is on its way to the attention workers while layer
 i + 1 computes.
 
 A forward goes in steps over one record per prompt (`_Prompt`): prepare (its KV
-reserved, the cached prefix installed, a peer's fetched), forward (the split model's
-slice runner, `SplitModel.run_async`, whose attention callback stores each layer's KV
-on the attention workers), sample (the first tokens, and those of a request's other
+reserved, the cached prefix installed, a peer's fetched), forward (the split model on a
+thread of its own, lamina.services.prefill.forward_thread, so this event loop keeps
+answering meanwhile; each layer's KV is sent to the attention workers from the loop as
+the next layer computes), sample (the first tokens, and those of a request's other
 choices, by lamina.sampling's Sampler), reply.
 """
 
@@ -62,6 +63,7 @@ from lamina.services.attention_pool import AttentionPool
 from lamina.services.config import PrefillSection, StackConfig
 from lamina.services.devices import compute_dtype, open_device
 from lamina.services.model.model_service import ModelSlices
+from lamina.services.prefill.forward_thread import ForwardThread
 from lamina.services.prefill.free_cores import forward_threads, host_cores, others_runnable
 from lamina.services.prefill.prefix_peers import PrefixFetcher, PrefixServer
 from lamina.services.prefill.prompt_logprobs import logit_rows
@@ -142,6 +144,8 @@ class PrefillService:
             "lamina_prefill_abandoned", "prompts dropped from the queue unforwarded: their callers went away "
             "(cancelled, or past their deadline)", registry=r)
         self.pool: AttentionPool | None = None
+        # Forwards run off this event loop, which keeps serving meanwhile (forward_thread).
+        self.forward_thread = ForwardThread(self.device)
         self._queue: list[tuple[lamina_pb2.PrefillRequest, asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._num_queued = 0  # prompts ever queued: a prefetch run knows whether more came since it began
@@ -176,9 +180,9 @@ class PrefillService:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
-                # A forward holds this event loop, so requests that came meanwhile are
-                # still in the RPC server: give them a moment to join this batch, and
-                # see meanwhile how many threads of other processes want the cores.
+                # A burst of requests comes over tens of milliseconds: give its rest a
+                # moment to join this batch, and see meanwhile how many threads of other
+                # processes want the cores.
                 threads = 1
                 queued = self._num_queued
                 if self.max_threads > 1:
@@ -346,17 +350,14 @@ class PrefillService:
             p.sample_row, p.score_rows = last, scoring
         inputs = {**batch.model_inputs(self.device), "logits_index": rows.to(self.device)}
 
-        async def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            with torch.inference_mode():
-                attn = local.attend(i, q, k, v)
+        async def send_layer(i: int) -> None:  # on this loop, as layer i+1 computes on the forward's thread
             for p in prompts:
                 n = len(p.token_ids)
                 # Where the KV is: on a GPU the transport stages it through pinned host
                 # memory asynchronously (cuda_ipc carries it on the GPU).
                 await self._pool.store_layer(p.seq_id, p.workers, i, p.kv.buf[i, 0, :n], p.kv.buf[i, 1, :n])
-            return attn
 
-        output = await self.slices.split.run_async(inputs, attend)
+        output = await self.forward_thread.run(self.slices.split, inputs, local.attend, send_layer)
         local.commit()
         self._measure_compute(sum(len(p.token_ids) - p.cached for p in prompts), time.perf_counter() - computing)
         # One acknowledgement per sequence and worker, matched by sequence id.
@@ -486,6 +487,7 @@ class PrefillService:
             await asyncio.gather(batcher, return_exceptions=True)
             self._is_prefetch_open = False
             await self._end_prefetch()  # the batch loop's last run, if it was cancelled during a forward
+            self.forward_thread.close()
             for _, fut in self._queue:
                 fut.cancel()
             await self.fetcher.close()
@@ -528,9 +530,9 @@ async def rest_of_burst(arrivals: Callable[[], int], tokens: Callable[[], int], 
     `max_tokens`. True when it waited at all.
 
     A burst of requests reaches the prefill worker over tens of milliseconds (its RPC
-    server hands over a few calls per loop turn, and none while a forward holds the
-    loop); a 5 ms window then took 1, 7, 15 and 25 of 48 requests at once in four
-    forwards, each slowed by the decode steps of the ones before. Waiting while they
+    server hands over a few calls per loop turn); a 5 ms window then took 1, 7, 15 and
+    25 of 48 requests sent at once in four forwards (measured while forwards still ran on
+    the event loop), each slowed by the decode steps of the ones before. Waiting while they
     come puts the burst in one forward."""
     deadline = time.monotonic() + max_wait_s
     waited = False

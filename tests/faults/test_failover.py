@@ -12,17 +12,20 @@ import signal
 import time
 
 import aiohttp
+import grpc
 import openai
 import pytest
 from e2e_helpers import metric_total, start_stack, until
 from fault_helpers import MAX_TOKENS, PROMPTS
 from fault_helpers import pid as _pid
 from fault_helpers import stream_all as _stream_all
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lamina.kvstore.metadata import MetadataConfig, MetadataStore
 from lamina.services.config import DeadlinesSection
 
 pytestmark = pytest.mark.timeout(600)
+PROBE_S = 2.5  # a prefill worker's health answer, even during a long forward
 
 # (process killed, when: content chunks every stream has first, None: during prefill, stack options,
 #  the proof the fault hit the requests: the scheduler's rebuilds at least this many, or a
@@ -301,7 +304,12 @@ def test_a_prefill_longer_than_the_rpc_deadline_is_not_a_lost_worker():
     queued behind it at the one prefill worker: the scheduler waits for the tokens queued
     there (services/scheduler/prefill_deadline.py) instead of taking the worker for lost
     at rpc_s, rebuilding the prompt onto it again and failing both (as it did). The long
-    call did outlast rpc_s; nothing was rebuilt and no prefill call failed."""
+    call did outlast rpc_s; nothing was rebuilt and no prefill call failed.
+
+    Meanwhile the prefill worker answers: its forward runs off its event loop
+    (services/prefill/forward_thread.py), so its health probes are answered within
+    PROBE_S all through the forward and its registration never lapses (with the forward
+    on the loop, a probe waited for the forward's end and the 10 s registration lapsed)."""
     rpc_s = 3.0
     stack = start_stack(workers=1, micro_batches=1, deadlines=DeadlinesSection(rpc_s=rpc_s))
     try:
@@ -314,21 +322,48 @@ def test_a_prefill_longer_than_the_rpc_deadline_is_not_a_lost_worker():
             return sum(float(line.split()[-1]) for line in text.splitlines()
                        if line.startswith("lamina_gateway_requests_in_flight")) >= 1
 
-        async def both() -> tuple[float, list]:
+        async def probe_prefill(until_done: asyncio.Task) -> list[tuple[float, bool, bool]]:
+            """(seconds to answer, serving, registered) of the prefill worker, every 0.5 s
+            until `until_done` ends; a probe unanswered within PROBE_S counts as not serving."""
+            store = MetadataStore(MetadataConfig(url=stack.config.redis_url, namespace=stack.config.namespace))
+            probes = []
+            try:
+                info = await store.get_service("prefill", "prefill-0")
+                async with grpc.aio.insecure_channel(info.endpoint) as channel:
+                    health = health_pb2_grpc.HealthStub(channel)
+                    while not until_done.done():
+                        start = time.monotonic()
+                        try:
+                            answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_S)
+                            serving = answer.status == health_pb2.HealthCheckResponse.SERVING
+                        except grpc.aio.AioRpcError:
+                            serving = False
+                        registered = await store.get_service("prefill", "prefill-0") is not None
+                        probes.append((time.monotonic() - start, serving, registered))
+                        await asyncio.sleep(0.5)
+            finally:
+                await store.close()
+            return probes
+
+        async def both() -> tuple[float, list, list]:
             model = (await client.models.list()).data[0].id
             start = time.monotonic()
             long = asyncio.create_task(client.completions.create(model=model, prompt=long_prompt, max_tokens=4,
                                                                  temperature=0))
             await until(in_flight, every_s=0.05)  # the short request is sent after it
+            probes = asyncio.create_task(probe_prefill(long))
             short = await client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
                                                     temperature=0)
             done = await long
-            return time.monotonic() - start, [done, short]
+            return time.monotonic() - start, [done, short], await probes
 
-        elapsed, (long, short) = asyncio.run(both())
+        elapsed, (long, short), probes = asyncio.run(both())
         assert long.usage.prompt_tokens == 5000 and long.usage.completion_tokens == 4
         assert short.usage.completion_tokens == 4
         assert elapsed > rpc_s, f"the prompt took {elapsed:.1f} s: no longer than rpc_s, so this proves nothing"
+        assert len(probes) >= 3, f"{len(probes)} probes during the long prompt: too short to tell"
+        assert all(serving and registered for _, serving, registered in probes), probes
+        assert max(s for s, _, _ in probes) < PROBE_S, probes
         assert metric_total(stack, "scheduler", "scheduler-0", "lamina_scheduler_rebuilds_total") == 0
         assert "failed (DEADLINE_EXCEEDED" not in (stack.log_dir / "scheduler.log").read_text()
     finally:

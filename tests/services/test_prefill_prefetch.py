@@ -95,6 +95,7 @@ async def _a_then_b(prefetch: bool) -> dict:
         await asyncio.gather(loop, return_exceptions=True)
         await svc.pool.close()
         await listener.close()
+        svc.forward_thread.close(wait=True)
     assert batches[-2:] == [["a"], ["b"]]  # b did not fit a's forward: it waited
     hits = {tier: n - before[tier] for tier, n in cache.stats.hit_tokens_by_tier.items()}
     prefetched = svc.runtime.registry.get_sample_value("lamina_prefill_prefetched_blocks_total")
