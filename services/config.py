@@ -38,7 +38,7 @@ clear message naming the setting.
               cache_host_bytes: 536870912, cache_disk_bytes: 0, cache_dir: null, cache_eviction: lru,
               routing: prefix, routing_load_weight: 0.0, routing_min_gain_tokens: 32,
               routing_max_queue_gap_tokens: 4096,
-              max_batch_tokens: 2048, batch_window_ms: 5.0, batch_window_max_ms: 50.0,
+              max_batch_tokens: 2048, chunk_tokens: 0, batch_window_ms: 5.0, batch_window_max_ms: 50.0,
               cache_quantize_4bit: false, cache_quant_group_size: 64, peer_fetch: auto,
               peer_fetch_prior_gbps: 1.0, prefetch: true}
                                 # workers: prefill processes prefill-0..P-1, each with its own cache
@@ -58,7 +58,10 @@ clear message naming the setting.
                                 # peer_fetch: auto (pull a peer's longer prefix when the measured
                                 # transfer beats recomputing it) | always | off (docs/kvstore.md);
                                 # prefetch: waiting prompts' prefixes move up to the device tier
-                                # while a forward computes (LAMINA_PREFILL_PREFETCH)
+                                # while a forward computes (LAMINA_PREFILL_PREFETCH);
+                                # chunk_tokens: at most this many of a prompt's tokens a forward,
+                                # so prompts queued behind a long one join its next forward (0:
+                                # auto, 512 on a CPU, 2048 on a GPU; LAMINA_PREFILL_CHUNK_TOKENS)
     model_worker: {threads: 1, workers: 1, device: cpu, dtype: auto, cuda_graphs: true, step_graphs: true}
                                 # threads: the packed products' (torch's ops run on one);
                                 # LAMINA_MODEL_THREADS; device: cpu | cuda | cuda:N, where the slices
@@ -245,6 +248,11 @@ class PrefillSection(_Computes):
     cache_dir: str | None = None
     cache_eviction: str = "lru"  # lru | fifo | random
     max_batch_tokens: int = 2048  # prompts waiting together run as one forward up to this many tokens
+    # A prompt computes at most this many of its tokens a forward, its KV kept in the worker
+    # between its forwards, so prompts queued behind a long one join its next forward
+    # instead of waiting for all of it (services/prefill/chunking.py). 0: auto, 512 on a
+    # CPU, 2,048 on a GPU. A chunk past max_batch_tokens leaves no room beside it.
+    chunk_tokens: int = 0
     batch_window_ms: float = 5.0  # how long a batch waits for more prompts before its forward
     # While prompts keep arriving (each within batch_window_ms of the last), a batch waits
     # for them up to this long in all, so that a burst of requests shares one forward.
@@ -461,6 +469,7 @@ class StackConfig:
                "must be above 0 and at most 1", utilization)
         for name, value in (("attention.kv_capacity_bytes", self.attention.kv_capacity_bytes),
                             ("prefill.threads", self.prefill.threads),
+                            ("prefill.chunk_tokens", self.prefill.chunk_tokens),
                             ("prefill.cache_device_bytes", self.prefill.cache_device_bytes),
                             ("prefill.cache_host_bytes", self.prefill.cache_host_bytes),
                             ("prefill.cache_disk_bytes", self.prefill.cache_disk_bytes)):
@@ -630,6 +639,7 @@ ENV_OVERRIDES = {
     "LAMINA_GPU_MEMORY_UTILIZATION": "attention.gpu_memory_utilization",
     "LAMINA_PEER_FETCH": "prefill.peer_fetch",
     "LAMINA_PREFILL_PREFETCH": "prefill.prefetch",
+    "LAMINA_PREFILL_CHUNK_TOKENS": "prefill.chunk_tokens",
     "LAMINA_HOST": "host",
     "LAMINA_ADVERTISE_HOST": "advertise_host",
     "LAMINA_GRPC_PORT": "ports.grpc",

@@ -93,6 +93,16 @@ class KVStore:
     def get(self, seq_id: str) -> SequenceKV:
         return self._seqs[seq_id]
 
+    def adopt(self, seq_id: str, seq: SequenceKV) -> None:
+        """Hold a sequence reserved in another store, as it is (a prefill worker's prompt
+        computed in chunks keeps its KV from one forward's store to the next)."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already held here")
+        if self.used_bytes + seq.nbytes() > self.capacity_bytes:
+            raise KVCapacityError(f"KV store full: {self.used_bytes} of {self.capacity_bytes} bytes used")
+        self._seqs[seq_id] = seq
+        self.used_bytes += seq.nbytes()
+
     def free(self, seq_id: str) -> None:
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:

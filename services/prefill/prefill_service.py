@@ -4,8 +4,11 @@ prompts' KV to the attention workers layer by layer as each layer finishes.
 Prompts that wait while a forward runs are coalesced into the next one (up to
 ``prefill.max_batch_tokens`` tokens): one StepBatch, attention causal per sequence,
 so many short prompts cost about one forward of their total length instead of one
-forward each. Each sequence still gets its own reply from its attention workers, so a
-refusal (KV full on one worker) fails that request alone.
+forward each. A long prompt computes a chunk of its tokens a forward
+(``prefill.chunk_tokens``, lamina.services.prefill.chunking), its KV kept here between
+them, so the prompts queued behind it join its next forward. Each sequence still gets
+its own reply from its attention workers, so a refusal (KV full on one worker) fails
+that request alone.
 
 The longest cached prefix of the prompt comes from the tiered prefix cache, so
 only the rest runs through the model (at least the last token, whose logits give
@@ -63,6 +66,7 @@ from lamina.services.attention_pool import AttentionPool
 from lamina.services.config import PrefillSection, StackConfig
 from lamina.services.devices import compute_dtype, open_device
 from lamina.services.model.model_service import ModelSlices
+from lamina.services.prefill.chunking import chunk_tokens, continuing_takes, first_take
 from lamina.services.prefill.forward_thread import ForwardThread
 from lamina.services.prefill.free_cores import forward_threads, host_cores, others_runnable
 from lamina.services.prefill.prefix_peers import PrefixFetcher, PrefixServer
@@ -76,15 +80,19 @@ from lamina.services.wire import RemoteError
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # one per prompt: compared by identity
 class _Prompt:
-    """One prompt of a prefill forward, from its KV reservation to its reply."""
+    """One prompt, from its KV reservation to its reply: in one forward, or in one a
+    chunk (chunking), its KV kept here between them."""
 
     req: lamina_pb2.PrefillRequest
     params: SamplingParams  # its request's, converted once
     token_ids: list[int]
-    kv: SequenceKV  # its KV in the forward's store
+    kv: SequenceKV  # its KV, reserved for the whole prompt in its first forward's store
+    fut: asyncio.Future  # its caller's: its result, once its last chunk's forward ended
     cached: int = 0  # prompt tokens not computed: the prefix cache's and a peer's
+    done: int = 0  # prompt tokens whose KV is in `kv` (the cached ones, then each chunk's)
+    take: int = 0  # the tokens it computes in the forward in progress
     fetched: int = 0  # of which a peer's
     stored: RemoteError | None = None  # an attention worker's refusal of its KV
     sample_row: int = 0  # the row of the forward's logits that samples its first token
@@ -98,6 +106,11 @@ class _Prompt:
     @property
     def seq_id(self) -> str:
         return self.req.seq_id
+
+    @property
+    def is_last_chunk(self) -> bool:
+        """Whether the forward in progress computes the rest of the prompt."""
+        return self.done + self.take == len(self.token_ids)
 
     @property
     def workers(self) -> list[int]:
@@ -147,6 +160,12 @@ class PrefillService:
         # Forwards run off this event loop, which keeps serving meanwhile (forward_thread).
         self.forward_thread = ForwardThread(self.device)
         self._queue: list[tuple[lamina_pb2.PrefillRequest, asyncio.Future]] = []
+        # Prompts computed in chunks, in arrival order, between their forwards (chunking).
+        self.chunk_tokens = chunk_tokens(pc.chunk_tokens, self.device.type)
+        self._continuing: list[_Prompt] = []
+        self.m_chunks = prometheus_client.Counter(
+            "lamina_prefill_chunks", "forwards of a part of a prompt before its last (prefill.chunk_tokens): "
+            "the prompts queued meanwhile joined the next one", registry=r)
         self._wake = asyncio.Event()
         self._num_queued = 0  # prompts ever queued: a prefetch run knows whether more came since it began
         # The prefetcher keys each waiting prompt by id(request): the request object lives
@@ -179,7 +198,7 @@ class PrefillService:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._queue:
+            while self._queue or self._continuing:
                 # A burst of requests comes over tens of milliseconds: give its rest a
                 # moment to join this batch, and see meanwhile how many threads of other
                 # processes want the cores.
@@ -187,12 +206,12 @@ class PrefillService:
                 queued = self._num_queued
                 if self.max_threads > 1:
                     others = await others_runnable(window)
-                    if await self._rest_of_burst(queued, window):
+                    if self._queue and await self._rest_of_burst(queued, window):
                         # The services that passed the burst on were runnable while it came.
                         others = await others_runnable(window)
                     threads = forward_threads(self.max_threads, host_cores(), others)
                     set_kernel_threads(threads)
-                elif window:
+                elif window and self._queue:
                     await asyncio.sleep(window)
                     await self._rest_of_burst(queued, window)
                 # Requests leave the queue only while no prefetch run is in flight, so a
@@ -200,22 +219,21 @@ class PrefillService:
                 await self._end_prefetch()
                 if not self._drop_abandoned():
                     continue
-                batch = take_batch(self._queue, self.config.prefill.max_batch_tokens,
-                                   self._waits if self.cache is not None else None)
+                going, batch = self._take_forward()
                 self.m_threads.labels(threads=str(threads)).inc()
                 reqs = [r for r, _ in batch]
-                results: Sequence[lamina_pb2.PrefillResult | BaseException]
+                finished: Sequence[tuple[asyncio.Future, lamina_pb2.PrefillResult | BaseException]]
                 try:
-                    results = await self._prefill_batch(reqs)
+                    finished = await self._prefill_batch(going, batch)
                 except Exception as exc:  # e.g. an attention worker's connection failed
-                    log.warning("a prefill forward of %d prompts failed", len(batch), exc_info=True)
+                    log.warning("a prefill forward of %d prompts failed", len(going) + len(batch), exc_info=True)
                     drop_frames(exc)
-                    results = [exc] * len(batch)
-                    for r in reqs:
-                        self._pool.forget_stored(r.seq_id)
+                    finished = [(p.fut, exc) for p in going] + [(fut, exc) for _, fut in batch]
+                    for seq_id in [p.seq_id for p in going] + [r.seq_id for r in reqs]:
+                        self._pool.forget_stored(seq_id)
                 finally:
                     self._is_prefetch_open = False  # opened by _prepare, once the batch's prefixes are in
-                for (_, fut), res in zip(batch, results):
+                for fut, res in finished:
                     if fut.done():  # the caller went away (RPC cancelled)
                         continue
                     if isinstance(res, BaseException):
@@ -223,12 +241,34 @@ class PrefillService:
                     else:
                         fut.set_result(res)
 
+    def _take_forward(self) -> tuple[list[_Prompt], list[tuple[lamina_pb2.PrefillRequest, asyncio.Future]]]:
+        """The next forward's prompts: those in progress that compute a chunk in it (their
+        `take` set), then the queued ones it has room for (chunking's policy)."""
+        chunk, max_tokens = self.chunk_tokens, self.config.prefill.max_batch_tokens
+        takes = continuing_takes([len(p.token_ids) - p.done for p in self._continuing], chunk, max_tokens)
+        going = []
+        for p, n in zip(self._continuing, takes):
+            p.take = n
+            if n:
+                going.append(p)
+        self._continuing = [p for p in self._continuing if not p.take]
+        room = max_tokens - sum(p.take for p in going)
+        if not self._queue or (going and room <= 0):
+            return going, []
+        batch = take_batch(self._queue, room, self._waits if self.cache is not None else None,
+                           size=lambda req: first_take(len(req.token_ids), chunk, bool(req.prompt_logprobs)))
+        return going, batch
+
     def _drop_abandoned(self) -> bool:
-        """`drop_abandoned` on the queue, ending the dropped requests' prefetch protection;
-        whether any request is left. Called with no prefetch run in flight."""
+        """`drop_abandoned` on the queue, ending the dropped requests' prefetch protection,
+        and the prompts in progress whose callers went away (their KV with them); whether
+        any prompt is left. Called with no prefetch run in flight."""
         release = None if self.prefetcher is None else self.prefetcher.release
-        self.m_abandoned.inc(drop_abandoned(self._queue, release))
-        return bool(self._queue)
+        gone = drop_abandoned(self._queue, release)
+        left = [p for p in self._continuing if not p.fut.done()]
+        self.m_abandoned.inc(gone + len(self._continuing) - len(left))
+        self._continuing = left
+        return bool(self._queue or self._continuing)
 
     async def _rest_of_burst(self, queued: int, window: float) -> bool:
         """The batch waits for the rest of a burst (`rest_of_burst`); True when it did."""
@@ -296,28 +336,57 @@ class PrefillService:
             return True
         return False
 
-    async def _prefill_batch(self, reqs: list[lamina_pb2.PrefillRequest]
-                             ) -> list[lamina_pb2.PrefillResult | RemoteError]:
-        """One forward over the prompts of `reqs`: each gets its result, or its attention
-        workers' refusal (RemoteError); any other failure fails them all (raised)."""
+    async def _prefill_batch(self, going: list[_Prompt],
+                             batch: list[tuple[lamina_pb2.PrefillRequest, asyncio.Future]]
+                             ) -> list[tuple[asyncio.Future, lamina_pb2.PrefillResult | RemoteError]]:
+        """One forward: the next chunk of each prompt in progress (`going`, their `take`
+        set), and the queued prompts of `batch`, whole or their first chunk. Each prompt
+        whose last chunk it computed gets its result, or its attention workers' refusal
+        (RemoteError), beside its caller's future; the others wait for their next chunk.
+        Any other failure fails them all (raised)."""
         start = time.perf_counter()
-        kv, prompts = await self._prepare(reqs)
+        kv, fresh = await self._prepare(batch, sum(p.kv.nbytes() for p in going))
+        for p in fresh:
+            p.take = first_take(len(p.token_ids) - p.done, self.chunk_tokens, bool(p.req.prompt_logprobs))
+        for p in going:  # its KV, kept from its last chunk, joins this forward's store
+            kv.adopt(p.seq_id, p.kv)
+        prompts = going + fresh
         output = await self._forward(kv, prompts)
-        self._sample(prompts, output)
-        results = [self._reply(p) for p in prompts]
-        self.m_batch.observe(len(reqs))
+        ends = [p.is_last_chunk for p in prompts]
+        for p, end in zip(prompts, ends):
+            p.done += p.take
+            if not end:
+                self._continue(p)
+        last = [p for p, end in zip(prompts, ends) if end]
+        self._sample(last, output)
+        results = [(p.fut, self._reply(p)) for p in last]
+        self.m_batch.observe(len(prompts))
         self.m_seconds.observe(time.perf_counter() - start)
         return results
 
-    async def _prepare(self, reqs: list[lamina_pb2.PrefillRequest]) -> tuple[KVStore, list[_Prompt]]:
-        """The forward's KV store, and each prompt's KV reserved there, holding the
-        longest prefix the cache or a named peer has of it."""
+    def _continue(self, p: _Prompt) -> None:
+        """A prompt with chunks left waits for its next forward; its full blocks so far go
+        to the prefix cache now, so a prompt sharing them that was held back for this
+        forward (`_waits`) finds them there."""
+        p.take = 0
+        self._continuing.append(p)
+        self.m_chunks.inc()
+        if self.cache is not None and not p.req.prompt_logprobs:
+            self.cache.insert(p.token_ids[:p.done], p.kv.buf[:, :, :p.done])
+
+    async def _prepare(self, batch: list[tuple[lamina_pb2.PrefillRequest, asyncio.Future]], adopted_bytes: int
+                       ) -> tuple[KVStore, list[_Prompt]]:
+        """The forward's KV store, and each queued prompt's KV reserved there (for its
+        whole length), holding the longest prefix the cache or a named peer has of it;
+        `adopted_bytes` are left for the KV of the prompts in progress."""
+        reqs = [r for r, _ in batch]
         try:
             kv = KVStore(self.cfg, device=self.device, dtype=self.dtype,
                          capacity_bytes=sum(len(r.token_ids) + 64 for r in reqs)
-                         * self.cfg.kv_bytes_per_token(self.dtype.itemsize))
+                         * self.cfg.kv_bytes_per_token(self.dtype.itemsize)
+                         + adopted_bytes)
             prompts = [_Prompt(r, params_from_proto(r.params), list(r.token_ids),
-                               kv.reserve(r.seq_id, len(r.token_ids))) for r in reqs]
+                               kv.reserve(r.seq_id, len(r.token_ids)), fut) for r, fut in batch]
             for p in prompts:
                 # A prompt that wants its own tokens' logprobs is computed whole: no cached prefix.
                 if not p.req.prompt_logprobs:
@@ -335,23 +404,27 @@ class PrefillService:
                                      for p in asks))  # concurrent: each peer's link serves one at a time
         for p, n in zip(asks, got):
             p.fetched, p.cached = n - p.cached, n
+        for p in prompts:
+            p.done = p.cached
         return kv, prompts
 
     async def _forward(self, kv: KVStore, prompts: list[_Prompt]) -> torch.Tensor:
-        """Run the prompts' uncached tokens through the slices, handing each layer's KV to
-        the attention workers as it is computed; returns the scored rows' logits [R, V]
-        on the prefill device once every worker answered (a refusal is kept in `stored`)."""
+        """Run each prompt's `take` tokens after its `done` ones through the slices; a
+        prompt's KV goes to its attention workers layer by layer, as each is computed, in
+        the forward of its last chunk. Returns the scored rows' logits [R, V] on the
+        prefill device once every worker answered (a refusal is kept in `stored`)."""
         computing = time.perf_counter()
-        batch = StepBatch.build([p.seq_id for p in prompts], [p.token_ids[p.cached:] for p in prompts],
-                                [p.cached for p in prompts])
+        batch = StepBatch.build([p.seq_id for p in prompts], [p.token_ids[p.done:p.done + p.take] for p in prompts],
+                                [p.done for p in prompts])
         local = in_process_attention(kv, batch)
         rows, last_rows, prompt_rows = logit_rows(batch.query_lens, [p.req.prompt_logprobs for p in prompts])
         for p, last, scoring in zip(prompts, last_rows, prompt_rows):
             p.sample_row, p.score_rows = last, scoring
         inputs = {**batch.model_inputs(self.device), "logits_index": rows.to(self.device)}
+        sending = [p for p in prompts if p.is_last_chunk]
 
         async def send_layer(i: int) -> None:  # on this loop, as layer i+1 computes on the forward's thread
-            for p in prompts:
+            for p in sending:
                 n = len(p.token_ids)
                 # Where the KV is: on a GPU the transport stages it through pinned host
                 # memory asynchronously (cuda_ipc carries it on the GPU).
@@ -359,9 +432,9 @@ class PrefillService:
 
         output = await self.forward_thread.run(self.slices.split, inputs, local.attend, send_layer)
         local.commit()
-        self._measure_compute(sum(len(p.token_ids) - p.cached for p in prompts), time.perf_counter() - computing)
+        self._measure_compute(sum(p.take for p in prompts), time.perf_counter() - computing)
         # One acknowledgement per sequence and worker, matched by sequence id.
-        for p in prompts:
+        for p in sending:
             try:
                 await self._pool.wait_stored(p.seq_id)
             except RemoteError as exc:
@@ -490,6 +563,8 @@ class PrefillService:
             self.forward_thread.close()
             for _, fut in self._queue:
                 fut.cancel()
+            for p in self._continuing:
+                p.fut.cancel()
             await self.fetcher.close()
             if self.peer_server is not None:
                 await self.peer_server.stop()
@@ -561,9 +636,12 @@ def drop_abandoned(queue: list, release: Callable[[Hashable], None] | None) -> i
     return len(gone)
 
 
-def take_batch(queue: list, max_tokens: int, waits: Callable[[Any, list], bool] | None = None) -> list:
+def take_batch(queue: list, max_tokens: int, waits: Callable[[Any, list], bool] | None = None,
+               size: Callable[[Any], int] | None = None) -> list:
     """Remove and return the queue's (request, future) pairs, in order, whose prompts add
-    up to at most ``max_tokens`` (always at least one: a long prompt runs alone), leaving
+    up to at most ``max_tokens`` (always at least one: a long prompt runs alone; a
+    prompt adds ``size(request)``, by default its length: under chunking its first
+    chunk's), leaving
     queued those for which ``waits(request, requests taken so far)`` is true; the taking
     stops at the first prompt that does not fit. The head never waits, so a request
     left queued is taken by a later batch at the latest once it is at the head."""
@@ -575,11 +653,11 @@ def take_batch(queue: list, max_tokens: int, waits: Callable[[Any, list], bool] 
         if taken and waits is not None and waits(req, taken_reqs):
             keep.append((req, fut))
             continue
-        size = len(req.token_ids)
-        if taken and total + size > max_tokens:
+        tokens = len(req.token_ids) if size is None else size(req)
+        if taken and total + tokens > max_tokens:
             keep.extend(queue[i:])
             break
-        total += size
+        total += tokens
         taken.append((req, fut))
         taken_reqs.append(req)
     queue[:] = keep

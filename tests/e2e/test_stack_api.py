@@ -60,6 +60,27 @@ def test_chat_and_completions_equal_transformers(stack, reference_outputs):
         assert streamed == ref["text"]
 
 
+def test_a_prompt_of_several_prefill_chunks_equals_transformers(stack, loaded_model, hf_reference):
+    """A prompt of about three of the prefill worker's chunks (prefill.chunk_tokens, auto:
+    512 on a CPU) is computed in as many forwards, its KV kept between them; its
+    greedy continuation is still transformers'."""
+    import torch
+
+    text = " ".join(f"Shelf {i} holds the {('red', 'green', 'blue')[i % 3]} box of {i * 7 % 13} stones."
+                    for i in range(90))
+    ids = loaded_model.tokenizer.encode(text)
+    assert 2 * 512 < len(ids) < 3 * 512
+    with torch.no_grad():
+        gen = hf_reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=MAX_TOKENS, do_sample=False)
+    chunks = _prefill_metric(stack, "lamina_prefill_chunks_total")
+    r = _client(stack).completions.create(model=_model(stack), prompt=text, max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].model_extra["token_ids"] == gen[0, len(ids):].tolist()
+    assert _prefill_metric(stack, "lamina_prefill_chunks_total") - chunks == 2  # forwards before its last
+
+
 def test_sixteen_concurrent_requests_of_different_lengths(stack, loaded_model):
     from lamina.engine import Engine, SamplingParams
 
