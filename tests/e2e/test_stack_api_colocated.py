@@ -13,6 +13,7 @@ import pytest
 import test_stack_api
 from shared_stacks import COLOCATED
 from test_stack_api import (  # noqa: F401 (collected by pytest under this module's mark)
+    test_a_prompt_of_several_prefill_chunks_equals_transformers,
     test_bad_input_is_answered_clearly_while_others_continue,
     test_chat_and_completions_equal_transformers,
     test_client_disconnect_frees_kv,

@@ -49,6 +49,23 @@ def test_a_queued_prompt_counts_its_first_chunk_toward_a_forward():
             ] == ["l", "s"]  # 64 + 60
 
 
+def test_a_kv_store_adopts_another_stores_sequence_within_its_capacity():
+    from lamina.engine.kv import KVCapacityError, KVStore
+    from lamina.model.checkpoints import load_config as load_model_config
+
+    cfg = load_model_config(None)
+    first = KVStore(cfg, capacity_bytes=1 << 26)
+    seq = first.reserve("s", 100)
+    seq.length = 64  # a chunk's KV
+    second = KVStore(cfg, capacity_bytes=seq.nbytes() + 1)
+    second.adopt("s", seq)
+    assert second.get("s") is seq and second.used_bytes == seq.nbytes() and second.num_tokens == 64
+    with pytest.raises(ValueError, match="already held"):
+        second.adopt("s", seq)
+    with pytest.raises(KVCapacityError):
+        second.adopt("t", first.reserve("t", 10))
+
+
 def test_chunk_tokens_from_the_environment_and_checked():
     assert load_config(env={}).prefill.chunk_tokens == 0
     assert load_config(env={"LAMINA_PREFILL_CHUNK_TOKENS": "256"}).prefill.chunk_tokens == 256
