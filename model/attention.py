@@ -72,6 +72,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     """
     n, num_heads, _ = q.shape
     num_keys, num_kv_heads, _ = k.shape
+    if 1 < n < num_keys and q.device.type == "cpu":
+        return _after_prefix(q, k, v)
     mask = None
     if n > 1 and n != num_keys:
         # Query i sees keys 0 .. L-n+i (SDPA's is_causal aligns to the top left instead).
@@ -81,6 +83,30 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         attn_mask=mask, is_causal=n > 1 and n == num_keys, enable_gqa=num_heads != num_kv_heads,
     )  # [1, Hq, n, D]
     return out[0].transpose(0, 1)
+
+
+def _after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`causal_attention` of n > 1 queries after a prefix of L - n keys, on the CPU (a
+    prompt's chunk, or the rest of a prompt whose prefix was cached): the prefix unmasked
+    and the queries' own keys causal, two calls of torch's CPU flash kernel, combined by
+    their log-sum-exp. SDPA's causal mask aligns top left, so one call needs an explicit
+    mask, which computes the masked half of the queries' own block and runs slower per
+    key (the prefill of 2,048 tokens in chunks of 512 took a third more attention time
+    than in one forward); the public SDPA returns no log-sum-exp, hence the kernel's op.
+    q: [n, Hq, D]; k, v: [L, Hkv, D]. Returns [n, Hq, D]."""
+    n, num_heads, _ = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    prefix = num_keys - n
+    # [1, H, n|L, D], K and V repeated per query head (the kernel takes no GQA).
+    qh = q.transpose(0, 1)[None]
+    kh = k.transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, 0)[None]
+    vh = v.transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, 0)[None]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out_a, lse_a = flash(qh, kh[:, :, :prefix], vh[:, :, :prefix])[:2]  # [1, Hq, n, D], [1, Hq, n]
+    out_b, lse_b = flash(qh, kh[:, :, prefix:], vh[:, :, prefix:], is_causal=True)[:2]
+    out, _ = combine_partials(out_a[0].transpose(0, 1), lse_a[0].transpose(0, 1),
+                              out_b[0].transpose(0, 1), lse_b[0].transpose(0, 1))
+    return out  # [n, Hq, D]
 
 
 def batched_attention(

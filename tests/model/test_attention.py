@@ -78,9 +78,13 @@ def test_fused_causal_attention_equals_the_reference_path():
     from lamina.model.attention import causal_attention
 
     torch.manual_seed(4)
-    for n, m in [(1, 1), (1, 33), (6, 6), (3, 11)]:
+    # Queries after a prefix (3 of 11 keys, 5 of 6, 40 of 300) take the CPU's split path.
+    for n, m in [(1, 1), (1, 33), (6, 6), (3, 11), (5, 6), (40, 300)]:
         q = torch.randn(n, 9, 64, dtype=torch.float64)
         k = torch.randn(m, 3, 64, dtype=torch.float64)
         v = torch.randn(m, 3, 64, dtype=torch.float64)
         torch.testing.assert_close(causal_attention(q, k, v), attention_with_lse(q, k, v)[0],
                                    rtol=1e-12, atol=1e-12)
+        low = causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())  # the prefill's bfloat16 on a CPU
+        assert low.dtype == torch.bfloat16
+        torch.testing.assert_close(low.double(), attention_with_lse(q, k, v)[0], rtol=0.02, atol=0.02)
