@@ -68,7 +68,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
     For callers that need no partials to combine (the local engine): one kernel
     call instead of a dozen small ops, about 3x faster per sequence and layer on
-    CPU at decode. q: [n, Hq, D]; k, v: [L, Hkv, D], L >= n. Returns [n, Hq, D].
+    CPU at decode; on the CPU, queries after a prefix take two (`_after_prefix`).
+    q: [n, Hq, D]; k, v: [L, Hkv, D], L >= n. Returns [n, Hq, D].
     """
     n, num_heads, _ = q.shape
     num_keys, num_kv_heads, _ = k.shape

@@ -1,12 +1,13 @@
 """How a prefill worker cuts long prompts into chunks (`prefill.chunk_tokens`).
 
 A forward computes its prompts whole; one prompt of thousands of tokens then holds the
-worker for as long as its forward lasts (3,900 tokens of SmolLM2 on two cores: about
+worker for as long as its forward lasts (3,927 tokens of SmolLM2 on two cores: over
 20 s), and every prompt queued behind it waits that long for its first token, however
 short. So a prompt computes at most `chunk` of its tokens a forward: its KV stays in
 the worker between its forwards, as a cached prefix does, and the prompts queued
-meanwhile join the next forward beside its next chunk. A short prompt then waits for at
-most about one chunk's forward. The prompt's KV goes to its attention workers, and its
+meanwhile join the next forward beside its next chunk. A short prompt then waits for
+about two chunks' forwards: the rest of the one in progress, then its own beside the
+long prompt's next chunk. The prompt's KV goes to its attention workers, and its
 first token is sampled, in the forward of its last chunk.
 
 These functions are the policy, pure: which tokens the next forward computes.
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 # A chunk where none is configured (`prefill.chunk_tokens: 0`): on a CPU a forward of 512
-# tokens of the default model takes about 2.5 s on two cores; on a GPU a forward of 2,048
+# tokens of the default model takes 1-2 s on two cores (more the longer its prefix); on a GPU a forward of 2,048
 # tokens of an 8B model takes tens of milliseconds, and smaller ones use it less well.
 AUTO_CHUNK_TOKENS = {"cpu": 512, "cuda": 2048}
 

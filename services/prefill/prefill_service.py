@@ -154,8 +154,8 @@ class PrefillService:
             "lamina_prefill_deferred", "prompts held for the next forward because a prompt of the forward "
             "computes blocks of their prefix", registry=r)
         self.m_abandoned = prometheus_client.Counter(
-            "lamina_prefill_abandoned", "prompts dropped from the queue unforwarded: their callers went away "
-            "(cancelled, or past their deadline)", registry=r)
+            "lamina_prefill_abandoned", "prompts dropped before their last forward (unforwarded, or between two "
+            "chunks): their callers went away (cancelled, or past their deadline)", registry=r)
         self.pool: AttentionPool | None = None
         # Forwards run off this event loop, which keeps serving meanwhile (forward_thread).
         self.forward_thread = ForwardThread(self.device)
@@ -246,11 +246,9 @@ class PrefillService:
         `take` set), then the queued ones it has room for (chunking's policy)."""
         chunk, max_tokens = self.chunk_tokens, self.config.prefill.max_batch_tokens
         takes = continuing_takes([len(p.token_ids) - p.done for p in self._continuing], chunk, max_tokens)
-        going = []
         for p, n in zip(self._continuing, takes):
             p.take = n
-            if n:
-                going.append(p)
+        going = [p for p in self._continuing if p.take]
         self._continuing = [p for p in self._continuing if not p.take]
         room = max_tokens - sum(p.take for p in going)
         if not self._queue or (going and room <= 0):
