@@ -55,7 +55,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,9 +184,10 @@ def signals_held() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def lamina_up(options: list[str], log: Path) -> Iterator[str]:
-    """`lamina up OPTIONS` on a free port: yields its base URL once it serves, and stops it
-    (and with it every service it started) on the way out."""
+def lamina_up(options: list[str], log: Path, env: Mapping[str, str] | None = None) -> Iterator[str]:
+    """`lamina up OPTIONS` on a free port, in this process's environment updated by `env`:
+    yields its base URL once it serves, and stops it (and with it every service it
+    started) on the way out."""
     port = free_port()
     argv = [sys.executable, "-m", "lamina.cli", "up", "--port", str(port), *options]
     print(f"  lamina {' '.join(argv[3:])}", flush=True)
@@ -196,7 +197,7 @@ def lamina_up(options: list[str], log: Path) -> Iterator[str]:
             # child_env: lamina up ends with this process even if it is killed outright,
             # and its services end with lamina up.
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
-                                    env=child_env(), cwd=ROOT, text=True)
+                                    env=child_env({**os.environ, **(env or {})}), cwd=ROOT, text=True)
         lines: queue.Queue[str | None] = queue.Queue()
 
         def read() -> None:

@@ -97,6 +97,9 @@ clear message naming the setting.
     # deadlines: every wait on a peer (docs/reliability.md)
     deadlines: {reply_s: 10, rpc_s: 30, step_s: 30, health_s: 2, recovery_s: 120, startup_s: 60,
                 kv_reclaim_s: 60, prefill_tokens_per_s: 50}
+    warm_up: true               # prefill and model workers run one made-up forward, and the gateway its
+                                # tokenizer's first encodes, before they serve (services/warm_up.py;
+                                # LAMINA_WARM_UP)
 """
 
 from __future__ import annotations
@@ -400,6 +403,10 @@ class StackConfig:
     attention: AttentionSection = field(default_factory=AttentionSection)
     data_plane: DataPlaneSection = field(default_factory=DataPlaneSection)
     deadlines: DeadlinesSection = field(default_factory=DeadlinesSection)
+    # Before it registers, each prefill and model worker runs one forward of a short made-up
+    # sequence and the gateway its tokenizer's first encodes (services/warm_up.py), so the
+    # first request does not pay for what is started lazily.
+    warm_up: bool = True
 
     def __post_init__(self) -> None:
         self._check_layout()
@@ -644,12 +651,13 @@ ENV_OVERRIDES = {
     "LAMINA_ADVERTISE_HOST": "advertise_host",
     "LAMINA_GRPC_PORT": "ports.grpc",
     "LAMINA_METRICS_PORT": "ports.metrics",
+    "LAMINA_WARM_UP": "warm_up",
 }
 
 
 def _from_mapping(raw: Mapping[str, Any], source: str) -> StackConfig:
-    known = {f.name for f in dataclasses.fields(StackConfig)}
-    unknown = sorted(set(raw) - known)
+    known = {f.name: f for f in dataclasses.fields(StackConfig)}
+    unknown = sorted(set(raw) - set(known))
     if unknown:
         raise ConfigError(f"{source}: unknown setting(s) {', '.join(unknown)}")
     kwargs: dict[str, Any] = {}
@@ -663,8 +671,8 @@ def _from_mapping(raw: Mapping[str, Any], source: str) -> StackConfig:
             if bad:
                 raise ConfigError(f"{source}: unknown setting(s) {', '.join(f'{key}.{b}' for b in bad)}")
             kwargs[key] = cls(**{k: _coerce(f"{key}.{k}", v, fields[k].type) for k, v in value.items()})
-        else:
-            kwargs[key] = value
+        else:  # an environment variable's text too: LAMINA_INSECURE=false is False
+            kwargs[key] = _coerce(key, value, known[key].type)
     return StackConfig(**kwargs)
 
 

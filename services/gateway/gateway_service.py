@@ -50,6 +50,8 @@ async def run_gateway(config: StackConfig, ready: asyncio.Event | None = None) -
                                stall_s=config.deadlines.rpc_s)
     await backend.start()
     tokenizer, model_cfg = load_tokenizer(config.model)
+    if config.warm_up:
+        tokenizer.warm_up()
     gw = config.gateway
     async def cluster_status() -> dict:  # what /dashboard shows: the same as `lamina status --json`
         return (await read_status(config)).to_dict()

@@ -59,6 +59,7 @@ from lamina.services.model.slice_server import SliceServer
 from lamina.services.model.staging import Staging
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime
+from lamina.services.warm_up import attend_own, finished, warm_up_inputs
 from lamina.services.wire import decode_tag, slice_tag
 from lamina.transports.host_staging import DEVICE_WAITS
 
@@ -238,6 +239,9 @@ class ModelService:
             "(they run eagerly)", registry=r)
         self.m_step_replays = prometheus_client.Counter(
             "lamina_model_step_graph_replays", "decode steps replayed whole as CUDA graphs (colocated)", registry=r)
+        self.m_warm_up = prometheus_client.Gauge(
+            "lamina_model_warm_up_seconds", "the warm-up step's seconds, before the worker served (0: none, "
+            "warm_up false)", registry=r)
         self.m_step_failures = prometheus_client.Counter(
             "lamina_model_step_graph_capture_failures", "batch and context buckets whose whole-step CUDA graph "
             "capture failed (their steps run the same launches eagerly)", registry=r)
@@ -357,7 +361,22 @@ class ModelService:
             self.runtime.stopping.set()
             await attending
 
+    def warm_up(self) -> float:
+        """One decode-shaped step, a made-up token, through the slices on this thread,
+        where the steps compute (services/warm_up.py), before the worker registers.
+        Returns its seconds."""
+        inputs = warm_up_inputs(self.slices.cfg.vocab_size, 1, self.slices.device)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self.slices.split.run(inputs, attend_own, reuse_outputs=True)
+        seconds = finished(self.slices.device, started)
+        self.m_warm_up.set(seconds)
+        log.info("warm-up step: %.0f ms", 1000 * seconds)
+        return seconds
+
     async def _serve(self) -> None:
+        if self.config.warm_up:
+            self.warm_up()
         local = {} if self.attention is None else {self.index: self.attention.core}
         self.pool = await AttentionPool.from_registry(self.runtime.store, self.config, self.slices.cfg, local)
         meta: dict = {"index": self.index, "device": str(self.slices.device)}

@@ -75,6 +75,7 @@ from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime, abort_for_remote_error
 from lamina.services.sampling_wire import logprobs_to_proto, params_from_proto
 from lamina.services.scheduler.scheduling_policies import MAX_DISTANCE
+from lamina.services.warm_up import PROMPT_TOKENS, attend_own, finished, warm_up_inputs
 from lamina.services.wire import RemoteError
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,9 @@ class PrefillService:
         self.m_fetched = prometheus_client.Counter("lamina_prefill_fetched_tokens", "prompt tokens whose KV was "
                                                    "fetched from a peer prefill worker", registry=r)
         self.compute_tokens_per_s: float | None = None  # running figure of this worker's forwards
+        self.m_warm_up = prometheus_client.Gauge(
+            "lamina_prefill_warm_up_seconds", "the warm-up forward's seconds, before the worker served (0: none, "
+            "warm_up false)", registry=r)
         self.num_prompt_tokens = 0  # prompt tokens of the prompts prefilled
         self.num_cached_tokens = 0  # of which the prefix cache served (not computed)
         self.num_fetched_tokens = 0  # of which fetched from peers (not computed)
@@ -538,7 +542,25 @@ class PrefillService:
                 # the cache's hits by the tier each block was in when its prompt asked
                 "hit_tokens_by_tier": dict(self.cache.stats.hit_tokens_by_tier) if self.cache is not None else {}}
 
+    async def warm_up(self) -> float:
+        """One forward of a made-up prompt on the forward thread (services/warm_up.py),
+        before the worker registers; its KV and output thrown away, its time not counted
+        in the forward rate. Returns its seconds."""
+        inputs = warm_up_inputs(self.cfg.vocab_size, PROMPT_TOKENS, self.device)
+        started = time.perf_counter()
+
+        async def nothing_to_send(i: int) -> None:
+            pass
+
+        await self.forward_thread.run(self.slices.split, inputs, attend_own, nothing_to_send)
+        seconds = finished(self.device, started)
+        self.m_warm_up.set(seconds)
+        log.info("warm-up forward of %d tokens: %.0f ms", PROMPT_TOKENS, 1000 * seconds)
+        return seconds
+
     async def run(self) -> None:
+        if self.config.warm_up:  # first: the attention workers it waits for next may still be starting
+            await self.warm_up()
         self.pool = await AttentionPool.from_registry(self.runtime.store, self.config, self.cfg)
         meta: dict = {"device": str(self.device)}
         if self.peer_server is not None:  # peers fetch prefix KV from here

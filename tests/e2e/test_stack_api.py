@@ -180,6 +180,9 @@ def test_health_and_metrics(stack):
     with urllib.request.urlopen(stack.base_url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     assert "lamina" in text
+    # Each worker ran its warm-up forward before it served (services/warm_up.py).
+    assert service_metric(stack, "prefill", "prefill-0", "lamina_prefill_warm_up_seconds") > 0
+    assert service_metric(stack, "model", "model-0", "lamina_model_warm_up_seconds") > 0
 
 
 def _prefill_metric(stack, name: str) -> float:

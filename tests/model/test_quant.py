@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 (torch's conventional name)
 from gguf import GGMLQuantizationType as QT  # noqa: N814 (gguf's enum, named on every row of the tables)
+from reference_helpers import MAX_NEW, hf_greedy, reference_prompts
 from test_loader import (
     TENSOR_TYPES,
     VOCAB,
     _our_logits,
     write_tiny_gguf,
 )
-from test_reference import MAX_NEW, _hf_greedy, _prompts
 
 from lamina.engine import Engine, SamplingParams
 from lamina.model import gguf_file, quant
@@ -337,14 +337,14 @@ def test_greedy_tokens_with_file_weights_equal_transformers(as_file_model, hf_re
     """transformers dequantizes the same blocks to float32; computing on the blocks gives
     the same greedy tokens on the held-out prompts of test_reference.py."""
     engine = Engine(as_file_model)
-    prompts = _prompts(as_file_model.tokenizer)
+    prompts = reference_prompts(as_file_model.tokenizer)
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
     for ids, out in zip(prompts, outs):
-        assert out.output_token_ids == _hf_greedy(hf_reference, ids)
+        assert out.output_token_ids == hf_greedy(hf_reference, ids)
 
 
 def test_logits_with_file_weights_match_transformers(as_file_model, hf_reference):
-    ids = torch.tensor(_prompts(as_file_model.tokenizer)[5])
+    ids = torch.tensor(reference_prompts(as_file_model.tokenizer)[5])
     with torch.no_grad():
         ref = hf_reference(ids[None]).logits[0]
     torch.testing.assert_close(_our_logits(as_file_model, ids), ref, rtol=0, atol=2e-4)

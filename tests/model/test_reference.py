@@ -2,22 +2,9 @@
 
 import pytest
 import torch
+from reference_helpers import CHAT_PROMPTS, COMPLETION_PROMPTS, MAX_NEW, hf_greedy, reference_prompts
 
 from lamina.engine import Engine, SamplingParams
-
-COMPLETION_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea,",
-    "The three laws of thermodynamics state that",
-]
-CHAT_PROMPTS = [
-    "Write a haiku about autumn leaves.",
-    "Explain what a hash table is in two sentences.",
-    "List three prime numbers greater than 100.",
-    "Translate 'good morning, my friend' into Spanish.",
-]
-MAX_NEW = 48
 
 
 @pytest.fixture(scope="module")
@@ -25,24 +12,11 @@ def engine(loaded_model):
     return Engine(loaded_model)
 
 
-def _prompts(tok):
-    return [tok.encode(p) for p in COMPLETION_PROMPTS] + [
-        tok.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS
-    ]
-
-
-def _hf_greedy(hf, ids):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=MAX_NEW, do_sample=False)
-    return out[0, len(ids):].tolist()
-
-
 def test_greedy_tokens_equal_transformers(engine, hf_reference, loaded_model):
-    prompts = _prompts(loaded_model.tokenizer)
+    prompts = reference_prompts(loaded_model.tokenizer)
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
     for ids, out in zip(prompts, outs):
-        assert out.output_token_ids == _hf_greedy(hf_reference, ids)
+        assert out.output_token_ids == hf_greedy(hf_reference, ids)
 
 
 def test_chat_tokenization_matches_transformers(loaded_model):
@@ -64,7 +38,7 @@ def test_logits_match_transformers(loaded_model, hf_reference):
         def attend(self, layer_id, q, k, v):
             return attention_with_lse(q, k, v)[0]
 
-    ids = torch.tensor(_prompts(loaded_model.tokenizer)[5])
+    ids = torch.tensor(reference_prompts(loaded_model.tokenizer)[5])
     with torch.no_grad():
         ours = loaded_model.model(ids, torch.arange(len(ids)), torch.arange(len(ids)), Dense())
         ref = hf_reference(ids[None]).logits[0]

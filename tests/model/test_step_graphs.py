@@ -7,6 +7,8 @@ transformers)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from triton_helpers import KERNEL_DEVICES
@@ -32,10 +34,18 @@ def test_context_buckets_are_powers_of_two_from_the_smallest():
     assert [context_bucket(n) for n in (1, 511, 512, 513, 2048, 2049)] == [512, 512, 512, 1024, 2048, 4096]
 
 
+LAYERS = 4  # of random SmolLM2-135M's 30: each graph body repeats per layer, and on the CPU
+# Triton's interpreter runs every layer's kernels (all 30 took 42-58 s a test)
+
+
 @pytest.fixture
 def split_model():
-    """Its own for each test: the GPU case moves it to the device."""
-    return load_model("random:smollm2-135m", packed=False)
+    """Its own for each test (the GPU case moves it to the device): random SmolLM2-135M's
+    widths, heads and vocabulary, its first LAYERS layers."""
+    loaded = load_model("random:smollm2-135m", packed=False)
+    loaded.model.model.layers = loaded.model.model.layers[:LAYERS]
+    loaded.config = loaded.model.config = replace(loaded.config, num_layers=LAYERS)
+    return loaded
 
 
 # Prompts whose longest crosses a context bucket after two steps: 128 keys, the smallest

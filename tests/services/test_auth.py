@@ -246,7 +246,12 @@ def test_a_service_without_a_token_is_refused_beyond_loopback_unless_insecure():
     assert open_service_refusal(StackConfig(host="0.0.0.0", cluster_token="t"), "scheduler") is None
     assert open_service_refusal(StackConfig(host="0.0.0.0", insecure=True), "scheduler") is None
     assert open_service_refusal(StackConfig(host="127.0.0.1"), "scheduler") is None
-    assert load_config(env={"LAMINA_INSECURE": "true"}).insecure
+    assert load_config(env={"LAMINA_INSECURE": "true"}).insecure is True
+    # The variable's text is read as a boolean: "false" is not a truthy string.
+    assert load_config(env={"LAMINA_INSECURE": "false"}).insecure is False
+    assert load_config(env={"LAMINA_INSECURE": "0"}).insecure is False
+    with pytest.raises(ConfigError, match="insecure must be true or false"):
+        load_config(env={"LAMINA_INSECURE": "maybe"})
 
 
 @pytest.mark.parametrize("argv", [["scheduler"], ["model", "--index", "0"], ["attention", "--index", "0"],

@@ -13,13 +13,12 @@ import asyncio
 import threading
 
 import pytest
+from prefill_helpers import serving_prefill
 
-from lamina import transports
 from lamina.kvstore.block_hash import block_hashes
 from lamina.kvstore.tiers import Tier
 from lamina.model.checkpoints import load_config as load_model_config
 from lamina.services.attention.attention_service import AttentionService
-from lamina.services.attention_pool import AttentionPool
 from lamina.services.config import AttentionSection, ConfigError, PrefillSection, StackConfig, load_config
 from lamina.services.prefill.prefill_service import PrefillService
 from lamina.services.protos import lamina_pb2
@@ -54,8 +53,6 @@ async def _a_then_b(prefetch: bool) -> dict:
     cache = svc.cache
     assert cache is not None and (svc.prefetcher is not None) == prefetch
     attention = AttentionService(config)
-    listener = await transports.listen("tcp://127.0.0.1:0", attention._serve_connection, config.transport_config())
-    svc.pool = await AttentionPool.connect([listener.address], "request", svc.cfg, config.transport_config())
     batches: list[list[str]] = []
     on_device_before_a_computes: list[bool] = []
     runs = []
@@ -81,8 +78,7 @@ async def _a_then_b(prefetch: bool) -> dict:
         return await forward(kv, prompts)
 
     svc._forward = forward_after_prefetch  # type: ignore[method-assign]
-    loop = asyncio.create_task(svc._batch_loop())
-    try:
+    async with serving_prefill(svc, attention):
         await svc.prefill(_request("w", SHARED + [2000, 2001, 2002]))  # caches b's prefix on device
         await svc.prefill(_request("f", list(range(3000, 3000 + 3 * BS + 1))))  # pushes it to host
         assert cache.tier_distance(SHARED) == Tier.HOST
@@ -90,12 +86,6 @@ async def _a_then_b(prefetch: bool) -> dict:
         a = _request("a", list(range(4000, 4000 + 3 * BS + 1)))
         b = _request("b", SHARED + [5000, 5001, 5002, 5003])
         result_a, result_b = await asyncio.gather(svc.prefill(a), svc.prefill(b))
-    finally:
-        loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)
-        await svc.pool.close()
-        await listener.close()
-        svc.forward_thread.close(wait=True)
     assert batches[-2:] == [["a"], ["b"]]  # b did not fit a's forward: it waited
     hits = {tier: n - before[tier] for tier, n in cache.stats.hit_tokens_by_tier.items()}
     prefetched = svc.runtime.registry.get_sample_value("lamina_prefill_prefetched_blocks_total")
