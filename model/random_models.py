@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     import torch
 
 RANDOM_PREFIX = "random:"
-_VERSION = 3
-_MARKER = "lamina-random.json"
+VERSION = 3
+MARKER = "lamina-random.json"
 INIT_STD = 0.02  # transformers' initializer_range for LLaMA models
 # SmolLM2's tokenizer's <|im_start|> and <|im_end|> (tests/model/test_random_models.py
 # checks them against the shipped tokenizer).
@@ -143,12 +143,12 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def _cache_dir(spec: RandomSpec, root: Path) -> Path:
-    digest = hashlib.sha256(f"{spec.shape}:{spec.seed}:{_VERSION}".encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{spec.shape}:{spec.seed}:{VERSION}".encode()).hexdigest()[:12]
     return root / "models" / f"random-{spec.shape}-seed{spec.seed}-{digest}"
 
 
 def written(spec_text: str, root: Path) -> bool:
-    return (_cache_dir(parse_spec(spec_text), root) / _MARKER).is_file()
+    return (_cache_dir(parse_spec(spec_text), root) / MARKER).is_file()
 
 
 def write_tokenizer(out: Path) -> None:
@@ -164,7 +164,7 @@ def materialize(spec_text: str, root: Path) -> Path:
     (one safetensors file per layer, so no more than a few layers are held at once)."""
     spec = parse_spec(spec_text)
     out = _cache_dir(spec, root)
-    if (out / _MARKER).is_file():
+    if (out / MARKER).is_file():
         return out
     from safetensors.torch import save_file  # imports torch: only to write the weights
 
@@ -196,12 +196,12 @@ def materialize(spec_text: str, root: Path) -> Path:
         hf = cfg.to_hf_dict() | {"torch_dtype": "bfloat16"}
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
         write_tokenizer(tmp)
-        (tmp / _MARKER).write_text(json.dumps({"spec": spec.name, "version": _VERSION,
+        (tmp / MARKER).write_text(json.dumps({"spec": spec.name, "version": VERSION,
                                                "parameters": parameter_count(cfg)}))
         try:
             os.replace(tmp, out)  # whole or absent; another process's finished copy is kept
         except OSError:
-            if not (out / _MARKER).is_file():
+            if not (out / MARKER).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -195,7 +195,7 @@ def installed(dist, tmp_path_factory) -> Installed:
 COMMANDS_RUN = {
     "up": "serves", "status": "serves", "health": "serves", "gateway": "serves", "scheduler": "serves",
     "prefill": "serves", "model": "serves", "attention": "serves",
-    "generate": "other_commands", "plan": "other_commands", "profile": "other_commands",
+    "generate": "other_commands", "plan": "other_commands", "profile": "other_commands", "cache": "other_commands",
 }
 SCRIPTS_RUN = ("lamina", "lamina-up", "lamina-gateway", "lamina-scheduler", "lamina-prefill", "lamina-model",
                "lamina-attention")
@@ -269,7 +269,8 @@ def _lamina_up(installed: Installed, port: int, log_path: Path,
 @pytest.mark.timeout(1800)
 def test_the_wheel_runs_every_other_command(installed, tmp_path, loaded_model, hf_reference):
     """From the wheel, outside the checkout: every console script's --help; `lamina
-    generate` gives transformers' greedy text; `lamina plan --json` ranks layouts for a
+    generate` gives transformers' greedy text; `lamina cache` lists the models it loaded;
+    `lamina plan --json` ranks layouts for a
     trace; `lamina profile --quick` (its stack run included) writes a profile that `lamina
     plan` reads as this-machine and that `lamina up`, naming no layout, chooses its layout
     on without measuring again (unless neighbours made the profile suspect: then it
@@ -289,6 +290,11 @@ def test_the_wheel_runs_every_other_command(installed, tmp_path, loaded_model, h
     out = installed.run("lamina", "generate", "--model", "random:smollm2-135m@5", "--prompt", "Hello",
                         "--max-tokens", "4", "--json", timeout=600)
     assert len(json.loads(out.stdout.splitlines()[-1])["token_ids"]) == 4
+    # Both models are entries of the cache, just used; a dry prune keeps them.
+    entries = json.loads(installed.run("lamina", "cache", "list", "--json").stdout)["entries"]
+    assert {("random", "random:smollm2-135m@5", "current"), ("gguf", "current")} <= {
+        (e["kind"], e["source"], e["state"]) if e["kind"] == "random" else (e["kind"], e["state"]) for e in entries}
+    assert "would remove" in installed.run("lamina", "cache", "prune", "--dry-run").stdout
 
     trace = REPO.parent / "shared" / "traces" / "azure_conv_2023.csv"
     workload = ["--trace", str(trace)] if trace.is_file() else ["--prompt-tokens", "1000", "--output-tokens", "200",
