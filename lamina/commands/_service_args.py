@@ -106,6 +106,20 @@ def store_reachable(config: StackConfig) -> bool:
         return False
 
 
+def model_readable(model: str | None, command: str) -> bool:
+    """The checkpoint found and readable (a GGUF file converted, a random model's weights
+    written: once, into the cache); else one line naming the file and the problem."""
+    from lamina.model.checkpoints import resolve_checkpoint
+    from lamina.model.errors import CheckpointError
+
+    try:
+        resolve_checkpoint(model)
+    except CheckpointError as exc:
+        print(f"lamina {command}: cannot load model: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def run_service(args: argparse.Namespace, module: str, **extra: object) -> int:
     """Validate the configuration, then run `module.serve(config[, threads])` until stopped."""
     import importlib
@@ -115,6 +129,8 @@ def run_service(args: argparse.Namespace, module: str, **extra: object) -> int:
         return 2
     service = module.rsplit(".", 1)[-1].removesuffix("_service")
     if service != "gateway" and open_refused(config, service):
+        return 2
+    if not model_readable(config.model, service):  # the gateway's tokenizer, the scheduler's shape
         return 2
     if not store_reachable(config):
         return 1
@@ -170,6 +186,9 @@ def run_indexed_service(args: argparse.Namespace, module: str, section: str, **e
         return 2
     colocated = section == "model_worker" and config.colocated  # its attention runs in its process
     if not devices_here(config, (section, "attention") if colocated else (section,)):
+        return 2
+    if not model_readable(config.model, {"model_worker": "model", "prefill": "prefill",
+                                         "attention": "attention"}[section]):
         return 2
     if not store_reachable(config):
         return 1

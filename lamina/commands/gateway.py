@@ -9,6 +9,7 @@ from lamina.commands._service_args import (
     add_gateway_exposure,
     exit_served,
     gateway_refused,
+    model_readable,
     stack_config,
     store_reachable,
 )
@@ -24,6 +25,8 @@ def run(args: argparse.Namespace) -> int:
     config = stack_config(args, **{"gateway.port": args.port, "gateway.api_key": args.api_key,
                                    "gateway.insecure": args.insecure})
     if config is None or gateway_refused(config):
+        return 2
+    if not model_readable(config.model, "gateway"):  # its tokenizer and context length
         return 2
     if not store_reachable(config):
         return 1

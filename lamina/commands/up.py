@@ -18,6 +18,7 @@ from lamina.commands._service_args import (
     add_kv_quant,
     devices_here,
     gateway_refused,
+    model_readable,
     stack_config,
 )
 from lamina.commands.plan import DEFAULT_PROFILE
@@ -144,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     if args.ray is None and not devices_here(config, ("prefill", "model_worker", "attention")):
         return 2  # before anything starts (under Ray each service checks on its own node)
+    if args.ray is None and not model_readable(config.model, "up"):
+        return 2  # a GGUF file converted once, here, not by each service at once
     try:
         gpu_transport, why = transport_on_gpus(args, config)
     except ConfigError as exc:

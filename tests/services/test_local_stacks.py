@@ -110,3 +110,39 @@ def test_lamina_up_on_a_port_another_listener_holds_refuses_before_anything_star
     # An address this host does not have: no port is free there, and none is said to be taken.
     assert gateway_port_taken(load_config(env={}, overrides={"host": "192.0.2.1", "gateway.port": 8000})) == \
         "the gateway cannot listen on 192.0.2.1 port 8000: Cannot assign requested address"
+
+
+@pytest.mark.parametrize(("model", "problem"), [
+    ("missing.gguf", "no such file or directory"),
+    ("notes.txt", "expected a .gguf file or a Hugging Face checkpoint directory"),
+    ("random:llama-9b", "no random model shape 'llama-9b'"),
+])
+@pytest.mark.parametrize("layout", [[], ["--layout", "colocated"]])
+def test_lamina_up_with_a_model_it_cannot_load_says_so_in_one_line(runtime, tmp_path, capsys, monkeypatch, model,
+                                                                  problem, layout):
+    """Before the machine is measured (layout auto) or any service starts: one line naming
+    the file and the problem, exit 2 (it was a traceback from the layout's planning or
+    the stack's start)."""
+    from lamina.cli import main
+    from lamina.ports import free_port
+
+    monkeypatch.delenv("LAMINA_PORT", raising=False)
+    (tmp_path / "notes.txt").write_text("not a model")
+    name = model if model.startswith("random:") else str(tmp_path / model)
+    assert main(["up", "--port", str(free_port()), "--model", name, *layout]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lamina up: cannot load model: {name}: {problem}") and len(err.splitlines()) == 1
+    assert not runtime.exists() or not os.listdir(runtime)  # no stack was published
+
+
+@pytest.mark.parametrize("argv", [["gateway"], ["scheduler"], ["prefill", "--index", "0"], ["model", "--index", "0"],
+                                  ["attention", "--index", "0"]])
+def test_each_service_with_a_model_it_cannot_load_says_so_in_one_line(tmp_path, capsys, monkeypatch, argv):
+    """Started on its own: exit 2 and one line, before it waits for Redis (none here)."""
+    from lamina.cli import main
+
+    missing = tmp_path / "missing.gguf"
+    monkeypatch.setenv("LAMINA_MODEL", str(missing))
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1")
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"lamina {argv[0]}: cannot load model: {missing}: no such file or directory\n"
