@@ -180,6 +180,26 @@ def resolve_checkpoint(path: str | Path | None = None) -> tuple[Path, Path, bool
     return source, weights_dir, False
 
 
+def pending_write(path: str | Path | None = None) -> str | None:
+    """What the first load of `path` will write into the cache, for a command to say before
+    it starts (SmolLM2-135M's conversion takes about a minute on two cores, an 8B random
+    model's weights minutes); None when that is done already or there is nothing to write
+    (a checkpoint directory, or a path `resolve_checkpoint` refuses)."""
+    if random_models.is_random(path):
+        assert isinstance(path, str)
+        try:
+            return None if random_models.written(path, cache_root()) else f"writing the weights of {path} (once)"
+        except CheckpointError:
+            return None
+    try:
+        source = Path(path) if path is not None else default_model_path()
+    except CheckpointError:
+        return None
+    if not source.is_file() or source.suffix != ".gguf" or (_cache_dir_for(source) / CACHE_MARKER).is_file():
+        return None
+    return f"converting {source} into the cache (once)"
+
+
 def load_config(path: str | Path | None = None) -> ModelConfig:
     """Only the model's configuration (services that hold no weights need no more)."""
     return read_hf_config(resolve_checkpoint(path)[1])

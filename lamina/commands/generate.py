@@ -42,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lamina.engine import Engine, EngineConfig, SamplingParams
+    from lamina.model.checkpoints import pending_write
     from lamina.model.errors import CheckpointError
     from lamina.model.loader import load_model
     from lamina.model.placement import runs_natively
@@ -74,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"lamina generate: --weights {args.weights} is packed for the CPU in float32; on {device} in "
               f"{dtype} the weights are float32 (torch's linears)", file=sys.stderr)
         return 2
+    what = pending_write(args.model)
+    if what is not None:
+        print(f"lamina generate: {what}; a minute or more", file=sys.stderr, flush=True)
     try:
         # Off the CPU's kernels, loaded in the dtype at once: the engine then only moves it.
         loaded = load_model(args.model, dtype=compute_dtype(dtype), weights=args.weights if native else "float32",
