@@ -108,14 +108,11 @@ def store_reachable(config: StackConfig) -> bool:
 
 def model_readable(model: str | None, command: str) -> bool:
     """The checkpoint found and readable (a GGUF file converted, a random model's weights
-    written: once, into the cache, said before it starts); else one line naming the file
-    and the problem."""
-    from lamina.model.checkpoints import pending_write, resolve_checkpoint
+    written: once, into the cache; lamina.model.checkpoints logs it as it starts); else
+    one line naming the file and the problem."""
+    from lamina.model.checkpoints import resolve_checkpoint
     from lamina.model.errors import CheckpointError
 
-    what = pending_write(model)
-    if what is not None:
-        print(f"lamina {command}: {what}; a minute or more", file=sys.stderr, flush=True)
     try:
         resolve_checkpoint(model)
     except CheckpointError as exc:

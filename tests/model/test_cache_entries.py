@@ -95,16 +95,19 @@ def test_lamina_cache_lists_and_prunes_as_a_user_runs_it(cache_dir, tmp_path):
     assert "removed 1 of 1 entries" in lamina("prune", "--all").stdout and not current.exists()
 
 
-def test_a_command_says_before_it_converts_a_model_into_the_cache(cache_dir, tmp_path, capsys):
-    """The first load of a GGUF file converts it (about a minute for SmolLM2-135M): the
-    command says so first, once; a random model not yet written is named too."""
-    from lamina.commands._service_args import model_readable
+def test_lamina_generate_says_before_it_converts_a_model_into_the_cache(cache_dir, tmp_path, capsys):
+    """The first load of a GGUF file converts it (about a minute for SmolLM2-135M): `lamina
+    generate`, which logs nothing, says so first, once (lamina up and the services log
+    it); a random model not yet written is named too."""
+    from lamina.cli import main
     from lamina.model.checkpoints import pending_write
 
     gguf = _tiny(tmp_path / "a.gguf")
     assert pending_write(gguf) == f"converting {gguf} into the cache (once)"
-    assert model_readable(str(gguf), "up")
-    assert capsys.readouterr().err == f"lamina up: converting {gguf} into the cache (once); a minute or more\n"
-    assert pending_write(gguf) is None and model_readable(str(gguf), "up") and capsys.readouterr().err == ""
+    argv = ["generate", "--model", str(gguf), "--prompt", "a b", "--max-tokens", "1", "--json"]
+    assert main(argv) == 0
+    said = f"lamina generate: converting {gguf} into the cache (once); a minute or more"
+    assert capsys.readouterr().err.splitlines()[0] == said
+    assert pending_write(gguf) is None and main(argv) == 0 and said not in capsys.readouterr().err
     assert pending_write("random:smollm2-135m@7") == "writing the weights of random:smollm2-135m@7 (once)"
     assert pending_write("random:nonsense") is None and pending_write(tmp_path / "missing.gguf") is None
