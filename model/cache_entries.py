@@ -27,7 +27,6 @@ import contextlib
 import json
 import os
 import shutil
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,7 +105,3 @@ def to_remove(entries: Iterable[CacheEntry], now: float, unused_days: float | No
 
 def remove(entry: CacheEntry) -> None:
     shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def now() -> float:
-    return time.time()

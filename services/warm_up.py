@@ -22,6 +22,7 @@ import torch
 
 from lamina.model.attention import causal_attention
 from lamina.model.batch import StepBatch
+from lamina.planner.measure.kernels import synchronize
 
 # A prefill worker's made-up prompt (tokens); a model worker's step is one token, as a
 # decode step's rows are.
@@ -42,6 +43,5 @@ def attend_own(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
 
 def finished(device: torch.device, started: float) -> float:
     """Seconds since `started` (perf_counter) once the device's queued work has ended."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return time.perf_counter() - started

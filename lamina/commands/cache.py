@@ -36,7 +36,7 @@ def _when(t: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lamina.model.cache_entries import models_dir, now, remove, scan, to_remove
+    from lamina.model.cache_entries import models_dir, remove, scan, to_remove
     from lamina.model.checkpoints import cache_root
 
     root = cache_root()
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if args.unused_days is not None and args.unused_days < 0:
         print("lamina cache prune: --unused-days must be 0 or more", file=sys.stderr)
         return 2
-    going = to_remove(entries, now(), args.unused_days, args.everything)
+    going = to_remove(entries, time.time(), args.unused_days, args.everything)
     verb = "would remove" if args.dry_run else "removed"
     for e in going:
         if not args.dry_run:

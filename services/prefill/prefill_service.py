@@ -550,7 +550,7 @@ class PrefillService:
         started = time.perf_counter()
 
         async def nothing_to_send(i: int) -> None:
-            pass
+            """Layer i's KV goes to no attention worker: the warm-up's is thrown away."""
 
         await self.forward_thread.run(self.slices.split, inputs, attend_own, nothing_to_send)
         seconds = finished(self.device, started)
