@@ -8,8 +8,9 @@ the attention worker's core took about 310 us whatever its KV, of which the same
 Python takes 28 us on this project's CPU host (docs/services.md, "On an H200"), and the
 disaggregated stack pays it once a layer and micro-batch. Here `attend_slab`
 (lamina.model.paged_decode: the rows' writes in one launch, then the paged kernel and its
-combine) is captured once per (layer, batch bucket, context bucket), the first time a frame
-needs it, and replayed.
+combine) is captured once per (layer, batch bucket, context bucket), and replayed: at the
+worker's start where its warm-up captures them (`prepare`, lamina.services.warm_up), else
+the first time a frame needs it.
 
 What a graph reads, static per (batch bucket, context bucket) and shared by the layers'
 graphs: the rows table (SlabRows: each row's start in the page table, its keys, its new
@@ -68,6 +69,7 @@ class _Statics:
     q: torch.Tensor  # [bucket, Hq, D]
     k: torch.Tensor  # [bucket, Hkv, D]
     v: torch.Tensor  # [bucket, Hkv, D]
+    out: torch.Tensor  # [bucket, Hq, D]: every layer's output, written again by each replay
     rows: SlabRows
     splits: int
     holds: int = -1  # the token of the step tables copied in last
@@ -143,6 +145,23 @@ class AttendGraphs:
         self.replays += key not in self._failed
         return out[:b].clone()
 
+    def prepare(self, layers: int, buckets: Sequence[int], contexts: Sequence[int]) -> int:
+        """Every (layer, batch bucket, context bucket) of these captured now, before any
+        frame needs it (a worker's start), and replayed once: the statics' padding rows
+        write nothing into the pools and attend over no key. With capture=False each body
+        runs once, as a capture's own first calls do. Returns the graphs made."""
+        made = 0
+        for key in itertools.product(buckets, contexts):
+            st = self._statics.get(key)
+            if st is None:
+                st = self._statics[key] = self._make_statics(key)
+            for layer in range(layers):
+                if (layer, *key) not in self._graphs:
+                    run = self._graphs[(layer, *key)] = self._capture((layer, *key), st)
+                    run()
+                    made += 1
+        return made
+
     def _make_statics(self, key: tuple[int, int]) -> _Statics:
         bucket, keys = key
         hkv, d = self.k_pools[0].shape[1:]
@@ -153,17 +172,21 @@ class AttendGraphs:
             q = torch.zeros(bucket, self.num_q_heads, d, dtype=self.dtype, device=self.device)  # [bucket, Hq, D]
             k = torch.zeros(bucket, hkv, d, dtype=self.dtype, device=self.device)  # [bucket, Hkv, D]
             v = torch.zeros_like(k)
+            out = torch.zeros_like(q)
         splits = plan_splits(bucket, hkv, keys, self._multiprocessors or multiprocessors(self.device))
-        return _Statics(table, slots, q, k, v, SlabRows.over(table, slots, keys), splits)
+        return _Statics(table, slots, q, k, v, out, SlabRows.over(table, slots, keys), splits)
 
     def _capture(self, key: tuple[int, int, int], st: _Statics) -> Callable[[], torch.Tensor]:
         """The replay of `key`'s graph, or its body where capture is off or failed."""
         layer = key[0]
 
         def body() -> torch.Tensor:
-            # A new output each call: the captured one is the graph's.
-            return attend_slab(self.k_pools[layer], self.v_pools[layer], st.q, st.k, st.v, st.rows,
-                               splits=st.splits)  # [bucket, Hq, D]
+            # Copied into the statics' one output, made outside the pool: the graph's own
+            # output is then an intermediate, which later captures reuse, so the graphs of
+            # one key hold one [bucket, Hq, D] between every layer (each call's rows are
+            # cloned before the next replay).
+            return st.out.copy_(attend_slab(self.k_pools[layer], self.v_pools[layer], st.q, st.k, st.v, st.rows,
+                                            splits=st.splits))  # [bucket, Hq, D]
 
         if not self.capture:
             self.captures += 1

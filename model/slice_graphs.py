@@ -4,8 +4,9 @@ of its micro-batches apart) and the local engine's (one micro-batch, 0).
 A decode step of B sequences (one new token each) runs each slice of the split model
 (lamina.model.splitter) between two attentions; on a GPU each slice is a few dozen
 kernel launches, which at small batches cost more CPU time than the GPU spends on them.
-Each (micro-batch, slice, bucket) is captured once, the first time a step needs it, for
-the smallest bucket of BUCKETS that holds B rows; a step copies the inputs the slice
+Each (micro-batch, slice, bucket) is captured once, for the smallest bucket of BUCKETS
+that holds B rows: at the worker's start where its warm-up captures them (`warm_up_graph_keys`,
+lamina.services.warm_up), else the first time a step needs it; a step copies the inputs the slice
 reads into the graph's input tensors (the first B rows; the rest keep what they held,
 rows no step reads), replays it, and takes the first B rows of its outputs. Every
 micro-batch's graphs have tensors of their own: its outputs stay untouched while another
@@ -27,6 +28,10 @@ one workspace. Captures run without synchronizing the device or emptying the all
 caches; a failed capture leaves the thread on the stream it was on, and its memory pool
 is not used again (a capture that ended in error may leave the allocator's bookkeeping
 of that pool behind).
+
+`capture=False` runs a slice's body eagerly over the same static tensors instead of
+replaying a graph: the same copies in and out, where CUDA graphs cannot run (the CPU, in
+the tests).
 """
 
 from __future__ import annotations
@@ -53,21 +58,27 @@ def bucket_for(rows: int) -> int | None:
     return next((b for b in BUCKETS if b >= rows), None)
 
 
+def buckets_up_to(rows: int) -> tuple[int, ...]:
+    """The buckets a step of at most `rows` rows may need (every bucket, past the largest)."""
+    largest = bucket_for(rows) or BUCKETS[-1]
+    return tuple(b for b in BUCKETS if b <= largest)
+
+
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    replay: Callable[[], SliceOutput]  # the graph's replay (or the slice's body, capture=False): `out`
     inputs: dict[str, torch.Tensor]  # the step's inputs, [bucket] each
     attn: torch.Tensor | None  # the attention output the slice takes, [bucket, ...]
     context: list[torch.Tensor]  # the previous slice's context, [bucket, ...] each
-    out: SliceOutput  # the slice's outputs, [bucket, ...] each
 
 
 class SliceGraphs:
     """The captured decode slices of one model worker on `device`."""
 
-    def __init__(self, split: SplitModel, device: torch.device) -> None:
+    def __init__(self, split: SplitModel, device: torch.device, *, capture: bool = True) -> None:
         self.split = split
         self.device = device
+        self.capture = capture
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._failed: set[tuple[int, int]] = set()  # (slice, bucket) whose capture failed
         self._pools: dict[tuple[int, int], Any] = {}  # by (micro-batch, bucket)
@@ -113,9 +124,8 @@ class SliceGraphs:
             g.attn[:rows].copy_(attn, non_blocking=True)
         for static, t in zip(g.context, context):
             static[:rows].copy_(t, non_blocking=True)
-        g.graph.replay()
+        out = g.replay()
         self.replays += 1
-        out = g.out
         return SliceOutput(None if out.qkv is None else tuple(t[:rows] for t in out.qkv),  # type: ignore[arg-type]
                            [c[:rows] for c in out.context],
                            out.output[:rows] if isinstance(out.output, torch.Tensor) else out.output)
@@ -135,6 +145,13 @@ class SliceGraphs:
         if "logits_index" in g_inputs:  # the last slice's: every row of a bucket is a sequence's
             g_inputs["logits_index"].copy_(torch.arange(bucket, device=self.device))  # last token
         slice_j = self.split.slices[j]
+        if not self.capture:
+            def body() -> SliceOutput:
+                with torch.inference_mode():
+                    return slice_j(g_inputs, g_attn, g_context)
+
+            self.captures += 1
+            return _Graph(body, g_inputs, g_attn, g_context)
         pool = self._pools.get((micro_batch, bucket))
         if pool is None:
             pool = self._pools[(micro_batch, bucket)] = torch.cuda.graph_pool_handle()
@@ -156,7 +173,12 @@ class SliceGraphs:
                         failed.error, exc_info=failed.error)
             return None
         self.captures += 1
-        return _Graph(graph, g_inputs, g_attn, g_context, out)
+
+        def replay() -> SliceOutput:
+            graph.replay()
+            return out  # the slice's outputs, [bucket, ...] each, written again by each replay
+
+        return _Graph(replay, g_inputs, g_attn, g_context)
 
     def _abandon(self, micro_batch: int, bucket: int, graph: torch.cuda.CUDAGraph, pool: Any) -> None:
         """After a capture that failed once begun: the graph kept and the pool ended

@@ -9,7 +9,9 @@ Slice graphs (lamina.model.slice_graphs) leave each layer's attention eager: its
 Python around them. On the H200 measured so far that came to about 200 us a layer of
 host time, which kept the engine at 5 to 10 times its bandwidth bound at 1B
 (docs/services.md, "On an H200"). Here a decode step is captured whole, once per
-(batch bucket, context bucket), the first time a step needs it, and replayed.
+(batch bucket, context bucket), and replayed: the engine's the first time a step needs
+it, a colocated worker's at its start where its warm-up captures them (`prepare`,
+lamina.services.warm_up), else also at a step's first need.
 
 What a graph fixes at capture, and how a step fits it:
 - Rows: the smallest bucket of slice_graphs.BUCKETS holding the step's B sequences. Rows
@@ -39,6 +41,7 @@ Triton's interpreter, in the tests).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,6 +69,14 @@ CONTEXT_MIN = 512
 def context_bucket(longest: int) -> int:
     """The keys a graph's splits cover for rows of at most `longest` keys."""
     return max(CONTEXT_MIN, 1 << max(longest - 1, 0).bit_length())
+
+
+def context_buckets_up_to(keys: int) -> tuple[int, ...]:
+    """The context buckets of rows of at most `keys` keys, smallest first."""
+    buckets = [CONTEXT_MIN]
+    while buckets[-1] < context_bucket(keys):
+        buckets.append(buckets[-1] * 2)
+    return tuple(buckets)
 
 
 @dataclass
@@ -245,6 +256,19 @@ class SlabStepGraphs(_Graphs):
         else:
             graph.slots[:n] = slots
         return self._replay(graph, host, rows, input_ids, positions)
+
+    def prepare(self, buckets: Sequence[int], contexts: Sequence[int]) -> int:
+        """Every (batch bucket, context bucket) of these captured now, before any step
+        needs it (a worker's start), and replayed once: its padding rows write nothing
+        into the pools and attend over no key. With capture=False each body runs once, as
+        a capture's own first calls do. Returns the graphs made."""
+        made = 0
+        for key in itertools.product(buckets, contexts):
+            if key not in self._graphs:
+                graph = self._graphs[key] = self._capture(key)
+                graph.replay()
+                made += 1
+        return made
 
     def _capture(self, key: tuple[int, int]) -> _StepGraph:
         bucket, keys = key

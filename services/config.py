@@ -100,6 +100,10 @@ clear message naming the setting.
     warm_up: true               # prefill and model workers run one made-up forward, and the gateway its
                                 # tokenizer's first encodes, before they serve (services/warm_up.py;
                                 # LAMINA_WARM_UP)
+    warm_up_graph_keys: 4096    # with warm_up, on a GPU: the CUDA graphs of every batch bucket up to
+                                # scheduler.max_batch_size and every context bucket up to this many
+                                # keys captured before the workers serve; 0: each at its first
+                                # step (LAMINA_WARM_UP_GRAPH_KEYS)
 """
 
 from __future__ import annotations
@@ -407,6 +411,12 @@ class StackConfig:
     # sequence and the gateway its tokenizer's first encodes (services/warm_up.py), so the
     # first request does not pay for what is started lazily.
     warm_up: bool = True
+    # With warm_up, on a GPU, the model and attention workers capture their CUDA graphs
+    # before they register: every batch bucket up to scheduler.max_batch_size and, for
+    # graphs that attend, every context bucket of at most this many keys (and at most the
+    # model's context); 0: none (each is captured at the first step that needs it, which
+    # then waits for it).
+    warm_up_graph_keys: int = 4096
 
     def __post_init__(self) -> None:
         self._check_layout()
@@ -479,7 +489,8 @@ class StackConfig:
                             ("prefill.chunk_tokens", self.prefill.chunk_tokens),
                             ("prefill.cache_device_bytes", self.prefill.cache_device_bytes),
                             ("prefill.cache_host_bytes", self.prefill.cache_host_bytes),
-                            ("prefill.cache_disk_bytes", self.prefill.cache_disk_bytes)):
+                            ("prefill.cache_disk_bytes", self.prefill.cache_disk_bytes),
+                            ("warm_up_graph_keys", self.warm_up_graph_keys)):
             _check(isinstance(value, int) and value >= 0, name, "must be a non-negative integer", value)
         for name, wait, most in (("scheduler.join_hold_ms", self.scheduler.join_hold_ms, 60_000),
                                  ("prefill.batch_window_ms", self.prefill.batch_window_ms, 1000),
@@ -652,6 +663,7 @@ ENV_OVERRIDES = {
     "LAMINA_GRPC_PORT": "ports.grpc",
     "LAMINA_METRICS_PORT": "ports.metrics",
     "LAMINA_WARM_UP": "warm_up",
+    "LAMINA_WARM_UP_GRAPH_KEYS": "warm_up_graph_keys",
 }
 
 

@@ -10,19 +10,30 @@ token against 53-90 ms for the next ones (bench/first_request.py shows the effec
 The warm-up touches nothing a request sees: its attention is plain causal SDPA over its
 own K and V (no KV store, no attention worker, no prefix cache), and a prefill worker
 does not count it in its forward rate (the scheduler's deadlines read that figure).
-Graphs are not captured here: a GPU's CUDA graphs are captured at the first step of
-each batch bucket, as before.
+
+On a GPU the warm-up also captures the workers' CUDA graphs (`warm_up_graph_keys`,
+`graph_plan`): a model worker's decode slices for each of its micro-batches (or, colocated,
+its whole decode steps) and an attention worker's decode attention, for every batch
+bucket up to `scheduler.max_batch_size` and every context bucket up to that many keys.
+Captured lazily instead, each bucket's first step waits for its captures (every sequence
+in flight then takes a late token). Capturing reads made-up rows: a step of one token at
+position 0 a row; the attention graphs' rows are padding, which write nothing and attend
+over no key.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from lamina.model.attention import causal_attention
 from lamina.model.batch import StepBatch
+from lamina.model.slice_graphs import buckets_up_to
+from lamina.model.step_graphs import context_buckets_up_to
 from lamina.planner.measure.kernels import synchronize
+from lamina.services.config import StackConfig
 
 # A prefill worker's made-up prompt (tokens); a model worker's step is one token, as a
 # decode step's rows are.
@@ -34,6 +45,33 @@ def warm_up_inputs(vocab_size: int, tokens: int, device: torch.device) -> dict[s
     last row scored."""
     ids = [(7 + 31 * i) % vocab_size for i in range(tokens)]
     return StepBatch.build(["warm-up"], [ids], [0]).model_inputs(device)
+
+
+def decode_inputs(vocab_size: int, rows: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The slices' inputs of a decode step of `rows` made-up sequences, one token each at
+    position 0 (every row scored, as a decode step's)."""
+    ids = [[(7 + 31 * i) % vocab_size] for i in range(rows)]
+    return StepBatch.build([f"warm-up-{i}" for i in range(rows)], ids, [0] * rows).model_inputs(device)
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """The CUDA graphs a worker captures at start: these batch buckets, and these context
+    buckets for graphs that attend."""
+
+    buckets: tuple[int, ...]
+    contexts: tuple[int, ...]
+
+
+def graph_plan(config: StackConfig, max_context: int) -> GraphPlan | None:
+    """What a worker on a GPU captures before it serves (None: nothing, each graph at its
+    first step): with warm_up and warm_up_graph_keys, every batch bucket a step of up to
+    scheduler.max_batch_size sequences takes, and every context bucket of up to
+    warm_up_graph_keys keys (at most the model's `max_context`)."""
+    if not config.warm_up or config.warm_up_graph_keys == 0:
+        return None
+    keys = min(config.warm_up_graph_keys, max_context)
+    return GraphPlan(buckets_up_to(config.scheduler.max_batch_size), context_buckets_up_to(keys))
 
 
 def attend_own(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

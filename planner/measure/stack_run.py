@@ -200,14 +200,16 @@ def run_stack(prompts: list[list[int]], steps: int, transport: str, micro_batche
             raise RuntimeError("the stack started without a metadata store")
         ports = asyncio.run(metric_ports(stack.config.redis_url, stack.config.namespace))
         # Warm-up, so the first steps' one-time costs are not timed: one short request; on a
-        # GPU the whole batch, short, since each batch size has its own (CUDA graph captures
-        # of its bucket, Triton's compiles of its kernels' variants).
+        # GPU the whole batch, short, since each batch size has its own (Triton's compiles of
+        # its kernels' variants; CUDA graph captures of its bucket where the workers did not
+        # capture them at start, warm_up_graph_keys).
         warm = prompts[:1] if device == "cpu" else [p[:32] for p in prompts]
         asyncio.run(_drive(stack.base_url, model, warm, 2))
         # A GPU's graphs are also per context bucket (lamina.model.step_graphs.context_bucket),
-        # which the short warm-up does not reach: the whole batch's first decode steps at the
-        # prompts' length capture them (a step of each micro-batch, in whichever order they
-        # interleave), so the window starts two steps later there.
+        # which the short warm-up does not reach: past the keys captured at start, the whole
+        # batch's first decode steps at the prompts' length capture them (a step of each
+        # micro-batch, in whichever order they interleave), so the window starts two steps
+        # later there.
         untimed = untimed_steps if untimed_steps is not None else 0 if device == "cpu" else 2
         # The counters are read at the window's start and end.
         before: dict[str, Any] = {}

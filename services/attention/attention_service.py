@@ -22,6 +22,7 @@ import torch
 from lamina import transports
 from lamina.aio import install_uvloop
 from lamina.model.checkpoints import load_config
+from lamina.planner.measure.kernels import synchronize
 from lamina.services.addresses import with_host
 from lamina.services.attention.attention_core import AttentionCore
 from lamina.services.config import StackConfig
@@ -31,6 +32,7 @@ from lamina.services.kv_budget import kv_budget_here
 from lamina.services.placement import head_range
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime, abort_for_remote_error
+from lamina.services.warm_up import graph_plan
 from lamina.services.wire import (
     Attend,
     Kind,
@@ -115,6 +117,7 @@ class AttentionService:
         t0 = time.monotonic()
         if self.core.warm_up():
             log.info("attention kernels ready on %s in %.1f s", device, time.monotonic() - t0)
+        self.max_context = model_cfg.max_position_embeddings
         self.runtime = ServiceRuntime("attention", self.service_id, config)
         r = self.runtime.registry
         self.m_frames = prometheus_client.Counter("lamina_attention_frames", "data-plane frames handled",
@@ -133,13 +136,36 @@ class AttentionService:
         self.m_graph_failures = prometheus_client.Counter(
             "lamina_attention_graph_capture_failures", "layer, batch and context buckets whose CUDA graph capture "
             "failed (their frames run eagerly)", registry=r)
+        self.m_graph_captures = prometheus_client.Counter(
+            "lamina_attention_graph_captures", "CUDA graphs of the decode attention captured (at start, "
+            "warm_up_graph_keys, or by the first frame that needs one)", registry=r)
         # The process's device waits (one clock for every connection: counted from its value
-        # now) and the core's graph replays and failed captures.
+        # now) and the core's graph replays, captures and failed captures.
         self._totals = CounterTotals({"device_wait": self.m_device_wait, "graph_replays": self.m_graph_replays,
-                                      "graph_failures": self.m_graph_failures},
+                                      "graph_failures": self.m_graph_failures,
+                                      "graph_captures": self.m_graph_captures},
                                      start={"device_wait": DEVICE_WAITS.seconds})
         self._frame_counters: dict[int, prometheus_client.Counter] = {}  # m_frames' child by frame kind
         self._listener: transports.Listener | None = None
+        if not config.colocated:  # colocated, the model worker decides (its step graphs may serve every step)
+            self.capture_graphs()
+
+    def capture_graphs(self) -> int:
+        """The decode attention's CUDA graphs captured before the worker serves, for every
+        bucket of services/warm_up.py's `graph_plan` and every layer, where decode frames
+        replay them: the core has graphs (a GPU's paged kernel) and frames come whole
+        (no Q-early) in its dtype. Returns the graphs made."""
+        graphs, cfg = self.core.graphs, self.config
+        plan = graph_plan(cfg, self.max_context)
+        if plan is None or graphs is None or cfg.pipeline.q_early \
+                or compute_dtype(cfg.model_worker.compute_dtype) != graphs.dtype:
+            return 0
+        t0 = time.monotonic()
+        made = graphs.prepare(self.core.cfg.num_layers, plan.buckets, plan.contexts)
+        synchronize(self.core.device)
+        log.info("%d CUDA graphs of the decode attention captured in %.1f s", made, time.monotonic() - t0)
+        self._count_waits_and_graphs()
+        return made
 
     async def _serve_connection(self, conn: transports.Connection) -> None:
         # One peer (a model or prefill worker). Frames are handled in arrival order and
@@ -168,11 +194,12 @@ class AttentionService:
         return counter
 
     def _count_waits_and_graphs(self) -> None:
-        """The process's device waits and the core's graph replays and failed captures
-        since the last count."""
+        """The process's device waits and the core's graph replays, captures and failed
+        captures since the last count."""
         graphs = self.core.graphs
         self._totals.report({"device_wait": DEVICE_WAITS.seconds, "graph_replays": graphs.replays if graphs else 0,
-                             "graph_failures": graphs.failures if graphs else 0})
+                             "graph_failures": graphs.failures if graphs else 0,
+                             "graph_captures": graphs.captures if graphs else 0})
 
     def _handle(self, frame: transports.Frame, held: dict) -> transports.Frame | None:
         """The reply to one frame (None when it needs none). A frame that cannot be

@@ -59,7 +59,7 @@ from lamina.services.model.slice_server import SliceServer
 from lamina.services.model.staging import Staging
 from lamina.services.protos import lamina_pb2, lamina_pb2_grpc
 from lamina.services.runtime import ServiceRuntime
-from lamina.services.warm_up import attend_own, finished, warm_up_inputs
+from lamina.services.warm_up import attend_own, decode_inputs, finished, graph_plan, warm_up_inputs
 from lamina.services.wire import decode_tag, slice_tag
 from lamina.transports.host_staging import DEVICE_WAITS
 
@@ -242,6 +242,9 @@ class ModelService:
         self.m_warm_up = prometheus_client.Gauge(
             "lamina_model_warm_up_seconds", "the warm-up step's seconds, before the worker served (0: none, "
             "warm_up false)", registry=r)
+        self.m_graph_captures = prometheus_client.Counter(
+            "lamina_model_graph_captures", "CUDA graphs captured: decode slices and (colocated) whole steps, at "
+            "start (warm_up_graph_keys) or by the first step that needs one", registry=r)
         self.m_step_failures = prometheus_client.Counter(
             "lamina_model_step_graph_capture_failures", "batch and context buckets whose whole-step CUDA graph "
             "capture failed (their steps run the same launches eagerly)", registry=r)
@@ -262,7 +265,7 @@ class ModelService:
             {"compute": self.m_compute, "send": self.m_send, "remote": self.m_remote, "reply_wait": self.m_reply_wait,
              "device_wait": self.m_device_wait, "slice_replays": self.m_graph_replays,
              "slice_failures": self.m_graph_failures, "step_replays": self.m_step_replays,
-             "step_failures": self.m_step_failures, "local": None},
+             "step_failures": self.m_step_failures, "captures": self.m_graph_captures, "local": None},
             start={"device_wait": DEVICE_WAITS.seconds})
 
     def _serve_slice(self, j, inputs, attn, context) -> SliceOutput:
@@ -286,6 +289,7 @@ class ModelService:
             "reply_wait": pool.reply_wait_s if pool else 0.0, "device_wait": DEVICE_WAITS.seconds,
             "slice_replays": graphs.replays if graphs else 0, "slice_failures": graphs.failures if graphs else 0,
             "step_replays": steps.replays if steps else 0, "step_failures": steps.failures if steps else 0,
+            "captures": (graphs.captures if graphs else 0) + (steps.captures if steps else 0),
             "local": pool.local_s if pool else 0.0})
         if self.attention is not None:
             self.attention.count_local(grew["local"])
@@ -363,16 +367,45 @@ class ModelService:
 
     def warm_up(self) -> float:
         """One decode-shaped step, a made-up token, through the slices on this thread,
-        where the steps compute (services/warm_up.py), before the worker registers.
-        Returns its seconds."""
+        where the steps compute (services/warm_up.py), before the worker registers; on a
+        GPU its CUDA graphs captured then (`capture_graphs`). Returns its seconds."""
         inputs = warm_up_inputs(self.slices.cfg.vocab_size, 1, self.slices.device)
         started = time.perf_counter()
         with torch.inference_mode():
             self.slices.split.run(inputs, attend_own, reuse_outputs=True)
+        captured = self.capture_graphs()
         seconds = finished(self.slices.device, started)
+        self._count_work()  # the graphs captured
         self.m_warm_up.set(seconds)
-        log.info("warm-up step: %.0f ms", 1000 * seconds)
+        log.info("warm-up step: %.0f ms%s", 1000 * seconds, f" ({captured} CUDA graphs captured)" if captured else "")
         return seconds
+
+    def capture_graphs(self) -> int:
+        """The CUDA graphs this worker's decode steps replay, captured before it serves for
+        every bucket of services/warm_up.py's `graph_plan`: colocated, the whole steps
+        (or, without them, the slices' and the attention core's graphs); else each
+        micro-batch's slices, by a made-up step of each batch bucket on its stream (the
+        slices' graphs attend over nothing; rotational steps replay none). Returns the
+        graphs made; their replays here are not counted."""
+        plan = graph_plan(self.config, self.slices.cfg.max_position_embeddings)
+        slices, graphs = self.slices, self.slices.graphs
+        if plan is None:
+            return 0
+        if slices.step_graphs is not None:
+            with torch.inference_mode():  # as the steps run (a failed capture's body runs eagerly)
+                return slices.step_graphs.prepare(plan.buckets, plan.contexts)
+        made = 0 if self.attention is None else self.attention.capture_graphs()
+        if graphs is None or self.config.rotational:
+            return made
+        captures, replays = graphs.captures, graphs.replays
+        for m in range(self.config.decode_micro_batches):
+            call_slice = graphs.caller(m)
+            for rows in plan.buckets:
+                with slices.staging.stream(m), torch.inference_mode():
+                    inputs = decode_inputs(slices.cfg.vocab_size, rows, slices.device)
+                    slices.split.run(inputs, attend_own, reuse_outputs=True, call_slice=call_slice)
+        graphs.replays = replays  # lamina_model_graph_replays counts decode steps' replays
+        return made + graphs.captures - captures
 
     async def _serve(self) -> None:
         if self.config.warm_up:

@@ -30,6 +30,7 @@ from lamina.services.config import (
     ModelWorkerSection,
     PipelineSection,
     PrefillSection,
+    SchedulerSection,
     StackConfig,
 )
 from lamina.services.launch.launcher import Stack
@@ -83,7 +84,10 @@ def _stack(transport: str, partition: str, workers: int, micro_batches: int, q_e
                                                          dtype=dtype),
                          prefill=PrefillSection(device=device, dtype=dtype),
                          pipeline=PipelineSection(micro_batches=micro_batches, q_early=q_early, min_micro_batch=1),
-                         data_plane=DataPlaneSection(cuda_ipc_device_order=device_order))
+                         data_plane=DataPlaneSection(cuda_ipc_device_order=device_order),
+                         # The graphs captured at start: batch buckets 1-8, one context bucket
+                         # (512 keys: every prompt here and its completion fit).
+                         scheduler=SchedulerSection(max_batch_size=8), warm_up_graph_keys=512)
     stack = Stack(config)
     stack.start(timeout_s=300)
     return stack
@@ -94,6 +98,7 @@ def test_greedy_through_the_stack_on_cuda_equals_transformers(row, model_refs):
     prompts, completions, _ = model_refs
     stack = _stack(*row)
     try:
+        captured = _graph_captures(stack, row)
         with ThreadPoolExecutor(len(prompts)) as pool:  # at once: both micro-batches hold sequences
             outs = list(pool.map(lambda p: complete(stack, p, NEW_TOKENS, return_token_ids=True), prompts))
         for prompt, out in zip(prompts, outs):
@@ -107,8 +112,23 @@ def test_greedy_through_the_stack_on_cuda_equals_transformers(row, model_refs):
                    metric_total(stack, "model", f"model-{i}", f"lamina_model_{kind}_capture_failures_total"))
                   for i in range(model_workers)]
         assert sum(r for r, _ in graphs) > 0 and all(f == 0 for _, f in graphs), graphs
+        # Every graph the steps replayed was captured at start (warm_up_graph_keys): the
+        # model workers' (and, with whole frames, the attention workers') before serving,
+        # none since.
+        assert captured["model"] > 0 and (captured["attention"] > 0) == (not colocated and not row[4]), captured
+        assert _graph_captures(stack, row) == captured
     finally:
         stack.stop()
+
+
+def _graph_captures(stack: Stack, row: tuple) -> dict[str, float]:
+    """CUDA graphs the model workers and the attention workers have captured so far."""
+    colocated = row[5] == "colocated"
+    return {"model": sum(metric_total(stack, "model", f"model-{i}", "lamina_model_graph_captures_total")
+                         for i in range(row[2] if colocated else 1)),
+            "attention": 0.0 if colocated else sum(
+                metric_total(stack, "attention", f"attention-{i}", "lamina_attention_graph_captures_total")
+                for i in range(row[2]))}
 
 
 DEVICE_ORDER_KILLED = pytest.mark.xfail(

@@ -153,14 +153,19 @@ def _prompt_kv(split, prompt: list[int], device: torch.device) -> list[tuple[tor
     return kv
 
 
+@pytest.mark.parametrize("at_start", [False, True], ids=["lazy", "at-start"])
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_colocated_decode_steps_through_the_graphs_equal_the_cores_own_steps(split_model, device, monkeypatch):
+def test_colocated_decode_steps_through_the_graphs_equal_the_cores_own_steps(split_model, device, at_start,
+                                                                             monkeypatch):
     """A colocated model worker's steps over its attention core's slab pools
     (SlabStepGraphs): the same four steps as the engine's test, each extended by the core
     (`decode_step`) and replayed, against a twin core attending layer by layer
     (`local_step`): equal logits, each step's new slots written as the twin wrote them,
     every other slot of every layer's pools unchanged (the finished sequence's slots,
-    freed and handed out again, included), three graphs and four replays."""
+    freed and handed out again, included), three graphs and four replays. At start (a
+    worker's warm-up, `prepare`): four graphs (batch buckets 1 and 4, context buckets 128
+    and 256) made and replayed once before any step, writing nothing into the pools, and none
+    made by the steps."""
     cfg, split, dev, lens, prompts = _steps_setup(split_model, device, seed=1, monkeypatch=monkeypatch)
     cores = [AttentionCore(cfg, 1200 * cfg.kv_bytes_per_token(4), cfg.num_kv_heads, device=dev) for _ in range(2)]
     for core in cores:
@@ -173,6 +178,13 @@ def test_colocated_decode_steps_through_the_graphs_equal_the_cores_own_steps(spl
     eager, graphed = cores
     graphs = SlabStepGraphs(split, graphed.slabs.k_pools, graphed.slabs.v_pools, capture=dev.type == "cuda",
                             multiprocessors=8)
+    made = 0
+    if at_start:
+        before = [p.clone() for p in (*graphed.slabs.k_pools, *graphed.slabs.v_pools)]
+        with torch.inference_mode():
+            made = graphs.prepare((1, 4), step_graphs.context_buckets_up_to(200))
+        assert made == 4 and graphs.replays == 0
+        assert all(torch.equal(p, old) for p, old in zip((*graphed.slabs.k_pools, *graphed.slabs.v_pools), before))
     last = {s: prompts[s][-1] for s in lens}
     for members in (["a", "b", "c", "d"], ["a", "b", "c"], ["a", "b", "c"], ["b"]):
         if "d" not in members and graphed.slabs.has_request("d"):
@@ -199,7 +211,7 @@ def test_colocated_decode_steps_through_the_graphs_equal_the_cores_own_steps(spl
             assert torch.equal(pool, old)  # nothing else written
             pool[new] = twin[new]
         last.update(zip(members, want.argmax(-1).tolist()))
-    assert (graphs.captures, graphs.replays, graphs.failures) == (3, 4, 0)
+    assert (graphs.captures, graphs.replays, graphs.failures) == (made or 3, 4, 0)
     with pytest.raises(RemoteError, match="no KV for sequence"):
         graphed.decode_step([("d", 1)])
     with pytest.raises(RemoteError, match="appears twice"):

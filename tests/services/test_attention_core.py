@@ -386,3 +386,41 @@ def test_decode_frames_through_the_attention_graphs_equal_the_history_and_write_
             want = history.attention(layer, seqs, q.to(q_dtype).float().cpu())[0]
             torch.testing.assert_close(out.float().cpu(), want, **tol)
     assert graphs.replays == served
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=INTERPRETED), pytest.param("cuda", marks=NO_CUDA)])
+def test_attention_graphs_captured_at_start_write_nothing_and_serve_the_later_frames(device, monkeypatch):
+    """A worker's warm-up captures the decode attention's graphs before any frame
+    (`AttendGraphs.prepare`: on the CPU each body runs once over its static tensors, the
+    kernels under Triton's interpreter): one per (layer, batch bucket, context bucket),
+    none again, and nothing written into the pools by their padding rows. Frames then
+    replay them without a capture and equal attention over the history."""
+    from lamina.model import step_graphs
+
+    monkeypatch.setattr(step_graphs, "CONTEXT_MIN", 16)
+    if device == "cpu":
+        monkeypatch.setattr("lamina.services.attention.attention_core.paged_available", lambda device: True)
+    dtype, kv_heads = torch.bfloat16, 3
+    core = AttentionCore(CFG, capacity_bytes=4 << 20, num_kv_heads=kv_heads, tokens_per_slab=4, device=device,
+                         dtype=dtype, cuda_graphs=True)
+    graphs = core.graphs
+    assert graphs is not None
+    pools = [*core.slabs.k_pools, *core.slabs.v_pools]
+    for pool in pools:
+        pool.fill_(SENTINEL)
+    made = graphs.prepare(CFG.num_layers, (1, 2, 4), step_graphs.context_buckets_up_to(20))  # contexts 16, 32
+    assert made == CFG.num_layers * 3 * 2 == graphs.captures and graphs.replays == 0
+    assert graphs.prepare(CFG.num_layers, (1, 4), (16,)) == 0  # made already
+    assert all(bool((pool == SENTINEL).all()) for pool in pools)
+    torch.manual_seed(0)
+    history = History(kv_heads, dtype)
+    for s, n in {"a": 14, "b": 20, "c": 8}.items():
+        history.prompt([core], s, n)
+    seqs = [("a", 1), ("b", 1), ("c", 1)]  # a bucket of 4 over up to 21 keys: context 32
+    for layer in range(CFG.num_layers):
+        q, k, v = (t.to(device, dtype) for t in _step_inputs(seqs, CFG.num_heads, kv_heads))
+        out, _ = core.attend(layer, seqs, q, k, v)
+        history.append(layer, seqs, k.float().cpu(), v.float().cpu())
+        torch.testing.assert_close(out.float().cpu(), history.attention(layer, seqs, q.float().cpu())[0],
+                                   atol=2e-2, rtol=2e-2)
+    assert (graphs.captures, graphs.replays, graphs.failures) == (made, CFG.num_layers, 0)

@@ -12,13 +12,22 @@ import pytest
 import torch
 from prefill_helpers import serving_prefill
 
+from lamina.model.slice_graphs import SliceGraphs
 from lamina.model.tokenizer import Tokenizer
 from lamina.services.attention.attention_service import AttentionService
-from lamina.services.config import AttentionSection, PrefillSection, StackConfig, load_config
+from lamina.services.config import (
+    AttentionSection,
+    ConfigError,
+    PipelineSection,
+    PrefillSection,
+    SchedulerSection,
+    StackConfig,
+    load_config,
+)
 from lamina.services.model.model_service import ModelService
 from lamina.services.prefill.prefill_service import PrefillService
 from lamina.services.protos import lamina_pb2
-from lamina.services.warm_up import attend_own, warm_up_inputs
+from lamina.services.warm_up import GraphPlan, attend_own, decode_inputs, graph_plan, warm_up_inputs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,6 +38,22 @@ def test_warm_up_is_on_unless_configured_off():
     assert StackConfig().warm_up is True and load_config(env={}).warm_up is True
     assert load_config(env={"LAMINA_WARM_UP": "false"}).warm_up is False
     assert load_config(env={}, overrides={"warm_up": False}).warm_up is False
+
+
+def test_graphs_are_captured_at_start_up_to_the_largest_batch_and_the_keys_set():
+    """warm_up_graph_keys: every batch bucket a step of up to max_batch_size sequences
+    takes, every context bucket up to the keys set (at most the model's context); 0 or
+    no warm-up: none."""
+    config = load_config(env={}, overrides={"scheduler.max_batch_size": 100})
+    assert config.warm_up_graph_keys == 4096
+    assert graph_plan(config, 8192) == GraphPlan((1, 2, 4, 8, 16, 32, 64, 128), (512, 1024, 2048, 4096))
+    assert graph_plan(config, 1000) == GraphPlan((1, 2, 4, 8, 16, 32, 64, 128), (512, 1024))
+    gpu = load_config(env={"LAMINA_MODEL_DEVICE": "cuda", "LAMINA_WARM_UP_GRAPH_KEYS": "600"})
+    assert graph_plan(gpu, 8192) == GraphPlan((1, 2, 4, 8, 16, 32, 64, 128, 256), (512, 1024))
+    assert graph_plan(load_config(env={"LAMINA_WARM_UP_GRAPH_KEYS": "0"}), 8192) is None
+    assert graph_plan(load_config(env={"LAMINA_WARM_UP": "no"}), 8192) is None
+    with pytest.raises(ConfigError, match="warm_up_graph_keys must be a non-negative integer"):
+        load_config(env={"LAMINA_WARM_UP_GRAPH_KEYS": "-1"})
 
 
 def _request(seq_id: str) -> lamina_pb2.PrefillRequest:
@@ -85,6 +110,45 @@ def test_a_model_workers_warm_up_leaves_its_slices_as_they_were():
     assert seconds > 0 and svc.runtime.registry.get_sample_value("lamina_model_warm_up_seconds") == seconds
     assert svc.slices.compute_s == 0.0
     assert torch.equal(logits(), first)
+
+
+@pytest.mark.parametrize("mode", ["fixed", "rotational"])
+def test_a_model_workers_warm_up_captures_each_micro_batchs_slice_graphs(mode):
+    """On a GPU the warm-up captures every micro-batch's decode slices for every batch
+    bucket up to max_batch_size (here SliceGraphs without capture, the CPU's: each "graph"
+    runs its slice over the static tensors). A later step of 3 sequences then captures
+    nothing, replays each slice of bucket 4 and gives the eager logits; the warm-up's own
+    replays are not counted, its captures are. Rotational steps replay no graphs: none is made."""
+    config = StackConfig(redis_url="redis://127.0.0.1:1", scheduler=SchedulerSection(max_batch_size=3),
+                         pipeline=PipelineSection(micro_batches=2, mode=mode))
+    svc = ModelService(config)
+    graphs = svc.slices.graphs = SliceGraphs(svc.slices.split, svc.slices.device, capture=False)
+    slices = len(svc.slices.split.slices)
+    seconds = svc.warm_up()
+    assert seconds > 0 and svc.runtime.registry.get_sample_value("lamina_model_warm_up_seconds") == seconds
+    if mode == "rotational":
+        assert (graphs.captures, graphs.replays) == (0, 0)
+        return
+    assert config.decode_micro_batches == 2
+    assert (graphs.captures, graphs.replays, graphs.failures) == (2 * 3 * slices, 0, 0)  # buckets 1, 2, 4
+    metric = svc.runtime.registry.get_sample_value
+    assert metric("lamina_model_graph_captures_total") == 2 * 3 * slices
+    assert metric("lamina_model_graph_replays_total") == 0.0
+    assert svc.slices.compute_s == 0.0
+    inputs = decode_inputs(svc.slices.cfg.vocab_size, 3, svc.slices.device)
+    with torch.inference_mode():
+        want = svc.slices.split.run(inputs, attend_own).clone()  # [3, V]
+        got = svc.slices.split.run(inputs, attend_own, call_slice=graphs.caller(1))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (graphs.captures, graphs.replays) == (2 * 3 * slices, slices)
+
+
+def test_nothing_is_captured_at_start_where_no_graphs_exist():
+    """Where no graphs exist (the CPU's slices, the native attention core) the warm-up
+    captures nothing and says so by its count."""
+    config = StackConfig(redis_url="redis://127.0.0.1:1")
+    assert ModelService(config).capture_graphs() == 0
+    assert AttentionService(config).capture_graphs() == 0
 
 
 def test_the_gateways_tokenizer_warm_up_makes_what_the_first_request_waits_for():
