@@ -185,11 +185,13 @@ def signals_held() -> Iterator[None]:
 
 @contextlib.contextmanager
 def lamina_up(options: list[str], log: Path, env: Mapping[str, str] | None = None) -> Iterator[str]:
-    """`lamina up OPTIONS` on a free port, in this process's environment updated by `env`:
-    yields its base URL once it serves, and stops it (and with it every service it
-    started) on the way out."""
+    """`lamina up OPTIONS` on a free port, in this process's environment updated by `env`,
+    its output in `log` and its services' logs in the directory beside it named after it
+    (`--log-dir`): yields its base URL once it serves, and stops it (and with it every
+    service it started) on the way out."""
     port = free_port()
-    argv = [sys.executable, "-m", "lamina.cli", "up", "--port", str(port), *options]
+    argv = [sys.executable, "-m", "lamina.cli", "up", "--port", str(port),
+            "--log-dir", str(log.with_suffix(".services")), *options]
     print(f"  lamina {' '.join(argv[3:])}", flush=True)
     proc = None
     try:

@@ -90,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how model and prefill workers hold the linears (default as_file; docs/model.md)")
     add_kv_quant(p)
     add_gateway_exposure(p)
+    p.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
+                   help="write each service's log to DIR/<service>.log (made if missing; default: a new private "
+                        "directory under the system's temporary directory); the logs stay after the stack stops")
     p.add_argument("--supervise", action=argparse.BooleanOptionalAction, default=True,
                    help="restart a service process that exits, with backoff (default on; with --no-supervise "
                         "any exit stops the stack)")
@@ -210,7 +213,11 @@ def run(args: argparse.Namespace) -> int:
             return 2
         where = f"as actors of the Ray cluster at {args.ray}, each service's log on its node"
     else:
-        stack = Stack(config, supervise=args.supervise, keep_logs=True)  # its logs outlive it: "logs in"
+        try:  # its logs outlive it: "logs in"
+            stack = Stack(config, log_dir=args.log_dir, supervise=args.supervise, keep_logs=True)
+        except OSError as exc:  # a --log-dir that cannot be made
+            print(f"lamina up: --log-dir: {exc}", file=sys.stderr)
+            return 2
         where = f"logs in {stack.log_dir}"
     # The handler only appends: it runs in the main thread between two bytecodes, also
     # inside a wait that holds a lock (an Event.set() there took that lock again and

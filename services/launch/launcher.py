@@ -157,8 +157,11 @@ class Stack:
         self.redis: EmbeddedRedis | None = None
         self.processes: list[ServiceProcess] = []
         # Private (0700): the stack's configuration file, which holds its token, and by
-        # default the services' logs. `stop` removes it unless keep_logs is set or the
-        # start failed (its error names the logs there).
+        # default the services' logs. `stop` removes it unless it holds the logs and
+        # keep_logs is set or the start failed (its error names the logs there). Logs
+        # in a `log_dir` of the caller's stay there.
+        if log_dir is not None:
+            log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # first: a refusal leaves nothing made
         self.work_dir = Path(tempfile.mkdtemp(prefix="lamina-stack-"))
         self.keep_logs = keep_logs
         self.log_dir = log_dir or self.work_dir
@@ -179,21 +182,30 @@ class Stack:
     def start(self, timeout_s: float = 300.0) -> None:
         """Start everything and wait until the gateway answers /health (RuntimeError before
         anything starts where the gateway could not listen on its port: `gateway_port_taken`)."""
-        local_stacks.runtime_dir()  # where it will be found: refused (UnsafeDirectory) before anything starts
-        taken = self._gateway_port_taken()
-        if taken is not None:
-            raise RuntimeError(taken)
-        # Convert the checkpoint once here, so the services do not race to do it.
-        resolve_checkpoint(self.config.model)
-        # Auto KV on a GPU counted over every service this host runs, once, for all of them
-        # (ConfigError, before anything starts, where the GPU leaves it no room).
-        self.config, _ = with_kv_budget(self.config)
-        if not self.config.redis_url:
-            self._start_redis()
-        if self.config.cluster_token is None:  # every service authenticates its peers with it (docs/security.md)
-            self.config = dataclasses.replace(self.config, cluster_token=secrets.token_urlsafe(32))
-        cfg_path = self.work_dir / "stack.yaml"  # in a 0700 directory: it holds the token
-        cfg_path.write_text(yaml.safe_dump(self.config.to_dict()))
+        try:
+            local_stacks.runtime_dir()  # where it will be found: refused (UnsafeDirectory) before anything starts
+            taken = self._gateway_port_taken()
+            if taken is not None:
+                raise RuntimeError(taken)
+            # Convert the checkpoint once here, so the services do not race to do it.
+            resolve_checkpoint(self.config.model)
+            # Auto KV on a GPU counted over every service this host runs, once, for all of them
+            # (ConfigError, before anything starts, where the GPU leaves it no room).
+            self.config, _ = with_kv_budget(self.config)
+            if not self.config.redis_url:
+                self._start_redis()
+            if self.config.cluster_token is None:  # every service authenticates its peers with it (docs/security.md)
+                self.config = dataclasses.replace(self.config, cluster_token=secrets.token_urlsafe(32))
+            cfg_path = self.work_dir / "stack.yaml"  # in a 0700 directory: it holds the token
+            cfg_path.write_text(yaml.safe_dump(self.config.to_dict()))
+        except BaseException:
+            # No service started, none logged: Redis stops and the directory goes (not
+            # `stop`: the port may be another stack's, published by this process).
+            if self.redis is not None:
+                self.redis.close()
+                self.redis = None
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+            raise
         self._argv = ([sys.executable, "-m", "lamina.cli"], ["--config", str(cfg_path)])
         base, common = self._argv
         # The services end with this process.
@@ -382,7 +394,7 @@ class Stack:
         if self.redis is not None:
             self.redis.close()  # stops it and removes its directory
             self.redis = None
-        if not self.keep_logs:
+        if not self.keep_logs or self.log_dir != self.work_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
         else:
             self._forget_token()

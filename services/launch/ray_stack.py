@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -201,15 +202,19 @@ class RayStack(Stack):
     def start(self, timeout_s: float = 300.0) -> None:
         import ray
 
-        _check_reachable(self.address)
         # ray.init makes SIGTERM raise SystemExit wherever the main thread is; the caller's
         # handler (lamina up's: an ordered stop) is put back.
         on_sigterm = signal.getsignal(signal.SIGTERM)
         try:
-            ray.init(address=self.address, namespace=self.config.namespace, log_to_driver=False,
-                     logging_level=logging.WARNING)
-        except (ConnectionError, ValueError, RuntimeError) as exc:
-            raise RuntimeError(f"no Ray cluster at {self.address}: {exc}") from exc
+            _check_reachable(self.address)
+            try:
+                ray.init(address=self.address, namespace=self.config.namespace, log_to_driver=False,
+                         logging_level=logging.WARNING)
+            except (ConnectionError, ValueError, RuntimeError) as exc:
+                raise RuntimeError(f"no Ray cluster at {self.address}: {exc}") from exc
+        except BaseException:
+            shutil.rmtree(self.work_dir, ignore_errors=True)  # nothing started: the stack's directory goes
+            raise
         finally:
             if on_sigterm is not None and threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, on_sigterm)

@@ -248,9 +248,13 @@ def test_the_wheel_in_a_fresh_venv_serves_a_chat_request(installed, tmp_path, lo
 @contextlib.contextmanager
 def _lamina_up(installed: Installed, port: int, log_path: Path,
                options: tuple[str, ...] = ("--attention-workers", "1")) -> Iterator[subprocess.Popen]:
-    """`lamina up` from the wheel, its output in `log_path`; stopped at the end if it still runs."""
+    """`lamina up` from the wheel, its output in `log_path`, its services' logs in the
+    directory beside it named after it (`--log-dir`, checked after the stop); stopped at
+    the end if it still runs."""
+    logs = log_path.with_suffix(".services")
     with open(log_path, "wb") as log:
-        up = subprocess.Popen([str(installed.venv / "bin" / "lamina"), "up", "--port", str(port), *options],
+        up = subprocess.Popen([str(installed.venv / "bin" / "lamina"), "up", "--port", str(port),
+                               "--log-dir", str(logs), *options],
                               cwd=installed.cwd, env=installed.env, stdout=log, stderr=subprocess.STDOUT,
                               start_new_session=True)
         try:
@@ -263,6 +267,8 @@ def _lamina_up(installed: Installed, port: int, log_path: Path,
                 except subprocess.TimeoutExpired:
                     os.killpg(up.pid, signal.SIGKILL)
                     up.wait()
+    assert f"logs in {logs}" in log_path.read_text()
+    assert {"gateway.log", "scheduler.log", "model-0.log"} <= set(os.listdir(logs))
 
 
 @pytest.mark.packaging

@@ -83,12 +83,16 @@ def test_lamina_up_on_a_port_another_listener_holds_refuses_before_anything_star
     """A second `lamina up` on a serving stack's port: the first stack's gateway would answer
     its health checks, so it would say it serves while its own gateway kept exiting, and at
     its stop remove the first stack's file. It is refused before anything starts, the port's
-    `lamina up` named and its file kept."""
+    `lamina up` named and its file kept; the refused stacks leave no directory behind."""
     import socket
+    import tempfile
 
     from lamina.cli import main
 
     monkeypatch.delenv("LAMINA_PORT", raising=False)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where each stack makes its directory
     with socket.socket() as held:
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         held.bind(("127.0.0.1", 0))
@@ -98,12 +102,17 @@ def test_lamina_up_on_a_port_another_listener_holds_refuses_before_anything_star
         err = capsys.readouterr().err.strip()
         assert err == (f"lamina up: port {port} on 127.0.0.1 is taken (Address already in use): choose another "
                        "with --port, gateway.port or LAMINA_PORT")
+        from lamina.services.config import load_config
+        from lamina.services.launch.launcher import Stack
+
+        with pytest.raises(RuntimeError, match=f"port {port} on 127.0.0.1 is taken"):  # the API's refusal
+            Stack(load_config(env={}, overrides={"gateway.port": port})).start()
         config = tmp_path / "stack.yaml"
         local_stacks.publish(port, config)  # as a live lamina up (this process) leaves it
         assert main(["up", "--port", str(port), "--layout", "colocated"]) == 2
         assert f"by a lamina up (`lamina status --port {port}` shows it)" in capsys.readouterr().err
         assert local_stacks.find(port) == config
-    from lamina.services.config import load_config
+    assert os.listdir(scratch) == []
     from lamina.services.launch.launcher import gateway_port_taken
 
     assert gateway_port_taken(load_config(env={}, overrides={"gateway.port": 0})) is None  # any port will do

@@ -4,6 +4,7 @@ starts anything: no Ray cluster needed."""
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -66,9 +67,13 @@ def test_lamina_up_refuses_bad_ray_flags(capsys):
     assert "expected KIND=NAME" in capsys.readouterr().err
 
 
-def test_lamina_up_refuses_an_address_with_no_cluster(capsys):
+def test_lamina_up_refuses_an_address_with_no_cluster(capsys, tmp_path, monkeypatch):
     pytest.importorskip("ray", reason="ray is not installed (the ray extra)")
+    import tempfile
+
     from lamina.cli import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the stack makes its directory
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:  # `lamina up` takes over SIGINT and SIGTERM before it starts
@@ -77,3 +82,4 @@ def test_lamina_up_refuses_an_address_with_no_cluster(capsys):
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     assert "no Ray cluster at 127.0.0.1:1" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []  # and its directory went with it
