@@ -70,6 +70,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.tries < 1 or args.requests < 2 or args.burst < 0:
         p.error("--tries needs at least 1, --requests at least 2 (the first and a later one), --burst 0 or more")
+    if args.device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error(f"--device {args.device}: torch finds no CUDA device here (torch {torch.__version__})")
     return args
 
 

@@ -40,6 +40,12 @@
 #                exporter's mapping, and a stream waiting on a killed process's event
 #                (HANDOFF_ITERS, default 500)                                 handoff.log
 #   conformance  the transport conformance suite over cuda_ipc                 conformance.log
+#   first        bench/first_request.py --device cuda: lamina up with the warm-up and its CUDA
+#                graph captures at start, without the captures (lazy) and without a
+#                warm-up (cold), FIRST_TRIES tries each (default 1), 3 requests one by
+#                one then FIRST_BURST at once (default 32), layouts FIRST_LAYOUTS
+#                (default disaggregated): first tokens and longest waits between chunks
+#                                                                             first.log
 #   trace        bench/gpu_decode.py --trace on TRACE_ARGS (default random:llama-3.2-1b bfloat16,
 #                batches 1 and 64, context 2048, 8 steps: the engine, colocated and one
 #                micro-batch over one attention worker): torch.profiler traces of the
@@ -48,7 +54,7 @@
 #                                                               trace.log, traces.tgz
 # INSTALL=0 skips the install (a second run beside the first, steps in parallel: each with
 # its own OUT). Each step's limit in seconds: LIMIT_<step> (defaults: tests 150, e2e 420,
-# bench 120, profile 90, stack 400, handoff 150, conformance 60, trace 240). Logs of stacks that failed
+# bench 120, profile 90, stack 400, handoff 150, conformance 60, trace 240, first 240). Logs of stacks that failed
 # to start or stop go to OUT/stack-logs.
 # ARCHIVE=FILE: OUT packed into FILE (a .tgz) when the script ends, cut short or not: the
 # device tool brings back only a few files, so give it a temporary OUT and ARCHIVE under
@@ -71,7 +77,7 @@ limited() {
     timeout -s INT -k 20 "${!var}" "$@"
 }
 : "${LIMIT_tests:=150}" "${LIMIT_e2e:=420}" "${LIMIT_bench:=120}" "${LIMIT_profile:=90}" "${LIMIT_stack:=400}" \
-  "${LIMIT_handoff:=150}" "${LIMIT_conformance:=60}" "${LIMIT_trace:=240}"
+  "${LIMIT_handoff:=150}" "${LIMIT_conformance:=60}" "${LIMIT_trace:=240}" "${LIMIT_first:=240}"
 archive() { if [ -n "${ARCHIVE:-}" ]; then tar czf "$ARCHIVE" -C "$(dirname "$out")" "$(basename "$out")"; fi; }
 trap archive EXIT
 trap 'exit 143' INT TERM  # so that the archive is made when the script is stopped too
@@ -152,8 +158,13 @@ for step in $steps; do
             > "$out/trace.log" 2>&1
         note "trace: exit $? ($(find "$out/traces" -name '*.txt' 2>/dev/null | wc -l) traces)"
         tar czf "$out/traces.tgz" -C "$out" traces 2>/dev/null && rm -rf "$out/traces" ;;
+    first)
+        limited first "$python" bench/first_request.py --device cuda --tries "${FIRST_TRIES:-1}" --requests 3 \
+            --burst "${FIRST_BURST:-32}" --layouts "${FIRST_LAYOUTS:-disaggregated}" > "$out/first.log" 2>&1
+        note "first: exit $?"
+        tail -8 "$out/first.log" ;;
     *)
-        note "unknown step $step (tests e2e bench profile stack handoff conformance trace)" ;;
+        note "unknown step $step (tests e2e bench profile stack handoff conformance trace first)" ;;
     esac
     if compgen -G "/tmp/lamina-stack-*" > /dev/null; then
         mkdir -p "$out/stack-logs" && cp -r /tmp/lamina-stack-* "$out/stack-logs/" 2>/dev/null

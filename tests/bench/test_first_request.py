@@ -4,6 +4,7 @@ the warm-up, each timed and stopped, the JSON line complete."""
 import json
 
 import pytest
+import torch
 
 # bench/first_request.py (bench/ is on the tests' path: pyproject.toml)
 from first_request import main, variants_for
@@ -28,3 +29,11 @@ def test_the_bench_starts_the_stack_both_ways_and_times_its_first_requests(capsy
     assert layout["first_warm_over_cold"] > 0 and "gap_warm_over_lazy" not in layout
     order = [line.split()[3].rstrip(":") for line in out if line.startswith("  colocated")]
     assert order == ["warm", "cold"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: the bench would run")
+def test_a_gpu_run_without_a_gpu_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--device", "cuda"])
+    assert exited.value.code == 2
+    assert "--device cuda: torch finds no CUDA device here" in capsys.readouterr().err
