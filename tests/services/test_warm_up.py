@@ -7,10 +7,12 @@ before they serve is tests/e2e/test_stack_api.py's."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
 from prefill_helpers import serving_prefill
+from triton_helpers import INTERPRETER_OFF, NO_TRITON
 
 from lamina.model.slice_graphs import SliceGraphs
 from lamina.model.tokenizer import Tokenizer
@@ -18,6 +20,7 @@ from lamina.services.attention.attention_service import AttentionService
 from lamina.services.config import (
     AttentionSection,
     ConfigError,
+    ModelWorkerSection,
     PipelineSection,
     PrefillSection,
     SchedulerSection,
@@ -32,6 +35,7 @@ from lamina.services.warm_up import GraphPlan, attend_own, decode_inputs, graph_
 pytestmark = pytest.mark.timeout(300)
 
 PROMPT = [(11 * i + 5) % 3000 + 200 for i in range(40)]
+SENTINEL = 7.0  # what an attention worker's pools hold before its graphs are captured
 
 
 def test_warm_up_is_on_unless_configured_off():
@@ -149,6 +153,43 @@ def test_nothing_is_captured_at_start_where_no_graphs_exist():
     config = StackConfig(redis_url="redis://127.0.0.1:1")
     assert ModelService(config).capture_graphs() == 0
     assert AttentionService(config).capture_graphs() == 0
+
+
+@INTERPRETER_OFF
+@NO_TRITON
+@pytest.mark.parametrize(("change", "made"), [({}, 30), ({"pipeline": PipelineSection(q_early=True)}, 0),
+                                              ({"model_worker": ModelWorkerSection(dtype="float32")}, 0),
+                                              ({"warm_up_graph_keys": 0}, 0)],
+                         ids=["whole-frames", "q-early", "other-dtype", "keys-0"])
+def test_an_attention_workers_graphs_are_captured_at_its_start_where_frames_replay_them(change, made, monkeypatch):
+    """An attention worker whose core attends through graphs (here the paged kernel in
+    bfloat16 on the CPU, its bodies run once under Triton's interpreter instead of
+    captured) captures every layer's graph of the plan's buckets before it serves (one
+    batch bucket, one context bucket: 30 layers), counts them and writes nothing into its
+    pools; none where frames would not replay them (Q-early's halves, Q in another dtype
+    than the pools') or where the keys are 0."""
+    from lamina.model.attend_graphs import AttendGraphs
+
+    monkeypatch.setattr("lamina.services.attention.attention_core.paged_available", lambda device: True)
+    prepare = AttendGraphs.prepare
+
+    def prepare_over_marked_pools(graphs: AttendGraphs, *args) -> int:
+        for pool in (*graphs.k_pools, *graphs.v_pools):
+            pool.fill_(SENTINEL)  # what a write would change
+        return prepare(graphs, *args)
+
+    monkeypatch.setattr(AttendGraphs, "prepare", prepare_over_marked_pools)
+    config = StackConfig(redis_url="redis://127.0.0.1:1", model="random:smollm2-135m", weights="float32",
+                         attention=AttentionSection(workers=1, kv_capacity_bytes=64 << 20, dtype="bfloat16"),
+                         model_worker=ModelWorkerSection(dtype="bfloat16"),
+                         scheduler=SchedulerSection(max_batch_size=1), warm_up_graph_keys=512)
+    svc = AttentionService(dataclasses.replace(config, **change))
+    graphs = svc.core.graphs
+    assert graphs is not None and (graphs.captures, graphs.replays, graphs.failures) == (made, 0, 0)
+    assert svc.runtime.registry.get_sample_value("lamina_attention_graph_captures_total") == made
+    if made:
+        assert all(bool((pool == SENTINEL).all()) for pool in (*svc.core.slabs.k_pools, *svc.core.slabs.v_pools))
+    assert svc.capture_graphs() == 0  # made already, or not to be made
 
 
 def test_the_gateways_tokenizer_warm_up_makes_what_the_first_request_waits_for():
