@@ -149,7 +149,9 @@ class AttendGraphs:
         """Every (layer, batch bucket, context bucket) of these captured now, before any
         frame needs it (a worker's start), and replayed once: the statics' padding rows
         write nothing into the pools and attend over no key. With capture=False each body
-        runs once, as a capture's own first calls do. Returns the graphs made."""
+        runs once, as a capture's own first calls do. Returns the graphs made. An error
+        (out of memory) is raised with the graphs made before it kept and its key left to
+        the first frame that needs it."""
         made = 0
         for key in itertools.product(buckets, contexts):
             st = self._statics.get(key)
@@ -157,8 +159,12 @@ class AttendGraphs:
                 st = self._statics[key] = self._make_statics(key)
             for layer in range(layers):
                 if (layer, *key) not in self._graphs:
-                    run = self._graphs[(layer, *key)] = self._capture((layer, *key), st)
-                    run()
+                    try:
+                        run = self._graphs[(layer, *key)] = self._capture((layer, *key), st)
+                        run()
+                    except BaseException:
+                        self._graphs.pop((layer, *key), None)
+                        raise
                     made += 1
         return made
 

@@ -261,12 +261,18 @@ class SlabStepGraphs(_Graphs):
         """Every (batch bucket, context bucket) of these captured now, before any step
         needs it (a worker's start), and replayed once: its padding rows write nothing
         into the pools and attend over no key. With capture=False each body runs once, as
-        a capture's own first calls do. Returns the graphs made."""
+        a capture's own first calls do. Returns the graphs made. An error (out of memory)
+        is raised with the graphs made before it kept and its key left to the first
+        step that needs it."""
         made = 0
         for key in itertools.product(buckets, contexts):
             if key not in self._graphs:
-                graph = self._graphs[key] = self._capture(key)
-                graph.replay()
+                try:
+                    graph = self._graphs[key] = self._capture(key)
+                    graph.replay()
+                except BaseException:
+                    self._graphs.pop(key, None)
+                    raise
                 made += 1
         return made
 

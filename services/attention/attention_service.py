@@ -154,18 +154,25 @@ class AttentionService:
         """The decode attention's CUDA graphs captured before the worker serves, for every
         bucket of services/warm_up.py's `graph_plan` and every layer, where decode frames
         replay them: the core has graphs (a GPU's paged kernel) and frames come whole
-        (no Q-early) in its dtype. Returns the graphs made."""
+        (no Q-early) in its dtype. Where the GPU runs out of memory, the worker serves with
+        what was captured (logged): the rest are captured at the first frame that needs
+        them, as without the plan. Returns the graphs made."""
         graphs, cfg = self.core.graphs, self.config
         plan = graph_plan(cfg, self.max_context)
         if plan is None or graphs is None or cfg.pipeline.q_early \
                 or compute_dtype(cfg.model_worker.compute_dtype) != graphs.dtype:
             return 0
-        t0 = time.monotonic()
-        made = graphs.prepare(self.core.cfg.num_layers, plan.buckets, plan.contexts)
-        synchronize(self.core.device)
-        log.info("%d CUDA graphs of the decode attention captured in %.1f s", made, time.monotonic() - t0)
+        t0, before = time.monotonic(), graphs.captures
+        try:
+            graphs.prepare(self.core.cfg.num_layers, plan.buckets, plan.contexts)
+            synchronize(self.core.device)
+            log.info("%d CUDA graphs of the decode attention captured in %.1f s", graphs.captures - before,
+                     time.monotonic() - t0)
+        except torch.OutOfMemoryError as exc:
+            log.warning("CUDA graphs captured at start: stopped after %d, out of memory (%s); the others are captured "
+                        "at the first frame that needs them", graphs.captures - before, exc)
         self._count_waits_and_graphs()
-        return made
+        return graphs.captures - before
 
     async def _serve_connection(self, conn: transports.Connection) -> None:
         # One peer (a model or prefill worker). Frames are handled in arrival order and

@@ -289,7 +289,7 @@ class ModelService:
             "reply_wait": pool.reply_wait_s if pool else 0.0, "device_wait": DEVICE_WAITS.seconds,
             "slice_replays": graphs.replays if graphs else 0, "slice_failures": graphs.failures if graphs else 0,
             "step_replays": steps.replays if steps else 0, "step_failures": steps.failures if steps else 0,
-            "captures": (graphs.captures if graphs else 0) + (steps.captures if steps else 0),
+            "captures": self._graph_captures(),
             "local": pool.local_s if pool else 0.0})
         if self.attention is not None:
             self.attention.count_local(grew["local"])
@@ -385,27 +385,39 @@ class ModelService:
         every bucket of services/warm_up.py's `graph_plan`: colocated, the whole steps
         (or, without them, the slices' and the attention core's graphs); else each
         micro-batch's slices, by a made-up step of each batch bucket on its stream (the
-        slices' graphs attend over nothing; rotational steps replay none). Returns the
+        slices' graphs attend over nothing; rotational steps replay none). Where the GPU
+        runs out of memory, the worker serves with what was captured (logged): the rest
+        are captured at the first step that needs them, as without the plan. Returns the
         graphs made; their replays here are not counted."""
         plan = graph_plan(self.config, self.slices.cfg.max_position_embeddings)
-        slices, graphs = self.slices, self.slices.graphs
         if plan is None:
             return 0
-        if slices.step_graphs is not None:
-            with torch.inference_mode():  # as the steps run (a failed capture's body runs eagerly)
-                return slices.step_graphs.prepare(plan.buckets, plan.contexts)
-        made = 0 if self.attention is None else self.attention.capture_graphs()
-        if graphs is None or self.config.rotational:
-            return made
-        captures, replays = graphs.captures, graphs.replays
-        for m in range(self.config.decode_micro_batches):
-            call_slice = graphs.caller(m)
-            for rows in plan.buckets:
-                with slices.staging.stream(m), torch.inference_mode():
-                    inputs = decode_inputs(slices.cfg.vocab_size, rows, slices.device)
-                    slices.split.run(inputs, attend_own, reuse_outputs=True, call_slice=call_slice)
-        graphs.replays = replays  # lamina_model_graph_replays counts decode steps' replays
-        return made + graphs.captures - captures
+        slices, graphs, steps = self.slices, self.slices.graphs, self.slices.step_graphs
+        made = 0 if self.attention is None or steps is not None else self.attention.capture_graphs()
+        before, replays = self._graph_captures(), graphs.replays if graphs is not None else 0
+        try:
+            if steps is not None:
+                with torch.inference_mode():  # as the steps run (a failed capture's body runs eagerly)
+                    steps.prepare(plan.buckets, plan.contexts)
+            elif graphs is not None and not self.config.rotational:
+                for m in range(self.config.decode_micro_batches):
+                    call_slice = graphs.caller(m)
+                    for rows in plan.buckets:
+                        with slices.staging.stream(m), torch.inference_mode():
+                            inputs = decode_inputs(slices.cfg.vocab_size, rows, slices.device)
+                            slices.split.run(inputs, attend_own, reuse_outputs=True, call_slice=call_slice)
+        except torch.OutOfMemoryError as exc:
+            log.warning("CUDA graphs captured at start: stopped after %d, out of memory (%s); the others are captured "
+                        "at the first step that needs them", self._graph_captures() - before, exc)
+        finally:
+            if graphs is not None:
+                graphs.replays = replays  # lamina_model_graph_replays counts decode steps' replays
+        return made + self._graph_captures() - before
+
+    def _graph_captures(self) -> int:
+        """CUDA graphs captured so far: decode slices' and whole steps'."""
+        graphs, steps = self.slices.graphs, self.slices.step_graphs
+        return (graphs.captures if graphs is not None else 0) + (steps.captures if steps is not None else 0)
 
     async def _serve(self) -> None:
         if self.config.warm_up:

@@ -393,7 +393,8 @@ def test_attention_graphs_captured_at_start_write_nothing_and_serve_the_later_fr
     """A worker's warm-up captures the decode attention's graphs before any frame
     (`AttendGraphs.prepare`: on the CPU each body runs once over its static tensors, the
     kernels under Triton's interpreter): one per (layer, batch bucket, context bucket),
-    none again, and nothing written into the pools by their padding rows. Frames then
+    none again, and nothing written into the pools by their padding rows; out of memory
+    at one key, those before it are kept and the next prepare makes the rest. Frames then
     replay them without a capture and equal attention over the history."""
     from lamina.model import step_graphs
 
@@ -408,7 +409,19 @@ def test_attention_graphs_captured_at_start_write_nothing_and_serve_the_later_fr
     pools = [*core.slabs.k_pools, *core.slabs.v_pools]
     for pool in pools:
         pool.fill_(SENTINEL)
-    made = graphs.prepare(CFG.num_layers, (1, 2, 4), step_graphs.context_buckets_up_to(20))  # contexts 16, 32
+    capture = graphs._capture
+
+    def out_of_memory_at_the_last_key(key, st):  # (layer, batch bucket, context bucket)
+        if key[1:] == (4, 32):
+            raise torch.OutOfMemoryError("CUDA out of memory (made up)")
+        return capture(key, st)
+
+    graphs._capture = out_of_memory_at_the_last_key  # type: ignore[method-assign]
+    with pytest.raises(torch.OutOfMemoryError):  # the graphs made before it kept, that key left to later
+        graphs.prepare(CFG.num_layers, (1, 2, 4), step_graphs.context_buckets_up_to(20))  # contexts 16, 32
+    assert graphs.captures == CFG.num_layers * 5
+    del graphs._capture
+    made = CFG.num_layers * 5 + graphs.prepare(CFG.num_layers, (1, 2, 4), step_graphs.context_buckets_up_to(20))
     assert made == CFG.num_layers * 3 * 2 == graphs.captures and graphs.replays == 0
     assert graphs.prepare(CFG.num_layers, (1, 4), (16,)) == 0  # made already
     assert all(bool((pool == SENTINEL).all()) for pool in pools)

@@ -147,6 +147,38 @@ def test_a_model_workers_warm_up_captures_each_micro_batchs_slice_graphs(mode):
     assert (graphs.captures, graphs.replays) == (2 * 3 * slices, slices)
 
 
+def test_a_gpu_out_of_memory_at_start_leaves_the_other_graphs_to_their_first_step(monkeypatch, caplog):
+    """Out of memory while capturing at start (here made up at batch bucket 4): the worker
+    keeps what it made (micro-batch 0's buckets 1 and 2), says so and serves; the step
+    that needs bucket 4 captures it then, as without the plan."""
+    config = StackConfig(redis_url="redis://127.0.0.1:1", scheduler=SchedulerSection(max_batch_size=3),
+                         pipeline=PipelineSection(micro_batches=2))
+    svc = ModelService(config)
+    graphs = svc.slices.graphs = SliceGraphs(svc.slices.split, svc.slices.device, capture=False)
+    slices = len(svc.slices.split.slices)
+    capture = SliceGraphs._capture
+
+    def out_of_memory_at_4(self, micro_batch, j, bucket, *args):
+        if bucket == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (made up)")
+        return capture(self, micro_batch, j, bucket, *args)
+
+    monkeypatch.setattr(SliceGraphs, "_capture", out_of_memory_at_4)
+    with caplog.at_level("WARNING", logger="lamina.services.model.model_service"):
+        assert svc.warm_up() > 0
+    assert (graphs.captures, graphs.replays) == (2 * slices, 0)
+    (record,) = [r for r in caplog.records if "stopped after" in r.getMessage()]
+    assert f"stopped after {2 * slices}, out of memory" in record.getMessage()
+    assert svc.runtime.registry.get_sample_value("lamina_model_graph_captures_total") == 2 * slices
+    monkeypatch.setattr(SliceGraphs, "_capture", capture)
+    inputs = decode_inputs(svc.slices.cfg.vocab_size, 3, svc.slices.device)
+    with torch.inference_mode():
+        want = svc.slices.split.run(inputs, attend_own).clone()  # [3, V]
+        got = svc.slices.split.run(inputs, attend_own, call_slice=graphs.caller(0))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (graphs.captures, graphs.replays) == (3 * slices, slices)
+
+
 def test_nothing_is_captured_at_start_where_no_graphs_exist():
     """Where no graphs exist (the CPU's slices, the native attention core) the warm-up
     captures nothing and says so by its count."""
