@@ -17,8 +17,8 @@ its whole decode steps) and an attention worker's decode attention, for every ba
 bucket up to `scheduler.max_batch_size` and every context bucket up to that many keys.
 Captured lazily instead, each bucket's first step waits for its captures (every sequence
 in flight then takes a late token). Capturing reads made-up rows: a step of one token at
-position 0 a row; the attention graphs' rows are padding, which write nothing and attend
-over no key.
+position 0 a row; in the graphs that attend (an attention worker's, a colocated worker's
+whole steps) every row is padding, which writes no KV and attends over no key.
 """
 
 from __future__ import annotations
