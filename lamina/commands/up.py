@@ -214,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
         where = f"as actors of the Ray cluster at {args.ray}, each service's log on its node"
     else:
         try:  # its logs outlive it: "logs in"
-            stack = Stack(config, log_dir=args.log_dir, supervise=args.supervise, keep_logs=True)
+            log_dir = None if args.log_dir is None else args.log_dir.absolute()  # "logs in" names it whole
+            stack = Stack(config, log_dir=log_dir, supervise=args.supervise, keep_logs=True)
         except OSError as exc:  # a --log-dir that cannot be made
             print(f"lamina up: --log-dir: {exc}", file=sys.stderr)
             return 2

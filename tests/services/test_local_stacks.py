@@ -121,6 +121,25 @@ def test_lamina_up_on_a_port_another_listener_holds_refuses_before_anything_star
         "the gateway cannot listen on 192.0.2.1 port 8000: Cannot assign requested address"
 
 
+def test_lamina_up_with_a_log_dir_it_cannot_make_says_so_in_one_line(runtime, tmp_path, capsys, monkeypatch):
+    """`--log-dir` under a file: one line naming it, exit 2, no stack directory left."""
+    import tempfile
+
+    from lamina.cli import main
+    from lamina.ports import free_port
+
+    monkeypatch.delenv("LAMINA_PORT", raising=False)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    (tmp_path / "a-file").write_text("")
+    logs = tmp_path / "a-file" / "logs"
+    assert main(["up", "--port", str(free_port()), "--layout", "colocated", "--log-dir", str(logs)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("lamina up: --log-dir: ") and str(logs) in err[-1]
+    assert os.listdir(scratch) == []
+
+
 @pytest.mark.parametrize(("model", "problem"), [
     ("missing.gguf", "no such file or directory"),
     ("notes.txt", "expected a .gguf file or a Hugging Face checkpoint directory"),
