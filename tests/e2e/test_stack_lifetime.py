@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ sys.path.insert(0, {tests!r})
 from e2e_helpers import start_stack
 stack = start_stack(workers=1)
 pids = [sp.proc.pid for sp in stack.processes] + [stack.redis._proc.pid]
-print(json.dumps(pids), flush=True)
+print(json.dumps({{"pids": pids, "work_dir": str(stack.work_dir)}}), flush=True)
 time.sleep(600)
 """
 
@@ -41,7 +42,8 @@ def test_killing_the_launcher_stops_every_service_and_redis():
     try:
         line = launcher.stdout.readline()
         assert line, "the launcher did not start the stack"
-        pids = json.loads(line)
+        started = json.loads(line)
+        pids, work_dir = started["pids"], Path(started["work_dir"])
         assert len(pids) == 6 and all(_alive(p) for p in pids)  # redis, 1 attention, model, prefill, scheduler, gateway
         launcher.send_signal(signal.SIGKILL)  # no chance to clean up
         launcher.wait()
@@ -56,3 +58,5 @@ def test_killing_the_launcher_stops_every_service_and_redis():
         for p in locals().get("pids", []):
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
+        if "work_dir" in locals():  # a launcher killed outright leaves its directory: the test removes it
+            shutil.rmtree(work_dir, ignore_errors=True)
