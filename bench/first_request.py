@@ -136,12 +136,13 @@ def one_try(layout: str, variant: str, requests: int, tag: str, log_dir: Path, d
 
 
 def machine_device(device: str) -> str:
-    """The device the stack computes on, in words (the GPU's name where it is one)."""
+    """The device the stack computes on, in words (the GPU's name where it is one; parse_args
+    refused a CUDA device torch does not find)."""
     if device == "cpu":
         return "cpu"
     import torch
 
-    return f"{device} ({torch.cuda.get_device_name(torch.device(device))})" if torch.cuda.is_available() else device
+    return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
 
 
 def medians(tries: list[dict]) -> dict:
@@ -158,9 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"device: {device}")
     on = "" if args.device == "cpu" else f" --device {args.device}"
     lazy = "lazy: the warm-up without CUDA graph captures (LAMINA_WARM_UP_GRAPH_KEYS=0), " if "lazy" in variants else ""
-    burst = f", then {args.burst} at once" if args.burst else ""
+    at_once = f", then {args.burst} at once" if args.burst else ""
     print(f"workload: lamina up --layout L{on} (SmolLM2-135M-Instruct), then {args.requests} chat requests one "
-          f"after another{burst}, {OUTPUT_TOKENS} output tokens each, greedy, each with a system message of its own "
+          f"after another{at_once}, {OUTPUT_TOKENS} output tokens each, greedy, each with a system message of its own "
           f"(no shared cached prefix); warm: the services' warm-up (default), {lazy}cold: LAMINA_WARM_UP=false; "
           f"{args.tries} tries each, alternated")
     result: dict = {"machine": cpu_model(), "cores": os.cpu_count(), "device": device, "requests": args.requests,
@@ -174,10 +175,10 @@ def main(argv: list[str] | None = None) -> dict:
                     row = one_try(layout, variant, args.requests, f"{layout}-{t}-{variant}", Path(tmp), args.device,
                                   args.burst)
                     tries[variant].append(row)
-                    burst = f", the burst's longest gap {row['burst_gap_ms']:5.0f} ms" if args.burst else ""
+                    burst_gap = f", the burst's longest gap {row['burst_gap_ms']:5.0f} ms" if args.burst else ""
                     print(f"  {layout:13s} try {t} {variant}: start {row['start_s']:5.1f} s, first request's first "
                           f"token {row['first_ms']:6.0f} ms (longest gap {row['first_gap_ms']:4.0f} ms), later ones' "
-                          f"(median) {row['later_ms']:5.0f} ms ({row['later_gap_ms']:4.0f} ms){burst}", flush=True)
+                          f"(median) {row['later_ms']:5.0f} ms ({row['later_gap_ms']:4.0f} ms){burst_gap}", flush=True)
             med = {v: medians(rows) for v, rows in tries.items()}
             print(f"\n{layout}: medians over {args.tries} tries")
             print(f"  {'variant':8s} {'start s':>8s} {'first ms':>9s} {'later ms':>9s} {'first/later':>12s} "

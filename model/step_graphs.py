@@ -73,8 +73,8 @@ def context_bucket(longest: int) -> int:
 
 def context_buckets_up_to(keys: int) -> tuple[int, ...]:
     """The context buckets of rows of at most `keys` keys, smallest first."""
-    buckets = [CONTEXT_MIN]
-    while buckets[-1] < context_bucket(keys):
+    largest, buckets = context_bucket(keys), [CONTEXT_MIN]
+    while buckets[-1] < largest:
         buckets.append(buckets[-1] * 2)
     return tuple(buckets)
 

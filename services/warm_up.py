@@ -43,15 +43,19 @@ PROMPT_TOKENS = 16
 def warm_up_inputs(vocab_size: int, tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
     """The slices' inputs of one sequence of `tokens` made-up ids from position 0, its
     last row scored."""
-    ids = [(7 + 31 * i) % vocab_size for i in range(tokens)]
-    return StepBatch.build(["warm-up"], [ids], [0]).model_inputs(device)
+    return StepBatch.build(["warm-up"], [_made_up_ids(vocab_size, tokens)], [0]).model_inputs(device)
 
 
 def decode_inputs(vocab_size: int, rows: int, device: torch.device) -> dict[str, torch.Tensor]:
     """The slices' inputs of a decode step of `rows` made-up sequences, one token each at
     position 0 (every row scored, as a decode step's)."""
-    ids = [[(7 + 31 * i) % vocab_size] for i in range(rows)]
+    ids = [[t] for t in _made_up_ids(vocab_size, rows)]
     return StepBatch.build([f"warm-up-{i}" for i in range(rows)], ids, [0] * rows).model_inputs(device)
+
+
+def _made_up_ids(vocab_size: int, n: int) -> list[int]:
+    """n token ids spread over the vocabulary."""
+    return [(7 + 31 * i) % vocab_size for i in range(n)]
 
 
 @dataclass(frozen=True)

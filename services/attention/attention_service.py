@@ -117,7 +117,6 @@ class AttentionService:
         t0 = time.monotonic()
         if self.core.warm_up():
             log.info("attention kernels ready on %s in %.1f s", device, time.monotonic() - t0)
-        self.max_context = model_cfg.max_position_embeddings
         self.runtime = ServiceRuntime("attention", self.service_id, config)
         r = self.runtime.registry
         self.m_frames = prometheus_client.Counter("lamina_attention_frames", "data-plane frames handled",
@@ -158,7 +157,7 @@ class AttentionService:
         what was captured (logged): the rest are captured at the first frame that needs
         them, as without the plan. Returns the graphs made."""
         graphs, cfg = self.core.graphs, self.config
-        plan = graph_plan(cfg, self.max_context)
+        plan = graph_plan(cfg, self.core.cfg.max_position_embeddings)
         if plan is None or graphs is None or cfg.pipeline.q_early \
                 or compute_dtype(cfg.model_worker.compute_dtype) != graphs.dtype:
             return 0
