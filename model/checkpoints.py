@@ -28,7 +28,7 @@ from pathlib import Path
 from lamina.model import random_models
 from lamina.model.config import ModelConfig
 from lamina.model.errors import CheckpointError
-from lamina.model.tokenizer import Tokenizer
+from lamina.model.tokenizer import Tokenizer, eos_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +209,14 @@ def load_tokenizer(path: str | Path | None = None) -> tuple[Tokenizer, ModelConf
     weights_dir = resolve_checkpoint(path)[1]
     cfg = read_hf_config(weights_dir)
     return Tokenizer.from_dir(weights_dir, cfg), cfg
+
+
+def load_eos_token_ids(path: str | Path | None = None) -> tuple[tuple[int, ...], ModelConfig]:
+    """The tokens that end a sequence, and the model's configuration, without loading the
+    tokenizer where its files tell them (lamina.model.tokenizer.eos_token_ids)."""
+    weights_dir = resolve_checkpoint(path)[1]
+    cfg = read_hf_config(weights_dir)
+    return eos_token_ids(weights_dir, cfg), cfg
 
 
 def file_weight_formats(path: str | Path | None = None) -> dict[str, int]:

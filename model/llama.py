@@ -233,7 +233,13 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # nn.Embedding's own init, but not on the meta device the loader builds on: a
+        # meta tensor's normal_ imports torch._dynamo (seconds of every worker's start) for
+        # values the checkpoint overwrites anyway.
+        embedding = torch.empty(cfg.vocab_size, cfg.hidden_size)  # [V, H]
+        if not embedding.is_meta:
+            nn.init.normal_(embedding)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embedding)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)

@@ -13,8 +13,10 @@ from lamina.model.config import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    """Per-pair rotation frequencies. Returns [head_dim // 2] float32."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    """Per-pair rotation frequencies. Returns [head_dim // 2] float32, on the CPU even
+    under a default device: on the meta device models are built on, these few ops would
+    import torch._dynamo (seconds of every worker's start)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling.kind == "linear":
         return inv_freq / scaling.factor

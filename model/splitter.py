@@ -28,7 +28,6 @@ from typing import Any
 import networkx as nx
 import torch
 from torch import fx, nn
-from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
 
 @dataclass
@@ -166,13 +165,24 @@ class _Tracer(fx.Tracer):
         return super().is_leaf_module(m, qualname)
 
 
+class _Bytes(fx.Interpreter):
+    """Runs the graph on example inputs and records in each node's meta["nbytes"] the
+    bytes of the tensor(s) it produces (None for other values: sizes, dtypes). What
+    torch.fx's ShapeProp would give the cut, without the sympy it imports (a second of
+    every worker's start)."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        parts = [result] if isinstance(result, torch.Tensor) else list(result) if isinstance(result, tuple | list) \
+            else []
+        if parts and all(isinstance(t, torch.Tensor) for t in parts):
+            n.meta["nbytes"] = sum(t.numel() * t.element_size() for t in parts)
+        return result
+
+
 def _nbytes(node: fx.Node) -> int | None:
     """Bytes of the tensor(s) a node produces; None for non-tensor values (sizes, dtypes)."""
-    meta = node.meta.get("tensor_meta")
-    metas = [meta] if isinstance(meta, TensorMetadata) else list(meta or ())
-    if not metas or not all(isinstance(m, TensorMetadata) for m in metas):
-        return None
-    return sum(m.shape.numel() * torch.empty((), dtype=m.dtype).element_size() for m in metas)
+    return node.meta.get("nbytes")
 
 
 def split_model(
@@ -191,7 +201,7 @@ def split_model(
     graph = _Tracer(is_attention, is_leaf).trace(model)
     gm = fx.GraphModule(model, graph)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    ShapeProp(gm).propagate(*[example_inputs[str(p.target)] for p in placeholders])
+    _Bytes(gm).run(*[example_inputs[str(p.target)] for p in placeholders])
 
     modules = dict(gm.named_modules())
     attn_nodes = [n for n in graph.nodes if n.op == "call_module" and is_attention(modules[str(n.target)])]

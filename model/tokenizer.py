@@ -110,6 +110,34 @@ def _tokenizer_class(directory: Path) -> Any:
     return AutoTokenizer
 
 
+def eos_token_ids(directory: Path, cfg: ModelConfig) -> tuple[int, ...]:
+    """`Tokenizer.from_dir(directory, cfg).eos_token_ids`, read with the tokenizers library
+    alone where the checkpoint names transformers' generic backend and its
+    tokenizer_config.json spells its EOS token (the backend's eos_token_id is that token's
+    id in tokenizer.json). A service that needs no more of the tokenizer (the scheduler)
+    then skips transformers' import, seconds of CPU at its every start. Any other
+    checkpoint has its tokenizer loaded whole."""
+    try:
+        named = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        named = {}
+    eos = named.get("eos_token") if isinstance(named, dict) else None
+    if isinstance(eos, dict):  # an AddedToken, as transformers saves one
+        eos = eos.get("content")
+    if named.get("tokenizer_class") not in _GENERIC_CLASSES or not isinstance(eos, str) \
+            or not (directory / "tokenizer.json").is_file():
+        return Tokenizer.from_dir(directory, cfg).eos_token_ids
+    from tokenizers import Tokenizer as Vocabulary
+
+    try:
+        token_id = Vocabulary.from_file(str(directory / "tokenizer.json")).token_to_id(eos)
+    except Exception as exc:  # the tokenizers library raises its own exception types
+        raise CheckpointError(directory, f"tokenizer could not be loaded: {exc}") from exc
+    if token_id is None:  # not in the vocabulary: transformers decides what it means
+        return Tokenizer.from_dir(directory, cfg).eos_token_ids
+    return tuple(dict.fromkeys([*cfg.eos_token_ids, token_id]))
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas for streaming.
 

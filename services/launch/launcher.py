@@ -199,8 +199,8 @@ class Stack:
             cfg_path = self.work_dir / "stack.yaml"  # in a 0700 directory: it holds the token
             cfg_path.write_text(yaml.safe_dump(self.config.to_dict()))
         except BaseException:
-            # No service started, none logged: Redis stops and the directory goes (not
-            # `stop`: the port may be another stack's, published by this process).
+            # No service started, none logged: Redis stops and the directory goes even
+            # where the caller asked to keep the logs (there are none to keep).
             if self.redis is not None:
                 self.redis.close()
                 self.redis = None
@@ -232,7 +232,8 @@ class Stack:
 
     def _start_redis(self) -> None:
         """Start the stack's own Redis and point the configuration at it."""
-        self.redis = EmbeddedRedis().start()
+        # In the stack's directory: a launcher killed outright leaves one directory, not two.
+        self.redis = EmbeddedRedis(directory=self.work_dir / "redis").start()
         self.config = dataclasses.replace(self.config, redis_url=self.redis.url)
 
     def _spawn(self, sp: ServiceProcess, restart: bool = False) -> None:
@@ -371,7 +372,7 @@ class Stack:
         if supervisor is not None:
             self._stop_supervising.set()
             self._supervisor_idle.wait()  # a restart under way finishes; none starts after it
-        local_stacks.withdraw(self.config.gateway.port)
+        local_stacks.withdraw(self.config.gateway.port, self.work_dir / "stack.yaml")
         for stage in stop_stages(self.processes):
             running = [sp for sp in stage if sp.proc is not None and sp.proc.poll() is None]
             for sp in running:

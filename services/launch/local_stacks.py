@@ -56,11 +56,13 @@ def publish(port: int, config_path: Path) -> None:
     tmp.replace(path)  # atomic: a reader sees the old file or the whole new one
 
 
-def withdraw(port: int) -> None:
-    """Remove the file of `port` if this process wrote it."""
+def withdraw(port: int, config_path: Path) -> None:
+    """Remove the file of `port` if this process wrote it for the stack of `config_path`
+    (one process may run several stacks, one after another on the same port)."""
     path = state_path(port)
     try:
-        if json.loads(path.read_text())["pid"] == os.getpid():
+        state = json.loads(path.read_text())
+        if state["pid"] == os.getpid() and state["config"] == str(config_path):
             path.unlink()
     except (OSError, ValueError, KeyError):
         pass

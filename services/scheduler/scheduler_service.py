@@ -43,7 +43,7 @@ import prometheus_client
 
 from lamina.aio import cancel_and_wait, install_uvloop
 from lamina.kvstore.metadata import REDIS_ERRORS, KVPlacement
-from lamina.model.checkpoints import load_tokenizer
+from lamina.model.checkpoints import load_eos_token_ids
 from lamina.sampling.params import new_seed
 from lamina.sampling.stop import stop_reason
 from lamina.services.channels import Channels
@@ -66,8 +66,8 @@ class SchedulerService:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.limits = config.scheduler
-        tokenizer, model_cfg = load_tokenizer(config.model)
-        self.eos_ids = set(tokenizer.eos_token_ids)
+        eos_ids, model_cfg = load_eos_token_ids(config.model)
+        self.eos_ids = set(eos_ids)
         self.max_model_len = model_cfg.max_position_embeddings
         self.runtime = ServiceRuntime("scheduler", "scheduler-0", config)
         self.journal = Journal(self.runtime.store, "scheduler-0")

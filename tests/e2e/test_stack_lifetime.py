@@ -45,6 +45,8 @@ def test_killing_the_launcher_stops_every_service_and_redis():
         started = json.loads(line)
         pids, work_dir = started["pids"], Path(started["work_dir"])
         assert len(pids) == 6 and all(_alive(p) for p in pids)  # redis, 1 attention, model, prefill, scheduler, gateway
+        # Redis works in the stack's directory: removing that one leaves nothing of the stack.
+        assert (work_dir / "redis" / "redis.log").is_file()
         launcher.send_signal(signal.SIGKILL)  # no chance to clean up
         launcher.wait()
         deadline = time.monotonic() + 60

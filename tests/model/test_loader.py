@@ -548,3 +548,21 @@ def test_hf_directory_logits_match_transformers(kind, tmp_path, loaded_model):
     torch.testing.assert_close(_our_logits(ours, ids), expected, rtol=0, atol=1e-4)
     text = "Hello, world"
     assert ours.tokenizer.encode(text) == AutoTokenizer.from_pretrained(str(tmp_path))(text)["input_ids"]
+
+
+def test_loading_and_splitting_the_model_import_neither_dynamo_nor_sympy():
+    """What every prefill and model worker does at its start (load the checkpoint on the meta
+    device, then cut it at its attention) stays clear of torch._dynamo and sympy: their
+    imports cost seconds of CPU at each worker's start (the meta device's normal_ and
+    empty_like and torch.fx's ShapeProp pulled them in). Checked in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    from lamina.lifetime import child_env
+
+    script = ("import sys; from lamina.model.loader import load_model; from lamina.model.llama import split_llama; "
+              "split = split_llama(load_model().model); "
+              "print(len(split.slices), sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=child_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split(maxsplit=1) == ["31", "[]\n"], done.stdout  # 30 layers: 31 slices, nothing imported

@@ -57,3 +57,47 @@ def test_the_generic_tokenizer_class_is_the_one_autotokenizer_picks(loaded_model
     named.mkdir()
     (named / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
     assert _tokenizer_class(named) is AutoTokenizer
+
+
+def test_the_scheduler_reads_its_eos_ids_without_transformers(loaded_model, tmp_path):
+    """The scheduler needs only the EOS ids: read with the tokenizers library they equal
+    the whole tokenizer's, for the default checkpoint, a random model and an EOS token
+    saved as an AddedToken; the scheduler's start imports no transformers. A checkpoint
+    naming another class, no EOS token, or one outside the vocabulary has its tokenizer
+    loaded whole."""
+    import shutil
+
+    from lamina.model.checkpoints import load_eos_token_ids, resolve_checkpoint
+    from lamina.model.tokenizer import Tokenizer, eos_token_ids
+
+    for spec in (None, "random:smollm2-135m"):
+        directory = resolve_checkpoint(spec)[1]
+        ids, cfg = load_eos_token_ids(spec)
+        assert ids == Tokenizer.from_dir(directory, cfg).eos_token_ids and ids
+    cfg = loaded_model.config
+    source = Path(loaded_model.weights_dir)
+    whole = Tokenizer.from_dir(source, cfg).eos_token_ids
+
+    def variant(name: str, **changes) -> Path:
+        directory = tmp_path / name
+        shutil.copytree(source, directory, ignore=shutil.ignore_patterns("*.safetensors", "packed"))
+        named = json.loads((directory / "tokenizer_config.json").read_text())
+        named.update(changes)
+        (directory / "tokenizer_config.json").write_text(json.dumps(named))
+        return directory
+
+    added = variant("added", eos_token={"content": "<|im_end|>", "special": True, "__type": "AddedToken"})
+    assert eos_token_ids(added, cfg) == whole
+    # An EOS outside the vocabulary: transformers' answer (its unknown token), not a guess.
+    unknown = variant("unknown", eos_token="<|not-a-token|>")
+    assert eos_token_ids(unknown, cfg) == Tokenizer.from_dir(unknown, cfg).eos_token_ids
+
+    probe = ("import sys; from lamina.services.config import StackConfig; "
+             "from lamina.services.scheduler.scheduler_service import SchedulerService; "
+             "from lamina.model.checkpoints import load_eos_token_ids; "
+             "ids, _ = load_eos_token_ids(StackConfig().model); "
+             "print(list(ids), 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    ids_text, imported = out.stdout.strip().rsplit(" ", 1)
+    assert json.loads(ids_text) == list(whole) and imported == "False", out.stdout

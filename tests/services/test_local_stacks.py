@@ -20,7 +20,10 @@ def test_a_stack_is_published_found_and_withdrawn_in_a_private_directory(runtime
     local_stacks.publish(18000, config)
     assert (runtime.stat().st_mode & 0o777) == 0o700
     assert local_stacks.find(18000) == config
-    local_stacks.withdraw(18000)
+    # Another stack this process ran on the same port withdraws nothing of this one's.
+    local_stacks.withdraw(18000, tmp_path / "another" / "stack.yaml")
+    assert local_stacks.find(18000) == config
+    local_stacks.withdraw(18000, config)
     assert local_stacks.find(18000) is None
 
 
