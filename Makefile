@@ -49,10 +49,11 @@ test-faults: $(NATIVE)
 	$(BIN)/python -P -m pytest -q -rs -m faults tests/faults --durations=10 $(PYTEST_ARGS)
 
 # Every service on a network namespace of its own, links cut, slowed and partitioned
-# under load (tests/cluster); needs root and iproute2, else it skips and says which is
-# missing. Minutes, so apart from `make test`; CI runs it.
+# under load (tests/cluster; needs root and iproute2, else it skips and says which is
+# missing), and `lamina up --ray` on a Ray cluster of two nodes on this host
+# (tests/e2e/test_stack_ray.py). Minutes, so apart from `make test`; CI runs it.
 test-hosts: $(NATIVE)
-	$(BIN)/python -P -m pytest -q -rs -m hosts tests/cluster --durations=10 $(PYTEST_ARGS)
+	$(BIN)/python -P -m pytest -q -rs -m hosts tests/cluster tests/e2e/test_stack_ray.py --durations=10 $(PYTEST_ARGS)
 
 # deploy/compose/ built and run under podman (tests/deploy/test_compose_podman.py): needs
 # root, podman, podman-compose and debootstrap (.ci/run installs them), else it skips

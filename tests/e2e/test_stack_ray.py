@@ -29,7 +29,8 @@ from e2e_helpers import CHAT_PROMPTS, MAX_TOKENS, free_port
 
 from lamina.lifetime import child_env
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow,
+# In `make test-hosts` with the other cluster tests (about a minute of the default suite's time).
+pytestmark = [pytest.mark.timeout(600), pytest.mark.hosts,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                  reason="ray is not installed (the ray extra: pip install -e '.[ray]')"),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")]

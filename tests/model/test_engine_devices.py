@@ -70,7 +70,7 @@ def test_the_gpus_batched_decode_path_equals_transformers_token_for_token(monkey
     """The path an engine on a GPU takes for its decode steps (BufferAttention: one launch
     a layer writes every sequence's new K, V into its buffer, one attends every row),
     taken here in float32 under Triton's interpreter in place of the CPU kernels: greedy,
-    6 tokens, transformers' own tokens on every prompt. Here the prompts go to SDPA (the
+    4 tokens, transformers' own tokens on every prompt. Here the prompts go to SDPA (the
     kernel's causal rows are tests/model/test_paged_decode.py's; under the interpreter
     they would take most of the time)."""
     from transformers import AutoModelForCausalLM
@@ -85,13 +85,13 @@ def test_the_gpus_batched_decode_path_equals_transformers_token_for_token(monkey
     engine = Engine(unpacked, EngineConfig())
     hf = AutoModelForCausalLM.from_pretrained(str(unpacked.weights_dir), dtype=torch.float32).eval()
     ids = [unpacked.tokenizer.encode(p) for p in PROMPTS]
-    outs = engine.generate(ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    outs = engine.generate(ids, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(ids, outs):
         with torch.no_grad():  # transformers stops at EOS (one prompt's third token), the engine goes on
             ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+                              max_new_tokens=4, do_sample=False)[0, len(prompt):].tolist()
         assert len(ref) >= 3 and out.output_token_ids[:len(ref)] == ref
-    assert len(taken) >= 5 and all(set(lens) == {1} for lens in taken)
+    assert len(taken) >= 3 and all(set(lens) == {1} for lens in taken)
     assert any(len(lens) == len(PROMPTS) for lens in taken)  # whole decode batches
 
 
