@@ -59,7 +59,7 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: Path, 
     # would take its float32 bytes of memory on top of the checkpoint's). torch.empty, not
     # to_empty: empty_like of a meta tensor imports sympy (a second of every worker's start).
     model = model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype))
-    # inv_freq is derived, not stored: rebuilt after to_empty left it uninitialized, in
+    # inv_freq is derived, not stored: rebuilt after the line above left it uninitialized, in
     # float32 whatever the dtype (as transformers keeps it: RoPE's angles need it).
     from lamina.model.rope import inverse_frequencies
 

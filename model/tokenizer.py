@@ -91,17 +91,23 @@ class Tokenizer:
 _GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
+def _tokenizer_config(directory: Path) -> dict[str, Any]:
+    """The checkpoint's tokenizer_config.json ({} where it is missing, unreadable or not an
+    object: transformers then decides, and reports what is wrong)."""
+    try:
+        named = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return named if isinstance(named, dict) else {}
+
+
 def _tokenizer_class(directory: Path) -> Any:
     """The class AutoTokenizer would load `directory` with. A checkpoint that names the
     generic backend (every GGUF conversion and random model here does) gets it directly:
     AutoTokenizer's module imports torch, which costs the gateway and the scheduler, which
     hold no tensors, about 3 s of CPU at every start. Any other class goes through
     AutoTokenizer."""
-    try:
-        named = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError):
-        named = None
-    if named in _GENERIC_CLASSES:
+    if _tokenizer_config(directory).get("tokenizer_class") in _GENERIC_CLASSES:
         from transformers import TokenizersBackend
 
         return TokenizersBackend
@@ -117,11 +123,8 @@ def eos_token_ids(directory: Path, cfg: ModelConfig) -> tuple[int, ...]:
     id in tokenizer.json). A service that needs no more of the tokenizer (the scheduler)
     then skips transformers' import, seconds of CPU at its every start. Any other
     checkpoint has its tokenizer loaded whole."""
-    try:
-        named = json.loads((directory / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        named = {}
-    eos = named.get("eos_token") if isinstance(named, dict) else None
+    named = _tokenizer_config(directory)
+    eos = named.get("eos_token")
     if isinstance(eos, dict):  # an AddedToken, as transformers saves one
         eos = eos.get("content")
     if named.get("tokenizer_class") not in _GENERIC_CLASSES or not isinstance(eos, str) \

@@ -11,6 +11,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+from lamina.model.errors import CheckpointError
 from lamina.model.tokenizer import _tokenizer_class
 
 PROBE = textwrap.dedent("""
@@ -62,9 +65,9 @@ def test_the_generic_tokenizer_class_is_the_one_autotokenizer_picks(loaded_model
 def test_the_scheduler_reads_its_eos_ids_without_transformers(loaded_model, tmp_path):
     """The scheduler needs only the EOS ids: read with the tokenizers library they equal
     the whole tokenizer's, for the default checkpoint, a random model and an EOS token
-    saved as an AddedToken; the scheduler's start imports no transformers. A checkpoint
-    naming another class, no EOS token, or one outside the vocabulary has its tokenizer
-    loaded whole."""
+    saved as an AddedToken; the scheduler's start imports no transformers. Without an EOS
+    token there, with one outside the vocabulary, or with a configuration that is no JSON
+    object, the ids are the whole tokenizer's (or its error)."""
     import shutil
 
     from lamina.model.checkpoints import load_eos_token_ids, resolve_checkpoint
@@ -91,6 +94,12 @@ def test_the_scheduler_reads_its_eos_ids_without_transformers(loaded_model, tmp_
     # An EOS outside the vocabulary: transformers' answer (its unknown token), not a guess.
     unknown = variant("unknown", eos_token="<|not-a-token|>")
     assert eos_token_ids(unknown, cfg) == Tokenizer.from_dir(unknown, cfg).eos_token_ids
+    missing = variant("missing", eos_token=None)
+    assert eos_token_ids(missing, cfg) == Tokenizer.from_dir(missing, cfg).eos_token_ids
+    not_an_object = variant("not-an-object")
+    (not_an_object / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(CheckpointError, match="tokenizer could not be loaded"):
+        eos_token_ids(not_an_object, cfg)
 
     probe = ("import sys; from lamina.services.config import StackConfig; "
              "from lamina.services.scheduler.scheduler_service import SchedulerService; "
