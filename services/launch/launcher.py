@@ -33,7 +33,7 @@ import time
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import yaml
 
@@ -46,6 +46,7 @@ from lamina.services import stack_dumps
 from lamina.services.config import StackConfig
 from lamina.services.kv_budget import with_kv_budget
 from lamina.services.launch import local_stacks
+from lamina.services.launch.forker import Forker, ForkerGone
 from lamina.services.launch.supervision import GiveUp, RestartPolicy, Run, decide, describe_exit
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,10 @@ def gateway_port_taken(config: StackConfig) -> str | None:
 
 
 class Stack:
+    # Whether this class's services are forked from a forker on this host where the
+    # configuration asks (a subclass that starts them elsewhere, such as RayStack, says no).
+    forks_services: ClassVar[bool] = True
+
     def __init__(self, config: StackConfig, log_dir: Path | None = None, supervise: bool = False,
                  restart_policy: RestartPolicy = RestartPolicy(),  # noqa: B008 (frozen: one shared default is safe)
                  keep_logs: bool = False, env: Mapping[str, str] | None = None) -> None:
@@ -174,6 +179,14 @@ class Stack:
         self._stop_supervising = threading.Event()
         self._supervisor_idle = threading.Event()  # set when it will start no more processes
         self._supervisor_release = threading.Event()  # set by stop() once every process is stopped
+        self._forker: Forker | None = None  # with config.fork_services: started at the first spawn
+        self._forker_lock = threading.Lock()
+
+    @property
+    def forker_pid(self) -> int | None:
+        """The pid of the process its services are forked from (None: none runs)."""
+        forker = self._forker
+        return forker.proc.pid if forker is not None and forker.alive else None
 
     @property
     def base_url(self) -> str:
@@ -187,6 +200,9 @@ class Stack:
             taken = self._gateway_port_taken()
             if taken is not None:
                 raise RuntimeError(taken)
+            # The services end with this process.
+            self._env = child_env({**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env})
+            self._running_forker()  # its imports run while the checkpoint and Redis are readied
             # Convert the checkpoint once here, so the services do not race to do it.
             resolve_checkpoint(self.config.model)
             # Auto KV on a GPU counted over every service this host runs, once, for all of them
@@ -204,12 +220,11 @@ class Stack:
             if self.redis is not None:
                 self.redis.close()
                 self.redis = None
+            self._close_forker()
             shutil.rmtree(self.work_dir, ignore_errors=True)
             raise
         self._argv = ([sys.executable, "-m", "lamina.cli"], ["--config", str(cfg_path)])
         base, common = self._argv
-        # The services end with this process.
-        self._env = child_env({**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env})
         try:
             for name, service_id, command in service_commands(self.config):
                 sp = ServiceProcess(name, base + command + common, service_id=service_id, command=command)
@@ -237,10 +252,46 @@ class Stack:
         self.config = dataclasses.replace(self.config, redis_url=self.redis.url)
 
     def _spawn(self, sp: ServiceProcess, restart: bool = False) -> None:
-        """Start `sp`'s process; a restart continues its log after a marker line."""
+        """Start `sp`'s process; a restart continues its log after a marker line. Forked
+        from the stack's forker where config.fork_services is set (its modules imported
+        once, lamina.services.launch.forker), else, or where no forker could start, a
+        fresh interpreter."""
         note = f"restart {len(sp.runs)} of {sp.name}" if restart else None
-        sp.proc = spawn_logged(sp.argv, self.log_dir / f"{sp.name}.log", self._env, note)
+        log_path = self.log_dir / f"{sp.name}.log"
+        forker = self._running_forker()
+        proc: ProcessHandle | None = None
+        if forker is not None:
+            try:
+                proc = forker.spawn(sp.name, sp.argv[len(self._argv[0]):], log_path, note)
+            except ForkerGone as exc:
+                log.warning("%s starts in a fresh interpreter: %s", sp.name, exc)
+        sp.proc = proc if proc is not None else spawn_logged(sp.argv, log_path, self._env, note)
         sp.started_at = time.monotonic()
+
+    def _running_forker(self) -> Forker | None:
+        """The stack's forker, started (again, if the last one exited) where the
+        configuration asks for one; None where it does not or where it cannot start."""
+        if not (self.forks_services and self.config.fork_services):
+            return None
+        with self._forker_lock:
+            if self._forker is not None and not self._forker.alive:
+                if not self._forker.ever_ready:  # it could not import what it preloads: fresh interpreters
+                    return None
+                log.warning("the forker exited (code %s); starting another", self._forker.proc.poll())
+                self._forker.close()
+                self._forker = None
+            if self._forker is None:
+                try:
+                    self._forker = Forker(self._env, self.log_dir / "forker.log")
+                except (ForkerGone, OSError) as exc:
+                    log.warning("no forker (%s): services start in fresh interpreters", exc)
+            return self._forker
+
+    def _close_forker(self) -> None:
+        with self._forker_lock:
+            if self._forker is not None:
+                self._forker.close()
+                self._forker = None
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Return once the gateway answers /health; raise if a service process has exited
@@ -389,6 +440,7 @@ class Stack:
                     sp.proc.kill()
                     sp.proc.wait()
         self.processes.clear()
+        self._close_forker()
         if supervisor is not None:
             self._supervisor_release.set()
             supervisor.join()

@@ -170,6 +170,8 @@ class RayStack(Stack):
     """The stack on the Ray cluster at `address` (`host:port` of its head, or `auto`),
     placed by `placement`."""
 
+    forks_services = False  # each actor starts its service in a fresh interpreter on its node
+
     # The defaults are frozen dataclasses: one shared instance each is safe.
     def __init__(self, config: StackConfig, address: str,
                  placement: RayPlacement = RayPlacement(),  # noqa: B008

@@ -67,6 +67,8 @@ def hosts_config(attention_workers: int = 2, model_workers: int = 1, micro_batch
 
 
 class HostsStack(Stack):
+    forks_services = False  # each service starts in its own network namespace (`ip netns exec`)
+
     def __init__(self, config: StackConfig, hosts: Hosts) -> None:
         super().__init__(dataclasses.replace(config, host=hosts.address("gateway")))
         self.hosts = hosts

@@ -29,13 +29,15 @@ def start_stack(transport: str = "tcp", partition: str = "request", workers: int
                 deadlines: DeadlinesSection | None = None, supervise: bool = False,
                 prefill: PrefillSection | None = None, pipeline_mode: str = "fixed",
                 prefill_workers: int | None = None, attention_max_workers: int = 0,
-                layout: str = "disaggregated", prefill_threads: int = 0, **kw) -> Stack:
+                layout: str = "disaggregated", prefill_threads: int = 0, fork_services: bool = True,
+                **kw) -> Stack:
     prefill = prefill or PrefillSection()
     if prefill_workers is not None:
         prefill = dataclasses.replace(prefill, workers=prefill_workers)
     if prefill_threads:
         prefill = dataclasses.replace(prefill, threads=prefill_threads)
     config = StackConfig(layout=layout, transport=transport, partition=partition, weights=weights,
+                         fork_services=fork_services,
                          deadlines=deadlines or DeadlinesSection(), prefill=prefill,
                          gateway=GatewaySection(port=free_port(), **kw),
                          attention=AttentionSection(workers=workers, max_workers=attention_max_workers,

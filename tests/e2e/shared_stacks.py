@@ -46,11 +46,12 @@ class StackSpec:
     api_key: str | None = None  # the gateway's; None: /v1/ needs none
     layout: str = "disaggregated"
     prefill_threads: int = 0  # prefill.threads (0: the model workers')
+    fork_services: bool = True  # False: every service in a fresh interpreter (no forker)
 
     @property
     def id(self) -> str:
         """A short name for test ids: tcp-2w-request-mb3-qearly, with what differs from
-        the defaults appended (-2mw-float32-rotational-2pw-colocated, -key)."""
+        the defaults appended (-2mw-float32-rotational-2pw-colocated-fresh, -key)."""
         name = f"{self.transport}-{self.workers}w-{self.partition}-mb{self.micro_batches}"
         name += "-qearly" if self.q_early else ""
         name += f"-{self.model_workers}mw" if self.model_workers != 1 else ""
@@ -59,6 +60,7 @@ class StackSpec:
         name += f"-{self.prefill_workers}pw" if self.prefill_workers != 1 else ""
         name += f"-{self.layout}" if self.layout != "disaggregated" else ""
         name += f"-{self.prefill_threads}pt" if self.prefill_threads else ""
+        name += "" if self.fork_services else "-fresh"
         return name + ("-key" if self.api_key else "")
 
     def start(self) -> Stack:

@@ -13,12 +13,16 @@ Four rows are stacks other tests share (shared_stacks.py), which cost no start o
 own: the API tests' stack, the two decode pipelines' (two model workers; float32 linears,
 rotational) and prefix routing's (two prefill workers); the six over shm and ucx are the
 matrix's own. The two requests
-of a row run at once, so with more than one micro-batch both are in flight."""
+of a row run at once, so with more than one micro-batch both are in flight. Every row's
+services are forked from the stack's forker (services/launch/forker.py) but one's, which
+start in fresh interpreters (`fork_services: false`)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+from pathlib import Path
 
 import openai
 import pytest
@@ -33,7 +37,7 @@ ROWS = [
     API,  # tcp, request, 2 micro-batches, no Q-early
     PIPELINE_FIXED,  # tcp, request, 3 micro-batches, Q-early
     PIPELINE_ROTATIONAL,  # tcp, head, 3 micro-batches, no Q-early
-    StackSpec("shm", "request", micro_batches=1, q_early=False),
+    StackSpec("shm", "request", micro_batches=1, q_early=False, fork_services=False),
     StackSpec("shm", "head", micro_batches=2, q_early=True),
     StackSpec("shm", "request", micro_batches=3, q_early=True),
     StackSpec("ucx", "head", micro_batches=1, q_early=False),
@@ -66,6 +70,9 @@ def test_greedy_identity(spec, stack, reference_outputs):
             client.completions.create(model=model, prompt=COMPLETION_PROMPTS[1], max_tokens=MAX_TOKENS,
                                       temperature=0, extra_body={"return_token_ids": True}))
 
+    parents = {sp.name: _parent(sp.proc.pid) for sp in stack.processes}
+    expected = stack.forker_pid if spec.fork_services else os.getpid()
+    assert expected is not None and parents == dict.fromkeys(parents, expected), (expected, parents)
     q_frames_before = _q_early_frames(spec, stack)
     chat, completion = asyncio.run(both())
     # Q-early rows did send their queries early (and the others never do).
@@ -76,6 +83,11 @@ def test_greedy_identity(spec, stack, reference_outputs):
     ref = reference_outputs[("completion", COMPLETION_PROMPTS[1])]
     assert completion.choices[0].model_extra["token_ids"] == ref["token_ids"]
     assert completion.choices[0].text == ref["text"]
+
+
+def _parent(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
 
 
 def _q_early_frames(spec: StackSpec, stack) -> float:

@@ -1,0 +1,400 @@
+"""Service processes forked from one that imported their modules once.
+
+A fresh interpreter for each service spends seconds of CPU importing torch and the
+service's own modules before it does anything (about 2 s each for the model, prefill and
+attention workers on an idle 2-core host, more on a busy one): a stack of six services
+paid it six times at every start and again at every restart. The launcher instead starts
+one forker: a process that imports those modules (`PRELOAD`) and then forks each service
+from itself on request, so a service starts with them already imported, as `python -m
+lamina.cli SERVICE ...` would after its imports.
+
+Forking after these imports is safe because nothing has run yet that a fork breaks: the
+forker computes nothing, starts no thread of its own (the one it may hold is OpenBLAS's
+pool, which shuts down across a fork), touches no CUDA device and opens no connection.
+Each child then starts as a service does: its own session, its output in its log file,
+the stack's environment, SIGTERM when its parent (the forker) dies; the forker gets
+SIGTERM when the launcher dies, so the chain still ends with the launcher
+(lamina/lifetime.py).
+
+The launcher talks to the forker over a socket pair, one JSON object a line: `Spawn`
+requests, the pid of each process forked, and each exit with its code (the forker reaps
+its children, so only it can read their codes). `ForkedProcess` gives the launcher what
+it uses of a `subprocess.Popen`; its signals go through a pidfd, so a signal never
+reaches a later process that got the same pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import random
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lamina.lifetime import PARENT_ENV, die_with_parent
+
+log = logging.getLogger(__name__)
+
+# What each service imports before it serves: torch for the workers, the services' own
+# modules (gRPC, aiohttp, Redis, the model), and the tokenizer's backend. "module:attr"
+# imports the module and reads the attribute (transformers loads that class lazily).
+PRELOAD = (
+    "torch",
+    "lamina.services.attention.attention_service",
+    "lamina.services.model.model_service",
+    "lamina.services.prefill.prefill_service",
+    "lamina.services.scheduler.scheduler_service",
+    "lamina.services.gateway.gateway_service",
+    "transformers:TokenizersBackend",
+    *(f"lamina.commands.{name}" for name in ("attention", "model", "prefill", "scheduler", "gateway")),
+)
+_PR_SET_NAME = 15
+READY_TIMEOUT_S = 120.0  # the preload on a busy host: seconds, far less than a stack's start timeout
+REQUEST_TIMEOUT_S = 30.0  # a spawn's answer: a fork takes milliseconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Spawn:
+    """Fork a service: `args` are its `lamina` arguments (`["model", "--index", "0", ...]`),
+    its output goes to the end of `log_path` (which the launcher has made), it works in `cwd`."""
+
+    request: int
+    name: str  # the process's name (its comm, what ps -o comm and top show): attention-0, gateway, ...
+    args: list[str]
+    log_path: str
+    cwd: str
+
+
+class ForkerGone(RuntimeError):
+    """The forker has exited (or never became ready): start another one."""
+
+
+class ForkedProcess:
+    """A service forked by the forker: pid, returncode, poll, wait, send_signal, kill, as
+    the stack uses them of a `subprocess.Popen` (lamina.services.launch.launcher.ProcessHandle)."""
+
+    def __init__(self, pid: int, args: list[str]) -> None:
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+        self._exited = threading.Event()
+        self._pidfd: int | None = None
+        with contextlib.suppress(OSError):  # gone already: its exit report is on its way
+            self._pidfd = os.pidfd_open(pid)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is not None:
+            return  # as Popen: no signal to a process already reaped
+        with contextlib.suppress(ProcessLookupError):
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, sig)
+            else:
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def exited(self, code: int) -> None:
+        self.returncode = code
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        self._exited.set()
+
+    def wait_gone(self, timeout_s: float) -> bool:
+        """Whether the process has ended within timeout_s (read from its pidfd: for a
+        process whose forker is gone and can no longer report it)."""
+        if self._pidfd is None:
+            return True
+        ready, _, _ = select.select([self._pidfd], [], [], timeout_s)
+        return bool(ready)
+
+
+class Forker:
+    """The launcher's end: starts the forker process, sends it `Spawn`s, and keeps each
+    forked process's `ForkedProcess` up to date from a reader thread of its own.
+    Thread-safe: a stack spawns from its start, its supervisor and its callers."""
+
+    def __init__(self, env: Mapping[str, str], log_path: Path, preload: tuple[str, ...] = PRELOAD) -> None:
+        ours, theirs = socket.socketpair()
+        self._sock = ours
+        self._lock = threading.Lock()  # one request at a time
+        self._pending: dict[int, list[Any]] = {}  # request -> [event, pid or error]
+        self._processes: dict[int, ForkedProcess] = {}
+        self._early: dict[int, int] = {}  # exits reported before their spawn's answer was read
+        self._requests = 0
+        self._closing = False
+        self._was_ready = False
+        self._ready = threading.Event()
+        self._gone = threading.Event()
+        with open(log_path, "ab") as logf:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "lamina.services.launch.forker", str(theirs.fileno()),
+                 *(preload if preload != PRELOAD else ())],  # the default left out: a short command line
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                env=dict(env), start_new_session=True)
+        theirs.close()
+        self.log_path = log_path
+        self._reader = threading.Thread(target=self._read, name="lamina-forker-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def ever_ready(self) -> bool:
+        """Whether it finished its imports and answered (a forker that exits before that
+        will not do better the next time)."""
+        return self._was_ready
+
+    @property
+    def alive(self) -> bool:
+        return not self._gone.is_set()
+
+    def spawn(self, name: str, args: list[str], log_path: Path, note: str | None = None) -> ForkedProcess:
+        """Fork service `name` (waiting for the forker's imports first, the first time)."""
+        if not self._ready.wait(READY_TIMEOUT_S) or self._gone.is_set():
+            raise ForkerGone(f"the forker is not running (exit code {self.proc.poll()}; its log: {self.log_path})")
+        # The log is made here, as spawn_logged makes it: it exists when spawn returns.
+        with open(log_path, "wb" if note is None else "ab") as logf:
+            if note is not None:
+                logf.write(f"--- lamina: {note} ---\n".encode())
+        with self._lock:
+            self._requests += 1
+            request = Spawn(self._requests, name, list(args), str(log_path), os.getcwd())
+            slot: list[Any] = [threading.Event(), None]
+            self._pending[request.request] = slot
+            try:
+                self._sock.sendall(json.dumps(dataclasses.asdict(request)).encode() + b"\n")
+            except OSError as exc:
+                raise ForkerGone(f"the forker cannot be reached: {exc}") from exc
+            if not slot[0].wait(REQUEST_TIMEOUT_S) or not isinstance(slot[1], int):
+                raise ForkerGone(f"the forker did not fork {args[0]}: {slot[1] or 'no answer'}")
+            return self._processes[slot[1]]
+
+    def _read(self) -> None:
+        """Answers and exit reports, until the forker's end of the socket closes."""
+        buf = b""
+        try:
+            while True:
+                data = self._sock.recv(65536)
+                if not data:
+                    break
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    self._handle(json.loads(line))
+        except OSError:
+            pass  # closed by close()
+        finally:
+            self._gone.set()
+            self._ready.set()
+            for slot in list(self._pending.values()):
+                slot[0].set()
+            self._orphaned()
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        if "ready" in msg:
+            log.debug("forker ready: %s", msg)
+            self._was_ready = True
+            self._ready.set()
+        elif "spawned" in msg:
+            slot = self._pending.pop(msg["spawned"])
+            if "pid" in msg:
+                pid = msg["pid"]
+                proc = self._processes[pid] = ForkedProcess(pid, msg["args"])
+                if pid in self._early:
+                    proc.exited(self._early.pop(pid))
+                slot[1] = pid
+            else:
+                slot[1] = msg["error"]
+            slot[0].set()
+        elif "exited" in msg:
+            ended = self._processes.pop(msg["exited"], None)
+            if ended is None:
+                self._early[msg["exited"]] = msg["code"]
+            else:
+                ended.exited(msg["code"])
+
+    def _orphaned(self) -> None:
+        """The forker has gone: its children got SIGTERM with it (their PR_SET_PDEATHSIG)
+        and nobody can read their codes now; each counts as ended by SIGTERM once it has."""
+        for pid, proc in list(self._processes.items()):
+            if proc.returncode is None:
+                if not self._closing:
+                    log.warning("the forker exited; its service process %d ends with it (SIGTERM)", pid)
+                proc.wait_gone(30.0)
+                proc.exited(-signal.SIGTERM)
+        self._processes.clear()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End the forker (its remaining children get SIGTERM as it exits)."""
+        self._closing = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(timeout_s)
+        self._sock.close()
+
+
+# ---- the forker process ----
+
+
+def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
+    sock.sendall(json.dumps(msg).encode() + b"\n")
+
+
+def _preload(names: list[str]) -> list[str]:
+    """Import each of `names`; what fails is named in the log and left to the service,
+    which imports it again and fails there as it would have."""
+    failed = []
+    for name in names:
+        module, _, attr = name.partition(":")
+        try:
+            loaded = importlib.import_module(module)
+            if attr:
+                getattr(loaded, attr)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the service meets it again and says so
+            print(f"forker: could not preload {name}: {type(exc).__name__}: {exc}", flush=True)
+            failed.append(name)
+    return failed
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _name_process(name: str) -> None:
+    """Set this process's name as the kernel shows it (its comm: ps -o comm, top, at
+    most 15 bytes). Its command line stays the forker's."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15] + b"\0", 0, 0, 0)
+
+
+def _become_service(request: Spawn, env: Mapping[str, str], parent: int) -> None:
+    """In a forked child: the session, output, directory and environment the service
+    would have had from `spawn_logged`, and the forker as the parent it ends with."""
+    os.setsid()
+    _name_process(request.name)
+    fd = os.open(request.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # made by the launcher
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.chdir(request.cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ[PARENT_ENV] = str(parent)
+    random.seed()  # each service its own sequence, as a fresh interpreter seeds it
+    sys.argv = [sys.argv[0], *request.args]
+
+
+def serve(sock: socket.socket, env: Mapping[str, str]) -> list[str] | None:
+    """The forker's loop: each child gets `env`. Returns in a forked child with the
+    service's `lamina` arguments, and None when the launcher has closed its end."""
+    me = os.getpid()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select through wake_w
+    buf = b""
+    try:
+        while True:
+            ready, _, _ = select.select([sock.fileno(), wake_r], [], [])
+            if wake_r in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+                _reap(sock)
+            if sock.fileno() not in ready:
+                continue
+            data = sock.recv(65536)
+            if not data:
+                return None
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                request = Spawn(**json.loads(line))
+                try:
+                    pid = os.fork()
+                except OSError as exc:
+                    _send(sock, {"spawned": request.request, "error": f"fork failed: {exc}"})
+                    continue
+                if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    sock.close()
+                    try:
+                        _become_service(request, env, me)
+                    except BaseException as exc:  # noqa: BLE001 - a child must never return into the forker's loop
+                        # To its log where it got that far, else the forker's; exit code 127 either way.
+                        with contextlib.suppress(OSError):
+                            os.write(2, f"forker: could not start {request.name}: {exc!r}\n".encode())
+                        os._exit(127)
+                    return request.args
+                _send(sock, {"spawned": request.request, "pid": pid, "args": request.args})
+    except OSError:
+        return None  # the launcher's end is gone
+
+
+def main(argv: list[str]) -> int:
+    """`python -m lamina.services.launch.forker FD [MODULE...]` (started by `Forker`; no
+    MODULE: `PRELOAD`)."""
+    die_with_parent()  # the launcher's death ends the forker, whose death ends its services
+    sock = socket.socket(fileno=int(argv[0]))
+    env = dict(os.environ)  # the stack's, as the services would have had it (before any import sets some)
+    start = time.process_time()
+    names = argv[1:] or list(PRELOAD)
+    failed = _preload(names)
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    print(f"forker: preloaded {len(names) - len(failed)} modules in {time.process_time() - start:.2f} s of CPU;"
+          f" {threads} thread(s)", flush=True)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a child could not use the device
+        print("forker: an import initialised CUDA, which a forked process cannot use; not forking", flush=True)
+        return 1
+    _send(sock, {"ready": True, "failed": failed, "threads": threads})
+    args = serve(sock, env)
+    if args is None:
+        return 0
+    from lamina.cli import main as lamina_main
+
+    return lamina_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

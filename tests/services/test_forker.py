@@ -1,0 +1,99 @@
+"""The forker (lamina.services.launch.forker): services forked from one process that
+imported their modules once, with what a fresh interpreter's service would have had (its
+log, exit code, session, name), and nothing left when the forker goes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lamina.lifetime import child_env
+from lamina.services.launch.forker import Forker, ForkerGone
+
+
+@pytest.fixture
+def long_running(tmp_path) -> list[str]:
+    """A service that runs until it is stopped and reaches no network: a scheduler waiting
+    for its metadata store at a Unix socket that nothing serves."""
+    cfg = tmp_path / "stack.yaml"
+    cfg.write_text(f"redis_url: unix://{tmp_path}/no-redis.sock\n")
+    return ["scheduler", "--config", str(cfg)]
+
+
+def _until(check, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def forker(tmp_path):
+    f = Forker(child_env(), tmp_path / "forker.log", preload=("json",))
+    yield f
+    f.close()
+
+
+def _ppid(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+
+
+def test_a_forked_command_writes_its_log_and_exits_as_a_fresh_one_does(forker, tmp_path):
+    args = ["status", "--port", "1"]  # no stack there: a message and exit code 1
+    fresh = subprocess.run([sys.executable, "-P", "-m", "lamina.cli", *args], capture_output=True, text=True,
+                           env=child_env())
+    log = tmp_path / "status.log"
+    proc = forker.spawn("status", args, log)
+    assert proc.wait(timeout=60) == fresh.returncode == 1
+    assert log.read_text() == fresh.stdout + fresh.stderr
+    assert "no cluster found" in log.read_text()
+    again = forker.spawn("status", args, log, note="restart 1 of status")
+    assert again.pid != proc.pid and again.wait(timeout=60) == 1
+    assert log.read_text().count("no cluster found") == 2 and "--- lamina: restart 1 of status ---" in log.read_text()
+    assert "preloaded 1 modules" in (tmp_path / "forker.log").read_text()
+
+
+def test_a_forked_service_has_its_own_session_and_name_and_is_the_forkers_child(forker, tmp_path, long_running):
+    proc = forker.spawn("model-7", long_running, tmp_path / "model-7.log")
+    try:
+        _until(lambda: Path(f"/proc/{proc.pid}/comm").read_text().strip() == "model-7")
+        _until(lambda: "cannot reach Redis" in (tmp_path / "model-7.log").read_text())
+        assert os.getsid(proc.pid) == proc.pid  # a Ctrl-C at the launcher's terminal does not reach it
+        assert _ppid(proc.pid) == forker.proc.pid
+        assert proc.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.2)
+    finally:
+        proc.kill()
+    assert proc.wait(timeout=30) == -signal.SIGKILL and proc.poll() == -signal.SIGKILL
+    proc.kill()  # reaped: no signal goes anywhere
+
+
+def test_the_forkers_death_ends_its_services_and_says_it_is_gone(forker, tmp_path, long_running):
+    proc = forker.spawn("attention-3", long_running, tmp_path / "attention-3.log")
+    _until(lambda: (tmp_path / "attention-3.log").read_text() != "")  # its PR_SET_PDEATHSIG is set
+    forker.proc.kill()  # SIGKILL: the forker runs no clean-up; its children get SIGTERM from the kernel
+    assert proc.wait(timeout=60) == -signal.SIGTERM
+    assert not Path(f"/proc/{proc.pid}").exists() or _ppid(proc.pid) != forker.proc.pid
+    assert not forker.alive and forker.ever_ready
+    with pytest.raises(ForkerGone, match="not running"):
+        forker.spawn("attention-3", long_running, tmp_path / "attention-3.log")
+
+
+def test_a_forker_that_cannot_start_is_refused_at_its_first_spawn(tmp_path):
+    """An interpreter that cannot even start (no standard library where PYTHONHOME says):
+    the launcher hears of it at the first spawn and starts fresh interpreters instead."""
+    broken = Forker(child_env({**os.environ, "PYTHONHOME": str(tmp_path / "nowhere")}), tmp_path / "forker.log")
+    try:
+        with pytest.raises(ForkerGone, match="not running"):
+            broken.spawn("gateway", ["status", "--port", "1"], tmp_path / "gateway.log")
+        assert not broken.ever_ready
+    finally:
+        broken.close()
