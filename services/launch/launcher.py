@@ -149,6 +149,18 @@ def gateway_port_taken(config: StackConfig) -> str | None:
             f"choose another with --port, gateway.port or LAMINA_PORT")
 
 
+def forget_token(cfg_path: Path, why: str) -> None:
+    """Rewrite a stack's configuration file (as `Stack.start` wrote it) without its
+    cluster token, saying `why` in a comment; nothing where the file is gone."""
+    try:
+        raw = yaml.safe_load(cfg_path.read_text())
+    except FileNotFoundError:
+        return
+    if isinstance(raw, dict) and raw.get("cluster_token") is not None:
+        raw["cluster_token"] = None
+        cfg_path.write_text(f"# cluster_token removed when {why}\n" + yaml.safe_dump(raw))
+
+
 class Stack:
     # Whether this class's services are forked from a forker on this host where the
     # configuration asks (a subclass that starts them elsewhere, such as RayStack, says no).
@@ -271,7 +283,9 @@ class Stack:
     def _running_forker(self) -> Forker | None:
         """The stack's forker, started (again, if the last one exited) where the
         configuration asks for one; None where it does not or where it cannot start."""
-        if not (self.forks_services and self.config.fork_services):
+        # Linux only: elsewhere (macOS) forking a process that loaded these libraries is not
+        # safe, and pidfds and PR_SET_PDEATHSIG do not exist.
+        if not (self.forks_services and self.config.fork_services and sys.platform.startswith("linux")):
             return None
         with self._forker_lock:
             if self._forker is not None and not self._forker.alive:
@@ -282,7 +296,8 @@ class Stack:
                 self._forker = None
             if self._forker is None:
                 try:
-                    self._forker = Forker(self._env, self.log_dir / "forker.log")
+                    self._forker = Forker(self._env, self.log_dir / "forker.log",
+                                          config_path=self.work_dir / "stack.yaml")
                 except (ForkerGone, OSError) as exc:
                     log.warning("no forker (%s): services start in fresh interpreters", exc)
             return self._forker
@@ -456,10 +471,7 @@ class Stack:
         """The kept configuration file without the cluster token: the logs outlive the
         stack, its secret does not (a stopped stack's token opens nothing, but a later
         stack given the same file would reuse it)."""
-        cfg_path = self.work_dir / "stack.yaml"
-        if cfg_path.is_file():
-            kept = dataclasses.replace(self.config, cluster_token=None)
-            cfg_path.write_text("# cluster_token removed when the stack stopped\n" + yaml.safe_dump(kept.to_dict()))
+        forget_token(self.work_dir / "stack.yaml", "the stack stopped")
 
     def __enter__(self) -> Stack:
         self.start()

@@ -1,4 +1,5 @@
-"""A launcher killed outright leaves no service running: every child ends with it."""
+"""A launcher killed outright leaves no service running: every child ends with it, and the
+stack's configuration file keeps no cluster token (the forker takes it out)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ sys.path.insert(0, {tests!r})
 from e2e_helpers import start_stack
 stack = start_stack(workers=1)
 pids = [sp.proc.pid for sp in stack.processes] + [stack.redis._proc.pid]
-print(json.dumps({{"pids": pids, "work_dir": str(stack.work_dir)}}), flush=True)
+print(json.dumps({{"pids": pids, "forker": stack.forker_pid, "work_dir": str(stack.work_dir)}}), flush=True)
 time.sleep(600)
 """
 
@@ -45,6 +46,9 @@ def test_killing_the_launcher_stops_every_service_and_redis():
         started = json.loads(line)
         pids, work_dir = started["pids"], Path(started["work_dir"])
         assert len(pids) == 6 and all(_alive(p) for p in pids)  # redis, 1 attention, model, prefill, scheduler, gateway
+        assert started["forker"] is not None and _alive(started["forker"])
+        pids.append(started["forker"])
+        assert "cluster_token: null" not in (work_dir / "stack.yaml").read_text()
         # Redis works in the stack's directory: removing that one leaves nothing of the stack.
         assert (work_dir / "redis" / "redis.log").is_file()
         launcher.send_signal(signal.SIGKILL)  # no chance to clean up
@@ -53,6 +57,9 @@ def test_killing_the_launcher_stops_every_service_and_redis():
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.2)  # polling other processes' exit: there is no event to wait on
         assert not [p for p in pids if _alive(p)], "services outlived their launcher"
+        # The forker stopped the services, then took the token out of the file they were started with.
+        config = (work_dir / "stack.yaml").read_text()
+        assert "cluster_token: null" in config and "when its launcher ended without stopping it" in config
     finally:
         if launcher.poll() is None:
             launcher.kill()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lamina.lifetime import child_env
 from lamina.services.launch.forker import Forker, ForkerGone
@@ -60,10 +61,12 @@ def test_a_forked_command_writes_its_log_and_exits_as_a_fresh_one_does(forker, t
     assert "preloaded 1 modules" in (tmp_path / "forker.log").read_text()
 
 
-def test_a_forked_service_has_its_own_session_and_name_and_is_the_forkers_child(forker, tmp_path, long_running):
+def test_a_forked_service_has_its_own_session_names_and_is_the_forkers_child(forker, tmp_path, long_running):
     proc = forker.spawn("model-7", long_running, tmp_path / "model-7.log")
     try:
         _until(lambda: Path(f"/proc/{proc.pid}/comm").read_text().strip() == "model-7")
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        assert cmdline == " ".join(["lamina", *long_running])
         _until(lambda: "cannot reach Redis" in (tmp_path / "model-7.log").read_text())
         assert os.getsid(proc.pid) == proc.pid  # a Ctrl-C at the launcher's terminal does not reach it
         assert _ppid(proc.pid) == forker.proc.pid
@@ -74,6 +77,18 @@ def test_a_forked_service_has_its_own_session_and_name_and_is_the_forkers_child(
         proc.kill()
     assert proc.wait(timeout=30) == -signal.SIGKILL and proc.poll() == -signal.SIGKILL
     proc.kill()  # reaped: no signal goes anywhere
+    stopped = forker.spawn("model-8", long_running, tmp_path / "model-8.log")
+    _until(lambda: "cannot reach Redis" in (tmp_path / "model-8.log").read_text())
+    stopped.terminate()  # SIGTERM, as Popen.terminate: the service stops as it does when asked
+    fresh = subprocess.Popen([sys.executable, "-P", "-m", "lamina.cli", *long_running], env=child_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "cannot reach Redis" in fresh.stderr.readline()
+        fresh.terminate()
+        assert stopped.wait(timeout=60) == fresh.wait(timeout=60)
+    finally:
+        fresh.kill()
+        fresh.wait()
 
 
 def test_the_forkers_death_ends_its_services_and_says_it_is_gone(forker, tmp_path, long_running):
@@ -97,3 +112,34 @@ def test_a_forker_that_cannot_start_is_refused_at_its_first_spawn(tmp_path):
         assert not broken.ever_ready
     finally:
         broken.close()
+
+
+def test_children_that_exit_at_once_are_each_reported(forker, tmp_path):
+    """Each exits before its parent could read much: its exit is read by the launcher's
+    reader thread, perhaps before the thread that asked for it wakes."""
+    procs = [forker.spawn(f"v{i}", ["--version"], tmp_path / f"v{i}.log") for i in range(12)]
+    assert [p.wait(timeout=60) for p in procs] == [0] * 12
+    assert all((tmp_path / f"v{i}.log").read_text().startswith("lamina ") for i in range(12))
+
+
+def test_a_forkers_sigterm_stops_its_services_and_takes_the_token_out_of_the_config(tmp_path):
+    """What the forker does when its launcher dies without stopping the stack (its
+    PR_SET_PDEATHSIG sends SIGTERM): every service is stopped and reaped, and the cluster
+    token leaves the configuration file the dead launcher could not clean up."""
+    cfg = tmp_path / "stack.yaml"
+    cfg.write_text(f"redis_url: unix://{tmp_path}/no-redis.sock\ncluster_token: s3cret-token\n")
+    forker = Forker(child_env(), tmp_path / "forker.log", preload=("json",), config_path=cfg)
+    try:
+        procs = [forker.spawn(f"scheduler-{i}", ["scheduler", "--config", str(cfg)], tmp_path / f"s{i}.log")
+                 for i in range(2)]
+        _until(lambda: all("cannot reach Redis" in (tmp_path / f"s{i}.log").read_text() for i in range(2)))
+        forker.proc.send_signal(signal.SIGTERM)
+        assert forker.proc.wait(timeout=60) == 0
+        codes = [p.wait(timeout=60) for p in procs]
+        assert all(not Path(f"/proc/{p.pid}").exists() for p in procs), codes
+        assert "s3cret-token" not in cfg.read_text()
+        assert cfg.read_text().startswith("# cluster_token removed when its launcher ended without stopping it")
+        assert yaml.safe_load(cfg.read_text()) == {"redis_url": f"unix://{tmp_path}/no-redis.sock",
+                                                   "cluster_token": None}
+    finally:
+        forker.close()
