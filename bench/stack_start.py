@@ -7,7 +7,9 @@ attention workers, a model worker, a prefill worker, the scheduler and the gatew
 disaggregated layout over TCP, SmolLM2-135M-Instruct as its file holds it) and times its
 start (the call to the gateway's first healthy answer), with the CPU seconds every
 process of it spent by then (the launcher's own, read in this process, and each child's
-and the forker's from /proc); then kills attention worker 0 and starts it again
+and the forker's from /proc) and their memory (the sum of their proportional set sizes,
+PSS: each page shared by N processes counted 1/N in each, so shared pages are counted
+once; Redis not included); then kills attention worker 0 and starts it again
 (`Stack.restart`, what the supervisor does) and times that restart (the call to the new
 process's "serving" log line). The variants alternate, the order reversed every try; the
 table gives medians over the tries, and every stack is stopped on the way out (also on
@@ -51,6 +53,16 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
 
 
+def pss_mib(pid: int) -> float:
+    """Proportional set size of process `pid` in MiB: its private memory plus its share of
+    what it shares (0 if it is gone)."""
+    try:
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0.0
+    return next(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:")) / 1024
+
+
 def _serving_lines(log: Path) -> int:
     return log.read_text(errors="replace").count(" serving on ") if log.is_file() else 0
 
@@ -67,7 +79,9 @@ def one_try(fork: bool, log_dir: Path) -> dict[str, float]:
         children = [sp.proc.pid for sp in stack.processes if sp.proc is not None]
         forker = stack.forker_pid
         assert (forker is not None) == fork, f"fork_services {fork} but forker pid {forker}"
-        services_cpu = sum(cpu_s(pid) for pid in children) + (cpu_s(forker) if forker else 0.0)
+        ours = children + ([forker] if forker else [])
+        services_cpu = sum(cpu_s(pid) for pid in ours)
+        memory = sum(pss_mib(pid) for pid in ours)
         (victim,) = [sp for sp in stack.processes if sp.name == "attention-0"]
         assert victim.proc is not None
         log = log_dir / "attention-0.log"
@@ -84,7 +98,7 @@ def one_try(fork: bool, log_dir: Path) -> dict[str, float]:
     finally:
         stack.stop()
     return {"start_s": start_s, "cpu_s": launcher_cpu + services_cpu, "launcher_cpu_s": launcher_cpu,
-            "restart_s": restart_s}
+            "pss_mib": memory, "restart_s": restart_s}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -105,13 +119,14 @@ def main(argv: list[str] | None = None) -> dict:
                 row = one_try(VARIANTS[name], Path(tmp) / f"{name}-{t}")
                 rows[name].append(row)
                 print(f"  try {t + 1} {name:6s}: start {row['start_s']:.2f} s, CPU {row['cpu_s']:.2f} s "
-                      f"(launcher {row['launcher_cpu_s']:.2f} s), restart {row['restart_s']:.2f} s", flush=True)
+                      f"(launcher {row['launcher_cpu_s']:.2f} s), memory {row['pss_mib']:.0f} MiB, "
+                      f"restart {row['restart_s']:.2f} s", flush=True)
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rows.items()}
-    print(f"\n{'variant':8s} {'start s':>8s} {'CPU s':>7s} {'restart s':>10s}")
+    print(f"\n{'variant':8s} {'start s':>8s} {'CPU s':>7s} {'PSS MiB':>8s} {'restart s':>10s}")
     for name, m in med.items():
-        print(f"{name:8s} {m['start_s']:8.2f} {m['cpu_s']:7.2f} {m['restart_s']:10.2f}")
-    ratio = {k: med["forked"][k] / med["fresh"][k] for k in ("start_s", "cpu_s", "restart_s")}
-    print(f"forked / fresh: start {ratio['start_s']:.2f}x, CPU {ratio['cpu_s']:.2f}x, "
+        print(f"{name:8s} {m['start_s']:8.2f} {m['cpu_s']:7.2f} {m['pss_mib']:8.0f} {m['restart_s']:10.2f}")
+    ratio = {k: med["forked"][k] / med["fresh"][k] for k in ("start_s", "cpu_s", "pss_mib", "restart_s")}
+    print(f"forked / fresh: start {ratio['start_s']:.2f}x, CPU {ratio['cpu_s']:.2f}x, memory {ratio['pss_mib']:.2f}x, "
           f"restart {ratio['restart_s']:.2f}x")
     report = {"machine": cpu_model(), "cores": os.cpu_count(), "tries": args.tries, "median": med,
               "forked_over_fresh": ratio}

@@ -66,6 +66,7 @@ PRELOAD = (
 _PR_SET_NAME = 15
 READY_TIMEOUT_S = 120.0  # the preload on a busy host: seconds, far less than a stack's start timeout
 REQUEST_TIMEOUT_S = 30.0  # a spawn's answer: a fork takes milliseconds
+CLOSE = {"close": True}  # the launcher's last message: it has stopped the services itself
 END_GRACE_S = 20.0  # its children's drain when the launcher is gone, as Stack.stop's
 
 
@@ -259,8 +260,11 @@ class Forker:
         self._processes.clear()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """End the forker (its remaining children get SIGTERM as it exits)."""
+        """End the forker, after the stack has stopped its services (any still running get
+        SIGTERM as it exits)."""
         self._closing = True
+        with self._lock, contextlib.suppress(OSError):  # gone already: nothing to tell
+            self._sock.sendall(json.dumps(CLOSE).encode() + b"\n")
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         try:
@@ -368,10 +372,12 @@ def _end_children(sock: socket.socket, live: set[int], grace_s: float = END_GRAC
 
 def serve(sock: socket.socket, env: Mapping[str, str], config_path: Path | None = None) -> list[str] | None:
     """The forker's loop: each child gets `env`. Returns in a forked child with the
-    service's `lamina` arguments, and None when the launcher has closed its end or is
-    gone. Its SIGTERM (the launcher's death: PR_SET_PDEATHSIG, or anyone's) stops every
-    child and waits for them, then takes the cluster token out of `config_path`, which a
-    launcher killed outright could not."""
+    service's `lamina` arguments, and None when the launcher has closed it (`CLOSE`) or is
+    gone. A launcher is gone when the forker gets SIGTERM (the launcher's death, by
+    PR_SET_PDEATHSIG, or anyone's) or its end of the socket closes without `CLOSE` (which
+    of the two comes first when it dies is not ordered): then every child is stopped and
+    waited for, and the cluster token taken out of `config_path`, which a launcher killed
+    outright could not."""
     me = os.getpid()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -381,6 +387,14 @@ def serve(sock: socket.socket, env: Mapping[str, str], config_path: Path | None 
     stopping: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _frame: stopping.append(signum))  # as SIGCHLD
     live: set[int] = set()  # children not reaped yet
+
+    def orphaned() -> None:
+        _end_children(sock, live)
+        if config_path is not None:
+            from lamina.services.launch.launcher import forget_token
+
+            forget_token(config_path, "its launcher ended without stopping it")
+
     buf = b""
     try:
         while True:
@@ -389,22 +403,22 @@ def serve(sock: socket.socket, env: Mapping[str, str], config_path: Path | None 
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 4096)
                 if stopping:
-                    _end_children(sock, live)
-                    if config_path is not None:
-                        from lamina.services.launch.launcher import forget_token
-
-                        forget_token(config_path, "its launcher ended without stopping it")
+                    orphaned()
                     return None
                 _reap(sock, live)
             if sock.fileno() not in ready:
                 continue
             data = sock.recv(65536)
             if not data:
+                orphaned()
                 return None
             buf += data
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
-                request = Spawn(**json.loads(line))
+                message = json.loads(line)
+                if message == CLOSE:
+                    return None
+                request = Spawn(**message)
                 try:
                     pid = os.fork()
                 except OSError as exc:
@@ -427,8 +441,9 @@ def serve(sock: socket.socket, env: Mapping[str, str], config_path: Path | None 
                     return request.args
                 live.add(pid)
                 _send(sock, {"spawned": request.request, "pid": pid, "args": request.args})
-    except OSError:
-        return None  # the launcher's end is gone: its children end with it (PR_SET_PDEATHSIG)
+    except OSError:  # the launcher's end broke: gone as well
+        orphaned()
+        return None
 
 
 def main(argv: list[str]) -> int:

@@ -17,6 +17,6 @@ def test_the_bench_starts_and_restarts_both_ways(capsys):
     assert json.loads(out[-1]) == json.loads(json.dumps(report))
     assert set(report["median"]) == set(VARIANTS) == {"forked", "fresh"}
     for row in report["median"].values():
-        assert row["start_s"] > 0 and row["cpu_s"] > 0 and row["restart_s"] > 0
-    assert set(report["forked_over_fresh"]) == {"start_s", "cpu_s", "restart_s"}
+        assert row["start_s"] > 0 and row["cpu_s"] > 0 and row["restart_s"] > 0 and row["pss_mib"] > 100
+    assert set(report["forked_over_fresh"]) == {"start_s", "cpu_s", "pss_mib", "restart_s"}
     assert [line.split()[2].rstrip(":") for line in out if line.startswith("  try")] == ["forked", "fresh"]

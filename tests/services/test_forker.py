@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -122,10 +123,12 @@ def test_children_that_exit_at_once_are_each_reported(forker, tmp_path):
     assert all((tmp_path / f"v{i}.log").read_text().startswith("lamina ") for i in range(12))
 
 
-def test_a_forkers_sigterm_stops_its_services_and_takes_the_token_out_of_the_config(tmp_path):
-    """What the forker does when its launcher dies without stopping the stack (its
-    PR_SET_PDEATHSIG sends SIGTERM): every service is stopped and reaped, and the cluster
-    token leaves the configuration file the dead launcher could not clean up."""
+@pytest.mark.parametrize("gone", ["sigterm", "socket-closed"])
+def test_a_launcher_gone_has_the_forker_stop_its_services_and_take_the_token_out(tmp_path, gone):
+    """What the forker does when its launcher dies without stopping the stack: its
+    PR_SET_PDEATHSIG sends it SIGTERM, and the launcher's end of their socket closes, in
+    no given order (either alone is enough): every service is stopped and reaped, and the
+    cluster token leaves the configuration file the dead launcher could not clean up."""
     cfg = tmp_path / "stack.yaml"
     cfg.write_text(f"redis_url: unix://{tmp_path}/no-redis.sock\ncluster_token: s3cret-token\n")
     forker = Forker(child_env(), tmp_path / "forker.log", preload=("json",), config_path=cfg)
@@ -133,7 +136,12 @@ def test_a_forkers_sigterm_stops_its_services_and_takes_the_token_out_of_the_con
         procs = [forker.spawn(f"scheduler-{i}", ["scheduler", "--config", str(cfg)], tmp_path / f"s{i}.log")
                  for i in range(2)]
         _until(lambda: all("cannot reach Redis" in (tmp_path / f"s{i}.log").read_text() for i in range(2)))
-        forker.proc.send_signal(signal.SIGTERM)
+        if gone == "sigterm":
+            forker.proc.send_signal(signal.SIGTERM)
+        else:
+            # What the forker sees of the kernel closing it when the launcher dies: its end
+            # ends, with no CLOSE sent.
+            forker._sock.shutdown(socket.SHUT_RDWR)
         assert forker.proc.wait(timeout=60) == 0
         codes = [p.wait(timeout=60) for p in procs]
         assert all(not Path(f"/proc/{p.pid}").exists() for p in procs), codes
