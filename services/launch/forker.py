@@ -13,15 +13,17 @@ forker computes nothing, starts no thread of its own (the one it may hold is Ope
 pool, which shuts down across a fork), touches no CUDA device and opens no connection.
 Each child then starts as a service does: its own session, its output in its log file,
 the stack's environment, a command line that names it (`lamina model --index 0 ...`, as
-ps shows it), SIGTERM when its parent (the forker) dies; the forker gets
-SIGTERM when the launcher dies, so the chain still ends with the launcher
-(lamina/lifetime.py).
+ps shows it), SIGTERM when its parent (the forker) dies. The forker gets SIGTERM when
+the launcher dies (lamina/lifetime.py), and then, as when the launcher's end of their
+socket closes without a word, stops its services, waits for them and takes the cluster
+token out of the stack's configuration file: the cleaning up a launcher killed outright
+could not do.
 
 The launcher talks to the forker over a socket pair, one JSON object a line: `Spawn`
-requests, the pid of each process forked, and each exit with its code (the forker reaps
-its children, so only it can read their codes). `ForkedProcess` gives the launcher what
-it uses of a `subprocess.Popen`; its signals go through a pidfd, so a signal never
-reaches a later process that got the same pid.
+requests and a last `Close` one way; the pid of each process forked and each exit with its
+code the other (the forker reaps its children, so only it can read their codes).
+`ForkedProcess` gives the launcher what it uses of a `subprocess.Popen`; its signals go
+through a pidfd, so a signal never reaches a later process that got the same pid.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from lamina.lifetime import PARENT_ENV, die_with_parent
 
@@ -66,20 +67,80 @@ PRELOAD = (
 _PR_SET_NAME = 15
 READY_TIMEOUT_S = 120.0  # the preload on a busy host: seconds, far less than a stack's start timeout
 REQUEST_TIMEOUT_S = 30.0  # a spawn's answer: a fork takes milliseconds
-CLOSE = {"close": True}  # the launcher's last message: it has stopped the services itself
 END_GRACE_S = 20.0  # its children's drain when the launcher is gone, as Stack.stop's
+
+
+# ---- the messages, one JSON object a line: {"kind": CLASS NAME, FIELD: VALUE, ...} ----
 
 
 @dataclasses.dataclass(frozen=True)
 class Spawn:
-    """Fork a service: `args` are its `lamina` arguments (`["model", "--index", "0", ...]`),
-    its output goes to the end of `log_path` (which the launcher has made), it works in `cwd`."""
+    """Launcher -> forker. Fork a service: `args` are its `lamina` arguments (`["model",
+    "--index", "0", ...]`), its output goes to the end of `log_path` (which the launcher has
+    made), it works in `cwd`."""
 
     request: int
     name: str  # the process's name (its comm, what ps -o comm and top show): attention-0, gateway, ...
     args: list[str]
     log_path: str
     cwd: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Close:
+    """Launcher -> forker, last: the launcher has stopped the services itself; exit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """Forker -> launcher, first: its imports are done (`failed`: those that raised)."""
+
+    failed: list[str]
+    threads: int  # its threads as it forks (1, or 2 with OpenBLAS's idle pool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spawned:
+    """Forker -> launcher: the answer to `Spawn` `request`, the child's pid or why none."""
+
+    request: int
+    pid: int | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Exited:
+    """Forker -> launcher: a child has exited (a Popen-style code: -N for signal N)."""
+
+    pid: int
+    code: int
+
+
+Message = Spawn | Close | Ready | Spawned | Exited
+_KINDS: dict[str, type[Message]] = {cls.__name__: cls for cls in (Spawn, Close, Ready, Spawned, Exited)}
+
+
+def encode(message: Message) -> bytes:
+    return json.dumps({"kind": type(message).__name__, **dataclasses.asdict(message)}).encode() + b"\n"
+
+
+def decode(line: bytes) -> Message:
+    fields = json.loads(line)
+    return _KINDS[fields.pop("kind")](**fields)
+
+
+def _send(sock: socket.socket, message: Message) -> None:
+    sock.sendall(encode(message))
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A `Spawn` waiting for its `Spawned`: the process, or why there is none."""
+
+    args: list[str]
+    answered: threading.Event = dataclasses.field(default_factory=threading.Event)
+    process: ForkedProcess | None = None
+    error: str | None = None
 
 
 class ForkerGone(RuntimeError):
@@ -153,7 +214,7 @@ class Forker:
         ours, theirs = socket.socketpair()
         self._sock = ours
         self._lock = threading.Lock()  # one request at a time
-        self._pending: dict[int, list[Any]] = {}  # request -> [event, ForkedProcess or error]
+        self._pending: dict[int, _Pending] = {}  # by request
         self._processes: dict[int, ForkedProcess] = {}
         self._early: dict[int, int] = {}  # exits reported before their spawn's answer was read
         self._requests = 0
@@ -194,15 +255,14 @@ class Forker:
         with self._lock:
             self._requests += 1
             request = Spawn(self._requests, name, list(args), str(log_path), os.getcwd())
-            slot: list[Any] = [threading.Event(), None]
-            self._pending[request.request] = slot
+            pending = self._pending[request.request] = _Pending(request.args)
             try:
-                self._sock.sendall(json.dumps(dataclasses.asdict(request)).encode() + b"\n")
+                _send(self._sock, request)
             except OSError as exc:
                 raise ForkerGone(f"the forker cannot be reached: {exc}") from exc
-            if not slot[0].wait(REQUEST_TIMEOUT_S) or not isinstance(slot[1], ForkedProcess):
-                raise ForkerGone(f"the forker did not fork {name}: {slot[1] or 'no answer'}")
-            return slot[1]  # (perhaps exited already: its exit may be read before this thread wakes)
+            if not pending.answered.wait(REQUEST_TIMEOUT_S) or pending.process is None:
+                raise ForkerGone(f"the forker did not fork {name}: {pending.error or 'no answer'}")
+            return pending.process  # (perhaps exited already: its exit may be read before this thread wakes)
 
     def _read(self) -> None:
         """Answers and exit reports, until the forker's end of the socket closes."""
@@ -215,38 +275,37 @@ class Forker:
                 buf += data
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
-                    self._handle(json.loads(line))
+                    self._handle(decode(line))
         except OSError:
             pass  # closed by close()
         finally:
             self._gone.set()
             self._ready.set()
-            for slot in list(self._pending.values()):
-                slot[0].set()
+            for pending in list(self._pending.values()):
+                pending.answered.set()
             self._orphaned()
 
-    def _handle(self, msg: dict[str, Any]) -> None:
-        if "ready" in msg:
-            log.debug("forker ready: %s", msg)
+    def _handle(self, message: Message) -> None:
+        if isinstance(message, Ready):
+            log.debug("forker ready: %s", message)
             self._was_ready = True
             self._ready.set()
-        elif "spawned" in msg:
-            slot = self._pending.pop(msg["spawned"])
-            if "pid" in msg:
-                pid = msg["pid"]
-                proc = self._processes[pid] = ForkedProcess(pid, msg["args"])
-                if pid in self._early:
-                    proc.exited(self._early.pop(pid))
-                slot[1] = proc
+        elif isinstance(message, Spawned):
+            pending = self._pending.pop(message.request)
+            if message.pid is not None:
+                proc = self._processes[message.pid] = ForkedProcess(message.pid, pending.args)
+                if message.pid in self._early:
+                    proc.exited(self._early.pop(message.pid))
+                pending.process = proc
             else:
-                slot[1] = msg["error"]
-            slot[0].set()
-        elif "exited" in msg:
-            ended = self._processes.pop(msg["exited"], None)
+                pending.error = message.error
+            pending.answered.set()
+        elif isinstance(message, Exited):
+            ended = self._processes.pop(message.pid, None)
             if ended is None:
-                self._early[msg["exited"]] = msg["code"]
+                self._early[message.pid] = message.code
             else:
-                ended.exited(msg["code"])
+                ended.exited(message.code)
 
     def _orphaned(self) -> None:
         """The forker has gone: its children got SIGTERM with it (their PR_SET_PDEATHSIG)
@@ -264,7 +323,7 @@ class Forker:
         SIGTERM as it exits)."""
         self._closing = True
         with self._lock, contextlib.suppress(OSError):  # gone already: nothing to tell
-            self._sock.sendall(json.dumps(CLOSE).encode() + b"\n")
+            _send(self._sock, Close())
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         try:
@@ -277,10 +336,6 @@ class Forker:
 
 
 # ---- the forker process ----
-
-
-def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
-    sock.sendall(json.dumps(msg).encode() + b"\n")
 
 
 def _preload(names: list[str]) -> list[str]:
@@ -308,7 +363,7 @@ def _reap(sock: socket.socket, live: set[int]) -> None:
         if pid == 0:
             return
         live.discard(pid)
-        _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        _send(sock, Exited(pid, os.waitstatus_to_exitcode(status)))
 
 
 def _name_process(name: str, args: list[str]) -> None:
@@ -348,7 +403,7 @@ def _end_children(sock: socket.socket, live: set[int], grace_s: float = END_GRAC
     def reported(pid: int, status: int) -> None:
         live.discard(pid)
         with contextlib.suppress(OSError):  # the launcher is gone: nobody to tell
-            _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+            _send(sock, Exited(pid, os.waitstatus_to_exitcode(status)))
 
     for pid in live:
         with contextlib.suppress(ProcessLookupError):
@@ -372,9 +427,9 @@ def _end_children(sock: socket.socket, live: set[int], grace_s: float = END_GRAC
 
 def serve(sock: socket.socket, env: Mapping[str, str], config_path: Path | None = None) -> list[str] | None:
     """The forker's loop: each child gets `env`. Returns in a forked child with the
-    service's `lamina` arguments, and None when the launcher has closed it (`CLOSE`) or is
+    service's `lamina` arguments, and None when the launcher has closed it (`Close`) or is
     gone. A launcher is gone when the forker gets SIGTERM (the launcher's death, by
-    PR_SET_PDEATHSIG, or anyone's) or its end of the socket closes without `CLOSE` (which
+    PR_SET_PDEATHSIG, or anyone's) or its end of the socket closes without `Close` (which
     of the two comes first when it dies is not ordered): then every child is stopped and
     waited for, and the cluster token taken out of `config_path`, which a launcher killed
     outright could not."""
@@ -415,14 +470,14 @@ def serve(sock: socket.socket, env: Mapping[str, str], config_path: Path | None 
             buf += data
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
-                message = json.loads(line)
-                if message == CLOSE:
+                request = decode(line)
+                if isinstance(request, Close):
                     return None
-                request = Spawn(**message)
+                assert isinstance(request, Spawn), request
                 try:
                     pid = os.fork()
                 except OSError as exc:
-                    _send(sock, {"spawned": request.request, "error": f"fork failed: {exc}"})
+                    _send(sock, Spawned(request.request, error=f"fork failed: {exc}"))
                     continue
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
@@ -440,7 +495,7 @@ def serve(sock: socket.socket, env: Mapping[str, str], config_path: Path | None 
                         os._exit(127)
                     return request.args
                 live.add(pid)
-                _send(sock, {"spawned": request.request, "pid": pid, "args": request.args})
+                _send(sock, Spawned(request.request, pid))
     except OSError:  # the launcher's end broke: gone as well
         orphaned()
         return None
@@ -466,7 +521,7 @@ def main(argv: list[str]) -> int:
     if torch is not None and torch.cuda.is_initialized():  # a child could not use the device
         print("forker: an import initialised CUDA, which a forked process cannot use; not forking", flush=True)
         return 1
-    _send(sock, {"ready": True, "failed": failed, "threads": threads})
+    _send(sock, Ready(failed, threads))
     args = serve(sock, env, config_path)
     if args is None:
         return 0

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from lamina.lifetime import child_env
-from lamina.services.launch.forker import Forker, ForkerGone
+from lamina.services.launch.forker import Close, Exited, Forker, ForkerGone, Ready, Spawn, Spawned, decode, encode
 
 
 @pytest.fixture
@@ -151,3 +151,15 @@ def test_a_launcher_gone_has_the_forker_stop_its_services_and_take_the_token_out
                                                    "cluster_token": None}
     finally:
         forker.close()
+
+
+def test_every_message_goes_over_the_socket_as_one_line_and_comes_back_equal():
+    messages = [Spawn(3, "model-0", ["model", "--index", "0"], "/tmp/l/model-0.log", "/"), Close(),
+                Ready(["transformers:TokenizersBackend"], 2), Spawned(3, 4242), Spawned(4, error="fork failed: x"),
+                Exited(4242, -9)]
+    for message in messages:
+        line = encode(message)
+        assert line.endswith(b"\n") and line.count(b"\n") == 1
+        assert decode(line[:-1]) == message
+    with pytest.raises(KeyError):
+        decode(b'{"kind": "Unknown"}')
