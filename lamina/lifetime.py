@@ -23,6 +23,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 PARENT_ENV = "LAMINA_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
@@ -52,14 +53,20 @@ def child_argv(argv: list[str]) -> list[str]:
     return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv else list(argv)
 
 
+def open_log(log_path: Path, note: str | None = None) -> BinaryIO:
+    """A service's log, open for writing: a new one, or, with `note` (a restart), the old
+    one continued after that line."""
+    logf = open(log_path, "wb" if note is None else "ab")  # noqa: SIM115 - the caller closes it
+    if note is not None:
+        logf.write(f"--- lamina: {note} ---\n".encode())
+        logf.flush()
+    return logf
+
+
 def spawn_logged(argv: list[str], log_path: Path, env: Mapping[str, str], note: str | None = None
                  ) -> subprocess.Popen:
-    """Start `argv` with stdout and stderr in `log_path`: a new log, or, with `note` (a
-    restart), the old one continued after that line. Its own session, so that a Ctrl-C
-    meant for the launcher reaches the service only as the launcher's ordered stop.
-    `env` comes from `child_env()` for a process that must end with this one."""
-    with open(log_path, "wb" if note is None else "ab") as logf:
-        if note is not None:
-            logf.write(f"--- lamina: {note} ---\n".encode())
-            logf.flush()
+    """Start `argv` with stdout and stderr in `log_path` (`open_log`). Its own session, so
+    that a Ctrl-C meant for the launcher reaches the service only as the launcher's ordered
+    stop. `env` comes from `child_env()` for a process that must end with this one."""
+    with open_log(log_path, note) as logf:
         return subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True)

@@ -46,7 +46,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from lamina.lifetime import PARENT_ENV, die_with_parent
+from lamina.lifetime import PARENT_ENV, die_with_parent, open_log
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,6 @@ class Forker:
         self._lock = threading.Lock()  # one request at a time
         self._pending: dict[int, _Pending] = {}  # by request
         self._processes: dict[int, ForkedProcess] = {}
-        self._early: dict[int, int] = {}  # exits reported before their spawn's answer was read
         self._requests = 0
         self._closing = False
         self._was_ready = False
@@ -248,10 +247,7 @@ class Forker:
         """Fork service `name` (waiting for the forker's imports first, the first time)."""
         if not self._ready.wait(READY_TIMEOUT_S) or self._gone.is_set():
             raise ForkerGone(f"the forker is not running (exit code {self.proc.poll()}; its log: {self.log_path})")
-        # The log is made here, as spawn_logged makes it: it exists when spawn returns.
-        with open(log_path, "wb" if note is None else "ab") as logf:
-            if note is not None:
-                logf.write(f"--- lamina: {note} ---\n".encode())
+        open_log(log_path, note).close()  # made here, as spawn_logged makes it: it exists when spawn returns
         with self._lock:
             self._requests += 1
             request = Spawn(self._requests, name, list(args), str(log_path), os.getcwd())
@@ -293,19 +289,14 @@ class Forker:
         elif isinstance(message, Spawned):
             pending = self._pending.pop(message.request)
             if message.pid is not None:
-                proc = self._processes[message.pid] = ForkedProcess(message.pid, pending.args)
-                if message.pid in self._early:
-                    proc.exited(self._early.pop(message.pid))
-                pending.process = proc
+                pending.process = self._processes[message.pid] = ForkedProcess(message.pid, pending.args)
             else:
                 pending.error = message.error
             pending.answered.set()
         elif isinstance(message, Exited):
-            ended = self._processes.pop(message.pid, None)
-            if ended is None:
-                self._early[message.pid] = message.code
-            else:
-                ended.exited(message.code)
+            # Never before its Spawned: the forker's one thread sends that right after the
+            # fork, before it can reap the child.
+            self._processes.pop(message.pid).exited(message.code)
 
     def _orphaned(self) -> None:
         """The forker has gone: its children got SIGTERM with it (their PR_SET_PDEATHSIG)
@@ -354,7 +345,19 @@ def _preload(names: list[str]) -> list[str]:
     return failed
 
 
-def _reap(sock: socket.socket, live: set[int]) -> None:
+def _reported(sock: socket.socket, live: set[int], pid: int, status: int, quiet: bool = False) -> None:
+    """Child `pid` was reaped with `status`: no longer live, and its exit sent (`quiet`:
+    where the launcher still listens; it may be gone)."""
+    live.discard(pid)
+    try:
+        _send(sock, Exited(pid, os.waitstatus_to_exitcode(status)))
+    except OSError:
+        if not quiet:
+            raise
+
+
+def _reap(sock: socket.socket, live: set[int], quiet: bool = False) -> None:
+    """Reap every child that has exited, reporting each (`quiet`: as `_reported`)."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -362,8 +365,7 @@ def _reap(sock: socket.socket, live: set[int]) -> None:
             return
         if pid == 0:
             return
-        live.discard(pid)
-        _send(sock, Exited(pid, os.waitstatus_to_exitcode(status)))
+        _reported(sock, live, pid, status, quiet)
 
 
 def _name_process(name: str, args: list[str]) -> None:
@@ -400,29 +402,23 @@ def _end_children(sock: socket.socket, live: set[int], grace_s: float = END_GRAC
     """SIGTERM every child, reap them as they drain and exit, SIGKILL what is left after
     grace_s (the launcher's own stop waits as long); each exit is reported where the
     launcher still listens."""
-    def reported(pid: int, status: int) -> None:
-        live.discard(pid)
-        with contextlib.suppress(OSError):  # the launcher is gone: nobody to tell
-            _send(sock, Exited(pid, os.waitstatus_to_exitcode(status)))
-
+    # SIGCHLD held back, so that a child exiting between a reap and the wait is not missed:
+    # sigtimedwait takes it from the pending ones.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     for pid in live:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while live and time.monotonic() < deadline:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid:
-            reported(pid, status)
-        else:
-            time.sleep(0.05)  # no event to wait on but SIGCHLD, which the loop's wakeup has consumed
+    while live:
+        _reap(sock, live, quiet=True)
+        if not live or time.monotonic() >= deadline:
+            break
+        signal.sigtimedwait({signal.SIGCHLD}, max(0.0, deadline - time.monotonic()))
     for pid in list(live):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
-            reported(*os.waitpid(pid, 0))
+            _reported(sock, live, *os.waitpid(pid, 0), quiet=True)
 
 
 def serve(sock: socket.socket, env: Mapping[str, str], config_path: Path | None = None) -> list[str] | None:
@@ -514,7 +510,7 @@ def main(argv: list[str]) -> int:
     start = time.process_time()
     names = argv or list(PRELOAD)
     failed = _preload(names)
-    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    threads = len(os.listdir("/proc/self/task"))  # Linux: the launcher forks services nowhere else
     print(f"forker: preloaded {len(names) - len(failed)} modules in {time.process_time() - start:.2f} s of CPU;"
           f" {threads} thread(s)", flush=True)
     torch = sys.modules.get("torch")
